@@ -1,0 +1,51 @@
+"""ckpt_iter: exactly resumable input pipelines for JAX training.
+
+Grain datasets whose iterator state (position, shuffle key, pending repeats)
+is a versioned value saved as an Orbax checkpoint item, in the same step as
+the model. `ckpt_iter.tunix` (imported separately) makes Tunix RL learners
+resume exactly.
+"""
+
+from ckpt_iter.checkpoint import IteratorCheckpointHandler
+from ckpt_iter.checkpoint import IteratorRestore
+from ckpt_iter.checkpoint import IteratorSave
+from ckpt_iter.dataset import ELASTIC_FIELDS
+from ckpt_iter.dataset import make_dataset
+from ckpt_iter.errors import CkptIterError
+from ckpt_iter.errors import ConfigDriftError
+from ckpt_iter.errors import InvalidArgumentError
+from ckpt_iter.errors import InvalidStateError
+from ckpt_iter.errors import LegacyCheckpointError
+from ckpt_iter.errors import ProcessCountError
+from ckpt_iter.errors import StateVersionError
+from ckpt_iter.errors import UnsupportedConfigError
+from ckpt_iter.iterator import DataIterator
+from ckpt_iter.repeat import RepeatIterator
+from ckpt_iter.state import FORMAT_VERSION
+from ckpt_iter.state import IteratorState
+from ckpt_iter.state import Pending
+from ckpt_iter.state import register_pytree_dataclass
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CkptIterError",
+    "ConfigDriftError",
+    "DataIterator",
+    "ELASTIC_FIELDS",
+    "FORMAT_VERSION",
+    "InvalidArgumentError",
+    "InvalidStateError",
+    "IteratorCheckpointHandler",
+    "IteratorRestore",
+    "IteratorSave",
+    "IteratorState",
+    "LegacyCheckpointError",
+    "Pending",
+    "ProcessCountError",
+    "RepeatIterator",
+    "StateVersionError",
+    "UnsupportedConfigError",
+    "make_dataset",
+    "register_pytree_dataclass",
+]

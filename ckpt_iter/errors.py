@@ -1,0 +1,69 @@
+"""Errors raised by ckpt_iter.
+
+Every error says what is wrong, shows the offending value, what was expected and
+what to do about it. All of them derive from `CkptIterError`, so a caller can
+catch one class to handle every expected problem with a data checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+class CkptIterError(Exception):
+  """Base class of every error ckpt_iter raises on purpose."""
+
+  def with_origin(self, origin: str) -> "CkptIterError":
+    """Returns a copy of this error whose message starts with `origin`."""
+    clone = self.__class__.__new__(self.__class__)
+    clone.__dict__.update(self.__dict__)
+    Exception.__init__(clone, f"{origin}: {self}")
+    return clone
+
+
+class InvalidStateError(CkptIterError, ValueError):
+  """A state value or file is malformed, truncated or unreadable."""
+
+
+class StateVersionError(CkptIterError):
+  """A state was written in a format version this release cannot read."""
+
+
+class ConfigDriftError(CkptIterError):
+  """A state was written by a pipeline whose defining fields differ.
+
+  Attributes:
+    differences: field name -> (value in the checkpoint, value in this run).
+  """
+
+  def __init__(self, differences: Mapping[str, tuple[Any, Any]], origin: str = "the state"):
+    self.differences = dict(differences)
+    parts = [
+        f"{name}={saved!r} there, {name}={current!r} here"
+        for name, (saved, current) in sorted(self.differences.items())
+    ]
+    rebuild = ", ".join(
+        f"{name}={saved!r}" for name, (saved, _) in sorted(self.differences.items())
+    )
+    names = ", ".join(repr(n) for n in sorted(self.differences))
+    super().__init__(
+        f"{origin} was written by a different pipeline: {'; '.join(parts)}. "
+        f"Rebuild the pipeline with {rebuild}, or pass allow_drift={{{names}}} "
+        "to accept the change."
+    )
+
+
+class ProcessCountError(CkptIterError):
+  """A checkpoint was written by another number of processes."""
+
+
+class LegacyCheckpointError(CkptIterError):
+  """A Tunix checkpoint holds no ckpt_iter data state (written by stock Tunix)."""
+
+
+class InvalidArgumentError(CkptIterError, ValueError):
+  """An argument to a ckpt_iter function is invalid."""
+
+
+class UnsupportedConfigError(CkptIterError, ValueError):
+  """A configuration that cannot be resumed exactly, refused up front."""

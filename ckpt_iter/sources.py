@@ -1,0 +1,343 @@
+"""Random-access record sources: in-memory, JSONL, Parquet and ArrayRecord.
+
+Every source here has `__len__` and `__getitem__` (Grain's RandomAccessDataSource
+protocol), returns one record (a dict) per index, and reads files lazily: a
+JSONL file is indexed by line offsets (8 bytes per line) and records are read
+with `os.pread`; Parquet is read one row group at a time; ArrayRecord files hold
+one UTF-8 JSON object per record. All are picklable, so Grain worker processes
+can use them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from ckpt_iter import errors
+
+FILE_SUFFIXES = (".jsonl", ".parquet", ".array_record")
+_INDEX_CHUNK_BYTES = 16 * 2**20
+_DIGEST_SAMPLES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceIdentity:
+  """What identifies a source in a fingerprint.
+
+  Attributes:
+    description: kind and file names with byte sizes (not absolute paths, so
+      a checkpoint survives moving the data to another mount point).
+    length: number of records.
+    digest: sha256 prefix over up to 64 evenly spaced records.
+  """
+
+  description: str
+  length: int
+  digest: str
+
+
+class JsonlSource:
+  """Records of one or more JSONL files, indexed by line offset."""
+
+  def __init__(self, paths: Sequence[str]):
+    self._paths = [os.path.abspath(p) for p in paths]
+    self._starts: list[np.ndarray] = []
+    self._ends: list[np.ndarray] = []
+    for path in self._paths:
+      starts, ends = _index_lines(path)
+      self._starts.append(starts)
+      self._ends.append(ends)
+    self._offsets = np.cumsum([0] + [len(s) for s in self._starts]).tolist()
+    self._local = threading.local()
+
+  def __len__(self) -> int:
+    return self._offsets[-1]
+
+  def __getitem__(self, index: int) -> Any:
+    file_index, line = _locate(self._offsets, index, len(self))
+    start = int(self._starts[file_index][line])
+    end = int(self._ends[file_index][line])
+    data = os.pread(self._fd(file_index), end - start, start)
+    try:
+      return json.loads(data)
+    except ValueError as e:
+      raise errors.InvalidStateError(
+          f"{self._paths[file_index]} line {line + 1}: not valid JSON ({e})."
+      ) from None
+
+  def _fd(self, file_index: int) -> int:
+    fds = getattr(self._local, "fds", None)
+    if fds is None or getattr(self._local, "pid", None) != os.getpid():
+      fds = self._local.fds = {}
+      self._local.pid = os.getpid()
+    if file_index not in fds:
+      fds[file_index] = os.open(self._paths[file_index], os.O_RDONLY)
+    return fds[file_index]
+
+  def __getstate__(self):
+    state = self.__dict__.copy()
+    del state["_local"]
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._local = threading.local()
+
+  @property
+  def paths(self) -> list[str]:
+    return list(self._paths)
+
+  def __repr__(self) -> str:
+    return f"JsonlSource({len(self._paths)} files, {len(self)} records)"
+
+
+def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
+  """Returns start and end byte offsets of the non-blank lines of a file.
+
+  Reads the file in 16 MiB chunks: memory is 16 bytes per line, not the file.
+  """
+  starts, ends = [], []
+  position = 0
+  line_start = 0
+  with open(path, "rb") as f:
+    while True:
+      chunk = f.read(_INDEX_CHUNK_BYTES)
+      if not chunk:
+        break
+      newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + position
+      if len(newlines):
+        chunk_starts = np.concatenate([[line_start], newlines[:-1] + 1])
+        starts.append(chunk_starts)
+        ends.append(newlines)
+        line_start = int(newlines[-1]) + 1
+      position += len(chunk)
+  if line_start < position:
+    starts.append(np.array([line_start]))
+    ends.append(np.array([position]))
+  if not starts:
+    return np.zeros(0, np.int64), np.zeros(0, np.int64)
+  start = np.concatenate(starts).astype(np.int64)
+  end = np.concatenate(ends).astype(np.int64)
+  # Drop blank lines ("" or "\r"); a record line is never that short.
+  keep = end - start > 1
+  short = np.flatnonzero(end - start == 1)
+  if len(short):
+    with open(path, "rb") as f:
+      for i in short:
+        f.seek(int(start[i]))
+        keep[i] = f.read(1) not in (b"\r", b" ", b"\t")
+  return start[keep], end[keep]
+
+
+class ParquetSource:
+  """Records of one or more Parquet files, decoded one row group at a time.
+
+  Shuffled access decodes a whole row group per record it misses in the
+  cache; write files with small row groups (e.g. 1k rows) for shuffled reads.
+  """
+
+  def __init__(self, paths: Sequence[str]):
+    pq = _import_pyarrow_parquet()
+    self._paths = [os.path.abspath(p) for p in paths]
+    group_rows = []
+    for path in self._paths:
+      metadata = pq.ParquetFile(path).metadata
+      group_rows.append(
+          [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+      )
+    # (file, group) pairs in order, with the global index of each group's first row.
+    self._groups = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
+    counts = [n for rows in group_rows for n in rows]
+    self._group_offsets = np.cumsum([0] + counts).tolist()
+    self._local = threading.local()
+
+  def __len__(self) -> int:
+    return self._group_offsets[-1]
+
+  def __getitem__(self, index: int) -> Any:
+    group, row = _locate(self._group_offsets, index, len(self))
+    cached = getattr(self._local, "cache", None)
+    if cached is None or cached[0] != group or getattr(self._local, "pid", None) != os.getpid():
+      pq = _import_pyarrow_parquet()
+      file_index, group_index = self._groups[group]
+      table = pq.ParquetFile(self._paths[file_index]).read_row_group(group_index)
+      cached = self._local.cache = (group, table)
+      self._local.pid = os.getpid()
+    return cached[1].slice(row, 1).to_pylist()[0]
+
+  def __getstate__(self):
+    state = self.__dict__.copy()
+    del state["_local"]
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._local = threading.local()
+
+  @property
+  def paths(self) -> list[str]:
+    return list(self._paths)
+
+  def __repr__(self) -> str:
+    return f"ParquetSource({len(self._paths)} files, {len(self)} records)"
+
+
+class ArrayRecordSource:
+  """Records of ArrayRecord files whose records are UTF-8 JSON objects."""
+
+  def __init__(self, paths: Sequence[str]):
+    import grain  # pylint: disable=g-import-not-at-top
+
+    try:
+      self._source = grain.sources.ArrayRecordDataSource(list(paths))
+    except ImportError as e:
+      raise errors.InvalidArgumentError(
+          f"reading .array_record files needs the array_record package ({e}). "
+          "Install it with: pip install array-record"
+      ) from None
+    self._paths = [os.path.abspath(p) for p in paths]
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> Any:
+    return json.loads(self._source[index])
+
+  @property
+  def paths(self) -> list[str]:
+    return list(self._paths)
+
+  def __repr__(self) -> str:
+    return f"ArrayRecordSource({len(self._paths)} files, {len(self)} records)"
+
+
+def write_array_record(path: str, records: Sequence[Any]) -> None:
+  """Writes records as JSON objects into one ArrayRecord file."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+  try:
+    for record in records:
+      writer.write(json.dumps(record).encode("utf-8"))
+  finally:
+    writer.close()
+
+
+def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
+  """Turns the `source` argument of make_dataset into a random-access source.
+
+  Raises:
+    InvalidArgumentError: naming the value and what is accepted.
+  """
+  paths = _as_paths(source)
+  if paths is not None:
+    kinds = {os.path.splitext(p)[1] for p in paths}
+    if len(kinds) != 1:
+      raise errors.InvalidArgumentError(
+          f"source mixes file types {sorted(kinds)}; pass files of one type "
+          f"({', '.join(FILE_SUFFIXES)})."
+      )
+    suffix = kinds.pop()
+    reader = {".jsonl": JsonlSource, ".parquet": ParquetSource,
+              ".array_record": ArrayRecordSource}[suffix]
+    resolved = reader(paths)
+    names = ",".join(f"{os.path.basename(p)}:{os.path.getsize(p)}" for p in paths)
+    description = f"{suffix[1:]}[{names}]"
+  elif _is_random_access(source):
+    resolved = source
+    if isinstance(source, (list, tuple)):
+      description = "records"
+    else:
+      description = f"{type(source).__module__}.{type(source).__qualname__}"
+  else:
+    raise errors.InvalidArgumentError(
+        f"source={_short(source)} is not supported. Pass a list of records "
+        f"(dicts), a path, glob or list of paths to {', '.join(FILE_SUFFIXES)} "
+        "files, or a random-access data source (with __len__ and __getitem__)."
+    )
+  length = len(resolved)
+  if length == 0:
+    raise errors.InvalidArgumentError(
+        f"source {description} holds no records; a dataset needs at least one."
+    )
+  return resolved, SourceIdentity(description, length, _sample_digest(resolved, length))
+
+
+def _as_paths(source: Any) -> list[str] | None:
+  """Expands a path, glob or list of paths; None when `source` is not paths."""
+  if isinstance(source, os.PathLike):
+    source = os.fspath(source)
+  if isinstance(source, str):
+    candidates = [source]
+  elif isinstance(source, (list, tuple)) and source and all(
+      isinstance(s, (str, os.PathLike)) for s in source
+  ):
+    candidates = [os.fspath(s) for s in source]
+  else:
+    return None
+  paths = []
+  for candidate in candidates:
+    if not candidate.endswith(FILE_SUFFIXES):
+      raise errors.InvalidArgumentError(
+          f"source path {candidate!r} does not end in one of {', '.join(FILE_SUFFIXES)}. "
+          "Pass JSONL, Parquet or ArrayRecord files, or a list of record dicts."
+      )
+    matches = sorted(glob.glob(candidate)) if glob.has_magic(candidate) else [candidate]
+    if not matches:
+      raise errors.InvalidArgumentError(f"source glob {candidate!r} matches no file.")
+    for match in matches:
+      if not os.path.isfile(match):
+        raise errors.InvalidArgumentError(
+            f"source file {match!r} does not exist (working directory {os.getcwd()!r})."
+        )
+    paths.extend(matches)
+  return paths
+
+
+def _is_random_access(source: Any) -> bool:
+  return hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(
+      source, (str, bytes, dict)
+  )
+
+
+def _sample_digest(source: Any, length: int) -> str:
+  count = min(length, _DIGEST_SAMPLES)
+  indices = sorted({(i * length) // count for i in range(count)} | {length - 1})
+  digest = hashlib.sha256()
+  for index in indices:
+    digest.update(json.dumps(source[index], sort_keys=True, default=repr).encode())
+  return digest.hexdigest()[:16]
+
+
+def _locate(offsets: list[int], index: int, length: int) -> tuple[int, int]:
+  if not isinstance(index, (int, np.integer)):
+    raise TypeError(f"record index must be an integer, got {type(index).__name__}")
+  index = int(index)
+  if not -length <= index < length:
+    raise IndexError(f"record index {index} out of range for {length} records")
+  index %= length
+  block = bisect.bisect_right(offsets, index) - 1
+  return block, index - offsets[block]
+
+
+def _import_pyarrow_parquet():
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise errors.InvalidArgumentError(
+        "reading .parquet files needs pyarrow. Install it with: pip install pyarrow"
+    ) from None
+  return pq
+
+
+def _short(value: Any, limit: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,326 @@
+"""A toy Tunix RL run on CPU: the demo's, the tests' and the benchmarks' workload.
+
+It uses the toy model and vocabulary that ship in the Tunix wheel
+(`tunix.tests.test_common`), a prompt set shipped in this package, and real
+RLCluster, GRPOLearner/PPOLearner, Orbax checkpoints and JIT. A run can be
+preempted: the process is killed with `os._exit` right after checkpoint K is
+on disk, the way a scheduler kills a job. Every trainer input (the
+TrainExample handed to the actor update) is recorded, so runs can be compared
+bit for bit.
+
+Run one in a process of its own:
+    python -m ckpt_iter.toyrun --root /abs/dir --learner ckpt_iter --out run.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+PROMPTS_FILE = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
+RECORDED_FIELDS = (
+    "prompt_ids",
+    "completion_ids",
+    "advantages",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+)
+
+
+@dataclasses.dataclass
+class RunConfig:
+  """What defines a toy run."""
+
+  learner: str = "ckpt_iter"  # "stock" (Tunix as released) or "ckpt_iter"
+  algorithm: str = "grpo"  # "grpo" or "ppo"
+  num_iterations: int = 2
+  num_generations: int = 2
+  batch_size: int = 1  # full batch, prompts per global step
+  mini_batch_size: int | None = None
+  train_micro_batch_size: int | None = None
+  data_shuffle_seed: int | None = None
+  dataset_seed: int | None = None
+  async_rollout: bool = False
+  max_steps: int = 8
+  num_prompts: int = 64
+  eval_every_n_steps: int = 1000
+  with_eval: bool = False
+  on_legacy_checkpoint: str = "raise"
+  save_interval_steps: int = 1
+
+
+def load_prompts(limit: int | None = None) -> list[dict[str, str]]:
+  with open(PROMPTS_FILE) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return records[:limit]
+
+
+def reward_fn(prompts, completions, answer, **unused) -> list[float]:
+  """Rewards completions that use the answer word, and brevity a little."""
+  del prompts, unused
+  return [
+      float(text.split().count(str(word))) - 0.05 * len(text.split())
+      for text, word in zip(completions, answer)
+  ]
+
+
+def build_learner(config: RunConfig, root: str) -> Any:
+  """Builds RLCluster and the learner of `config` with its checkpoints in `root`."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=g-import-not-at-top
+  from tunix.rl.rollout import base_rollout  # pylint: disable=g-import-not-at-top
+  from tunix.tests import test_common as tc  # pylint: disable=g-import-not-at-top
+
+  if not os.path.isabs(root):
+    raise ValueError(f"root={root!r} must be absolute (Orbax needs absolute paths).")
+  vocab = tc.MockVocab()
+  model_config = tc.ModelConfig(vocab_size=vocab.GetPieceSize())
+  actor = tc.ToyTransformer(config=model_config, rngs=nnx.Rngs(0))
+  reference = tc.ToyTransformer(config=model_config, rngs=nnx.Rngs(0))
+  devices = jax.devices()
+  actor_mesh = jax.sharding.Mesh(np.array(devices[:1]).reshape(1, 1), ("fsdp", "tp"))
+  if config.async_rollout:
+    if len(devices) < 2:
+      raise RuntimeError(
+          "async rollout needs 2 devices: set "
+          "XLA_FLAGS=--xla_force_host_platform_device_count=2 before JAX starts."
+      )
+    rollout_mesh = jax.sharding.Mesh(np.array(devices[1:2]).reshape(1, 1), ("fsdp", "tp"))
+  else:
+    rollout_mesh = actor_mesh
+  role_to_mesh = {
+      rl_cluster_lib.Role.ACTOR: actor_mesh,
+      rl_cluster_lib.Role.REFERENCE: actor_mesh,
+      rl_cluster_lib.Role.ROLLOUT: rollout_mesh,
+  }
+  extra_models = {}
+  if config.algorithm == "ppo":
+    role_to_mesh[rl_cluster_lib.Role.CRITIC] = actor_mesh
+    role_to_mesh[rl_cluster_lib.Role.REWARD] = actor_mesh
+    extra_models["critic"] = tc.ToyTransformerWithScoreHead(
+        tc.ToyTransformer(config=model_config, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(1)
+    )
+  training = rl_cluster_lib.RLTrainingConfig(
+      actor_optimizer=optax.sgd(1e-2),
+      critic_optimizer=optax.sgd(1e-2) if config.algorithm == "ppo" else None,
+      eval_every_n_steps=config.eval_every_n_steps,
+      max_steps=config.max_steps,
+      mini_batch_size=config.mini_batch_size,
+      train_micro_batch_size=config.train_micro_batch_size,
+      checkpoint_root_directory=root,
+      checkpointing_options=ocp.CheckpointManagerOptions(
+          save_interval_steps=config.save_interval_steps, max_to_keep=1000
+      ),
+  )
+  cluster = rl_cluster_lib.RLCluster(
+      actor=actor,
+      reference=reference,
+      tokenizer=vocab,
+      cluster_config=rl_cluster_lib.ClusterConfig(
+          role_to_mesh=role_to_mesh,
+          rollout_engine="vanilla",
+          offload_to_cpu=False,
+          training_config=training,
+          rollout_config=base_rollout.RolloutConfig(
+              max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=64
+          ),
+      ),
+      **extra_models,
+  )
+  return _make_learner(config, cluster)
+
+
+def _make_learner(config: RunConfig, cluster: Any) -> Any:
+  if config.algorithm == "grpo":
+    from tunix.rl.grpo import grpo_learner  # pylint: disable=g-import-not-at-top
+
+    algo_config = grpo_learner.GRPOConfig(
+        num_generations=config.num_generations,
+        num_iterations=config.num_iterations,
+        beta=0.04,
+    )
+    if config.learner == "stock":
+      learner_cls = grpo_learner.GRPOLearner
+    else:
+      from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
+
+      learner_cls = ckpt_tunix.ResumableGRPOLearner
+    return learner_cls(
+        rl_cluster=cluster,
+        algo_config=algo_config,
+        reward_fns=reward_fn,
+        data_shuffle_seed=config.data_shuffle_seed,
+    )
+  if config.algorithm == "ppo":
+    from tunix.rl.ppo import ppo_learner  # pylint: disable=g-import-not-at-top
+
+    algo_config = ppo_learner.PPOConfig(num_iterations=config.num_iterations, beta=0.04)
+    if config.learner == "stock":
+      learner_cls = ppo_learner.PPOLearner
+    else:
+      from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
+
+      learner_cls = ckpt_tunix.ResumablePPOLearner
+    return learner_cls(
+        rl_cluster=cluster,
+        algo_config=algo_config,
+        reward_fns=reward_fn,
+        data_shuffle_seed=config.data_shuffle_seed,
+    )
+  raise ValueError(f"algorithm={config.algorithm!r}: expected 'grpo' or 'ppo'.")
+
+
+def make_train_dataset(config: RunConfig) -> Any:
+  from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
+
+  return dataset_lib.make_dataset(
+      load_prompts(config.num_prompts),
+      batch_size=config.batch_size,
+      seed=config.dataset_seed,
+      num_epochs=None,
+      shard_index=0,
+      shard_count=1,
+  )
+
+
+class TrainerInputRecorder:
+  """Records every TrainExample the actor is updated on, as numpy arrays."""
+
+  def __init__(self, learner: Any):
+    self.inputs: list[dict[str, np.ndarray]] = []
+    self.train_steps: list[int] = []
+    cluster = learner.rl_cluster
+    original = cluster.update_actor
+
+    def update_actor(train_ds, eval_ds, skip_jit=False):
+      example = train_ds[0]
+      self.inputs.append({
+          name: np.asarray(getattr(example, name))
+          for name in RECORDED_FIELDS
+          if getattr(example, name, None) is not None
+      })
+      self.train_steps.append(int(cluster.actor_trainer.train_steps))
+      return original(train_ds, eval_ds, skip_jit)
+
+    cluster.update_actor = update_actor
+
+  def save(self, path: str, meta: dict[str, Any]) -> None:
+    arrays = {
+        f"input{i}_{name}": value
+        for i, fields in enumerate(self.inputs)
+        for name, value in fields.items()
+    }
+    meta = dict(meta, num_inputs=len(self.inputs), train_steps=self.train_steps)
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez(path, **arrays)
+
+
+def load_record(path: str) -> tuple[list[dict[str, np.ndarray]], dict[str, Any]]:
+  with np.load(path, allow_pickle=False) as data:
+    meta = json.loads(bytes(data["meta"]).decode())
+    inputs = [
+        {
+            name: data[f"input{i}_{name}"]
+            for name in RECORDED_FIELDS
+            if f"input{i}_{name}" in data.files
+        }
+        for i in range(meta["num_inputs"])
+    ]
+  return inputs, meta
+
+
+def prompt_labels(prompt_ids: np.ndarray) -> list[str]:
+  """The prompt ids ("A", "B", ...) of the rows of a trainer input, deduplicated."""
+  from tunix.tests import test_common as tc  # pylint: disable=g-import-not-at-top
+
+  vocab = tc.MockVocab()
+  by_tokens = {
+      tuple(vocab.EncodeAsIds(r["prompts"])): r["id"] for r in load_prompts()
+  }
+  labels = []
+  for row in np.asarray(prompt_ids):
+    tokens = tuple(int(t) for t in row if t not in (vocab.pad_id(), vocab.bos_id()))
+    label = by_tokens.get(tokens, "?")
+    if not labels or labels[-1] != label:
+      labels.append(label)
+  return labels
+
+
+def preempt_after(learner: Any, step: int, on_preempt: Any) -> None:
+  """Kills the process right after actor checkpoint `step` is on disk."""
+  manager = learner.rl_cluster.actor_trainer.checkpoint_manager
+  original = manager.save
+
+  def save(train_step, *args, **kwargs):
+    saved = original(train_step, *args, **kwargs)
+    if saved and train_step == step:
+      manager.close()  # waits for the async write to finish
+      on_preempt()
+      sys.stdout.flush()
+      os._exit(0)  # pylint: disable=protected-access
+    return saved
+
+  manager.save = save
+
+
+def run(config: RunConfig, root: str, out: str, preempt_step: int | None = None) -> dict[str, Any]:
+  """Trains (resuming from `root` if it holds checkpoints) and records inputs."""
+  started = time.perf_counter()
+  learner = build_learner(config, root)
+  restored_step = int(learner.rl_cluster.actor_trainer.train_steps)
+  recorder = TrainerInputRecorder(learner)
+  meta: dict[str, Any] = {"config": dataclasses.asdict(config), "restored_step": restored_step}
+
+  def finish(preempted: bool) -> None:
+    meta["preempted"] = preempted
+    meta["seconds"] = time.perf_counter() - started
+    recorder.save(out, meta)
+
+  if preempt_step is not None:
+    preempt_after(learner, preempt_step, lambda: finish(True))
+  train_kwargs = {}
+  if config.learner != "stock":
+    train_kwargs["on_legacy_checkpoint"] = config.on_legacy_checkpoint
+  eval_ds = None
+  if config.with_eval:
+    eval_ds = make_eval_dataset(config)
+  learner.train(make_train_dataset(config), eval_ds, **train_kwargs)
+  finish(False)
+  return meta
+
+
+def make_eval_dataset(config: RunConfig) -> Any:
+  """Two held-out prompts, one per batch."""
+  del config
+  return [
+      {k: np.asarray([r[k]]) for k in r}
+      for r in load_prompts()[-2:]
+  ]
+
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--root", required=True, help="absolute checkpoint root")
+  parser.add_argument("--out", required=True, help="where to write the recorded inputs (.npz)")
+  parser.add_argument("--preempt-after", type=int, default=None)
+  parser.add_argument("--config", default="{}", help="RunConfig fields as JSON")
+  args = parser.parse_args(argv)
+  config = RunConfig(**json.loads(args.config))
+  meta = run(config, args.root, args.out, args.preempt_after)
+  print(json.dumps({"restored_step": meta["restored_step"], "seconds": round(meta["seconds"], 2)}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
