@@ -18,9 +18,11 @@ never restored.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
+import stat
 import zipfile
 from typing import Any, Collection, Mapping
 
@@ -82,7 +84,7 @@ def _atomic_write(path: str, write: Any) -> None:
 def read_header(path: str) -> dict[str, Any]:
   """Reads and parses a state header file, with errors that name the file."""
   try:
-    size = os.path.getsize(path)
+    size = _regular_file_size(path)
   except OSError as e:
     raise errors.InvalidStateError(f"{path}: cannot read the state file ({e.strerror}).") from None
   if size > MAX_HEADER_BYTES:
@@ -92,12 +94,29 @@ def read_header(path: str) -> dict[str, Any]:
     )
   try:
     with open(path, "rb") as f:
-      return json.loads(f.read().decode("utf-8"), parse_constant=_reject_constant)
-  except (UnicodeDecodeError, ValueError) as e:
+      # Bounded by the measured size (read(n) allocates n bytes up front).
+      data = f.read(size + 1)
+    if len(data) > size:
+      raise ValueError(f"the file grew past its {size} bytes while being read")
+    return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    # RecursionError: JSON nested deeper than the parser's recursion limit.
     raise errors.InvalidStateError(
-        f"{path}: not valid JSON ({e}); the file is truncated or garbled. "
-        "Restore an earlier step."
+        f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); the file "
+        "is truncated or garbled. Restore an earlier step."
     ) from None
+
+
+def _regular_file_size(path: str) -> int:
+  """The size of `path`; OSError unless it is a regular file.
+
+  A FIFO would block the reader forever and a device (/dev/zero) never ends,
+  so a state file (or a symlink in its place) must be a regular file.
+  """
+  info = os.stat(path)
+  if not stat.S_ISREG(info.st_mode):
+    raise OSError(errno.EINVAL, "not a regular file", path)
+  return info.st_size
 
 
 def _reject_constant(name: str) -> Any:
@@ -125,6 +144,7 @@ class _ArrayReader:
   def __init__(self, path: str):
     self._path = path
     self._zip: zipfile.ZipFile | None = None
+    self._file: _ClampedFile | None = None
 
   def __enter__(self) -> "_ArrayReader":
     return self
@@ -132,6 +152,8 @@ class _ArrayReader:
   def __exit__(self, *exc_info) -> None:
     if self._zip is not None:
       self._zip.close()
+    if self._file is not None:
+      self._file.close()
 
   def load(self, name: str, spec: state_lib.ArraySpec) -> np.ndarray:
     if self._zip is None:
@@ -141,9 +163,13 @@ class _ArrayReader:
             "The checkpoint is incomplete: restore an earlier step."
         )
       try:
-        self._zip = zipfile.ZipFile(self._path)
-      except (zipfile.BadZipFile, OSError) as e:
-        raise errors.InvalidStateError(f"{self._path}: not a readable npz ({e}).") from None
+        self._file = _ClampedFile(self._path)
+        self._zip = zipfile.ZipFile(self._file)
+      except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
+        raise errors.InvalidStateError(
+            f"{self._path}: not a readable npz ({e}); the state refers to array "
+            f"{name!r}. The file is truncated or garbled: restore an earlier step."
+        ) from None
     member = name + ".npy"
     try:
       info = self._zip.getinfo(member)
@@ -155,6 +181,12 @@ class _ArrayReader:
       raise errors.InvalidStateError(
           f"{self._path}: array {name!r} is compressed or its sizes disagree; "
           "ckpt_iter writes stored members only."
+      )
+    if info.header_offset + info.compress_size > self._file.size:
+      raise errors.InvalidStateError(
+          f"{self._path}: array {name!r} claims {info.compress_size} bytes at offset "
+          f"{info.header_offset}, but the file holds only {self._file.size}; the "
+          "file is truncated or garbled."
       )
     if info.file_size > spec.nbytes + 4096:
       raise errors.InvalidStateError(
@@ -186,7 +218,10 @@ class _ArrayReader:
               f"data bytes, expected {spec.nbytes}; the file is truncated."
           )
         data = f.read(spec.nbytes)
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+    except errors.InvalidStateError:
+      raise  # already says what is wrong (it is a ValueError: not re-wrapped)
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as e:
+      # RuntimeError: zipfile refuses members flagged as encrypted.
       raise errors.InvalidStateError(f"{self._path}: array {name!r} is unreadable ({e}).") from None
     if len(data) != spec.nbytes:
       raise errors.InvalidStateError(f"{self._path}: array {name!r} is truncated.")
@@ -194,6 +229,35 @@ class _ArrayReader:
         spec.shape, order="F" if fortran else "C"
     )
     return array.copy()
+
+
+class _ClampedFile:
+  """A read-only regular file whose reads never ask for more than it holds.
+
+  A garbled zip can claim a central directory or a member of gigabytes, and
+  zipfile then calls read(n) with that n, which allocates n bytes up front.
+  Clamping n to what is left in the file bounds memory by the file's size.
+  """
+
+  def __init__(self, path: str):
+    self.size = _regular_file_size(path)
+    self._f = open(path, "rb")
+
+  def read(self, n: int | None = -1) -> bytes:
+    left = max(0, self.size - self._f.tell())
+    return self._f.read(left if n is None or n < 0 else min(n, left))
+
+  def seek(self, offset: int, whence: int = 0) -> int:
+    return self._f.seek(offset, whence)
+
+  def tell(self) -> int:
+    return self._f.tell()
+
+  def seekable(self) -> bool:
+    return True
+
+  def close(self) -> None:
+    self._f.close()
 
 
 def list_process_files(directory: str | os.PathLike[str]) -> list[tuple[int, int]]:
@@ -265,10 +329,15 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
       from ckpt_iter import elastic  # pylint: disable=g-import-not-at-top
 
       value = elastic.read_for_process(directory, index, count)
+      # With the saved process count an elastic restore is an exact one: each
+      # process gets its own file, so per-process fields are checked as usual
+      # (and a per-process filter, refused only when the count changes, works).
+      resized = elastic.saved_process_count(directory) != count
     else:
       value = read_state(directory, index, count)
       origin = os.path.join(origin, process_file_stem(index, count) + ".json")
-    _restore_into(args.item, value, allow_drift=args.allow_drift, elastic=args.elastic, origin=origin)
+      resized = False
+    _restore_into(args.item, value, allow_drift=args.allow_drift, elastic=resized, origin=origin)
     return args.item
 
   def metadata(self, directory: epath.Path) -> Any:

@@ -189,7 +189,12 @@ def stack_records(records: list[Any]) -> Any:
   """Stacks records into one batch: leaves gain a leading batch dimension."""
   if not records:
     raise ValueError("cannot stack an empty list of records")
-  return jax.tree.map(lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *records)
+  # A list in a record is data (a JSON array, a Parquet list), not structure:
+  # it becomes one array with the batch dimension in front.
+  return jax.tree.map(
+      lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *records,
+      is_leaf=lambda x: isinstance(x, list),
+  )
 
 
 def find_spec(dataset: Any) -> tuple[DatasetSpec | None, list[str]]:

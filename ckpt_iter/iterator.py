@@ -200,12 +200,18 @@ class DataIterator(grain.DatasetIterator):
       self._parents = (new_inner,)
 
   def close(self) -> None:
-    self._inner.close()
+    # Also runs from __del__ when __init__ raised before _inner existed.
+    inner = getattr(self, "_inner", None)
+    if inner is not None:
+      inner.close()
 
   def __str__(self) -> str:
     return f"DataIterator({self._dataset})"
 
 
 def _short(value: Any, limit: int = 80) -> str:
-  text = repr(value)
+  try:
+    text = repr(value)
+  except RecursionError:  # a hostile value nested thousands deep
+    text = f"<{type(value).__name__} nested too deeply to show>"
   return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -197,6 +197,14 @@ class RepeatIterator:
           f"{origin}: field 'shuffle_key' is {state.shuffle_key!r}, but this "
           f"iterator has shuffle_seed={self._shuffle_seed!r}."
       )
+    # self._key has the shape of this JAX's PRNG key data; another length
+    # would restore fine and then fail inside jax.random at the next group.
+    if state.shuffle_key is not None and len(state.shuffle_key) != np.asarray(self._key).size:
+      raise errors.InvalidStateError(
+          f"{origin}: field 'shuffle_key' has {len(state.shuffle_key)} integers, "
+          f"but a PRNG key here has {np.asarray(self._key).size}. The state is "
+          "corrupt, or was written with another jax PRNG implementation."
+      )
     source_fingerprint = {
         k: v for k, v in state.fingerprint.items() if k not in REPEAT_FIELDS
     }

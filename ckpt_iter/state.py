@@ -162,7 +162,7 @@ def migrate(value: Any, *, origin: str = "the state") -> dict[str, Any]:
 
 def _validated(value: Mapping[str, Any], origin: str) -> IteratorState:
   kind = value.get("kind")
-  if kind not in KINDS:
+  if not isinstance(kind, str) or kind not in KINDS:  # `in` would compare an array elementwise
     raise errors.InvalidStateError(
         f"{origin}: field 'kind' is {_short(kind)}, expected one of {list(KINDS)}."
     )
@@ -191,7 +191,9 @@ def _validated(value: Mapping[str, Any], origin: str) -> IteratorState:
   pending = value.get("pending")
   if pending is not None:
     pending = _validated_pending(pending, origin)
-  counters = value.get("counters") or {}
+  counters = value.get("counters")
+  if counters is None:  # not `or {}`: the truth value of an array raises
+    counters = {}
   if not isinstance(counters, Mapping) or not all(
       isinstance(k, str) and _is_int(v) for k, v in counters.items()
   ):
@@ -333,8 +335,10 @@ def position_from_json(value: Any, _depth: int = 0) -> Any:
       result = {}
       for k, v in pairs:
         key = position_from_json(k, _depth + 1)
-        if isinstance(key, (list, dict)):
-          raise errors.InvalidStateError(f"position: unhashable key {_short(key)}.")
+        try:
+          hash(key)  # also catches a tuple holding a list
+        except TypeError:
+          raise errors.InvalidStateError(f"position: unhashable key {_short(key)}.") from None
         result[key] = position_from_json(v, _depth + 1)
       return result
     if set(value) == {_RESERVED_TUPLE}:
@@ -393,8 +397,8 @@ def encode_pytree(value: Any, arrays: dict[str, np.ndarray], prefix: str) -> Any
       return {"value": node}
     if isinstance(node, np.generic):
       name = f"{prefix}{len(arrays)}"
-      arrays[name] = np.asarray(node)
-      return {"array": name, "scalar": True}
+      arrays[name], extra = _storable(np.asarray(node))
+      return {"array": name, "scalar": True, **extra}
     if isinstance(node, Mapping):
       if not all(isinstance(k, str) for k in node):
         raise errors.InvalidStateError(
@@ -427,8 +431,8 @@ def encode_pytree(value: Any, arrays: dict[str, np.ndarray], prefix: str) -> Any
         )
       name = f"{prefix}{len(arrays)}"
       # A copy: the caller may reuse the buffer after the snapshot is taken.
-      arrays[name] = np.array(array, copy=True)
-      return {"array": name}
+      arrays[name], extra = _storable(np.array(array, copy=True))
+      return {"array": name, **extra}
     raise errors.InvalidStateError(
         f"pending items must be pytrees of arrays (dict, list, tuple, registered "
         f"dataclass, numpy or JAX arrays), got {type(node).__qualname__}."
@@ -456,10 +460,12 @@ def decode_pytree(
       if not _is_json_scalar(node["value"]):
         raise errors.InvalidStateError(f"{origin}: malformed scalar {_short(node)}.")
       return node["value"]
-    if "array" in node and set(node) <= {"array", "scalar"}:
+    if "array" in node and set(node) <= {"array", "scalar", "dtype"}:
       if not isinstance(node["array"], str):
         raise errors.InvalidStateError(f"{origin}: array name must be a string, got {_short(node)}.")
       array = load_array(node["array"])
+      if "dtype" in node:
+        array = _from_storable(array, node["dtype"], origin)
       return array[()] if node.get("scalar") else array
     if set(node) == {"dict"} and isinstance(node["dict"], Mapping):
       return {str(k): decode(v, depth + 1) for k, v in node["dict"].items()}
@@ -485,6 +491,41 @@ def decode_pytree(
     raise errors.InvalidStateError(f"{origin}: malformed pending node {_short(node)}.")
 
   return decode(structure, 0)
+
+
+def _storable(array: np.ndarray) -> tuple[np.ndarray, dict[str, str]]:
+  """The array as npz can hold it, and the node fields needed to undo that.
+
+  npz writes ml_dtypes arrays (bfloat16, float8, int4 ...) as void bytes that
+  read back as void, which is refused; so their bits are stored as unsigned
+  ints and the dtype by name.
+  """
+  if array.dtype.type.__module__.split(".")[0] != "ml_dtypes":
+    return array, {}
+  return array.view(f"u{array.dtype.itemsize}"), {"dtype": array.dtype.name}
+
+
+def _from_storable(array: np.ndarray, name: Any, origin: str) -> np.ndarray:
+  """Inverse of `_storable` for a node with a "dtype" field."""
+  try:
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise errors.InvalidStateError(
+        f"{origin}: a pending array has dtype {_short(name)}; reading it needs "
+        "ml_dtypes (pip install ml_dtypes)."
+    ) from None
+  scalar_type = getattr(ml_dtypes, name, None) if isinstance(name, str) else None
+  if not (isinstance(scalar_type, type) and issubclass(scalar_type, np.generic)):
+    raise errors.InvalidStateError(
+        f"{origin}: pending array dtype {_short(name)} is not an ml_dtypes type."
+    )
+  dtype = np.dtype(scalar_type)
+  if array.dtype != np.dtype(f"u{dtype.itemsize}"):
+    raise errors.InvalidStateError(
+        f"{origin}: a pending {name} array must be stored as u{dtype.itemsize}, "
+        f"got {array.dtype}."
+    )
+  return array.view(dtype)
 
 
 def encode_state(state: IteratorState) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -522,8 +563,12 @@ def array_specs(header: Mapping[str, Any], *, origin: str) -> dict[str, ArraySpe
     if not isinstance(spec, Mapping) or set(spec) != {"dtype", "shape"}:
       raise errors.InvalidStateError(f"{origin}: arrays[{name!r}] must be {{dtype, shape}}, got {_short(spec)}.")
     try:
+      # Only the dtype strings ckpt_iter writes: a dict or list spec would
+      # build a structured dtype (and can overflow inside numpy).
+      if not isinstance(spec["dtype"], str):
+        raise TypeError("not a dtype string")
       dtype = np.dtype(spec["dtype"])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
       raise errors.InvalidStateError(
           f"{origin}: arrays[{name!r}].dtype {_short(spec['dtype'])} is not a numpy dtype."
       ) from None
@@ -604,7 +649,10 @@ def _is_json_scalar(value: Any) -> bool:
 
 
 def _short(value: Any, limit: int = 80) -> str:
-  text = repr(value)
+  try:
+    text = repr(value)
+  except RecursionError:  # a hostile value nested thousands deep
+    text = f"<{type(value).__name__} nested too deeply to show>"
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -54,6 +54,9 @@ class RunConfig:
   with_eval: bool = False
   on_legacy_checkpoint: str = "raise"
   save_interval_steps: int = 1
+  # Sleeps before each actor update: a slower trainer lets the producer
+  # thread run ahead (async rollout), the case a save must not be fooled by.
+  trainer_delay_seconds: float = 0.0
 
 
 def load_prompts(limit: int | None = None) -> list[dict[str, str]]:
@@ -112,7 +115,7 @@ def build_learner(config: RunConfig, root: str) -> Any:
     )
   training = rl_cluster_lib.RLTrainingConfig(
       actor_optimizer=optax.sgd(1e-2),
-      critic_optimizer=optax.sgd(1e-2) if config.algorithm == "ppo" else None,
+      critic_optimizer=optax.sgd(1e-3) if config.algorithm == "ppo" else None,
       eval_every_n_steps=config.eval_every_n_steps,
       max_steps=config.max_steps,
       mini_batch_size=config.mini_batch_size,
@@ -173,7 +176,7 @@ def _make_learner(config: RunConfig, cluster: Any) -> Any:
       learner_cls = ckpt_tunix.ResumablePPOLearner
     return learner_cls(
         rl_cluster=cluster,
-        algo_config=algo_config,
+        ppo_config=algo_config,
         reward_fns=reward_fn,
         data_shuffle_seed=config.data_shuffle_seed,
     )
@@ -196,7 +199,7 @@ def make_train_dataset(config: RunConfig) -> Any:
 class TrainerInputRecorder:
   """Records every TrainExample the actor is updated on, as numpy arrays."""
 
-  def __init__(self, learner: Any):
+  def __init__(self, learner: Any, delay_seconds: float = 0.0):
     self.inputs: list[dict[str, np.ndarray]] = []
     self.train_steps: list[int] = []
     cluster = learner.rl_cluster
@@ -210,6 +213,8 @@ class TrainerInputRecorder:
           if getattr(example, name, None) is not None
       })
       self.train_steps.append(int(cluster.actor_trainer.train_steps))
+      if delay_seconds:
+        time.sleep(delay_seconds)
       return original(train_ds, eval_ds, skip_jit)
 
     cluster.update_actor = update_actor
@@ -257,14 +262,24 @@ def prompt_labels(prompt_ids: np.ndarray) -> list[str]:
 
 
 def preempt_after(learner: Any, step: int, on_preempt: Any) -> None:
-  """Kills the process right after actor checkpoint `step` is on disk."""
-  manager = learner.rl_cluster.actor_trainer.checkpoint_manager
+  """Kills the process right after checkpoint `step` is completely on disk.
+
+  With a critic (PPO) a step is complete once the critic's checkpoint for it
+  is written, which comes after the actor's update, save and the critic's
+  update of the same trainer input.
+  """
+  cluster = learner.rl_cluster
+  has_critic = hasattr(cluster, "critic_trainer")
+  trainer = cluster.critic_trainer if has_critic else cluster.actor_trainer
+  manager = trainer.checkpoint_manager
   original = manager.save
 
   def save(train_step, *args, **kwargs):
     saved = original(train_step, *args, **kwargs)
     if saved and train_step == step:
-      manager.close()  # waits for the async write to finish
+      cluster.actor_trainer.checkpoint_manager.close()  # waits for async writes
+      if has_critic:
+        cluster.critic_trainer.checkpoint_manager.close()
       on_preempt()
       sys.stdout.flush()
       os._exit(0)  # pylint: disable=protected-access
@@ -278,7 +293,7 @@ def run(config: RunConfig, root: str, out: str, preempt_step: int | None = None)
   started = time.perf_counter()
   learner = build_learner(config, root)
   restored_step = int(learner.rl_cluster.actor_trainer.train_steps)
-  recorder = TrainerInputRecorder(learner)
+  recorder = TrainerInputRecorder(learner, config.trainer_delay_seconds)
   meta: dict[str, Any] = {"config": dataclasses.asdict(config), "restored_step": restored_step}
 
   def finish(preempted: bool) -> None:

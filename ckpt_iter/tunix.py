@@ -102,7 +102,8 @@ class Resumable:
   """
 
   def __init__(self, *args, **kwargs):
-    bound = inspect.signature(rl_learner.RLLearner.__init__).bind(self, *args, **kwargs)
+    # The Tunix class's own signature (PPO names its config ppo_config).
+    bound = inspect.signature(super().__init__).bind(*args, **kwargs)
     self._ci_data_shuffle_seed = bound.arguments.get("data_shuffle_seed")
     super().__init__(*args, **kwargs)
     api.require_api(self)
@@ -436,6 +437,7 @@ class _DataSession:
         {k: v for k, v in value.fingerprint.items() if k in source_fields},
         value.position, allow_drift=allow_drift & source_fields, origin=origin,
     )
+    critic_state = _read_critic_state(learner, manager, step, origin)
     mid_global_step = value.pending is not None or counters["remaining_mini_batches"] > 0
     rollout_params = None
     if learner.should_sync_weights and mid_global_step:
@@ -454,6 +456,8 @@ class _DataSession:
     else:
       global_steps = counters["global_steps"] + 1
     api.set_learner_iter_steps(learner, int(trainer.iter_steps))
+    if critic_state is not None:
+      _apply_critic_state(learner, critic_state, step)
     self._restore_rollout_weights(rollout_params)
     learner.rl_cluster.global_steps = global_steps
     _LOG.info(
@@ -518,10 +522,10 @@ def _tunix_learner_name(learner: Any) -> str:
   return type(learner).__name__
 
 
-def _weight_filter(learner: Any) -> Any:
+def _weight_filter(learner: Any, model: Any = None) -> Any:
   from tunix.sft import utils as sft_utils  # pylint: disable=g-import-not-at-top
 
-  model = learner.rl_cluster.actor_trainer.model
+  model = learner.rl_cluster.actor_trainer.model if model is None else model
   return nnx.LoRAParam if sft_utils.is_lora_enabled(model) else nnx.Param
 
 
@@ -538,16 +542,49 @@ def _read_rollout_params(learner: Any, manager: Any, step: int, origin: str) -> 
         "are unknown. It was not written by this ckpt_iter configuration."
     )
   abstract = _rollout_params(learner)
-  restored = manager.restore(
-      step,
-      args=ocp.args.Composite(**{
-          ROLLOUT_ITEM: ocp.args.PyTreeRestore(
-              item=abstract,
-              restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-          )
-      }),
-  )
+  restored = manager.restore(step, args=ocp.args.Composite(**{ROLLOUT_ITEM: _pytree_restore(abstract)}))
   return restored[ROLLOUT_ITEM]
+
+
+def _critic_abstract_state(learner: Any) -> tuple[Any, Any]:
+  critic = _critic_trainer(learner)
+  params = nnx.state(critic.model, _weight_filter(learner, critic.model))
+  optimizer = nnx.state(critic.optimizer, nnx.optimizer.OptState)
+  return params, optimizer
+
+
+def _read_critic_state(learner: Any, manager: Any, step: int, origin: str) -> Any:
+  """The critic's params and optimizer state saved in the actor's step."""
+  if _critic_trainer(learner) is None:
+    return None
+  step_dir = os.path.join(os.fspath(manager.directory), str(step))
+  for item in (CRITIC_PARAMS_ITEM, CRITIC_OPTIMIZER_ITEM):
+    if not os.path.isdir(os.path.join(step_dir, item)):
+      raise errors.InvalidStateError(
+          f"{origin}: this learner trains a critic, but the step has no '{item}' "
+          "item, so actor and critic cannot be restored to the same input."
+      )
+  params, optimizer = _critic_abstract_state(learner)
+  restored = manager.restore(step, args=ocp.args.Composite(**{
+      CRITIC_PARAMS_ITEM: _pytree_restore(params),
+      CRITIC_OPTIMIZER_ITEM: _pytree_restore(optimizer),
+  }))
+  return restored[CRITIC_PARAMS_ITEM], restored[CRITIC_OPTIMIZER_ITEM]
+
+
+def _apply_critic_state(learner: Any, critic_state: Any, step: int) -> None:
+  critic = _critic_trainer(learner)
+  params, optimizer = critic_state
+  nnx.update(critic.model, params)
+  nnx.update(critic.optimizer, optimizer)
+  grad_acc = api.training_config(learner).get_with_default("gradient_accumulation_steps", 1)
+  api.set_trainer_steps(critic, step, step * grad_acc)
+
+
+def _pytree_restore(abstract: Any) -> Any:
+  return ocp.args.PyTreeRestore(
+      item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+  )
 
 
 def _to_device(pytree: Any) -> Any:
@@ -555,16 +592,23 @@ def _to_device(pytree: Any) -> Any:
 
 
 class _SavingManager:
-  """Stands in for the Orbax manager inside Tunix's CheckpointManager.
+  """Stands in for the Orbax manager inside Tunix's actor CheckpointManager.
 
   Adds the data item (and the rollout weights when a step falls inside a
   global step) to every save Tunix makes, in the same Orbax step, and gives
   the forced save in `close()` the metadata every other save has.
+
+  With a critic (PPO) the actor's save of step K waits until the critic has
+  made its update K, then the one Orbax step also holds the critic's params
+  and optimizer state: actor, critic and data state always come from the
+  same trainer input, whatever moment the process dies.
   """
 
   def __init__(self, real: ocp.CheckpointManager, learner: Resumable):
     self._real = real
     self._learner = learner
+    self._has_critic = _critic_trainer(learner) is not None
+    self._deferred: tuple[Any, ...] | None = None
 
   def save(self, step, args=None, custom_metadata=None, force=False, **kwargs):
     learner = self._learner
@@ -574,19 +618,72 @@ class _SavingManager:
       value, mid_global_step = session.snapshot(step)
       items[DATA_ITEM] = checkpoint_lib.IteratorSave(_Snapshot(value))
       if learner.should_sync_weights and mid_global_step:
-        params = _rollout_params(learner)
-        items[ROLLOUT_ITEM] = ocp.args.PyTreeSave(
-            item=params, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), params)
-        )
+        items[ROLLOUT_ITEM] = _pytree_save(_rollout_params(learner))
     if not custom_metadata:
       custom_metadata = learner.rl_cluster.actor_trainer.custom_checkpoint_metadata()
+    if self._has_critic:
+      self._deferred = (step, items, custom_metadata, force, kwargs)
+      return True
+    return self._save(step, items, custom_metadata, force, kwargs)
+
+  def _save(self, step, items, custom_metadata, force, kwargs) -> bool:
     return self._real.save(
         step, args=ocp.args.Composite(**items), custom_metadata=custom_metadata,
         force=force, **kwargs,
     )
 
+  def flush_with_critic(self, critic_model: Any, critic_optimizer: Any) -> None:
+    """Writes the deferred actor step, now that the critic made the same update."""
+    if self._deferred is None:
+      return
+    step, items, custom_metadata, force, kwargs = self._deferred
+    self._deferred = None
+    items[CRITIC_PARAMS_ITEM] = _pytree_save(nnx.state(critic_model, _weight_filter(self._learner, critic_model)))
+    if critic_optimizer is not None:
+      items[CRITIC_OPTIMIZER_ITEM] = _pytree_save(nnx.state(critic_optimizer, nnx.optimizer.OptState))
+    self._save(step, items, custom_metadata, force, kwargs)
+
+  def close(self) -> None:
+    critic = _critic_trainer(self._learner)
+    if critic is not None and self._deferred is not None:
+      if critic.train_steps >= self._deferred[0]:
+        self.flush_with_critic(critic.model, critic.optimizer)
+      else:
+        # Closed between the actor's and the critic's update of this step:
+        # the step would pair the actor with a stale critic, so it is dropped.
+        self._deferred = None
+    self._real.close()
+
   def __getattr__(self, name: str) -> Any:
     return getattr(self._real, name)
+
+
+class _CriticCheckpointManager:
+  """Stands in for the critic trainer's Tunix CheckpointManager.
+
+  Its save() runs right after each critic update: the moment the deferred
+  actor step can be written with the critic's matching state.
+  """
+
+  def __init__(self, real: Any, actor_saving: _SavingManager):
+    self._real = real
+    self._actor_saving = actor_saving
+
+  def save(self, step, model, optimizer=None, *args, **kwargs):
+    self._actor_saving.flush_with_critic(model, optimizer)
+    return self._real.save(step, model, optimizer, *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._real, name)
+
+
+def _critic_trainer(learner: Any) -> Any:
+  cluster = learner.rl_cluster
+  return getattr(cluster, "critic_trainer", None) if hasattr(cluster, "critic_trainer") else None
+
+
+def _pytree_save(tree: Any) -> Any:
+  return ocp.args.PyTreeSave(item=tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), tree))
 
 
 def _install_saving_manager(learner: Resumable) -> None:
@@ -601,7 +698,11 @@ def _install_saving_manager(learner: Resumable) -> None:
   replacement = ocp.CheckpointManager(
       directory, item_handlers=_item_handlers(), options=options
   )
-  api.replace_orbax_manager(tunix_manager, _SavingManager(replacement, learner))
+  saving = _SavingManager(replacement, learner)
+  api.replace_orbax_manager(tunix_manager, saving)
+  critic = _critic_trainer(learner)
+  if critic is not None:
+    critic.checkpoint_manager = _CriticCheckpointManager(critic.checkpoint_manager, saving)
 
 
 def _item_handlers() -> dict[str, Any]:
@@ -617,4 +718,6 @@ def _item_handlers() -> dict[str, Any]:
       "custom_metadata": ocp.JsonCheckpointHandler(),
       DATA_ITEM: checkpoint_lib.IteratorCheckpointHandler(),
       ROLLOUT_ITEM: pytree(),
+      CRITIC_PARAMS_ITEM: pytree(),
+      CRITIC_OPTIMIZER_ITEM: pytree(),
   }

@@ -1,0 +1,183 @@
+"""`ckpt-iter verify`: checks a data checkpoint in full, one problem per line.
+
+For each step: the item directory exists; the process files form one complete
+set (process_0..n-1 of n); every state parses, is of a readable format version
+and its arrays have the dtypes and shapes its header records (read with
+`checkpoint.read_state`, which validates all of it); and every process has the
+same defining fields, except the per-process ones (shard_index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from ckpt_iter import checkpoint
+from ckpt_iter import errors
+from ckpt_iter import inspection
+from ckpt_iter import state as state_lib
+
+# Fingerprint fields that legitimately differ from one process to another.
+PER_PROCESS_FIELDS = frozenset({"shard_index"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One thing wrong with a checkpoint: where, and what."""
+
+  step: int
+  path: str
+  message: str
+
+  def line(self) -> str:
+    return f"step {self.step}: {self.path}: {self.message}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCheck:
+  """What verifying one step found."""
+
+  step: int
+  files_read: int
+  arrays_read: int
+  problems: tuple[Problem, ...]
+
+
+def verify_step(layout: inspection.Layout, step: int) -> StepCheck:
+  """Checks one step: files present, states readable, fingerprints consistent."""
+  item_dir = layout.item_dir(step)
+  if not os.path.isdir(item_dir):
+    step_dir = os.path.dirname(item_dir)
+    return StepCheck(step, 0, 0, (Problem(
+        step, item_dir,
+        f"missing: the step holds no {layout.item!r} item (it holds: "
+        f"{', '.join(inspection.subdirectories(step_dir)) or 'nothing'}).",
+    ),))
+  files = checkpoint.list_process_files(item_dir)
+  problems = _process_set_problems(step, item_dir, files)
+  states: dict[tuple[int, int], state_lib.IteratorState] = {}
+  arrays_read = 0
+  for index, count in files:
+    if index >= count:
+      continue  # reported by _process_set_problems
+    path = os.path.join(item_dir, checkpoint.process_file_stem(index, count) + ".json")
+    try:
+      states[(index, count)], num_arrays = _read_full_state(item_dir, index, count)
+      arrays_read += num_arrays
+    except errors.CkptIterError as e:
+      problems.append(_problem_from_error(step, path, str(e)))
+    except OSError as e:  # e.g. permissions: the file exists but cannot be read
+      problems.append(Problem(step, path, f"cannot read it ({e.strerror or e})."))
+  problems.extend(_fingerprint_problems(step, item_dir, states))
+  return StepCheck(step, len(states), arrays_read, tuple(problems))
+
+
+def _process_set_problems(step: int, item_dir: str, files: list[tuple[int, int]]) -> list[Problem]:
+  """Missing, out-of-range and mixed-count process files."""
+  def path(index: int, count: int) -> str:
+    return os.path.join(item_dir, checkpoint.process_file_stem(index, count) + ".json")
+
+  if not files:
+    return [Problem(step, item_dir, "holds no process_<i>-of-<n>.json state file.")]
+  problems = []
+  counts = sorted({count for _, count in files})
+  if len(counts) > 1:
+    problems.append(Problem(
+        step, item_dir,
+        f"state files of different process counts ({', '.join(map(str, counts))}); "
+        "a checkpoint is written by one set of processes.",
+    ))
+  for count in counts:
+    present = {index for index, n in files if n == count}
+    for index in sorted(set(range(count)) - present):
+      problems.append(Problem(
+          step, path(index, count),
+          f"missing: process {index} of {count} wrote no state; the step is incomplete.",
+      ))
+    for index in sorted(i for i in present if i >= count):
+      problems.append(Problem(
+          step, path(index, count),
+          f"process index {index} is out of range for {count} processes.",
+      ))
+  return problems
+
+
+def _read_full_state(item_dir: str, index: int, count: int) -> tuple[state_lib.IteratorState, int]:
+  """checkpoint.read_state (with the pending item types it needs registered).
+
+  Returns:
+    (the state, how many arrays its header lists; read_state read them all).
+  """
+  path = os.path.join(item_dir, checkpoint.process_file_stem(index, count) + ".json")
+  header = checkpoint.read_header(path)
+  manifest = header.get("arrays") if isinstance(header, Mapping) else None
+  if isinstance(header, Mapping):
+    _register_item_types(inspection.dataclass_names(header.get("pending")), path)
+  value = checkpoint.read_state(item_dir, index, count)
+  return value, len(manifest) if isinstance(manifest, Mapping) else 0
+
+
+def _register_item_types(names: set[str], path: str) -> None:
+  """Imports ckpt_iter.tunix when a state holds Tunix TrainExamples."""
+  tunix_names = sorted(name for name in names if name.startswith("tunix."))
+  if not tunix_names:
+    return
+  try:
+    import ckpt_iter.tunix  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    raise errors.InvalidStateError(
+        f"{path}: its pending items are {', '.join(tunix_names)}; checking them "
+        f"needs ckpt_iter.tunix, which failed to import ({e}). Install "
+        "ckpt_iter[tunix] to verify this checkpoint."
+    ) from None
+
+
+def _problem_from_error(step: int, path: str, message: str) -> Problem:
+  """A Problem for `path`; a message that starts with a file names that file.
+
+  The file is then dropped from the message, so that each line names it once.
+  """
+  message = inspection.one_line(message)
+  stem = os.path.splitext(path)[0]
+  for candidate in (path, stem + ".npz", os.path.dirname(path)):
+    for separator in (": ", " "):
+      if message.startswith(candidate + separator):
+        return Problem(step, candidate, message[len(candidate + separator):])
+  return Problem(step, path, message)
+
+
+def _fingerprint_problems(
+    step: int, item_dir: str, states: Mapping[tuple[int, int], state_lib.IteratorState]
+) -> list[Problem]:
+  """One problem per process whose defining fields differ from the first's."""
+  problems = []
+  for count in sorted({count for _, count in states}):
+    group = sorted((index, value) for (index, n), value in states.items() if n == count)
+    first_index, first = group[0]
+    first_name = checkpoint.process_file_stem(first_index, count) + ".json"
+    for index, value in group[1:]:
+      differences = defining_differences(first, value)
+      if differences:
+        described = "; ".join(
+            f"{name}={here!r} here, {there!r} there" for name, (there, here) in differences.items()
+        )
+        problems.append(Problem(
+            step, os.path.join(item_dir, checkpoint.process_file_stem(index, count) + ".json"),
+            f"fingerprint differs from {first_name}: {described}.",
+        ))
+  return problems
+
+
+def defining_differences(
+    a: state_lib.IteratorState, b: state_lib.IteratorState
+) -> dict[str, tuple[Any, Any]]:
+  """Kind and fingerprint fields (per-process ones excluded) that differ."""
+  fields_a = {"kind": a.kind, **a.fingerprint}
+  fields_b = {"kind": b.kind, **b.fingerprint}
+  return {
+      name: (fields_a.get(name, inspection.ABSENT), fields_b.get(name, inspection.ABSENT))
+      for name in sorted(set(fields_a) | set(fields_b))
+      if name not in PER_PROCESS_FIELDS
+      and not inspection.same_value(fields_a.get(name, inspection.ABSENT), fields_b.get(name, inspection.ABSENT))
+  }
