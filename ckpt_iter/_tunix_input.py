@@ -23,8 +23,6 @@ _LOG = logging.getLogger("ckpt_iter")
 class GrainSource:
   """Full batches from a Grain dataset; positions restored in O(1)."""
 
-  replays = False
-
   def __init__(self, data_iterator: iterator_lib.DataIterator):
     self._iterator = data_iterator
 
@@ -63,8 +61,6 @@ class GrainSource:
 class ReplaySource:
   """Full batches from any iterable; a position is a count of batches read."""
 
-  replays = True
-
   def __init__(self, iterable: Iterable[Any]):
     self._iterable = iterable
     self._iterator = iter(iterable)
@@ -84,7 +80,10 @@ class ReplaySource:
 
     state_lib.check_fingerprint(fingerprint, self.fingerprint, allow_drift=allow_drift, origin=origin)
     count = position.get("full_batches_read") if isinstance(position, Mapping) else None
-    if set(position) != {"full_batches_read"} or not isinstance(count, int) or count < 0:
+    if (
+        not isinstance(position, Mapping) or set(position) != {"full_batches_read"}
+        or not isinstance(count, int) or isinstance(count, bool) or count < 0
+    ):
       raise errors.InvalidStateError(
           f"{origin}: field 'position' is {position!r}; an iterable's position is "
           "{'full_batches_read': N}."
@@ -100,6 +99,16 @@ class ReplaySource:
     return True
 
   def _replay(self, count: int) -> None:
+    """Skips the first `count` full batches; called on a fresh source only.
+
+    Works for one-shot iterators (generators) too: nothing is restarted, the
+    peeked batch counts as read.
+    """
+    if self._read:
+      raise errors.CkptIterError(
+          f"cannot move an iterable input that already yielded {self._read} batches; "
+          "positions are restored before training starts."
+      )
     if count and not self._warned:
       _LOG.warning(
           "ckpt_iter: the training input is a plain iterable, so its position is "
@@ -107,12 +116,8 @@ class ReplaySource:
           "(ckpt_iter.make_dataset) to restore in O(1).", count,
       )
       self._warned = True
-    self._iterator = iter(self._iterable)
-    self._lookahead = []
-    self._read = 0
     for _ in range(count):
-      next(self._iterator)
-      self._read += 1
+      next(self)
 
   def __next__(self) -> Any:
     element = self._lookahead.pop() if self._lookahead else next(self._iterator)

@@ -98,7 +98,7 @@ def read_all(directory: str | os.PathLike[str]) -> list[state_lib.IteratorState]
   count = saved_process_count(directory)
   check_complete(directory, count)
   states = [checkpoint_lib.read_state(directory, i, count) for i in range(count)]
-  _check_agree(directory, states, global_position=_resize_refusal(states[0]) is None)
+  check_agree(directory, states, global_position=_resize_refusal(states[0]) is None)
   return states
 
 
@@ -137,7 +137,7 @@ def read_for_process(
   states = [first] + [
       checkpoint_lib.read_state(directory, i, saved_count) for i in range(1, saved_count)
   ]
-  _check_agree(directory, states)
+  check_agree(directory, states)
   return redistribute(
       states, process_index, process_count,
       origin=f"{directory} (written by {saved_count} processes, restored by {process_count})",
@@ -179,6 +179,15 @@ def _check_resizable(
     )
 
 
+def has_global_position(state: state_lib.IteratorState) -> bool:
+  """Whether every process of a checkpoint must be at the same position."""
+  fingerprint = state.fingerprint
+  if "global_batch_size" not in fingerprint:
+    return False
+  steps = [s for s in str(fingerprint.get("pipeline") or "").split("<") if s]
+  return all(s in _ELEMENTWISE_STEPS for s in steps)
+
+
 def _resize_refusal(state: state_lib.IteratorState) -> str | None:
   """Why `state` cannot be resumed with another process count, or None."""
   if state.kind == "tunix":
@@ -206,7 +215,7 @@ def _resize_refusal(state: state_lib.IteratorState) -> str | None:
   return None
 
 
-def _check_agree(
+def check_agree(
     directory: str, states: Sequence[state_lib.IteratorState], *, global_position: bool = True
 ) -> None:
   """Raises InvalidStateError unless all states agree on every global field.

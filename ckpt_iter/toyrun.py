@@ -39,7 +39,7 @@ class RunConfig:
   """What defines a toy run."""
 
   learner: str = "ckpt_iter"  # "stock" (Tunix as released) or "ckpt_iter"
-  algorithm: str = "grpo"  # "grpo" or "ppo"
+  algorithm: str = "grpo"  # "grpo", "dapo" (through the Resumable mixin) or "ppo"
   num_iterations: int = 2
   num_generations: int = 2
   batch_size: int = 1  # full batch, prompts per global step
@@ -57,6 +57,9 @@ class RunConfig:
   # Sleeps before each actor update: a slower trainer lets the producer
   # thread run ahead (async rollout), the case a save must not be fooled by.
   trainer_delay_seconds: float = 0.0
+  # "grain": a make_dataset MapDataset; "iterable": a one-shot generator of
+  # the same batches (restored by replay).
+  input_kind: str = "grain"
 
 
 def load_prompts(limit: int | None = None) -> list[dict[str, str]]:
@@ -164,6 +167,29 @@ def _make_learner(config: RunConfig, cluster: Any) -> Any:
         reward_fns=reward_fn,
         data_shuffle_seed=config.data_shuffle_seed,
     )
+  if config.algorithm == "dapo":
+    from tunix.rl.grpo import dapo_learner  # pylint: disable=g-import-not-at-top
+
+    algo_config = dapo_learner.DAPOConfig(
+        num_generations=config.num_generations,
+        num_iterations=config.num_iterations,
+        overlong_buffer={
+            "enable": True, "overlong_buffer_length": 2,
+            "overlong_buffer_penalty": 1.0, "max_response_length": 4,
+        },
+    )
+    learner_cls = dapo_learner.DAPOLearner
+    if config.learner != "stock":
+      from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
+
+      # Any RLLearner subclass resumes exactly through the mixin.
+      learner_cls = type("ResumableDAPOLearner", (ckpt_tunix.Resumable, learner_cls), {})
+    return learner_cls(
+        rl_cluster=cluster,
+        algo_config=algo_config,
+        reward_fns=reward_fn,
+        data_shuffle_seed=config.data_shuffle_seed,
+    )
   if config.algorithm == "ppo":
     from tunix.rl.ppo import ppo_learner  # pylint: disable=g-import-not-at-top
 
@@ -180,13 +206,13 @@ def _make_learner(config: RunConfig, cluster: Any) -> Any:
         reward_fns=reward_fn,
         data_shuffle_seed=config.data_shuffle_seed,
     )
-  raise ValueError(f"algorithm={config.algorithm!r}: expected 'grpo' or 'ppo'.")
+  raise ValueError(f"algorithm={config.algorithm!r}: expected 'grpo', 'dapo' or 'ppo'.")
 
 
 def make_train_dataset(config: RunConfig) -> Any:
   from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
 
-  return dataset_lib.make_dataset(
+  dataset = dataset_lib.make_dataset(
       load_prompts(config.num_prompts),
       batch_size=config.batch_size,
       seed=config.dataset_seed,
@@ -194,6 +220,11 @@ def make_train_dataset(config: RunConfig) -> Any:
       shard_index=0,
       shard_count=1,
   )
+  if config.input_kind == "grain":
+    return dataset
+  if config.input_kind == "iterable":
+    return (dataset[index] for index in range(len(dataset)))
+  raise ValueError(f"input_kind={config.input_kind!r}: expected 'grain' or 'iterable'.")
 
 
 class TrainerInputRecorder:

@@ -69,7 +69,10 @@ def verify_step(layout: inspection.Layout, step: int) -> StepCheck:
       problems.append(_problem_from_error(step, path, str(e)))
     except OSError as e:  # e.g. permissions: the file exists but cannot be read
       problems.append(Problem(step, path, f"cannot read it ({e.strerror or e})."))
-  problems.extend(_fingerprint_problems(step, item_dir, states))
+  fingerprint_problems = _fingerprint_problems(step, item_dir, states)
+  problems.extend(fingerprint_problems)
+  if not problems:
+    problems.extend(_agreement_problems(step, item_dir, states))
   return StepCheck(step, len(states), arrays_read, tuple(problems))
 
 
@@ -103,6 +106,22 @@ def _process_set_problems(step: int, item_dir: str, files: list[tuple[int, int]]
   return problems
 
 
+def _agreement_problems(
+    step: int, item_dir: str, states: Mapping[tuple[int, int], state_lib.IteratorState]
+) -> list[Problem]:
+  """Processes of one step must agree on a global position, key and schedule."""
+  from ckpt_iter import elastic  # pylint: disable=g-import-not-at-top
+
+  ordered = [value for _, value in sorted(states.items())]
+  if len(ordered) < 2:
+    return []
+  try:
+    elastic.check_agree(item_dir, ordered, global_position=elastic.has_global_position(ordered[0]))
+  except errors.CkptIterError as e:
+    return [_problem_from_error(step, item_dir, str(e))]
+  return []
+
+
 def _read_full_state(item_dir: str, index: int, count: int) -> tuple[state_lib.IteratorState, int]:
   """checkpoint.read_state (with the pending item types it needs registered).
 
@@ -124,7 +143,7 @@ def _register_item_types(names: set[str], path: str) -> None:
   if not tunix_names:
     return
   try:
-    import ckpt_iter.tunix  # pylint: disable=g-import-not-at-top,unused-import
+    import ckpt_iter.tunix  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError as e:
     raise errors.InvalidStateError(
         f"{path}: its pending items are {', '.join(tunix_names)}; checking them "

@@ -469,7 +469,7 @@ def test_usage_errors_exit_2(capsys, tmp_path, data_ckpt):
   for argv, message in cases:
     code, out, err = _run(capsys, *argv)
     assert (code, out) == (2, ""), argv
-    assert f"ckpt-iter: " in err and message in err, (argv, err)
+    assert "ckpt-iter: " in err and message in err, (argv, err)
   code, _, err = _run(capsys)
   assert code == 2 and "inspect" in err
 
@@ -538,3 +538,16 @@ def test_console_script(tunix_ckpt):
   assert result.returncode == 0 and result.stdout.startswith(f"ok: {tunix_ckpt}/actor: 1 step (2)")
   result = _command(SCRIPT, "inspect", "/nonexistent/ckpt")
   assert (result.returncode, result.stderr) == (2, "ckpt-iter: /nonexistent/ckpt: no such directory.\n")
+
+
+def test_verify_reports_processes_at_different_positions(capsys, tmp_path):
+  # A make_dataset position is global: every process of a step must agree.
+  iterators = [_advance(_repeat_iterator(0, i, 2), 1) for i in range(2)]
+  _advance(iterators[1], 3)  # process 1 saved later than process 0
+  item_dir = tmp_path / "4" / "data"
+  _save_processes(str(item_dir), iterators)
+  code, out, _ = _run(capsys, "verify", str(tmp_path))
+  assert code == 1
+  (line,) = out.splitlines()
+  assert line.startswith(f"step 4: {item_dir}: process_1-of-2.json has "), line
+  assert "must agree" in line

@@ -209,8 +209,11 @@ def _check_run(config: dict, outcomes: list[dict]) -> dict:
           pending_kill = None
         # Model and data state of a step agree: params trained exactly the
         # restored elements.
-        assert count == restored
-        assert checksum == sum(sum(ids) for ids in reference_ids[:restored])
+        expected = sum(sum(ids) for ids in reference_ids[:restored])
+        assert (count, checksum) == (restored, expected), (
+            f"segment {index} restored step {restored}: params trained {count} elements "
+            f"with checksum {checksum}, the data position says {restored} with {expected}"
+        )
         restores.append(restored)
         del stream[restored:]
       elif tag == "S":

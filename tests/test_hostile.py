@@ -21,7 +21,6 @@ import zipfile
 from typing import Any, Callable
 
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 import ckpt_iter

@@ -17,7 +17,6 @@ The default run does 100 cycles; the slow variant does 1,000.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import tempfile
 from typing import Any, Iterator

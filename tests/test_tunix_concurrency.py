@@ -45,7 +45,7 @@ def test_every_checkpoint_holds_what_the_trainer_consumed(slowed_run):
     consumed = step * GRAD_ACC
     mini_batches_started = math.ceil(consumed / per_mini_batch)
     expected_pending = inputs[consumed:mini_batches_started * per_mini_batch]
-    pending = state.pending.items if state.pending else ()
+    pending = [state.pending.items[i] for i in state.pending.schedule] if state.pending else []
     assert len(pending) == len(expected_pending), f"step {step}"
     for index, (saved, used) in enumerate(zip(pending, expected_pending)):
       for field, array in used.items():

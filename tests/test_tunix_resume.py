@@ -6,9 +6,11 @@ killed right after checkpoint K and resumed in a fresh process. The trainer
 inputs of the chain must equal the uninterrupted run's bit for bit: same
 prompts in the same order, same completions, advantages and log-probs.
 
-`make test` runs a representative set; `make test-full` adds the full sweep
-(every checkpoint step of num_iterations 1-4 x gradient accumulation 1/2 x
-shuffle seed x async rollout).
+`make test` runs a representative set; `make test-full` adds the sweep:
+num_iterations 1-4 x (full batch 2 = one mini-batch, with gradient
+accumulation 1 or 2, or two mini-batches) x (no shuffle seed, synchronous;
+shuffle seed, async rollout), each killed after every optimizer update in
+turn and resumed in a fresh process each time.
 """
 
 import itertools
@@ -83,6 +85,24 @@ def test_ppo_actor_and_critic_resume_together(tmp_path, jax_cache):
   )
 
 
+def test_dapo_through_the_mixin(tmp_path, jax_cache):
+  # class ResumableDAPOLearner(Resumable, DAPOLearner), built in toyrun.
+  config = dict(algorithm="dapo", num_iterations=2, max_steps=4, data_shuffle_seed=6)
+  _check_chain(config, [1], str(tmp_path), jax_cache)
+
+
+def test_plain_iterable_input_is_replayed_with_a_warning(tmp_path, jax_cache):
+  # A one-shot generator: its position can only be reached by replaying it.
+  config = dict(num_iterations=2, max_steps=4, input_kind="iterable")
+  reference = harness.run_toy(
+      dict(config, learner="ckpt_iter", input_kind="grain"), str(tmp_path / "ref"),
+      str(tmp_path / "ref.npz"), cache_dir=jax_cache,
+  )
+  segments, resumed = harness.chain(dict(config, learner="ckpt_iter"), str(tmp_path), [3], jax_cache)
+  harness.assert_same_inputs(resumed, reference.inputs, "iterable input resumed after step 3")
+  assert "restored by replaying 2 full batches" in segments[1].stderr
+
+
 def test_resume_with_evaluation(tmp_path, jax_cache):
   config = dict(num_iterations=2, max_steps=4, with_eval=True, eval_every_n_steps=1,
                 data_shuffle_seed=2)
@@ -127,7 +147,8 @@ def test_forced_save_in_close_resumes_exactly_with_metadata(tmp_path, jax_cache)
   )
   root = str(tmp_path / "ckpt")
   first = harness.run_toy(dict(config, max_steps=4), root, str(tmp_path / "a.npz"), cache_dir=jax_cache)
-  assert sorted(os.listdir(os.path.join(root, "actor"))) == ["3", "4"]
+  # Orbax saves the first step and every third; 4 only comes from close().
+  assert sorted(os.listdir(os.path.join(root, "actor"))) == ["1", "3", "4"]
   with open(os.path.join(root, "actor", "4", "_CHECKPOINT_METADATA")) as f:
     custom = json.load(f)["custom_metadata"]
   assert custom["role"] == "actor" and "global_step" in custom, custom
@@ -138,25 +159,29 @@ def test_forced_save_in_close_resumes_exactly_with_metadata(tmp_path, jax_cache)
 
 # --- the full sweep (make test-full) ------------------------------------------
 
-SWEEP = [
-    dict(num_iterations=mu, batch_size=2, mini_batch_size=mini, train_micro_batch_size=micro,
-         data_shuffle_seed=seed, async_rollout=async_rollout, max_steps=2 * mu)
-    for mu, (mini, micro), seed, async_rollout in itertools.product(
-        [1, 2, 3, 4], [(2, 2), (2, 1), (1, 1)], [None, 7], [False, True]
-    )
-]
+def _sweep_configs():
+  """num_iterations 1-4 x batch split, each shuffle seed and rollout mode covered."""
+  splits = [(2, 2), (2, 1), (1, 1)]  # (mini_batch_size, train_micro_batch_size), full batch 2
+  configs = []
+  for mu, (mini, micro) in itertools.product([1, 2, 3, 4], splits):
+    for seed, async_rollout in [(None, False), (7, True)]:
+      configs.append(dict(
+          num_iterations=mu, batch_size=2, mini_batch_size=mini, train_micro_batch_size=micro,
+          data_shuffle_seed=seed, async_rollout=async_rollout, max_steps=2 * mu,
+      ))
+  return configs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", SWEEP, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("config", _sweep_configs(), ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sweep_every_checkpoint_step(config, tmp_path, jax_cache):
+  """Killed after every optimizer update in turn, each time resumed in a fresh process."""
   reference = harness.run_toy(
       dict(config, learner="ckpt_iter"), str(tmp_path / "ref"), str(tmp_path / "ref.npz"),
       cache_dir=jax_cache,
   )
   last_step = max(reference.meta["train_steps"]) + 1
-  for step in range(1, last_step):
-    workdir = tmp_path / f"k{step}"
-    workdir.mkdir()
-    _, resumed = harness.chain(dict(config, learner="ckpt_iter"), str(workdir), [step], jax_cache)
-    harness.assert_same_inputs(resumed, reference.inputs, f"resumed after step {step}")
+  _, resumed = harness.chain(
+      dict(config, learner="ckpt_iter"), str(tmp_path), list(range(1, last_step)), jax_cache
+  )
+  harness.assert_same_inputs(resumed, reference.inputs, f"resumed after each of steps 1..{last_step - 1}")

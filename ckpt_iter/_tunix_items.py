@@ -1,0 +1,248 @@
+"""The Orbax items a Resumable learner adds to Tunix's actor checkpoints.
+
+`data` (the data state), `rollout_params` (the rollout model's weights, for a
+step inside a global step) and, for learners with a critic, `critic_params`
+and `critic_optimizer_state`. They are written by standing in for the Orbax
+manager inside Tunix's actor CheckpointManager, so they land in the same
+Orbax step as `model_params`, and read back on restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from flax import nnx
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from tunix.rl import rl_learner
+
+from ckpt_iter import _tunix_api as api
+from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+
+DATA_ITEM = "data"
+ROLLOUT_ITEM = "rollout_params"
+CRITIC_PARAMS_ITEM = "critic_params"
+CRITIC_OPTIMIZER_ITEM = "critic_optimizer_state"
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """A data state taken at save time (IteratorSave reads it via .state())."""
+
+  value: state_lib.IteratorState
+
+  def state(self) -> state_lib.IteratorState:
+    return self.value
+
+
+def tunix_learner_name(learner: Any) -> str:
+  for cls in type(learner).__mro__:
+    if cls.__module__.startswith("tunix.") and issubclass(cls, rl_learner.RLLearner):
+      return cls.__name__
+  return type(learner).__name__
+
+
+def weight_filter(learner: Any, model: Any = None) -> Any:
+  from tunix.sft import utils as sft_utils  # pylint: disable=g-import-not-at-top
+
+  model = learner.rl_cluster.actor_trainer.model if model is None else model
+  return nnx.LoRAParam if sft_utils.is_lora_enabled(model) else nnx.Param
+
+
+def rollout_params(learner: Any) -> Any:
+  return nnx.state(learner.rl_cluster.rollout.model(), weight_filter(learner))
+
+
+def read_rollout_params(learner: Any, manager: Any, step: int, origin: str) -> Any:
+  """The rollout weights saved with a mid-global-step checkpoint."""
+  if not os.path.isdir(os.path.join(os.fspath(manager.directory), str(step), ROLLOUT_ITEM)):
+    raise errors.InvalidStateError(
+        f"{origin}: the checkpoint falls inside a global step but has no "
+        f"'{ROLLOUT_ITEM}' item, so the rollout weights of the rest of the step "
+        "are unknown. It was not written by this ckpt_iter configuration."
+    )
+  abstract = rollout_params(learner)
+  restored = manager.restore(step, args=ocp.args.Composite(**{ROLLOUT_ITEM: _pytree_restore(abstract)}))
+  return restored[ROLLOUT_ITEM]
+
+
+def _critic_abstract_state(learner: Any) -> tuple[Any, Any]:
+  critic = critic_trainer(learner)
+  params = nnx.state(critic.model, weight_filter(learner, critic.model))
+  optimizer = nnx.state(critic.optimizer, nnx.optimizer.OptState)
+  return params, optimizer
+
+
+def read_critic_state(learner: Any, manager: Any, step: int, origin: str) -> Any:
+  """The critic's params and optimizer state saved in the actor's step."""
+  if critic_trainer(learner) is None:
+    return None
+  step_dir = os.path.join(os.fspath(manager.directory), str(step))
+  for item in (CRITIC_PARAMS_ITEM, CRITIC_OPTIMIZER_ITEM):
+    if not os.path.isdir(os.path.join(step_dir, item)):
+      raise errors.InvalidStateError(
+          f"{origin}: this learner trains a critic, but the step has no '{item}' "
+          "item, so actor and critic cannot be restored to the same input."
+      )
+  params, optimizer = _critic_abstract_state(learner)
+  restored = manager.restore(step, args=ocp.args.Composite(**{
+      CRITIC_PARAMS_ITEM: _pytree_restore(params),
+      CRITIC_OPTIMIZER_ITEM: _pytree_restore(optimizer),
+  }))
+  return restored[CRITIC_PARAMS_ITEM], restored[CRITIC_OPTIMIZER_ITEM]
+
+
+def apply_critic_state(learner: Any, critic_state: Any, step: int) -> None:
+  critic = critic_trainer(learner)
+  params, optimizer = critic_state
+  nnx.update(critic.model, params)
+  nnx.update(critic.optimizer, optimizer)
+  grad_acc = api.training_config(learner).get_with_default("gradient_accumulation_steps", 1)
+  api.set_trainer_steps(critic, step, step * grad_acc)
+
+
+def _pytree_restore(abstract: Any) -> Any:
+  return ocp.args.PyTreeRestore(
+      item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+  )
+
+
+def to_device(pytree: Any) -> Any:
+  return jax.tree.map(lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, pytree)
+
+
+class _SavingManager:
+  """Stands in for the Orbax manager inside Tunix's actor CheckpointManager.
+
+  Adds the data item (and the rollout weights when a step falls inside a
+  global step) to every save Tunix makes, in the same Orbax step, and gives
+  the forced save in `close()` the metadata every other save has.
+
+  With a critic (PPO) the actor's save of step K waits until the critic has
+  made its update K, then the one Orbax step also holds the critic's params
+  and optimizer state: actor, critic and data state always come from the
+  same trainer input, whatever moment the process dies.
+  """
+
+  def __init__(self, real: ocp.CheckpointManager, learner: Any):
+    self._real = real
+    self._learner = learner
+    self._has_critic = critic_trainer(learner) is not None
+    self._deferred: tuple[Any, ...] | None = None
+
+  def save(self, step, args=None, custom_metadata=None, force=False, **kwargs):
+    learner = self._learner
+    session = learner._ci_session  # pylint: disable=protected-access
+    items = dict(args.items()) if args is not None else {}
+    if session is not None:
+      value, mid_global_step = session.snapshot(step)
+      items[DATA_ITEM] = checkpoint_lib.IteratorSave(Snapshot(value))
+      if learner.should_sync_weights and mid_global_step:
+        items[ROLLOUT_ITEM] = _pytree_save(rollout_params(learner))
+    if not custom_metadata:
+      custom_metadata = learner.rl_cluster.actor_trainer.custom_checkpoint_metadata()
+    if self._has_critic:
+      self._deferred = (step, items, custom_metadata, force, kwargs)
+      return True
+    return self._save(step, items, custom_metadata, force, kwargs)
+
+  def _save(self, step, items, custom_metadata, force, kwargs) -> bool:
+    return self._real.save(
+        step, args=ocp.args.Composite(**items), custom_metadata=custom_metadata,
+        force=force, **kwargs,
+    )
+
+  def flush_with_critic(self, critic_model: Any, critic_optimizer: Any) -> None:
+    """Writes the deferred actor step, now that the critic made the same update."""
+    if self._deferred is None:
+      return
+    step, items, custom_metadata, force, kwargs = self._deferred
+    self._deferred = None
+    items[CRITIC_PARAMS_ITEM] = _pytree_save(nnx.state(critic_model, weight_filter(self._learner, critic_model)))
+    if critic_optimizer is not None:
+      items[CRITIC_OPTIMIZER_ITEM] = _pytree_save(nnx.state(critic_optimizer, nnx.optimizer.OptState))
+    self._save(step, items, custom_metadata, force, kwargs)
+
+  def close(self) -> None:
+    critic = critic_trainer(self._learner)
+    if critic is not None and self._deferred is not None:
+      if critic.train_steps >= self._deferred[0]:
+        self.flush_with_critic(critic.model, critic.optimizer)
+      else:
+        # Closed between the actor's and the critic's update of this step:
+        # the step would pair the actor with a stale critic, so it is dropped.
+        self._deferred = None
+    self._real.close()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._real, name)
+
+
+class _CriticCheckpointManager:
+  """Stands in for the critic trainer's Tunix CheckpointManager.
+
+  Its save() runs right after each critic update: the moment the deferred
+  actor step can be written with the critic's matching state.
+  """
+
+  def __init__(self, real: Any, actor_saving: _SavingManager):
+    self._real = real
+    self._actor_saving = actor_saving
+
+  def save(self, step, model, optimizer=None, *args, **kwargs):
+    self._actor_saving.flush_with_critic(model, optimizer)
+    return self._real.save(step, model, optimizer, *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._real, name)
+
+
+def critic_trainer(learner: Any) -> Any:
+  cluster = learner.rl_cluster
+  return getattr(cluster, "critic_trainer", None) if hasattr(cluster, "critic_trainer") else None
+
+
+def _pytree_save(tree: Any) -> Any:
+  return ocp.args.PyTreeSave(item=tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), tree))
+
+
+def install_saving_manager(learner: Any) -> None:
+  tunix_manager = learner.rl_cluster.actor_trainer.checkpoint_manager
+  current = api.orbax_manager(tunix_manager)
+  if current is None or isinstance(current, _SavingManager):
+    return
+  current.wait_until_finished()
+  directory = current.directory
+  options = learner.rl_cluster.actor_trainer.config.checkpointing_options
+  current.close()
+  replacement = ocp.CheckpointManager(
+      directory, item_handlers=_item_handlers(), options=options
+  )
+  saving = _SavingManager(replacement, learner)
+  api.replace_orbax_manager(tunix_manager, saving)
+  critic = critic_trainer(learner)
+  if critic is not None:
+    critic.checkpoint_manager = _CriticCheckpointManager(critic.checkpoint_manager, saving)
+
+
+def _item_handlers() -> dict[str, Any]:
+  if "proxy" in os.getenv("JAX_PLATFORMS", ""):
+    # Pathways: the same handler settings Tunix uses there.
+    def pytree():
+      return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False)
+  else:
+    pytree = ocp.PyTreeCheckpointHandler
+  return {
+      "model_params": pytree(),
+      "optimizer_state": pytree(),
+      "custom_metadata": ocp.JsonCheckpointHandler(),
+      DATA_ITEM: checkpoint_lib.IteratorCheckpointHandler(),
+      ROLLOUT_ITEM: pytree(),
+      CRITIC_PARAMS_ITEM: pytree(),
+      CRITIC_OPTIMIZER_ITEM: pytree(),
+  }
