@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
 
 import _common
@@ -132,6 +133,7 @@ def main() -> None:
             replay_ms(dataset, n, expected, read_options=grain.ReadOptions())
         )
 
+  shutil.rmtree(workdir, ignore_errors=True)
   measured = [n for n in POSITIONS if times[n]["replay"]]
   largest = max(measured)
   per_element_ms = _common.median(times[largest]["replay"]) / largest

@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,10 +85,16 @@ def main() -> None:
   started = time.perf_counter()
   header = machine()
   header["load_average_start"] = _common.load_average()
-  env = _common.child_env(BENCH_JAX_CACHE_DIR=tempfile.mkdtemp(prefix="bench_jax_cache_"))
+  # One JAX compilation cache for all toy Tunix processes: JIT is excluded
+  # from every measurement anyway; the cache only shortens the run.
+  cache_dir = tempfile.mkdtemp(prefix="bench_jax_cache_")
+  env = _common.child_env(BENCH_JAX_CACHE_DIR=cache_dir)
   records = [header]
-  for name in SCRIPTS:
-    records.extend(run_script(name, args.quick, env))
+  try:
+    for name in SCRIPTS:
+      records.extend(run_script(name, args.quick, env))
+  finally:
+    shutil.rmtree(cache_dir, ignore_errors=True)
   header["load_average_end"] = _common.load_average()
   header["total_seconds"] = round(time.perf_counter() - started, 1)
   header["quick"] = args.quick

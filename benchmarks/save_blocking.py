@@ -14,7 +14,8 @@ with no pending repeats (at a group boundary) and with one pending group of
 realistic size: 64 prompts x 8 generations x 1k completion tokens — int32
 completion ids and mask, float32 old and reference log-probs, int32 prompt ids
 and mask (256 tokens), float32 advantages: 9.0 MiB — held as numpy arrays or
-as JAX arrays. Variants are interleaved, each with its own manager.
+as JAX arrays. Variants are interleaved in a shuffled order each repetition,
+each with its own manager, with the garbage collector off inside the timed call.
 
 The data item's cost is paired per repetition, blocked_ms(params_data_X) -
 blocked_ms(params_only) (a training loop always saves the model too), and
@@ -24,14 +25,15 @@ memory copy of the pending arrays (copy_ms: np.copy of all of them).
 
 from __future__ import annotations
 
+import gc
 import os
+import random
 import shutil
+import statistics
 import tempfile
-import time
 
 import _common
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -79,7 +81,7 @@ def copy_ms(arrays: dict[str, np.ndarray]) -> float:
 def main() -> None:
   args = _common.parse_args(__doc__.splitlines()[0])
   report = _common.Reporter("save_blocking", args.quick)
-  reps = 5 if args.quick else 40
+  reps = 5 if args.quick else 60
   arrays = rollout_arrays()
   jax_arrays = {k: jnp.asarray(v) for k, v in arrays.items()}
   pending_bytes = sum(a.nbytes for a in arrays.values())
@@ -112,21 +114,47 @@ def main() -> None:
       for name in variants
   }
   blocked = {name: [] for name in variants}
+  complete = {name: [] for name in variants}  # save() + wait_until_finished()
   copies, snapshots = [], {k: [] for k in data}
+  # The handler's snapshot as it runs inside a save, next to Orbax's threads.
+  in_save = {name: [] for name in variants}
+  snapshot = checkpoint_lib.snapshot
+  current = {"log": None}
+
+  def timed_snapshot(item):
+    elapsed, result = _common.timed_ms(lambda: snapshot(item))
+    if current["log"] is not None:
+      current["log"].append(elapsed)
+    return result
+
+  checkpoint_lib.snapshot = timed_snapshot
+  order = list(managers)
+  shuffler = random.Random(0)
   try:
     for step in range(reps + 2):  # the first two saves are warm-up
-      for name, manager in managers.items():
-        elapsed, _ = _common.timed_ms(lambda: manager.save(step, args=composite(name)))  # pylint: disable=cell-var-from-loop
-        manager.wait_until_finished()
+      shuffler.shuffle(order)  # no variant always runs first or after another
+      for name in order:
+        manager = managers[name]
+        current["log"] = in_save[name] if step >= 2 else None
+        gc.collect()
+        gc.disable()  # a collection inside one timed save would only add noise
+        try:
+          elapsed, _ = _common.timed_ms(lambda: manager.save(step, args=composite(name)))  # pylint: disable=cell-var-from-loop
+        finally:
+          gc.enable()
+        waited, _ = _common.timed_ms(manager.wait_until_finished)
         manager.delete(step)
+        current["log"] = None
         if step >= 2:
           blocked[name].append(elapsed)
+          complete[name].append(elapsed + waited)
       if step >= 2:
         for k, iterator in data.items():
           copies.append(copy_ms(arrays))
           paired_copy = copies[-1] if k != "no_pending" else 0.0
-          snapshots[k].append(_common.timed_ms(lambda: checkpoint_lib.snapshot(iterator))[0] - paired_copy)  # pylint: disable=cell-var-from-loop
+          snapshots[k].append(_common.timed_ms(lambda: snapshot(iterator))[0] - paired_copy)  # pylint: disable=cell-var-from-loop
   finally:
+    checkpoint_lib.snapshot = snapshot
     for manager in managers.values():
       manager.close()
     shutil.rmtree(workdir, ignore_errors=True)
@@ -135,17 +163,24 @@ def main() -> None:
   report.measurement(measure="copy", pending_bytes=pending_bytes, copy_ms=_common.rounded(copy_median),
                      copy_gib_per_second=_common.rounded(pending_bytes / copy_median / 1e6 / 1.073741824, 3))
   for name, values in blocked.items():
-    report.measurement(variant=name, blocked_ms=_common.rounded(_common.median(values)), reps=len(values))
+    report.measurement(variant=name, blocked_ms=_common.rounded(_common.median(values)),
+                       complete_save_ms=_common.rounded(_common.median(complete[name])), reps=len(values))
   for k, values in snapshots.items():
     report.measurement(measure="snapshot (IteratorCheckpointHandler's synchronous part), minus a paired copy when pending",
                        pending=k, snapshot_minus_copy_ms=_common.rounded(_common.median(values)))
   orbax_fixed_ms = _common.median(blocked["tiny_params_only"])
+  for name, values in in_save.items():
+    if values:
+      report.measurement(measure="snapshot inside the save", variant=name,
+                         in_save_snapshot_ms=_common.rounded(_common.median(values)))
 
   checks = []
   for k in data:
     allowance = TARGET_MS + (copy_median if k != "no_pending" else 0.0)
     alone = _common.median(blocked[f"data_{k}"])
-    marginal = _common.median([a - b for a, b in zip(blocked[f"params_data_{k}"], blocked["params_only"])])
+    differences = [a - b for a, b in zip(blocked[f"params_data_{k}"], blocked["params_only"])]
+    marginal = _common.median(differences)
+    quartiles = statistics.quantiles(differences, n=4)
     for label, value in (("params+data minus params only", marginal), ("data item alone", alone)):
       excess = value - (copy_median if k != "no_pending" else 0.0)
       report.measurement(pending=k, measure=label, blocked_ms=_common.rounded(value),
@@ -155,10 +190,20 @@ def main() -> None:
           f"<= {TARGET_MS:g} ms" + (f" + copy {copy_median:.2f} ms" if k != "no_pending" else ""),
           value <= allowance, blocked_minus_copy_ms=_common.rounded(excess),
           handler_snapshot_minus_copy_ms=_common.rounded(_common.median(snapshots[k])),
-          **({"orbax_fixed_ms_tiny_item": _common.rounded(orbax_fixed_ms)} if label == "data item alone" else {}),
+          in_save_snapshot_ms=_common.rounded(_common.median(in_save[f"params_data_{k}" if label.startswith("params") else f"data_{k}"])),
+          **({"orbax_fixed_ms_tiny_item": _common.rounded(orbax_fixed_ms)} if label == "data item alone"
+             else {"paired_difference_quartiles_ms": [_common.rounded(q, 3) for q in quartiles]}),
       ))
+  # Not a target: what the data item adds to a whole save, background write
+  # included — what a loop that saves every short step ends up waiting for.
+  complete_delta = {
+      k: _common.rounded(_common.median([a - b for a, b in zip(complete[f"params_data_{k}"], complete["params_only"])]))
+      for k in data
+  }
   report.summary(checks, copy_ms=_common.rounded(copy_median), pending_mib=_common.rounded(pending_bytes / 2**20, 3),
-                 orbax_fixed_ms_tiny_item=_common.rounded(orbax_fixed_ms))
+                 orbax_fixed_ms_tiny_item=_common.rounded(orbax_fixed_ms),
+                 complete_save_ms_added_by_data_item=complete_delta,
+                 complete_save_ms_params_only=_common.rounded(_common.median(complete["params_only"])))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -76,7 +77,8 @@ def repeat_iterator(source) -> ckpt_iter.RepeatIterator:
 def measure_file(directory: str) -> dict[str, object]:
   names = sorted(os.listdir(directory))
   path = os.path.join(directory, "process_0-of-1.json")
-  header = json.loads(open(path, "rb").read())
+  with open(path, "rb") as f:
+    header = json.loads(f.read())
   compact = lambda v: len(json.dumps(v, separators=(",", ":")).encode())  # pylint: disable=unnecessary-lambda-assignment
   fingerprint = header.get("fingerprint", {})
   largest = sorted(fingerprint.items(), key=lambda kv: -compact({kv[0]: kv[1]}))[:3]
@@ -123,6 +125,7 @@ def main() -> None:
            **tunix_state(workdir)}
     rows.append(row)
     report.measurement(**row)
+  shutil.rmtree(workdir, ignore_errors=True)
   checks = [
       _common.check(f"{r['source']} / {r['iterator']} state_bytes", r["state_bytes"],
                     f"<= {TARGET_BYTES} bytes", r["state_bytes"] <= TARGET_BYTES)

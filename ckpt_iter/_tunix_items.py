@@ -112,8 +112,85 @@ def _pytree_restore(abstract: Any) -> Any:
   )
 
 
-def to_device(pytree: Any) -> Any:
-  return jax.tree.map(lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, pytree)
+@dataclasses.dataclass(frozen=True)
+class GlobalArray:
+  """A pending leaf that was a global array (not fully addressable) at save time.
+
+  With several JAX processes Tunix hands the trainer TrainExamples whose
+  log-prob fields are mesh-wide replicated arrays while the other fields are
+  process-local, and its `shard_input` leaves such an input as it is. A
+  restored leaf must be global again, with the same sharding, or the trainer
+  would assemble another batch. Single-process states never hold one.
+
+  Attributes:
+    value: this process's copy of the (fully replicated) array.
+    mesh_role: the `tunix.rl.rl_cluster.Role` value whose mesh it lived on.
+    spec: its PartitionSpec, as a tuple of entries.
+  """
+
+  value: np.ndarray
+  mesh_role: str
+  spec: tuple[Any, ...]
+
+
+state_lib.register_pytree_dataclass("ckpt_iter.tunix.GlobalArray", GlobalArray)
+
+
+def for_checkpoint(learner: Any, pytree: Any, origin: str) -> Any:
+  """`pytree` with each global (not fully addressable) array as a GlobalArray."""
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+
+  meshes = learner.rl_cluster.r2m
+
+  def wrap(path: Any, leaf: Any) -> Any:
+    if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+      return leaf
+    where = f"{origin}: pending leaf {jax.tree_util.keystr(path)}"
+    sharding = leaf.sharding
+    if not isinstance(sharding, NamedSharding) or not leaf.is_fully_replicated:
+      raise errors.UnsupportedConfigError(
+          f"{where} is a global array sharded across processes ({sharding}); "
+          "ckpt_iter saves global pending arrays only when they are fully "
+          "replicated, so this state cannot be saved exactly."
+      )
+    role = next((r for r, mesh in meshes.items() if mesh == sharding.mesh), None)
+    if role is None:
+      raise errors.UnsupportedConfigError(
+          f"{where} lives on a mesh that is none of the cluster's role meshes "
+          f"({sorted(r.value for r in meshes)}), so it could not be re-created on restore."
+      )
+    return GlobalArray(value=np.asarray(leaf), mesh_role=role.value, spec=tuple(sharding.spec))
+
+  return jax.tree_util.tree_map_with_path(wrap, pytree)
+
+
+def to_device(learner: Any, pytree: Any, origin: str) -> Any:
+  """A restored pending item on device; GlobalArrays become global arrays again."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  def place(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+      return jax.device_put(leaf)
+    if not isinstance(leaf, GlobalArray):
+      return leaf
+    meshes = learner.rl_cluster.r2m
+    role = next((r for r in meshes if r.value == leaf.mesh_role), None)
+    if not isinstance(leaf.value, np.ndarray):
+      raise errors.InvalidStateError(
+          f"{origin}: a pending global array holds {type(leaf.value).__name__}, not an array."
+      )
+    if role is None:
+      raise errors.InvalidStateError(
+          f"{origin}: a pending global array was saved on the mesh of role "
+          f"{leaf.mesh_role!r}, which this cluster does not have "
+          f"(roles: {sorted(r.value for r in meshes)})."
+      )
+    sharding = NamedSharding(meshes[role], PartitionSpec(*leaf.spec))
+    value = leaf.value
+    # Each process supplies its own copy, as the uninterrupted run held it.
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+  return jax.tree.map(place, pytree)
 
 
 class _SavingManager:

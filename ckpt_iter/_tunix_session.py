@@ -21,6 +21,7 @@ import jax
 from ckpt_iter import _tunix_api as api
 from ckpt_iter import _tunix_input
 from ckpt_iter import _tunix_items as items
+from ckpt_iter import _tunix_layouts as layouts_lib
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import errors
 from ckpt_iter import repeat as repeat_lib
@@ -153,8 +154,9 @@ class DataSession:
         first_index.setdefault(id(example), len(first_index))
       distinct = {index: example for example in pending_items
                   for index in [first_index[id(example)]]}
+      origin = f"checkpoint step {step}"
       pending = state_lib.Pending(
-          items=tuple(distinct[i] for i in range(len(distinct))),
+          items=tuple(items.for_checkpoint(learner, distinct[i], origin) for i in range(len(distinct))),
           schedule=tuple(first_index[id(example)] for example in pending_items),
       )
     mid_global_step = bool(pending_items) or remaining > 0
@@ -212,11 +214,15 @@ class DataSession:
     rollout_params = None
     if learner.should_sync_weights and mid_global_step:
       rollout_params = items.read_rollout_params(learner, manager, step, origin)
+    layouts = layouts_lib.read_saved_layouts(trainer, manager, step)
+    # Placed before anything is applied: a pending global array whose mesh
+    # this cluster lacks fails here, with nothing changed.
+    saved_items = value.pending.items if value.pending is not None else ()
+    on_device = [items.to_device(learner, item, origin) for item in saved_items]
     # All checks passed and everything is read: apply.
     self.input.apply(checked, value.position)
     self.key = repeat_lib.key_from_ints(value.shuffle_key)
     if value.pending is not None:
-      on_device = [items.to_device(item) for item in value.pending.items]
       self._restored_pending = [on_device[i] for i in value.pending.schedule]
     remaining = counters["remaining_mini_batches"]
     if mid_global_step:
@@ -225,6 +231,7 @@ class DataSession:
     else:
       global_steps = counters["global_steps"] + 1
     api.set_learner_iter_steps(learner, int(trainer.iter_steps))
+    layouts_lib.apply_saved_layouts(trainer, layouts)
     if critic_state is not None:
       items.apply_critic_state(learner, critic_state, step)
     self._restore_rollout_weights(rollout_params)

@@ -68,7 +68,8 @@ def write_files(
   stem = process_file_stem(process_index, process_count)
   if arrays:
     _atomic_write(os.path.join(directory, stem + ".npz"), lambda f: np.savez(f, **arrays))
-  text = json.dumps(header, indent=1, allow_nan=False).encode()
+  # Compact: a state is read by programs (`ckpt-iter inspect` shows it to people).
+  text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
   _atomic_write(os.path.join(directory, stem + ".json"), lambda f: f.write(text))
 
 

@@ -26,6 +26,7 @@ from ckpt_iter import errors
 FILE_SUFFIXES = (".jsonl", ".parquet", ".array_record")
 _INDEX_CHUNK_BYTES = 16 * 2**20
 _DIGEST_SAMPLES = 64
+_LISTED_FILES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,8 +250,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     reader = {".jsonl": JsonlSource, ".parquet": ParquetSource,
               ".array_record": ArrayRecordSource}[suffix]
     resolved = reader(paths)
-    names = ",".join(f"{os.path.basename(p)}:{os.path.getsize(p)}" for p in paths)
-    description = f"{suffix[1:]}[{names}]"
+    description = _describe_files(suffix[1:], paths)
   elif _is_random_access(source):
     resolved = source
     if isinstance(source, (list, tuple)):
@@ -269,6 +269,19 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
         f"source {description} holds no records; a dataset needs at least one."
     )
   return resolved, SourceIdentity(description, length, _sample_digest(resolved, length))
+
+
+def _describe_files(kind: str, paths: list[str]) -> str:
+  """Names and byte sizes of the files, not their directory; short for many files.
+
+  Beyond a few files the list is summarized by count, first and last name
+  and a digest of all names and sizes, so a state stays well under 1 KB.
+  """
+  entries = [f"{os.path.basename(p)}:{os.path.getsize(p)}" for p in paths]
+  if len(entries) <= _LISTED_FILES:
+    return f"{kind}[{','.join(entries)}]"
+  digest = hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+  return f"{kind}[{len(entries)} files {entries[0]}..{entries[-1]} sha256:{digest}]"
 
 
 def _as_paths(source: Any) -> list[str] | None:
