@@ -209,9 +209,4 @@ class DataIterator(grain.DatasetIterator):
     return f"DataIterator({self._dataset})"
 
 
-def _short(value: Any, limit: int = 80) -> str:
-  try:
-    text = repr(value)
-  except RecursionError:  # a hostile value nested thousands deep
-    text = f"<{type(value).__name__} nested too deeply to show>"
-  return text if len(text) <= limit else text[: limit - 3] + "..."
+_short = state_lib.short_repr

@@ -45,7 +45,29 @@ class SourceIdentity:
   digest: str
 
 
-class JsonlSource:
+class _FileReader:
+  """Per-thread reading state that survives pickling (for Grain workers)."""
+
+  _paths: list[str]
+
+  def __getstate__(self):
+    state = self.__dict__.copy()
+    del state["_local"]
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._local = threading.local()
+
+  @property
+  def paths(self) -> list[str]:
+    return list(self._paths)
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({len(self._paths)} files, {len(self)} records)"
+
+
+class JsonlSource(_FileReader):
   """Records of one or more JSONL files, indexed by line offset."""
 
   def __init__(self, paths: Sequence[str]):
@@ -83,21 +105,6 @@ class JsonlSource:
       fds[file_index] = os.open(self._paths[file_index], os.O_RDONLY)
     return fds[file_index]
 
-  def __getstate__(self):
-    state = self.__dict__.copy()
-    del state["_local"]
-    return state
-
-  def __setstate__(self, state):
-    self.__dict__.update(state)
-    self._local = threading.local()
-
-  @property
-  def paths(self) -> list[str]:
-    return list(self._paths)
-
-  def __repr__(self) -> str:
-    return f"JsonlSource({len(self._paths)} files, {len(self)} records)"
 
 
 def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +145,7 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
   return start[keep], end[keep]
 
 
-class ParquetSource:
+class ParquetSource(_FileReader):
   """Records of one or more Parquet files, decoded one row group at a time.
 
   Shuffled access decodes a whole row group per record it misses in the
@@ -174,21 +181,6 @@ class ParquetSource:
       self._local.pid = os.getpid()
     return cached[1].slice(row, 1).to_pylist()[0]
 
-  def __getstate__(self):
-    state = self.__dict__.copy()
-    del state["_local"]
-    return state
-
-  def __setstate__(self, state):
-    self.__dict__.update(state)
-    self._local = threading.local()
-
-  @property
-  def paths(self) -> list[str]:
-    return list(self._paths)
-
-  def __repr__(self) -> str:
-    return f"ParquetSource({len(self._paths)} files, {len(self)} records)"
 
 
 class ArrayRecordSource:

@@ -648,12 +648,16 @@ def _is_json_scalar(value: Any) -> bool:
   return isinstance(value, int)
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
+  """repr(value) cut to `limit` characters, for error messages."""
   try:
     text = repr(value)
   except RecursionError:  # a hostile value nested thousands deep
     text = f"<{type(value).__name__} nested too deeply to show>"
   return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_short = short_repr
 
 
 def iter_arrays(pytree: Any) -> Iterable[np.ndarray]:

@@ -147,30 +147,31 @@ def build_learner(config: RunConfig, root: str) -> Any:
 
 
 def _make_learner(config: RunConfig, cluster: Any) -> Any:
+  """The stock Tunix learner of `config.algorithm`, or its Resumable version."""
+  stock_cls, config_argument, algo_config = _algorithm(config)
+  learner_cls = stock_cls if config.learner == "stock" else _resumable(stock_cls)
+  return learner_cls(
+      rl_cluster=cluster,
+      reward_fns=reward_fn,
+      data_shuffle_seed=config.data_shuffle_seed,
+      **{config_argument: algo_config},
+  )
+
+
+def _algorithm(config: RunConfig) -> tuple[type, str, Any]:
+  """(stock learner class, name of its config argument, algorithm config)."""
   if config.algorithm == "grpo":
     from tunix.rl.grpo import grpo_learner  # pylint: disable=g-import-not-at-top
 
-    algo_config = grpo_learner.GRPOConfig(
+    return grpo_learner.GRPOLearner, "algo_config", grpo_learner.GRPOConfig(
         num_generations=config.num_generations,
         num_iterations=config.num_iterations,
         beta=0.04,
     )
-    if config.learner == "stock":
-      learner_cls = grpo_learner.GRPOLearner
-    else:
-      from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
-
-      learner_cls = ckpt_tunix.ResumableGRPOLearner
-    return learner_cls(
-        rl_cluster=cluster,
-        algo_config=algo_config,
-        reward_fns=reward_fn,
-        data_shuffle_seed=config.data_shuffle_seed,
-    )
   if config.algorithm == "dapo":
     from tunix.rl.grpo import dapo_learner  # pylint: disable=g-import-not-at-top
 
-    algo_config = dapo_learner.DAPOConfig(
+    return dapo_learner.DAPOLearner, "algo_config", dapo_learner.DAPOConfig(
         num_generations=config.num_generations,
         num_iterations=config.num_iterations,
         overlong_buffer={
@@ -178,35 +179,26 @@ def _make_learner(config: RunConfig, cluster: Any) -> Any:
             "overlong_buffer_penalty": 1.0, "max_response_length": 4,
         },
     )
-    learner_cls = dapo_learner.DAPOLearner
-    if config.learner != "stock":
-      from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
-
-      # Any RLLearner subclass resumes exactly through the mixin.
-      learner_cls = type("ResumableDAPOLearner", (ckpt_tunix.Resumable, learner_cls), {})
-    return learner_cls(
-        rl_cluster=cluster,
-        algo_config=algo_config,
-        reward_fns=reward_fn,
-        data_shuffle_seed=config.data_shuffle_seed,
-    )
   if config.algorithm == "ppo":
     from tunix.rl.ppo import ppo_learner  # pylint: disable=g-import-not-at-top
 
-    algo_config = ppo_learner.PPOConfig(num_iterations=config.num_iterations, beta=0.04)
-    if config.learner == "stock":
-      learner_cls = ppo_learner.PPOLearner
-    else:
-      from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
-
-      learner_cls = ckpt_tunix.ResumablePPOLearner
-    return learner_cls(
-        rl_cluster=cluster,
-        ppo_config=algo_config,
-        reward_fns=reward_fn,
-        data_shuffle_seed=config.data_shuffle_seed,
+    return ppo_learner.PPOLearner, "ppo_config", ppo_learner.PPOConfig(
+        num_iterations=config.num_iterations, beta=0.04
     )
   raise ValueError(f"algorithm={config.algorithm!r}: expected 'grpo', 'dapo' or 'ppo'.")
+
+
+def _resumable(stock_cls: type) -> type:
+  from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
+
+  ready_made = {
+      "GRPOLearner": ckpt_tunix.ResumableGRPOLearner,
+      "PPOLearner": ckpt_tunix.ResumablePPOLearner,
+  }
+  if stock_cls.__name__ in ready_made:
+    return ready_made[stock_cls.__name__]
+  # Any other RLLearner subclass (DAPO here) resumes exactly through the mixin.
+  return type(f"Resumable{stock_cls.__name__}", (ckpt_tunix.Resumable, stock_cls), {})
 
 
 def make_train_dataset(config: RunConfig) -> Any:

@@ -11,20 +11,16 @@ Runs are shared across tests (module-scoped cache) to keep the file fast.
 from __future__ import annotations
 
 import collections
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import multihost_worker as worker  # pylint: disable=g-import-not-at-top,wrong-import-position
+import process_group  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().with_name("multihost_worker.py")
 RUN_TIMEOUT_SECONDS = 150
 BATCHES_PER_EPOCH = worker.NUM_RECORDS // worker.GLOBAL_BATCH_SIZE
@@ -33,60 +29,13 @@ EXACT = (2, 4)
 ELASTIC = ((1, 2), (2, 1), (2, 4), (4, 2), (4, 1))
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _launch(directory: Path, name: str, num_processes: int, *, mode: str,
             ckpt_dir: Path, elastic: bool = False) -> list[dict]:
   """Runs one job of `num_processes` workers to completion; returns their outputs."""
-  port = _free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-  processes, logs = [], []
-  try:
-    for index in range(num_processes):
-      config = {
-          "port": port, "num_processes": num_processes, "process_id": index,
-          "ckpt_dir": str(ckpt_dir), "mode": mode, "elastic": elastic,
-          "out": str(directory / f"{name}_{index}.json"),
-      }
-      config_path = directory / f"{name}_{index}.config.json"
-      config_path.write_text(json.dumps(config))
-      log = open(directory / f"{name}_{index}.log", "wb")  # pylint: disable=consider-using-with
-      logs.append(log)
-      processes.append(subprocess.Popen(
-          [sys.executable, str(WORKER), str(config_path)],
-          cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT,
-      ))
-    deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
-    for process in processes:
-      process.wait(timeout=max(0.1, deadline - time.monotonic()))
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"{name}: workers still running after {RUN_TIMEOUT_SECONDS}s\n{_tails(directory, name, num_processes)}")
-  finally:
-    for process in processes:
-      if process.poll() is None:
-        process.kill()
-    for process in processes:
-      process.wait()
-    for log in logs:
-      log.close()
-  codes = [p.returncode for p in processes]
-  if any(codes):
-    pytest.fail(f"{name}: worker exit codes {codes}\n{_tails(directory, name, num_processes)}")
-  return [json.loads((directory / f"{name}_{i}.json").read_text()) for i in range(num_processes)]
-
-
-def _tails(directory: Path, name: str, count: int) -> str:
-  parts = []
-  for index in range(count):
-    path = directory / f"{name}_{index}.log"
-    text = path.read_text(errors="replace") if path.exists() else "<no log>"
-    parts.append(f"--- process {index} ---\n{text[-3000:]}")
-  return "\n".join(parts)
+  config = {"ckpt_dir": str(ckpt_dir), "mode": mode, "elastic": elastic}
+  return process_group.run_group(
+      WORKER, directory, name, [config] * num_processes, timeout_seconds=RUN_TIMEOUT_SECONDS
+  )
 
 
 class Runs:

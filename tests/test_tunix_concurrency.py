@@ -14,7 +14,7 @@ import os
 import pytest
 
 from ckpt_iter import checkpoint
-import ckpt_iter.tunix  # registers the TrainExample types pending items hold  # pylint: disable=unused-import
+import ckpt_iter.tunix  # noqa: F401  # registers the TrainExample types pending items hold
 import tunix_harness as harness
 
 GRAD_ACC = 2  # mini_batch_size 2 / train_micro_batch_size 1

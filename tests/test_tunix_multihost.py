@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, os.path.dirname(__file__))
+import process_group  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 WORKER = Path(__file__).resolve().with_name("tunix_multihost_worker.py")
 NUM_PROCESSES = 2
 MAX_STEPS = 6  # three rollouts, each trained twice
@@ -42,62 +41,15 @@ RUN_TIMEOUT_SECONDS = 300
 GLOBAL_FIELDS = ("old_per_token_logps", "ref_per_token_logps")
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _launch(directory: Path, name: str, root: Path, cache: Path, preempt_after: int | None) -> list[dict]:
   """Runs one 2-process job to its end (or its preemption); returns each process's record."""
-  port = _free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-  # Shared by the jobs of this module: only the first job compiles.
-  env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  processes, logs = [], []
-  try:
-    for index in range(NUM_PROCESSES):
-      config = {
-          "port": port, "num_processes": NUM_PROCESSES, "process_id": index,
-          "root": str(root), "out": str(directory / f"{name}_{index}.json"),
-          "preempt_after": preempt_after, "max_steps": MAX_STEPS,
-      }
-      config_path = directory / f"{name}_{index}.config.json"
-      config_path.write_text(json.dumps(config))
-      log = open(directory / f"{name}_{index}.log", "wb")  # pylint: disable=consider-using-with
-      logs.append(log)
-      processes.append(subprocess.Popen(
-          [sys.executable, str(WORKER), str(config_path)],
-          cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT,
-      ))
-    deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
-    for process in processes:
-      process.wait(timeout=max(0.1, deadline - time.monotonic()))
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"{name}: workers still running after {RUN_TIMEOUT_SECONDS}s\n{_tails(directory, name)}")
-  finally:
-    for process in processes:
-      if process.poll() is None:
-        process.kill()
-    for process in processes:
-      process.wait()
-    for log in logs:
-      log.close()
-  codes = [p.returncode for p in processes]
-  if any(codes):
-    pytest.fail(f"{name}: worker exit codes {codes}\n{_tails(directory, name)}")
-  return [json.loads((directory / f"{name}_{i}.json").read_text()) for i in range(NUM_PROCESSES)]
-
-
-def _tails(directory: Path, name: str) -> str:
-  parts = []
-  for index in range(NUM_PROCESSES):
-    path = directory / f"{name}_{index}.log"
-    text = path.read_text(errors="replace") if path.exists() else "<no log>"
-    parts.append(f"--- process {index} ---\n{text[-3000:]}")
-  return "\n".join(parts)
+  config = {"root": str(root), "preempt_after": preempt_after, "max_steps": MAX_STEPS}
+  return process_group.run_group(
+      WORKER, directory, name, [config] * NUM_PROCESSES, timeout_seconds=RUN_TIMEOUT_SECONDS,
+      # Shared by the jobs of this module: only the first job compiles.
+      extra_env={"JAX_COMPILATION_CACHE_DIR": str(cache),
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"},
+  )
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,8 @@ import sys
 import time
 import traceback
 
+import process_group  # tests/process_group.py: this script runs from tests/
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 NUM_ITERATIONS = 2
@@ -181,16 +183,7 @@ def main(config_path: str) -> int:
   started = time.perf_counter()
   import jax  # pylint: disable=g-import-not-at-top
 
-  address = f"127.0.0.1:{config['port']}"
-  jax.distributed.initialize(
-      coordinator_address=address,
-      coordinator_bind_address=address,
-      num_processes=config["num_processes"],
-      process_id=config["process_id"],
-      initialization_timeout=60,
-      heartbeat_timeout_seconds=30,
-      shutdown_timeout_seconds=30,
-  )
+  process_group.initialize_distributed(config)
   from ckpt_iter import _tunix_session  # pylint: disable=g-import-not-at-top
   from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
   from ckpt_iter import toyrun  # pylint: disable=g-import-not-at-top
