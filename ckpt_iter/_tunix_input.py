@@ -45,7 +45,7 @@ class GrainSource:
     """Moves to full batch `count` in O(1) when the position is an index."""
     if set(self.position()) != {"next_index"}:
       return False
-    self._iterator.set_state({"next_index": count})
+    self._move_to({"next_index": count})
     return True
 
   def __next__(self) -> Any:
@@ -54,8 +54,12 @@ class GrainSource:
   def peek(self) -> Any:
     position = self.position()
     element = next(self._iterator)
-    self._iterator.set_state(position)
+    self._move_to(position)
     return element
+
+  def _move_to(self, position: Mapping[str, Any]) -> None:
+    checked = self._iterator.check_restorable(self.fingerprint, position, origin="the input")
+    self.apply(checked, position)
 
 
 class ReplaySource:

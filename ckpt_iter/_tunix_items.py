@@ -209,21 +209,19 @@ class _SavingManager:
   def __init__(self, real: ocp.CheckpointManager, learner: Any):
     self._real = real
     self._learner = learner
-    self._has_critic = critic_trainer(learner) is not None
     self._deferred: tuple[Any, ...] | None = None
 
   def save(self, step, args=None, custom_metadata=None, force=False, **kwargs):
     learner = self._learner
     session = learner._ci_session  # pylint: disable=protected-access
     items = dict(args.items()) if args is not None else {}
-    if session is not None:
-      value, mid_global_step = session.snapshot(step)
-      items[DATA_ITEM] = checkpoint_lib.IteratorSave(Snapshot(value))
-      if learner.should_sync_weights and mid_global_step:
-        items[ROLLOUT_ITEM] = _pytree_save(rollout_params(learner))
+    value, mid_global_step = session.snapshot(step)
+    items[DATA_ITEM] = checkpoint_lib.IteratorSave(Snapshot(value))
+    if learner.should_sync_weights and mid_global_step:
+      items[ROLLOUT_ITEM] = _pytree_save(rollout_params(learner))
     if not custom_metadata:
       custom_metadata = learner.rl_cluster.actor_trainer.custom_checkpoint_metadata()
-    if self._has_critic:
+    if critic_trainer(learner) is not None:
       self._deferred = (step, items, custom_metadata, force, kwargs)
       return True
     return self._save(step, items, custom_metadata, force, kwargs)
@@ -280,8 +278,8 @@ class _CriticCheckpointManager:
 
 
 def critic_trainer(learner: Any) -> Any:
-  cluster = learner.rl_cluster
-  return getattr(cluster, "critic_trainer", None) if hasattr(cluster, "critic_trainer") else None
+  """The critic's trainer (PPO), or None: RLCluster raises AttributeError without one."""
+  return getattr(learner.rl_cluster, "critic_trainer", None)
 
 
 def _pytree_save(tree: Any) -> Any:

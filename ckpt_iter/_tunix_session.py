@@ -246,15 +246,19 @@ class DataSession:
     learner = self.learner
     if not learner.should_sync_weights:
       return  # the rollout model is the actor model
-    cluster = learner.rl_cluster
     if rollout_params is None:
       # At a global-step boundary the uninterrupted run syncs the restored
       # actor weights right after the checkpoint: do that sync now.
-      global_steps = cluster.global_steps
-      cluster.sync_weights()
-      cluster.global_steps = global_steps
+      self._sync_rollout_from_actor()
     else:
-      cluster.rollout.update_params(rollout_params, items.weight_filter(learner))
+      learner.rl_cluster.rollout.update_params(rollout_params, items.weight_filter(learner))
+
+  def _sync_rollout_from_actor(self) -> None:
+    """Tunix's weight sync, without the global-step increment that comes with it."""
+    cluster = self.learner.rl_cluster
+    global_steps = cluster.global_steps
+    cluster.sync_weights()
+    cluster.global_steps = global_steps
 
   def _restore_legacy(self, step: int, step_dir: str, policy: str) -> None:
     learner = self.learner
@@ -278,9 +282,7 @@ class DataSession:
       self._first_global_step = self.mini_batches_per_global_step - index
     api.set_learner_iter_steps(learner, int(learner.rl_cluster.actor_trainer.iter_steps))
     if learner.should_sync_weights:
-      global_steps = learner.rl_cluster.global_steps
-      learner.rl_cluster.sync_weights()
-      learner.rl_cluster.global_steps = global_steps
+      self._sync_rollout_from_actor()
     _LOG.warning(
         "ckpt_iter: checkpoint step %d has no data state (legacy). Fast-forwarded "
         "%d input micro-batches (ceil(%d / num_iterations=%d) mini-batches x %d). "

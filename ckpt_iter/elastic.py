@@ -336,6 +336,5 @@ def _names(present: Sequence[tuple[int, int]]) -> str:
   return ", ".join(checkpoint_lib.process_file_stem(i, n) + ".json" for i, n in present)
 
 
-def _short(value: Any, limit: int = 120) -> str:
-  text = repr(value)
-  return text if len(text) <= limit else text[: limit - 3] + "..."
+def _short(value: Any) -> str:
+  return state_lib.short_repr(value, limit=120)

@@ -15,7 +15,6 @@ Steps are the integer-named directories; Orbax's temporary step directories
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 import re
 from typing import Any, Mapping
@@ -328,14 +327,8 @@ def _pending_view(pending: Mapping[str, Any] | None) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
-def same_value(a: Any, b: Any) -> bool:
-  """Equal JSON values, where True is not 1 (and int types may differ)."""
-  return type(a) is type(b) and a == b or (is_int(a) and is_int(b) and a == b)
-
-
-def is_int(value: Any) -> bool:
-  """An integer that is not a bool."""
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+same_value = state_lib.same_field_value
+is_int = state_lib.is_int
 
 
 def one_line(text: str) -> str:

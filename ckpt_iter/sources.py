@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ckpt_iter import errors
+from ckpt_iter import state as state_lib
 
 FILE_SUFFIXES = (".jsonl", ".parquet", ".array_record")
 _INDEX_CHUNK_BYTES = 16 * 2**20
@@ -343,6 +344,5 @@ def _import_pyarrow_parquet():
   return pq
 
 
-def _short(value: Any, limit: int = 60) -> str:
-  text = repr(value)
-  return text if len(text) <= limit else text[: limit - 3] + "..."
+def _short(value: Any) -> str:
+  return state_lib.short_repr(value, limit=60)

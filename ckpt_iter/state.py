@@ -265,13 +265,14 @@ def check_fingerprint(
     if name in allow_drift:
       continue
     before, after = saved.get(name, absent), current.get(name, absent)
-    if not _same_scalar(before, after):
+    if not same_field_value(before, after):
       differences[name] = (before, after)
   if differences:
     raise errors.ConfigDriftError(differences, origin=origin)
 
 
-def _same_scalar(a: Any, b: Any) -> bool:
+def same_field_value(a: Any, b: Any) -> bool:
+  """Equal fingerprint values: True is not 1, int types may differ, NaN is NaN."""
   if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
     return True
   return type(a) is type(b) and a == b or (_is_int(a) and _is_int(b) and a == b)
@@ -636,8 +637,12 @@ def _require(value: Mapping[str, Any], name: str, kind: type, origin: str) -> An
   return value[name]
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+  """An integer that is not a bool."""
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+_is_int = is_int
 
 
 def _is_json_scalar(value: Any) -> bool:

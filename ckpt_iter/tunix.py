@@ -114,10 +114,10 @@ class Resumable:
       raise errors.InvalidArgumentError(
           f"on_legacy_checkpoint={on_legacy_checkpoint!r}: expected one of {list(LEGACY_POLICIES)}."
       )
-    session = _tunix_session.DataSession(self, train_ds)
+    # Set before the saving manager exists: every save it makes has a session.
+    self._ci_session = session = _tunix_session.DataSession(self, train_ds)
     _tunix_items.install_saving_manager(self)
     session.restore(on_legacy_checkpoint, frozenset(allow_drift))
-    self._ci_session = session
     super().train(session.tunix_input(), eval_ds, skip_jit)
 
   # --- overrides of Tunix internals -------------------------------------------

@@ -8,6 +8,8 @@ same scenario (num_iterations=2, one prompt per micro-batch, checkpoint after
 A's two updates) through a real toy GRPO learner and Orbax on CPU.
 """
 
+import os
+import shutil
 from unittest import mock
 
 import numpy as np
@@ -16,6 +18,8 @@ from tunix.rl import algorithm_config
 from tunix.rl import rl_learner
 from tunix.rl.queue import data_queue
 
+from ckpt_iter import errors
+from ckpt_iter import make_dataset
 from ckpt_iter import toyrun
 
 NUM_ITERATIONS = 2
@@ -59,37 +63,68 @@ def test_stock_fast_forward_continues_from_next_micro_batch():
   assert actual == expected  # stock gives ['C', 'C'] instead of ['B', 'B']
 
 
-def _train(learner_kind, root, max_steps, recorder_out):
-  config = toyrun.RunConfig(learner=learner_kind, num_iterations=NUM_ITERATIONS, max_steps=max_steps)
+RECORDS_READ: list[str] = []
+
+
+def record_read(record):
+  """make_dataset transform that logs which prompt the input pipeline read."""
+  RECORDS_READ.append(record["id"])
+  return record
+
+
+def _train(learner_kind, root, max_steps, num_iterations=NUM_ITERATIONS):
+  config = toyrun.RunConfig(learner=learner_kind, num_iterations=num_iterations, max_steps=max_steps)
   learner = toyrun.build_learner(config, root)
   recorder = toyrun.TrainerInputRecorder(learner)
-  learner.train(toyrun.make_train_dataset(config))
-  return ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in recorder.inputs], recorder.inputs
+  dataset = make_dataset(
+      toyrun.load_prompts(), batch_size=1, num_epochs=None, shard_index=0, shard_count=1,
+      transform=record_read,
+  )
+  RECORDS_READ.clear()
+  learner.train(dataset)
+  return ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in recorder.inputs], list(RECORDS_READ)
 
 
 @pytest.fixture(scope="module")
 def trained_on_a(tmp_path_factory):
   """A checkpoint written right after A's two updates (train_steps == 2)."""
   root = str(tmp_path_factory.mktemp("seed") / "ckpt")
-  labels, _ = _train("ckpt_iter", root, 2, None)
+  labels, _ = _train("ckpt_iter", root, 2)
   assert labels == ["A", "A"]
   return root
 
 
-def test_resumable_continues_from_next_micro_batch(trained_on_a, tmp_path):
-  import shutil  # pylint: disable=g-import-not-at-top
-
+@pytest.fixture
+def resumable_copy(trained_on_a, tmp_path):
   root = str(tmp_path / "ckpt")
   shutil.copytree(trained_on_a, root)
-  labels, _ = _train("ckpt_iter", root, 4, None)
+  return root
+
+
+def test_resumable_continues_from_next_micro_batch_without_replay(resumable_copy):
+  labels, read = _train("ckpt_iter", resumable_copy, 4)
   assert labels == ["B", "B"]
+  # A is read once, to size the batches as Tunix does (the first batch), then
+  # the position is set directly: no next() over the consumed input.
+  assert read == ["A", "B"]
+
+
+def test_data_state_of_another_step_is_refused(resumable_copy):
+  step_1, step_2 = (os.path.join(resumable_copy, "actor", str(s), "data") for s in (1, 2))
+  shutil.rmtree(step_2)
+  shutil.copytree(step_1, step_2)
+  with pytest.raises(errors.InvalidStateError, match="taken at train step 1, but the model was restored at step 2"):
+    _train("ckpt_iter", resumable_copy, 4)
+
+
+def test_resuming_with_another_num_iterations_names_the_field(resumable_copy):
+  with pytest.raises(errors.ConfigDriftError, match="num_iterations=2 there, num_iterations=3 here"):
+    _train("ckpt_iter", resumable_copy, 6, num_iterations=3)
 
 
 def test_resumable_refuses_to_resume_a_stock_checkpoint(tmp_path):
-  from ckpt_iter import errors  # pylint: disable=g-import-not-at-top
-
   root = str(tmp_path / "ckpt")
-  labels, _ = _train("stock", root, 2, None)
+  labels, _ = _train("stock", root, 2)
   assert labels == ["A", "A"]
   with pytest.raises(errors.LegacyCheckpointError, match="has no 'data' item"):
-    _train("ckpt_iter", root, 4, None)
+    _train("ckpt_iter", root, 4)
