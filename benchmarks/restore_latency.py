@@ -32,7 +32,8 @@ import _common
 import grain
 
 import ckpt_iter
-from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _files
+from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
 
 POSITIONS = [10**k for k in range(2, 8)]
@@ -68,7 +69,7 @@ def restore_from_file_ms(dataset, directory: str, expected_id: int) -> float:
   iterator = ckpt_iter.DataIterator(dataset)
 
   def restore():
-    value = checkpoint_lib.read_state(directory, 0, 1)
+    value = _files.read_state(directory, 0, 1)
     iterator.restore_state(value)
     return next(iterator)
 
@@ -114,8 +115,8 @@ def main() -> None:
   for n in POSITIONS:
     directories[n] = os.path.join(workdir, str(n))
     os.makedirs(directories[n])
-    header, arrays = state_lib.encode_state(state_lib.IteratorState.from_dict(states[n]))
-    checkpoint_lib.write_files(directories[n], header, arrays, process_index=0, process_count=1)
+    header, arrays = codec.encode_state(state_lib.IteratorState.from_dict(states[n]))
+    _files.write_files(directories[n], header, arrays, process_index=0, process_count=1)
 
   times = {n: {"restore": [], "restore_from_file": [], "replay": [], "replay_grain_default": []} for n in POSITIONS}
   restore_ms(dataset, states[100], 100)  # warm-up: imports, first thread pool

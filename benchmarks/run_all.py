@@ -1,6 +1,6 @@
 """Runs every benchmark, collects their JSON lines, regenerates docs/benchmarks.md.
 
-    python benchmarks/run_all.py            # full run (make bench), ~8 minutes on 2 cores
+    python benchmarks/run_all.py            # full run (make bench), ~12 minutes on 2 cores
     python benchmarks/run_all.py --quick    # smoke pass; results and page go to a temp dir
     python benchmarks/run_all.py --docs-only  # re-render docs from benchmarks/results.jsonl
 
@@ -26,6 +26,7 @@ import _common
 
 SCRIPTS = [
     "restore_latency", "state_size", "throughput", "save_blocking", "tunix_step_time", "resume_wall_time",
+    "pod_scale", "jsonl_index",
 ]
 RESULTS_PATH = os.path.join(_common.BENCH_DIR, "results.jsonl")
 DOCS_PATH = os.path.join(_common.REPO_DIR, "docs", "benchmarks.md")

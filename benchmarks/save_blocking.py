@@ -166,7 +166,8 @@ def main() -> None:
     report.measurement(variant=name, blocked_ms=_common.rounded(_common.median(values)),
                        complete_save_ms=_common.rounded(_common.median(complete[name])), reps=len(values))
   for k, values in snapshots.items():
-    report.measurement(measure="snapshot (IteratorCheckpointHandler's synchronous part), minus a paired copy when pending",
+    report.measurement(
+        measure="snapshot (IteratorCheckpointHandler's synchronous part), minus a paired copy when pending",
                        pending=k, snapshot_minus_copy_ms=_common.rounded(_common.median(values)))
   orbax_fixed_ms = _common.median(blocked["tiny_params_only"])
   for name, values in in_save.items():
@@ -190,7 +191,9 @@ def main() -> None:
           f"<= {TARGET_MS:g} ms" + (f" + copy {copy_median:.2f} ms" if k != "no_pending" else ""),
           value <= allowance, blocked_minus_copy_ms=_common.rounded(excess),
           handler_snapshot_minus_copy_ms=_common.rounded(_common.median(snapshots[k])),
-          in_save_snapshot_ms=_common.rounded(_common.median(in_save[f"params_data_{k}" if label.startswith("params") else f"data_{k}"])),
+          in_save_snapshot_ms=_common.rounded(
+              _common.median(in_save[f"params_data_{k}" if label.startswith("params") else f"data_{k}"])
+          ),
           **({"orbax_fixed_ms_tiny_item": _common.rounded(orbax_fixed_ms)} if label == "data item alone"
              else {"paired_difference_quartiles_ms": [_common.rounded(q, 3) for q in quartiles]}),
       ))

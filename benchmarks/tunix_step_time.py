@@ -1,6 +1,6 @@
 """Q5: toy GRPO step time — ResumableGRPOLearner vs stock GRPOLearner.
 
-The toy run of `ckpt_iter.toyrun` (Tunix's ToyTransformer on CPU, one prompt
+The toy run of `ckpt_iter.demo.toyrun` (Tunix's ToyTransformer on CPU, one prompt
 per global step, num_iterations 2, num_generations 2), same config for both
 learners, each run in a fresh process; runs alternate between the learners
 (ABBA) in pairs. Process start-up, JIT and the final forced save are excluded:
@@ -42,7 +42,7 @@ LEARNERS = ("stock", "ckpt_iter")
 def train_once(learner_kind: str, root: str, max_steps: int, save_interval_steps: int) -> dict:
   """Trains one toy run in this process and returns its timings in the window."""
   from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import toyrun  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
 
   config = toyrun.RunConfig(learner=learner_kind, max_steps=max_steps, save_interval_steps=save_interval_steps)
   learner = toyrun.build_learner(config, root)
@@ -185,14 +185,18 @@ def main() -> None:
       extra_fields = {
           "one_process_ratio": _common.rounded(_common.median(
               paired_ratios(in_process_by["ckpt_iter"], in_process_by["stock"])), 3),
-          "one_process_per_pair_ratios": [_common.rounded(x, 3) for x in paired_ratios(in_process_by["ckpt_iter"], in_process_by["stock"])],
+          "one_process_per_pair_ratios": [
+              _common.rounded(x, 3) for x in paired_ratios(in_process_by["ckpt_iter"], in_process_by["stock"])
+          ],
       }
     checks.append(_common.check(
         f"save_interval_steps={interval}: ckpt_iter / stock median step time - 1",
         f"{(ratio - 1) * 100:+.1f}%", "<= 2%", ratio <= 1.02,
         median_of_per_pair_ratios=f"{(_common.median(per_pair) - 1) * 100:+.1f}%",
         cpu_time=f"{(cpu_ratio - 1) * 100:+.1f}%",
-        save_ms_delta=_common.rounded(summaries["ckpt_iter"]["median_save_ms"] - summaries["stock"]["median_save_ms"], 3),
+        save_ms_delta=_common.rounded(
+            summaries["ckpt_iter"]["median_save_ms"] - summaries["stock"]["median_save_ms"], 3
+        ),
         pairs=pairs,
         per_pair_ratios=[_common.rounded(x, 3) for x in per_pair],
         data_snapshot_ms=_common.rounded(_common.median(snapshot_ms), 3) if snapshot_ms else None,

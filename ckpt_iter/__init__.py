@@ -6,11 +6,12 @@ the model. `ckpt_iter.tunix` (imported separately) makes Tunix RL learners
 resume exactly.
 """
 
+from ckpt_iter.checkpoint import IteratorCheckpointable
 from ckpt_iter.checkpoint import IteratorCheckpointHandler
 from ckpt_iter.checkpoint import IteratorRestore
 from ckpt_iter.checkpoint import IteratorSave
-from ckpt_iter.dataset import ELASTIC_FIELDS
 from ckpt_iter.dataset import make_dataset
+from ckpt_iter.elastic import ELASTIC_FIELDS
 from ckpt_iter.errors import CkptIterError
 from ckpt_iter.errors import ConfigDriftError
 from ckpt_iter.errors import InvalidArgumentError
@@ -20,11 +21,12 @@ from ckpt_iter.errors import ProcessCountError
 from ckpt_iter.errors import StateVersionError
 from ckpt_iter.errors import UnsupportedConfigError
 from ckpt_iter.iterator import DataIterator
+from ckpt_iter._loader import DataLoaderIterator
 from ckpt_iter.repeat import RepeatIterator
 from ckpt_iter.state import FORMAT_VERSION
 from ckpt_iter.state import IteratorState
 from ckpt_iter.state import Pending
-from ckpt_iter.state import register_pytree_dataclass
+from ckpt_iter._codec import register_pytree_dataclass
 
 __version__ = "0.1.0"
 
@@ -32,11 +34,13 @@ __all__ = [
     "CkptIterError",
     "ConfigDriftError",
     "DataIterator",
+    "DataLoaderIterator",
     "ELASTIC_FIELDS",
     "FORMAT_VERSION",
     "InvalidArgumentError",
     "InvalidStateError",
     "IteratorCheckpointHandler",
+    "IteratorCheckpointable",
     "IteratorRestore",
     "IteratorSave",
     "IteratorState",

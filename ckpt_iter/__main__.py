@@ -1,8 +1,27 @@
-"""`python -m ckpt_iter`: the ckpt-iter command line."""
+"""`ckpt-iter` and `python -m ckpt_iter`: the command line.
+
+`demo` is the preempt-and-resume demo (`ckpt_iter.demo`, which runs Tunix);
+every other verb belongs to `ckpt_iter.cli` (which only reads checkpoints).
+Dispatching here keeps the cli free of the demo, and lets the demo use the cli.
+"""
+
+from __future__ import annotations
 
 import sys
+from typing import Sequence
 
-from ckpt_iter import cli
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the command line `argv` (default: sys.argv[1:]); returns the exit code."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["demo"]:
+    from ckpt_iter import demo  # pylint: disable=g-import-not-at-top
+
+    return int(demo.main(argv[1:]) or 0)  # the demo parses its own options
+  from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
+
+  return cli.main(argv)
+
 
 if __name__ == "__main__":
-  sys.exit(cli.main())
+  sys.exit(main())

@@ -18,274 +18,49 @@ never restored.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
-import re
-import stat
-import zipfile
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection
 
 from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ckpt_iter import _codec as codec
+from ckpt_iter import _files
+from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
-MAX_HEADER_BYTES = 64 * 2**20
-_PROCESS_FILE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
-
-
-def process_file_stem(process_index: int, process_count: int) -> str:
-  return f"process_{process_index}-of-{process_count}"
-
-
-# ---------------------------------------------------------------------------
-# Writing and reading one process's files.
-
 
 def snapshot(item: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  """Takes the state of `item` now: a JSON header and copies of its arrays."""
+  """Takes the state of `item` now: a JSON header and copies of its arrays.
+
+  The only copy of the pending arrays a save makes: one host copy per leaf
+  (`_codec.encode_pytree`; a JAX array on an accelerator is transferred, and
+  that transfer is the copy). The handler writes these very arrays in Orbax's
+  background thread, with no further defensive copy.
+  """
   if hasattr(item, "state"):
     value = item.state()
   else:
-    value = state_lib.IteratorState.from_dict(item.get_state())
-  return state_lib.encode_state(value)
+    value = state_lib.IteratorState.from_dict(_grain_state_dict(item.get_state()))
+  return codec.encode_state(value)
 
 
-def write_files(
-    directory: str | os.PathLike[str],
-    header: Mapping[str, Any],
-    arrays: Mapping[str, np.ndarray],
-    *,
-    process_index: int,
-    process_count: int,
-) -> None:
-  """Writes one process's files; each appears whole or not at all."""
-  directory = os.fspath(directory)
-  stem = process_file_stem(process_index, process_count)
-  if arrays:
-    _atomic_write(os.path.join(directory, stem + ".npz"), lambda f: np.savez(f, **arrays))
-  # Compact: a state is read by programs (`ckpt-iter inspect` shows it to people).
-  text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-  _atomic_write(os.path.join(directory, stem + ".json"), lambda f: f.write(text))
-
-
-def _atomic_write(path: str, write: Any) -> None:
-  temporary = f"{path}.tmp-{os.getpid()}"
-  with open(temporary, "wb") as f:
-    write(f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temporary, path)
-
-
-def read_header(path: str) -> dict[str, Any]:
-  """Reads and parses a state header file, with errors that name the file."""
-  try:
-    size = _regular_file_size(path)
-  except OSError as e:
-    raise errors.InvalidStateError(f"{path}: cannot read the state file ({e.strerror}).") from None
-  if size > MAX_HEADER_BYTES:
-    raise errors.InvalidStateError(
-        f"{path}: state header is {size} bytes, over the {MAX_HEADER_BYTES} limit; "
-        "the file is corrupt or not a ckpt_iter state."
-    )
-  try:
-    with open(path, "rb") as f:
-      # Bounded by the measured size (read(n) allocates n bytes up front).
-      data = f.read(size + 1)
-    if len(data) > size:
-      raise ValueError(f"the file grew past its {size} bytes while being read")
-    return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-  except (UnicodeDecodeError, ValueError, RecursionError) as e:
-    # RecursionError: JSON nested deeper than the parser's recursion limit.
-    raise errors.InvalidStateError(
-        f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); the file "
-        "is truncated or garbled. Restore an earlier step."
-    ) from None
-
-
-def _regular_file_size(path: str) -> int:
-  """The size of `path`; OSError unless it is a regular file.
-
-  A FIFO would block the reader forever and a device (/dev/zero) never ends,
-  so a state file (or a symlink in its place) must be a regular file.
-  """
-  info = os.stat(path)
-  if not stat.S_ISREG(info.st_mode):
-    raise OSError(errno.EINVAL, "not a regular file", path)
-  return info.st_size
-
-
-def _reject_constant(name: str) -> Any:
-  raise ValueError(f"{name} is not valid in a state file")
-
-
-def read_state(
-    directory: str | os.PathLike[str], process_index: int, process_count: int
-) -> state_lib.IteratorState:
-  """Reads and validates one process's state (header and arrays)."""
-  directory = os.fspath(directory)
-  stem = process_file_stem(process_index, process_count)
-  json_path = os.path.join(directory, stem + ".json")
-  if not os.path.exists(json_path):
-    raise _missing_process_file(directory, process_index, process_count)
-  header = read_header(json_path)
-  npz_path = os.path.join(directory, stem + ".npz")
-  with _ArrayReader(npz_path) as reader:
-    return state_lib.decode_state(header, reader.load, origin=json_path)
-
-
-class _ArrayReader:
-  """Loads named arrays from an npz, checking dtype, shape and stored size first."""
-
-  def __init__(self, path: str):
-    self._path = path
-    self._zip: zipfile.ZipFile | None = None
-    self._file: _ClampedFile | None = None
-
-  def __enter__(self) -> "_ArrayReader":
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    if self._zip is not None:
-      self._zip.close()
-    if self._file is not None:
-      self._file.close()
-
-  def load(self, name: str, spec: state_lib.ArraySpec) -> np.ndarray:
-    if self._zip is None:
-      if not os.path.exists(self._path):
-        raise errors.InvalidStateError(
-            f"{self._path}: missing; the state refers to array {name!r}. "
-            "The checkpoint is incomplete: restore an earlier step."
-        )
-      try:
-        self._file = _ClampedFile(self._path)
-        self._zip = zipfile.ZipFile(self._file)
-      except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
-        raise errors.InvalidStateError(
-            f"{self._path}: not a readable npz ({e}); the state refers to array "
-            f"{name!r}. The file is truncated or garbled: restore an earlier step."
-        ) from None
-    member = name + ".npy"
+def _grain_state_dict(grain_state: Any) -> Any:
+  """A plain Grain iterator's state as a dict: a DataLoader's comes as JSON bytes."""
+  if isinstance(grain_state, bytes):
     try:
-      info = self._zip.getinfo(member)
-    except KeyError:
+      return json.loads(grain_state.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
       raise errors.InvalidStateError(
-          f"{self._path}: has no array {name!r} (the state header lists it)."
+          f"the iterator's get_state() returned bytes that are not JSON ({e}); "
+          "ckpt_iter stores Grain states as JSON. Wrap a grain.DataLoader in "
+          "ckpt_iter.DataLoaderIterator."
       ) from None
-    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-      raise errors.InvalidStateError(
-          f"{self._path}: array {name!r} is compressed or its sizes disagree; "
-          "ckpt_iter writes stored members only."
-      )
-    if info.header_offset + info.compress_size > self._file.size:
-      raise errors.InvalidStateError(
-          f"{self._path}: array {name!r} claims {info.compress_size} bytes at offset "
-          f"{info.header_offset}, but the file holds only {self._file.size}; the "
-          "file is truncated or garbled."
-      )
-    if info.file_size > spec.nbytes + 4096:
-      raise errors.InvalidStateError(
-          f"{self._path}: array {name!r} takes {info.file_size} bytes, more than "
-          f"its {spec.nbytes}-byte spec allows."
-      )
-    try:
-      with self._zip.open(info) as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-          shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-          shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-          raise errors.InvalidStateError(
-              f"{self._path}: array {name!r} has npy format {version}; expected 1.0 or 2.0."
-          )
-        header_end = f.tell()
-        if dtype.hasobject:
-          raise errors.InvalidStateError(f"{self._path}: array {name!r} has an object dtype.")
-        if np.dtype(dtype).str != spec.dtype or tuple(shape) != spec.shape:
-          raise errors.InvalidStateError(
-              f"{self._path}: array {name!r} is {np.dtype(dtype).str}{list(shape)}, "
-              f"but the state header says {spec.dtype}{list(spec.shape)}."
-          )
-        if info.file_size - header_end != spec.nbytes:
-          raise errors.InvalidStateError(
-              f"{self._path}: array {name!r} holds {info.file_size - header_end} "
-              f"data bytes, expected {spec.nbytes}; the file is truncated."
-          )
-        data = f.read(spec.nbytes)
-    except errors.InvalidStateError:
-      raise  # already says what is wrong (it is a ValueError: not re-wrapped)
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as e:
-      # RuntimeError: zipfile refuses members flagged as encrypted.
-      raise errors.InvalidStateError(f"{self._path}: array {name!r} is unreadable ({e}).") from None
-    if len(data) != spec.nbytes:
-      raise errors.InvalidStateError(f"{self._path}: array {name!r} is truncated.")
-    array = np.frombuffer(data, dtype=np.dtype(spec.dtype)).reshape(
-        spec.shape, order="F" if fortran else "C"
-    )
-    return array.copy()
-
-
-class _ClampedFile:
-  """A read-only regular file whose reads never ask for more than it holds.
-
-  A garbled zip can claim a central directory or a member of gigabytes, and
-  zipfile then calls read(n) with that n, which allocates n bytes up front.
-  Clamping n to what is left in the file bounds memory by the file's size.
-  """
-
-  def __init__(self, path: str):
-    self.size = _regular_file_size(path)
-    self._f = open(path, "rb")
-
-  def read(self, n: int | None = -1) -> bytes:
-    left = max(0, self.size - self._f.tell())
-    return self._f.read(left if n is None or n < 0 else min(n, left))
-
-  def seek(self, offset: int, whence: int = 0) -> int:
-    return self._f.seek(offset, whence)
-
-  def tell(self) -> int:
-    return self._f.tell()
-
-  def seekable(self) -> bool:
-    return True
-
-  def close(self) -> None:
-    self._f.close()
-
-
-def list_process_files(directory: str | os.PathLike[str]) -> list[tuple[int, int]]:
-  """The (process_index, process_count) pairs of the state files in a directory."""
-  found = []
-  for name in sorted(os.listdir(os.fspath(directory))):
-    match = _PROCESS_FILE.match(name)
-    if match:
-      found.append((int(match.group(1)), int(match.group(2))))
-  return sorted(found)
-
-
-def _missing_process_file(directory: str, process_index: int, process_count: int) -> errors.CkptIterError:
-  present = list_process_files(directory) if os.path.isdir(directory) else []
-  counts = sorted({count for _, count in present})
-  if counts and process_count not in counts:
-    return errors.ProcessCountError(
-        f"{directory}: written by {counts[0]} process(es) "
-        f"({', '.join(process_file_stem(i, n) + '.json' for i, n in present)}), "
-        f"but this run has {process_count}. Restore with {counts[0]} processes, or "
-        "pass elastic=True to IteratorRestore (make_dataset pipelines only)."
-    )
-  return errors.InvalidStateError(
-      f"{directory}: {process_file_stem(process_index, process_count)}.json is missing "
-      f"(present: {[process_file_stem(i, n) for i, n in present] or 'none'}). "
-      "The checkpoint is incomplete: restore an earlier step."
-  )
+  return grain_state
 
 
 # ---------------------------------------------------------------------------
@@ -309,14 +84,14 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     index, count = self._process()
 
     async def write() -> None:
-      write_files(directory, header, arrays, process_index=index, process_count=count)
+      _files.write_files(directory, header, arrays, process_index=index, process_count=count)
 
     return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="ckpt_iter_save")]
 
   def save(self, directory: epath.Path, args: "IteratorSave") -> None:
     header, arrays = snapshot(args.item)
     index, count = self._process()
-    write_files(directory, header, arrays, process_index=index, process_count=count)
+    _files.write_files(directory, header, arrays, process_index=index, process_count=count)
 
   def restore(self, directory: epath.Path, args: "IteratorRestore | None" = None) -> Any:
     if args is None or args.item is None:
@@ -325,27 +100,15 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
           "IteratorRestore(iterator)."
       )
     index, count = self._process()
-    origin = os.fspath(directory)
-    if args.elastic:
-      from ckpt_iter import elastic  # pylint: disable=g-import-not-at-top
-
-      value = elastic.read_for_process(directory, index, count)
-      # With the saved process count an elastic restore is an exact one: each
-      # process gets its own file, so per-process fields are checked as usual
-      # (and a per-process filter, refused only when the count changes, works).
-      resized = elastic.saved_process_count(directory) != count
-    else:
-      value = read_state(directory, index, count)
-      origin = os.path.join(origin, process_file_stem(index, count) + ".json")
-      resized = False
-    _restore_into(args.item, value, allow_drift=args.allow_drift, elastic=resized, origin=origin)
+    saved = read_item(directory, index, count, elastic=args.elastic)
+    check_restore_saved(args.item, saved, allow_drift=args.allow_drift)()
     return args.item
 
   def metadata(self, directory: epath.Path) -> Any:
     """A summary for Orbax's item_metadata: never raises on a bad item."""
     try:
-      files = list_process_files(directory)
-      return {"processes": [process_file_stem(i, n) for i, n in files]}
+      files = _files.list_process_files(directory)
+      return {"processes": [_files.process_file_stem(i, n) for i, n in files]}
     except OSError:
       return None
 
@@ -356,19 +119,77 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     pass
 
 
-def _restore_into(item: Any, value: state_lib.IteratorState, *, allow_drift, elastic: bool, origin: str) -> None:
-  from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+  """A data state as read from an item directory, for one process."""
 
-  allowed = set(allow_drift) | (set(dataset_lib.ELASTIC_FIELDS) if elastic else set())
-  if hasattr(item, "restore_state"):
-    item.restore_state(value, allow_drift=allowed, origin=origin)
-  elif allowed:
+  value: state_lib.IteratorState
+  resized: bool  # written by another process count (re-sliced by elastic)
+  origin: str  # what error messages name
+
+
+def read_item(
+    directory: str | os.PathLike[str], process_index: int, process_count: int, *, elastic: bool = False
+) -> SavedState:
+  """Reads process `process_index`'s state from an item directory, validated.
+
+  The one read path of a data item: Orbax restores and the Tunix learners'
+  restores both come through here.
+  """
+  directory = os.fspath(directory)
+  if not elastic:
+    return SavedState(
+        _files.read_state(directory, process_index, process_count),
+        resized=False,
+        origin=_files.header_path(directory, process_index, process_count),
+    )
+  saved_count = _files.saved_process_count(directory)
+  value = elastic_lib.read_for_process(
+      directory, process_index, process_count, saved_count=saved_count
+  )
+  # With the saved process count an elastic restore is an exact one: each
+  # process gets its own file, so per-process fields are checked as usual
+  # (and a per-process filter, refused only when the count changes, works).
+  return SavedState(value, resized=saved_count != process_count, origin=directory)
+
+
+def check_restore_saved(
+    item: Any, saved: SavedState, *, allow_drift: Collection[str] = ()
+) -> Callable[[], None]:
+  """Checks a state read by `read_item` against `item`; returns the apply step.
+
+  A state re-sliced for another process count may differ in the per-process
+  fields (`elastic.ELASTIC_FIELDS`); everything else must match.
+  """
+  allowed = set(allow_drift) | (elastic_lib.ELASTIC_FIELDS if saved.resized else set())
+  return check_restore_into(item, saved.value, allow_drift=allowed, origin=saved.origin)
+
+
+def restore_into(
+    item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
+) -> None:
+  """Restores `value` into a ckpt_iter iterator (check, then apply) or a Grain one."""
+  check_restore_into(item, value, allow_drift=allow_drift, origin=origin)()
+
+
+def check_restore_into(
+    item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
+) -> Callable[[], None]:
+  """The check half of `restore_into`: raises or returns the apply step."""
+  if isinstance(item, state_lib.Restorable):
+    return item.check_restore(value, allow_drift=allow_drift, origin=origin)
+  if allow_drift:
     raise errors.InvalidArgumentError(
         f"allow_drift/elastic need a ckpt_iter iterator; {type(item).__qualname__} "
         "has only set_state."
     )
-  else:
-    item.set_state(value.to_dict())
+  # A plain Grain iterator: its own state is the position, in the form its
+  # get_state gives (a DataLoader's iterator takes JSON bytes). Grain checks
+  # it only when it is set.
+  position = dict(value.position)
+  if isinstance(item.get_state(), bytes):
+    return lambda: item.set_state(json.dumps(position).encode("utf-8"))
+  return lambda: item.set_state(position)
 
 
 @ocp.args.register_with_handler(IteratorCheckpointHandler, for_save=True)
@@ -398,3 +219,116 @@ class IteratorRestore(ocp.args.CheckpointArgs):
   item: Any
   allow_drift: Collection[str] = ()
   elastic: bool = False
+
+
+# ---------------------------------------------------------------------------
+# Orbax v1 (`orbax.checkpoint.experimental.v1`, `orbax.checkpoint.v1`):
+# the same item as a StatefulCheckpointable, written in the same files.
+
+
+class IteratorCheckpointable:
+  """A ckpt_iter iterator as an Orbax v1 checkpointable (`StatefulCheckpointable`).
+
+      checkpointer.save_checkpointables(step, {
+          "params": params, "data": ckpt_iter.IteratorCheckpointable(iterator)})
+      checkpointer.load_checkpointables(step, {
+          "params": abstract_params, "data": ckpt_iter.IteratorCheckpointable(iterator)})
+
+  Orbax v1 resolves its built-in StatefulCheckpointableHandler for it, so no
+  registration is needed. The state is taken synchronously when Orbax calls
+  `save`; this process's files are written in the background once Orbax
+  has created the item directory. The files are those of
+  `IteratorCheckpointHandler` (v0): a step written by either API reads with
+  `read_item`.
+
+  Attributes:
+    item: the iterator (or Tunix data state) to save from / restore into.
+    allow_drift: fingerprint fields that may differ on load.
+    elastic: as in `IteratorRestore`.
+  """
+
+  def __init__(
+      self, item: Any, *, allow_drift: Collection[str] = (), elastic: bool = False,
+      process_index: int | None = None, process_count: int | None = None,
+  ):
+    self.item = item
+    self.allow_drift = allow_drift
+    self.elastic = elastic
+    self._handler = IteratorCheckpointHandler(process_index, process_count)
+    register_v1_handler()
+
+  async def save(self, directory: Any) -> Any:
+    header, arrays = snapshot(self.item)
+    index, count = self._handler._process()  # pylint: disable=protected-access
+
+    async def write() -> None:
+      path = await directory.await_creation()
+      _files.write_files(path, header, arrays, process_index=index, process_count=count)
+
+    return write()
+
+  async def load(self, directory: Any) -> Any:
+    # Read and check now, apply in the background step: Orbax wraps errors
+    # of the background step in NoEntryError, but lets these through, so a
+    # refused restore raises the same errors as through the v0 API.
+    index, count = self._handler._process()  # pylint: disable=protected-access
+    saved = read_item(epath.Path(directory), index, count, elastic=self.elastic)
+    apply = check_restore_saved(self.item, saved, allow_drift=self.allow_drift)
+
+    async def finish() -> None:
+      apply()
+
+    return finish()
+
+
+class _IteratorCheckpointableHandler:
+  """Orbax v1 handler for IteratorCheckpointable: the stateful save/load, plus metadata.
+
+  Orbax's generic StatefulCheckpointableHandler has no metadata, so every
+  `checkpointables_metadata` of a step (Tunix calls it on each restore) would
+  log a failure for the item; this one answers with the item's summary.
+  """
+
+  async def save(self, directory: Any, checkpointable: IteratorCheckpointable) -> Any:
+    return await checkpointable.save(directory)
+
+  async def load(self, directory: Any, abstract_checkpointable: Any = None) -> Any:
+    if abstract_checkpointable is None:
+      raise errors.InvalidArgumentError(
+          "loading a ckpt_iter item needs the iterator to restore into: "
+          "IteratorCheckpointable(iterator)."
+      )
+    background = await abstract_checkpointable.load(directory)
+
+    async def finish() -> Any:
+      await background
+      return abstract_checkpointable
+
+    return finish()
+
+  async def metadata(self, directory: Any) -> Any:
+    return IteratorCheckpointHandler().metadata(epath.Path(directory))
+
+  def is_handleable(self, checkpointable: Any) -> bool:
+    return isinstance(checkpointable, IteratorCheckpointable)
+
+  def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool:
+    return isinstance(abstract_checkpointable, IteratorCheckpointable)
+
+
+_V1_REGISTERED = False
+
+
+def register_v1_handler() -> None:
+  """Registers the v1 handler once, when the first IteratorCheckpointable is made."""
+  global _V1_REGISTERED
+  if _V1_REGISTERED:
+    return
+  from orbax.checkpoint.experimental.v1 import handlers as v1_handlers  # pylint: disable=g-import-not-at-top
+
+  try:
+    v1_handlers.register_handler(_IteratorCheckpointableHandler)
+  except Exception as e:  # pylint: disable=broad-except
+    if type(e).__name__ != "AlreadyExistsError":
+      raise
+  _V1_REGISTERED = True

@@ -17,17 +17,19 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import grain
 import jax
 import numpy as np
 
+from ckpt_iter import _graph
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
 
-# Fields a run may change when it resumes with another process count.
-ELASTIC_FIELDS = frozenset({"shard_index", "shard_count", "batch_size"})
+# A fingerprint field saying the position means the same on every process
+# (set for Grain's ElasticIterator; make_dataset says it by global_batch_size).
+POSITION_SCOPE_FIELD = "position_scope"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +172,8 @@ class GlobalBatchDataset(grain.MapDataset):
     return self._length
 
   def __str__(self) -> str:
-    return f"GlobalBatchDataset(batch_size={self.spec.batch_size}, shard={self.spec.shard_index}/{self.spec.shard_count})"
+    shard = f"{self.spec.shard_index}/{self.spec.shard_count}"
+    return f"GlobalBatchDataset(batch_size={self.spec.batch_size}, shard={shard})"
 
   def __getitem__(self, index):
     if isinstance(index, slice):
@@ -204,11 +207,18 @@ def find_spec(dataset: Any) -> tuple[DatasetSpec | None, list[str]]:
     (spec or None, class names of the nodes between `dataset` and the
     make_dataset node, outermost first; the whole chain when there is none).
   """
+  node, above = _find_spec_node(dataset)
+  return (None if node is None else node.spec), above
+
+
+def _find_spec_node(dataset: Any) -> tuple["GlobalBatchDataset | None", list[str]]:
+  # Follows single parents only: `pipeline` (elastic.resize_refusal parses
+  # it) keeps the meaning it had when older states were written.
   above: list[str] = []
   node = dataset
   while node is not None:
     if isinstance(node, GlobalBatchDataset):
-      return node.spec, above
+      return node, above
     above.append(type(node).__name__)
     parents = getattr(node, "parents", ())
     node = parents[0] if len(parents) == 1 else None
@@ -250,18 +260,31 @@ def _qualified_name(fn: Callable[..., Any]) -> str:
 
 
 def describe_pipeline(dataset: Any) -> dict[str, Any]:
-  """The fingerprint fields of any Grain dataset (make_dataset or hand-built)."""
-  spec, above = find_spec(dataset)
+  """The fingerprint fields of any Grain dataset (make_dataset or hand-built).
+
+  Returns:
+    make_dataset's spec fields (when the pipeline has its node on a chain of
+    single parents), `pipeline` (class names of the nodes above that node, or
+    of the whole chain, joined by "<"), `dataset_length`, and the graph fields
+    of `_graph.describe_graph` (`graph`, `node[i].Kind.param`): every node's
+    kind and defining parameters, through mp_prefetch.
+  """
+  spec_node, above = _find_spec_node(dataset)
   fields: dict[str, Any] = {}
-  if spec is not None:
-    fields.update(spec.fingerprint())
+  if spec_node is not None:
+    fields.update(spec_node.spec.fingerprint())
+  if type(dataset).__name__ == "ElasticIterator":
+    # Its state ({"global_next_index"}) is the same on every process and for
+    # every process count: the position is global (elastic.resize_refusal).
+    try:
+      fields.update(_graph.elastic_fields(dataset))
+      fields[POSITION_SCOPE_FIELD] = "global"
+    except AttributeError:  # another Grain release: no elastic resume
+      pass
   fields["pipeline"] = "<".join(above) if above else ""
   try:
     fields["dataset_length"] = len(dataset)
   except TypeError:
     fields["dataset_length"] = None
+  fields.update(_graph.describe_graph(dataset, described_spec_node=spec_node))
   return fields
-
-
-def is_mapping_of_arrays(value: Any) -> bool:
-  return isinstance(value, Mapping) and all(isinstance(v, np.ndarray) for v in value.values())

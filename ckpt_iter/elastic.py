@@ -17,6 +17,16 @@ batch to arrays whose leading dimension follows the batch rows ("batch-major").
 Everything that cannot be re-sliced that way is refused with an
 `UnsupportedConfigError` that says why; an inconsistent or incomplete set of
 process files is an `InvalidStateError` that names the file.
+
+Cost: process j of M reads only what it needs. Saved file i holds the
+fraction [i/N, (i+1)/N) of every pending leaf's rows and process j needs
+[j/M, (j+1)/M), so its rows come from the at most ceil(N/M)+1 files that
+overlap (`overlapping_files`); their arrays are read, no other file's. The
+headers it checks against process 0's are those of a window of
+ceil(N/M)+1 files around its slice (`checked_files`), plus process 0's.
+Files and bytes read per process are O(1 + N/M) and O(pending / M); the
+windows of all M processes cover every saved file (see docs/multihost.md,
+"At scale", for what that means for consistency checks).
 """
 
 from __future__ import annotations
@@ -27,95 +37,77 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ckpt_iter import checkpoint as checkpoint_lib
-from ckpt_iter import dataset as dataset_lib
+from ckpt_iter import _files
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
+
+# Fingerprint fields that differ from one process of a checkpoint to another.
+PER_PROCESS_FIELDS = frozenset({"shard_index"})
+# Fingerprint fields a resume with another process count changes.
+ELASTIC_FIELDS = PER_PROCESS_FIELDS | {"shard_count", "batch_size"}
 
 # Pipeline steps after make_dataset that keep a resume elastic: they map each
 # batch on its own, so they commute with re-slicing the global batch.
 _ELEMENTWISE_STEPS = frozenset({"MapMapDataset"})
 
 
-def saved_process_count(directory: str | os.PathLike[str]) -> int:
-  """The number of processes that wrote the state files in `directory`.
+def resize_refusal(kind: str, fingerprint: Mapping[str, Any]) -> str | None:
+  """Why a state cannot resume with another process count, or None if it can.
 
-  Raises:
-    InvalidStateError: there are no state files, or files of several counts.
+  The one rule, for saved states and live pipelines alike: the position must
+  be global, i.e. written by a `make_dataset` pipeline (its fingerprint has
+  `global_batch_size`) with only elementwise steps after it, or by Grain's
+  `ElasticIterator` (its fingerprint has `position_scope="global"`: Grain
+  keeps one global position, the same on every process); and the state must
+  not be a Tunix learner's (shaped by the per-process batch).
   """
-  directory = os.fspath(directory)
-  try:
-    present = checkpoint_lib.list_process_files(directory)
-  except OSError as e:
-    raise errors.InvalidStateError(
-        f"{directory}: cannot list the data state files ({e.strerror})."
-    ) from None
-  counts = sorted({count for _, count in present})
-  if not counts:
-    raise errors.InvalidStateError(
-        f"{directory}: holds no process_<i>-of-<n>.json state file; it is not a "
-        "ckpt_iter item or the checkpoint is incomplete. Restore an earlier step."
+  if kind == "tunix":
+    return (
+        "is not supported for a Tunix learner's data state: the learner restores "
+        "its state itself, per process, and its pending TrainExamples and "
+        "mini-batch counters are shaped by the per-process batch size."
     )
-  if len(counts) > 1:
-    raise errors.InvalidStateError(
-        f"{directory}: holds state files of several process counts "
-        f"({_names(present)}); a checkpoint step is written by one set of "
-        "processes. The directory was tampered with: restore an earlier step."
+  if fingerprint.get("position_scope") == "global":
+    return None  # set only for a bare ElasticIterator (dataset.describe_pipeline)
+  if "global_batch_size" not in fingerprint:
+    return (
+        "needs a pipeline built by ckpt_iter.make_dataset, whose position is "
+        "global; this one was hand-built and its position is per process."
     )
-  return counts[0]
-
-
-def check_complete(directory: str | os.PathLike[str], process_count: int) -> None:
-  """Raises InvalidStateError naming the first missing `process_<i>-of-<n>.json`."""
-  directory = os.fspath(directory)
-  for index in range(process_count):
-    name = checkpoint_lib.process_file_stem(index, process_count) + ".json"
-    if not os.path.exists(os.path.join(directory, name)):
-      present = checkpoint_lib.list_process_files(directory)
-      raise errors.InvalidStateError(
-          f"{directory}: {name} is missing (present: {_names(present) or 'none'}); "
-          f"a checkpoint written by {process_count} processes has one file per "
-          "process. The checkpoint is incomplete: restore an earlier step."
-      )
-
-
-def read_all(directory: str | os.PathLike[str]) -> list[state_lib.IteratorState]:
-  """Reads every process's state and checks that they agree on the global part.
-
-  For `ckpt-iter verify`-style checks. Every state must agree on the kind and
-  on the fingerprint fields other than ELASTIC_FIELDS; when the position is
-  global (a make_dataset pipeline with only elementwise steps after it) they
-  must also agree on the position, key, pending schedule and counters.
-
-  Returns:
-    The N states, in process order.
-
-  Raises:
-    InvalidStateError: a file is missing, unreadable, or disagrees with
-      process 0 on a global field (the message names the file and field).
-  """
-  directory = os.fspath(directory)
-  count = saved_process_count(directory)
-  check_complete(directory, count)
-  states = [checkpoint_lib.read_state(directory, i, count) for i in range(count)]
-  check_agree(directory, states, global_position=_resize_refusal(states[0]) is None)
-  return states
+  steps = [s for s in str(fingerprint.get("pipeline") or "").split("<") if s]
+  per_process = [s for s in steps if s not in _ELEMENTWISE_STEPS]
+  if per_process:
+    return (
+        f"is refused because the pipeline applies {per_process} after "
+        "make_dataset, per process: with another process count those steps would "
+        "see other rows and the data would change (a per-record step belongs in "
+        "make_dataset(transform=...))."
+    )
+  return None
 
 
 def read_for_process(
-    directory: str | os.PathLike[str], process_index: int, process_count: int
+    directory: str | os.PathLike[str],
+    process_index: int,
+    process_count: int,
+    *,
+    saved_count: int | None = None,
 ) -> state_lib.IteratorState:
   """The state process `process_index` of `process_count` resumes from.
 
   With the process count that wrote the checkpoint this is that process's own
-  state. With another count it is built from all N process states: the same
-  position, key, schedule and counters, and the pending items re-sliced for M
-  processes (see the module docstring). The fingerprint is process 0's: the
-  per-process fields (`ckpt_iter.ELASTIC_FIELDS`) keep their saved values and
-  the caller lets them drift; everything else is global.
+  state (one header, and its npz if it has pending arrays). With another count
+  it is the same position, key, schedule and counters as process 0's, and the
+  pending items re-sliced for M processes (see the module docstring), read
+  from the saved files that hold this process's rows only. The fingerprint is
+  process 0's: the per-process fields (`ckpt_iter.ELASTIC_FIELDS`) keep their
+  saved values and the caller lets them drift; everything else is global.
+
+  The result equals `redistribute` over all N saved states, bit for bit.
 
   Raises:
-    InvalidStateError: the file set is incomplete or inconsistent.
+    InvalidStateError: the file set is incomplete, or a file this process
+      reads disagrees with process 0's (see `checked_files`).
     UnsupportedConfigError: the state cannot be resumed with another process
       count (not a make_dataset pipeline, a per-process step after it, a
       Tunix learner state, or pending items that are not batch-major).
@@ -125,23 +117,53 @@ def read_for_process(
     raise errors.InvalidArgumentError(
         f"process_index={process_index} is not in [0, {process_count})."
     )
-  saved_count = saved_process_count(directory)
+  if saved_count is None:  # a caller that already listed the directory passes it
+    saved_count = _files.saved_process_count(directory)
   if saved_count == process_count:
-    check_complete(directory, process_count)
-    return checkpoint_lib.read_state(directory, process_index, process_count)
-  check_complete(directory, saved_count)
-  # Refuse on the first file alone when the kind of state cannot be resized,
-  # before reading the others: the reason is then the real one.
-  first = checkpoint_lib.read_state(directory, 0, saved_count)
-  _check_resizable(directory, first, saved_count, process_count)
-  states = [first] + [
-      checkpoint_lib.read_state(directory, i, saved_count) for i in range(1, saved_count)
-  ]
-  check_agree(directory, states)
-  return redistribute(
-      states, process_index, process_count,
+    return _files.read_state(directory, process_index, process_count)
+  rows_from = overlapping_files(saved_count, process_index, process_count)
+  checked = checked_files(saved_count, process_index, process_count)
+  # Process 0's header first, alone: if the kind of state cannot be resized
+  # the refusal then gives the real reason, before any other file is read.
+  states = {0: _files.read_state(directory, 0, saved_count, load_arrays=0 in rows_from)}
+  _check_resizable(directory, states[0], saved_count, process_count)
+  for index in checked:
+    if index not in states:
+      states[index] = _files.read_state(
+          directory, index, saved_count, load_arrays=index in rows_from
+      )
+  _check_agree(directory, states, saved_count)
+  return _resliced(
+      states, rows_from, saved_count, process_index, process_count,
       origin=f"{directory} (written by {saved_count} processes, restored by {process_count})",
   )
+
+
+def overlapping_files(saved_count: int, process_index: int, process_count: int) -> range:
+  """The saved files holding rows of process `process_index` of `process_count`.
+
+  File i holds the fraction [i/N, (i+1)/N) of every pending leaf's rows,
+  process j of M needs [j/M, (j+1)/M): files floor(jN/M) .. ceil((j+1)N/M)-1,
+  at most ceil(N/M)+1 of them.
+  """
+  first = process_index * saved_count // process_count
+  end = -(-(process_index + 1) * saved_count // process_count)  # ceil
+  return range(first, end)
+
+
+def checked_files(saved_count: int, process_index: int, process_count: int) -> list[int]:
+  """The saved files whose headers process j checks against process 0's.
+
+  Process 0's, the overlapping files, and the files after them (before them
+  at the end) up to a window of ceil(N/M)+1: the windows of neighbouring
+  processes overlap, so each file is checked by at least one new process and
+  a file next to a slice boundary by two.
+  """
+  rows_from = overlapping_files(saved_count, process_index, process_count)
+  size = min(saved_count, -(-saved_count // process_count) + 1)  # ceil(N/M) + 1
+  start = min(rows_from.start, saved_count - size)
+  window = range(start, start + max(size, len(rows_from)))
+  return sorted({0, *window})
 
 
 def redistribute(
@@ -151,16 +173,37 @@ def redistribute(
     *,
     origin: str = "the state",
 ) -> state_lib.IteratorState:
-  """The state of process j of M from the agreeing states of N processes."""
+  """The state of process j of M from the agreeing states of all N processes."""
+  count = len(states)
+  return _resliced(
+      dict(enumerate(states)), overlapping_files(count, process_index, process_count),
+      count, process_index, process_count, origin=origin,
+  )
+
+
+def _resliced(
+    states: Mapping[int, state_lib.IteratorState],
+    rows_from: range,
+    saved_count: int,
+    process_index: int,
+    process_count: int,
+    *,
+    origin: str,
+) -> state_lib.IteratorState:
+  """Process 0's state with each pending item cut to process j's rows.
+
+  `states` holds some of the N saved states, keyed by process index; the
+  arrays of those in `rows_from` are real, the others may be stand-ins that
+  have only dtype and shape (they take part in the checks, not the data).
+  """
   first = states[0]
   pending = None
   if first.pending is not None:
     items = []
     for number in range(len(first.pending.items)):
-      nodes = [s.pending.items[number] for s in states]  # type: ignore[union-attr]
-      items.append(
-          _slice_node(nodes, process_index, process_count, f"pending item {number}", origin)
-      )
+      nodes = {i: s.pending.items[number] for i, s in sorted(states.items())}  # type: ignore[union-attr]
+      cut = _RowCut(rows_from, saved_count, process_index, process_count, origin)
+      items.append(cut.node(nodes, f"pending item {number}"))
     pending = state_lib.Pending(items=tuple(items), schedule=first.pending.schedule)
   return dataclasses.replace(first, pending=pending)
 
@@ -171,7 +214,7 @@ def redistribute(
 def _check_resizable(
     directory: str, state: state_lib.IteratorState, saved_count: int, process_count: int
 ) -> None:
-  reason = _resize_refusal(state)
+  reason = resize_refusal(state.kind, state.fingerprint)
   if reason is not None:
     raise errors.UnsupportedConfigError(
         f"{directory}: elastic resume from {saved_count} to {process_count} "
@@ -179,55 +222,24 @@ def _check_resizable(
     )
 
 
-def has_global_position(state: state_lib.IteratorState) -> bool:
-  """Whether every process of a checkpoint must be at the same position."""
-  fingerprint = state.fingerprint
-  if "global_batch_size" not in fingerprint:
-    return False
-  steps = [s for s in str(fingerprint.get("pipeline") or "").split("<") if s]
-  return all(s in _ELEMENTWISE_STEPS for s in steps)
+def check_agree(directory: str, states: Sequence[state_lib.IteratorState]) -> None:
+  """Raises InvalidStateError unless all N states agree on every global field.
 
-
-def _resize_refusal(state: state_lib.IteratorState) -> str | None:
-  """Why `state` cannot be resumed with another process count, or None."""
-  if state.kind == "tunix":
-    return (
-        "is not supported for a Tunix learner's data state: the learner restores "
-        "its state itself, per process, and its pending TrainExamples and "
-        "mini-batch counters are shaped by the per-process batch size."
-    )
-  fingerprint = state.fingerprint
-  if "global_batch_size" not in fingerprint:
-    return (
-        "needs a pipeline built by ckpt_iter.make_dataset, whose position is "
-        "global; this checkpoint was written by a hand-built pipeline whose "
-        "position is per process."
-    )
-  steps = [s for s in str(fingerprint.get("pipeline") or "").split("<") if s]
-  per_process = [s for s in steps if s not in _ELEMENTWISE_STEPS]
-  if per_process:
-    return (
-        f"is refused because the pipeline that wrote it applies {per_process} after "
-        "make_dataset, per process: with another process count those steps would "
-        "see other rows and the data would change (a per-record step belongs in "
-        "make_dataset(transform=...))."
-    )
-  return None
-
-
-def check_agree(
-    directory: str, states: Sequence[state_lib.IteratorState], *, global_position: bool = True
-) -> None:
-  """Raises InvalidStateError unless all states agree on every global field.
-
-  With `global_position=False` (a pipeline whose position is per process) only
-  the kind, format and defining fields are compared.
+  Kind, format and defining fields always; position, key, pending schedule
+  and counters too when the position is global (see `resize_refusal`).
   """
-  count = len(states)
+  _check_agree(directory, dict(enumerate(states)), len(states))
+
+
+def _check_agree(
+    directory: str, states: Mapping[int, state_lib.IteratorState], count: int
+) -> None:
+  """`check_agree` for some of the `count` states, keyed by process index (0 included)."""
   first = states[0]
-  reference = checkpoint_lib.process_file_stem(0, count) + ".json"
-  for index, state in enumerate(states):
-    name = checkpoint_lib.process_file_stem(index, count) + ".json"
+  global_position = resize_refusal(first.kind, first.fingerprint) is None
+  reference = _files.process_file_stem(0, count) + ".json"
+  for index, state in sorted(states.items()):
+    name = _files.process_file_stem(index, count) + ".json"
 
     def disagree(field: str, here: Any, there: Any) -> errors.InvalidStateError:
       return errors.InvalidStateError(
@@ -254,7 +266,7 @@ def check_agree(
       if getattr(state, field) != getattr(first, field):
         raise disagree(field, getattr(state, field), getattr(first, field))
     for field in sorted(set(fingerprint) | set(first.fingerprint)):
-      if field in dataset_lib.ELASTIC_FIELDS:
+      if field in PER_PROCESS_FIELDS:
         continue
       here, there = fingerprint.get(field, "<absent>"), first.fingerprint.get(field, "<absent>")
       if type(here) is not type(there) or here != there:
@@ -273,67 +285,84 @@ def check_agree(
         raise disagree("len(pending.items)", len(state.pending.items), len(first.pending.items))
 
 
-def _slice_node(nodes: list[Any], index: int, count: int, path: str, origin: str) -> Any:
-  """Slice `index` of `count` of the concatenation of `nodes` (one per saved process)."""
-  first = nodes[0]
+@dataclasses.dataclass(frozen=True)
+class _RowCut:
+  """Cuts process j of M's rows out of the saved processes' pytrees."""
 
-  def refuse(reason: str) -> errors.UnsupportedConfigError:
+  rows_from: range  # saved files whose arrays hold process j's rows
+  saved_count: int
+  index: int
+  count: int
+  origin: str
+
+  def node(self, nodes: Mapping[int, Any], path: str) -> Any:
+    """Process j's part of one pending node, given it for some saved processes.
+
+    `nodes` maps saved process index -> its node (0 and `rows_from` among
+    them); all of them must agree on structure, dtype and shape.
+    """
+    first = nodes[0]
+    values = list(nodes.values())
+    if isinstance(first, np.ndarray) and first.ndim >= 1:
+      return self._rows(nodes, path)
+    if isinstance(first, (np.ndarray, np.generic)):
+      raise self._refuse(path, f"it is a scalar array ({first.dtype}), which has no rows to split")
+    if first is None or isinstance(first, (bool, int, float, str)):
+      if any(type(n) is not type(first) or n != first for n in values):
+        raise self._refuse(path, f"it is a plain value that differs across processes ({values!r})")
+      return first
+    if isinstance(first, Mapping):
+      if any(not isinstance(n, Mapping) or list(n) != list(first) for n in values):
+        raise self._refuse(path, "its dict keys differ across processes")
+      return {k: self.node({i: n[k] for i, n in nodes.items()}, f"{path}[{k!r}]") for k in first}
+    if isinstance(first, (list, tuple)):
+      if any(type(n) is not type(first) or len(n) != len(first) for n in values):
+        raise self._refuse(path, "its structure differs across processes")
+      return type(first)([
+          self.node({i: n[k] for i, n in nodes.items()}, f"{path}[{k}]") for k in range(len(first))
+      ])
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+      if any(type(n) is not type(first) for n in values):
+        raise self._refuse(path, "its type differs across processes")
+      return type(first)(**{
+          f.name: self.node({i: getattr(n, f.name) for i, n in nodes.items()}, f"{path}.{f.name}")
+          for f in dataclasses.fields(first)
+      })
+    raise self._refuse(path, f"it holds a {type(first).__qualname__}")
+
+  def _rows(self, nodes: Mapping[int, Any], path: str) -> np.ndarray:
+    """Rows [j*R, (j+1)*R) of the saved arrays concatenated in process order."""
+    values = list(nodes.values())
+    if not all(isinstance(n, np.ndarray) and n.ndim >= 1 for n in values):
+      raise self._refuse(path, "it is an array on some processes only")
+    if len({(n.dtype.str, n.shape) for n in values}) != 1:
+      shapes = [f"{n.dtype}{list(n.shape)}" for n in values]
+      raise self._refuse(path, f"its arrays differ across processes ({', '.join(shapes)})")
+    saved_rows = nodes[0].shape[0]
+    total = saved_rows * self.saved_count
+    if total % self.count:
+      raise self._refuse(
+          path,
+          f"its {self.saved_count} x {saved_rows} = {total} rows do not split "
+          f"into {self.count} equal parts",
+      )
+    rows = total // self.count
+    start, stop = self.index * rows, (self.index + 1) * rows
+    pieces = [
+        nodes[i][max(start - i * saved_rows, 0) : max(min(stop - i * saved_rows, saved_rows), 0)]
+        for i in self.rows_from
+    ]
+    return np.concatenate(pieces, axis=0)  # a fresh contiguous array
+
+  def _refuse(self, path: str, reason: str) -> errors.UnsupportedConfigError:
     return errors.UnsupportedConfigError(
-        f"{origin}: cannot redistribute {path}: {reason}. Elastic resume in the "
+        f"{self.origin}: cannot redistribute {path}: {reason}. Elastic resume in the "
         "middle of a repeat needs batch-major produced items: every array leaf "
         "has one leading row (or the same number of rows) per batch row, so the "
         "global item is the processes' arrays concatenated in process order and "
-        f"splits into {count} equal parts. Resume with the saved process count, "
+        f"splits into {self.count} equal parts. Resume with the saved process count, "
         "or checkpoint at a group boundary (no pending items)."
     )
-
-  if isinstance(first, np.ndarray) and first.ndim >= 1:
-    if not all(isinstance(n, np.ndarray) and n.ndim >= 1 for n in nodes):
-      raise refuse("it is an array on some processes only")
-    if len({(n.dtype.str, n.shape) for n in nodes}) != 1:
-      shapes = [f"{n.dtype}{list(n.shape)}" for n in nodes]
-      raise refuse(f"its arrays differ across processes ({', '.join(shapes)})")
-    total = first.shape[0] * len(nodes)
-    if total % count:
-      raise refuse(
-          f"its {len(nodes)} x {first.shape[0]} = {total} rows do not split "
-          f"into {count} equal parts"
-      )
-    rows = total // count
-    whole = np.concatenate(nodes, axis=0)
-    return np.ascontiguousarray(whole[index * rows : (index + 1) * rows])
-  if isinstance(first, (np.ndarray, np.generic)):
-    raise refuse(f"it is a scalar array ({first!r}), which has no rows to split")
-  if first is None or isinstance(first, (bool, int, float, str)):
-    if any(type(n) is not type(first) or n != first for n in nodes):
-      raise refuse(f"it is a plain value that differs across processes ({nodes!r})")
-    return first
-  if isinstance(first, Mapping):
-    if any(not isinstance(n, Mapping) or list(n) != list(first) for n in nodes):
-      raise refuse("its dict keys differ across processes")
-    return {k: _slice_node([n[k] for n in nodes], index, count, f"{path}[{k!r}]", origin) for k in first}
-  if isinstance(first, (list, tuple)):
-    if any(type(n) is not type(first) or len(n) != len(first) for n in nodes):
-      raise refuse("its structure differs across processes")
-    parts = [
-        _slice_node([n[i] for n in nodes], index, count, f"{path}[{i}]", origin)
-        for i in range(len(first))
-    ]
-    return type(first)(parts)
-  if dataclasses.is_dataclass(first) and not isinstance(first, type):
-    if any(type(n) is not type(first) for n in nodes):
-      raise refuse("its type differs across processes")
-    return type(first)(**{
-        f.name: _slice_node(
-            [getattr(n, f.name) for n in nodes], index, count, f"{path}.{f.name}", origin
-        )
-        for f in dataclasses.fields(first)
-    })
-  raise refuse(f"it holds a {type(first).__qualname__}")
-
-
-def _names(present: Sequence[tuple[int, int]]) -> str:
-  return ", ".join(checkpoint_lib.process_file_stem(i, n) + ".json" for i, n in present)
 
 
 def _short(value: Any) -> str:

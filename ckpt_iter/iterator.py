@@ -8,13 +8,18 @@ O(1) in the position, no element is replayed.
 
 from __future__ import annotations
 
+import copy
 import numbers
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import grain
 
+from ckpt_iter import _drift
+from ckpt_iter import _graph
 from ckpt_iter import dataset as dataset_lib
+from ckpt_iter import elastic
 from ckpt_iter import errors
+from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
 
 # Reading in the calling thread: on small records Grain's 16 default threads
@@ -23,7 +28,7 @@ from ckpt_iter import state as state_lib
 DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
-class DataIterator(grain.DatasetIterator):
+class DataIterator(state_lib.RestorableIterator, grain.DatasetIterator):
   """Iterates a Grain dataset; `get_state`/`set_state` follow Grain's protocol.
 
   Args:
@@ -39,7 +44,15 @@ class DataIterator(grain.DatasetIterator):
     elements are exactly those the iterator that produced `s` would have
     yielded next. `set_state` raises a `CkptIterError` and leaves the iterator
     untouched when the state is malformed, from a newer version, or was written
-    by a pipeline with other defining fields.
+    by a pipeline with other defining fields -- except a change that keeps the
+    stream (more or fewer epochs, a slice end, a batch size at a batch
+    boundary; `_drift.reconcile`, docs/guarantees.md "Same stream"), which
+    resumes at the same element and logs one line per change on the
+    "ckpt_iter" logger. A `make_dataset` pipeline under `mp_prefetch` also
+    resumes with another worker count, at the next element in the same order
+    (`_graph.resume_workers`); other pipelines need the saved count. After a
+    restore of a pipeline with worker processes (`mp_prefetch`), prefetching
+    starts at once (google/grain#1211).
   """
 
   def __init__(
@@ -60,6 +73,12 @@ class DataIterator(grain.DatasetIterator):
         )
       self._length = None
       self._iter_dataset = dataset
+    elif isinstance(dataset, grain.DataLoader):
+      raise errors.InvalidArgumentError(
+          "DataIterator iterates datasets; for a grain.DataLoader use "
+          "ckpt_iter.DataLoaderIterator(loader), which has the same state, "
+          "checkpoint item and drift checks."
+      )
     else:
       raise errors.InvalidArgumentError(
           f"DataIterator needs a grain.MapDataset or grain.IterDataset, got "
@@ -67,10 +86,10 @@ class DataIterator(grain.DatasetIterator):
           "or grain.MapDataset.source(...)."
       )
     self._dataset = dataset
-    self._inner = self._iter_dataset.__iter__()
+    self._inner = self._new_inner()
     super().__init__(self._inner)
     self._fingerprint = dataset_lib.describe_pipeline(dataset)
-    self._spec, self._above_spec = dataset_lib.find_spec(dataset)
+    self._spec, _ = dataset_lib.find_spec(dataset)
     self._allow_drift = frozenset(allow_drift)
 
   @property
@@ -90,62 +109,57 @@ class DataIterator(grain.DatasetIterator):
   def __next__(self) -> Any:
     return next(self._inner)
 
-  def get_state(self) -> dict[str, Any]:
-    return self.state().to_dict()
-
   def state(self) -> state_lib.IteratorState:
     """The current state as an immutable value."""
     return state_lib.IteratorState(
         kind="data",
         fingerprint=self._fingerprint,
-        position=state_lib.position_from_json(
-            state_lib.position_to_json(self._inner.get_state())
+        # Through JSON and back: the state holds what a checkpoint would.
+        position=codec.position_from_json(
+            codec.position_to_json(self._inner.get_state())
         ),
     )
 
-  def set_state(self, state: Mapping[str, Any]) -> None:
-    self.restore_state(state_lib.IteratorState.from_dict(state))
-
-  def restore_state(
+  def check_restore(
       self,
       state: state_lib.IteratorState,
       *,
       allow_drift: Collection[str] = (),
       origin: str = "the state",
-  ) -> None:
-    """Validates `state` in full, then moves to its position in O(1)."""
+  ) -> Callable[[], None]:
+    """The check half of `state_lib.Restorable`: validates, mutates nothing.
+
+    Returns:
+      The apply half: moves this iterator to the state's position and cannot
+      fail.
+    """
     if state.kind != "data":
       raise errors.InvalidStateError(
           f"{origin} was written by a {state.kind!r} iterator; a DataIterator "
           "restores 'data' states only. Restore it into the same iterator type."
       )
-    new_inner = self.check_restorable(
-        state.fingerprint, state.position, allow_drift=allow_drift, origin=origin
-    )
-    self._apply(new_inner, state.position)
-
-  def check_restorable(
-      self,
-      fingerprint: Mapping[str, Any],
-      position: Mapping[str, Any],
-      *,
-      allow_drift: Collection[str] = (),
-      origin: str = "the state",
-  ) -> Any:
-    """Raises unless (fingerprint, position) can be restored; mutates nothing.
-
-    Returns:
-      A fresh inner iterator already at `position` when the position could
-      only be validated by setting it (IterDataset pipelines), else None.
-    """
     allowed = self._allow_drift | frozenset(allow_drift)
-    if allowed & dataset_lib.ELASTIC_FIELDS:
-      self._check_elastic(fingerprint, allowed, origin)
-    state_lib.check_fingerprint(
-        fingerprint, self._fingerprint, allow_drift=allowed, origin=origin
+    # Before the general check, and whatever allow_drift says: another
+    # mp_prefetch worker count is translated to this one, or refused with the
+    # reason (_graph.resume_workers, docs/guarantees.md "Worker processes").
+    workers = _graph.resume_workers(
+        state.fingerprint, self._fingerprint, state.position, self._dataset, origin=origin
     )
+    allowed |= workers.accepted
+    if allowed & elastic.ELASTIC_FIELDS:
+      self._check_elastic(state.fingerprint, allowed, origin)
+    # Stream-preserving changes (docs/guarantees.md, "Same stream") are
+    # accepted and may move the position; every other difference is refused.
+    resume = _drift.reconcile(
+        state.fingerprint, self._fingerprint, workers.position,
+        allow_drift=allowed, origin=origin, parent_length=self._parent_length,
+    )
+    state_lib.check_fingerprint(
+        state.fingerprint, self._fingerprint, allow_drift=allowed | resume.accepted, origin=origin
+    )
+    position = resume.position
     if self._length is not None:
-      next_index = position.get("next_index") if isinstance(position, Mapping) else None
+      next_index = position.get("next_index")
       if (
           set(position) != {"next_index"}
           or isinstance(next_index, bool)
@@ -156,32 +170,80 @@ class DataIterator(grain.DatasetIterator):
             f"{origin}: field 'position' is {_short(position)}; this pipeline's "
             f"position is {{'next_index': 0..{self._length}}}."
         )
-      return None
-    fresh = self._iter_dataset.__iter__()
+
+
+      def apply() -> None:
+        self._inner.set_state(position)
+        resume.log()
+
+      return apply
+    # An IterDataset position can only be validated by setting it: on a fresh
+    # inner iterator, which then replaces the current one.
+    fresh = self._new_inner()
     try:
-      fresh.set_state(dict(position))
+      fresh.set_state(position)
     except Exception as e:  # Grain raises many types for a bad state.
+      fresh.close()
       raise errors.InvalidStateError(
           f"{origin}: field 'position' {_short(position)} does not fit this "
           f"pipeline ({type(e).__name__}: {e})."
       ) from None
-    return fresh
+
+    def apply_fresh() -> None:
+      self._replace_inner(fresh)
+      for line in workers.changes:
+        _drift.LOGGER.info(line)
+      resume.log()
+      if self._has_workers:
+        self._start_prefetch()
+
+    return apply_fresh
+
+  @property
+  def _has_workers(self) -> bool:
+    return any(_graph.is_workers_field(name) for name in self._fingerprint)
+
+  def _start_prefetch(self) -> None:
+    """Starts the worker processes now, not at the first next() (google/grain#1211).
+
+    A restore replaces the inner iterator, whose workers Grain starts only
+    at the first `next()`; starting them here overlaps their start-up with
+    the rest of the restore (the model). It is an optimisation: if Grain
+    cannot start them now, the first `next()` does, and raises there.
+    """
+    start = getattr(self._inner, "start_prefetch", None)
+    if start is None:
+      return
+    try:
+      start()
+    except Exception as e:  # pylint: disable=broad-except
+      _drift.LOGGER.warning("could not start prefetch after the restore: %s: %s", type(e).__name__, e)
+
+  def _new_inner(self) -> Any:
+    """A new iterator over the pipeline, independent of the current one."""
+    dataset = self._iter_dataset
+    if type(dataset).__name__ == "ElasticIterator":
+      # Grain's ElasticIterator hands out one cached iterator from every
+      # __iter__ call; a shallow copy without the cache makes a new one.
+      dataset = copy.copy(dataset)
+      vars(dataset).pop("_default_iterator", None)
+    return dataset.__iter__()
+
+  def _parent_length(self, node_index: int) -> int | None:
+    """Length of the input of this pipeline's node[node_index], if it has one."""
+    try:
+      parents = _graph.walk_nodes(self._dataset)[node_index].parents
+      return len(parents[0]) if len(parents) == 1 else None
+    except Exception:  # pylint: disable=broad-except  (an IterDataset has no length)
+      return None
 
   def _check_elastic(self, fingerprint: Mapping[str, Any], allowed: frozenset[str], origin: str) -> None:
-    if self._spec is None:
+    reason = elastic.resize_refusal("data", self._fingerprint)
+    if reason is not None:
       raise errors.UnsupportedConfigError(
-          f"{origin}: elastic resume (allow_drift of {sorted(allowed & dataset_lib.ELASTIC_FIELDS)}) "
-          "needs a pipeline built by ckpt_iter.make_dataset, whose position is "
-          "global; this pipeline's position is per process."
-      )
-    non_elementwise = [name for name in self._above_spec if name != "MapMapDataset"]
-    if non_elementwise:
-      raise errors.UnsupportedConfigError(
-          f"{origin}: elastic resume is refused because the pipeline applies "
-          f"{non_elementwise} after make_dataset, per process: with another "
-          "process count those steps would see other rows and the data would "
-          "change. Resume with the same shard_count, or move the step into "
-          "make_dataset(transform=...)."
+          f"{origin}: elastic resume (allow_drift of "
+          f"{sorted(allowed & elastic.ELASTIC_FIELDS)}) {reason} Resume with the "
+          "same shard_count."
       )
     if fingerprint.get("global_batch_size") != self._fingerprint.get("global_batch_size"):
       saved = fingerprint.get("global_batch_size")
@@ -192,12 +254,10 @@ class DataIterator(grain.DatasetIterator):
           f"choose batch_size = {saved} // shard_count)",
       )
 
-  def _apply(self, new_inner: Any, position: Mapping[str, Any]) -> None:
-    if new_inner is None:
-      self._inner.set_state(dict(position))
-    else:
-      self._inner = new_inner
-      self._parents = (new_inner,)
+  def _replace_inner(self, new_inner: Any) -> None:
+    old, self._inner = self._inner, new_inner
+    self._parents = (new_inner,)
+    old.close()  # its threads or worker processes would otherwise leak
 
   def close(self) -> None:
     # Also runs from __del__ when __init__ raised before _inner existed.

@@ -10,7 +10,7 @@ the repeat-order rule shared with the Tunix integration.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import jax
 import numpy as np
@@ -65,7 +65,7 @@ def key_from_ints(values: Sequence[int] | None) -> np.ndarray | None:
   return None if values is None else np.asarray(values, dtype=np.uint32)
 
 
-class RepeatIterator:
+class RepeatIterator(state_lib.RestorableIterator):
   """Yields each produced group `num_repeats` times; checkpointable mid-group.
 
   Reads `group_size` elements from `source`, calls `produce(element)` on each
@@ -148,9 +148,6 @@ class RepeatIterator:
     self._items = items
     self._schedule = collections.deque(schedule)
 
-  def get_state(self) -> dict[str, Any]:
-    return self.state().to_dict()
-
   def state(self) -> state_lib.IteratorState:
     """The current state as an immutable value (pending items by reference)."""
     pending = None
@@ -171,17 +168,14 @@ class RepeatIterator:
         pending=pending,
     )
 
-  def set_state(self, state: Mapping[str, Any]) -> None:
-    self.restore_state(state_lib.IteratorState.from_dict(state))
-
-  def restore_state(
+  def check_restore(
       self,
       state: state_lib.IteratorState,
       *,
       allow_drift: Collection[str] = (),
       origin: str = "the state",
-  ) -> None:
-    """Validates `state` in full, then restores position, key and pending."""
+  ) -> Callable[[], None]:
+    """The check half of `state_lib.Restorable`; returns the apply half."""
     if state.kind != "repeat":
       raise errors.InvalidStateError(
           f"{origin} was written by a {state.kind!r} iterator; a RepeatIterator "
@@ -205,18 +199,23 @@ class RepeatIterator:
           f"but a PRNG key here has {np.asarray(self._key).size}. The state is "
           "corrupt, or was written with another jax PRNG implementation."
       )
-    source_fingerprint = {
-        k: v for k, v in state.fingerprint.items() if k not in REPEAT_FIELDS
-    }
-    new_inner = self._source.check_restorable(
-        source_fingerprint, state.position,
-        allow_drift=allowed - set(REPEAT_FIELDS), origin=origin,
+    # The source owns its part of the state: the position, under its fields.
+    source_state = state_lib.IteratorState(
+        kind="data",
+        fingerprint={k: v for k, v in state.fingerprint.items() if k not in REPEAT_FIELDS},
+        position=state.position,
     )
-    # Everything is valid: from here on nothing can fail.
-    self._source._apply(new_inner, state.position)  # pylint: disable=protected-access
-    self._key = key_from_ints(state.shuffle_key)
-    if state.pending is None:
-      self._items, self._schedule = [], collections.deque()
-    else:
-      self._items = list(state.pending.items)
-      self._schedule = collections.deque(state.pending.schedule)
+    apply_source = self._source.check_restore(
+        source_state, allow_drift=allowed - set(REPEAT_FIELDS), origin=origin
+    )
+
+    def apply() -> None:
+      apply_source()
+      self._key = key_from_ints(state.shuffle_key)
+      if state.pending is None:
+        self._items, self._schedule = [], collections.deque()
+      else:
+        self._items = list(state.pending.items)
+        self._schedule = collections.deque(state.pending.schedule)
+
+    return apply

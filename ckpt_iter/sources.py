@@ -2,9 +2,10 @@
 
 Every source here has `__len__` and `__getitem__` (Grain's RandomAccessDataSource
 protocol), returns one record (a dict) per index, and reads files lazily: a
-JSONL file is indexed by line offsets (8 bytes per line) and records are read
-with `os.pread`; Parquet is read one row group at a time; ArrayRecord files hold
-one UTF-8 JSON object per record. All are picklable, so Grain worker processes
+JSONL file is indexed by line offsets (16 bytes per line), cached between runs
+(see `index_cache_location`), and records are read with `os.pread`; Parquet is
+read one row group at a time; ArrayRecord files hold one UTF-8 JSON object per
+record. All are picklable, so Grain worker processes
 can use them.
 """
 
@@ -15,6 +16,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import logging
 import os
 import threading
 from typing import Any, Sequence
@@ -25,6 +27,7 @@ from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
 FILE_SUFFIXES = (".jsonl", ".parquet", ".array_record")
+INDEX_CACHE_ENV = "CKPT_ITER_INDEX_CACHE_DIR"
 _INDEX_CHUNK_BYTES = 16 * 2**20
 _DIGEST_SAMPLES = 64
 _LISTED_FILES = 4
@@ -69,14 +72,26 @@ class _FileReader:
 
 
 class JsonlSource(_FileReader):
-  """Records of one or more JSONL files, indexed by line offset."""
+  """Records of one or more JSONL files, indexed by line offset.
 
-  def __init__(self, paths: Sequence[str]):
+  The line index of each file is cached (see `_index_cache`), so a restart
+  reads a few bytes per unchanged file instead of the whole file.
+
+  Args:
+    paths: the JSONL files, in order.
+    index_cache_dir: where line indexes are cached. None: the directory in
+      the CKPT_ITER_INDEX_CACHE_DIR environment variable, else
+      `~/.cache/ckpt_iter/jsonl_index` (not next to the data, which may be
+      read-only or shared). "" disables the cache.
+  """
+
+  def __init__(self, paths: Sequence[str], *, index_cache_dir: str | None = None):
     self._paths = [os.path.abspath(p) for p in paths]
     self._starts: list[np.ndarray] = []
     self._ends: list[np.ndarray] = []
+    cache_dir = index_cache_location(index_cache_dir)
     for path in self._paths:
-      starts, ends = _index_lines(path)
+      starts, ends = _cached_line_index(path, cache_dir)
       self._starts.append(starts)
       self._ends.append(ends)
     self._offsets = np.cumsum([0] + [len(s) for s in self._starts]).tolist()
@@ -146,6 +161,151 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
   return start[keep], end[keep]
 
 
+# ---------------------------------------------------------------------------
+# The JSONL line-index cache: one .npy per file, an int64 array
+#   [magic, version, size, mtime_ns, line_count, starts..., ends...]
+# written atomically, read with allow_pickle=False, and used only when the
+# file's size and mtime_ns match and the offsets agree with the file's bytes.
+
+# Smaller files are scanned every time: that takes about a millisecond, and
+# caching them would only litter the cache directory.
+INDEX_CACHE_MIN_BYTES = 2**20
+_CACHE_MAGIC = 0x636B70746964780A  # "ckptidx\n"
+_CACHE_VERSION = 1
+_CACHE_HEADER = 5
+_CACHE_SPOT_CHECKS = 8
+_CACHE_MAX_TAIL_BYTES = 64 * 2**10
+_LINE_SPACE = frozenset(b"\r\n \t")
+
+_log = logging.getLogger(__name__)
+
+
+def index_cache_location(index_cache_dir: str | None = None) -> str | None:
+  """The directory JSONL line indexes are cached in, or None when disabled."""
+  if index_cache_dir is None:
+    index_cache_dir = os.environ.get(INDEX_CACHE_ENV)
+  if index_cache_dir is None:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    index_cache_dir = os.path.join(base, "ckpt_iter", "jsonl_index")
+  return index_cache_dir or None
+
+
+def index_cache_path(path: str, cache_dir: str) -> str:
+  """The cache file of one JSONL file: keyed by its absolute path."""
+  path = os.path.abspath(path)
+  key = hashlib.sha256(path.encode()).hexdigest()[:24]
+  return os.path.join(cache_dir, f"{key}.{os.path.basename(path)}.ckpt_iter-index.npy")
+
+
+def _cached_line_index(path: str, cache_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
+  """The line index of `path`: from its cache when valid, else built and cached."""
+  stat = os.stat(path)
+  if cache_dir is None or stat.st_size < INDEX_CACHE_MIN_BYTES:
+    return _index_lines(path)
+  cache_path = index_cache_path(path, cache_dir)
+  cached = _read_index_cache(cache_path, path, stat)
+  if cached is not None:
+    return cached
+  starts, ends = _index_lines(path)
+  after = os.stat(path)
+  # Cache only an index of a file that did not change while it was read.
+  if (after.st_size, after.st_mtime_ns) == (stat.st_size, stat.st_mtime_ns):
+    _write_index_cache(cache_path, stat, starts, ends)
+  return starts, ends
+
+
+def _read_index_cache(
+    cache_path: str, path: str, stat: os.stat_result
+) -> tuple[np.ndarray, np.ndarray] | None:
+  """The cached (starts, ends) if the cache is intact and matches the file."""
+  try:
+    # Mapped, not read: the checks below touch the offsets once, and the
+    # index is then used in place (no copy of 16 bytes per line).
+    array = np.load(cache_path, mmap_mode="r", allow_pickle=False)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError, EOFError) as e:  # truncated, not an .npy, pickled
+    _log.info("ignoring the unreadable JSONL index cache %s (%s)", cache_path, e)
+    return None
+  if (
+      array.dtype != np.int64 or array.ndim != 1 or len(array) < _CACHE_HEADER
+      or array[0] != _CACHE_MAGIC or array[1] != _CACHE_VERSION
+  ):
+    _log.info("ignoring the JSONL index cache %s: not a version %d index", cache_path, _CACHE_VERSION)
+    return None
+  size, mtime_ns, count = (int(v) for v in array[2:5])
+  if (size, mtime_ns) != (stat.st_size, stat.st_mtime_ns):
+    return None  # stale: the file changed since it was indexed
+  if len(array) != _CACHE_HEADER + 2 * count:
+    return None
+  starts = array[_CACHE_HEADER:_CACHE_HEADER + count]
+  ends = array[_CACHE_HEADER + count:]
+  if not _offsets_agree_with_file(path, size, starts, ends):
+    _log.info("ignoring the JSONL index cache %s: it disagrees with %s", cache_path, path)
+    return None
+  return np.asarray(starts), np.asarray(ends)
+
+
+def _offsets_agree_with_file(path: str, size: int, starts: np.ndarray, ends: np.ndarray) -> bool:
+  """Offsets ordered and in range; spot-checked lines start and end at newlines.
+
+  Reads at most a few dozen bytes plus the tail after the last line: the last
+  line must end where the file's records end (only blank space after it).
+  """
+  count = len(starts)
+  if count == 0:
+    return _only_space(path, 0, size)
+  if starts[0] < 0 or ends[-1] > size or np.any(ends <= starts):
+    return False
+  if count > 1 and np.any(starts[1:] <= ends[:-1]):
+    return False
+  checks = sorted({(i * count) // _CACHE_SPOT_CHECKS for i in range(_CACHE_SPOT_CHECKS)} | {count - 1})
+  with open(path, "rb") as f:
+    for i in checks:
+      start, end = int(starts[i]), int(ends[i])
+      if start > 0:
+        f.seek(start - 1)
+        if f.read(1) != b"\n":
+          return False
+      if end < size:
+        f.seek(end)
+        if f.read(1) != b"\n":
+          return False
+  return _only_space(path, int(ends[-1]), size)
+
+
+def _only_space(path: str, start: int, size: int) -> bool:
+  if size - start > _CACHE_MAX_TAIL_BYTES:
+    return False
+  with open(path, "rb") as f:
+    f.seek(start)
+    return all(byte in _LINE_SPACE for byte in f.read(size - start))
+
+
+def _write_index_cache(cache_path: str, stat: os.stat_result, starts: np.ndarray, ends: np.ndarray) -> None:
+  """Writes the cache atomically; a directory that is not writable is skipped."""
+  header = np.array(
+      [_CACHE_MAGIC, _CACHE_VERSION, stat.st_size, stat.st_mtime_ns, len(starts)], np.int64
+  )
+  temporary = f"{cache_path}.tmp-{os.getpid()}-{threading.get_ident()}"
+  try:
+    os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+    with open(temporary, "wb") as f:
+      # One .npy array written in parts: no second copy of the index in memory.
+      np.lib.format.write_array_header_1_0(f, {
+          "descr": np.dtype(np.int64).str, "fortran_order": False,
+          "shape": (len(header) + 2 * len(starts),)})
+      for part in (header, starts, ends):
+        np.ascontiguousarray(part, dtype=np.int64).tofile(f)
+    os.replace(temporary, cache_path)
+  except OSError as e:
+    _log.info("not caching the JSONL line index at %s (%s)", cache_path, e)
+    try:
+      os.unlink(temporary)
+    except OSError:
+      pass
+
+
 class ParquetSource(_FileReader):
   """Records of one or more Parquet files, decoded one row group at a time.
 
@@ -213,18 +373,6 @@ class ArrayRecordSource:
     return f"ArrayRecordSource({len(self._paths)} files, {len(self)} records)"
 
 
-def write_array_record(path: str, records: Sequence[Any]) -> None:
-  """Writes records as JSON objects into one ArrayRecord file."""
-  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-
-  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
-  try:
-    for record in records:
-      writer.write(json.dumps(record).encode("utf-8"))
-  finally:
-    writer.close()
-
-
 def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
   """Turns the `source` argument of make_dataset into a random-access source.
 
@@ -261,7 +409,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     raise errors.InvalidArgumentError(
         f"source {description} holds no records; a dataset needs at least one."
     )
-  return resolved, SourceIdentity(description, length, _sample_digest(resolved, length))
+  return resolved, SourceIdentity(description, length, sample_digest(resolved, length))
 
 
 def _describe_files(kind: str, paths: list[str]) -> str:
@@ -314,7 +462,12 @@ def _is_random_access(source: Any) -> bool:
   )
 
 
-def _sample_digest(source: Any, length: int) -> str:
+def sample_digest(source: Any, length: int) -> str:
+  """sha256 prefix over up to 64 evenly spaced records and the last one.
+
+  The one source digest: make_dataset's `source_digest` and the graph
+  fingerprint's `SourceMapDataset.digest` are both this.
+  """
   count = min(length, _DIGEST_SAMPLES)
   indices = sorted({(i * length) // count for i in range(count)} | {length - 1})
   digest = hashlib.sha256()

@@ -1,10 +1,22 @@
-"""Shared pytest setup: CPU JAX, the --run-slow switch, Hypothesis profiles."""
+"""Shared pytest setup: CPU JAX, the --run-slow switch, Hypothesis profiles,
+and fixtures several test files use (records, pipelines, a CheckpointManager)."""
 
 import os
+import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JSONL line-index caches go to a throwaway directory, never to ~/.cache.
+os.environ.setdefault("CKPT_ITER_INDEX_CACHE_DIR", tempfile.mkdtemp(prefix="ckpt_iter_index_"))
+# Test modules import the shared helpers (support.py) and the worker scripts
+# (workers/, also run as subprocesses) by name, from any subdirectory.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (_HERE, os.path.join(_HERE, "workers")):
+  if _path not in sys.path:
+    sys.path.insert(0, _path)
 
 import hypothesis  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
 
 hypothesis.settings.register_profile(
     "default", deadline=None, print_blob=True, derandomize=True,
@@ -25,11 +37,67 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-  if config.getoption("--run-slow"):
-    return
   # Deselected, not skipped: `make test` runs the representative subset and
-  # `make test-full` the long variants (see README).
-  slow = [item for item in items if "slow" in item.keywords]
-  if slow:
-    config.hook.pytest_deselected(items=slow)
-    items[:] = [item for item in items if "slow" not in item.keywords]
+  # `make test-full` the long variants (see README); tests of one Tunix
+  # version's API run where it is installed (`make test-tunix-main` for main).
+  out = set()
+  if not config.getoption("--run-slow"):
+    out |= {id(item) for item in items if "slow" in item.keywords}
+  # Version-specific tests: those of the other Tunix than the installed one.
+  versioned = [item for item in items if {"tunix_main", "tunix_0_1_7"} & set(item.keywords)]
+  if versioned:
+    other = "tunix_0_1_7" if _tunix_has_rl_engine() else "tunix_main"
+    out |= {id(item) for item in versioned if other in item.keywords}
+  if out:
+    config.hook.pytest_deselected(items=[item for item in items if id(item) in out])
+    items[:] = [item for item in items if id(item) not in out]
+
+
+def _tunix_has_rl_engine() -> bool:
+  from tunix.rl import rl_cluster  # pylint: disable=g-import-not-at-top
+
+  return hasattr(rl_cluster, "RLEngine")
+
+
+# ---------------------------------------------------------------------------
+# Shared fixtures.
+
+RECORD_COUNT = 40
+
+
+@pytest.fixture
+def records() -> list[dict]:
+  """40 small records `{"id": i, "text": f"r{i}"}` (the legacy fixture's data)."""
+  return [{"id": i, "text": f"r{i}"} for i in range(RECORD_COUNT)]
+
+
+@pytest.fixture
+def make_pipeline(records):
+  """Builds a NEW make_dataset pipeline over `records` on every call.
+
+  Defaults: batch_size=4, seed=7, num_epochs=2 (10 batches per epoch);
+  keyword arguments override them (and `records=` the records).
+  """
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  def build(**overrides):
+    options = {"batch_size": 4, "seed": 7, "num_epochs": 2, **overrides}
+    return ckpt_iter.make_dataset(options.pop("records", records), **options)
+
+  return build
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+  """An absolute checkpoint root (Orbax fails on relative ones in its thread)."""
+  return (tmp_path / "ckpt").absolute()
+
+
+@pytest.fixture
+def ckpt_manager(ckpt_dir):
+  """An Orbax CheckpointManager on `ckpt_dir`, closed after the test."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  manager = ocp.CheckpointManager(ckpt_dir)
+  yield manager
+  manager.close()

@@ -1,0 +1,348 @@
+"""Stream-preserving pipeline changes: THE rule for "does this pipeline continue that stream?".
+
+A restored state names the next unread element of the stream its pipeline
+produced. A changed pipeline continues that stream exactly when the saved
+stream's consumed part is, element for element, a prefix of the new
+pipeline's stream (docs/guarantees.md, "Same stream"). `reconcile` decides
+this from the two fingerprints and the saved position, and returns the
+position to restore in the new pipeline together with the fields it accepts
+and one log line per accepted change. It accepts exactly:
+
+- a length change with the prefix unchanged: `num_epochs` of make_dataset or
+  of a `repeat`, the `stop` of a slice or a range, a `[0:k]` slice added or
+  removed (`ds[0:k]` then `ds`), provided every step after the changed node
+  keeps prefixes (map, filter, batch, slice, ...; not shuffle or repeat);
+- a batch-size change (make_dataset's `batch_size`, a hand-built `batch`
+  followed only by per-batch maps): the position is translated to elements
+  and back, and the first batch after the restore starts at the first unread
+  element. MapDataset positions are batch indices, so the number of elements
+  already consumed must be a multiple of the new batch size (within the epoch
+  for make_dataset); otherwise the restore is refused and the error names the
+  batch sizes that would fit.
+
+Everything else is left to `state.check_fingerprint`, which refuses it naming
+the field. Only states whose position is `{"next_index": n}` (MapDataset
+pipelines, and `to_iter_dataset` on top of one) can change; a multiprocess or
+other IterDataset position is refused on any change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import sys
+from typing import Any, Callable, Collection, Mapping
+
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+
+LOGGER = logging.getLogger("ckpt_iter")
+
+# Steps that keep a prefix a prefix: element i of their output depends only on
+# elements of their input at indices that do not move when the input grows.
+PREFIX_STABLE = frozenset({
+    "MapMapDataset", "MapWithIndexMapDataset", "RandomMapMapDataset", "FilterMapDataset",
+    "BatchMapDataset", "SliceMapDataset", "PrefetchIterDataset", "MapIterDataset",
+})
+# Steps that map one batch to one output on their own: a batch-size change
+# below them keeps the element order.
+ELEMENTWISE = frozenset({"MapMapDataset", "MapIterDataset", "PrefetchIterDataset"})
+_LENGTH_PARAMS = {
+    "RepeatMapDataset": "num_epochs", "SliceMapDataset": "stop", "RangeMapDataset": "stop",
+}
+_SPEC_BATCH = frozenset({"batch_size", "global_batch_size", "batches_per_epoch"})
+_SPEC_LENGTH = frozenset({"num_epochs"})
+_DERIVED = frozenset({"dataset_length", "pipeline"})
+_NODE_FIELD = re.compile(r"^node\[(\d+)\]\.([^.]+)\.(.+)$")
+_ABSENT = "<absent>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconciled:
+  """The outcome of `reconcile`.
+
+  Attributes:
+    position: the position to restore into the new pipeline.
+    accepted: fingerprint fields that differ and are accepted as stream-preserving.
+    changes: one human-readable line per accepted change, with where the stream resumes.
+  """
+
+  position: dict[str, Any]
+  accepted: frozenset[str] = frozenset()
+  changes: tuple[str, ...] = ()
+
+  def log(self) -> None:
+    for line in self.changes:
+      LOGGER.info(line)
+
+
+@dataclasses.dataclass
+class _Node:
+  kind: str
+  params: dict[str, Any]
+  field_index: int  # i of its node[i] fields
+
+
+def reconcile(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    position: Mapping[str, Any],
+    *,
+    allow_drift: Collection[str] = (),
+    origin: str = "the state",
+    parent_length: Callable[[int], int | None] = lambda index: None,
+) -> Reconciled:
+  """Accepts the stream-preserving differences between two fingerprints.
+
+  Args:
+    saved: the fingerprint of the state.
+    current: the fingerprint of the pipeline restored into.
+    position: the state's position.
+    allow_drift: fields the caller lets differ; they are not compared here.
+    origin: what error messages name.
+    parent_length: length of the input of the current pipeline's node[i] (for
+      a batch-size change at the end of the stream), or None if unknown.
+
+  Returns:
+    The position to restore and the accepted fields. Differences it does not
+    accept are left for `state.check_fingerprint` to refuse.
+
+  Raises:
+    ConfigDriftError: every difference is a stream change of an accepted kind,
+      but at this position it would skip or repeat elements (the message says
+      why and what would work).
+  """
+  unchanged = Reconciled(position=dict(position))
+  if not saved:
+    return unchanged
+  compare_graph = state_lib.GRAPH_FIELD in saved
+  differing = {
+      name for name in set(saved) | set(current)
+      if name not in allow_drift
+      and (compare_graph or not state_lib.is_graph_field(name))
+      and not state_lib.same_field_value(saved.get(name, _ABSENT), current.get(name, _ABSENT))
+  }
+  next_index = position.get("next_index")
+  if not differing or set(position) != {"next_index"} or not state_lib.is_int(next_index):
+    return unchanged
+  graph_fields = {n for n in differing if state_lib.is_graph_field(n)}
+  other = differing - graph_fields - _DERIVED
+  spec_fields = other & (_SPEC_BATCH | _SPEC_LENGTH)
+  if other - spec_fields:
+    return unchanged  # a change that is not a stream change: refused by name
+  if spec_fields and "global_batch_size" not in saved:
+    return unchanged
+  plan = _Plan(saved, current, int(next_index), origin)
+  if graph_fields and not plan.add_graph_changes(allow_drift, parent_length):
+    return unchanged
+  if spec_fields:
+    plan.add_spec_changes(spec_fields)
+  if not plan.changes or ("pipeline" in differing and not graph_fields):
+    return unchanged  # e.g. only dataset_length differs: no known stream change explains it
+  return plan.finish(accepted=frozenset(differing))
+
+
+class _Plan:
+  """The accepted changes of one restore and the position they lead to."""
+
+  def __init__(self, saved: Mapping[str, Any], current: Mapping[str, Any], next_index: int, origin: str):
+    self.saved, self.current, self.origin = saved, current, origin
+    self.saved_index = next_index
+    self.next_index = next_index
+    self.changes: list[str] = []
+    self.batch_changes = 0
+
+  # -- make_dataset (spec fields)
+
+  def add_spec_changes(self, fields: set[str]) -> None:
+    above = [s for s in str(self.current.get("pipeline") or "").split("<") if s]
+    if "global_batch_size" in fields:
+      if "batch_size" not in fields or self.saved.get("shard_count") != self.current.get("shard_count"):
+        raise self._refuse(fields, "the global batch size changed but not the per-process one")
+      self._require(above, ELEMENTWISE, fields, "a batch-size change")
+      self._translate_spec_batch(fields)
+    elif fields & _SPEC_BATCH:
+      raise self._refuse(fields, "the batches per epoch changed without a batch-size change")
+    if "num_epochs" in fields:
+      self._require(above, PREFIX_STABLE, fields, "a num_epochs change")
+      self.changes.append(
+          f"num_epochs {self.saved.get('num_epochs')} -> {self.current.get('num_epochs')}"
+      )
+
+  def _translate_spec_batch(self, fields: set[str]) -> None:
+    old_batch, new_batch = self.saved["global_batch_size"], self.current["global_batch_size"]
+    old_per_epoch, new_per_epoch = self.saved["batches_per_epoch"], self.current["batches_per_epoch"]
+    epoch, batch = divmod(self.saved_index, old_per_epoch)
+    row = batch * old_batch  # rows of this epoch already consumed
+    if row % new_batch:
+      raise self._misaligned(fields, row, old_batch, new_batch, within="of epoch %d" % epoch)
+    self.next_index = epoch * new_per_epoch + row // new_batch
+    self.batch_changes += 1
+    self.changes.append(
+        f"batch_size {self.saved.get('batch_size')} -> {self.current.get('batch_size')} "
+        f"(global {old_batch} -> {new_batch}): epoch {epoch}, row {row}"
+    )
+
+  # -- hand-built graphs (node fields)
+
+  def add_graph_changes(self, allow_drift: Collection[str], parent_length: Callable[[int], int | None]) -> bool:
+    old_nodes, old_cuts = _canonical(_nodes(self.saved, allow_drift))
+    new_nodes, new_cuts = _canonical(_nodes(self.current, allow_drift))
+    if [n.kind for n in old_nodes] != [n.kind for n in new_nodes]:
+      return False
+    kinds = [n.kind for n in new_nodes]
+    length_changes: list[tuple[int, str, dict[str, tuple[Any, Any]]]] = []
+    batch_change = None
+    for index, (old, new) in enumerate(zip(old_nodes, new_nodes)):
+      for param in set(old.params) | set(new.params):
+        before, after = old.params.get(param, _ABSENT), new.params.get(param, _ABSENT)
+        if state_lib.same_field_value(before, after):
+          continue
+        named = {f"node[{new.field_index}].{new.kind}.{param}": (before, after)}
+        if _LENGTH_PARAMS.get(old.kind) == param:
+          length_changes.append((index, f"{old.kind}.{param} {before} -> {after}", named))
+        elif old.kind == "BatchMapDataset" and param == "batch_size" and batch_change is None:
+          batch_change = (index, old, new, named)
+        else:
+          return False
+    for index in sorted(set(old_cuts) | set(new_cuts)):
+      if old_cuts.get(index) != new_cuts.get(index):
+        (before, old_field), (after, new_field) = old_cuts.get(index, (None, None)), new_cuts.get(index, (None, None))
+        describe = lambda cut: "no slice" if cut is None else f"[0:{cut}]"
+        below = kinds[index] if index < len(kinds) else "the end"
+        named = {new_field or old_field: (_ABSENT if before is None else before, _ABSENT if after is None else after)}
+        length_changes.append(
+            (index, f"slice above {below} {describe(before)} -> {describe(after)}", named)
+        )
+    if not length_changes and batch_change is None:
+      return False
+    # A refusal names every candidate change: one may be the other's effect
+    # (an inner batch size moves the normalized stop of a slice after it).
+    every = {k: v for _, _, named in length_changes for k, v in named.items()}
+    if batch_change is not None:
+      every.update(batch_change[3])
+    if batch_change is not None:
+      self._require(kinds[:batch_change[0]], ELEMENTWISE, every, "a batch-size change")
+    for index, text, _ in length_changes:
+      self._require(kinds[:index], PREFIX_STABLE, every, f"the change {text}")
+      if self.saved_index == self.saved.get("dataset_length") and any(
+          n.kind == "BatchMapDataset" and not n.params.get("drop_remainder") for n in new_nodes[:index]
+      ):
+        raise self._refuse(
+            every,
+            f"the change {text} lengthens the input of a batch with drop_remainder=False, "
+            "and the saved stream was read to its end: its last batch may have been short, "
+            "so the next batch would repeat elements",
+        )
+      self.changes.append(text)
+    if batch_change is not None:
+      index, old, new, named = batch_change
+      self._translate_graph_batch(every, old, new, bool(length_changes), parent_length(new.field_index))
+    return True
+
+  def _translate_graph_batch(
+      self, fields: Any, old: _Node, new: _Node, length_changed: bool, parent_length: int | None
+  ) -> None:
+    old_batch, new_batch = old.params["batch_size"], new.params["batch_size"]
+    text = f"BatchMapDataset.batch_size {old_batch} -> {new_batch}"
+    element = self.saved_index * old_batch
+    at_end = self.saved_index == self.saved.get("dataset_length")
+    if at_end and not length_changed and parent_length is not None and element >= parent_length:
+      # The whole input was read (the last batch may have been short).
+      full, partial = divmod(parent_length, new_batch)
+      self.next_index = full + (1 if partial and not new.params.get("drop_remainder") else 0)
+      element = parent_length
+    elif element % new_batch:
+      raise self._misaligned(fields, element, old_batch, new_batch, within="")
+    else:
+      self.next_index = element // new_batch
+    self.batch_changes += 1
+    self.changes.append(f"{text}: element {element}")
+
+  # -- common
+
+  def finish(self, accepted: frozenset[str]) -> Reconciled:
+    if self.batch_changes > 1:
+      raise self._refuse(accepted, "both make_dataset's batch size and a batch step changed")
+    length = self.current.get("dataset_length")
+    if state_lib.is_int(length) and self.next_index > length:
+      raise self._refuse(
+          accepted,
+          f"the saved position (element index {self.next_index} in this pipeline) is past "
+          f"the end of the new stream ({length} elements)",
+      )
+    where = f"resuming at next_index {self.next_index}"
+    if self.next_index != self.saved_index:
+      where += f" (was {self.saved_index})"
+    lines = tuple(f"{self.origin}: accepted stream change: {c}; {where}." for c in self.changes)
+    return Reconciled(position={"next_index": self.next_index}, accepted=accepted, changes=lines)
+
+  def _require(self, kinds: list[str], allowed: frozenset[str], fields: Collection[str], what: str) -> None:
+    bad = [k for k in kinds if k not in allowed]
+    if bad:
+      raise self._refuse(
+          fields,
+          f"{what} keeps the stream only if the steps after it keep prefixes "
+          f"({sorted(allowed)}), but this pipeline applies {bad} after it",
+      )
+
+  def _misaligned(
+      self, fields: Collection[str], element: int, old_batch: int, new_batch: int, within: str
+  ) -> errors.ConfigDriftError:
+    step = old_batch * new_batch // math.gcd(old_batch, new_batch)
+    divisors = [b for b in range(1, element + 1) if element % b == 0 and b <= 4 * max(old_batch, new_batch)]
+    return self._refuse(
+        fields,
+        f"the state was saved after {element} elements {within}".rstrip() + f" (batches of {old_batch}); "
+        f"a batch size of {new_batch} cannot start a batch there, because batches are "
+        f"index-addressed. Use a batch size dividing {element} (e.g. {divisors[-3:]}), "
+        f"or resume with batch size {old_batch} and save again after a multiple of "
+        f"{step} elements",
+    )
+
+  def _refuse(self, fields: Collection[str] | Mapping[str, tuple[Any, Any]], reason: str) -> errors.ConfigDriftError:
+    if isinstance(fields, Mapping):
+      differences = dict(fields)
+    else:
+      differences = {
+          n: (self.saved.get(n, _ABSENT), self.current.get(n, _ABSENT)) for n in sorted(fields)
+          if not state_lib.same_field_value(self.saved.get(n, _ABSENT), self.current.get(n, _ABSENT))
+      }
+    error = errors.ConfigDriftError(differences, origin=self.origin)
+    error.args = (f"{error} Not a stream-preserving change: {reason}.",)
+    return error
+
+
+def _nodes(fingerprint: Mapping[str, Any], allow_drift: Collection[str]) -> list[_Node]:
+  kinds = str(fingerprint.get(state_lib.GRAPH_FIELD) or "").split("<")
+  nodes = [_Node(kind, {}, index) for index, kind in enumerate(kinds)]
+  for name, value in fingerprint.items():
+    match = _NODE_FIELD.match(name)
+    if match is None or name in allow_drift:
+      continue
+    index = int(match.group(1))
+    if index < len(nodes) and nodes[index].kind == match.group(2):
+      nodes[index].params[match.group(3)] = value
+  return nodes
+
+
+def _canonical(nodes: list[_Node]) -> tuple[list[_Node], dict[int, tuple[Any, str]]]:
+  """Nodes without `[0:k]` slices, and those slices (stop, field) keyed by the index below them."""
+  kept: list[_Node] = []
+  cuts: dict[int, tuple[Any, str]] = {}
+  for node in nodes:
+    params = node.params
+    if node.kind == "SliceMapDataset" and params.get("start") == 0 and params.get("step") == 1:
+      stop = params.get("stop")
+      if state_lib.is_int(stop) and stop >= sys.maxsize:
+        continue  # cuts nothing
+      position = len(kept)
+      field = f"node[{node.field_index}].SliceMapDataset.stop"
+      if position in cuts:  # two cuts in a row: the shorter one counts
+        stop = min(cuts[position][0], stop)
+      cuts[position] = (stop, field)
+      continue
+    kept.append(node)
+  return kept, cuts

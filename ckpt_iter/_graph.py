@@ -1,0 +1,632 @@
+"""The fingerprint of a Grain dataset graph: every node's kind and parameters.
+
+`describe_graph` walks a dataset from its outermost node down its `.parents`
+(depth first, parents in order) and records, per node, the parameters that
+decide which element comes next: shuffle seeds, batch size and
+drop_remainder, slice bounds, repeat counts, map/filter function identity, the
+source's length and sampled digest, and the worker count of `mp_prefetch`.
+Fields are flat, so a mismatch names the node and the parameter:
+
+    graph                             "BatchMapDataset<ShuffleMapDataset<SourceMapDataset"
+    node[1].ShuffleMapDataset.seed    7
+    node[2].SourceMapDataset.length   40
+
+Unknown node kinds are recorded by class name only (in `graph`). This is the
+only module that reads private attributes of Grain nodes: when a Grain release
+renames one, the parameter is recorded as unavailable instead of failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import numbers
+import types
+from typing import Any, Callable, Iterator, Mapping
+
+from ckpt_iter import errors
+from ckpt_iter import sources as sources_lib
+from ckpt_iter import state as state_lib
+
+GRAPH_FIELD = state_lib.GRAPH_FIELD
+MP_PREFETCH = "mp_prefetch"
+WORKERS_PARAM = "num_workers"
+# Generous: a pipeline has tens of nodes; this bounds a cyclic or absurd graph.
+MAX_NODES = 512
+_UNAVAILABLE = "<unavailable>"
+# Wrappers mp_prefetch puts around each worker's copy of the pipeline.
+_WORKER_WRAPPERS = frozenset({
+    "ProcessPrefetchIterDataset", "_MpContextIterDataset", "_LazyWorkerSliceIterDataset",
+})
+
+
+def node_field(index: int, kind: str, param: str) -> str:
+  """The fingerprint field of one node parameter: `node[2].ShuffleMapDataset.seed`."""
+  return f"node[{index}].{kind}.{param}"
+
+
+def describe_graph(dataset: Any, *, described_spec_node: Any = None) -> dict[str, Any]:
+  """The graph fields of a dataset's fingerprint.
+
+  Args:
+    dataset: a `grain.MapDataset` or `grain.IterDataset`.
+    described_spec_node: the make_dataset node whose spec fields are already
+      top-level fingerprint fields (`dataset.find_spec`), so they are not
+      repeated under its node. Any other make_dataset node (e.g. behind
+      `mp_prefetch`) records its spec fields as node parameters.
+
+  Returns:
+    `{"graph": kinds joined by "<", outermost first, "node[i].Kind.param": value}`
+    with JSON scalar values.
+  """
+  fields: dict[str, Any] = {}
+  kinds: list[str] = []
+  for index, (_, kind, params) in enumerate(_walk(dataset, described_spec_node)):
+    kinds.append(kind)
+    for param, value in params.items():
+      fields[node_field(index, kind, param)] = value
+  return {GRAPH_FIELD: "<".join(kinds), **fields}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerResume:
+  """How a state resumes with this pipeline's `mp_prefetch` worker count.
+
+  Attributes:
+    position: the position to restore (the saved one, or translated to the
+      new worker count).
+    accepted: the worker-count field, when a different count was accepted.
+    changes: one line per accepted change, saying where the stream resumes.
+  """
+
+  position: dict[str, Any]
+  accepted: frozenset[str] = frozenset()
+  changes: tuple[str, ...] = ()
+
+
+def resume_workers(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    position: Mapping[str, Any],
+    dataset: Any,
+    *,
+    origin: str,
+) -> WorkerResume:
+  """THE rule for restoring an `mp_prefetch` state with another worker count.
+
+  With `sequential_slice=False` (Grain's default) worker j of k reads
+  elements j, j+k, j+2k, ... of the MapDataset it is given, and the
+  interleave takes one element from each worker in turn, so the output is
+  that MapDataset's order for every k: element p comes from worker p mod k,
+  as its element p div k. A state holds one `next_index` per worker; their
+  sum is the global position P, the number of elements consumed. With k'
+  workers, worker j has consumed `len(range(j, P, k'))` elements and the
+  interleave continues at worker P mod k'. The resumed stream is the
+  uninterrupted one from element P: nothing skipped or repeated, the same
+  order as an uninterrupted run with either count.
+
+  This holds only when every worker yields every element of its slice and the
+  slice is taken of an index-addressed dataset: a `make_dataset` pipeline
+  (optionally followed by MapDataset steps other than `filter`) read by
+  `to_iter_dataset()`, with at most element-wise `map`s between that and
+  `mp_prefetch`. Anything else is refused.
+
+  Args:
+    saved: the state's fingerprint.
+    current: this pipeline's fingerprint.
+    position: the state's position.
+    dataset: this pipeline (its live nodes are inspected).
+    origin: what error messages name.
+
+  Returns:
+    The position to restore; unchanged when the worker counts agree.
+
+  Raises:
+    ConfigDriftError: another worker count that cannot be translated, with the
+      reason and the fix (`allow_drift` cannot accept it).
+    InvalidStateError: the saved per-worker positions are not those of a
+      round-robin interleave.
+  """
+  for name, saved_count in saved.items():
+    if not is_workers_field(name):
+      continue
+    here = current.get(name)
+    if state_lib.same_field_value(saved_count, here):
+      continue
+    reason = _translation_refusal(name, saved, current, dataset)
+    if reason is not None:
+      raise _worker_count_error(name, saved_count, here, reason, origin)
+    next_index = _global_position(position, int(saved_count), origin)
+    new_position = _replace_interleave_state(position, _interleave_state(next_index, int(here)))
+    return WorkerResume(
+        position=new_position,
+        accepted=frozenset({name}),
+        changes=(
+            f"{origin}: mp_prefetch num_workers {saved_count} -> {here} ({name}); "
+            f"the stream resumes at element {next_index} of the workers' dataset, "
+            "in the same order.",
+        ),
+    )
+  return WorkerResume(position=dict(position))
+
+
+def _translation_refusal(
+    name: str, saved: Mapping[str, Any], current: Mapping[str, Any], dataset: Any
+) -> str | None:
+  """Why a per-worker position cannot be translated to another count, or None."""
+  here = current.get(name)
+  if here is None or not state_lib.is_int(here) or here < 1:
+    return "this pipeline has no mp_prefetch with workers at that node"
+  sequential = name[: -len(WORKERS_PARAM)] + "sequential_slice"
+  if saved.get(sequential) or current.get(sequential):
+    return (
+        "with sequential_slice=True each worker reads one contiguous block of "
+        "the data, so the order of the stream depends on the worker count"
+    )
+  if saved.get(GRAPH_FIELD) != current.get(GRAPH_FIELD):
+    return "the graph differs as well"
+  interleaves = [n for n in walk_nodes(dataset) if _worker_shards(n)]
+  if len(interleaves) != 1:
+    return "the pipeline has more than one mp_prefetch"
+  return _worker_pipeline_refusal(_unwrap_worker(_worker_shards(interleaves[0])[0]))
+
+
+def _worker_pipeline_refusal(node: Any) -> str | None:
+  """None if the workers read an index-addressed make_dataset pipeline."""
+  while type(node).__name__ == "MapIterDataset" and len(node.parents) == 1:
+    node = node.parents[0]
+  if type(node).__name__ != "PrefetchIterDataset":
+    return (
+        f"the workers run IterDataset step {type(node).__name__} before mp_prefetch: "
+        "what each worker yields depends on the worker count"
+    )
+  kinds = [kind for _, kind, _ in _walk(node.parents[0], None)]
+  per_element = [k for k in kinds if k.startswith("Filter") or k.endswith("IterDataset")]
+  if per_element:
+    return (
+        f"the workers' pipeline applies {sorted(set(per_element))} before mp_prefetch: "
+        "which elements each worker yields depends on the worker count"
+    )
+  if "GlobalBatchDataset" not in kinds:
+    return (
+        "the pipeline was not built by ckpt_iter.make_dataset, so its positions "
+        "are not known to be index-addressed"
+    )
+  return None
+
+
+def _worker_count_error(
+    name: str, saved_count: Any, here: Any, reason: str, origin: str
+) -> errors.ConfigDriftError:
+  here_text = "no mp_prefetch there" if here is None else f"num_workers={here}"
+  error = errors.ConfigDriftError({name: (saved_count, here)}, origin=origin)
+  error.args = (
+      f"{origin} was written by mp_prefetch with num_workers={saved_count} "
+      f"(field {name!r}); this pipeline has {here_text}. Grain's multiprocess "
+      "state holds one position per worker, and it cannot be translated to "
+      f"another worker count here: {reason}. Rebuild the pipeline with "
+      f"grain.MultiprocessingOptions(num_workers={saved_count}).",
+  )
+  return error
+
+
+_INTERLEAVE_KEY = "iterators_in_use_states"
+
+
+def _find_interleave_state(position: Any) -> Mapping[str, Any] | None:
+  if isinstance(position, Mapping):
+    if _INTERLEAVE_KEY in position:
+      return position
+    for value in position.values():
+      found = _find_interleave_state(value)
+      if found is not None:
+        return found
+  return None
+
+
+def _replace_interleave_state(position: Any, new: dict[str, Any]) -> Any:
+  if isinstance(position, Mapping):
+    if _INTERLEAVE_KEY in position:
+      return new
+    return {k: _replace_interleave_state(v, new) for k, v in position.items()}
+  return position
+
+
+def _global_position(position: Mapping[str, Any], num_workers: int, origin: str) -> int:
+  """The number of elements consumed, from a round-robin interleave state."""
+  interleave = _find_interleave_state(position)
+  problem = None
+  if interleave is None:
+    problem = "it holds no interleave state"
+  else:
+    states = interleave.get(_INTERLEAVE_KEY)
+    indices = interleave.get("iterators_in_use_indices")
+    if not isinstance(states, (list, tuple)) or len(states) != num_workers:
+      problem = f"it does not hold {num_workers} worker positions"
+    elif list(indices or ()) != list(range(num_workers)) or interleave.get("future_states"):
+      problem = "its workers are not in cycle order"
+    elif not all(
+        isinstance(s, Mapping) and set(s) == {"next_index"} and state_lib.is_int(s["next_index"])
+        and s["next_index"] >= 0 for s in states
+    ):
+      problem = "a worker position is not {'next_index': n}"
+  if problem is None:
+    counts = [int(s["next_index"]) for s in states]
+    next_index = sum(counts)
+    if counts == [len(range(j, next_index, num_workers)) for j in range(num_workers)]:
+      return next_index
+    problem = f"the worker positions {counts} are not a round-robin prefix"
+  raise errors.InvalidStateError(
+      f"{origin}: field 'position' is {state_lib.short_repr(position)}; as the state of "
+      f"mp_prefetch with {num_workers} workers {problem}. Restore it with the worker "
+      "count it was written with."
+  )
+
+
+def _interleave_state(next_index: int, num_workers: int) -> dict[str, Any]:
+  """Grain's interleave state after `next_index` elements from `num_workers` workers."""
+  return {
+      "next_index_in_cycle": next_index % num_workers,
+      "next_index_in_datasets": num_workers,
+      "iterators_in_use_indices": list(range(num_workers)),
+      _INTERLEAVE_KEY: [
+          {"next_index": len(range(j, next_index, num_workers))} for j in range(num_workers)
+      ],
+      "exhausted": [0] * num_workers,
+      "future_states": {},
+  }
+
+
+def is_workers_field(name: str) -> bool:
+  """A `node[i].mp_prefetch.num_workers` field."""
+  return name.startswith("node[") and name.endswith(f".{MP_PREFETCH}.{WORKERS_PARAM}")
+
+
+# ---------------------------------------------------------------------------
+# The walk.
+
+
+def walk_nodes(dataset: Any) -> list[Any]:
+  """The node objects of `dataset`, in the order of the `node[i]` fields."""
+  return [node for node, _, _ in _walk(dataset, None)]
+
+
+def _walk(root: Any, described_spec_node: Any) -> Iterator[tuple[Any, str, dict[str, Any]]]:
+  """Yields (node, kind, params) per node, depth first, at most MAX_NODES nodes."""
+  stack = [root]
+  count = 0
+  while stack:
+    node = stack.pop()
+    count += 1
+    if count > MAX_NODES:
+      yield None, f"<more than {MAX_NODES} nodes>", {}
+      return
+    kind, params, children = _describe_node(node, described_spec_node)
+    yield node, kind, params
+    stack.extend(reversed(children))
+
+
+def _describe_node(node: Any, described_spec_node: Any) -> tuple[str, dict[str, Any], list[Any]]:
+  """(kind, params, children to walk) of one node."""
+  kind = type(node).__name__
+  shards = _worker_shards(node) if kind == "InterleaveIterDataset" else []
+  if shards:
+    return MP_PREFETCH, _mp_prefetch_params(shards), [_unwrap_worker(shards[0])]
+  if kind == "ElasticIterator":
+    # Grain's ElasticIterator keeps its input as `_ds`, not as a parent. Its
+    # sharding is in the top-level fields (`dataset.describe_pipeline`).
+    return kind, _elastic_params(node), [node._ds]  # pylint: disable=protected-access
+  if kind == "GlobalBatchDataset":
+    # make_dataset's node: its spec defines everything below it.
+    return kind, _spec_params(node, described_spec_node), []
+  describe = _DESCRIBERS.get(kind)
+  params = {}
+  if describe is not None:
+    try:
+      params = describe(node)
+    except AttributeError:  # another Grain release renamed a private attribute
+      params = {"params": _UNAVAILABLE}
+  return kind, params, _children(node)
+
+
+def _children(node: Any) -> list[Any]:
+  if type(node).__name__ == "InterleaveIterDataset":
+    datasets = getattr(node, "_datasets", None)
+    return list(datasets) if isinstance(datasets, (list, tuple)) else []
+  return list(getattr(node, "parents", ()) or ())
+
+
+def _worker_shards(node: Any) -> list[Any]:
+  """The per-worker datasets of an mp_prefetch interleave, or [] if it is not one."""
+  datasets = getattr(node, "_datasets", None)
+  if not isinstance(datasets, (list, tuple)) or not datasets:
+    return []
+  if all(type(d).__name__ == "ProcessPrefetchIterDataset" for d in datasets):
+    return list(datasets)
+  return []
+
+
+def _unwrap_worker(shard: Any) -> Any:
+  """The user's pipeline inside one worker's wrappers (they are the same for all)."""
+  node = shard
+  while type(node).__name__ in _WORKER_WRAPPERS and len(node.parents) == 1:
+    node = node.parents[0]
+  return node
+
+
+def _mp_prefetch_params(shards: list[Any]) -> dict[str, Any]:
+  node = shards[0]
+  sequential = False
+  while type(node).__name__ in _WORKER_WRAPPERS:
+    if type(node).__name__ == "_LazyWorkerSliceIterDataset":
+      sequential = bool(getattr(node, "_sequential_slice", False))
+    if len(node.parents) != 1:
+      break
+    node = node.parents[0]
+  return {WORKERS_PARAM: len(shards), "sequential_slice": sequential}
+
+
+def elastic_fields(node: Any) -> dict[str, Any]:
+  """The sharding of a Grain ElasticIterator, as top-level fingerprint fields."""
+  options = node._shard_options  # pylint: disable=protected-access
+  global_batch_size = int(node._global_batch_size)  # pylint: disable=protected-access
+  return {
+      "shard_index": int(options.shard_index),
+      "shard_count": int(options.shard_count),
+      "batch_size": global_batch_size // max(int(options.shard_count), 1),
+      "global_batch_size": global_batch_size,
+  }
+
+
+def _elastic_params(node: Any) -> dict[str, Any]:
+  try:
+    return {"global_batch_size": int(node._global_batch_size)}  # pylint: disable=protected-access
+  except AttributeError:
+    return {"params": _UNAVAILABLE}
+
+
+def _spec_params(node: Any, described_spec_node: Any) -> dict[str, Any]:
+  params: dict[str, Any] = {}
+  if node is not described_spec_node:
+    params.update(node.spec.fingerprint())
+  parents = getattr(node, "parents", ())
+  if node.spec.transform is not None and parents and type(parents[0]).__name__ == "MapMapDataset":
+    params["transform_code"] = code_digest(parents[0]._map_fn)  # pylint: disable=protected-access
+  return params
+
+
+# ---------------------------------------------------------------------------
+# Per-kind parameters. Each reads the private attributes Grain 0.2.x uses.
+
+
+def _shuffle(node: Any) -> dict[str, Any]:
+  return {"seed": int(node._seed)}  # pylint: disable=protected-access
+
+
+def _window_shuffle(node: Any) -> dict[str, Any]:
+  return {"seed": _scalar(node._seed), "window_size": int(node._window_size)}  # pylint: disable=protected-access
+
+
+def _batch(node: Any) -> dict[str, Any]:
+  return {
+      "batch_size": int(node._batch_size),  # pylint: disable=protected-access
+      "drop_remainder": bool(node._drop_remainder),  # pylint: disable=protected-access
+  }
+
+
+def _slice(node: Any) -> dict[str, Any]:
+  return {"start": int(node._start), "stop": int(node._stop), "step": int(node._step)}  # pylint: disable=protected-access
+
+
+def _repeat(node: Any) -> dict[str, Any]:
+  params = {"num_epochs": _scalar(node._num_epochs)}  # pylint: disable=protected-access
+  if hasattr(node, "_reseed_each_epoch"):
+    params["reseed_each_epoch"] = bool(node._reseed_each_epoch)  # pylint: disable=protected-access
+  return params
+
+
+def _map(node: Any) -> dict[str, Any]:
+  return function_params(node._map_fn)  # pylint: disable=protected-access
+
+
+def _random_map_map(node: Any) -> dict[str, Any]:
+  return {**function_params(node._map_fn), "seed": int(node._rng_pool._seed)}  # pylint: disable=protected-access
+
+
+def _random_map_iter(node: Any) -> dict[str, Any]:
+  return {**function_params(node._map_fn), "seed": _scalar(node._seed)}  # pylint: disable=protected-access
+
+
+def _filter(node: Any) -> dict[str, Any]:
+  return function_params(node._filter_fn)  # pylint: disable=protected-access
+
+
+def _range(node: Any) -> dict[str, Any]:
+  return {"start": int(node.start), "stop": int(node.stop), "step": int(node.step)}
+
+
+def _source(node: Any) -> dict[str, Any]:
+  source = node._source  # pylint: disable=protected-access
+  kind = type(source)
+  params: dict[str, Any] = {"source": f"{kind.__module__}.{kind.__qualname__}"}
+  try:
+    length = len(source)
+    params["length"] = int(length)
+    params["digest"] = sources_lib.sample_digest(source, length) if length else None
+  except Exception as e:  # pylint: disable=broad-except  (a user source may raise anything)
+    params["digest"] = f"<unreadable: {type(e).__name__}>"
+  return params
+
+
+_DESCRIBERS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "ShuffleMapDataset": _shuffle,
+    "WindowShuffleMapDataset": _window_shuffle,
+    "WindowShuffleIterDataset": _window_shuffle,
+    "BatchMapDataset": _batch,
+    "BatchIterDataset": _batch,
+    "SliceMapDataset": _slice,
+    "RepeatMapDataset": _repeat,
+    "RepeatIterDataset": _repeat,
+    "MapMapDataset": _map,
+    "MapIterDataset": _map,
+    "MapWithIndexMapDataset": _map,
+    "MapWithIndexIterDataset": _map,
+    "RandomMapMapDataset": _random_map_map,
+    "RandomMapIterDataset": _random_map_iter,
+    "FilterMapDataset": _filter,
+    "FilterIterDataset": _filter,
+    "RangeMapDataset": _range,
+    "SourceMapDataset": _source,
+}
+
+
+# ---------------------------------------------------------------------------
+# Function identity.
+
+
+def function_params(fn: Any) -> dict[str, Any]:
+  """`{"fn": qualified name, "fn_code": code digest or None}` of a callable."""
+  return {"fn": qualified_name(fn), "fn_code": code_digest(fn)}
+
+
+def qualified_name(fn: Any) -> str:
+  """`module.qualname` of a function, bound method, partial or callable object."""
+  if isinstance(fn, functools.partial):
+    return f"functools.partial({qualified_name(fn.func)})"
+  module = getattr(fn, "__module__", None) or type(fn).__module__
+  name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+  return f"{module}.{name}"
+
+
+def code_digest(fn: Any) -> str | None:
+  """sha256 prefix of a callable's bytecode, constants and scalar parameters.
+
+  Scalar parameters: closure values, partial arguments and the instance
+  attributes of a callable object or of a bound method's object; other
+  values count by type only (their repr may hold an address).
+
+  None when there is no Python code to hash (a builtin, a C extension). The
+  bytecode changes with the Python version: after an interpreter upgrade pass
+  the `fn_code` fields in `allow_drift`.
+  """
+  digest = hashlib.sha256()
+  if not _hash_callable(fn, digest, depth=0):
+    return None
+  return digest.hexdigest()[:16]
+
+
+def _hash_callable(fn: Any, digest: Any, depth: int) -> bool:
+  if depth > 4:
+    return False
+  if isinstance(fn, functools.partial):
+    digest.update(repr(tuple(_scalar_or_type(a) for a in fn.args)).encode())
+    digest.update(repr(sorted((k, _scalar_or_type(v)) for k, v in fn.keywords.items())).encode())
+    return _hash_callable(fn.func, digest, depth + 1)
+  function = getattr(fn, "__func__", fn)  # a bound method's function
+  code = getattr(function, "__code__", None)
+  if not isinstance(code, types.CodeType):
+    call = type(fn).__call__ if callable(fn) else None  # a callable object
+    if call is None or isinstance(fn, type) or not hasattr(call, "__code__"):
+      return False
+    _hash_attributes(fn, digest)
+    return _hash_callable(call, digest, depth + 1)
+  if function is not fn:  # a bound method: its object's parameters count too
+    _hash_attributes(getattr(fn, "__self__", None), digest)
+  _hash_code(code, digest)
+  for cell in getattr(function, "__closure__", None) or ():
+    try:
+      digest.update(repr(_scalar_or_type(cell.cell_contents)).encode())
+    except ValueError:  # an empty cell
+      digest.update(b"<empty>")
+  return True
+
+
+def _hash_attributes(obj: Any, digest: Any) -> None:
+  """Scalar instance attributes (e.g. `Tokenize(max_len=128)`), sorted by name."""
+  attributes = getattr(obj, "__dict__", None)
+  if isinstance(attributes, dict):
+    items = sorted((str(k), _scalar_or_type(v)) for k, v in attributes.items())
+    digest.update(repr(items).encode())
+
+
+def _hash_code(code: types.CodeType, digest: Any) -> None:
+  digest.update(code.co_code)
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):  # a nested function or comprehension
+      _hash_code(const, digest)
+    else:
+      digest.update(repr(_scalar_or_type(const)).encode())
+
+
+def _scalar_or_type(value: Any) -> Any:
+  """Scalars and tuples of them as they are; anything else by type (no addresses)."""
+  if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    return value
+  if isinstance(value, tuple):
+    return tuple(_scalar_or_type(v) for v in value)
+  if isinstance(value, frozenset):  # set order varies with the hash seed
+    return tuple(sorted(repr(_scalar_or_type(v)) for v in value))
+  return f"<{type(value).__qualname__}>"
+
+
+def _scalar(value: Any) -> Any:
+  """A JSON scalar: numpy integers become int; None and bools stay."""
+  if value is None or isinstance(value, bool):
+    return value
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  return state_lib.short_repr(value)
+
+
+# ---------------------------------------------------------------------------
+# grain.DataLoader: the same identity, read from the loader's parts.
+
+_OPERATION_METHODS = ("map", "filter", "random_map", "map_with_index", "flat_map", "np_random_map")
+
+
+def describe_loader(loader: Any) -> dict[str, Any]:
+  """The fingerprint fields of a `grain.DataLoader`.
+
+  The source (type, length, sampled digest), the sampler (its repr, which
+  Grain itself compares and which holds the seed, shuffle, epochs and
+  sharding), each operation (class, batch parameters, code digest of its
+  method), the worker count and the sharding.
+  """
+  source = loader._data_source  # pylint: disable=protected-access
+  sampler = loader._sampler  # pylint: disable=protected-access
+  shard = loader._shard_options  # pylint: disable=protected-access
+  fields: dict[str, Any] = {"loader": "grain.DataLoader"}
+  fields.update({f"loader.{k}": v for k, v in _source_params(source).items()})
+  fields["loader.sampler"] = repr(sampler)
+  operations = list(loader._operations)  # pylint: disable=protected-access
+  fields["loader.operations"] = len(operations)
+  for index, operation in enumerate(operations):
+    prefix = f"loader.op[{index}]"
+    kind = type(operation)
+    fields[prefix] = f"{kind.__module__}.{kind.__qualname__}"
+    for param in ("batch_size", "drop_remainder"):
+      if hasattr(operation, param):
+        fields[f"{prefix}.{param}"] = _scalar(getattr(operation, param))
+    method = next((getattr(operation, m) for m in _OPERATION_METHODS if hasattr(operation, m)), None)
+    fields[f"{prefix}.code"] = None if method is None else code_digest(method)
+  fields["loader.worker_count"] = int(loader.multiprocessing_options.num_workers)
+  fields["shard_index"] = int(shard.shard_index)
+  fields["shard_count"] = int(shard.shard_count)
+  try:
+    fields["dataset_length"] = int(len(sampler))
+  except TypeError:
+    fields["dataset_length"] = None
+  return fields
+
+
+def _source_params(source: Any) -> dict[str, Any]:
+  kind = type(source)
+  params: dict[str, Any] = {"source": f"{kind.__module__}.{kind.__qualname__}"}
+  try:
+    length = len(source)
+    params["source_length"] = int(length)
+    params["source_digest"] = sources_lib.sample_digest(source, length) if length else None
+  except Exception as e:  # pylint: disable=broad-except  (a user source may raise anything)
+    params["source_digest"] = f"<unreadable: {type(e).__name__}>"
+  return params

@@ -1,0 +1,407 @@
+"""The `ckpt-iter` command: inspect, verify and diff data checkpoints.
+
+    ckpt-iter inspect /ckpts/run1            # Tunix root, .../actor, or Orbax root
+    ckpt-iter verify /ckpts/run1             # exit 0 ok, 1 problems, 2 usage
+    ckpt-iter diff /ckpts/run1 --step 3 --step 5
+
+Everything is read from the state files: no model is restored, no array is
+loaded by `inspect` or `diff`. Errors go to stderr as `ckpt-iter: <message>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Mapping, Sequence
+
+from ckpt_iter import errors
+from ckpt_iter.cli import _inspect as inspection
+from ckpt_iter.cli import _verify as verification
+
+PROG = "ckpt-iter"
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+_SCHEDULE_SHOWN = 16
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse with errors as `ckpt-iter: <message>` and no SystemExit leak."""
+
+  def error(self, message: str) -> None:  # type: ignore[override]
+    self.print_usage(sys.stderr)
+    raise _UsageExit(message)
+
+
+class _UsageExit(Exception):
+  pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the command line `argv` (default: sys.argv[1:]); returns the exit code."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = build_parser()
+  try:
+    args = parser.parse_args(argv)
+  except _UsageExit as e:
+    return _fail(str(e), EXIT_USAGE)
+  except SystemExit as e:  # --help
+    return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+  if args.verb is None:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+  try:
+    return args.run(args)
+  except inspection.UsageError as e:
+    return _fail(str(e), EXIT_USAGE)
+  except (errors.CkptIterError, OSError) as e:
+    return _fail(str(e), EXIT_PROBLEMS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = _Parser(
+      prog=PROG,
+      description="Inspect, verify and compare the data state that ckpt_iter "
+      "writes into Orbax and Tunix checkpoints.",
+      epilog="`ckpt-iter demo` runs the preempt-and-resume GRPO demo "
+      "(stock Tunix vs ckpt_iter); `ckpt-iter demo --help` for its options.",
+  )
+  verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
+  _add_inspect(verbs)
+  _add_verify(verbs)
+  _add_diff(verbs)
+  return parser
+
+
+def _add_inspect(verbs: Any) -> None:
+  summary = "show each process's data state of a step (default: the latest)"
+  parser = verbs.add_parser("inspect", help=summary, description=summary + ".")
+  _add_checkpoint_argument(parser)
+  parser.add_argument("--step", type=_step_number, help="step to show (default: latest)")
+  _add_item_argument(parser)
+  parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+  parser.set_defaults(run=run_inspect)
+
+
+def _add_verify(verbs: Any) -> None:
+  summary = "check every step (or one): exit 0 if sound, 1 with one line per problem"
+  parser = verbs.add_parser("verify", help=summary, description=summary + "; 2 for usage errors.")
+  _add_checkpoint_argument(parser)
+  parser.add_argument("--step", type=_step_number, help="check only this step")
+  _add_item_argument(parser)
+  parser.set_defaults(run=run_verify)
+
+
+def _add_diff(verbs: Any) -> None:
+  summary = "compare the data states of two steps, or of two checkpoints"
+  parser = verbs.add_parser(
+      "diff", help=summary,
+      description=summary + ": `diff DIR --step A --step B`, `diff DIR_A DIR_B` "
+      "(latest steps) or `diff DIR_A DIR_B --step A --step B`.",
+  )
+  parser.add_argument("checkpoints", nargs="+", metavar="CKPT_DIR",
+                      help="one checkpoint (with two --step) or two")
+  parser.add_argument("--step", type=_step_number, action="append", default=[],
+                      help="a step to compare; give it twice (once per side)")
+  _add_item_argument(parser)
+  parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+  parser.set_defaults(run=run_diff)
+
+
+def _add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+      "checkpoint", metavar="CKPT_DIR",
+      help="a Tunix checkpoint root (holding actor/), its actor/ directory, or an Orbax root",
+  )
+
+
+def _add_item_argument(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+      "--item", help=f"item holding the data state (default: the only one, else {inspection.DEFAULT_ITEM!r})"
+  )
+
+
+def _step_number(text: str) -> int:
+  if not (text.isascii() and text.isdigit()):
+    raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}")
+  return int(text)
+
+
+def _fail(message: str, code: int) -> int:
+  print(f"{PROG}: {message}", file=sys.stderr)
+  return code
+
+
+
+# ---------------------------------------------------------------------------
+# inspect
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+  layout = inspection.find_layout(args.checkpoint, args.item)
+  step = layout.choose_step(args.step)
+  processes = inspection.read_summaries(layout, step)
+  if args.json:
+    print(json.dumps(_inspect_json(layout, step, processes), indent=1))
+  else:
+    print("\n".join(render_inspect(layout, step, processes)))
+  failed = [p for p in processes if p.error is not None]
+  for process in failed:
+    print(f"{PROG}: {process.error}", file=sys.stderr)
+  return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+def _inspect_json(layout: inspection.Layout, step: int, processes: list[inspection.ProcessState]) -> dict[str, Any]:
+  return {
+      "checkpoint": layout.root,
+      "step": step,
+      "steps": list(layout.steps),
+      "item": layout.item,
+      "processes": [_process_json(p) for p in processes],
+  }
+
+
+def _process_json(process: inspection.ProcessState) -> dict[str, Any]:
+  value = {
+      "process_index": process.process_index,
+      "process_count": process.process_count,
+      "file": process.path,
+  }
+  if process.error is not None:
+    value["error"] = process.error
+  else:
+    value.update(process.summary)
+  return value
+
+
+def render_inspect(layout: inspection.Layout, step: int, processes: list[inspection.ProcessState]) -> list[str]:
+  """The text report of `inspect`: aligned `key  value` lines."""
+  latest = " (latest)" if step == layout.steps[-1] else ""
+  lines = _aligned([
+      ("checkpoint", layout.root),
+      ("step", f"{step}{latest}; steps: {inspection.format_steps(layout.steps)}"),
+      ("item", f"{layout.item}, {_plural(len(processes), 'process', 'processes')}"),
+  ])
+  readable = [p.summary for p in processes if p.summary is not None]
+  shared = _shared_fields([s["fingerprint"] for s in readable])
+  for process in processes:
+    lines.append("")
+    lines.append(f"process {process.process_index} of {process.process_count}  {process.path}")
+    if process.error is not None:
+      lines.append(f"  error: {process.error}")
+      continue
+    lines.extend(_aligned(_state_rows(process.summary, shared), indent=2))
+  if readable:
+    title = "fingerprint" if len(readable) == 1 else "fingerprint (same in every process)"
+    lines.append("")
+    lines.append(title)
+    lines.extend(_aligned([(k, _scalar(v)) for k, v in shared.items()], indent=2))
+  return lines
+
+
+def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[tuple[str, str]]:
+  rows = [
+      ("format_version", str(summary["format_version"])),
+      ("kind", summary["kind"]),
+      ("position", describe_position(summary)),
+  ]
+  if "micro_batches_taken" in summary:
+    rows.append(("micro_batches_taken", _scalar(summary["micro_batches_taken"])))
+  rows.append(("shuffle_key", "none" if summary["shuffle_key"] is None else str(summary["shuffle_key"])))
+  rows.append(("pending", describe_pending(summary["pending"])))
+  if summary["pending"] is not None:
+    rows.append(("pending schedule", _schedule(summary["pending"]["schedule"])))
+    if summary["pending"]["item_types"]:
+      rows.append(("pending types", ", ".join(summary["pending"]["item_types"])))
+  rows.extend((f"counter {k}", str(v)) for k, v in summary["counters"].items())
+  rows.extend(
+      (f"fingerprint {k}", _scalar(v)) for k, v in summary["fingerprint"].items() if k not in shared
+  )
+  return rows
+
+
+def describe_position(summary: Mapping[str, Any]) -> str:
+  """`epoch 1, 5 of 64 batches read (next_index 69)`, or the raw Grain state."""
+  source = "full batches: " if summary["kind"] == "tunix" else ""
+  if "epoch" in summary:
+    return (
+        f"{source}epoch {summary['epoch']}, {summary['batch_in_epoch']} of "
+        f"{summary['batches_per_epoch']} batches read (next_index {summary['next_index']})"
+    )
+  if "next_index" in summary:
+    return f"{source}next_index {summary['next_index']}"
+  if "full_batches_read" in summary:
+    return f"{source}{summary['full_batches_read']} full batches read (replayed on restore)"
+  return json.dumps(summary["position"], sort_keys=True)
+
+
+def describe_pending(pending: Mapping[str, Any] | None) -> str:
+  if pending is None:
+    return "none"
+  return (
+      f"{_plural(pending['items'], 'item')}, {pending['remaining']} still to yield; "
+      f"{_plural(pending['arrays'], 'array')}, {_bytes(pending['array_bytes'])}"
+  )
+
+
+def _schedule(schedule: list[int]) -> str:
+  shown = " ".join(map(str, schedule[:_SCHEDULE_SHOWN]))
+  more = len(schedule) - _SCHEDULE_SHOWN
+  return f"[{shown}{f' ... +{more} more' if more > 0 else ''}]"
+
+
+def _shared_fields(fingerprints: list[Mapping[str, Any]]) -> dict[str, Any]:
+  if not fingerprints:
+    return {}
+  first = fingerprints[0]
+  return {
+      k: v for k, v in first.items()
+      if all(k in other and inspection.changed_fields({k: v}, {k: other[k]}) == {} for other in fingerprints)
+  }
+
+
+# ---------------------------------------------------------------------------
+# verify
+
+
+def run_verify(args: argparse.Namespace) -> int:
+  layout = inspection.find_layout(args.checkpoint, args.item)
+  steps = list(layout.steps) if args.step is None else [layout.choose_step(args.step)]
+  checks = [verification.verify_step(layout, step) for step in steps]
+  problems = [problem for check in checks for problem in check.problems]
+  for problem in problems:
+    print(problem.line())
+  if problems:
+    print(f"{PROG}: {_plural(len(problems), 'problem')} in {layout.root}", file=sys.stderr)
+    return EXIT_PROBLEMS
+  files = sum(check.files_read for check in checks)
+  arrays = sum(check.arrays_read for check in checks)
+  print(
+      f"ok: {layout.root}: {_plural(len(steps), 'step')} ({inspection.format_steps(steps)}), "
+      f"item {layout.item!r}, {_plural(files, 'state file')}, {_plural(arrays, 'pending array')} checked"
+  )
+  return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# diff
+
+
+def run_diff(args: argparse.Namespace) -> int:
+  sides = [(layout, step, inspection.read_summaries(layout, step)) for layout, step in _diff_sides(args)]
+  failed = [p for _, _, processes in sides for p in processes if p.error is not None]
+  for process in failed:
+    print(f"{PROG}: {process.error}", file=sys.stderr)
+  if failed:
+    return EXIT_PROBLEMS
+  (layout_a, step_a, a), (layout_b, step_b, b) = sides
+  pairs = _process_pairs(a, b)
+  if args.json:
+    print(json.dumps({
+        "a": {"checkpoint": layout_a.root, "step": step_a, "item": layout_a.item},
+        "b": {"checkpoint": layout_b.root, "step": step_b, "item": layout_b.item},
+        "process_count": [a[0].process_count, b[0].process_count],
+        "processes": [
+            {"process_index": index, **inspection.diff_summaries(x, y)} for index, x, y in pairs
+        ],
+    }, indent=1))
+    return EXIT_OK
+  lines = _aligned([
+      ("a", f"{layout_a.root} step {step_a} (item {layout_a.item})"),
+      ("b", f"{layout_b.root} step {step_b} (item {layout_b.item})"),
+  ])
+  if a[0].process_count != b[0].process_count:
+    lines.append(f"process count {a[0].process_count} -> {b[0].process_count}: "
+                 "comparing the processes present in both")
+  for index, x, y in pairs:
+    lines.append("")
+    lines.append(f"process {index}")
+    lines.extend(_aligned(diff_rows(x, y), indent=2))
+  print("\n".join(lines))
+  return EXIT_OK
+
+
+def _diff_sides(args: argparse.Namespace) -> list[tuple[inspection.Layout, int]]:
+  paths, steps = args.checkpoints, args.step
+  if len(paths) == 1 and len(steps) == 2:
+    layout = inspection.find_layout(paths[0], args.item)
+    return [(layout, layout.choose_step(steps[0])), (layout, layout.choose_step(steps[1]))]
+  if len(paths) == 2 and len(steps) in (0, 2):
+    layouts = [inspection.find_layout(path, args.item) for path in paths]
+    chosen = steps or [None, None]
+    return [(layout, layout.choose_step(step)) for layout, step in zip(layouts, chosen)]
+  raise inspection.UsageError(
+      f"diff compares two states: give one CKPT_DIR with --step twice, or two "
+      f"CKPT_DIRs (with --step twice or not at all); got {len(paths)} "
+      f"director{'y' if len(paths) == 1 else 'ies'} and {len(steps)} --step."
+  )
+
+
+def _process_pairs(
+    a: list[inspection.ProcessState], b: list[inspection.ProcessState]
+) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
+  """(process index, summary in a, summary in b) for indices in both."""
+  by_index = {p.process_index: p.summary for p in b}
+  return [(p.process_index, p.summary, by_index[p.process_index]) for p in a if p.process_index in by_index]
+
+
+def diff_rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, str]]:
+  """`key  before -> after` rows for what differs between two summaries."""
+  differences = inspection.diff_summaries(a, b)
+  if not differences:
+    return [("state", "identical")]
+  rows = []
+  fingerprint = differences.get("fingerprint", {})
+  if not fingerprint:
+    rows.append(("fingerprint", f"same ({_plural(len(a['fingerprint']), 'field')})"))
+  rows.extend((f"fingerprint {k}", _change(x, y)) for k, (x, y) in fingerprint.items())
+  if "kind" in differences:
+    rows.append(("kind", _change(a["kind"], b["kind"])))
+  if "position" in differences:
+    rows.append(("position", f"{describe_position(a)} -> {describe_position(b)}"))
+    if "micro_batches_taken" in differences["position"]:
+      rows.append(("micro_batches_taken", _change(*differences["position"]["micro_batches_taken"], delta=True)))
+  if "shuffle_key" in differences:
+    rows.append(("shuffle_key", _change(a["shuffle_key"], b["shuffle_key"])))
+  if "pending" in differences:
+    rows.append(("pending", f"{describe_pending(a['pending'])} -> {describe_pending(b['pending'])}"))
+  rows.extend((f"counter {k}", _change(x, y, delta=True)) for k, (x, y) in differences.get("counters", {}).items())
+  return rows
+
+
+def _change(before: Any, after: Any, *, delta: bool = False) -> str:
+  text = f"{_scalar(before)} -> {_scalar(after)}"
+  if delta and inspection.is_int(before) and inspection.is_int(after):
+    text += f" ({after - before:+d})"
+  return text
+
+
+# ---------------------------------------------------------------------------
+# Text helpers.
+
+
+def _aligned(rows: list[tuple[str, str]], indent: int = 0) -> list[str]:
+  if not rows:
+    return []
+  width = max(len(key) for key, _ in rows)
+  return [f"{' ' * indent}{key.ljust(width)}  {value}" for key, value in rows]
+
+
+def _scalar(value: Any) -> str:
+  if value is None:
+    return "none"
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, str):
+    return value if value and value == value.strip() else repr(value)
+  return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _plural(count: int, singular: str, plural: str | None = None) -> str:
+  return f"{count} {singular if count == 1 else (plural or singular + 's')}"
+
+
+def _bytes(count: int) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if count >= size:
+      return f"{count / size:.1f} {unit} ({count} B)"
+  return f"{count} B"

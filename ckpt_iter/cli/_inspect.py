@@ -1,0 +1,337 @@
+"""Reading ckpt_iter data states out of a checkpoint directory (for the CLI).
+
+Finds the steps and the data item of an Orbax or Tunix checkpoint, summarizes
+each process's state from its JSON header alone (no array and no model is
+loaded, Tunix is not imported) and compares states. Checking a step in full
+is `ckpt_iter.verification`.
+
+Layouts understood:
+  <root>/<step>/<item>/process_<i>-of-<n>.json  (+ .npz)   plain Orbax root
+  <root>/actor/<step>/data/process_<i>-of-<n>.json         Tunix root
+Steps are the integer-named directories; Orbax's temporary step directories
+(`<step>.orbax-checkpoint-tmp-<n>`) are not steps and are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Mapping
+
+from ckpt_iter import _files
+from ckpt_iter import errors
+from ckpt_iter import _codec as codec
+from ckpt_iter import state as state_lib
+
+DEFAULT_ITEM = "data"
+TUNIX_ACTOR_DIR = "actor"
+ABSENT = "<absent>"
+_STEP_NAME = re.compile(r"^\d+$")
+
+
+class UsageError(Exception):
+  """The command line names a path, step or item that is not there."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the steps and the data item of a checkpoint are.
+
+  Attributes:
+    root: the directory holding the integer-named step directories.
+    item: the name of the item directory holding ckpt_iter state files.
+    steps: the step numbers, ascending.
+  """
+
+  root: str
+  item: str
+  steps: tuple[int, ...]
+
+  def item_dir(self, step: int) -> str:
+    return os.path.join(self.root, str(step), self.item)
+
+  def choose_step(self, step: int | None) -> int:
+    """`step`, or the latest step when None; UsageError if there is none such."""
+    if step is None:
+      return self.steps[-1]
+    if step not in self.steps:
+      raise UsageError(
+          f"no step {step} in {self.root} (steps: {format_steps(self.steps)})."
+      )
+    return step
+
+
+def find_layout(path: str, item: str | None = None) -> Layout:
+  """Finds the steps and the ckpt_iter item of the checkpoint at `path`.
+
+  Raises:
+    UsageError: `path` is not a directory, has no steps, or no step holds
+      ckpt_iter state files (in `item`, when given).
+  """
+  if not os.path.isdir(path):
+    raise UsageError(f"{path}: no such directory.")
+  root = _steps_root(path)
+  steps = list_steps(root)
+  if not steps:
+    raise UsageError(
+        f"{path}: not a checkpoint: no step directories (integer names) here "
+        f"or in {os.path.join(path, TUNIX_ACTOR_DIR)}. Pass an Orbax checkpoint "
+        "root or a Tunix checkpoint root."
+    )
+  items = _items_with_state(root, steps)
+  return Layout(root=root, item=_choose_item(root, steps, items, item), steps=tuple(steps))
+
+
+def _steps_root(path: str) -> str:
+  actor = os.path.join(path, TUNIX_ACTOR_DIR)
+  if os.path.isdir(actor) and list_steps(actor):
+    return actor
+  return path
+
+
+def list_steps(directory: str) -> list[int]:
+  """The integer-named subdirectories of `directory`, ascending."""
+  return sorted(
+      int(name)
+      for name in os.listdir(directory)
+      if _STEP_NAME.match(name) and os.path.isdir(os.path.join(directory, name))
+  )
+
+
+def _items_with_state(root: str, steps: list[int]) -> dict[str, list[int]]:
+  """Item name -> the steps in which that item holds process state files."""
+  found: dict[str, list[int]] = {}
+  for step in steps:
+    for name in subdirectories(os.path.join(root, str(step))):
+      if _files.list_process_files(os.path.join(root, str(step), name)):
+        found.setdefault(name, []).append(step)
+  return found
+
+
+def subdirectories(directory: str) -> list[str]:
+  """The names of the directories in `directory`, sorted."""
+  return sorted(
+      name for name in os.listdir(directory) if os.path.isdir(os.path.join(directory, name))
+  )
+
+
+def _choose_item(root: str, steps: list[int], items: Mapping[str, list[int]], item: str | None) -> str:
+  if item is not None:
+    if item not in items:
+      raise UsageError(
+          f"{root}: no step holds ckpt_iter state in an item named {item!r} "
+          f"(items with state files: {', '.join(sorted(items)) or 'none'})."
+      )
+    return item
+  if not items:
+    latest = os.path.join(root, str(steps[-1]))
+    raise UsageError(
+        f"{root}: not a ckpt_iter checkpoint: no item of any step holds "
+        f"process_<i>-of-<n>.json state files (step {steps[-1]} holds: "
+        f"{', '.join(subdirectories(latest)) or 'nothing'}). A checkpoint "
+        "written by stock Tunix has no data state."
+    )
+  if len(items) == 1:
+    return next(iter(items))
+  if DEFAULT_ITEM in items:
+    return DEFAULT_ITEM
+  raise UsageError(
+      f"{root}: several items hold ckpt_iter state ({', '.join(sorted(items))}); "
+      "choose one with --item."
+  )
+
+
+def format_steps(steps: tuple[int, ...] | list[int]) -> str:
+  """Steps as compact ranges: `1-4, 7, 9-10`."""
+  ranges: list[list[int]] = []
+  for step in steps:
+    if ranges and step == ranges[-1][1] + 1:
+      ranges[-1][1] = step
+    else:
+      ranges.append([step, step])
+  return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+# ---------------------------------------------------------------------------
+# Per-process summaries, from the header alone.
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessState:
+  """One process's state file and its summary (or why it cannot be read)."""
+
+  process_index: int
+  process_count: int
+  path: str
+  summary: dict[str, Any] | None = None
+  error: str | None = None
+
+
+def read_summaries(layout: Layout, step: int) -> list[ProcessState]:
+  """Summaries of every process state file of `step`, in process order.
+
+  Raises:
+    UsageError: the step has no state files in the layout's item.
+  """
+  item_dir = layout.item_dir(step)
+  files = _files.list_process_files(item_dir) if os.path.isdir(item_dir) else []
+  if not files:
+    raise UsageError(
+        f"{item_dir}: step {step} holds no ckpt_iter state (no "
+        "process_<i>-of-<n>.json files); other steps do: "
+        f"{format_steps(_steps_with_files(layout))}."
+    )
+  return [_read_summary(item_dir, index, count) for index, count in files]
+
+
+def _steps_with_files(layout: Layout) -> list[int]:
+  return [
+      step for step in layout.steps
+      if os.path.isdir(layout.item_dir(step)) and _files.list_process_files(layout.item_dir(step))
+  ]
+
+
+def _read_summary(item_dir: str, index: int, count: int) -> ProcessState:
+  path = _files.header_path(item_dir, index, count)
+  try:
+    summary = summarize(_files.read_header(path), origin=path)
+  except errors.CkptIterError as e:
+    return ProcessState(index, count, path, error=one_line(str(e)))
+  return ProcessState(index, count, path, summary=summary)
+
+
+def summarize(header: Any, *, origin: str) -> dict[str, Any]:
+  """The inspectable fields of a state header (validated; arrays not read).
+
+  Raises:
+    CkptIterError: the header is not a valid state of a readable version.
+  """
+  value = state_lib.IteratorState.from_dict(header, origin=origin)
+  specs = codec.array_specs(header, origin=origin)
+  return {
+      "format_version": header.get("format_version", 0),
+      "kind": value.kind,
+      "position": dict(value.position),
+      **position_fields(value.kind, value.position, value.fingerprint),
+      "shuffle_key": None if value.shuffle_key is None else list(value.shuffle_key),
+      "pending": _pending_summary(header.get("pending"), value.pending, specs),
+      "counters": dict(value.counters),
+      "fingerprint": dict(value.fingerprint),
+  }
+
+
+def position_fields(kind: str, position: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+  """next_index, epoch and batch_in_epoch (and Tunix's micro_batches_taken)."""
+  fields: dict[str, Any] = {}
+  source_position: Any = position
+  if kind == "tunix":
+    source_position = position.get("full_batch")
+    fields["micro_batches_taken"] = position.get("micro_batches_taken")
+  if not isinstance(source_position, Mapping):
+    return fields
+  next_index = source_position.get("next_index")
+  if is_int(next_index):
+    fields["next_index"] = next_index
+    per_epoch = fingerprint.get("batches_per_epoch")
+    if is_int(per_epoch) and per_epoch > 0:
+      fields["epoch"], fields["batch_in_epoch"] = divmod(next_index, per_epoch)
+      fields["batches_per_epoch"] = per_epoch
+  elif is_int(source_position.get("full_batches_read")):
+    fields["full_batches_read"] = source_position["full_batches_read"]
+  return fields
+
+
+def _pending_summary(
+    encoded: Any, pending: state_lib.Pending | None, specs: Mapping[str, codec.ArraySpec]
+) -> dict[str, Any] | None:
+  if pending is None:
+    return None
+  return {
+      "items": len(pending.items),
+      "remaining": len(pending.schedule),
+      "schedule": list(pending.schedule),
+      "item_types": sorted(dataclass_names(encoded)),
+      "arrays": len(specs),
+      "array_bytes": sum(spec.nbytes for spec in specs.values()),
+  }
+
+
+def dataclass_names(node: Any, _depth: int = 0) -> set[str]:
+  """The registered-dataclass names an encoded pending structure refers to."""
+  if _depth > codec.MAX_NESTING:
+    return set()
+  names: set[str] = set()
+  if isinstance(node, Mapping):
+    if isinstance(node.get("dataclass"), str):
+      names.add(node["dataclass"])
+    for child in node.values():
+      names |= dataclass_names(child, _depth + 1)
+  elif isinstance(node, list):
+    for child in node:
+      names |= dataclass_names(child, _depth + 1)
+  return names
+
+
+# ---------------------------------------------------------------------------
+# diff: two summaries, field by field.
+
+
+def diff_summaries(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+  """What differs between two summaries: {section: {field: [a, b]}}.
+
+  Sections: "kind", "fingerprint", "position", "shuffle_key", "counters",
+  "pending". A section that does not differ is absent.
+  """
+  result: dict[str, Any] = {}
+  if a["kind"] != b["kind"]:
+    result["kind"] = [a["kind"], b["kind"]]
+  for section in ("fingerprint", "counters"):
+    changed = changed_fields(a[section], b[section])
+    if changed:
+      result[section] = changed
+  position = changed_fields(_position_view(a), _position_view(b))
+  if position:
+    result["position"] = position
+  if a["shuffle_key"] != b["shuffle_key"]:
+    result["shuffle_key"] = [a["shuffle_key"], b["shuffle_key"]]
+  pending = changed_fields(_pending_view(a["pending"]), _pending_view(b["pending"]))
+  if pending:
+    result["pending"] = pending
+  return result
+
+
+def changed_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, list[Any]]:
+  return {
+      name: [a.get(name, ABSENT), b.get(name, ABSENT)]
+      for name in sorted(set(a) | set(b))
+      if not same_value(a.get(name, ABSENT), b.get(name, ABSENT))
+  }
+
+
+_POSITION_FIELDS = ("epoch", "batch_in_epoch", "next_index", "micro_batches_taken", "full_batches_read")
+
+
+def _position_view(summary: Mapping[str, Any]) -> dict[str, Any]:
+  view = {name: summary[name] for name in _POSITION_FIELDS if name in summary}
+  if "next_index" not in view and "full_batches_read" not in view:
+    view["position"] = summary["position"]  # a Grain state with no index
+  return view
+
+
+def _pending_view(pending: Mapping[str, Any] | None) -> dict[str, Any]:
+  if pending is None:
+    return {"items": 0, "remaining": 0, "array_bytes": 0, "item_types": []}
+  return {name: pending[name] for name in ("items", "remaining", "array_bytes", "item_types")}
+
+
+# ---------------------------------------------------------------------------
+
+
+same_value = state_lib.same_field_value
+is_int = state_lib.is_int
+
+
+def one_line(text: str) -> str:
+  """`text` with every run of whitespace (newlines too) as one space."""
+  return " ".join(text.split())

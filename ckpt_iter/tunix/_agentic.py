@@ -1,0 +1,157 @@
+"""Exact resume for Tunix's agentic GRPO learner (`tunix.rl.agentic`).
+
+Stock `AgenticRLLearner.train` trains groups in rollout *completion* order and
+keeps the position inside a global step in locals; on resume it drops
+`global_steps` full batches with `next()`. `ResumableAgenticGRPOLearner` runs
+its own consumer loop (`_agentic_loop.py`) with a deterministic order:
+
+* groups are trained in *prompt* order: a completed group waits in a buffer
+  until every earlier prompt's group has been taken (the cost: a slow rollout
+  holds back the groups after it);
+* with actor and rollout sharing one model, every prompt handed to the
+  rollout is rolled out before the next optimizer update (with separate
+  models: before the next weight sync), so the weights a rollout uses depend
+  only on when its prompt was fed, never on timing;
+* every actor save carries, in the same Orbax step, the produced trainer
+  inputs not yet trained (arrays, bit for bit), the input position of the
+  first prompt not yet absorbed into them (O(1) to restore for a Grain
+  dataset) and the loop's counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Collection, Iterable
+
+import jax
+from tunix.rl.agentic import agentic_grpo_learner
+from tunix.rl.agentic import agentic_rl_learner
+
+from ckpt_iter import _codec as codec
+from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+from ckpt_iter.tunix import _agentic_loop
+from ckpt_iter.tunix import _api as api
+from ckpt_iter.tunix import _input
+from ckpt_iter.tunix import _sft
+
+_LOG = logging.getLogger("ckpt_iter")
+
+KIND = "tunix"
+LEARNER_FIELD = "agentic_learner"
+codec.register_pytree_dataclass("tunix.rl.agentic.TrainExample", agentic_rl_learner.TrainExample)
+
+
+class ResumableAgentic:
+  """Mixin that makes an `AgenticRLLearner` subclass resume exactly.
+
+  Put it first in the bases; the constructor is the Tunix class's, unchanged.
+
+  Guarantees (single process; see docs/tunix.md, "Agentic learners"):
+    * after a checkpoint at any optimizer update (inside a num_iterations
+      repeat and with gradient accumulation included) no prompt is skipped or
+      trained twice, and the trainer inputs already produced are restored from
+      the checkpoint bit for bit, never regenerated;
+    * prompts fed to the rollout but not yet produced at save time are read
+      again from their saved position and rolled out exactly once;
+    * the input position is restored in O(1) for a Grain dataset (a plain
+      iterable is replayed, with a warning);
+    * the data state is written in the same Orbax step as the actor.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._ci_loop: _agentic_loop.ConsumerLoop | None = None
+
+  def train(
+      self,
+      train_dataset: Iterable[Any],
+      eval_dataset: Iterable[Any] | None = None,
+      skip_jit: bool = False,
+      *,
+      on_legacy_checkpoint: str = "raise",
+      allow_drift: Collection[str] = (),
+  ) -> None:
+    """Trains with a deterministic order, resuming exactly from the latest actor checkpoint.
+
+    Args:
+      train_dataset: a Grain dataset of full batches (restored in O(1)) or any
+        iterable of batch dicts (restored by replaying it).
+      eval_dataset: as in Tunix.
+      skip_jit: as in Tunix.
+      on_legacy_checkpoint: what to do when the actor was restored from a
+        step without a data state (written by stock Tunix): "raise" (default)
+        or "fast_forward" (skip `global_steps` full batches as stock Tunix
+        does, with a warning: inexact, see docs/tunix.md).
+      allow_drift: fingerprint fields the checkpoint may differ in.
+
+    Raises:
+      LegacyCheckpointError: the checkpoint has no data state (see above).
+      ConfigDriftError: the checkpoint was written by another configuration.
+      InvalidStateError: the data state is corrupt; nothing was changed.
+    """
+    if on_legacy_checkpoint not in ("raise", "fast_forward"):
+      raise errors.InvalidArgumentError(
+          f"on_legacy_checkpoint={on_legacy_checkpoint!r}: expected 'raise' or 'fast_forward'."
+      )
+    source = _input.make_source(train_dataset)
+    loop = _agentic_loop.ConsumerLoop(self, source, eval_dataset, skip_jit)
+    self._ci_loop = loop
+    trainer = api.agentic_cluster(self).actor_trainer
+    trainer._ci_snapshot = self._ci_snapshot  # pylint: disable=protected-access
+    _sft._install_saver(trainer)  # pylint: disable=protected-access
+    restored = self._ci_read_state(loop, frozenset(allow_drift), on_legacy_checkpoint)
+    loop.run(restored)
+
+  def _ci_snapshot(self) -> state_lib.IteratorState | None:
+    loop = self._ci_loop
+    return None if loop is None or not loop.started else loop.snapshot()
+
+  def _ci_read_state(self, loop: Any, allow_drift: frozenset[str], on_legacy: str) -> Any:
+    """The data state of the step Tunix restored the actor from, or None (fresh run)."""
+    trainer = api.agentic_cluster(self).actor_trainer
+    step = int(trainer.train_steps)
+    if not step:
+      return None
+    data_dir = _sft._data_directory(trainer, step)  # pylint: disable=protected-access
+    origin = f"checkpoint step {step} ({data_dir})"
+    if data_dir is None or not os.path.isdir(data_dir):
+      skipped = int(api.agentic_cluster(self).global_steps)
+      if data_dir is not None and on_legacy == "raise":
+        raise errors.LegacyCheckpointError(
+            f"{origin} has no 'data' item: it was written by stock Tunix, whose "
+            "agentic learner saves no data position, so it cannot be resumed "
+            f"exactly. Pass on_legacy_checkpoint='fast_forward' to skip {skipped} "
+            "full batches as stock Tunix does (inexact), or start a new run."
+        )
+      # No data state (a stock checkpoint, or no checkpointing and a second
+      # train() call): stock semantics, skip `global_steps` full batches.
+      if data_dir is not None:
+        _LOG.warning(
+            "ckpt_iter: %s has no data state; skipping %d full batches as stock "
+            "Tunix does. Prompts of a global step cut by the checkpoint are lost "
+            "or trained twice.", origin, skipped,
+        )
+      loop.skip_full_batches(skipped)
+      return None
+    value = checkpoint_lib.read_item(data_dir, jax.process_index(), jax.process_count()).value
+    if value.kind != KIND or value.fingerprint.get(LEARNER_FIELD) is None:
+      raise errors.InvalidStateError(
+          f"{origin}: the data state was written by a {value.kind!r} iterator without "
+          f"a {LEARNER_FIELD!r} field, not by ResumableAgenticGRPOLearner. Restore it "
+          "with the class that wrote it."
+      )
+    if value.counters.get("train_steps") != step:
+      raise errors.InvalidStateError(
+          f"{origin}: the data state was taken at train step "
+          f"{value.counters.get('train_steps')!r}, but the actor was restored at "
+          f"step {step}; they must come from one step."
+      )
+    state_lib.check_fingerprint(value.fingerprint, loop.fingerprint, allow_drift=allow_drift, origin=origin)
+    return value
+
+
+class ResumableAgenticGRPOLearner(ResumableAgentic, agentic_grpo_learner.GRPOLearner):
+  """`tunix.rl.agentic.agentic_grpo_learner.GRPOLearner` that resumes exactly."""

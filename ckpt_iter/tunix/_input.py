@@ -1,0 +1,367 @@
+"""The learner's input, as positions a checkpoint can hold.
+
+A Tunix learner reads full batches and, when the micro batch is smaller,
+splits each into micro-batches. The position of the next unread input
+micro-batch is therefore (the source position of the full batch it comes from,
+how many micro-batches of it were taken). A Grain source moves to a position
+in O(1); a plain iterable can only get there by replaying what was read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Callable, Iterable, Mapping
+
+import grain
+
+from ckpt_iter import errors
+from ckpt_iter import iterator as iterator_lib
+from ckpt_iter import state as state_lib
+
+_LOG = logging.getLogger("ckpt_iter")
+
+
+class GrainSource:
+  """Full batches from a Grain dataset; positions restored in O(1)."""
+
+  def __init__(self, data_iterator: iterator_lib.DataIterator):
+    self._iterator = data_iterator
+
+  @property
+  def fingerprint(self) -> dict[str, Any]:
+    return self._iterator.fingerprint
+
+  def position(self) -> dict[str, Any]:
+    return dict(self._iterator.state().position)
+
+  def check(self, fingerprint, position, *, allow_drift, origin) -> Callable[[], None]:
+    value = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position=position)
+    return self._iterator.check_restore(value, allow_drift=allow_drift, origin=origin)
+
+  def apply(self, checked: Callable[[], None], position: Mapping[str, Any]) -> None:
+    del position  # the checked apply step already holds it
+    checked()
+
+  def seek_full_batches(self, count: int) -> bool:
+    """Moves to full batch `count` in O(1) when the position is an index."""
+    if set(self.position()) != {"next_index"}:
+      return False
+    self._move_to({"next_index": count})
+    return True
+
+  def row_boundary(self, stream_rows: int, last_rows: Mapping[str, Any] | None, *, origin: str) -> Any:
+    """Where row `stream_rows` of this pipeline's stream starts, or why it cannot continue there.
+
+    For a resume into a changed pipeline (another batch size, a grown or
+    re-sliced source, more epochs): the position of the full batch that
+    starts at that row, if one does, and if this stream's rows just before it
+    are the ones the checkpoint's run consumed last (`last_rows` digest).
+
+    Returns:
+      (position, None) or (None, reason).
+    """
+    dataset = self._iterator.dataset
+    if not isinstance(dataset, grain.MapDataset):
+      return None, "the input is not a random-access Grain MapDataset"
+    if set(self.position()) != {"next_index"}:
+      return None, "the input's position is not a batch index"
+    if len(dataset) == 0:
+      return None, "the input is empty"
+    batch_rows = len(dataset[0]["prompts"])
+    if stream_rows % batch_rows:
+      return None, (
+          f"the checkpoint's run consumed {stream_rows} prompts, which is not a whole "
+          f"number of this input's batches of {batch_rows}"
+      )
+    next_index = stream_rows // batch_rows
+    if next_index > len(dataset):
+      return None, f"this input has {len(dataset)} batches of {batch_rows}, fewer than {stream_rows} prompts"
+    if last_rows:
+      count = int(last_rows["count"])
+      first = stream_rows - count
+      if first < 0:
+        return None, "the checkpoint's last prompts lie before this input's start"
+      prompts: list[Any] = []
+      for index in range(first // batch_rows, (stream_rows - 1) // batch_rows + 1):
+        prompts.extend(dataset[index]["prompts"])
+      offset = first - (first // batch_rows) * batch_rows
+      if prompts_digest(prompts[offset:offset + count]) != last_rows["digest"]:
+        return None, (
+            f"the {count} prompts before row {stream_rows} differ from those the "
+            "checkpoint's run trained last, so its stream is not a prefix of this one"
+        )
+    return {"next_index": next_index}, None
+
+  def __next__(self) -> Any:
+    return next(self._iterator)
+
+  def peek(self) -> Any:
+    position = self.position()
+    element = next(self._iterator)
+    self._move_to(position)
+    return element
+
+  def _move_to(self, position: Mapping[str, Any]) -> None:
+    self.check(self.fingerprint, position, allow_drift=(), origin="the input")()
+
+
+class ReplaySource:
+  """Full batches from any iterable; a position is a count of batches read."""
+
+  def __init__(self, iterable: Iterable[Any]):
+    self._iterable = iterable
+    self._iterator = iter(iterable)
+    self._read = 0
+    self._lookahead: list[Any] = []
+    self._warned = False
+
+  @property
+  def fingerprint(self) -> dict[str, Any]:
+    return {"source": f"iterable:{type(self._iterable).__qualname__}"}
+
+  def position(self) -> dict[str, Any]:
+    return {"full_batches_read": self._read}
+
+  def check(self, fingerprint, position, *, allow_drift, origin) -> Any:
+    from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+    state_lib.check_fingerprint(fingerprint, self.fingerprint, allow_drift=allow_drift, origin=origin)
+    count = position.get("full_batches_read") if isinstance(position, Mapping) else None
+    if (
+        not isinstance(position, Mapping) or set(position) != {"full_batches_read"}
+        or not isinstance(count, int) or isinstance(count, bool) or count < 0
+    ):
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position' is {position!r}; an iterable's position is "
+          "{'full_batches_read': N}."
+      )
+    return None
+
+  def apply(self, checked: Any, position: Mapping[str, Any]) -> None:
+    del checked
+    self._replay(position["full_batches_read"])
+
+  def seek_full_batches(self, count: int) -> bool:
+    self._replay(count)
+    return True
+
+  def row_boundary(self, stream_rows: int, last_rows: Any, *, origin: str) -> Any:
+    del stream_rows, last_rows, origin
+    return None, "the input is a plain iterable, whose rows can only be replayed"
+
+  def _replay(self, count: int) -> None:
+    """Skips the first `count` full batches; called on a fresh source only.
+
+    Works for one-shot iterators (generators) too: nothing is restarted, the
+    peeked batch counts as read.
+    """
+    if self._read:
+      raise errors.CkptIterError(
+          f"cannot move an iterable input that already yielded {self._read} batches; "
+          "positions are restored before training starts."
+      )
+    if count and not self._warned:
+      _LOG.warning(
+          "ckpt_iter: the training input is a plain iterable, so its position is "
+          "restored by replaying %d full batches. Pass a Grain dataset "
+          "(ckpt_iter.make_dataset) to restore in O(1).", count,
+      )
+      self._warned = True
+    for _ in range(count):
+      next(self)
+
+  def __next__(self) -> Any:
+    element = self._lookahead.pop() if self._lookahead else next(self._iterator)
+    self._read += 1
+    return element
+
+  def peek(self) -> Any:
+    if not self._lookahead:
+      self._lookahead.append(next(self._iterator))
+    return self._lookahead[-1]
+
+
+def make_source(train_ds: Any) -> GrainSource | ReplaySource:
+  if isinstance(train_ds, iterator_lib.DataIterator):
+    return GrainSource(train_ds)
+  if isinstance(train_ds, (grain.MapDataset, grain.IterDataset)):
+    return GrainSource(iterator_lib.DataIterator(train_ds))
+  if isinstance(train_ds, (str, bytes)) or not hasattr(train_ds, "__iter__"):
+    raise errors.InvalidArgumentError(
+        f"train_ds of type {type(train_ds).__qualname__} is not iterable; pass a "
+        "Grain dataset (ckpt_iter.make_dataset) or an iterable of batch dicts."
+    )
+  return ReplaySource(train_ds)
+
+
+def prompts_digest(prompts: Iterable[Any]) -> str:
+  """A short digest of prompts, to tell whether two streams hold the same rows."""
+  text = "\x00".join(str(p) for p in prompts)
+  return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def _batch_rows(batch: Any) -> int:
+  return len(batch["prompts"])
+
+
+def _drop_rows(batch: Any, count: int) -> Any:
+  """`batch` without its first `count` rows (every field is per row)."""
+  return {key: values[count:] for key, values in batch.items()}
+
+
+_OPTIONAL_POSITION_KEYS = frozenset({"rows_taken", "stream_rows", "last_rows"})
+
+
+class MicroBatchInput:
+  """Input micro-batches with a position that includes the offset in a full batch.
+
+  With `micro_batch_size=None` full batches pass through as they are, of
+  whatever size (Tunix does that when the micro batch is the first batch's
+  size). Otherwise Tunix's own re-batcher cuts the stream of rows into
+  micro-batches, carrying the rows a full batch leaves over into the next
+  micro-batch, as stock Tunix does.
+
+  A position is {"full_batch": <source position of the full batch the next
+  micro-batch starts in>, "micro_batches_taken": m} and, when the start is
+  not m whole micro-batches into that full batch (uneven full batches),
+  "rows_taken": the rows of it already consumed.
+  """
+
+  def __init__(
+      self,
+      source: GrainSource | ReplaySource,
+      micro_batch_size: int | None,
+      rebatch: Callable[[Iterable[Any], int], Iterable[Any]],
+  ):
+    self._source = source
+    self._micro_batch_size = micro_batch_size
+    self._rebatch = rebatch
+    self._start_rows = 0  # rows of the first full batch read before the stream
+    self._stream_rows_base: int | None = 0  # source rows before the stream (None: unknown)
+    self._last_rows: dict[str, Any] | None = None
+    self._reset()
+
+  def _reset(self) -> None:
+    # Full batches read into the current stream: (source position, rows), and
+    # the stream-relative index of their first row.
+    self._read: list[tuple[dict[str, Any], int, int]] = []
+    self._rows_read = 0
+    self._rows_yielded = 0
+    self._stream: Any = None
+
+  @property
+  def source(self) -> GrainSource | ReplaySource:
+    return self._source
+
+  def _full_batches(self, skip_rows: int) -> Any:
+    first = True
+    while True:
+      position = self._source.position()
+      try:
+        batch = next(self._source)
+      except StopIteration:
+        return
+      rows = _batch_rows(batch)
+      self._read.append((position, rows, self._rows_read - (skip_rows if first else 0)))
+      if first and skip_rows:
+        batch = _drop_rows(batch, skip_rows)
+        rows -= skip_rows
+      first = False
+      self._rows_read += rows
+      yield batch
+
+  def next_micro_batch(self) -> Any:
+    if self._micro_batch_size is None:
+      micro_batch = next(self._source)
+      self._rows_yielded += _batch_rows(micro_batch)
+      self._last_rows = {"count": _batch_rows(micro_batch), "digest": prompts_digest(micro_batch["prompts"])}
+      return micro_batch
+    if self._stream is None:
+      self._stream = iter(self._rebatch(self._full_batches(self._start_rows), self._micro_batch_size))
+    micro_batch = next(self._stream)
+    self._rows_yielded += _batch_rows(micro_batch)
+    self._last_rows = {"count": _batch_rows(micro_batch), "digest": prompts_digest(micro_batch["prompts"])}
+    # Keep only the full batches the next micro-batch can still start in.
+    while len(self._read) > 1 and self._read[1][2] <= self._rows_yielded:
+      self._read.pop(0)
+    return micro_batch
+
+  def position(self) -> dict[str, Any]:
+    """Where the next unread micro-batch starts.
+
+    Besides the source position: `stream_rows`, how many rows (prompts) of
+    the source precede it, and `last_rows`, a digest of the micro-batch just
+    before it; they let a resume continue in a changed pipeline whose stream
+    holds the same rows (`GrainSource.row_boundary`).
+    """
+    result = self._source_position()
+    if self._stream_rows_base is not None:
+      result["stream_rows"] = self._stream_rows_base + self._rows_yielded
+    if self._last_rows is not None:
+      result["last_rows"] = dict(self._last_rows)
+    return result
+
+  def _source_position(self) -> dict[str, Any]:
+    if self._micro_batch_size is None or not self._read or self._rows_yielded >= self._rows_read:
+      # Nothing buffered: the next micro-batch starts at the next full batch.
+      return {"full_batch": self._source.position(), "micro_batches_taken": 0}
+    position, _, first_row = self._read[0]
+    rows_taken = self._rows_yielded - first_row
+    taken, rest = divmod(rows_taken, self._micro_batch_size)
+    result = {"full_batch": dict(position), "micro_batches_taken": taken}
+    if rest:
+      result["rows_taken"] = rows_taken
+    return result
+
+  def check(self, fingerprint, position, *, allow_drift, origin) -> Any:
+    taken = position.get("micro_batches_taken") if isinstance(position, Mapping) else None
+    rows = position.get("rows_taken", 0) if isinstance(position, Mapping) else None
+    if (
+        not isinstance(position, Mapping)
+        or set(position) - _OPTIONAL_POSITION_KEYS != {"full_batch", "micro_batches_taken"}
+        or not isinstance(taken, int) or isinstance(taken, bool) or taken < 0
+        or not isinstance(rows, int) or isinstance(rows, bool) or rows < 0
+        or not isinstance(position["full_batch"], Mapping)
+    ):
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position' is {position!r}; expected "
+          "{'full_batch': <source position>, 'micro_batches_taken': N[, 'rows_taken': R]}."
+      )
+    return self._source.check(
+        fingerprint, position["full_batch"], allow_drift=allow_drift, origin=origin
+    )
+
+  def apply(self, checked: Any, position: Mapping[str, Any]) -> None:
+    self._source.apply(checked, position["full_batch"])
+    self._reset()
+    rows = position.get("rows_taken")
+    if rows is None:
+      rows = position["micro_batches_taken"] * (self._micro_batch_size or 0)
+    self._start_rows = rows
+    self._stream_rows_base = position.get("stream_rows")
+    self._last_rows = position.get("last_rows")
+
+  def continue_at(self, full_batch_position: Mapping[str, Any], position: Mapping[str, Any]) -> None:
+    """Moves to a full batch of a changed pipeline that starts at `position`'s row."""
+    self._source.apply(self._source.check(
+        self._source.fingerprint, full_batch_position, allow_drift=(), origin="the input"),
+        full_batch_position)
+    self._reset()
+    self._start_rows = 0
+    self._stream_rows_base = position["stream_rows"]
+    self._last_rows = position.get("last_rows")
+
+  def seek_micro_batches(self, count: int, micro_per_full: int) -> None:
+    """Moves past the first `count` micro-batches (legacy fast-forward)."""
+    full, taken = divmod(count, micro_per_full)
+    if not self._source.seek_full_batches(full):
+      for _ in range(full):
+        next(self._source)
+    self._reset()
+    self._start_rows = taken * (self._micro_batch_size or 0)
+    self._stream_rows_base = None  # unknown with uneven batches; not needed again
+
+  def peek_full_batch(self) -> Any:
+    """The full batch the next micro-batch comes from, without consuming it."""
+    return self._source.peek()

@@ -1,0 +1,444 @@
+"""The data side of one Resumable `train()` call.
+
+A `DataSession` owns the learner's input (at a known position), the
+repeat-order key chain and a record of what each mini-batch put in the
+trainer's queue. At save time it turns those into the data state of the
+checkpoint (what the trainer consumed, never what the producer read ahead);
+at restore time it validates a saved state in full and applies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+from typing import Any
+
+import jax
+
+from ckpt_iter.tunix import _api as api
+from ckpt_iter.tunix import _input
+from ckpt_iter.tunix import _items as items
+from ckpt_iter.tunix import _layouts as layouts_lib
+from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import errors
+from ckpt_iter import repeat as repeat_lib
+from ckpt_iter import state as state_lib
+
+_LOG = logging.getLogger("ckpt_iter")
+# Learner fingerprint fields a resume may change when the input continues at
+# the same prompt (`DataSession._continuation`).
+_CONTINUABLE_LEARNER_FIELDS = frozenset({
+    "full_batch_size", "mini_batch_size", "train_micro_batch_size",
+    "rollout_micro_batch_size", "compute_logps_micro_batch_size",
+})
+# The producer of a mini-batch never blocks, so this only trips on a hang.
+_PRODUCER_TIMEOUT_SECONDS = 600.0
+
+
+@dataclasses.dataclass
+class MiniBatch:
+  """What one mini-batch put in the trainer's queue, and where it left the input."""
+
+  start_iter_steps: int  # actor trainer iter_steps when it began
+  start_train_steps: int  # actor trainer train_steps when it began
+  global_steps: int  # rl_cluster.global_steps while it runs
+  index_in_global_step: int
+  queue: list[Any] = dataclasses.field(default_factory=list)
+  position_after: dict[str, Any] | None = None
+  key_after: tuple[int, ...] | None = None
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class DataSession:
+  """The data side of one `train()` call: input, key chain, queue records."""
+
+  def __init__(self, learner: Any, train_ds: Any):
+    self.learner = learner
+    source = _input.make_source(train_ds)
+    self.key = learner._ci_initial_key  # pylint: disable=protected-access
+    self.current: MiniBatch | None = None
+    self.index_in_global_step = 0
+    self._restored_pending: list[Any] | None = None
+    self._first_global_step: int | None = None
+    self._lock = threading.Lock()
+    config = api.training_config(learner)
+    first = source.peek()  # as Tunix: the sizes come from the first batch
+    self.full_batch_size = len(first["prompts"])
+    self.mini_batch_size = config.mini_batch_size or self.full_batch_size
+    self.micro_batch_size = config.train_micro_batch_size or self.mini_batch_size
+    # As Tunix: full batches pass through untouched (whatever their size) when
+    # the micro batch is the first batch's size; otherwise Tunix re-batches.
+    self.input = _input.MicroBatchInput(
+        source,
+        None if self.micro_batch_size == self.full_batch_size else self.micro_batch_size,
+        rebatch=lambda full_batches, size: api.micro_batch_iterator(learner, full_batches, size),
+    )
+    self.mini_batches_per_global_step = self.full_batch_size // self.mini_batch_size
+    # Sequence packing: the trainer takes packed inputs, not queue items.
+    self.packing = api.packing_budget(learner)
+    self.packing_per_pass = self.packing is not None and api.packing_updates_per_pass()
+    self.fingerprint = {
+        **self.input.source.fingerprint,
+        "learner": items.tunix_learner_name(learner),
+        "num_iterations": api.num_iterations(learner),
+        "num_generations": api.num_generations(learner),
+        "full_batch_size": self.full_batch_size,
+        "mini_batch_size": self.mini_batch_size,
+        "train_micro_batch_size": self.micro_batch_size,
+        "rollout_micro_batch_size": config.rollout_micro_batch_size or self.micro_batch_size,
+        "compute_logps_micro_batch_size": config.compute_logps_micro_batch_size or self.micro_batch_size,
+        "data_shuffle_seed": learner._ci_data_shuffle_seed,  # pylint: disable=protected-access
+        "async_rollout": bool(learner.can_enable_async_rollout),
+        "separate_rollout_weights": bool(learner.should_sync_weights),
+    }
+    if self.packing is not None:
+      # Another budget packs the pending sequences into other trainer inputs.
+      self.fingerprint["max_seq_token_per_tpu"] = int(self.packing)
+
+  def tunix_input(self) -> list[Any]:
+    """What Tunix's train() reads to size its batches (nothing else is read)."""
+    return [{"prompts": [None] * self.full_batch_size}]
+
+  # --- producer side ------------------------------------------------------------
+
+  def begin_mini_batch(self) -> MiniBatch:
+    cluster = self.learner.rl_cluster
+    mini_batch = MiniBatch(
+        start_iter_steps=cluster.actor_trainer.iter_steps,
+        start_train_steps=cluster.actor_trainer.train_steps,
+        global_steps=cluster.global_steps,
+        index_in_global_step=self.index_in_global_step,
+    )
+    self.index_in_global_step += 1
+    with self._lock:
+      self.current = mini_batch
+    return mini_batch
+
+  def finished(self) -> bool:
+    """True when the restored step is the run's last: max_steps reached at a global-step boundary."""
+    trainer = self.learner.rl_cluster.actor_trainer
+    max_steps = api.training_config(self.learner).max_steps
+    return (
+        max_steps is not None and trainer.train_steps >= max_steps
+        and self._restored_pending is None and self._first_global_step is None
+    )
+
+  def take_restored_pending(self) -> list[Any] | None:
+    pending, self._restored_pending = self._restored_pending, None
+    return pending
+
+  def take_first_global_step_size(self, per_global_step: int) -> int:
+    size, self._first_global_step = self._first_global_step, None
+    return per_global_step if size is None else size
+
+  # --- save side ------------------------------------------------------------
+
+  def snapshot(self, step: int) -> tuple[state_lib.IteratorState, bool]:
+    """The data state matching actor checkpoint `step`, and whether it is mid-global-step."""
+    learner = self.learner
+    trainer = learner.rl_cluster.actor_trainer
+    with self._lock:
+      mini_batch = self.current
+    if mini_batch is None:
+      # Nothing started in this session (e.g. the forced save of a run that
+      # trained nothing): the state is the one it was restored at.
+      pending_items = list(self._restored_pending or [])
+      remaining = (self._first_global_step or 0) - (1 if pending_items else 0)
+      # At a boundary the restore added the increment a finished global step
+      # gets; the state records the step before it, as every other save does.
+      mid_global_step = bool(pending_items) or remaining > 0
+      global_steps = learner.rl_cluster.global_steps - (0 if mid_global_step else 1)
+      position, key = self.input.position(), repeat_lib.key_to_ints(self.key)
+    else:
+      if not mini_batch.done.wait(_PRODUCER_TIMEOUT_SECONDS):
+        raise errors.CkptIterError(
+            f"checkpoint step {step}: the data producer did not finish its mini-batch "
+            f"in {_PRODUCER_TIMEOUT_SECONDS:.0f}s; not saving a data state that could be wrong."
+        )
+      pending_items = self._unconsumed(mini_batch, step)
+      remaining = self.mini_batches_per_global_step - 1 - mini_batch.index_in_global_step
+      global_steps = mini_batch.global_steps
+      position, key = mini_batch.position_after, mini_batch.key_after
+    pending = None
+    if pending_items:
+      # A rollout still due for several repeats is queued several times:
+      # store it once, with the schedule saying where it comes back.
+      first_index: dict[int, int] = {}
+      for example in pending_items:
+        first_index.setdefault(id(example), len(first_index))
+      distinct = {index: example for example in pending_items
+                  for index in [first_index[id(example)]]}
+      origin = f"checkpoint step {step}"
+      pending = state_lib.Pending(
+          items=tuple(items.for_checkpoint(learner, distinct[i], origin) for i in range(len(distinct))),
+          schedule=tuple(first_index[id(example)] for example in pending_items),
+      )
+    mid_global_step = bool(pending_items) or remaining > 0
+    value = state_lib.IteratorState(
+        kind="tunix",
+        fingerprint=self.fingerprint,
+        position=position,
+        shuffle_key=key,
+        pending=pending,
+        counters={
+            "train_steps": int(trainer.train_steps),
+            "actor_iter_steps": int(trainer.iter_steps),
+            "global_steps": int(global_steps),
+            "remaining_mini_batches": int(remaining),
+            "mini_batches_per_global_step": int(self.mini_batches_per_global_step),
+        },
+    )
+    return value, mid_global_step
+
+  def _unconsumed(self, mini_batch: MiniBatch, step: int) -> list[Any]:
+    """What `mini_batch` queued that the trainer has not trained with yet."""
+    trainer = self.learner.rl_cluster.actor_trainer
+    queue = mini_batch.queue
+    consumed = int(trainer.iter_steps) - mini_batch.start_iter_steps
+    if self.packing is None:
+      # One trainer input per queue item.
+      if not 0 <= consumed <= len(queue):
+        raise errors.CkptIterError(
+            f"checkpoint step {step}: the trainer consumed {consumed} inputs of a "
+            f"mini-batch that queued {len(queue)}; refusing to save a wrong state."
+        )
+      return queue[consumed:]
+    if self.packing_per_pass:
+      return self._unconsumed_passes(mini_batch, step, consumed)
+    return self._unconsumed_packed_rows(queue, step, consumed)
+
+  def _unconsumed_passes(self, mini_batch: MiniBatch, step: int, consumed: int) -> list[Any]:
+    """Tunix main: packed chunks update once per pass of mini_batch_size x num_generations sequences.
+
+    A checkpoint follows an update, so the trainer has consumed whole passes:
+    the queue items after them are pending, and packing them again from an
+    empty packer gives the chunks the uninterrupted run trains next.
+    """
+    trainer = self.learner.rl_cluster.actor_trainer
+    queue = mini_batch.queue
+    updates = int(trainer.train_steps) - mini_batch.start_train_steps
+    per_update = self.mini_batch_size * api.num_generations(self.learner)
+    sequences = updates * per_update
+    if not 0 <= updates <= consumed:
+      raise errors.CkptIterError(
+          f"checkpoint step {step}: {updates} packed updates from {consumed} packed "
+          "trainer inputs of this mini-batch; refusing to save a wrong state."
+      )
+    done = 0
+    for index, example in enumerate(queue):
+      if done == sequences:
+        return queue[index:]
+      done += api.rows_of(example)
+    if done == sequences:
+      return []
+    raise errors.CkptIterError(
+        f"checkpoint step {step}: {updates} packed updates of {per_update} sequences "
+        f"do not end between two of the {len(queue)} queued inputs ({done} sequences); "
+        "refusing to save a wrong state."
+    )
+
+  def _unconsumed_packed_rows(self, queue: list[Any], step: int, consumed: int) -> list[Any]:
+    """google-tunix 0.1.7: one packed row per trainer input, greedy, in queue order.
+
+    Replays the packer's decisions (its own unpadding, its own token counts)
+    to find the sequence the next packed row starts with. The pending inputs
+    start there: the rest of that queue item (its leading rows dropped), then
+    the items after it. Tunix's packer starts every row from an empty buffer,
+    so packing them again gives exactly the rows the uninterrupted run trains
+    next, bit for bit.
+    """
+    if consumed == 0:
+      return list(queue)
+    budget = self.packing
+    packed = tokens_in_row = 0
+    for index, example in enumerate(queue):
+      for row, tokens in enumerate(api.unpadded_lengths(example)):
+        if tokens > budget:
+          continue  # Tunix skips it (with a warning), wherever it is
+        if tokens_in_row + tokens > budget:
+          packed, tokens_in_row = packed + 1, 0
+          if packed == consumed:
+            rest = [api.drop_leading_rows(example, row)] if row else [example]
+            return rest + queue[index + 1:]
+        tokens_in_row += tokens
+    if tokens_in_row:
+      packed += 1
+    if packed == consumed:
+      return []
+    raise errors.CkptIterError(
+        f"checkpoint step {step}: the trainer consumed {consumed} packed inputs of a "
+        f"mini-batch that packs into {packed}; refusing to save a wrong state."
+    )
+
+  # --- restore side ------------------------------------------------------------
+
+  def restore(self, on_legacy_checkpoint: str, allow_drift: frozenset[str]) -> None:
+    learner = self.learner
+    trainer = learner.rl_cluster.actor_trainer
+    tunix_manager = trainer.checkpoint_manager
+    step = int(trainer.train_steps)
+    if api.item_directory(tunix_manager, step, items.DATA_ITEM) is None or api.latest_step(tunix_manager) is None:
+      return  # checkpointing off, or a fresh run
+    data_dir = api.item_directory(tunix_manager, step, items.DATA_ITEM)
+    if not os.path.isdir(data_dir):
+      self._restore_legacy(step, os.path.dirname(data_dir), on_legacy_checkpoint)
+      return
+    value = checkpoint_lib.read_item(data_dir, jax.process_index(), jax.process_count()).value
+    origin = f"checkpoint step {step} ({data_dir})"
+    if value.kind != "tunix":
+      raise errors.InvalidStateError(f"{origin}: data state kind is {value.kind!r}, expected 'tunix'.")
+    counters = value.counters
+    for name in ("train_steps", "global_steps", "remaining_mini_batches"):
+      if name not in counters:
+        raise errors.InvalidStateError(f"{origin}: counter {name!r} is missing.")
+    if counters["train_steps"] != step:
+      raise errors.InvalidStateError(
+          f"{origin}: the data state was taken at train step {counters['train_steps']}, "
+          f"but the model was restored at step {step}; they must come from one step."
+      )
+    try:
+      state_lib.check_fingerprint(value.fingerprint, self.fingerprint, allow_drift=allow_drift, origin=origin)
+      source_fields = set(self.input.source.fingerprint)
+      checked = self.input.check(
+          {k: v for k, v in value.fingerprint.items() if k in source_fields},
+          value.position, allow_drift=allow_drift & source_fields, origin=origin,
+      )
+      continuation = None
+    except errors.ConfigDriftError as drift:
+      continuation = self._continuation(value, drift, origin)
+    critic_state = items.read_critic_state(learner, step, origin)
+    mid_global_step = value.pending is not None or counters["remaining_mini_batches"] > 0
+    rollout_params = None
+    if learner.should_sync_weights and mid_global_step:
+      rollout_params = items.read_rollout_params(learner, step, origin)
+    layouts = layouts_lib.read_saved_layouts(trainer, step)
+    # Placed before anything is applied: a pending global array whose mesh
+    # this cluster lacks fails here, with nothing changed.
+    saved_items = value.pending.items if value.pending is not None else ()
+    on_device = [items.to_device(learner, item, origin) for item in saved_items]
+    # All checks passed and everything is read: apply.
+    if continuation is None:
+      self.input.apply(checked, value.position)
+    else:
+      self.input.continue_at(continuation, value.position)
+    self.key = repeat_lib.key_from_ints(value.shuffle_key)
+    if value.pending is not None:
+      self._restored_pending = [on_device[i] for i in value.pending.schedule]
+    remaining = counters["remaining_mini_batches"]
+    if mid_global_step:
+      self._first_global_step = remaining + (1 if value.pending is not None else 0)
+      global_steps = counters["global_steps"]
+    else:
+      global_steps = counters["global_steps"] + 1
+    if self.packing is not None and "actor_iter_steps" in counters:
+      # Packed, a trainer input is a packed row or chunk, not train_steps x
+      # gradient_accumulation_steps of them (what Tunix restores).
+      api.set_trainer_steps(trainer, step, int(counters["actor_iter_steps"]))
+    api.set_learner_iter_steps(learner, int(trainer.iter_steps))
+    layouts_lib.apply_saved_layouts(trainer, layouts)
+    if critic_state is not None:
+      items.apply_critic_state(learner, critic_state, step)
+    self._restore_rollout_weights(rollout_params)
+    learner.rl_cluster.global_steps = global_steps
+    _LOG.info(
+        "ckpt_iter: restored the data state of step %d: %d pending trainer inputs, "
+        "%d more mini-batches in this global step.",
+        step, len(value.pending or ()), remaining,
+    )
+
+  def _continuation(self, value: state_lib.IteratorState, drift: errors.ConfigDriftError, origin: str) -> Any:
+    """Where a changed input continues from `value`, or `drift` re-raised with the reason.
+
+    Tunix's own tests resume with another global batch size, or on a dataset
+    the first run saw a prefix of (`ds[0:1]` then `ds`, more epochs). That
+    continues when nothing but the input and the batch geometry changed, the
+    checkpoint is at a global-step boundary (no pending examples of the old
+    geometry), and this input holds, just before a batch boundary at the
+    same prompt count, the prompts the checkpoint's run trained last.
+    """
+    learner_fields = set(self.fingerprint) - set(self.input.source.fingerprint)
+    changed = set(drift.differences)
+    blocking = (changed & learner_fields) - _CONTINUABLE_LEARNER_FIELDS
+    position = value.position if isinstance(value.position, dict) else {}
+    reason = None
+    if blocking:
+      reason = f"{sorted(blocking)} change what the saved state means"
+    elif value.pending is not None or value.counters["remaining_mini_batches"] > 0:
+      reason = "the checkpoint falls inside a global step, whose pending inputs belong to the old batches"
+    elif not isinstance(position.get("stream_rows"), int):
+      reason = "the checkpoint does not record how many prompts were consumed (written by an older ckpt_iter)"
+    else:
+      full_batch, reason = self.input.source.row_boundary(
+          position["stream_rows"], position.get("last_rows"), origin=origin)
+      if reason is None:
+        _LOG.warning(
+            "ckpt_iter: the input changed since the checkpoint (%s); continuing at prompt %d "
+            "of the new input, which holds the same prompts up to there.",
+            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(drift.differences.items())),
+            position["stream_rows"],
+        )
+        return full_batch
+    raise errors.ConfigDriftError(drift.differences, origin=f"{origin} (it cannot continue here: {reason})") from None
+
+  def _restore_rollout_weights(self, rollout_params: Any) -> None:
+    learner = self.learner
+    if not learner.should_sync_weights:
+      return  # the rollout model is the actor model
+    if rollout_params is None:
+      # At a global-step boundary the uninterrupted run syncs the restored
+      # actor weights right after the checkpoint: do that sync now.
+      self._sync_rollout_from_actor()
+    else:
+      learner.rl_cluster.rollout.update_params(rollout_params, items.weight_filter(learner))
+
+  def _sync_rollout_from_actor(self) -> None:
+    """Tunix's weight sync, without the global-step increment that comes with it."""
+    cluster = self.learner.rl_cluster
+    global_steps = cluster.global_steps
+    cluster.sync_weights()
+    cluster.global_steps = global_steps
+
+  def _restore_legacy(self, step: int, step_dir: str, policy: str) -> None:
+    learner = self.learner
+    mu = api.num_iterations(learner)
+    grad_acc = api.training_config(learner).get_with_default("gradient_accumulation_steps", 1)
+    if policy == "fast_forward" and self.packing is not None and not self.packing_per_pass:
+      raise errors.UnsupportedConfigError(
+          f"checkpoint step {step} ({step_dir}) has no '{items.DATA_ITEM}' item, and "
+          f"on_legacy_checkpoint='fast_forward' cannot skip by train steps with "
+          f"max_seq_token_per_tpu={self.packing} on this Tunix: a train step is "
+          "a packed row, not a mini-batch, so how many prompts were consumed was "
+          "never recorded. Start from an empty checkpoint directory."
+      )
+    if policy == "raise":
+      raise errors.LegacyCheckpointError(
+          f"checkpoint step {step} ({step_dir}) has no '{items.DATA_ITEM}' item: it was "
+          "written by stock Tunix or before switching to ckpt_iter, so its data "
+          "position, shuffle key and pending repeats were never saved and cannot "
+          "be restored exactly. Pass on_legacy_checkpoint='fast_forward' to skip "
+          f"ceil(train_steps / num_iterations) = {math.ceil(step / mu)} mini-batches "
+          "and go on, or start from an empty checkpoint directory."
+      )
+    mini_batches = math.ceil(step / mu)
+    micro_batches = mini_batches * grad_acc
+    self.input.seek_micro_batches(micro_batches, self.full_batch_size // self.micro_batch_size)
+    lost = mini_batches * mu - step
+    index = mini_batches % self.mini_batches_per_global_step
+    if index:
+      self._first_global_step = self.mini_batches_per_global_step - index
+    api.set_learner_iter_steps(learner, int(learner.rl_cluster.actor_trainer.iter_steps))
+    if learner.should_sync_weights:
+      self._sync_rollout_from_actor()
+    _LOG.warning(
+        "ckpt_iter: checkpoint step %d has no data state (legacy). Fast-forwarded "
+        "%d input micro-batches (ceil(%d / num_iterations=%d) mini-batches x %d). "
+        "%s The repeat-order key restarts at data_shuffle_seed.",
+        step, micro_batches, step, mu, grad_acc,
+        f"The last {lost} update(s) of the rollout that step {step} fell inside "
+        "cannot be recovered and are skipped." if lost else "",
+    )
+
+

@@ -1,0 +1,202 @@
+"""A Tunix GRPO run on 2 JAX processes resumes exactly, mid-repeat included.
+
+Each job is 2 real processes (tests/tunix_multihost_worker.py) joining a
+`jax.distributed` job on 127.0.0.1 with the CPU backend, training
+ResumableGRPOLearner (num_iterations=2, one prompt per batch, the same
+batches on both processes, one mesh over both processes' devices,
+sgd with momentum) with a checkpoint after every update. An uninterrupted
+reference run of MAX_STEPS updates is compared with a chain of fresh jobs on
+one checkpoint root: preempted right after checkpoint 1 (between the two
+updates on the first rollout), resumed and preempted right after checkpoint
+3 (between the two updates on the second), resumed to the end. Compared per
+process, bit for bit: every trainer input (each array field of the
+TrainExample, and whether it is a global array, with its spec), the actor
+params before and after every update and the optimizer state before it.
+
+Two things make it exact (see docs/multihost.md): pending TrainExample
+leaves that were global arrays are restored as global arrays with the same
+sharding, and the restored params / optimizer state get back the shardings
+they had at save time. Without either, the first update after the resume
+already differs."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckpt_iter import testing
+import process_group  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+WORKER = Path(__file__).resolve().parent.parent / "workers" / "tunix_multihost_worker.py"
+NUM_PROCESSES = 2
+MAX_STEPS = 6  # three rollouts, each trained twice
+PREEMPT_STEPS = (1, 3)  # both in the middle of a repeat (num_iterations=2)
+# The four 2-process Tunix jobs take ~2 minutes on 2 cores: `make test-full`
+# runs them. `make test` keeps the in-process tests below and, for the
+# guarantees, the 2-process runs of test_multihost.py and the one-process
+# Tunix chains of test_tunix_resume.py.
+_JOBS = pytest.mark.slow
+RUN_TIMEOUT_SECONDS = 300
+GLOBAL_FIELDS = ("old_per_token_logps", "ref_per_token_logps")
+
+
+def _launch(directory: Path, name: str, root: Path, cache: Path, preempt_after: int | None) -> list[dict]:
+  """Runs one 2-process job to its end (or its preemption); returns each process's record."""
+  config = {"root": str(root), "preempt_after": preempt_after, "max_steps": MAX_STEPS}
+  return process_group.run_group(
+      WORKER, directory, name, [config] * NUM_PROCESSES, timeout_seconds=RUN_TIMEOUT_SECONDS,
+      # Shared by the jobs of this module: only the first job compiles.
+      extra_env={"JAX_COMPILATION_CACHE_DIR": str(cache),
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"},
+  )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+  steps = PREEMPT_STEPS
+  directory = tmp_path_factory.mktemp("tunix_multihost")
+  cache = directory / "jax_cache"
+  cache.mkdir()
+  reference = _launch(directory, "reference", directory / "reference_root", cache, None)
+  chain_root = directory / "chain_root"
+  jobs = {}
+  for start, preempt in zip((0,) + steps, steps + (None,)):
+    jobs[start] = _launch(directory, f"from{start}", chain_root, cache, preempt)
+  return {"reference": reference, "jobs": jobs, "chain_root": chain_root, "preempt_steps": steps}
+
+
+def _by_step(results: dict) -> dict[int, dict]:
+  return {record["train_step"]: record for record in results["inputs"]}
+
+
+@_JOBS
+def test_reference_trainer_inputs_mix_global_and_local_arrays(runs):
+  # The situation the exact resume has to reproduce: Tunix hands the trainer
+  # the log-probs as mesh-wide replicated arrays and the rest process-local.
+  reference = runs["reference"]
+  for index, result in enumerate(reference):
+    assert result["process_index"] == index and result["restored_step"] == 0
+    assert sorted(_by_step(result)) == list(range(MAX_STEPS))
+    for record in result["inputs"]:
+      for name, layout in record["layout"].items():
+        if name in GLOBAL_FIELDS:
+          assert layout == {"kind": "global", "spec": "P()", "replicated": True}, name
+        else:
+          assert layout == {"kind": "local"}, name
+  # Both processes feed the same batches; each rollout is trained twice in a row.
+  first, second = ([r["prompt_ids"] for r in result["inputs"]] for result in reference)
+  assert first == second
+  assert first[0] == first[1] != first[2] == first[3] != first[4] == first[5]
+
+
+@_JOBS
+@pytest.mark.parametrize("step", PREEMPT_STEPS)
+def test_checkpoint_keeps_the_global_pending_leaves_global(runs, step):
+  data_dir = runs["chain_root"] / "actor" / str(step) / "data"
+  for index in range(NUM_PROCESSES):
+    header = json.loads((data_dir / f"process_{index}-of-{NUM_PROCESSES}.json").read_text())
+    assert header["pending"]["schedule"] == [0]  # the rollout's second update
+    (item,) = header["pending"]["items"]
+    fields = item["fields"]
+    for name in GLOBAL_FIELDS:
+      assert fields[name]["dataclass"] == "ckpt_iter.tunix.GlobalArray", name
+      assert fields[name]["fields"]["mesh_role"] == {"value": "actor"}
+      assert fields[name]["fields"]["spec"] == {"tuple": []}
+    for name in ("prompt_ids", "completion_ids", "advantages"):
+      assert set(fields[name]) == {"array"}, name  # process-local: stored as before
+
+
+@_JOBS
+@pytest.mark.parametrize("step", PREEMPT_STEPS)
+def test_resume_after_checkpoint_mid_repeat_is_bit_exact(runs, step):
+  reference = [_by_step(result) for result in runs["reference"]]
+  resumed = runs["jobs"][step]
+  for index, result in enumerate(resumed):
+    assert result["restored_step"] == step
+    assert result["restored_pending"] == 1, "the rollout's second update is restored, not redone"
+    trained = _by_step(result)
+    # Checkpoint K is written after update K-1 (records count from 0).
+    end = min([s for s in runs["preempt_steps"] if s > step] + [MAX_STEPS])
+    assert sorted(trained) == list(range(step, end)), f"process {index}"
+    want = reference[index]
+    # The restored model and optimizer state are the ones of the
+    # uninterrupted run, values and shardings.
+    assert trained[step]["params_before"] == want[step - 1]["params_after"], f"process {index}"
+    assert trained[step]["opt_before"] == want[step]["opt_before"], f"process {index}"
+    for train_step, record in trained.items():
+      where = f"process {index}, step {train_step}"
+      assert record["prompt_ids"] == want[train_step]["prompt_ids"], where
+      assert record["layout"] == want[train_step]["layout"], where
+      assert record["fields"] == want[train_step]["fields"], where
+      assert record["params_after"] == want[train_step]["params_after"], where
+
+
+@_JOBS
+def test_first_job_of_the_chain_equals_the_reference_before_its_preemption(runs):
+  # Sanity of the comparison itself: identical runs give identical records.
+  for want, got in zip(runs["reference"], runs["jobs"][0]):
+    assert got["restored_step"] == 0 and got["preempted"]
+    reference = _by_step(want)
+    for train_step, record in _by_step(got).items():
+      assert record == reference[train_step], f"step {train_step}"
+
+
+# ---------------------------------------------------------------------------
+# The wrapper itself, in this process (one process: every array is addressable).
+
+
+def _learner_with_meshes(**meshes) -> types.SimpleNamespace:
+  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=g-import-not-at-top
+
+  r2m = {rl_cluster_lib.Role(role): mesh for role, mesh in meshes.items()}
+  return types.SimpleNamespace(rl_cluster=types.SimpleNamespace(r2m=r2m))
+
+
+def test_single_process_pending_items_are_stored_as_before():
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  learner = _learner_with_meshes(actor=mesh)
+  replicated = jax.device_put(np.arange(6.0, dtype=np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  tree = {"logps": replicated, "ids": jax.device_put(np.arange(3)), "none": None}
+  wrapped = items.for_checkpoint(learner, tree, "test")
+  assert wrapped["logps"] is replicated and wrapped["ids"] is tree["ids"] and wrapped["none"] is None
+
+
+def test_global_array_is_recreated_on_its_role_mesh_with_its_spec():
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  learner = _learner_with_meshes(actor=mesh, reference=mesh)
+  value = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+  restored = items.to_device(learner, {
+      "logps": items.GlobalArray(value=value, mesh_role="reference", spec=(None, "fsdp")),
+      "ids": np.arange(3),
+  }, "test")
+  logps = restored["logps"]
+  assert isinstance(logps.sharding, jax.sharding.NamedSharding)
+  assert logps.sharding.mesh == mesh and logps.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+  testing.assert_trees_equal(np.asarray(logps), value)
+  # A process-local leaf is put on the device as JAX holds it (int32 without x64).
+  testing.assert_trees_equal(np.asarray(restored["ids"]), np.arange(3, dtype=np.int32))
+
+
+def test_global_array_of_a_role_the_cluster_lacks_is_refused():
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import errors  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  learner = _learner_with_meshes(actor=mesh)
+  leaf = items.GlobalArray(value=np.zeros(2, np.float32), mesh_role="critic", spec=())
+  with pytest.raises(errors.InvalidStateError, match=r"role 'critic', which this cluster does not have \(roles: \['actor'\]\)"):
+    items.to_device(learner, {"values": leaf}, "checkpoint step 7")

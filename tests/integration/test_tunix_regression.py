@@ -1,0 +1,130 @@
+"""The bug report's reproducer (Tunix #2290), kept as a regression test.
+
+`test_stock_fast_forward_*` is the reporter's scenario against the stock
+RLLearner, as filed (seeds/000_6ed061ff10e12344.txt): it fails on
+google-tunix 0.1.7 and is a strict xfail, so a Tunix release that fixes the
+bug turns it into an XPASS failure and tells us. The Resumable tests run the
+same scenario (num_iterations=2, one prompt per micro-batch, checkpoint after
+A's two updates) through a real toy GRPO learner and Orbax on CPU.
+"""
+
+import os
+import shutil
+from unittest import mock
+
+import numpy as np
+import pytest
+from tunix.rl import algorithm_config
+from tunix.rl import rl_learner
+from tunix.rl.queue import data_queue
+
+from ckpt_iter import errors
+from ckpt_iter import make_dataset
+from ckpt_iter.demo import toyrun
+
+NUM_ITERATIONS = 2
+# What a trainer restored after training on A reports:
+# iter_steps = train_steps * gradient_accumulation_steps = 2 * 1.
+RESTORED_ITER_STEPS = 2
+
+
+class _StockLearner(rl_learner.RLLearner):
+  _generate_and_compute_advantage = lambda self, x, mode: x
+  _compute_trajectory_ids = lambda self, x, steps: [""] * len(x["prompts"])
+  _num_iterations = lambda self: NUM_ITERATIONS
+  _num_generations = lambda self: 1
+
+
+def _make_stock_learner(iter_steps=0):
+  engine = mock.MagicMock()
+  engine.cluster_config.training_config.max_seq_token_per_tpu = None
+  engine.actor_trainer.model = None
+  engine.actor_trainer.iter_steps = iter_steps
+  return _StockLearner(engine, algorithm_config.AlgorithmConfig(), reward_fns=lambda **kw: [])
+
+
+def _prepare(learner, iterator):
+  queue = data_queue.SimpleDataQueue(maxsize=0)
+  learner._prepare_data(  # pylint: disable=protected-access
+      iterator, proceed_num_steps=1, sample_repeat=1, batch_repeat=NUM_ITERATIONS,
+      service_target_batch_size=1, data_queue=queue,
+  )
+  return [str(x[0]["prompts"][0]) for x in iter(queue.get, None)]
+
+
+@pytest.mark.xfail(strict=True, reason="Tunix #2290: resume fast-forwards iter_steps, which counts num_iterations times too much")
+def test_stock_fast_forward_continues_from_next_micro_batch():
+  batches = lambda: iter([{"prompts": np.array([x])} for x in "ABC"])
+  continuous = _make_stock_learner()
+  iterator = batches()
+  assert _prepare(continuous, iterator) == ["A", "A"]
+  expected = _prepare(continuous, iterator)
+  actual = _prepare(_make_stock_learner(iter_steps=RESTORED_ITER_STEPS), batches())
+  assert actual == expected  # stock gives ['C', 'C'] instead of ['B', 'B']
+
+
+RECORDS_READ: list[str] = []
+
+
+def record_read(record):
+  """make_dataset transform that logs which prompt the input pipeline read."""
+  RECORDS_READ.append(record["id"])
+  return record
+
+
+def _train(learner_kind, root, max_steps, num_iterations=NUM_ITERATIONS):
+  config = toyrun.RunConfig(learner=learner_kind, num_iterations=num_iterations, max_steps=max_steps)
+  learner = toyrun.build_learner(config, root)
+  recorder = toyrun.TrainerInputRecorder(learner)
+  dataset = make_dataset(
+      toyrun.load_prompts(), batch_size=1, num_epochs=None, shard_index=0, shard_count=1,
+      transform=record_read,
+  )
+  RECORDS_READ.clear()
+  learner.train(dataset)
+  return ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in recorder.inputs], list(RECORDS_READ)
+
+
+@pytest.fixture(scope="module")
+def trained_on_a(tmp_path_factory):
+  """A checkpoint written right after A's two updates (train_steps == 2)."""
+  root = str(tmp_path_factory.mktemp("seed") / "ckpt")
+  labels, _ = _train("ckpt_iter", root, 2)
+  assert labels == ["A", "A"]
+  return root
+
+
+@pytest.fixture
+def resumable_copy(trained_on_a, tmp_path):
+  root = str(tmp_path / "ckpt")
+  shutil.copytree(trained_on_a, root)
+  return root
+
+
+def test_resumable_continues_from_next_micro_batch_without_replay(resumable_copy):
+  labels, read = _train("ckpt_iter", resumable_copy, 4)
+  assert labels == ["B", "B"]
+  # A is read once, to size the batches as Tunix does (the first batch), then
+  # the position is set directly: no next() over the consumed input.
+  assert read == ["A", "B"]
+
+
+def test_data_state_of_another_step_is_refused(resumable_copy):
+  step_1, step_2 = (os.path.join(resumable_copy, "actor", str(s), "data") for s in (1, 2))
+  shutil.rmtree(step_2)
+  shutil.copytree(step_1, step_2)
+  with pytest.raises(errors.InvalidStateError, match="taken at train step 1, but the model was restored at step 2"):
+    _train("ckpt_iter", resumable_copy, 4)
+
+
+def test_resuming_with_another_num_iterations_names_the_field(resumable_copy):
+  with pytest.raises(errors.ConfigDriftError, match="num_iterations=2 there, num_iterations=3 here"):
+    _train("ckpt_iter", resumable_copy, 6, num_iterations=3)
+
+
+def test_resumable_refuses_to_resume_a_stock_checkpoint(tmp_path):
+  root = str(tmp_path / "ckpt")
+  labels, _ = _train("stock", root, 2)
+  assert labels == ["A", "A"]
+  with pytest.raises(errors.LegacyCheckpointError, match="has no 'data' item"):
+    _train("ckpt_iter", root, 4)

@@ -1,0 +1,557 @@
+"""Tests for the ckpt-iter command line: inspect, verify, diff, demo, --help.
+
+Checkpoints are real: Orbax CheckpointManager saves of DataIterator and
+RepeatIterator items, multi-process item directories written by the handler
+with explicit process indices, and one Tunix checkpoint made by a toy GRPO run
+in a subprocess. Each verb runs in-process through `cli.main`, and the
+command itself runs as `python -m ckpt_iter` and as the `ckpt-iter` script.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import ckpt_iter
+from ckpt_iter import cli
+
+RECORDS = [{"prompts": f"prompt {i}", "answer": i} for i in range(12)]
+BATCHES_PER_EPOCH = 6  # 12 records, batch size 2, one process
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckpt-iter")
+
+
+# ---------------------------------------------------------------------------
+# Building checkpoints.
+
+
+def _dataset(seed=0, shard_index=0, shard_count=1):
+  return ckpt_iter.make_dataset(
+      RECORDS, batch_size=2, seed=seed, num_epochs=2,
+      shard_index=shard_index, shard_count=shard_count,
+  )
+
+
+def _produce(batch):
+  """A stand-in rollout: arrays that depend on the input batch."""
+  first = int(batch["answer"][0])
+  return {
+      "ids": np.arange(6, dtype=np.int32).reshape(2, 3) + first,
+      "logps": np.linspace(0.0, 1.0, 4, dtype=np.float32) * first,
+  }
+
+
+def _repeat_iterator(seed=0, shard_index=0, shard_count=1):
+  source = ckpt_iter.DataIterator(_dataset(seed, shard_index, shard_count))
+  return ckpt_iter.RepeatIterator(
+      source, produce=_produce, num_repeats=2, group_size=2, shuffle_seed=7
+  )
+
+
+def _advance(iterator, count):
+  for _ in range(count):
+    next(iterator)
+  return iterator
+
+
+def _orbax_save(root, iterator, advance_then_save, with_params=False):
+  """Advances `iterator` and saves it at steps, with a real CheckpointManager.
+
+  Args:
+    advance_then_save: (step, number of elements to take before saving) pairs.
+  """
+  options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=False)
+  with ocp.CheckpointManager(str(root), options=options) as manager:
+    for step, count in advance_then_save:
+      _advance(iterator, count)
+      items = {"data": ckpt_iter.IteratorSave(iterator)}
+      if with_params:
+        items["params"] = ocp.args.StandardSave({"w": np.arange(4, dtype=np.float32)})
+      manager.save(step, args=ocp.args.Composite(**items))
+    manager.wait_until_finished()
+
+
+def _save_processes(item_dir, iterators):
+  """Writes one item directory as len(iterators) processes would."""
+  os.makedirs(item_dir, exist_ok=True)
+  for index, iterator in enumerate(iterators):
+    handler = ckpt_iter.IteratorCheckpointHandler(process_index=index, process_count=len(iterators))
+    handler.save(item_dir, ckpt_iter.IteratorSave(iterator))
+
+
+def _two_process_step(root, step, seeds=(0, 0)):
+  """Two RepeatIterator processes, mid-group (pending arrays), at `step`."""
+  iterators = [_advance(_repeat_iterator(seed, i, 2), 1) for i, seed in enumerate(seeds)]
+  _save_processes(os.path.join(root, str(step), "data"), iterators)
+  return iterators
+
+
+@pytest.fixture(scope="module")
+def data_ckpt(tmp_path_factory):
+  """Orbax root, steps 0, 3, 5 of a DataIterator, with a model item too."""
+  root = tmp_path_factory.mktemp("data") / "ckpt"
+  _orbax_save(root, ckpt_iter.DataIterator(_dataset()), [(0, 0), (3, 3), (5, 2)], with_params=True)
+  return str(root)
+
+
+@pytest.fixture(scope="module")
+def repeat_ckpt(tmp_path_factory):
+  """Orbax root, step 1 of a RepeatIterator mid-group: returns (root, state)."""
+  root = tmp_path_factory.mktemp("repeat") / "ckpt"
+  iterator = _repeat_iterator()
+  _orbax_save(root, iterator, [(1, 1)])
+  return str(root), iterator.state()
+
+
+@pytest.fixture(scope="module")
+def tunix_ckpt(tmp_path_factory):
+  """A real Tunix checkpoint root: toy GRPO, mu=2, preempted after step 2."""
+  root = tmp_path_factory.mktemp("tunix")
+  config = json.dumps({"learner": "ckpt_iter", "max_steps": 4})
+  result = subprocess.run(
+      [sys.executable, "-m", "ckpt_iter.demo.toyrun", "--root", str(root / "run"),
+       "--out", str(root / "inputs.npz"), "--preempt-after", "2", "--config", config],
+      env=ENV, capture_output=True, text=True, timeout=600, check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert sorted(os.listdir(root / "run" / "actor")) == ["1", "2"]
+  return str(root / "run")
+
+
+def _run(capsys, *argv):
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  assert "Traceback" not in out + err
+  return code, out, err
+
+
+def _row(key, value):
+  """A regex for an aligned `key  value` line."""
+  return re.compile(rf"^\s*{re.escape(key)}\s+{re.escape(value)}$", re.M)
+
+
+def _files(directory):
+  found = {}
+  for parent, _, names in os.walk(directory):
+    for name in names:
+      with open(os.path.join(parent, name), "rb") as f:
+        found[os.path.join(parent, name)] = f.read()
+  return found
+
+
+# ---------------------------------------------------------------------------
+# inspect
+
+
+def test_inspect_shows_latest_step_position_as_epoch_and_batch(capsys, data_ckpt):
+  code, out, err = _run(capsys, "inspect", data_ckpt)
+  assert (code, err) == (0, "")
+  assert _row("step", "5 (latest); steps: 0, 3, 5").search(out)
+  assert _row("item", "data, 1 process").search(out)
+  assert _row("kind", "data").search(out)
+  assert _row("position", "epoch 0, 5 of 6 batches read (next_index 5)").search(out)
+  assert _row("pending", "none").search(out)
+  assert _row("seed", "0").search(out)
+  assert _row("batches_per_epoch", str(BATCHES_PER_EPOCH)).search(out)
+
+
+def test_inspect_step_and_json(capsys, data_ckpt):
+  code, out, _ = _run(capsys, "inspect", data_ckpt, "--step", "3", "--json")
+  assert code == 0
+  report = json.loads(out)
+  assert (report["step"], report["steps"], report["item"]) == (3, [0, 3, 5], "data")
+  (process,) = report["processes"]
+  assert process["format_version"] == ckpt_iter.FORMAT_VERSION
+  assert (process["kind"], process["next_index"], process["epoch"]) == ("data", 3, 0)
+  assert process["fingerprint"] == ckpt_iter.DataIterator(_dataset()).fingerprint
+  assert process["pending"] is None and process["shuffle_key"] is None
+
+
+def test_inspect_repeat_state_reports_pending_from_the_header(capsys, repeat_ckpt):
+  root, state = repeat_ckpt
+  code, out, _ = _run(capsys, "inspect", root, "--json")
+  assert code == 0
+  (process,) = json.loads(out)["processes"]
+  pending = process["pending"]
+  assert pending["items"] == len(state.pending.items) == 2
+  assert pending["schedule"] == list(state.pending.schedule)
+  assert pending["remaining"] == len(state.pending.schedule) == 3
+  expected_bytes = sum(a.nbytes for item in state.pending.items for a in item.values())
+  assert (pending["arrays"], pending["array_bytes"]) == (4, expected_bytes)
+  assert process["shuffle_key"] == list(state.shuffle_key)
+  assert process["fingerprint"]["num_repeats"] == 2
+  code, text, _ = _run(capsys, "inspect", root)
+  assert _row("pending", f"2 items, 3 still to yield; 4 arrays, {expected_bytes} B").search(text)
+  assert _row("pending schedule", "[" + " ".join(map(str, state.pending.schedule)) + "]").search(text)
+
+
+def test_inspect_multi_process_step_separates_per_process_fields(capsys, tmp_path):
+  _two_process_step(str(tmp_path), 4)
+  code, out, _ = _run(capsys, "inspect", str(tmp_path))
+  assert code == 0
+  assert _row("item", "data, 2 processes").search(out)
+  assert "process 0 of 2" in out and "process 1 of 2" in out
+  assert _row("fingerprint shard_index", "0").search(out)
+  assert _row("fingerprint shard_index", "1").search(out)
+  assert "fingerprint (same in every process)" in out
+  assert _row("shard_count", "2").search(out)
+
+
+def test_inspect_reads_a_bare_grain_state_as_version_0(capsys, tmp_path):
+  item_dir = tmp_path / "2" / "data"
+  item_dir.mkdir(parents=True)
+  (item_dir / "process_0-of-1.json").write_text('{"next_index": 3}')
+  code, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
+  (process,) = json.loads(out)["processes"]
+  assert code == 0
+  assert (process["format_version"], process["kind"], process["next_index"]) == (0, "data", 3)
+  assert "epoch" not in process  # no fingerprint: epochs unknown
+  assert _run(capsys, "verify", str(tmp_path))[0] == 0
+
+
+def test_inspect_unreadable_process_exits_1_and_shows_the_others(capsys, tmp_path):
+  _two_process_step(str(tmp_path), 4)
+  (tmp_path / "4" / "data" / "process_1-of-2.json").write_text('{"format_version": 1, "kind"')
+  code, out, err = _run(capsys, "inspect", str(tmp_path))
+  assert code == 1
+  assert "process 0 of 2" in out and _row("kind", "repeat").search(out)
+  assert re.search(r"^  error: .*process_1-of-2\.json: not valid JSON", out, re.M)
+  assert err.startswith("ckpt-iter: ") and "process_1-of-2.json" in err
+
+
+def test_inspect_tunix_checkpoint_root_and_actor_dir(capsys, tunix_ckpt):
+  code, out, _ = _run(capsys, "inspect", tunix_ckpt, "--step", "1")
+  assert code == 0
+  assert _row("checkpoint", os.path.join(tunix_ckpt, "actor")).search(out)
+  assert _row("kind", "tunix").search(out)
+  assert _row("position", "full batches: epoch 0, 1 of 64 batches read (next_index 1)").search(out)
+  assert _row("micro_batches_taken", "0").search(out)
+  # Step 1 falls between the two updates on the first rollout (mu=2).
+  assert _row("pending types", "tunix.rl.grpo.TrainExample").search(out)
+  assert _row("counter train_steps", "1").search(out)
+  assert _row("num_iterations", "2").search(out)
+  code, from_actor, _ = _run(capsys, "inspect", os.path.join(tunix_ckpt, "actor"), "--step", "1")
+  assert (code, from_actor) == (0, out)
+
+
+def test_inspect_does_not_import_tunix_or_restore_a_model(tunix_ckpt):
+  program = (
+      "import json, sys\n"
+      "from ckpt_iter import cli\n"
+      f"code = cli.main(['inspect', {tunix_ckpt!r}, '--json'])\n"
+      "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('tunix', 'flax'))\n"
+      "print(json.dumps({'code': code, 'loaded': loaded}))\n"
+  )
+  result = subprocess.run([sys.executable, "-c", program], env=ENV, capture_output=True,
+                          text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert json.loads(result.stdout.splitlines()[-1]) == {"code": 0, "loaded": []}
+
+
+# ---------------------------------------------------------------------------
+# verify: sound checkpoints
+
+
+def test_verify_sound_checkpoints_exit_0_with_one_summary_line(capsys, data_ckpt, repeat_ckpt):
+  code, out, err = _run(capsys, "verify", data_ckpt)
+  assert (code, err) == (0, "")
+  assert out.splitlines() == [
+      f"ok: {data_ckpt}: 3 steps (0, 3, 5), item 'data', 3 state files, 0 pending arrays checked"
+  ]
+  code, out, _ = _run(capsys, "verify", repeat_ckpt[0], "--step", "1")
+  assert code == 0 and out.startswith("ok: ") and "4 pending arrays checked" in out
+
+
+def test_verify_tunix_checkpoint(capsys, tunix_ckpt):
+  code, out, _ = _run(capsys, "verify", tunix_ckpt)
+  assert code == 0
+  assert out == f"ok: {tunix_ckpt}/actor: 2 steps (1-2), item 'data', 2 state files, 7 pending arrays checked\n"
+
+
+def test_verify_ignores_orbax_tmp_dirs_and_chooses_the_data_item(capsys, tmp_path):
+  _two_process_step(str(tmp_path), 4)
+  _save_processes(str(tmp_path / "4" / "other"), [_repeat_iterator()])
+  tmp_step = tmp_path / "6.orbax-checkpoint-tmp-1700000000" / "data"
+  tmp_step.mkdir(parents=True)
+  (tmp_step / "process_0-of-2.json").write_text("{half written")
+  code, out, _ = _run(capsys, "verify", str(tmp_path))
+  assert code == 0 and "1 step (4), item 'data', 2 state files" in out
+  code, out, _ = _run(capsys, "verify", str(tmp_path), "--item", "other")
+  assert code == 0 and "item 'other', 1 state file" in out
+
+
+# ---------------------------------------------------------------------------
+# verify: one line per problem
+
+
+def _rewrite_npz(path, change):
+  with np.load(path, allow_pickle=False) as npz:
+    arrays = {name: npz[name] for name in npz.files}
+  arrays["a0"] = change(arrays["a0"])
+  os.remove(path)
+  np.savez(path, **arrays)
+
+
+def _edit_json(path, change):
+  with open(path) as f:
+    header = json.load(f)
+  change(header)
+  with open(path, "w") as f:
+    json.dump(header, f)
+
+
+def _truncate(path):
+  with open(path, "rb") as f:
+    data = f.read()
+  with open(path, "wb") as f:
+    f.write(data[: len(data) // 2])
+
+
+def _garble(path):
+  with open(path, "rb") as f:
+    data = bytearray(f.read())
+  data[10:20] = b"\xff\x00garbage!"
+  with open(path, "wb") as f:
+    f.write(bytes(data))
+
+
+CORRUPTIONS = {
+    "missing process file": (
+        lambda d: os.remove(d / "process_1-of-2.json"),
+        "process_1-of-2.json", "missing: process 1 of 2 wrote no state"),
+    "truncated json": (
+        lambda d: _truncate(d / "process_0-of-2.json"),
+        "process_0-of-2.json", "not valid JSON"),
+    "garbled json": (
+        lambda d: _garble(d / "process_1-of-2.json"),
+        "process_1-of-2.json", "not valid JSON"),
+    "missing npz": (
+        lambda d: os.remove(d / "process_0-of-2.npz"),
+        "process_0-of-2.npz", "missing; the state refers to array 'a0'"),
+    "truncated npz": (
+        lambda d: _truncate(d / "process_1-of-2.npz"),
+        "process_1-of-2.npz", "not a readable npz"),
+    "wrong dtype": (
+        lambda d: _rewrite_npz(d / "process_0-of-2.npz", lambda a: a.astype(np.int64)),
+        "process_0-of-2.npz", "array 'a0' is <i8[2, 3], but the state header says <i4[2, 3]"),
+    "wrong shape": (
+        lambda d: _rewrite_npz(d / "process_1-of-2.npz", lambda a: a.reshape(3, 2)),
+        "process_1-of-2.npz", "array 'a0' is <i4[3, 2], but the state header says <i4[2, 3]"),
+    "newer format_version": (
+        lambda d: _edit_json(d / "process_0-of-2.json", lambda h: h.update(format_version=2)),
+        "process_0-of-2.json", "has format_version 2"),
+    "inconsistent fingerprints": (
+        lambda d: _save_processes(d, [_advance(_repeat_iterator(0, 0, 2), 1),
+                                      _advance(_repeat_iterator(1, 1, 2), 1)]),
+        "process_1-of-2.json", "fingerprint differs from process_0-of-2.json: seed=1 here, 0 there"),
+    "different kinds": (
+        lambda d: _save_processes(d, [_advance(_repeat_iterator(0, 0, 2), 1),
+                                      ckpt_iter.DataIterator(_dataset(0, 1, 2))]),
+        "process_1-of-2.json", "kind='data' here, 'repeat' there"),
+    "mixed process counts": (
+        lambda d: _save_processes(d, [_repeat_iterator()]),
+        "", "state files of different process counts (1, 2)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_verify_reports_each_corruption_on_one_line(capsys, tmp_path, name):
+  corrupt, file_name, what = CORRUPTIONS[name]
+  _two_process_step(str(tmp_path), 3)
+  _two_process_step(str(tmp_path), 4)
+  item_dir = tmp_path / "4" / "data"
+  corrupt(item_dir)
+  before = _files(tmp_path)
+  code, out, err = _run(capsys, "verify", str(tmp_path))
+  assert code == 1
+  (line,) = out.splitlines()
+  assert line.startswith(f"step 4: {item_dir / file_name}: "), line
+  assert line.count(str(item_dir / file_name)) == 1, line
+  assert what in line
+  assert err == f"ckpt-iter: 1 problem in {tmp_path}\n"
+  assert _files(tmp_path) == before  # verify changes nothing on disk
+
+
+def test_verify_one_line_per_problem_across_files_and_steps(capsys, tmp_path):
+  for step in (3, 4, 5):
+    _two_process_step(str(tmp_path), step)
+  os.remove(tmp_path / "3" / "data" / "process_1-of-2.json")
+  _garble(tmp_path / "3" / "data" / "process_0-of-2.json")
+  os.remove(tmp_path / "5" / "data" / "process_1-of-2.npz")
+  code, out, _ = _run(capsys, "verify", str(tmp_path))
+  assert code == 1
+  lines = out.splitlines()
+  assert [line.split(":")[0] for line in lines] == ["step 3", "step 3", "step 5"]
+  assert "process_1-of-2.json: missing" in lines[0]
+  assert "process_0-of-2.json: not valid JSON" in lines[1]
+  assert "process_1-of-2.npz: missing" in lines[2]
+  code, out, _ = _run(capsys, "verify", str(tmp_path), "--step", "4")
+  assert code == 0 and out.startswith("ok: ")
+
+
+def test_verify_reports_a_step_without_the_data_item(capsys, tmp_path):
+  _two_process_step(str(tmp_path), 3)
+  _two_process_step(str(tmp_path), 4)
+  shutil.rmtree(tmp_path / "4" / "data")
+  (tmp_path / "4" / "model_params").mkdir()
+  code, out, _ = _run(capsys, "verify", str(tmp_path))
+  assert code == 1
+  assert out.splitlines() == [
+      f"step 4: {tmp_path / '4' / 'data'}: missing: the step holds no 'data' item "
+      "(it holds: model_params)."
+  ]
+
+
+# ---------------------------------------------------------------------------
+# diff
+
+
+def test_diff_two_steps_of_one_checkpoint(capsys, data_ckpt):
+  code, out, _ = _run(capsys, "diff", data_ckpt, "--step", "0", "--step", "5")
+  assert code == 0
+  fields = len(ckpt_iter.DataIterator(_dataset()).fingerprint)
+  assert _row("fingerprint", f"same ({fields} fields)").search(out)
+  assert _row("position", "epoch 0, 0 of 6 batches read (next_index 0) -> epoch 0, 5 of 6 batches read (next_index 5)").search(out)
+  code, out, _ = _run(capsys, "diff", data_ckpt, "--step", "5", "--step", "5")
+  assert code == 0 and _row("state", "identical").search(out)
+
+
+def test_diff_two_checkpoints_names_fingerprint_fields(capsys, tmp_path, data_ckpt):
+  other = tmp_path / "other"
+  _save_processes(str(other / "9" / "data"), [_advance(ckpt_iter.DataIterator(_dataset(seed=1)), 8)])
+  code, out, _ = _run(capsys, "diff", data_ckpt, str(other), "--json")
+  assert code == 0
+  report = json.loads(out)
+  assert (report["a"]["step"], report["b"]["step"]) == (5, 9)
+  (process,) = report["processes"]
+  assert process["fingerprint"] == {"seed": [0, 1]}
+  assert process["position"]["next_index"] == [5, 8]
+  assert process["position"]["epoch"] == [0, 1]
+  code, text, _ = _run(capsys, "diff", data_ckpt, str(other))
+  assert _row("fingerprint seed", "0 -> 1").search(text)
+  assert _row("position", "epoch 0, 5 of 6 batches read (next_index 5) -> epoch 1, 2 of 6 batches read (next_index 8)").search(text)
+
+
+def test_diff_tunix_steps_shows_counters_and_pending(capsys, tunix_ckpt):
+  code, out, _ = _run(capsys, "diff", tunix_ckpt, "--step", "1", "--step", "2")
+  assert code == 0
+  assert _row("counter train_steps", "1 -> 2 (+1)").search(out)
+  assert re.search(r"^\s*pending\s+1 item, 1 still to yield; 7 arrays, \d+ B -> none$", out, re.M)
+  assert re.search(r"^\s*fingerprint\s+same \(\d+ fields\)$", out, re.M)
+
+
+# ---------------------------------------------------------------------------
+# usage errors: exit 2, one `ckpt-iter: ` message, no traceback
+
+
+def test_usage_errors_exit_2(capsys, tmp_path, data_ckpt):
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "stock" / "4" / "model_params").mkdir(parents=True)
+  cases = [
+      (["inspect", str(tmp_path / "absent")], "no such directory"),
+      (["verify", str(tmp_path / "empty")], "not a checkpoint: no step directories"),
+      (["verify", str(tmp_path / "stock")], "not a ckpt_iter checkpoint"),
+      (["inspect", data_ckpt, "--step", "4"], "no step 4 in"),
+      (["verify", data_ckpt, "--step", "4"], "no step 4 in"),
+      (["inspect", data_ckpt, "--item", "params"], "no step holds ckpt_iter state in an item named 'params'"),
+      (["inspect", data_ckpt, "--step", "x"], "step must be a non-negative integer"),
+      (["diff", data_ckpt, "--step", "3"], "diff compares two states"),
+      (["diff", data_ckpt, data_ckpt, "--step", "3"], "diff compares two states"),
+      (["frobnicate"], "invalid choice"),
+  ]
+  for argv, message in cases:
+    code, out, err = _run(capsys, *argv)
+    assert (code, out) == (2, ""), argv
+    assert "ckpt-iter: " in err and message in err, (argv, err)
+  code, _, err = _run(capsys)
+  assert code == 2 and "inspect" in err
+
+
+def test_several_items_without_data_need_item(capsys, tmp_path):
+  _save_processes(str(tmp_path / "1" / "left"), [_repeat_iterator()])
+  _save_processes(str(tmp_path / "1" / "right"), [_repeat_iterator()])
+  code, _, err = _run(capsys, "inspect", str(tmp_path))
+  assert code == 2 and "several items hold ckpt_iter state (left, right)" in err
+  assert _run(capsys, "inspect", str(tmp_path), "--item", "right")[0] == 0
+
+
+# ---------------------------------------------------------------------------
+# help and demo
+
+
+def test_help_lists_verbs_and_every_verb_has_help(capsys):
+  code, out, _ = _run(capsys, "--help")
+  assert code == 0
+  for verb in ("inspect", "verify", "diff"):
+    assert re.search(rf"^\s+{verb}\s+\S", out, re.M), verb
+  assert "`ckpt-iter demo`" in out  # dispatched by ckpt_iter.__main__, named in the help
+  for verb in ("inspect", "verify", "diff"):
+    code, out, _ = _run(capsys, verb, "--help")
+    assert code == 0 and out.startswith(f"usage: ckpt-iter {verb}") and "--step" in out
+
+
+def test_entry_point_sends_demo_to_the_demo_and_the_rest_to_the_cli(capsys, monkeypatch):
+  from ckpt_iter import __main__ as entry  # pylint: disable=g-import-not-at-top
+
+  calls = []
+  fake = types.ModuleType("ckpt_iter.demo")
+  fake.main = lambda argv: calls.append(argv) or 3
+  monkeypatch.setitem(sys.modules, "ckpt_iter.demo", fake)
+  monkeypatch.setattr(sys.modules["ckpt_iter"], "demo", fake, raising=False)
+  assert entry.main(["demo", "--help", "--keep"]) == 3
+  assert calls == [["--help", "--keep"]]
+  assert entry.main(["verify", "--help"]) == 0
+  assert capsys.readouterr().out.startswith("usage: ckpt-iter verify")
+  assert calls == [["--help", "--keep"]]  # only demo reaches the demo
+
+
+# ---------------------------------------------------------------------------
+# the installed command, in fresh processes
+
+
+def _command(*argv):
+  result = subprocess.run(list(argv), env=ENV, capture_output=True, text=True, timeout=300, check=False)
+  assert "Traceback" not in result.stdout + result.stderr, result.stderr[-2000:]
+  return result
+
+
+def test_python_m_ckpt_iter_inspect_and_verify(tmp_path, tunix_ckpt):
+  result = _command(sys.executable, "-m", "ckpt_iter", "inspect", tunix_ckpt, "--json")
+  assert result.returncode == 0
+  report = json.loads(result.stdout)
+  assert report["step"] == 2 and report["processes"][0]["kind"] == "tunix"
+  corrupt = tmp_path / "run"
+  shutil.copytree(tunix_ckpt, corrupt)
+  os.remove(corrupt / "actor" / "1" / "data" / "process_0-of-1.npz")
+  result = _command(sys.executable, "-m", "ckpt_iter", "verify", str(corrupt))
+  assert result.returncode == 1
+  (line,) = result.stdout.splitlines()
+  assert line.startswith(f"step 1: {corrupt}/actor/1/data/process_0-of-1.npz: missing")
+
+
+def test_console_script(tunix_ckpt):
+  assert os.path.exists(SCRIPT), f"{SCRIPT} is missing: run `pip install -e .`"
+  result = _command(SCRIPT, "verify", tunix_ckpt, "--step", "2")
+  assert result.returncode == 0 and result.stdout.startswith(f"ok: {tunix_ckpt}/actor: 1 step (2)")
+  result = _command(SCRIPT, "inspect", "/nonexistent/ckpt")
+  assert (result.returncode, result.stderr) == (2, "ckpt-iter: /nonexistent/ckpt: no such directory.\n")
+
+
+def test_verify_reports_processes_at_different_positions(capsys, tmp_path):
+  # A make_dataset position is global: every process of a step must agree.
+  iterators = [_advance(_repeat_iterator(0, i, 2), 1) for i in range(2)]
+  _advance(iterators[1], 3)  # process 1 saved later than process 0
+  item_dir = tmp_path / "4" / "data"
+  _save_processes(str(item_dir), iterators)
+  code, out, _ = _run(capsys, "verify", str(tmp_path))
+  assert code == 1
+  (line,) = out.splitlines()
+  assert line.startswith(f"step 4: {item_dir}: process_1-of-2.json has "), line
+  assert "must agree" in line

@@ -1,0 +1,394 @@
+"""Tests for ckpt_iter.make_dataset and its record sources."""
+
+import gc
+import itertools
+import json
+import os
+import tracemalloc
+
+import hypothesis
+from hypothesis import strategies as st
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import ckpt_iter
+from ckpt_iter import testing
+from ckpt_iter import sources as sources_lib
+import support
+
+
+def _records(count):
+  return [
+      {"id": i, "text": f"prompt {i}" + "!" * (i % 3), "score": i / 7, "tokens": [i, i + 1, i * 2]}
+      for i in range(count)
+  ]
+
+
+def _ids(batches):
+  return [int(i) for batch in batches for i in batch["id"]]
+
+
+def _all_batches(dataset):
+  return [dataset[k] for k in range(len(dataset))]
+
+
+def _make(source, **kwargs):
+  kwargs.setdefault("shard_index", 0)
+  kwargs.setdefault("shard_count", 1)
+  return ckpt_iter.make_dataset(source, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Argument validation
+
+# (case id, keyword overrides, substrings the message must hold).
+_BAD_ARGUMENTS = [
+    ("batch_size_zero", {"batch_size": 0}, ["batch_size=0"]),
+    ("batch_size_negative", {"batch_size": -2}, ["batch_size=-2"]),
+    ("batch_size_float", {"batch_size": 2.0}, ["batch_size=2.0"]),
+    ("batch_size_str", {"batch_size": "4"}, ["batch_size='4'"]),
+    ("batch_size_bool", {"batch_size": True}, ["batch_size=True"]),
+    ("batch_size_none", {"batch_size": None}, ["batch_size=None"]),
+    ("seed_negative", {"seed": -1}, ["seed=-1", "None for no shuffle"]),
+    ("seed_too_big", {"seed": 2**32}, [f"seed={2**32}"]),
+    ("seed_float", {"seed": 1.5}, ["seed=1.5"]),
+    ("seed_str", {"seed": "0"}, ["seed='0'"]),
+    ("seed_bool", {"seed": True}, ["seed=True"]),
+    ("num_epochs_zero", {"num_epochs": 0}, ["num_epochs=0", "None to repeat forever"]),
+    ("num_epochs_negative", {"num_epochs": -1}, ["num_epochs=-1"]),
+    ("num_epochs_float", {"num_epochs": 2.5}, ["num_epochs=2.5"]),
+    ("num_epochs_bool", {"num_epochs": True}, ["num_epochs=True"]),
+    ("drop_remainder_int", {"drop_remainder": 1}, ["drop_remainder=1"]),
+    ("drop_remainder_none", {"drop_remainder": None}, ["drop_remainder=None"]),
+    ("drop_remainder_str", {"drop_remainder": "yes"}, ["drop_remainder='yes'"]),
+    ("shard_index_only", {"shard_index": 0, "shard_count": None}, ["shard_index=0", "shard_count=None"]),
+    ("shard_count_only", {"shard_index": None, "shard_count": 2}, ["shard_index=None", "shard_count=2"]),
+    ("shard_index_too_big", {"shard_index": 2, "shard_count": 2}, ["shard_index=2", "[0, 1]"]),
+    ("shard_index_negative", {"shard_index": -1, "shard_count": 2}, ["shard_index=-1"]),
+    ("shard_index_float", {"shard_index": 0.0, "shard_count": 2}, ["shard_index=0.0"]),
+    ("shard_count_zero", {"shard_index": 0, "shard_count": 0}, ["shard_count=0"]),
+    ("shard_count_float", {"shard_index": 0, "shard_count": 2.0}, ["shard_count=2.0"]),
+    ("sharded_remainder", {"shard_index": 0, "shard_count": 2, "drop_remainder": False},
+     ["drop_remainder=False", "shard_count=2"]),
+    ("transform_int", {"transform": 5}, ["transform=5", "not callable"]),
+    ("transform_str", {"transform": "upper"}, ["transform='upper'"]),
+    ("source_int", {"source": 42}, ["source=42"]),
+    ("source_none", {"source": None}, ["source=None"]),
+    ("source_dict", {"source": {"id": 1}}, ["source={'id': 1}"]),
+    ("source_empty", {"source": []}, ["source", "no records"]),
+    ("source_suffix", {"source": "data.txt"}, ["source path 'data.txt'", ".jsonl"]),
+    ("source_missing_file", {"source": "/nonexistent/train.jsonl"},
+     ["source file '/nonexistent/train.jsonl'", "does not exist"]),
+    ("source_empty_glob", {"source": "/nonexistent/part-*.jsonl"},
+     ["source glob '/nonexistent/part-*.jsonl'", "matches no file"]),
+    ("source_too_small", {"source": _records(3), "batch_size": 4},
+     ["3 records", "batch_size=4", "global batch of 4"]),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments", [case[1:] for case in _BAD_ARGUMENTS],
+    ids=[case[0] for case in _BAD_ARGUMENTS],
+)
+def test_make_dataset_rejects_bad_arguments_naming_them(overrides, fragments):
+  kwargs = {"source": _records(8), "batch_size": 2, "shard_index": 0, "shard_count": 1}
+  kwargs.update(overrides)
+  source = kwargs.pop("source")
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    ckpt_iter.make_dataset(source, **kwargs)
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_make_dataset_rejects_mixed_file_types(tmp_path):
+  paths = [tmp_path / "a.jsonl", tmp_path / "b.parquet"]
+  _write_jsonl(paths[0], _records(4))
+  pq.write_table(pa.Table.from_pylist(_records(4)), paths[1])
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    _make([str(p) for p in paths], batch_size=2)
+  assert "mixes file types" in str(info.value)
+  assert "'.jsonl'" in str(info.value) and "'.parquet'" in str(info.value)
+
+
+def test_default_sharding_is_the_jax_process():
+  dataset = ckpt_iter.make_dataset(_records(8), batch_size=2)
+  assert (dataset.spec.shard_index, dataset.spec.shard_count) == (0, 1)
+
+
+# ---------------------------------------------------------------------------
+# Semantics
+
+
+@hypothesis.given(
+    count=st.integers(1, 30), batch_size=st.integers(1, 6), drop_remainder=st.booleans(),
+)
+@hypothesis.settings(max_examples=30)
+def test_no_seed_is_source_order(count, batch_size, drop_remainder):
+  hypothesis.assume(count >= batch_size or not drop_remainder)
+  dataset = _make(_records(count), batch_size=batch_size, drop_remainder=drop_remainder)
+  expected = list(range(count))
+  if drop_remainder:
+    expected = expected[: count // batch_size * batch_size]
+  assert _ids(_all_batches(dataset)) == expected
+
+
+@hypothesis.given(
+    count=st.integers(10, 25), batch_size=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1), drop_remainder=st.booleans(),
+)
+@hypothesis.settings(max_examples=20)
+def test_seed_gives_a_new_permutation_each_epoch(count, batch_size, seed, drop_remainder):
+  num_epochs = 3
+  dataset = _make(
+      _records(count), batch_size=batch_size, seed=seed, num_epochs=num_epochs,
+      drop_remainder=drop_remainder,
+  )
+  per_epoch = dataset.spec.batches_per_epoch
+  assert len(dataset) == per_epoch * num_epochs
+  epochs = [
+      _ids(dataset[k] for k in range(e * per_epoch, (e + 1) * per_epoch))
+      for e in range(num_epochs)
+  ]
+  for ids in epochs:
+    # Every element at most once per epoch; all of them without dropping.
+    assert len(set(ids)) == len(ids)
+    assert set(ids) <= set(range(count))
+    if not drop_remainder:
+      assert sorted(ids) == list(range(count))
+    else:
+      assert len(ids) == count // batch_size * batch_size
+  # perm_e does not depend on the batch size (dataset.py): batch_size=1
+  # lists each epoch's whole permutation.
+  singles = _ids(_all_batches(_make(_records(count), batch_size=1, seed=seed, num_epochs=num_epochs)))
+  full = [singles[e * count:(e + 1) * count] for e in range(num_epochs)]
+  assert [f[: len(ids)] for f, ids in zip(full, epochs)] == epochs
+  # With >= 10 records, equal permutations would mean the epoch is ignored
+  # (chance of a false alarm < 1e-6 per example).
+  assert full[0] != list(range(count))
+  assert len({tuple(f) for f in full}) == num_epochs
+
+
+def test_same_seed_same_order_other_seed_other_order():
+  def order(seed):
+    return _ids(_all_batches(_make(_records(20), batch_size=4, seed=seed)))
+
+  assert order(5) == order(5)
+  assert order(5) != order(6)
+
+
+def test_num_epochs_none_repeats_forever():
+  count, batch_size = 7, 2
+  dataset = _make(_records(count), batch_size=batch_size, seed=3, num_epochs=None, drop_remainder=False)
+  assert len(dataset) > 10**15
+  iterator = ckpt_iter.DataIterator(dataset)
+  per_epoch = dataset.spec.batches_per_epoch  # 4: three full batches and one of 1
+  epochs = []
+  for _ in range(6):
+    epochs.append(_ids(itertools.islice(iterator, per_epoch)))
+  assert all(sorted(ids) == list(range(count)) for ids in epochs)
+  assert len({tuple(ids) for ids in epochs}) > 1
+  assert iterator.get_state()["position"] == {"next_index": 6 * per_epoch}
+
+
+@hypothesis.given(
+    count=st.integers(1, 40), batch_size=st.integers(1, 4), shard_count=st.integers(1, 4),
+    seed=st.one_of(st.none(), st.integers(0, 1000)), num_epochs=st.integers(1, 2),
+)
+@hypothesis.settings(max_examples=40)
+def test_shards_partition_the_global_batch(count, batch_size, shard_count, seed, num_epochs):
+  # dataset.py's documented design: shard i holds rows [i*B, (i+1)*B) of each
+  # global batch of B*shard_count, so resuming with another shard count is exact.
+  hypothesis.assume(count >= batch_size * shard_count)
+  records = _records(count)
+  global_ds = _make(records, batch_size=batch_size * shard_count, seed=seed, num_epochs=num_epochs)
+  shards = [
+      _make(records, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
+            shard_index=i, shard_count=shard_count)
+      for i in range(shard_count)
+  ]
+  assert all(len(shard) == len(global_ds) for shard in shards)
+  for t in range(len(global_ds)):
+    rows = [shard[t] for shard in shards]
+    assert all(len(r["id"]) == batch_size for r in rows)
+    joined = {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+    testing.assert_trees_equal([joined], [global_ds[t]])
+
+
+def test_transform_is_applied_lazily_per_record():
+  calls = []
+
+  def tokenize(record):
+    calls.append(record["id"])
+    return {"ids": np.array([record["id"], len(record["text"])], np.int32)}
+
+  dataset = _make(_records(20), batch_size=3, seed=1, transform=tokenize)
+  assert calls == []  # building the dataset transforms nothing
+  iterator = ckpt_iter.DataIterator(dataset)
+  assert calls == []
+  first = next(iterator)
+  assert len(calls) == 3  # only the three records of the first batch
+  assert sorted(first) == ["ids"]
+  assert first["ids"].dtype == np.int32 and first["ids"].shape == (3, 2)
+  assert first["ids"][:, 0].tolist() == calls
+
+
+def test_batches_are_dicts_of_numpy_arrays_with_a_leading_batch_dim():
+  batch = _make(_records(10), batch_size=4)[1]
+  assert isinstance(batch, dict) and sorted(batch) == ["id", "score", "text", "tokens"]
+  assert all(isinstance(v, np.ndarray) for v in batch.values())
+  assert batch["id"].tolist() == [4, 5, 6, 7]
+  assert batch["text"].shape == (4,) and batch["text"][0] == "prompt 4!"
+  assert batch["tokens"].shape == (4, 3) and batch["tokens"][0].tolist() == [4, 5, 8]
+  assert batch["score"].dtype == np.float64
+
+
+def test_drop_remainder_false_keeps_the_short_last_batch():
+  dataset = _make(_records(7), batch_size=3, drop_remainder=False, num_epochs=2)
+  assert [len(b["id"]) for b in _all_batches(dataset)] == [3, 3, 1, 3, 3, 1]
+
+
+# ---------------------------------------------------------------------------
+# Sources
+
+
+def _write_jsonl(path, records, blank_lines=False):
+  with open(path, "w") as f:
+    for i, record in enumerate(records):
+      if blank_lines and i % 3 == 0:
+        f.write("\n" if i % 2 else "\r\n")
+      f.write(json.dumps(record) + ("\r\n" if blank_lines and i % 4 == 1 else "\n"))
+    if blank_lines:
+      f.write("\n\n")
+
+
+def _write_parquet(path, records):
+  # Small row groups: reads cross row-group boundaries.
+  pq.write_table(pa.Table.from_pylist(records), path, row_group_size=4)
+
+
+def _write_array_record(path, records):
+  support.write_array_record(str(path), records)
+
+
+_WRITERS = {"jsonl": _write_jsonl, "parquet": _write_parquet, "array_record": _write_array_record}
+
+
+@pytest.mark.parametrize("seed", [None, 11])
+@pytest.mark.parametrize("kind", sorted(_WRITERS))
+def test_file_sources_give_the_same_batches_as_in_memory(tmp_path, kind, seed):
+  records = _records(23)
+  path = tmp_path / f"train.{kind}"
+  _WRITERS[kind](path, records)
+  kwargs = dict(batch_size=4, seed=seed, num_epochs=2, drop_remainder=False)
+  from_file = _make(str(path), **kwargs)
+  in_memory = _make(records, **kwargs)
+  testing.assert_trees_equal(_all_batches(from_file), _all_batches(in_memory))
+  assert from_file.spec.source.length == 23
+  assert from_file.spec.source.digest == in_memory.spec.source.digest
+
+
+@pytest.mark.parametrize("kind", sorted(_WRITERS))
+def test_globs_and_lists_of_paths_read_files_in_order(tmp_path, kind):
+  records = _records(25)
+  parts = [records[:9], records[9:10], records[10:]]
+  paths = [tmp_path / f"part-{i}.{kind}" for i in range(len(parts))]
+  for path, part in zip(paths, parts):
+    _WRITERS[kind](path, part)
+  expected = _all_batches(_make(records, batch_size=3, seed=2))
+  # Listed out of order: a list is read in the order given.
+  listed = _make([str(p) for p in paths], batch_size=3, seed=2)
+  globbed = _make(str(tmp_path / f"part-*.{kind}"), batch_size=3, seed=2)
+  testing.assert_trees_equal(_all_batches(listed), expected)
+  testing.assert_trees_equal(_all_batches(globbed), expected)
+  reordered = _make([str(p) for p in paths[::-1]], batch_size=3, seed=None)
+  assert _ids(_all_batches(reordered))[:3] == [10, 11, 12]
+
+
+def test_jsonl_blank_lines_and_crlf_are_ignored(tmp_path):
+  records = _records(13)
+  path = tmp_path / "blank.jsonl"
+  _write_jsonl(path, records, blank_lines=True)
+  assert b"\n\n" in path.read_bytes() and b"\r\n" in path.read_bytes()
+  source = sources_lib.JsonlSource([str(path)])
+  assert len(source) == 13
+  assert [source[i] for i in range(13)] == records
+  assert source[-1] == records[-1]
+  with pytest.raises(IndexError):
+    source[13]
+
+
+def test_jsonl_without_trailing_newline(tmp_path):
+  path = tmp_path / "t.jsonl"
+  path.write_text('{"a": 1}\n{"a": 2}')
+  source = sources_lib.JsonlSource([str(path)])
+  assert [source[0], source[1]] == [{"a": 1}, {"a": 2}]
+
+
+def test_jsonl_bad_line_names_file_and_line(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"a": 1}\n{"a": \n')
+  source = sources_lib.JsonlSource([str(path)])
+  with pytest.raises(ckpt_iter.CkptIterError) as info:
+    source[1]
+  assert str(path) in str(info.value) and "line 2" in str(info.value)
+
+
+def test_sources_are_picklable_for_grain_workers(tmp_path):
+  import pickle  # pylint: disable=g-import-not-at-top
+
+  records = _records(9)
+  for kind, write in _WRITERS.items():
+    path = tmp_path / f"p.{kind}"
+    write(path, records)
+    source, _ = sources_lib.resolve_source(str(path))
+    source[3]  # opens a file handle / caches a row group first
+    clone = pickle.loads(pickle.dumps(source))
+    assert [clone[i] for i in range(9)] == records, kind
+
+
+def test_any_random_access_source_works():
+  class Squares:
+    def __len__(self):
+      return 6
+
+    def __getitem__(self, index):
+      return {"x": index * index}
+
+  dataset = _make(Squares(), batch_size=2)
+  assert [b["x"].tolist() for b in _all_batches(dataset)] == [[0, 1], [4, 9], [16, 25]]
+  assert dataset.spec.source.description.endswith("Squares")
+
+
+def test_large_jsonl_is_indexed_not_loaded(tmp_path):
+  # ~96 MB of JSONL: building the dataset and reading a few random records
+  # must allocate a bounded amount (index + read chunk), not the file.
+  path = tmp_path / "large.jsonl"
+  padding = "x" * 950
+  count = 100_000
+  try:
+    with open(path, "w") as f:
+      for i in range(count):
+        f.write(f'{{"id": {i}, "text": "{padding}"}}\n')
+    file_bytes = os.path.getsize(path)
+    assert file_bytes > 90 * 2**20
+    gc.collect()
+    tracemalloc.start()
+    try:
+      dataset = _make(str(path), batch_size=4, seed=7)
+      iterator = ckpt_iter.DataIterator(dataset)
+      iterator.set_state({"next_index": 20_000})
+      batch = next(iterator)
+      _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+      tracemalloc.stop()
+    assert len(dataset.spec.source.description) < 100
+    assert dataset.spec.source.length == count
+    assert all(record_id < count for record_id in batch["id"])
+    assert batch["text"][0] == padding
+    # Loading the file would need >= file_bytes; the index is 16 bytes a line
+    # (1.6 MB) and the indexer reads 16 MiB chunks: measured peak 35 MB.
+    assert peak_bytes < file_bytes / 2, (peak_bytes, file_bytes)
+  finally:
+    path.unlink(missing_ok=True)

@@ -1,0 +1,369 @@
+"""Tests for ckpt_iter.DataIterator: exact, O(1), validated resume."""
+
+import itertools
+import json
+
+import grain
+import hypothesis
+from hypothesis import strategies as st
+import numpy as np
+import pytest
+
+import ckpt_iter
+from ckpt_iter import testing
+
+_NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+def _records(count, offset=0):
+  return [{"id": i + offset, "text": f"t{i + offset}"} for i in range(count)]
+
+
+def _pipeline(config, **overrides):
+  """A make_dataset pipeline from a config dict; every call builds a new one."""
+  config = {**config, **overrides}
+  return ckpt_iter.make_dataset(
+      config.get("records") or _records(config["count"]),
+      batch_size=config["batch_size"],
+      seed=config["seed"],
+      num_epochs=config["num_epochs"],
+      drop_remainder=config["drop_remainder"],
+      shard_index=config["shard_index"],
+      shard_count=config["shard_count"],
+      transform=config.get("transform"),
+  )
+
+
+@st.composite
+def _configs(draw):
+  shard_count = draw(st.integers(1, 3))
+  batch_size = draw(st.integers(1, 4))
+  return {
+      "count": draw(st.integers(batch_size * shard_count, 24)),
+      "batch_size": batch_size,
+      "seed": draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))),
+      "num_epochs": draw(st.integers(1, 3)),
+      "shard_index": draw(st.integers(0, shard_count - 1)),
+      "shard_count": shard_count,
+      "drop_remainder": draw(st.booleans()) if shard_count == 1 else True,
+  }
+
+
+def _saved(iterator):
+  # What a checkpoint holds: the state must survive JSON unchanged.
+  state = iterator.get_state()
+  assert json.loads(json.dumps(state)) == state
+  return json.loads(json.dumps(state))
+
+
+def _checkpoint_points(draw, length, per_epoch):
+  boundaries = [e * per_epoch for e in range(length // per_epoch + 1)]
+  point = st.one_of(st.integers(0, length), st.sampled_from(boundaries))
+  return draw(st.lists(point, min_size=1, max_size=3))
+
+
+@hypothesis.given(config=_configs(), data=st.data())
+@hypothesis.settings(max_examples=50)
+def test_restore_into_fresh_iterator_yields_the_uninterrupted_suffix(config, data):
+  per_epoch = _pipeline(config).spec.batches_per_epoch
+  length = len(_pipeline(config))
+  assert length == per_epoch * config["num_epochs"]
+  testing.assert_exact_resume(
+      lambda: ckpt_iter.DataIterator(_pipeline(config)),
+      checkpoint_at=_checkpoint_points(data.draw, length, per_epoch),
+  )
+
+
+@hypothesis.given(
+    config=_configs(),
+    chunks=st.lists(st.integers(0, 5), min_size=5, max_size=8),
+)
+@hypothesis.settings(max_examples=30)
+def test_chained_resumes_skip_and_duplicate_nothing(config, chunks):
+  full = list(ckpt_iter.DataIterator(_pipeline(config)))
+  produced, state = [], None
+  for chunk in chunks + [len(full)]:  # the last run drains the rest
+    iterator = ckpt_iter.DataIterator(_pipeline(config))  # a new process each time
+    if state is not None:
+      iterator.set_state(state)
+    produced.extend(itertools.islice(iterator, chunk))
+    state = _saved(iterator)
+  testing.assert_trees_equal(produced, full)
+
+
+class _Restartable:
+  """What Grain's checkpoint helper needs: each __iter__ is a fresh iterator."""
+
+  def __init__(self, build):
+    self._build = build
+
+  def __iter__(self):
+    return ckpt_iter.DataIterator(self._build())
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: ckpt_iter.make_dataset(
+            _records(11), batch_size=3, seed=4, num_epochs=2, drop_remainder=False,
+            shard_index=0, shard_count=1,
+        ),
+        lambda: ckpt_iter.make_dataset(
+            _records(12), batch_size=2, seed=9, num_epochs=2, shard_index=1, shard_count=2,
+        ).map(lambda b: {"id": b["id"] * 10}),
+        lambda: grain.MapDataset.source(_records(10)).shuffle(seed=3).repeat(2)
+        .to_iter_dataset(_NO_THREADS).batch(3),
+    ],
+    ids=["make_dataset", "make_dataset_map", "iter_dataset"],
+)
+def test_grain_checkpoint_helper_and_ours_pass(build):
+  grain.experimental.assert_equal_output_after_checkpoint(_Restartable(build))
+  length = len(list(ckpt_iter.DataIterator(build())))
+  testing.assert_exact_resume(
+      lambda: ckpt_iter.DataIterator(build()), checkpoint_at=range(length + 1))
+
+
+class _CountingSource:
+  """An in-memory random-access source that counts reads."""
+
+  def __init__(self, count):
+    self.records = _records(count)
+    self.reads = 0
+
+  def __len__(self):
+    return len(self.records)
+
+  def __getitem__(self, index):
+    self.reads += 1
+    return self.records[index]
+
+
+class _CountingTransform:
+
+  def __init__(self):
+    self.calls = 0
+
+  def __call__(self, record):
+    self.calls += 1
+    return {"id": np.int64(record["id"]) * 2}
+
+
+@pytest.mark.parametrize("checkpoint", [1, 17, 59])
+def test_set_state_replays_nothing(checkpoint):
+  def build():
+    source, transform = _CountingSource(40), _CountingTransform()
+    dataset = ckpt_iter.make_dataset(
+        source, batch_size=2, seed=5, num_epochs=3, shard_index=0, shard_count=1,
+        transform=transform,
+    )
+    source.reads = 0  # the fingerprint samples records once, at build time
+    return dataset, source, transform
+
+  dataset, _, _ = build()
+  full = list(ckpt_iter.DataIterator(dataset))
+  writer = ckpt_iter.DataIterator(build()[0])
+  for _ in range(checkpoint):
+    next(writer)
+  state = _saved(writer)
+
+  dataset, source, transform = build()
+  reader = ckpt_iter.DataIterator(dataset)
+  reader.set_state(state)
+  # Replaying `checkpoint` batches would read and transform 2 * checkpoint records.
+  assert (source.reads, transform.calls) == (0, 0)
+  testing.assert_trees_equal([next(reader)], [full[checkpoint]])
+  assert (source.reads, transform.calls) == (2, 2)
+
+
+# ---------------------------------------------------------------------------
+# Drift and invalid states
+
+_BASE = {
+    "count": 20, "batch_size": 2, "seed": 0, "num_epochs": 2, "shard_index": 0,
+    "shard_count": 1, "drop_remainder": True,
+}
+
+
+def _double(record):
+  return {"id": record["id"] * 2}
+
+
+# (case id, saved config overrides, current config overrides, field named).
+_DRIFTS = [
+    ("seed", {}, {"seed": 1}, "seed"),
+    ("seed_to_none", {}, {"seed": None}, "seed"),
+    ("source_records", {}, {"records": _records(20, offset=100)}, "source_digest"),
+    ("source_length", {}, {"count": 21}, "source_length"),
+    ("batch_size", {}, {"batch_size": 4}, "batch_size"),
+    # Fewer epochs than the position needs (more epochs continue the stream:
+    # tests/property/test_stream_changes.py).
+    ("num_epochs_before_position", {"count": 4}, {"count": 4, "num_epochs": 1}, "num_epochs"),
+    ("shard_index", {"shard_count": 2}, {"shard_count": 2, "shard_index": 1}, "shard_index"),
+    ("shard_count", {"shard_count": 2}, {"shard_count": 3}, "shard_count"),
+    ("drop_remainder", {"count": 21}, {"count": 21, "drop_remainder": False}, "drop_remainder"),
+    ("transform", {}, {"transform": _double}, "transform"),
+]
+
+
+def _state_of(config, steps):
+  iterator = ckpt_iter.DataIterator(_pipeline(config))
+  for _ in range(steps):
+    next(iterator)
+  return _saved(iterator)
+
+
+def _assert_untouched(iterator, config, steps):
+  """The iterator is still `steps` elements into the pipeline of `config`."""
+  assert iterator.get_state() == _state_of(config, steps)
+  twin = ckpt_iter.DataIterator(_pipeline(config))
+  for _ in range(steps):
+    next(twin)
+  testing.assert_trees_equal([next(iterator)], [next(twin)])
+
+
+@pytest.mark.parametrize(
+    "saved, current, field", [case[1:] for case in _DRIFTS], ids=[case[0] for case in _DRIFTS],
+)
+def test_every_drift_field_raises_naming_it_and_leaves_the_iterator(saved, current, field):
+  saved_config, current_config = {**_BASE, **saved}, {**_BASE, **current}
+  state = _state_of(saved_config, 3)
+  iterator = ckpt_iter.DataIterator(_pipeline(current_config))
+  next(iterator)
+
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    iterator.set_state(state)
+
+  assert field in info.value.differences
+  saved_value, current_value = info.value.differences[field]
+  assert saved_value != current_value
+  assert f"{field}={saved_value!r} there, {field}={current_value!r} here" in str(info.value)
+  assert "allow_drift=" in str(info.value)
+  _assert_untouched(iterator, current_config, 1)
+
+
+def test_allow_drift_accepts_a_named_field_and_keeps_the_position():
+  state = _state_of(_BASE, 3)
+  reseeded = {**_BASE, "seed": 1}
+  iterator = ckpt_iter.DataIterator(_pipeline(reseeded), allow_drift={"seed"})
+  iterator.set_state(state)
+  # The position is kept; the data is the new pipeline's (a new shuffle).
+  testing.assert_trees_equal([next(iterator)], [_pipeline(reseeded)[3]])
+
+  # Per call, through restore_state, as IteratorRestore(allow_drift=...) does.
+  iterator = ckpt_iter.DataIterator(_pipeline(reseeded))
+  iterator.restore_state(ckpt_iter.IteratorState.from_dict(state), allow_drift={"seed"})
+  assert iterator.get_state()["position"] == {"next_index": 3}
+
+
+def test_allow_drift_still_names_the_fields_it_does_not_allow():
+  state = _state_of(_BASE, 3)
+  changed = {**_BASE, "seed": 1, "count": 21}
+  iterator = ckpt_iter.DataIterator(_pipeline(changed), allow_drift={"seed"})
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    iterator.set_state(state)
+  assert set(info.value.differences) == {"source_length", "source_digest"}
+  assert "seed" not in str(info.value).replace("allow_drift", "")
+  _assert_untouched(iterator, changed, 0)
+
+
+def _bad(state, **changes):
+  """A copy of `state` with top-level fields replaced."""
+  return {**json.loads(json.dumps(state)), **changes}
+
+
+_GOOD = _state_of(_BASE, 3)
+_LENGTH = 20
+
+# (case id, state, exception, message fragments).
+_INVALID = [
+    ("past_the_end", _bad(_GOOD, position={"next_index": _LENGTH + 1}), ckpt_iter.InvalidStateError,
+     ["'position'", f"{_LENGTH + 1}", f"0..{_LENGTH}"]),
+    ("negative", _bad(_GOOD, position={"next_index": -1}), ckpt_iter.InvalidStateError, ["-1"]),
+    ("str_index", _bad(_GOOD, position={"next_index": "3"}), ckpt_iter.InvalidStateError, ["'3'"]),
+    ("bool_index", _bad(_GOOD, position={"next_index": True}), ckpt_iter.InvalidStateError, ["True"]),
+    ("extra_key", _bad(_GOOD, position={"next_index": 3, "epoch": 0}), ckpt_iter.InvalidStateError, ["'epoch'"]),
+    ("other_kind", _bad(_GOOD, kind="repeat"), ckpt_iter.InvalidStateError, ["'repeat'", "DataIterator"]),
+    ("newer_version", _bad(_GOOD, format_version=99), ckpt_iter.StateVersionError, ["99"]),
+    ("bad_fingerprint", _bad(_GOOD, fingerprint={"seed": [0]}), ckpt_iter.InvalidStateError, ["'seed'"]),
+    ("not_a_dict", "next_index=3", ckpt_iter.InvalidStateError, ["'next_index=3'"]),
+]
+
+
+@pytest.mark.parametrize(
+    "state, error, fragments", [case[1:] for case in _INVALID], ids=[case[0] for case in _INVALID],
+)
+def test_invalid_state_raises_and_leaves_the_iterator(state, error, fragments):
+  iterator = ckpt_iter.DataIterator(_pipeline(_BASE))
+  for _ in range(2):
+    next(iterator)
+  with pytest.raises(error) as info:
+    iterator.set_state(state)
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+  _assert_untouched(iterator, _BASE, 2)
+
+
+def test_position_at_the_end_is_valid_and_exhausted():
+  iterator = ckpt_iter.DataIterator(_pipeline(_BASE))
+  iterator.set_state(_bad(_GOOD, position={"next_index": _LENGTH}))
+  assert list(iterator) == []
+
+
+def test_bare_grain_state_restores_without_fingerprint_check():
+  # A version-0 state (Grain's own checkpoint) has no fingerprint to compare.
+  iterator = ckpt_iter.DataIterator(_pipeline(_BASE))
+  iterator.set_state({"next_index": 7})
+  testing.assert_trees_equal([next(iterator)], [_pipeline(_BASE)[7]])
+
+
+def test_constructor_rejects_what_it_cannot_iterate():
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    ckpt_iter.DataIterator([1, 2, 3])
+  assert "list" in str(info.value) and "make_dataset" in str(info.value)
+  iter_ds = grain.MapDataset.range(3).to_iter_dataset()
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    ckpt_iter.DataIterator(iter_ds, read_options=_NO_THREADS)
+  assert "read_options" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# IterDataset pipelines
+
+
+def _iter_pipeline(seed):
+  return (
+      grain.MapDataset.source(_records(14)).shuffle(seed=seed).repeat(2)
+      .map(lambda r: {"id": np.int64(r["id"]) + 1000})
+      .to_iter_dataset(_NO_THREADS)
+      .batch(3, drop_remainder=False)
+  )
+
+
+@hypothesis.given(checkpoints=st.lists(st.integers(0, 4), min_size=5, max_size=7))
+@hypothesis.settings(max_examples=15)
+def test_iter_dataset_pipelines_resume_exactly_across_chains(checkpoints):
+  full = list(ckpt_iter.DataIterator(_iter_pipeline(seed=2)))
+  assert len(full) == 10  # 28 elements in batches of 3
+  produced, state = [], None
+  for chunk in checkpoints + [len(full)]:
+    iterator = ckpt_iter.DataIterator(_iter_pipeline(seed=2))
+    if state is not None:
+      iterator.set_state(state)
+    produced.extend(itertools.islice(iterator, chunk))
+    state = _saved(iterator)
+  testing.assert_trees_equal(produced, full)
+
+
+def test_iter_dataset_fingerprint_names_the_pipeline_and_bad_positions_fail_cleanly():
+  iterator = ckpt_iter.DataIterator(_iter_pipeline(seed=2))
+  assert iterator.fingerprint["pipeline"].startswith("BatchIterDataset")
+  next(iterator)
+  before = iterator.get_state()
+  bad = _bad(before, position={"parent": "garbage"})
+  with pytest.raises(ckpt_iter.InvalidStateError) as info:
+    iterator.set_state(bad)
+  assert "'position'" in str(info.value)
+  assert iterator.get_state() == before
+  reference = ckpt_iter.DataIterator(_iter_pipeline(seed=2))
+  next(reference)
+  testing.assert_trees_equal([next(iterator)], [next(reference)])

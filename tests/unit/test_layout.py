@@ -1,0 +1,166 @@
+"""The package's import graph: acyclic, and layered as docs/design.md says.
+
+Read from the source with `ast` (imports inside functions included), so a
+cycle that only bites at call time is found too.
+"""
+
+import ast
+import os
+
+import ckpt_iter
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(ckpt_iter.__file__))
+_FRAMEWORKS = ("jax", "grain", "orbax")
+_OUTER_LAYERS = ("ckpt_iter.tunix", "ckpt_iter.cli", "ckpt_iter.demo")
+
+
+def _module_name(path):
+  relative = os.path.relpath(path, os.path.dirname(_PACKAGE_DIR))[: -len(".py")]
+  parts = relative.split(os.sep)
+  if parts[-1] == "__init__":
+    parts = parts[:-1]
+  return ".".join(parts)
+
+
+def _package_modules():
+  """Module name -> source path, for every .py file of the package."""
+  modules = {}
+  for directory, _, names in os.walk(_PACKAGE_DIR):
+    for name in names:
+      if name.endswith(".py"):
+        path = os.path.join(directory, name)
+        modules[_module_name(path)] = path
+  return modules
+
+
+def _imported_names(path, module, modules=None):
+  """Every absolute module name `module` imports, anywhere in its source."""
+  with open(path, encoding="utf-8") as f:
+    return _imports_in(f.read(), module, os.path.basename(path) == "__init__.py", modules)
+
+
+def _imports_in(source, module, is_package, modules=None):
+  """The absolute names of the modules `source` imports.
+
+  `from p import x` imports p.x when that is a module, else p itself (x is
+  then a name defined in p).
+  """
+  modules = _package_modules() if modules is None else modules
+  names = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = _absolute_base(node, module, is_package)
+      for alias in node.names:
+        submodule = f"{base}.{alias.name}"
+        names.add(submodule if submodule in modules else base)
+  return names
+
+
+def _absolute_base(node, module, is_package):
+  if not node.level:
+    return node.module
+  package = module.split(".") if is_package else module.split(".")[:-1]
+  package = package[: len(package) - (node.level - 1)]
+  return ".".join(package + ([node.module] if node.module else []))
+
+
+def _graph():
+  """Module -> the package modules it imports by name.
+
+  A parent package is an edge only when imported by name: Python initialises
+  it before any submodule anyway, which no module can change.
+  """
+  modules = _package_modules()
+  graph = {}
+  for module, path in modules.items():
+    targets = set()
+    for name in _imported_names(path, module, modules):
+      if name in modules:
+        targets.add(name)
+    graph[module] = targets - {module}
+  return graph
+
+
+def _find_cycle(graph):
+  """One import cycle as a list of modules (first == last), or None."""
+  state = {}  # module -> "open" while on the path, "done" after
+  path = []
+
+  def visit(module):
+    state[module] = "open"
+    path.append(module)
+    for target in sorted(graph[module]):
+      if state.get(target) == "open":
+        return path[path.index(target):] + [target]
+      if target not in state:
+        cycle = visit(target)
+        if cycle:
+          return cycle
+    path.pop()
+    state[module] = "done"
+    return None
+
+  for module in sorted(graph):
+    if module not in state:
+      cycle = visit(module)
+      if cycle:
+        return cycle
+  return None
+
+
+def test_the_graph_is_read_from_the_source():
+  # Guards the checks below against an empty or blind graph.
+  graph = _graph()
+  assert {"ckpt_iter.state", "ckpt_iter.checkpoint", "ckpt_iter.tunix", "ckpt_iter.testing"} <= set(graph)
+  assert "ckpt_iter.errors" in graph["ckpt_iter.state"]  # `from ckpt_iter import errors`
+  assert "ckpt_iter.state" in graph["ckpt_iter.repeat"]
+
+
+def test_find_cycle_finds_a_cycle_through_a_function_level_import():
+  assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+  assert _find_cycle({"a": {"b"}, "b": set()}) is None
+  source = (
+      "def f():\n"
+      "  from . import state\n"
+      "  from .tunix import _api\n"
+      "  from ckpt_iter.checkpoint import IteratorSave\n"
+      "  import ckpt_iter.cli\n"
+  )
+  names = _imports_in(source, "ckpt_iter.x", is_package=False)
+  assert names == {"ckpt_iter.state", "ckpt_iter.tunix._api", "ckpt_iter.checkpoint", "ckpt_iter.cli"}
+
+
+def test_the_package_has_no_import_cycle():
+  cycle = _find_cycle(_graph())
+  assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_state_imports_no_framework():
+  path = _package_modules()["ckpt_iter.state"]
+  frameworks = sorted(
+      name for name in _imported_names(path, "ckpt_iter.state")
+      if name.split(".")[0] in _FRAMEWORKS
+  )
+  assert not frameworks, f"ckpt_iter/state.py imports {frameworks}; it must stay framework-free"
+
+
+def test_core_modules_import_no_outer_layer():
+  modules = _package_modules()
+  # __main__ is the `python -m ckpt_iter` entry point: the top of the graph,
+  # whose job is to dispatch to the CLI, not a core module.
+  core = [
+      m for m, p in modules.items()
+      if os.path.dirname(p) == _PACKAGE_DIR and m != "ckpt_iter.__main__"
+  ]
+  assert "ckpt_iter.checkpoint" in core and "ckpt_iter.tunix" not in core
+  offences = {
+      module: sorted(
+          name for name in _imported_names(modules[module], module, modules)
+          if any(name == layer or name.startswith(layer + ".") for layer in _OUTER_LAYERS)
+      )
+      for module in core
+  }
+  offences = {m: names for m, names in offences.items() if names}
+  assert not offences, f"core modules import tunix/cli/demo: {offences}"

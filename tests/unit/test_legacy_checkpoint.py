@@ -1,0 +1,104 @@
+"""Checkpoints written before the renovation (commit 310ace5) still restore.
+
+The files under tests/fixtures/ are the old code's output (see its README);
+they are copied to a temporary directory first, so no test writes into the
+repository.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import ckpt_iter
+from ckpt_iter import checkpoint as checkpoint_lib
+
+_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+_V1_CHECKPOINT = os.path.join(_FIXTURES, "v1_checkpoint")
+_V1_TUNIX_ITEM = os.path.join(_FIXTURES, "v1_tunix_data_item")
+_STEP = 3
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+  """Overrides conftest's: the legacy checkpoint, copied (ckpt_manager opens it)."""
+  directory = (tmp_path / "ckpt").absolute()
+  shutil.copytree(_V1_CHECKPOINT, directory)
+  return directory
+
+
+def _produce(batch):
+  """The rollout stand-in of tests/fixtures/make_v1_checkpoint.py, unchanged."""
+  ids = np.asarray(batch["id"])
+  return {"ids": ids.astype(np.int32), "logps": np.sin(ids * 1.7).astype(np.float32),
+          "completion": (ids[:, None] * 3 + np.arange(5)).astype(np.int64)}
+
+
+def _as_lists(tree):
+  return {k: np.asarray(v).tolist() for k, v in tree.items()}
+
+
+def test_v1_checkpoint_restores_data_and_repeat_items_exactly(ckpt_dir, ckpt_manager, make_pipeline):
+  with open(ckpt_dir / "expected.json") as f:
+    expected = json.load(f)
+  data = ckpt_iter.DataIterator(make_pipeline())  # 40 records, batch 4, seed 7, 2 epochs
+  repeat = ckpt_iter.RepeatIterator(
+      ckpt_iter.DataIterator(make_pipeline()), produce=_produce,
+      num_repeats=3, group_size=2, shuffle_seed=11)
+  assert ckpt_manager.all_steps() == [_STEP]
+
+  restored = ckpt_manager.restore(_STEP, args=ocp.args.Composite(
+      data=ckpt_iter.IteratorRestore(data), repeat=ckpt_iter.IteratorRestore(repeat)))
+
+  assert restored["data"] is data and restored["repeat"] is repeat
+  assert [_as_lists(next(data)) for _ in range(5)] == expected["data"]
+  repeated = [next(repeat) for _ in range(8)]
+  assert [_as_lists(item) for item in repeated] == expected["repeat"]
+  # JSON holds values, not dtypes: the pending arrays keep the written ones.
+  assert {k: v.dtype.str for k, v in repeated[0].items()} == {
+      "ids": "<i4", "logps": "<f4", "completion": "<i8"}
+
+
+def test_v1_checkpoint_refuses_another_pipeline_naming_the_field(ckpt_manager, make_pipeline):
+  data = ckpt_iter.DataIterator(make_pipeline(seed=8))
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    ckpt_manager.restore(_STEP, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(data)))
+  assert "seed=7 there, seed=8 here" in str(info.value)
+  assert data.get_state()["position"] == {"next_index": 0}
+
+
+def _array_record(value):
+  if value is None:
+    return None
+  array = np.asarray(value)
+  return {"dtype": array.dtype.str, "shape": list(array.shape), "hex": array.tobytes().hex()}
+
+
+def test_v1_tunix_data_item_reads_with_its_pending_arrays(tmp_path):
+  import ckpt_iter.tunix  # noqa: F401  (registers TrainExample)
+
+  directory = tmp_path / "data"
+  shutil.copytree(_V1_TUNIX_ITEM, directory)
+  with open(directory / "expected.json") as f:
+    expected = json.load(f)
+
+  value = checkpoint_lib.read_item(directory, 0, 1).value
+
+  assert value.kind == "tunix" == expected["kind"]
+  assert value.format_version == expected["format_version"]
+  assert value.position == expected["position"]
+  assert list(value.shuffle_key) == expected["shuffle_key"]
+  assert dict(value.counters) == expected["counters"]
+  assert dict(value.fingerprint) == expected["fingerprint"]
+  assert list(value.pending.schedule) == expected["schedule"]
+  items = [
+      {"type": f"{type(item).__module__}.{type(item).__qualname__}",
+       "fields": {f.name: _array_record(getattr(item, f.name)) for f in dataclasses.fields(item)}}
+      for item in value.pending.items
+  ]
+  assert items == expected["items"]
+  assert any(field is not None for field in items[0]["fields"].values())

@@ -1,0 +1,110 @@
+"""The data item through Orbax v1: save_checkpointables / load_checkpointables, training.Checkpointer."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp1
+from orbax.checkpoint.experimental.v1 import training
+import pytest
+
+import ckpt_iter
+from ckpt_iter import _files
+from ckpt_iter import testing
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECORDS = [{"id": i} for i in range(40)]
+
+
+def _pipeline(seed=1):
+  return ckpt_iter.make_dataset(RECORDS, batch_size=4, seed=seed, num_epochs=2)
+
+
+def _produce(batch):
+  ids = np.asarray(batch["id"])
+  return {"ids": ids * 3, "logps": np.sin(ids).astype(np.float32)}
+
+
+def _repeat(seed=1):
+  return ckpt_iter.RepeatIterator(
+      ckpt_iter.DataIterator(_pipeline(seed)), produce=_produce, num_repeats=3, group_size=2, shuffle_seed=4)
+
+
+def test_save_and_load_checkpointables_resume_both_iterators_exactly(tmp_path):
+  data, repeat = ckpt_iter.DataIterator(_pipeline()), _repeat()
+  for _ in range(3):  # the repeat iterator stops mid-group: pending arrays are saved
+    next(data), next(repeat)
+  path = str(tmp_path / "step_3")
+  ocp1.save_checkpointables(path, {
+      "params": {"w": np.arange(3.0)},
+      "data": ckpt_iter.IteratorCheckpointable(data),
+      "repeat": ckpt_iter.IteratorCheckpointable(repeat),
+  })
+  expected_data, expected_repeat = [next(data) for _ in range(4)], [next(repeat) for _ in range(6)]
+  resumed_data, resumed_repeat = ckpt_iter.DataIterator(_pipeline()), _repeat()
+  ocp1.load_checkpointables(path, {
+      "data": ckpt_iter.IteratorCheckpointable(resumed_data),
+      "repeat": ckpt_iter.IteratorCheckpointable(resumed_repeat),
+  })
+  testing.assert_trees_equal([next(resumed_data) for _ in range(4)], expected_data)
+  testing.assert_trees_equal([next(resumed_repeat) for _ in range(6)], expected_repeat)
+  # The files are the v0 handler's: one reader serves both APIs.
+  assert _files.list_process_files(os.path.join(path, "repeat")) == [(0, 1)]
+
+
+def test_training_checkpointer_saves_and_restores_the_data_item(tmp_path):
+  iterator = ckpt_iter.DataIterator(_pipeline())
+  checkpointer = training.Checkpointer(str(tmp_path / "run"))
+  for step in range(1, 4):
+    next(iterator)
+    checkpointer.save_checkpointables(step, {"data": ckpt_iter.IteratorCheckpointable(iterator)})
+  checkpointer.close()
+  expected = [next(iterator) for _ in range(3)]
+  resumed = ckpt_iter.DataIterator(_pipeline())
+  checkpointer = training.Checkpointer(str(tmp_path / "run"))
+  assert checkpointer.latest.step == 3
+  checkpointer.load_checkpointables(3, {"data": ckpt_iter.IteratorCheckpointable(resumed)})
+  checkpointer.close()
+  testing.assert_trees_equal([next(resumed) for _ in range(3)], expected)
+
+
+def test_a_load_into_another_pipeline_is_refused_naming_the_field_and_changes_nothing(tmp_path):
+  iterator = ckpt_iter.DataIterator(_pipeline(seed=1))
+  next(iterator)
+  path = str(tmp_path / "step_1")
+  ocp1.save_checkpointables(path, {"data": ckpt_iter.IteratorCheckpointable(iterator)})
+  other = ckpt_iter.DataIterator(_pipeline(seed=2))
+  before = other.get_state()
+  with pytest.raises(ckpt_iter.ConfigDriftError, match=r"seed=1 there, seed=2 here"):
+    ocp1.load_checkpointables(path, {"data": ckpt_iter.IteratorCheckpointable(other)})
+  assert other.get_state() == before
+  ocp1.load_checkpointables(path, {"data": ckpt_iter.IteratorCheckpointable(other, allow_drift={"seed"})})
+  assert other.get_state()["position"] == iterator.get_state()["position"]
+
+
+_RESTORER = r"""
+import json, sys
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp1
+import ckpt_iter
+records = [{"id": i} for i in range(40)]
+iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset(records, batch_size=4, seed=1, num_epochs=2))
+ocp1.load_checkpointables(sys.argv[1], {"data": ckpt_iter.IteratorCheckpointable(iterator)})
+print(json.dumps([np.asarray(next(iterator)["id"]).tolist() for _ in range(5)]))
+"""
+
+
+def test_a_fresh_process_resumes_from_a_v1_checkpoint(tmp_path):
+  iterator = ckpt_iter.DataIterator(_pipeline())
+  for _ in range(7):
+    next(iterator)
+  path = str(tmp_path / "step_7")
+  ocp1.save_checkpointables(path, {"data": ckpt_iter.IteratorCheckpointable(iterator)})
+  expected = [np.asarray(next(iterator)["id"]).tolist() for _ in range(5)]  # crosses the epoch end
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_REPO)
+  proc = subprocess.run([sys.executable, "-c", _RESTORER, path], capture_output=True, text=True,
+                        timeout=300, env=env, cwd=_REPO)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected

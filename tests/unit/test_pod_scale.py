@@ -1,0 +1,187 @@
+"""What one process reads to restore: O(1) files, O(1 + N/M) when elastic.
+
+Every file a restore opens is counted by wrapping `builtins.open` (the only
+way `_files` opens a state file), so the counts are what really happened.
+N saved processes are simulated in one process with
+`IteratorCheckpointHandler(process_index, process_count)`.
+"""
+
+import builtins
+import contextlib
+import dataclasses
+import math
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckpt_iter
+from ckpt_iter import _files
+from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import elastic
+
+ROWS_PER_PROCESS = 24  # every N -> M below splits it evenly
+_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.(json|npz)$")
+
+
+def produce(batch):
+  ids = np.asarray(batch["id"])
+  return {
+      "id": ids,
+      "completion_ids": (ids[:, None] * 3 + np.arange(2)).astype(np.int32),
+      "logps": [np.cos(ids * 0.3).astype(ml_dtypes.bfloat16)],
+  }
+
+
+def iterator(shard_index, shard_count, global_rows, *, pending):
+  records = [{"id": i} for i in range(global_rows * 4)]
+  source = ckpt_iter.DataIterator(ckpt_iter.make_dataset(
+      records, batch_size=global_rows // shard_count, seed=1, num_epochs=None,
+      shard_index=shard_index, shard_count=shard_count))
+  if not pending:
+    next(source)
+    return source
+  it = ckpt_iter.RepeatIterator(source, produce=produce, num_repeats=3, shuffle_seed=9)
+  next(it)  # mid-group: the item is pending on every process
+  return it
+
+
+def save(directory, count, *, pending=True):
+  for index in range(count):
+    it = iterator(index, count, ROWS_PER_PROCESS * count, pending=pending)
+    checkpoint_lib.IteratorCheckpointHandler(index, count).save(directory, ckpt_iter.IteratorSave(it))
+
+
+@contextlib.contextmanager
+def opened_state_files():
+  """Collects (process_index, extension) of every state file opened."""
+  opened = []
+  real_open = builtins.open
+
+  def counting_open(file, *args, **kwargs):
+    match = _STATE_FILE.search(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else None
+    if match:
+      opened.append((int(match.group(1)), match.group(3)))
+    return real_open(file, *args, **kwargs)
+
+  builtins.open = counting_open
+  try:
+    yield opened
+  finally:
+    builtins.open = real_open
+
+
+def expected_state(directory, saved_count, index, count):
+  """Process `index` of `count`, computed from all N files with plain numpy."""
+  states = [_files.read_state(directory, i, saved_count) for i in range(saved_count)]
+
+  def cut(arrays):
+    whole = np.concatenate(arrays, axis=0)
+    rows = whole.shape[0] // count
+    return whole[index * rows : (index + 1) * rows]
+
+  items = []
+  for number in range(len(states[0].pending.items)):
+    parts = [s.pending.items[number] for s in states]
+    items.append({
+        "id": cut([p["id"] for p in parts]),
+        "completion_ids": cut([p["completion_ids"] for p in parts]),
+        "logps": [cut([p["logps"][0] for p in parts])],
+    })
+  return states, items
+
+
+def assert_items_equal(got, expected):
+  assert len(got) == len(expected)
+  for a, b in zip(got, expected):
+    for key in ("id", "completion_ids"):
+      assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape
+      assert a[key].tobytes() == b[key].tobytes()
+    assert a["logps"][0].dtype == b["logps"][0].dtype
+    assert a["logps"][0].tobytes() == b["logps"][0].tobytes()
+
+
+@pytest.mark.parametrize("pending", [True, False], ids=["pending", "no_pending"])
+def test_same_count_restore_opens_one_header_and_at_most_one_npz(tmp_path, pending):
+  save(tmp_path, 8, pending=pending)
+  for index in (0, 5, 7):
+    with opened_state_files() as opened:
+      value = elastic.read_for_process(tmp_path, index, 8)
+    expected = [(index, "json"), (index, "npz")] if pending else [(index, "json")]
+    assert opened == expected
+    assert value.fingerprint["shard_index"] == index
+
+
+@pytest.mark.parametrize("saved,restored", [(16, 4), (4, 16), (6, 4), (3, 2), (2, 3), (8, 1), (1, 8)])
+def test_elastic_restore_reads_only_the_files_that_hold_its_rows(tmp_path, saved, restored):
+  save(tmp_path, saved)
+  budget = math.ceil(saved / restored) + 1
+  states, _ = expected_state(tmp_path, saved, 0, restored)
+  headers_checked = set()
+  for index in range(restored):
+    with opened_state_files() as opened:
+      value = elastic.read_for_process(tmp_path, index, restored)
+    headers = [i for i, ext in opened if ext == "json"]
+    arrays = [i for i, ext in opened if ext == "npz"]
+    assert len(set(headers)) == len(headers) and len(set(arrays)) == len(arrays), opened
+    assert len(arrays) <= budget, opened
+    assert len(headers) <= budget + (0 not in arrays), opened
+    assert set(arrays) <= set(headers)
+    assert arrays == list(elastic.overlapping_files(saved, index, restored))
+    headers_checked |= set(headers)
+    _, items = expected_state(tmp_path, saved, index, restored)
+    assert_items_equal(value.pending.items, items)
+    assert_items_equal(elastic.redistribute(states, index, restored).pending.items, items)
+    assert value.position == states[0].position
+    assert value.shuffle_key == states[0].shuffle_key
+    assert value.pending.schedule == states[0].pending.schedule
+    assert value.fingerprint == states[0].fingerprint
+  # Together the new processes check every saved file against process 0's.
+  assert headers_checked == set(range(saved))
+
+
+def test_elastic_restore_without_pending_reads_no_arrays(tmp_path):
+  save(tmp_path, 16, pending=False)
+  for index in range(4):
+    with opened_state_files() as opened:
+      value = elastic.read_for_process(tmp_path, index, 4)
+    assert [ext for _, ext in opened] == ["json"] * len(opened)
+    assert len(opened) <= math.ceil(16 / 4) + 2
+    assert value.pending is None
+
+
+def test_a_disagreeing_file_is_refused_by_the_processes_that_check_it(tmp_path):
+  save(tmp_path, 16)
+  bad = 9
+  value = _files.read_state(tmp_path, bad, 16)
+  from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
+
+  header, arrays = codec.encode_state(dataclasses.replace(value, position={"next_index": 0}))
+  _files.write_files(tmp_path, header, arrays, process_index=bad, process_count=16)
+  refused = []
+  for index in range(4):
+    if bad in elastic.checked_files(16, index, 4):
+      with pytest.raises(ckpt_iter.InvalidStateError, match=rf"process_{bad}-of-16\.json has position="):
+        elastic.read_for_process(tmp_path, index, 4)
+      refused.append(index)
+    else:
+      elastic.read_for_process(tmp_path, index, 4)
+  assert refused  # at least the process whose rows the file holds
+  assert set(refused) >= {bad * 4 // 16}
+
+
+def test_checked_files_cover_every_saved_file_within_the_budget():
+  for saved in range(1, 40):
+    for restored in range(1, 40):
+      budget = math.ceil(saved / restored) + 1
+      union = set()
+      for index in range(restored):
+        rows_from = elastic.overlapping_files(saved, index, restored)
+        checked = elastic.checked_files(saved, index, restored)
+        assert 1 <= len(rows_from) <= budget
+        assert set(rows_from) <= set(checked)
+        assert len(checked) <= budget + (0 not in rows_from)
+        union |= set(checked)
+      assert union == set(range(saved)), (saved, restored)

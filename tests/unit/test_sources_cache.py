@@ -1,0 +1,205 @@
+"""The JSONL line-index cache (ckpt_iter/sources.py): used when valid, never trusted blindly."""
+
+import builtins
+import json
+import os
+
+import numpy as np
+import pytest
+
+import ckpt_iter
+from ckpt_iter import sources as sources_lib
+
+
+class _ByteCounter:
+  """Wraps `open` in ckpt_iter.sources: counts the bytes read from data files."""
+
+  def __init__(self):
+    self.bytes_read = 0
+
+  def open(self, path, mode="r", *args, **kwargs):
+    handle = builtins.open(path, mode, *args, **kwargs)
+    counter = self
+    read = handle.read
+
+    def counted_read(*read_args):
+      data = read(*read_args)
+      counter.bytes_read += len(data)
+      return data
+
+    handle.read = counted_read
+    return handle
+
+
+@pytest.fixture(autouse=True)
+def cache_small_files(monkeypatch):
+  """These tests' files are small; the cache skips files under 1 MiB otherwise."""
+  monkeypatch.setattr(sources_lib, "INDEX_CACHE_MIN_BYTES", 0)
+
+
+@pytest.fixture
+def counter(monkeypatch):
+  counter = _ByteCounter()
+  monkeypatch.setattr(sources_lib, "open", counter.open, raising=False)
+  return counter
+
+
+def _write(path, first, count, *, mode="w"):
+  with open(path, mode) as f:
+    for i in range(first, first + count):
+      f.write(json.dumps({"id": i, "text": "x" * (i % 17)}) + "\n")
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+  path = tmp_path / "data" / "train.jsonl"
+  path.parent.mkdir()
+  _write(path, 0, 2000)
+  return str(path)
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+  return str(tmp_path / "cache")
+
+
+def _source(path, cache_dir):
+  return sources_lib.JsonlSource([path], index_cache_dir=cache_dir)
+
+
+def _cache_file(path, cache_dir):
+  return sources_lib.index_cache_path(path, cache_dir)
+
+
+def test_a_second_start_reads_a_few_bytes_not_the_file(jsonl, cache_dir, counter):
+  size = os.path.getsize(jsonl)
+  first = _source(jsonl, cache_dir)
+  assert counter.bytes_read >= size
+  assert os.path.exists(_cache_file(jsonl, cache_dir))
+
+  counter.bytes_read = 0
+  second = _source(jsonl, cache_dir)
+
+  assert counter.bytes_read < 100, counter.bytes_read  # spot checks: 1 byte each
+  assert len(second) == len(first) == 2000
+  assert [second[i] for i in (0, 999, 1999)] == [first[i] for i in (0, 999, 1999)]
+
+
+def test_a_stale_cache_is_rebuilt_after_an_append(jsonl, cache_dir, counter):
+  _source(jsonl, cache_dir)
+  _write(jsonl, 2000, 5, mode="a")
+  counter.bytes_read = 0
+
+  appended = _source(jsonl, cache_dir)
+
+  assert counter.bytes_read >= os.path.getsize(jsonl)
+  assert len(appended) == 2005 and appended[2004]["id"] == 2004
+  counter.bytes_read = 0
+  assert len(_source(jsonl, cache_dir)) == 2005 and counter.bytes_read < 100  # re-cached
+
+
+def test_a_rewrite_with_the_same_size_is_rebuilt(jsonl, cache_dir, counter):
+  _source(jsonl, cache_dir)
+  with open(jsonl, "r+") as f:  # the first line, rewritten in place, same length
+    f.write(json.dumps({"id": 7, "text": ""}))
+  stat = os.stat(jsonl)
+  os.utime(jsonl, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+  counter.bytes_read = 0
+
+  source = _source(jsonl, cache_dir)
+
+  assert counter.bytes_read >= os.path.getsize(jsonl)
+  assert source[0] == {"id": 7, "text": ""} and source[1]["id"] == 1
+
+
+def _corrupt_truncated(path):
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def _corrupt_garbage(path):
+  with open(path, "wb") as f:
+    f.write(b"not an npy file at all")
+
+
+def _corrupt_pickled(path):
+  np.save(path, np.array([{"evil": 1}], dtype=object), allow_pickle=True)
+
+
+def _corrupt_shifted_offsets(path):
+  """Right header (size, mtime_ns), offsets that do not fall on line breaks."""
+  array = np.load(path)
+  count = int(array[4])
+  array[5:5 + count] += 1
+  np.save(path, array)
+
+
+def _corrupt_header_count(path):
+  array = np.load(path)
+  array[4] += 1
+  np.save(path, array)
+
+
+def _corrupt_wrong_magic(path):
+  array = np.load(path)
+  array[0] = 12345
+  np.save(path, array)
+
+
+def _corrupt_missing_last_line(path):
+  """A consistent-looking index that drops the file's last record."""
+  array = np.load(path)
+  count = int(array[4])
+  starts, ends = array[5:5 + count - 1], array[5 + count:5 + 2 * count - 1]
+  np.save(path, np.concatenate([array[:4], [count - 1], starts, ends]))
+
+
+@pytest.mark.parametrize("corrupt", [
+    _corrupt_truncated, _corrupt_garbage, _corrupt_pickled, _corrupt_shifted_offsets,
+    _corrupt_header_count, _corrupt_wrong_magic, _corrupt_missing_last_line,
+])
+def test_a_corrupt_cache_is_ignored_and_rebuilt(jsonl, cache_dir, counter, corrupt):
+  expected = [sources_lib.JsonlSource([jsonl], index_cache_dir="")[i] for i in (0, 1, 1999)]
+  _source(jsonl, cache_dir)
+  corrupt(_cache_file(jsonl, cache_dir))
+  counter.bytes_read = 0
+
+  source = _source(jsonl, cache_dir)
+
+  assert counter.bytes_read >= os.path.getsize(jsonl)  # rebuilt from the file
+  assert len(source) == 2000
+  assert [source[i] for i in (0, 1, 1999)] == expected
+  counter.bytes_read = 0
+  _source(jsonl, cache_dir)
+  assert counter.bytes_read < 100  # and the rebuilt index was cached again
+
+
+def test_small_files_are_not_cached(jsonl, cache_dir, monkeypatch):
+  monkeypatch.setattr(sources_lib, "INDEX_CACHE_MIN_BYTES", os.path.getsize(jsonl) + 1)
+  _source(jsonl, cache_dir)
+  assert not os.path.exists(cache_dir)
+
+
+def test_an_unwritable_cache_location_falls_back_to_no_cache(jsonl, tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  source = _source(jsonl, str(blocker / "cache"))  # a directory under a file
+  assert len(source) == 2000 and source[5]["id"] == 5
+
+
+def test_an_empty_cache_dir_disables_the_cache_and_the_env_var_chooses_it(jsonl, tmp_path, monkeypatch):
+  _source(jsonl, "")
+  assert not list(tmp_path.glob("**/*.ckpt_iter-index.npy"))
+  monkeypatch.setenv(sources_lib.INDEX_CACHE_ENV, str(tmp_path / "from_env"))
+  ckpt_iter.make_dataset(jsonl, batch_size=4)
+  assert os.path.exists(_cache_file(jsonl, str(tmp_path / "from_env")))
+
+
+def test_blank_lines_and_a_missing_final_newline_survive_the_cache(tmp_path, cache_dir):
+  path = str(tmp_path / "blank.jsonl")
+  with open(path, "w") as f:
+    f.write('{"id": 0}\n\n{"id": 1}\r\n \n{"id": 2}')
+  first = _source(path, cache_dir)
+  second = _source(path, cache_dir)
+  assert [second[i] for i in range(len(second))] == [first[i] for i in range(3)] == [
+      {"id": 0}, {"id": 1}, {"id": 2}]

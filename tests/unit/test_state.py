@@ -1,0 +1,487 @@
+"""Tests for ckpt_iter.state: validation, migration, fingerprints and codecs."""
+
+import copy
+import dataclasses
+import io
+import json
+import math
+
+import grain
+import hypothesis
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckpt_iter import errors
+from ckpt_iter import _codec as codec
+from ckpt_iter import state as state_lib
+from ckpt_iter import testing
+
+ORIGIN = "/ckpt/7/data/process_0-of-1.json"
+
+
+def _valid_dict():
+  return {
+      "format_version": state_lib.FORMAT_VERSION,
+      "kind": "repeat",
+      "fingerprint": {"seed": 0, "source": "records"},
+      "position": {"next_index": 3},
+      "shuffle_key": [0, 42],
+      "pending": {"items": [{"a": np.arange(3)}], "schedule": [0, 0]},
+      "counters": {"steps": 4},
+  }
+
+
+def _with(**changes):
+  value = _valid_dict()
+  for name, new in changes.items():
+    if new is _MISSING:
+      del value[name]
+    else:
+      value[name] = new
+  return value
+
+
+_MISSING = object()
+
+# (case id, state value, exception class, substrings the message must hold).
+# Every message must also start from the origin, so the user knows the file.
+_BAD_STATES = [
+    ("not_a_dict", [1, 2], errors.InvalidStateError, ["must be a dict", "list"]),
+    ("version_str", _with(format_version="1"), errors.InvalidStateError, ["format_version", "'1'"]),
+    ("version_bool", _with(format_version=True), errors.InvalidStateError, ["format_version", "True"]),
+    ("version_float", _with(format_version=1.0), errors.InvalidStateError, ["format_version", "1.0"]),
+    ("version_newer", _with(format_version=2), errors.StateVersionError, ["format_version 2", "Upgrade"]),
+    ("version_zero", _with(format_version=0), errors.StateVersionError, ["format_version 0"]),
+    ("version_negative", _with(format_version=-3), errors.StateVersionError, ["format_version -3"]),
+    ("version_missing", _with(format_version=_MISSING), errors.InvalidStateError, ["'format_version'"]),
+    ("kind_unknown", _with(kind="bogus"), errors.InvalidStateError, ["'kind'", "'bogus'"]),
+    ("kind_missing", _with(kind=_MISSING), errors.InvalidStateError, ["'kind'", "None"]),
+    ("fingerprint_missing", _with(fingerprint=_MISSING), errors.InvalidStateError, ["'fingerprint'"]),
+    ("fingerprint_list", _with(fingerprint=["seed"]), errors.InvalidStateError, ["'fingerprint'", "['seed']"]),
+    ("fingerprint_value", _with(fingerprint={"seed": [0]}), errors.InvalidStateError, ["fingerprint field 'seed'", "[0]"]),
+    ("fingerprint_key", _with(fingerprint={3: 0}), errors.InvalidStateError, ["fingerprint field names", "3"]),
+    ("position_missing", _with(position=_MISSING), errors.InvalidStateError, ["'position'"]),
+    ("position_list", _with(position=[3]), errors.InvalidStateError, ["'position'", "[3]"]),
+    ("shuffle_key_str", _with(shuffle_key="abc"), errors.InvalidStateError, ["'shuffle_key'", "'abc'"]),
+    ("shuffle_key_empty", _with(shuffle_key=[]), errors.InvalidStateError, ["'shuffle_key'", "[]"]),
+    ("shuffle_key_negative", _with(shuffle_key=[-1, 0]), errors.InvalidStateError, ["'shuffle_key'", "[-1, 0]"]),
+    ("shuffle_key_too_big", _with(shuffle_key=[2**32, 0]), errors.InvalidStateError, ["'shuffle_key'", str(2**32)]),
+    ("shuffle_key_float", _with(shuffle_key=[1.5, 0]), errors.InvalidStateError, ["'shuffle_key'", "1.5"]),
+    ("shuffle_key_bool", _with(shuffle_key=[True, 0]), errors.InvalidStateError, ["'shuffle_key'", "True"]),
+    ("pending_str", _with(pending="x"), errors.InvalidStateError, ["'pending'", "'x'"]),
+    ("pending_items", _with(pending={"items": "x", "schedule": []}), errors.InvalidStateError, ["'pending.items'", "'x'"]),
+    ("pending_items_missing", _with(pending={"schedule": []}), errors.InvalidStateError, ["'pending.items'"]),
+    ("pending_schedule", _with(pending={"items": [], "schedule": "x"}), errors.InvalidStateError, ["'pending.schedule'", "'x'"]),
+    ("pending_schedule_float", _with(pending={"items": [{}], "schedule": [0.0]}), errors.InvalidStateError, ["'pending.schedule'", "0.0"]),
+    ("pending_schedule_range", _with(pending={"items": [{}], "schedule": [0, 1]}), errors.InvalidStateError, ["pending.schedule[1] is 1", "1 pending items"]),
+    ("pending_schedule_negative", _with(pending={"items": [{}], "schedule": [-1]}), errors.InvalidStateError, ["pending.schedule[0] is -1"]),
+    ("counters_list", _with(counters=[1]), errors.InvalidStateError, ["'counters'", "[1]"]),
+    ("counters_str_value", _with(counters={"steps": "4"}), errors.InvalidStateError, ["'counters'", "'4'"]),
+    ("counters_float_value", _with(counters={"steps": 1.5}), errors.InvalidStateError, ["'counters'", "1.5"]),
+    ("counters_int_key", _with(counters={1: 1}), errors.InvalidStateError, ["'counters'", "{1: 1}"]),
+]
+
+
+@pytest.mark.parametrize(
+    "value, error, fragments", [case[1:] for case in _BAD_STATES],
+    ids=[case[0] for case in _BAD_STATES],
+)
+def test_from_dict_rejects_malformed_state_naming_the_field(value, error, fragments):
+  with pytest.raises(error) as info:
+    state_lib.IteratorState.from_dict(value, origin=ORIGIN)
+  message = str(info.value)
+  assert message.startswith(ORIGIN), message
+  for fragment in fragments:
+    assert fragment in message, (fragment, message)
+  assert isinstance(info.value, errors.CkptIterError)
+
+
+def test_from_dict_accepts_the_valid_base_case():
+  # Guards the table above: each bad case differs from this one in one field.
+  value = state_lib.IteratorState.from_dict(_valid_dict())
+  assert value.kind == "repeat"
+  assert value.shuffle_key == (0, 42)
+  assert value.pending.schedule == (0, 0)
+  assert value.counters == {"steps": 4}
+
+
+def test_to_dict_round_trips_and_starts_with_format_version():
+  value = state_lib.IteratorState.from_dict(_valid_dict())
+  as_dict = value.to_dict()
+  assert next(iter(as_dict)) == "format_version"
+  again = state_lib.IteratorState.from_dict(as_dict)
+  assert again.to_dict().keys() == as_dict.keys()
+  assert again.fingerprint == value.fingerprint
+  assert again.position == value.position
+  assert again.shuffle_key == value.shuffle_key
+  np.testing.assert_array_equal(again.pending.items[0]["a"], np.arange(3))
+
+
+def test_from_dict_does_not_mutate_its_input():
+  value = _valid_dict()
+  before = copy.deepcopy(value)
+  state_lib.IteratorState.from_dict(value)
+  assert json.dumps(value, default=repr) == json.dumps(before, default=repr)
+
+
+def test_bare_grain_state_migrates_from_version_0():
+  # What grain.checkpoint.CheckpointSave writes for a MapDataset iterator.
+  grain_iterator = grain.MapDataset.range(10).to_iter_dataset().__iter__()
+  for _ in range(4):
+    next(grain_iterator)
+  bare = json.loads(json.dumps(grain_iterator.get_state()))
+  assert "format_version" not in bare
+
+  value = state_lib.IteratorState.from_dict(bare)
+
+  assert value.format_version == state_lib.FORMAT_VERSION == 1
+  assert value.kind == "data"
+  assert value.fingerprint == {}
+  assert value.position == {"next_index": 4}
+  assert value.shuffle_key is None and value.pending is None
+  # An empty fingerprint means "unknown": it is never reported as drift.
+  state_lib.check_fingerprint(value.fingerprint, {"seed": 1, "batch_size": 8})
+
+
+def test_newer_format_version_is_refused_with_upgrade_hint():
+  with pytest.raises(errors.StateVersionError) as info:
+    state_lib.IteratorState.from_dict(_with(format_version=state_lib.FORMAT_VERSION + 5))
+  assert f"format_version {state_lib.FORMAT_VERSION + 5}" in str(info.value)
+  assert f"0..{state_lib.FORMAT_VERSION}" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# check_fingerprint
+
+_FIELD_NAMES = ["seed", "source", "batch_size", "num_epochs", "shard_index", "drop_remainder"]
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from(["a", "b", ""]),
+    st.sampled_from([0.5, 1.0, -2.25]),
+)
+_FINGERPRINTS = st.dictionaries(st.sampled_from(_FIELD_NAMES), _SCALARS, max_size=len(_FIELD_NAMES))
+
+
+def _differs(a, b):
+  # Independent oracle: a JSON value differs when its type or value does
+  # (so 1, 1.0 and True are three different seeds).
+  return type(a) is not type(b) or a != b
+
+
+@hypothesis.given(saved=_FINGERPRINTS, current=_FINGERPRINTS, data=st.data())
+@hypothesis.settings(max_examples=60)
+def test_check_fingerprint_names_every_differing_field(saved, current, data):
+  absent = object()
+  expected = {
+      name: (saved.get(name, absent), current.get(name, absent))
+      for name in set(saved) | set(current)
+      if _differs(saved.get(name, absent), current.get(name, absent))
+  }
+  known = sorted(set(saved) | set(current))
+  allowed = data.draw(st.sets(st.sampled_from(known)) if known else st.just(set()))
+  expected = {k: v for k, v in expected.items() if k not in allowed}
+  if not saved or not expected:
+    state_lib.check_fingerprint(saved, current, allow_drift=allowed)
+    return
+  with pytest.raises(errors.ConfigDriftError) as info:
+    state_lib.check_fingerprint(saved, current, allow_drift=allowed, origin="step 12")
+  error = info.value
+  assert set(error.differences) == set(expected)
+  message = str(error)
+  assert message.startswith("step 12")
+  for name, (before, after) in expected.items():
+    for value in (before, after):
+      shown = "<absent>" if value is absent else value
+      assert f"{name}={shown!r}" in message, (name, shown, message)
+    assert error.differences[name] == tuple(
+        "<absent>" if v is absent else v for v in (before, after)
+    )
+  assert "allow_drift=" in message
+
+
+def test_check_fingerprint_message_tells_how_to_fix():
+  with pytest.raises(errors.ConfigDriftError) as info:
+    state_lib.check_fingerprint({"seed": 0, "batch_size": 4}, {"seed": 1, "batch_size": 4})
+  message = str(info.value)
+  assert "seed=0 there, seed=1 here" in message
+  assert "Rebuild the pipeline with seed=0" in message
+  assert "allow_drift={'seed'}" in message
+  assert "batch_size" not in message
+
+
+def test_check_fingerprint_treats_numpy_ints_as_ints_and_nan_as_equal():
+  state_lib.check_fingerprint({"seed": 3, "x": math.nan}, {"seed": np.int64(3), "x": math.nan})
+  with pytest.raises(errors.ConfigDriftError):
+    state_lib.check_fingerprint({"seed": 1}, {"seed": True})
+
+
+def test_allow_drift_accepts_named_fields_only():
+  saved, current = {"seed": 0, "batch_size": 4}, {"seed": 1, "batch_size": 8}
+  state_lib.check_fingerprint(saved, current, allow_drift={"seed", "batch_size"})
+  with pytest.raises(errors.ConfigDriftError) as info:
+    state_lib.check_fingerprint(saved, current, allow_drift={"seed"})
+  assert set(info.value.differences) == {"batch_size"}
+  with pytest.raises(errors.InvalidArgumentError) as info:
+    state_lib.check_fingerprint(saved, current, allow_drift={"sed"})
+  assert "'sed'" in str(info.value) and "seed" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# position_to_json / position_from_json
+
+_RESERVED = ["__ckpt_iter_items__", "__ckpt_iter_tuple__"]
+_NUMPY_SCALARS = st.one_of(
+    st.integers(-(2**31), 2**31 - 1).map(np.int32),
+    st.integers(-(2**63), 2**63 - 1).map(np.int64),
+    st.integers(0, 2**64 - 1).map(np.uint64),
+    st.floats(allow_nan=False, allow_infinity=False, width=32).map(np.float32),
+    st.floats(allow_nan=False, allow_infinity=False).map(np.float64),
+    st.booleans().map(np.bool_),
+    st.integers(0, 100).map(lambda i: np.array(i, dtype=np.int64)),  # 0-d array
+)
+_PLAIN_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5),
+)
+_KEYS = st.one_of(st.integers(-5, 1000), st.text(max_size=4), st.sampled_from(_RESERVED))
+_POSITIONS = st.recursive(
+    st.one_of(_PLAIN_SCALARS, _NUMPY_SCALARS),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(_KEYS, children, max_size=4),
+    ),
+    max_leaves=20,
+)
+
+
+def _normalized(value):
+  """What the round trip must return: numpy scalars become Python scalars."""
+  if isinstance(value, dict):
+    return {_normalized(k): _normalized(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return type(value)(_normalized(v) for v in value)
+  if isinstance(value, (np.generic, np.ndarray)):
+    return np.asarray(value)[()].item()
+  return value
+
+
+def _assert_same_json_value(actual, expected, path="position"):
+  # `==` alone would accept 1 == 1.0 == True and "1" keys for 1 keys.
+  assert type(actual) is type(expected), (path, actual, expected)
+  if isinstance(expected, dict):
+    assert list(actual) == list(expected), (path, list(actual), list(expected))
+    assert [type(k) for k in actual] == [type(k) for k in expected], path
+    for key in expected:
+      _assert_same_json_value(actual[key], expected[key], f"{path}[{key!r}]")
+  elif isinstance(expected, (list, tuple)):
+    assert len(actual) == len(expected), path
+    for i, (a, e) in enumerate(zip(actual, expected)):
+      _assert_same_json_value(a, e, f"{path}[{i}]")
+  else:
+    assert actual == expected, (path, actual, expected)
+
+
+@hypothesis.given(position=st.dictionaries(_KEYS, _POSITIONS, max_size=4))
+@hypothesis.settings(max_examples=60)
+def test_position_json_round_trip_keeps_int_keys_tuples_and_values(position):
+  text = json.dumps(codec.position_to_json(position), allow_nan=False)
+  restored = codec.position_from_json(json.loads(text))
+  _assert_same_json_value(restored, _normalized(position))
+
+
+def test_position_json_keeps_interleave_style_int_keys():
+  # Grain's InterleaveDatasetIterator keeps `future_states` keyed by int shard.
+  position = {"future_states": {2: {"next_index": np.int64(7)}}, "exhausted": [0, 1]}
+  text = json.dumps(codec.position_to_json(position))
+  restored = codec.position_from_json(json.loads(text))
+  assert restored == {"future_states": {2: {"next_index": 7}}, "exhausted": [0, 1]}
+  assert list(restored["future_states"]) == [2]
+  assert type(restored["future_states"][2]["next_index"]) is int
+
+
+@pytest.mark.parametrize(
+    "position, fragment",
+    [({"a": b"xy"}, "bytes"), ({"a": object()}, "object"), ({"a": {1, 2}}, "set")],
+    ids=["bytes", "object", "set"],
+)
+def test_position_to_json_refuses_non_json_data(position, fragment):
+  with pytest.raises(errors.InvalidStateError) as info:
+    codec.position_to_json(position)
+  assert fragment in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# encode_state / decode_state
+
+_DTYPES = [
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+    np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+    np.complex128, ml_dtypes.bfloat16,
+]
+
+
+@st.composite
+def _arrays(draw):
+  dtype = np.dtype(draw(st.sampled_from(_DTYPES)))
+  shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
+  if dtype.type is ml_dtypes.bfloat16:
+    # Any 16-bit pattern, NaNs included: the round trip must keep the bits.
+    bits = draw(hnp.arrays(np.uint16, shape))
+    return bits.view(ml_dtypes.bfloat16)
+  array = draw(hnp.arrays(dtype, shape))
+  if draw(st.booleans()) and array.ndim == 2:
+    array = np.asfortranarray(array)
+  return array
+
+
+_PYTREE_LEAVES = st.one_of(
+    _arrays(),
+    _arrays().map(lambda a: a.reshape(-1)[:1].reshape(()) if a.size else a),
+    st.integers(-5, 5).map(np.int64), st.floats(width=32).map(np.float32),
+    st.none(), st.integers(-(2**40), 2**40), st.text(max_size=3),
+)
+_PYTREES = st.recursive(
+    _PYTREE_LEAVES,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=4), children, max_size=3),
+    ),
+    max_leaves=8,
+)
+
+
+def _round_trip(value):
+  """Encodes, writes JSON + npz to memory, reads back (no pickle) and decodes."""
+  header, arrays = codec.encode_state(value)
+  text = json.dumps(header, allow_nan=False)
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  buffer.seek(0)
+  with np.load(buffer, allow_pickle=False) as npz:
+    stored = {name: npz[name] for name in npz.files}
+
+  def load_array(name, spec):
+    array = stored[name]
+    assert (array.dtype.str, array.shape) == (spec.dtype, spec.shape)
+    return array
+
+  return codec.decode_state(json.loads(text), load_array, origin=ORIGIN), arrays
+
+
+@hypothesis.given(
+    items=st.lists(_PYTREES, min_size=1, max_size=4),
+    data=st.data(),
+)
+@hypothesis.settings(max_examples=60)
+def test_encode_decode_state_round_trips_pending_pytrees_bit_exact(items, data):
+  schedule = data.draw(st.lists(st.integers(0, len(items) - 1), max_size=10))
+  value = state_lib.IteratorState(
+      kind="repeat",
+      fingerprint={"seed": 1, "num_repeats": 2},
+      position={"next_index": 5, "shards": {3: (1, 2)}},
+      shuffle_key=(0, 2**32 - 1),
+      pending=state_lib.Pending(items=tuple(items), schedule=tuple(schedule)),
+      counters={"steps": 9},
+  )
+  restored, _ = _round_trip(value)
+  assert restored.kind == "repeat"
+  assert restored.fingerprint == value.fingerprint
+  assert restored.position == {"next_index": 5, "shards": {3: (1, 2)}}
+  assert restored.shuffle_key == value.shuffle_key
+  assert restored.counters == value.counters
+  assert restored.pending.schedule == tuple(schedule)
+  testing.assert_trees_equal(list(restored.pending.items), list(items), path="pending.items")
+
+
+def test_encode_state_copies_arrays_so_later_writes_do_not_leak():
+  array = np.arange(4, dtype=np.float32)
+  value = state_lib.IteratorState(
+      kind="repeat", fingerprint={}, position={"next_index": 0},
+      pending=state_lib.Pending(items=({"a": array},), schedule=(0,)),
+  )
+  header, arrays = codec.encode_state(value)
+  array[:] = -1  # e.g. a rollout buffer reused after the checkpoint
+  np.testing.assert_array_equal(arrays["a0"], np.arange(4, dtype=np.float32))
+  assert header["arrays"] == {"a0": {"dtype": "<f4", "shape": [4]}}
+
+
+@dataclasses.dataclass
+class _Rollout:
+  ids: object
+  logps: object
+
+
+codec.register_pytree_dataclass("test_state.Rollout", _Rollout)
+
+
+def test_encode_state_accepts_jax_arrays_and_registered_dataclasses():
+  item = _Rollout(ids=jnp.arange(3, dtype=jnp.int32), logps=jnp.ones((2,), jnp.bfloat16))
+  value = state_lib.IteratorState(
+      kind="repeat", fingerprint={}, position={"next_index": 0},
+      pending=state_lib.Pending(items=(item,), schedule=(0, 0)),
+  )
+  restored, _ = _round_trip(value)
+  (out,) = restored.pending.items
+  assert isinstance(out, _Rollout)
+  assert out.ids.dtype == np.int32 and out.ids.tolist() == [0, 1, 2]
+  assert out.logps.dtype == ml_dtypes.bfloat16 and out.logps.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "item, fragment",
+    [
+        ({"a": np.array([object()], dtype=object)}, "object arrays"),
+        ({1: np.arange(2)}, "string keys"),
+        ({"a": {1, 2}}, "set"),
+        ({"a": type("Unregistered", (), {})()}, "Unregistered"),
+    ],
+    ids=["object_array", "int_key", "set", "unregistered"],
+)
+def test_encode_state_refuses_what_would_need_pickling(item, fragment):
+  value = state_lib.IteratorState(
+      kind="repeat", fingerprint={}, position={"next_index": 0},
+      pending=state_lib.Pending(items=(item,), schedule=(0,)),
+  )
+  with pytest.raises(errors.InvalidStateError) as info:
+    codec.encode_state(value)
+  assert fragment in str(info.value)
+
+
+def _header_with(**manifest_changes):
+  value = state_lib.IteratorState(
+      kind="repeat", fingerprint={}, position={"next_index": 0},
+      pending=state_lib.Pending(items=({"a": np.arange(3)},), schedule=(0,)),
+  )
+  header, _ = codec.encode_state(value)
+  header = json.loads(json.dumps(header))
+  header["arrays"].update(manifest_changes)
+  return header
+
+
+@pytest.mark.parametrize(
+    "header, fragment",
+    [
+        (_header_with(**{"../x": {"dtype": "<i8", "shape": [1]}}), "'../x'"),
+        (_header_with(a0={"dtype": "|O", "shape": [3]}), "not allowed"),
+        (_header_with(a0={"dtype": "|V8", "shape": [3]}), "not allowed"),
+        (_header_with(a0={"dtype": "nonsense", "shape": [3]}), "'nonsense'"),
+        (_header_with(a0={"dtype": "<i8", "shape": [-1]}), "shape [-1]"),
+        (_header_with(a0={"dtype": "<i8", "shape": [2**39, 2**10]}), "the limit"),
+        (_header_with(a0={"dtype": "<i8"}), "{dtype, shape}"),
+        ({**_header_with(), "arrays": {}}, "not in the manifest"),
+    ],
+    ids=["path_name", "object", "void", "bad_dtype", "bad_shape", "huge", "no_shape", "missing"],
+)
+def test_decode_state_validates_the_array_manifest_before_reading(header, fragment):
+  def load_array(name, spec):
+    raise AssertionError("no array may be read from an invalid manifest")
+
+  with pytest.raises(errors.InvalidStateError) as info:
+    codec.decode_state(header, load_array, origin=ORIGIN)
+  assert fragment in str(info.value)
+  assert str(info.value).startswith(ORIGIN)

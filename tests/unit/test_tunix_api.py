@@ -1,0 +1,56 @@
+"""The private Tunix API ckpt_iter relies on, and what happens when it is gone."""
+
+import pytest
+from tunix.rl import rl_learner
+
+from ckpt_iter.tunix import _api as api
+from ckpt_iter import errors
+
+
+def test_every_private_name_exists_in_this_tunix():
+  assert api.check_private_api() == []
+
+
+def test_a_missing_private_method_is_reported_by_name(monkeypatch):
+  monkeypatch.delattr(rl_learner.RLLearner, "_create_micro_batch_iterator")
+  assert api.check_private_api() == [
+      "tunix.rl.rl_learner.RLLearner._create_micro_batch_iterator is missing"
+  ]
+
+
+def test_a_changed_signature_is_reported(monkeypatch):
+  def _prepare_data(self, iterator, data_queue):  # an imagined new signature
+    del self, iterator, data_queue
+
+  monkeypatch.setattr(rl_learner.RLLearner, "_prepare_data", _prepare_data)
+  problems = api.check_private_api()
+  assert len(problems) == 1
+  assert "_prepare_data no longer takes" in problems[0]
+  assert "proceed_num_steps" in problems[0]
+
+
+def test_building_a_learner_fails_loudly_when_api_is_gone(monkeypatch, tmp_path):
+  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.delattr(rl_learner.RLLearner, "_process_accumulated_batches")
+  with pytest.raises(errors.UnsupportedConfigError, match="_process_accumulated_batches is missing"):
+    toyrun.build_learner(toyrun.RunConfig(learner="ckpt_iter"), str(tmp_path / "ckpt"))
+
+
+def test_importing_ckpt_iter_does_not_import_tunix():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  code = "import sys, ckpt_iter; print('tunix' in sys.modules)"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "False"
+
+
+def test_sequence_packing_is_accepted_at_construction(tmp_path):
+  # Packed runs resume exactly (tests/integration/test_tunix_packing.py).
+  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+
+  learner = toyrun.build_learner(
+      toyrun.RunConfig(learner="ckpt_iter", max_seq_token_per_tpu=64), str(tmp_path / "ckpt"))
+  assert api.training_config(learner).max_seq_token_per_tpu == 64

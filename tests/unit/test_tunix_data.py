@@ -1,0 +1,92 @@
+"""ckpt_iter.tunix.data.create_dataset: a Tunix YAML data_module."""
+
+import json
+
+import grain
+import pytest
+
+from ckpt_iter import DataIterator
+from ckpt_iter import errors
+from ckpt_iter.tunix import data
+
+
+def _write_jsonl(path, count):
+  with open(path, "w") as f:
+    for i in range(count):
+      f.write(json.dumps({"question": f"q{i}", "answer": i}) + "\n")
+  return str(path)
+
+
+def _questions(dataset):
+  return [str(record["prompts"]) for record in dataset]
+
+
+def test_records_with_the_prompt_renamed(tmp_path):
+  ds = data.create_dataset(_write_jsonl(tmp_path / "a.jsonl", 4), prompt_key="question")
+  assert isinstance(ds, grain.MapDataset)
+  assert _questions(ds) == ["q0", "q1", "q2", "q3"]
+  assert int(ds[2]["answer"]) == 2
+
+
+def test_each_epoch_is_its_own_permutation_and_seeded(tmp_path):
+  path = _write_jsonl(tmp_path / "a.jsonl", 16)
+  ds = data.create_dataset(path, seed=0, num_epochs=2, prompt_key="question")
+  order = _questions(ds)
+  assert len(order) == 32
+  first, second = order[:16], order[16:]
+  assert sorted(first) == sorted(second) == sorted(f"q{i}" for i in range(16))
+  assert first != second
+  assert order == _questions(data.create_dataset(path, seed=0, num_epochs=2, prompt_key="question"))
+  assert order != _questions(data.create_dataset(path, seed=1, num_epochs=2, prompt_key="question"))
+
+
+def test_parquet_source(tmp_path):
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "a.parquet")
+  pq.write_table(pa.table({"question": ["x", "y", "z"]}), path)
+  assert _questions(data.create_dataset(path, prompt_key="question")) == ["x", "y", "z"]
+
+
+def test_resumes_in_o1_from_an_index(tmp_path):
+  path = _write_jsonl(tmp_path / "a.jsonl", 10)
+  uninterrupted = _questions(data.create_dataset(path, seed=3, num_epochs=2, prompt_key="question"))
+  iterator = DataIterator(data.create_dataset(path, seed=3, num_epochs=2, prompt_key="question"))
+  for _ in range(7):
+    next(iterator)
+  state = iterator.get_state()
+  assert state["position"] == {"next_index": 7}
+  resumed = DataIterator(data.create_dataset(path, seed=3, num_epochs=2, prompt_key="question"))
+  resumed.set_state(state)
+  assert [str(r["prompts"]) for r in resumed] == uninterrupted[7:]
+
+
+def test_resume_with_another_seed_names_the_field(tmp_path):
+  path = _write_jsonl(tmp_path / "a.jsonl", 10)
+  iterator = DataIterator(data.create_dataset(path, seed=3))
+  next(iterator)
+  other = DataIterator(data.create_dataset(path, seed=4))
+  with pytest.raises(errors.ConfigDriftError, match="seed"):
+    other.set_state(iterator.get_state())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seeds": 1}, r"unknown field\(s\) \['seeds'\]"),
+        ({"prompt_key": 3}, "prompt_key=3 must be a field name"),
+        ({"seed": -1}, "seed"),
+        ({"num_epochs": 0}, "num_epochs"),
+    ],
+)
+def test_bad_config_names_the_field(tmp_path, kwargs, message):
+  path = _write_jsonl(tmp_path / "a.jsonl", 4)
+  with pytest.raises(errors.InvalidArgumentError, match=message):
+    data.create_dataset(path, **kwargs)
+
+
+def test_missing_prompt_key_names_the_fields(tmp_path):
+  ds = data.create_dataset(_write_jsonl(tmp_path / "a.jsonl", 2), prompt_key="prompt")
+  with pytest.raises(errors.InvalidArgumentError, match=r"prompt_key='prompt'.*\['answer', 'question'\]"):
+    ds[0]

@@ -1,0 +1,103 @@
+"""Runs toy Tunix trainings in fresh processes and compares their trainer inputs.
+
+Every run is a real process (`python -m ckpt_iter.demo.toyrun`): real RLCluster,
+GRPO/PPO learner, Orbax checkpoints on disk, killed with os._exit right after
+checkpoint K when asked. Processes share a persistent JAX compilation cache
+(one per pytest session) so only the first of each configuration compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+from ckpt_iter import testing
+from ckpt_iter.demo import toyrun
+
+_TIMEOUT_SECONDS = 900
+
+
+@dataclasses.dataclass
+class Run:
+  inputs: list[dict[str, np.ndarray]]
+  meta: dict[str, Any]
+  stderr: str
+
+  @property
+  def labels(self) -> list[str]:
+    return ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in self.inputs]
+
+
+def run_toy(
+    config: dict[str, Any],
+    root: str,
+    out: str,
+    *,
+    preempt_after: int | None = None,
+    cache_dir: str | None = None,
+    expect_failure: bool = False,
+) -> Run:
+  """Runs one toy training process; returns what it trained."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if config.get("async_rollout"):
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  if cache_dir:
+    env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  command = [
+      sys.executable, "-m", "ckpt_iter.demo.toyrun", "--root", root, "--out", out,
+      "--config", json.dumps(config),
+  ]
+  if preempt_after is not None:
+    command += ["--preempt-after", str(preempt_after)]
+  process = subprocess.run(
+      command, env=env, capture_output=True, text=True, timeout=_TIMEOUT_SECONDS
+  )
+  if expect_failure:
+    assert process.returncode != 0, "the run was expected to fail but exited 0"
+    return Run([], {}, process.stderr)
+  assert process.returncode == 0, f"toy run failed:\n{process.stderr[-4000:]}"
+  inputs, meta = toyrun.load_record(out)
+  return Run(inputs, meta, process.stderr)
+
+
+def assert_same_inputs(actual: list[dict], expected: list[dict], what: str) -> None:
+  """Trainer inputs equal bit for bit: prompts, completions, advantages, log-probs."""
+  actual_labels = ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in actual]
+  expected_labels = ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in expected]
+  assert actual_labels == expected_labels, (
+      f"{what}: trained prompts {actual_labels}, expected {expected_labels}"
+  )
+  assert len(actual) == len(expected)
+  for index, (got, want) in enumerate(zip(actual, expected)):
+    assert set(got) == set(want), f"{what}: input {index} has fields {sorted(got)}, expected {sorted(want)}"
+    testing.assert_trees_equal(got, want, path=f"{what}: input {index} ({expected_labels[index]})")
+
+
+def chain(
+    config: dict[str, Any],
+    workdir: str,
+    preempt_steps: list[int],
+    cache_dir: str | None,
+) -> tuple[list[Run], list[dict]]:
+  """Preempts after each step in turn, resuming in a fresh process each time.
+
+  Returns the segment runs and the concatenation of their trainer inputs.
+  """
+  root = os.path.join(workdir, "chain")
+  segments = []
+  for index, step in enumerate(list(preempt_steps) + [None]):
+    run = run_toy(
+        config, root, os.path.join(workdir, f"segment{index}.npz"),
+        preempt_after=step, cache_dir=cache_dir,
+    )
+    expected_restored = 0 if index == 0 else preempt_steps[index - 1]
+    assert run.meta["restored_step"] == expected_restored, run.meta
+    segments.append(run)
+  return segments, [x for run in segments for x in run.inputs]

@@ -1,0 +1,128 @@
+"""One toy SFT training process: stock or Resumable PeftTrainer, killable after checkpoint K.
+
+    python tunix_sft_worker.py --root DIR --out OUT.npz --trainer resumable|stock
+        [--grad-acc G] [--max-steps M] [--seed S] [--preempt-after K]
+
+Trains Tunix's ToyTransformer on a Grain MapDataset of token batches (shuffled,
+two epochs) with real Orbax checkpoints under DIR, and writes to OUT.npz the
+batches given to the train step (in order), the final params, and how many
+elements the input pipeline produced (stock resume re-reads what it skips).
+With --preempt-after K it dies with os._exit right after checkpoint K is on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tunix.sft import peft_trainer
+from tunix.tests import test_common as tc
+
+from ckpt_iter.tunix import _api
+
+from ckpt_iter.tunix import ResumablePeftTrainer
+
+PREEMPT_EXIT_CODE = 42
+NUM_DISTINCT_BATCHES = 10
+BATCH_SHAPE = (2, 16)
+_produced = [0]  # elements the pipeline produced, skipped ones included
+
+
+def _make_batch(index: int) -> peft_trainer.TrainingInput:
+  _produced[0] += 1
+  size = int(np.prod(BATCH_SHAPE))
+  tokens = ((index * 7 + np.arange(size)) % 200 + 1).reshape(BATCH_SHAPE).astype(np.int32)
+  return peft_trainer.TrainingInput(input_tokens=tokens, input_mask=np.ones(BATCH_SHAPE, np.int32))
+
+
+def make_train_ds(seed: int) -> grain.MapDataset:
+  return (
+      grain.MapDataset.range(NUM_DISTINCT_BATCHES).shuffle(seed=seed).repeat(2).map(_make_batch)
+  )
+
+
+def _gen_model_input(x: peft_trainer.TrainingInput):
+  return {
+      "input_tokens": x.input_tokens,
+      "input_mask": x.input_mask,
+      "positions": jnp.arange(x.input_tokens.shape[1]),
+      "attention_mask": jnp.ones_like(x.input_tokens),
+  }
+
+
+def _recording(base: type) -> type:
+  class Recording(base):
+    """Records every example given to the train step (not eval: no eval_ds here)."""
+
+    fed: list[np.ndarray] = []
+
+    def _prepare_inputs(self, input_data):
+      type(self).fed.append(np.asarray(input_data.input_tokens))
+      return super()._prepare_inputs(input_data)
+
+  return Recording
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--root", required=True)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--trainer", choices=("resumable", "stock"), required=True)
+  parser.add_argument("--grad-acc", type=int, default=2)
+  parser.add_argument("--max-steps", type=int, default=8)
+  parser.add_argument("--seed", type=int, default=3)
+  parser.add_argument("--preempt-after", type=int, default=None)
+  args = parser.parse_args()
+
+  base = ResumablePeftTrainer if args.trainer == "resumable" else peft_trainer.PeftTrainer
+  trainer_cls = _recording(base)
+  config = peft_trainer.TrainingConfig(
+      eval_every_n_steps=1000,
+      max_steps=args.max_steps,
+      gradient_accumulation_steps=args.grad_acc if args.grad_acc > 1 else None,
+      checkpoint_root_directory=os.path.abspath(args.root),
+      checkpointing_options=ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=100),
+  )
+  model = tc.ToyTransformer(config=tc.ModelConfig(), rngs=nnx.Rngs(0))
+  trainer = trainer_cls(model, optax.adamw(1e-2), config).with_gen_model_input_fn(_gen_model_input)
+  restored_step = trainer.train_steps
+
+  if args.preempt_after is not None:
+    tunix_manager = trainer.checkpoint_manager
+    save = tunix_manager.save
+
+    def save_then_maybe_die(step, *a, **kw):
+      saved = save(step, *a, **kw)
+      if saved and step == args.preempt_after:
+        _api.wait_until_saved(tunix_manager)
+        os._exit(PREEMPT_EXIT_CODE)
+      return saved
+
+    tunix_manager.save = save_then_maybe_die
+
+  trainer.train(make_train_ds(args.seed))
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  fed = trainer_cls.fed
+  np.savez(
+      args.out,
+      fed=np.stack(fed) if fed else np.zeros((0, *BATCH_SHAPE), np.int32),
+      **{f"param_{i}": np.asarray(p) for i, p in enumerate(params)},
+      meta=np.array(json.dumps({
+          "restored_step": restored_step,
+          "produced": _produced[0],
+          "train_steps": trainer.train_steps,
+          "iter_steps": trainer.iter_steps,
+      })),
+  )
+
+
+if __name__ == "__main__":
+  main()
