@@ -27,7 +27,7 @@ def _steps_on_disk(root):
   return sorted(int(name) for name in os.listdir(actor) if name.isdigit())
 
 
-@pytest.mark.parametrize("checkpointing", ["default", "explicit"])
+@pytest.mark.parametrize("checkpointing", ["default", pytest.param("explicit", marks=pytest.mark.slow)])
 def test_checkpoint_policy_is_tunix_own(checkpointing, tmp_path, jax_cache):
   # "default": checkpointing_options=None, Tunix's policy (at most every 180 s,
   # keep 3): on this short run only what stock Tunix writes (the first and the
@@ -83,7 +83,11 @@ UNEVEN = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(UNEVEN))
+# Every variant runs in `make test-full` and on Tunix main; `make test` keeps the one
+# where rows carry over between full batches (the harder case).
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name == "carry_over" else pytest.mark.slow) for name in sorted(UNEVEN)
+])
 def test_uneven_batches_train_as_stock_and_resume_exactly(name, tmp_path, jax_cache):
   config = UNEVEN[name]
   reference = harness.run_toy(dict(config, learner="ckpt_iter"), str(tmp_path / "ref"),
@@ -111,8 +115,8 @@ def test_larger_batch_and_max_steps_continue_at_the_same_prompt(tmp_path, jax_ca
 
 @pytest.mark.parametrize("change, named", [
     (dict(batch_size=3), "full_batch_size"),  # 4 prompts consumed: no batch of 3 starts there
-    (dict(dataset_seed=5), "seed"),  # another order: another prompt comes next
-    (dict(num_iterations=2), "num_iterations"),  # changes what a step means
+    pytest.param(dict(dataset_seed=5), "seed", marks=pytest.mark.slow),  # another prompt comes next
+    pytest.param(dict(num_iterations=2), "num_iterations", marks=pytest.mark.slow),  # what a step means
 ])
 def test_a_change_of_the_next_prompt_is_refused_naming_the_field(change, named, tmp_path, jax_cache):
   root = str(tmp_path / "ckpt")

@@ -120,6 +120,7 @@ def _chain_equals_uninterrupted(config, preempt_steps, workdir, cache_dir, compa
   return reference
 
 
+@pytest.mark.slow  # on 0.1.7 test_tunix_resume.py runs this chain by default; on main, all run
 def test_grpo_killed_mid_repeat_resumes_exactly_with_data_item_in_the_step(tmp_path, jax_cache):
   config = dict(num_iterations=2, max_steps=4, data_shuffle_seed=3)
   _chain_equals_uninterrupted(config, [1, 3], str(tmp_path), jax_cache)

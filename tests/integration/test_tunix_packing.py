@@ -62,7 +62,7 @@ def test_packed_inputs_are_stock_tunix_own(reference, tmp_path, jax_cache):
   assert reference.meta["train_steps"] == stock.meta["train_steps"]
 
 
-@pytest.mark.parametrize("step", PREEMPT)
+@pytest.mark.parametrize("step", [PREEMPT[0], pytest.param(PREEMPT[1], marks=pytest.mark.slow)])
 def test_packed_resume_inside_a_packed_group_is_exact(step, reference, tmp_path, jax_cache):
   before = _sequences_before(reference, step)
   if _updates_per_pass():
