@@ -106,8 +106,9 @@ def build_cluster(config: RunConfig, root: str) -> Any:
   if not os.path.isabs(root):
     raise ValueError(f"root={root!r} must be absolute (Orbax needs absolute paths).")
   if config.learner != "stock":
-    # Imported first, as a user's script does at the top.
-    pass  # pylint: disable=g-import-not-at-top,unused-import
+    # Imported first, as a user's script does at the top (on Tunix main this
+    # registers the data item's Orbax v1 handler before Tunix's Checkpointer).
+    import ckpt_iter.tunix  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   vocab = tc.MockVocab()
   model_config = tc.ModelConfig(vocab_size=vocab.GetPieceSize())
   actor = tc.ToyTransformer(config=model_config, rngs=nnx.Rngs(0))
