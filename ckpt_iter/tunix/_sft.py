@@ -14,7 +14,6 @@ next example (micro-batch) not yet given to the train step, and
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any, Collection, Iterable
@@ -29,21 +28,13 @@ from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
+from ckpt_iter.tunix import _items
 
 _LOG = logging.getLogger("ckpt_iter")
 
-DATA_ITEM = "data"
+DATA_ITEM = _items.DATA_ITEM  # the same item name as the RL learners'
 _TRAINER_FIELD = "trainer"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Snapshot:
-  """A data state taken at save time (IteratorSave reads it via .state())."""
-
-  value: state_lib.IteratorState
-
-  def state(self) -> state_lib.IteratorState:
-    return self.value
+_Snapshot = _items.Snapshot
 
 
 class _Feed:

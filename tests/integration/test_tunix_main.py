@@ -104,26 +104,10 @@ def test_installed_tunix_has_one_known_checkpoint_shape(tmp_path):
   assert backend == (api.ORBAX_V1 if HAS_RL_ENGINE else api.ORBAX_V0)
 
 
-def _chain_equals_uninterrupted(config, preempt_steps, workdir, cache_dir, compare_stock=True):
-  reference = harness.run_toy(
-      dict(config, learner="ckpt_iter"), os.path.join(workdir, "reference"),
-      os.path.join(workdir, "reference.npz"), cache_dir=cache_dir,
-  )
-  if compare_stock:
-    stock = harness.run_toy(
-        dict(config, learner="stock"), os.path.join(workdir, "stock"),
-        os.path.join(workdir, "stock.npz"), cache_dir=cache_dir,
-    )
-    harness.assert_same_inputs(reference.inputs, stock.inputs, "ckpt_iter vs stock, uninterrupted")
-  _, resumed = harness.chain(dict(config, learner="ckpt_iter"), workdir, preempt_steps, cache_dir)
-  harness.assert_same_inputs(resumed, reference.inputs, f"resumed after {preempt_steps}")
-  return reference
-
-
 @pytest.mark.slow  # on 0.1.7 test_tunix_resume.py runs this chain by default; on main, all run
 def test_grpo_killed_mid_repeat_resumes_exactly_with_data_item_in_the_step(tmp_path, jax_cache):
   config = dict(num_iterations=2, max_steps=4, data_shuffle_seed=3)
-  _chain_equals_uninterrupted(config, [1, 3], str(tmp_path), jax_cache)
+  harness.check_chain(config, [1, 3], str(tmp_path), jax_cache)
   # The data item is in the model's step, in the files ckpt_iter's reader reads.
   step_dir = os.path.join(str(tmp_path), "chain", "actor", "3")
   assert {"model_params", "optimizer_state", "data"} <= set(os.listdir(step_dir))
@@ -138,19 +122,19 @@ def test_grpo_killed_mid_repeat_resumes_exactly_with_data_item_in_the_step(tmp_p
 @pytest.mark.slow  # every variant runs in `make test-tunix-main` and `make test-full`
 def test_ppo_actor_and_critic_resume_together(tmp_path, jax_cache):
   config = dict(algorithm="ppo", num_iterations=2, batch_size=2, max_steps=4)
-  _chain_equals_uninterrupted(config, [1, 2], str(tmp_path), jax_cache)
+  harness.check_chain(config, [1, 2], str(tmp_path), jax_cache)
 
 
 @pytest.mark.slow  # every variant runs in `make test-tunix-main` and `make test-full`
 def test_dapo_resumes_exactly(tmp_path, jax_cache):
   config = dict(algorithm="dapo", num_iterations=2, max_steps=4, data_shuffle_seed=6)
-  _chain_equals_uninterrupted(config, [1], str(tmp_path), jax_cache)
+  harness.check_chain(config, [1], str(tmp_path), jax_cache)
 
 
 @pytest.mark.slow  # every variant runs in `make test-tunix-main` and `make test-full`
 def test_drgrpo_resumes_exactly(tmp_path, jax_cache):
   config = dict(algorithm="drgrpo", num_iterations=2, max_steps=4)
-  _chain_equals_uninterrupted(config, [3], str(tmp_path), jax_cache)
+  harness.check_chain(config, [3], str(tmp_path), jax_cache)
 
 
 @pytest.mark.slow  # every variant runs in `make test-tunix-main` and `make test-full`
@@ -158,5 +142,5 @@ def test_async_rollout_mid_global_step_resumes_exactly(tmp_path, jax_cache):
   # Separate rollout mesh: the step inside a global step also holds the rollout weights.
   config = dict(num_iterations=2, batch_size=2, mini_batch_size=1, data_shuffle_seed=5,
                 async_rollout=True, max_steps=6)
-  _chain_equals_uninterrupted(config, [3], str(tmp_path), jax_cache)
+  harness.check_chain(config, [3], str(tmp_path), jax_cache)
   assert "rollout_params" in os.listdir(os.path.join(str(tmp_path), "chain", "actor", "3"))

@@ -31,22 +31,6 @@ def jax_cache(tmp_path_factory):
   return str(tmp_path_factory.mktemp("jax_compilation_cache"))
 
 
-def _check_chain(config, preempt_steps, workdir, cache_dir, compare_stock=True):
-  reference = harness.run_toy(
-      dict(config, learner="ckpt_iter"), os.path.join(workdir, "reference"),
-      os.path.join(workdir, "reference.npz"), cache_dir=cache_dir,
-  )
-  if compare_stock:
-    stock = harness.run_toy(
-        dict(config, learner="stock"), os.path.join(workdir, "stock"),
-        os.path.join(workdir, "stock.npz"), cache_dir=cache_dir,
-    )
-    harness.assert_same_inputs(reference.inputs, stock.inputs, "ckpt_iter vs stock, uninterrupted")
-  _, resumed = harness.chain(dict(config, learner="ckpt_iter"), workdir, preempt_steps, cache_dir)
-  harness.assert_same_inputs(resumed, reference.inputs, f"resumed after {preempt_steps}")
-  return reference
-
-
 REPRESENTATIVE = {
     # The default run's one Tunix chain (the others are in `make test-full`):
     # mu=2 with a shuffle seed (#2288), killed after every step in turn,
@@ -82,7 +66,7 @@ DEFAULT_RUN = ("mu2_shuffle",)
 ])
 def test_chained_resume_equals_uninterrupted(name, tmp_path, jax_cache):
   config, steps = REPRESENTATIVE[name]
-  reference = _check_chain(config, steps, str(tmp_path), jax_cache)
+  reference = harness.check_chain(config, steps, str(tmp_path), jax_cache)
   # The comparison is only meaningful if the inputs carry real values.
   assert all(np.isfinite(x["advantages"]).all() for x in reference.inputs)
 
@@ -92,7 +76,7 @@ def test_ppo_actor_and_critic_resume_together(tmp_path, jax_cache):
   # The critic update on an input comes after the actor's: the actor step is
   # written once the critic made the same update, with the critic's state.
   config = dict(algorithm="ppo", num_iterations=2, batch_size=2, max_steps=4)
-  reference = _check_chain(config, [1, 2], str(tmp_path), jax_cache)
+  reference = harness.check_chain(config, [1, 2], str(tmp_path), jax_cache)
   assert np.isfinite(reference.inputs[-1]["advantages"]).all(), (
       "PPO advantages after the first updates depend on the critic; they must be "
       "finite for this test to tell a stale critic apart"
@@ -103,7 +87,7 @@ def test_ppo_actor_and_critic_resume_together(tmp_path, jax_cache):
 def test_dapo_through_the_mixin(tmp_path, jax_cache):
   # class ResumableDAPOLearner(Resumable, DAPOLearner), built in toyrun.
   config = dict(algorithm="dapo", num_iterations=2, max_steps=4, data_shuffle_seed=6)
-  _check_chain(config, [1], str(tmp_path), jax_cache)
+  harness.check_chain(config, [1], str(tmp_path), jax_cache)
 
 
 @pytest.mark.slow
@@ -123,7 +107,7 @@ def test_plain_iterable_input_is_replayed_with_a_warning(tmp_path, jax_cache):
 def test_resume_with_evaluation(tmp_path, jax_cache):
   config = dict(num_iterations=2, max_steps=4, with_eval=True, eval_every_n_steps=1,
                 data_shuffle_seed=2)
-  _check_chain(config, [1], str(tmp_path), jax_cache, compare_stock=False)
+  harness.check_chain(config, [1], str(tmp_path), jax_cache, compare_stock=False)
 
 
 @pytest.mark.slow

@@ -101,3 +101,22 @@ def chain(
     assert run.meta["restored_step"] == expected_restored, run.meta
     segments.append(run)
   return segments, [x for run in segments for x in run.inputs]
+
+
+def check_chain(config, preempt_steps, workdir, cache_dir, compare_stock=True):
+  """Runs `config` uninterrupted (and stock, to compare), then as a chain of
+  processes killed after each of `preempt_steps`; asserts the chain's trainer
+  inputs equal the uninterrupted run's bit for bit. Returns the reference run."""
+  reference = run_toy(
+      dict(config, learner="ckpt_iter"), os.path.join(workdir, "reference"),
+      os.path.join(workdir, "reference.npz"), cache_dir=cache_dir,
+  )
+  if compare_stock:
+    stock = run_toy(
+        dict(config, learner="stock"), os.path.join(workdir, "stock"),
+        os.path.join(workdir, "stock.npz"), cache_dir=cache_dir,
+    )
+    assert_same_inputs(reference.inputs, stock.inputs, "ckpt_iter vs stock, uninterrupted")
+  _, resumed = chain(dict(config, learner="ckpt_iter"), workdir, preempt_steps, cache_dir)
+  assert_same_inputs(resumed, reference.inputs, f"resumed after {preempt_steps}")
+  return reference
