@@ -97,11 +97,7 @@ class DataLoaderIterator(state_lib.RestorableIterator):
       origin: str = "the state",
   ) -> Callable[[], None]:
     """The check half of `state_lib.Restorable`: validates, mutates nothing."""
-    if state.kind != "data":
-      raise errors.InvalidStateError(
-          f"{origin} was written by a {state.kind!r} iterator; a DataLoaderIterator "
-          "restores 'data' states only."
-      )
+    state_lib.check_kind(state, "data", "DataLoaderIterator", origin)
     if state.fingerprint and "loader" not in state.fingerprint:
       raise errors.InvalidStateError(
           f"{origin} was written by a DataIterator over a Grain dataset, not by a "

@@ -133,11 +133,7 @@ class DataIterator(state_lib.RestorableIterator, grain.DatasetIterator):
       The apply half: moves this iterator to the state's position and cannot
       fail.
     """
-    if state.kind != "data":
-      raise errors.InvalidStateError(
-          f"{origin} was written by a {state.kind!r} iterator; a DataIterator "
-          "restores 'data' states only. Restore it into the same iterator type."
-      )
+    state_lib.check_kind(state, "data", "DataIterator", origin)
     allowed = self._allow_drift | frozenset(allow_drift)
     # Before the general check, and whatever allow_drift says: another
     # mp_prefetch worker count is translated to this one, or refused with the

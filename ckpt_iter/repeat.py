@@ -176,11 +176,7 @@ class RepeatIterator(state_lib.RestorableIterator):
       origin: str = "the state",
   ) -> Callable[[], None]:
     """The check half of `state_lib.Restorable`; returns the apply half."""
-    if state.kind != "repeat":
-      raise errors.InvalidStateError(
-          f"{origin} was written by a {state.kind!r} iterator; a RepeatIterator "
-          "restores 'repeat' states only."
-      )
+    state_lib.check_kind(state, "repeat", "RepeatIterator", origin)
     allowed = self._allow_drift | frozenset(allow_drift)
     # One check over all fields, so a drift error names every differing field.
     state_lib.check_fingerprint(

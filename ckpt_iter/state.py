@@ -334,6 +334,15 @@ def short_repr(value: Any, limit: int = 80) -> str:
 _short = short_repr
 
 
+def check_kind(state: IteratorState, expected: str, receiver: str, origin: str) -> None:
+  """Raises unless `state` was written by the kind of iterator `receiver` is."""
+  if state.kind != expected:
+    raise errors.InvalidStateError(
+        f"{origin} was written by a {state.kind!r} iterator; a {receiver} "
+        f"restores {expected!r} states only. Restore it into the same iterator type."
+    )
+
+
 @typing.runtime_checkable
 class Restorable(typing.Protocol):
   """What a state is restored into: checked in full, then applied.
