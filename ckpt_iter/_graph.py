@@ -447,16 +447,7 @@ def _range(node: Any) -> dict[str, Any]:
 
 
 def _source(node: Any) -> dict[str, Any]:
-  source = node._source  # pylint: disable=protected-access
-  kind = type(source)
-  params: dict[str, Any] = {"source": f"{kind.__module__}.{kind.__qualname__}"}
-  try:
-    length = len(source)
-    params["length"] = int(length)
-    params["digest"] = sources_lib.sample_digest(source, length) if length else None
-  except Exception as e:  # pylint: disable=broad-except  (a user source may raise anything)
-    params["digest"] = f"<unreadable: {type(e).__name__}>"
-  return params
+  return _source_params(node._source, prefix="")  # pylint: disable=protected-access
 
 
 _DESCRIBERS: dict[str, Callable[[Any], dict[str, Any]]] = {
@@ -620,13 +611,14 @@ def describe_loader(loader: Any) -> dict[str, Any]:
   return fields
 
 
-def _source_params(source: Any) -> dict[str, Any]:
+def _source_params(source: Any, prefix: str = "source_") -> dict[str, Any]:
+  """A source's type, length and sampled digest (`<prefix>length`, `<prefix>digest`)."""
   kind = type(source)
   params: dict[str, Any] = {"source": f"{kind.__module__}.{kind.__qualname__}"}
   try:
     length = len(source)
-    params["source_length"] = int(length)
-    params["source_digest"] = sources_lib.sample_digest(source, length) if length else None
+    params[f"{prefix}length"] = int(length)
+    params[f"{prefix}digest"] = sources_lib.sample_digest(source, length) if length else None
   except Exception as e:  # pylint: disable=broad-except  (a user source may raise anything)
-    params["source_digest"] = f"<unreadable: {type(e).__name__}>"
+    params[f"{prefix}digest"] = f"<unreadable: {type(e).__name__}>"
   return params
