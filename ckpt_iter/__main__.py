@@ -1,8 +1,10 @@
 """`ckpt-iter` and `python -m ckpt_iter`: the command line.
 
 `demo` is the preempt-and-resume demo (`ckpt_iter.demo`, which runs Tunix);
-every other verb belongs to `ckpt_iter.cli` (which only reads checkpoints).
-Dispatching here keeps the cli free of the demo, and lets the demo use the cli.
+`train` runs Tunix's YAML pipelines with the Resumable learners
+(`ckpt_iter.tunix.cli`); every other verb belongs to `ckpt_iter.cli` (which
+only reads checkpoints). Dispatching here keeps the cli free of Tunix and the
+demo, and lets the demo use the cli.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ckpt_iter import demo  # pylint: disable=g-import-not-at-top
 
     return int(demo.main(argv[1:]) or 0)  # the demo parses its own options
+  if argv[:1] == ["train"]:
+    from ckpt_iter.tunix import cli as tunix_cli  # pylint: disable=g-import-not-at-top
+
+    return tunix_cli.main(argv[1:], prog="ckpt-iter train")
   from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
 
   return cli.main(argv)

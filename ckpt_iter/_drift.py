@@ -24,16 +24,24 @@ Everything else is left to `state.check_fingerprint`, which refuses it naming
 the field. Only states whose position is `{"next_index": n}` (MapDataset
 pipelines, and `to_iter_dataset` on top of one) can change; a multiprocess or
 other IterDataset position is refused on any change.
+
+A plain iterable has no fingerprint beyond its type and is restored by
+replaying it; `batch_digest` and `check_replayed` tell whether the replay
+reproduced the last batch the saving run consumed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
+import numbers
 import re
 import sys
 from typing import Any, Callable, Collection, Mapping
+
+import numpy as np
 
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -346,3 +354,86 @@ def _canonical(nodes: list[_Node]) -> tuple[list[_Node], dict[int, tuple[Any, st
       continue
     kept.append(node)
   return kept, cuts
+
+
+# ---------------------------------------------------------------------------
+# Replayed plain iterables.
+
+# The position field of a replayed iterable that holds `batch_digest` of the
+# last batch read; states written before it have none and are not checked.
+REPLAY_DIGEST_FIELD = "last_batch_digest"
+_DIGEST_HEX = 16
+_MAX_DEPTH = 64
+
+
+def batch_digest(batch: Any) -> str:
+  """A 16-hex-digit digest of one batch: its tree structure and every leaf's value.
+
+  Dicts (keys in sorted order), lists and tuples are structure; arrays (numpy,
+  JAX, anything with `__array__`) are hashed by dtype, shape and bytes; Python
+  scalars, strings and bytes by type and value. So the same batch read by two
+  runs has the same digest, and any changed value, dtype, shape or key changes
+  it. A leaf of another type is hashed by its type name only (its repr may
+  hold a memory address): a change inside it is not seen.
+  """
+  digest = hashlib.blake2b(digest_size=_DIGEST_HEX // 2)
+  _hash_tree(batch, digest, 0)
+  return digest.hexdigest()
+
+
+def _hash_tree(node: Any, digest: Any, depth: int) -> None:
+  if depth > _MAX_DEPTH:
+    raise errors.InvalidArgumentError(f"a batch nested deeper than {_MAX_DEPTH} levels cannot be digested.")
+  if isinstance(node, Mapping):
+    digest.update(b"{%d" % len(node))
+    for key in sorted(node, key=lambda k: (type(k).__name__, str(k))):
+      _hash_tree(key, digest, depth + 1)
+      _hash_tree(node[key], digest, depth + 1)
+  elif isinstance(node, (list, tuple)):
+    digest.update(b"[%d" % len(node) if isinstance(node, list) else b"(%d" % len(node))
+    for item in node:
+      _hash_tree(item, digest, depth + 1)
+  elif node is None or (isinstance(node, (bool, numbers.Number, str)) and not isinstance(node, np.generic)):
+    digest.update(f"{type(node).__name__}:{node!r};".encode("utf-8", "surrogatepass"))
+  elif isinstance(node, bytes):
+    digest.update(b"bytes:%d:" % len(node) + node)
+  elif isinstance(node, (np.ndarray, np.generic)) or hasattr(node, "__array__"):
+    array = np.asarray(node)
+    if array.dtype.hasobject:  # e.g. an array of Python strings: element by element
+      digest.update(f"objects{array.shape};".encode())
+      for item in array.ravel().tolist():
+        _hash_tree(item, digest, depth + 1)
+      return
+    digest.update(f"array:{array.dtype.str}{array.shape};".encode())
+    digest.update(np.ascontiguousarray(array).view(np.uint8).ravel().data)
+  else:
+    digest.update(f"<{type(node).__module__}.{type(node).__qualname__}>;".encode())
+
+
+def check_replayed(saved_digest: Any, last_batch: Any, count: int, *, origin: str = "the state") -> None:
+  """Checks that a replay of `count` batches ended with the batch the saving run read last.
+
+  Args:
+    saved_digest: the state's `last_batch_digest`, or None when the state
+      predates the field (then nothing is checked).
+    last_batch: batch `count - 1` of this iterable (ignored when count is 0).
+    count: batches replayed.
+    origin: what the error names.
+
+  Raises:
+    ConfigDriftError: the digests differ: this iterable yields another stream.
+  """
+  if saved_digest is None or count == 0:
+    return
+  here = batch_digest(last_batch)
+  if here == saved_digest:
+    return
+  error = errors.ConfigDriftError({REPLAY_DIGEST_FIELD: (saved_digest, here)}, origin=origin)
+  error.args = (
+      f"{origin} was written after reading {count} batches of a plain iterable, the last with "
+      f"{REPLAY_DIGEST_FIELD}={saved_digest!r}; replaying this iterable gives batch {count - 1} "
+      f"{REPLAY_DIGEST_FIELD}={here!r}, so it is not the stream the checkpoint's run read. "
+      "Pass the iterable the checkpoint's run read (the same batches in the same order), or "
+      "a Grain dataset (ckpt_iter.make_dataset), whose fingerprint names what changed.",
+  )
+  raise error

@@ -1,5 +1,10 @@
 """The files of one data item: `process_<i>-of-<n>.json` (+ `.npz`) per process.
 
+Plus `ckpt_iter.json`, written by process 0 through the checkpoint handler:
+`{"process_count": n}`, so an elastic restore learns the saved count from
+one small file instead of listing the 2n names (items written before it
+existed are listed, as before).
+
 This module is the only one that names, lists, writes or reads them. Writes
 are atomic (a file appears whole or not at all); reads are hardened against
 truncated, garbled or hostile files: sizes are checked before anything is
@@ -24,6 +29,9 @@ from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
 MAX_HEADER_BYTES = 64 * 2**20
+COUNT_FILE = "ckpt_iter.json"
+# Far above any pod; a larger value is a garbled file, not a job.
+MAX_PROCESS_COUNT = 2**24
 _PROCESS_FILE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
 _PROCESS_FILES_IN_LISTING = re.compile(r"^process_(\d+)-of-(\d+)\.json$", re.MULTILINE)
 
@@ -45,8 +53,13 @@ def write_files(
     *,
     process_index: int,
     process_count: int,
+    count_file: bool = False,
 ) -> None:
-  """Writes one process's files; each appears whole or not at all."""
+  """Writes one process's files; each appears whole or not at all.
+
+  With `count_file` (the checkpoint handler), process 0 also writes
+  `COUNT_FILE`, the saved process count an elastic restore reads.
+  """
   directory = os.fspath(directory)
   stem = process_file_stem(process_index, process_count)
   if arrays:
@@ -54,6 +67,9 @@ def write_files(
   # Compact: a state is read by programs (`ckpt-iter inspect` shows it to people).
   text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
   _atomic_write(os.path.join(directory, stem + ".json"), lambda f: f.write(text))
+  if count_file and process_index == 0:
+    count = json.dumps({"process_count": process_count}).encode()
+    _atomic_write(os.path.join(directory, COUNT_FILE), lambda f: f.write(count))
 
 
 def _atomic_write(path: str, write: Any) -> None:
@@ -66,23 +82,20 @@ def _atomic_write(path: str, write: Any) -> None:
 
 
 def read_header(path: str) -> dict[str, Any]:
-  """Reads and parses a state header file, with errors that name the file."""
+  """Reads and parses a state header file, with errors that name the file.
+
+  Raises:
+    FileNotFoundError: there is no such file (the caller says what that means).
+    InvalidStateError: anything else.
+  """
   try:
-    size = _regular_file_size(path)
+    data = _read_small_file(path)
+  except FileNotFoundError:
+    raise
   except OSError as e:
     raise errors.InvalidStateError(f"{path}: cannot read the state file ({e.strerror}).") from None
-  if size > MAX_HEADER_BYTES:
-    raise errors.InvalidStateError(
-        f"{path}: state header is {size} bytes, over the {MAX_HEADER_BYTES} limit; "
-        "the file is corrupt or not a ckpt_iter state."
-    )
   try:
-    with open(path, "rb") as f:
-      # Bounded by the measured size (read(n) allocates n bytes up front).
-      data = f.read(size + 1)
-    if len(data) > size:
-      raise ValueError(f"the file grew past its {size} bytes while being read")
-    return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    return _DECODER.decode(data.decode("utf-8"))
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
     # RecursionError: JSON nested deeper than the parser's recursion limit.
     raise errors.InvalidStateError(
@@ -91,20 +104,68 @@ def read_header(path: str) -> dict[str, Any]:
     ) from None
 
 
-def _regular_file_size(path: str) -> int:
-  """The size of `path`; OSError unless it is a regular file.
+def _read_small_file(path: str) -> bytes:
+  """The bytes of a regular file of at most MAX_HEADER_BYTES.
+
+  One open and an fstat of the open file, no stat of the path first: the
+  regular-file check holds for the very file that is read.
+  """
+  f, size = _open_regular(path)
+  with f:
+    if size > MAX_HEADER_BYTES:
+      raise errors.InvalidStateError(
+          f"{path}: state header is {size} bytes, over the {MAX_HEADER_BYTES} limit; "
+          "the file is corrupt or not a ckpt_iter state."
+      )
+    # Bounded by the measured size (read(n) allocates n bytes up front); a
+    # raw read may return less than asked (FUSE, NFS), so read to the end.
+    chunks, left = [], size + 1
+    while left > 0:
+      chunk = f.read(left)
+      if not chunk:
+        break
+      chunks.append(chunk)
+      left -= len(chunk)
+  data = b"".join(chunks)
+  if len(data) > size:
+    raise errors.InvalidStateError(
+        f"{path}: not valid JSON (ValueError: the file grew past its {size} bytes while being "
+        "read); the file is truncated or garbled. Restore an earlier step."
+    )
+  return data
+
+
+def _open_regular(path: str, buffering: int = 0) -> tuple[Any, int]:
+  """`path` open for reading, and its size; OSError unless it is a regular file.
 
   A FIFO would block the reader forever and a device (/dev/zero) never ends,
-  so a state file (or a symlink in its place) must be a regular file.
+  so a state file (or a symlink in its place) must be a regular file. The
+  open is non-blocking, so a FIFO is refused at the fstat instead of hanging
+  in open(); for a regular file O_NONBLOCK changes nothing. Unbuffered by
+  default: a header is read whole, and a buffer would only add a copy (and an
+  isatty probe).
   """
-  info = os.stat(path)
-  if not stat.S_ISREG(info.st_mode):
-    raise OSError(errno.EINVAL, "not a regular file", path)
-  return info.st_size
+  f = open(path, "rb", buffering=buffering, opener=_nonblocking)  # pylint: disable=consider-using-with
+  try:
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+      raise OSError(errno.EINVAL, "not a regular file", path)
+  except BaseException:
+    f.close()
+    raise
+  return f, info.st_size
+
+
+def _nonblocking(path: str, flags: int) -> int:
+  return os.open(path, flags | os.O_NONBLOCK)
 
 
 def _reject_constant(name: str) -> Any:
   raise ValueError(f"{name} is not valid in a state file")
+
+
+# One decoder for every read: json.loads with a keyword builds a new one each call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 def read_state(
@@ -113,6 +174,7 @@ def read_state(
     process_count: int,
     *,
     load_arrays: bool = True,
+    count_is_saved: bool = False,
 ) -> state_lib.IteratorState:
   """Reads and validates one process's state (header and arrays).
 
@@ -120,14 +182,23 @@ def read_state(
   each pending array is a read-only stand-in with the saved dtype and shape
   and no data (zero strides), for callers that need the state's structure
   and global fields but not that process's rows (`elastic.read_for_process`).
+
+  `count_is_saved`: `process_count` is the one the item records
+  (`saved_process_count`), so a missing file means an incomplete step, not
+  a restore with another process count.
   """
   directory = os.fspath(directory)
   stem = process_file_stem(process_index, process_count)
   json_path = os.path.join(directory, stem + ".json")
-  if not os.path.exists(json_path):
-    raise _missing_process_file(directory, process_index, process_count)
-  header = read_header(json_path)
-  if not load_arrays:
+  try:
+    header = read_header(json_path)
+  except FileNotFoundError:
+    if count_is_saved:
+      raise incomplete_set_error(directory, process_index, process_count) from None
+    raise _missing_process_file(directory, process_index, process_count) from None
+  if not load_arrays or (isinstance(header, dict) and not header.get("arrays")):
+    # No manifest, no array to load (a pending node naming one is refused by
+    # decode_state first), so the npz is not looked for.
     return codec.decode_state(header, _stand_in, origin=json_path)
   npz_path = os.path.join(directory, stem + ".npz")
   with _ArrayReader(npz_path) as reader:
@@ -159,13 +230,19 @@ class _ArrayReader:
 
   def load(self, name: str, spec: codec.ArraySpec) -> np.ndarray:
     if self._zip is None:
-      if not os.path.exists(self._path):
+      try:
+        self._file = _ClampedFile(self._path)
+      except FileNotFoundError:
         raise errors.InvalidStateError(
             f"{self._path}: missing; the state refers to array {name!r}. "
             "The checkpoint is incomplete: restore an earlier step."
-        )
+        ) from None
+      except OSError as e:
+        raise errors.InvalidStateError(
+            f"{self._path}: not a readable npz ({e}); the state refers to array "
+            f"{name!r}. The file is truncated or garbled: restore an earlier step."
+        ) from None
       try:
-        self._file = _ClampedFile(self._path)
         self._zip = zipfile.ZipFile(self._file)
       except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
         raise errors.InvalidStateError(
@@ -242,8 +319,8 @@ class _ClampedFile:
   """
 
   def __init__(self, path: str):
-    self.size = _regular_file_size(path)
-    self._f = open(path, "rb")
+    # Buffered: zipfile reads the directory and member headers in small pieces.
+    self._f, self.size = _open_regular(path, buffering=-1)
 
   def read(self, n: int | None = -1) -> bytes:
     left = max(0, self.size - self._f.tell())
@@ -330,15 +407,63 @@ def process_set_problems(
   return problems
 
 
-def saved_process_count(directory: str | os.PathLike[str]) -> int:
-  """The number of processes that wrote the complete set of files in `directory`.
+def incomplete_set_error(directory: str, process_index: int, process_count: int) -> errors.InvalidStateError:
+  """The error for a file missing from a set whose count the item records.
 
-  One directory listing; no file is opened or stat'ed.
+  An error path only: it lists the directory once to say everything that is
+  wrong with the set (`process_set_problems`), not just the one file.
+  """
+  path = header_path(directory, process_index, process_count)
+  try:
+    present = list_process_files(directory)
+  except OSError:
+    present = []
+  problems = process_set_problems(directory, present)
+  counts = {count for _, count in present}
+  if not problems and counts != {process_count}:
+    # A complete set of another count: the count file is stale or was edited.
+    problems = [(os.path.join(directory, COUNT_FILE),
+                 f"says {process_count} processes, but the state files are the set of {min(counts)}.")]
+  shown = [f"{p}: {message}" for p, message in problems[:3]]
+  if not any(p == path for p, _ in problems[:3]):
+    shown.insert(0, f"{path}: missing: process {process_index} of {process_count} wrote no state.")
+  if len(problems) > 3:
+    shown.append(f"({len(problems) - 3} more problems)")
+  return errors.InvalidStateError(
+      " ".join(shown) + " The checkpoint is incomplete or was tampered with: restore an earlier "
+      "step (`ckpt-iter verify` lists every problem)."
+  )
+
+
+def require_headers(directory: str, process_count: int, indices: Sequence[int]) -> None:
+  """Raises `incomplete_set_error` unless these processes' headers exist (one stat each)."""
+  for index in indices:
+    try:
+      os.stat(header_path(directory, index, process_count))
+    except FileNotFoundError:
+      raise incomplete_set_error(directory, index, process_count) from None
+    except OSError:
+      pass  # exists but unreadable: refused by whichever process reads it
+
+
+def saved_process_count(directory: str | os.PathLike[str]) -> int:
+  """The number of processes that wrote the item in `directory`.
+
+  From `COUNT_FILE` when the item has one (one small file: O(1) in the
+  count); otherwise, for items written before it existed or without the
+  handler, from one directory listing, which also checks that the set is
+  complete. With `COUNT_FILE` the set is trusted to be complete, as Orbax
+  commits a step only once every process wrote its files; a file a restore
+  then needs and does not find is refused with `incomplete_set_error`.
 
   Raises:
-    InvalidStateError: the set is empty, mixed or incomplete (names the file).
+    InvalidStateError: `COUNT_FILE` is unreadable or garbled, or (listing)
+      the set is empty, mixed or incomplete (names the file).
   """
   directory = os.fspath(directory)
+  count = _read_count_file(directory)
+  if count is not None:
+    return count
   try:
     present = list_process_files(directory)
   except OSError as e:
@@ -353,3 +478,21 @@ def saved_process_count(directory: str | os.PathLike[str]) -> int:
         "restore an earlier step."
     )
   return present[0][1]
+
+
+def _read_count_file(directory: str) -> int | None:
+  """The process count `COUNT_FILE` records, or None if the item has none."""
+  path = os.path.join(directory, COUNT_FILE)
+  try:
+    value = read_header(path)
+  except FileNotFoundError:
+    return None
+  count = value.get("process_count") if isinstance(value, dict) else None
+  if not state_lib.is_int(count) or not 1 <= count <= MAX_PROCESS_COUNT:
+    shown = state_lib.short_repr(count if isinstance(value, dict) else value)
+    raise errors.InvalidStateError(
+        f"{path}: field 'process_count' is {shown}, expected the number of processes that "
+        "wrote this step (an integer >= 1). The file is garbled: restore an earlier step, or "
+        f"delete {COUNT_FILE} to have the process files listed instead."
+    )
+  return int(count)

@@ -9,10 +9,11 @@
 
 Each process writes `process_<i>-of-<n>.json` (the state header) and, when it
 has pending arrays, `process_<i>-of-<n>.npz` (plain .npy members, never
-pickled). The state is snapshotted synchronously in `save`; the files are
-written in Orbax's background thread; Orbax makes the step visible only once
-every item of every process is written, so a step that did not finish is
-never restored.
+pickled); process 0 also writes `ckpt_iter.json`, the process count, which an
+elastic restore reads instead of listing the directory. The state is
+snapshotted synchronously in `save`; the files are written in Orbax's
+background thread; Orbax makes the step visible only once every item of every
+process is written, so a step that did not finish is never restored.
 """
 
 from __future__ import annotations
@@ -84,14 +85,14 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     index, count = self._process()
 
     async def write() -> None:
-      _files.write_files(directory, header, arrays, process_index=index, process_count=count)
+      _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True)
 
     return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="ckpt_iter_save")]
 
   def save(self, directory: epath.Path, args: "IteratorSave") -> None:
     header, arrays = snapshot(args.item)
     index, count = self._process()
-    _files.write_files(directory, header, arrays, process_index=index, process_count=count)
+    _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True)
 
   def restore(self, directory: epath.Path, args: "IteratorRestore | None" = None) -> Any:
     if args is None or args.item is None:
@@ -176,8 +177,11 @@ def check_restore_into(
     item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
 ) -> Callable[[], None]:
   """The check half of `restore_into`: raises or returns the apply step."""
-  if isinstance(item, state_lib.Restorable):
-    return item.check_restore(value, allow_drift=allow_drift, origin=origin)
+  # What isinstance(item, state_lib.Restorable) decides, without typing's
+  # protocol machinery, which walks the protocol's MRO on every call.
+  check_restore = getattr(item, "check_restore", None)
+  if check_restore is not None:
+    return check_restore(value, allow_drift=allow_drift, origin=origin)
   if allow_drift:
     raise errors.InvalidArgumentError(
         f"allow_drift/elastic need a ckpt_iter iterator; {type(item).__qualname__} "
@@ -263,7 +267,7 @@ class IteratorCheckpointable:
 
     async def write() -> None:
       path = await directory.await_creation()
-      _files.write_files(path, header, arrays, process_index=index, process_count=count)
+      _files.write_files(path, header, arrays, process_index=index, process_count=count, count_file=True)
 
     return write()
 

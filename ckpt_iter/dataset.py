@@ -178,8 +178,11 @@ class GlobalBatchDataset(grain.MapDataset):
   def __getitem__(self, index):
     if isinstance(index, slice):
       return self.slice(index)
-    if index < 0 or index >= self._length:
-      raise IndexError(f"batch index {index} out of range for {self._length} batches")
+    # Past the length is allowed: Grain's MapDataset contract, on which a
+    # `repeat` after make_dataset relies. It continues into later epochs,
+    # each with its own permutation, as Grain's shuffle does.
+    if index < 0:
+      raise IndexError(f"batch index {index} is negative")
     epoch, batch = divmod(index, self._batches_per_epoch)
     first = batch * self.spec.global_batch_size + self.spec.shard_index * self.spec.batch_size
     last = min(first + self.spec.batch_size, self._epoch_length)

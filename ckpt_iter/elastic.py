@@ -24,9 +24,10 @@ fraction [i/N, (i+1)/N) of every pending leaf's rows and process j needs
 overlap (`overlapping_files`); their arrays are read, no other file's. The
 headers it checks against process 0's are those of a window of
 ceil(N/M)+1 files around its slice (`checked_files`), plus process 0's.
-Files and bytes read per process are O(1 + N/M) and O(pending / M); the
-windows of all M processes cover every saved file (see docs/multihost.md,
-"At scale", for what that means for consistency checks).
+The saved count N comes from the item's count file, not from listing the 2N
+names. Files and bytes read per process are O(1 + N/M) and O(pending / M);
+the windows of all M processes cover every saved file (see docs/multihost.md,
+"At scale", for what that means for completeness and consistency checks).
 """
 
 from __future__ import annotations
@@ -105,9 +106,15 @@ def read_for_process(
 
   The result equals `redistribute` over all N saved states, bit for bit.
 
+  The saved count comes from the item's count file (`_files.saved_process_count`:
+  one small file; a directory listing only for items written without it).
+  The files of this process's window (`checked_files`) must exist; with
+  another count their headers are read and compared with process 0's.
+
   Raises:
-    InvalidStateError: the file set is incomplete, or a file this process
-      reads disagrees with process 0's (see `checked_files`).
+    InvalidStateError: a file of this process's window is missing (the
+      message lists what is wrong with the whole set), or one it reads
+      disagrees with process 0's (see `checked_files`).
     UnsupportedConfigError: the state cannot be resumed with another process
       count (not a make_dataset pipeline, a per-process step after it, a
       Tunix learner state, or pending items that are not batch-major).
@@ -117,26 +124,31 @@ def read_for_process(
     raise errors.InvalidArgumentError(
         f"process_index={process_index} is not in [0, {process_count})."
     )
-  if saved_count is None:  # a caller that already listed the directory passes it
+  if saved_count is None:  # a caller that already read it passes it
     saved_count = _files.saved_process_count(directory)
-  if saved_count == process_count:
-    return _files.read_state(directory, process_index, process_count)
-  rows_from = overlapping_files(saved_count, process_index, process_count)
   checked = checked_files(saved_count, process_index, process_count)
+  if saved_count == process_count:
+    # Its own file only, as a plain restore; the rest of its window must
+    # exist (a stat each), so an incomplete set is refused by some process.
+    _files.require_headers(directory, saved_count, [i for i in checked if i != process_index])
+    return _files.read_state(directory, process_index, process_count, count_is_saved=True)
+  rows_from = overlapping_files(saved_count, process_index, process_count)
   # Process 0's header first, alone: if the kind of state cannot be resized
   # the refusal then gives the real reason, before any other file is read.
-  states = {0: _files.read_state(directory, 0, saved_count, load_arrays=0 in rows_from)}
+  states = {0: _read(directory, 0, saved_count, load_arrays=0 in rows_from)}
   _check_resizable(directory, states[0], saved_count, process_count)
   for index in checked:
     if index not in states:
-      states[index] = _files.read_state(
-          directory, index, saved_count, load_arrays=index in rows_from
-      )
+      states[index] = _read(directory, index, saved_count, load_arrays=index in rows_from)
   _check_agree(directory, states, saved_count)
   return _resliced(
       states, rows_from, saved_count, process_index, process_count,
       origin=f"{directory} (written by {saved_count} processes, restored by {process_count})",
   )
+
+
+def _read(directory: str, index: int, saved_count: int, *, load_arrays: bool) -> state_lib.IteratorState:
+  return _files.read_state(directory, index, saved_count, load_arrays=load_arrays, count_is_saved=True)
 
 
 def overlapping_files(saved_count: int, process_index: int, process_count: int) -> range:

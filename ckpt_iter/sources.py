@@ -1,12 +1,12 @@
-"""Random-access record sources: in-memory, JSONL, Parquet and ArrayRecord.
+"""Random-access record sources: in-memory, JSONL, Parquet, ArrayRecord, Hugging Face.
 
 Every source here has `__len__` and `__getitem__` (Grain's RandomAccessDataSource
 protocol), returns one record (a dict) per index, and reads files lazily: a
 JSONL file is indexed by line offsets (16 bytes per line), cached between runs
 (see `index_cache_location`), and records are read with `os.pread`; Parquet is
 read one row group at a time; ArrayRecord files hold one UTF-8 JSON object per
-record. All are picklable, so Grain worker processes
-can use them.
+record; a Hugging Face `datasets.Dataset` is Arrow memory-mapped from its
+cache. All are picklable, so Grain worker processes can use them.
 """
 
 from __future__ import annotations
@@ -373,6 +373,121 @@ class ArrayRecordSource:
     return f"ArrayRecordSource({len(self._paths)} files, {len(self)} records)"
 
 
+class HuggingFaceSource:
+  """Records of a Hugging Face `datasets.Dataset` (Arrow-backed, random access).
+
+  Loads by name or path and split: a directory written by
+  `Dataset.save_to_disk` / `DatasetDict.save_to_disk` is read with
+  `datasets.load_from_disk`, anything else with `datasets.load_dataset`
+  (a Hub name, a local dataset script or folder, or a builder such as
+  "json" / "parquet" with `data_files`). Or wrap a loaded Dataset:
+  `HuggingFaceSource(dataset=ds)`.
+
+  Args:
+    path: the dataset's name or path.
+    split: the split; needed when the dataset has several.
+    name: the dataset's configuration (load_dataset's `name`).
+    data_files: passed to load_dataset.
+    cache_dir: load_dataset's cache directory (default: Hugging Face's).
+    dataset: an already loaded `datasets.Dataset` instead of `path`.
+  """
+
+  def __init__(
+      self, path: str | None = None, *, split: str | None = None, name: str | None = None,
+      data_files: Any = None, cache_dir: str | None = None, dataset: Any = None,
+  ):
+    if (path is None) == (dataset is None):
+      raise errors.InvalidArgumentError("HuggingFaceSource needs exactly one of path= and dataset=.")
+    datasets = _import_datasets()
+    if dataset is None:
+      path = os.fspath(path)
+      dataset = _load_hf(datasets, path, split, name, data_files, cache_dir)
+      label = os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else path
+    else:
+      label = "dataset"
+    if isinstance(dataset, datasets.DatasetDict):
+      dataset = _one_split(dataset, split, label)
+    if not isinstance(dataset, datasets.Dataset):
+      raise errors.InvalidArgumentError(
+          f"Hugging Face source {label!r} is a {type(dataset).__qualname__}, not a "
+          "datasets.Dataset: an IterableDataset (streaming) has no random access, so "
+          "its position cannot be restored. Load it without streaming."
+      )
+    self._dataset = dataset
+    parts = [label] + ([name] if name else []) + ([split] if split else [])
+    # Name, configuration and split, no absolute path (as for files); the
+    # content is checked by the length and the sampled digest.
+    self.description = f"hf[{':'.join(str(p) for p in parts)}]"
+
+  @property
+  def dataset(self) -> Any:
+    return self._dataset
+
+  def __len__(self) -> int:
+    return len(self._dataset)
+
+  def __getitem__(self, index: int) -> Any:
+    if not isinstance(index, (int, np.integer)):
+      raise TypeError(f"record index must be an integer, got {type(index).__name__}")
+    return self._dataset[int(index)]
+
+  def __repr__(self) -> str:
+    return f"HuggingFaceSource({self.description}, {len(self)} records)"
+
+
+def _import_datasets():
+  try:
+    import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise errors.InvalidArgumentError(
+        "reading Hugging Face datasets needs the datasets package. Install it with: "
+        "pip install 'ckpt_iter[hf]' (or pip install datasets)"
+    ) from None
+  return datasets
+
+
+def _is_saved_to_disk(path: str) -> bool:
+  """A directory written by save_to_disk (a Dataset's or a DatasetDict's)."""
+  return os.path.isdir(path) and any(
+      os.path.isfile(os.path.join(path, marker)) for marker in ("state.json", "dataset_dict.json")
+  )
+
+
+def _load_hf(datasets: Any, path: str, split: str | None, name: str | None, data_files: Any,
+             cache_dir: str | None) -> Any:
+  if _is_saved_to_disk(path):
+    if name is not None or data_files is not None:
+      raise errors.InvalidArgumentError(
+          f"{path!r} was written by save_to_disk: name= and data_files= do not apply to it."
+      )
+    return datasets.load_from_disk(path)
+  try:
+    return datasets.load_dataset(path, name, data_files=data_files, split=split, cache_dir=cache_dir)
+  except ValueError as e:  # an unknown split or configuration: HF's message names the choices
+    raise errors.InvalidArgumentError(f"Hugging Face dataset {path!r}: {e}") from None
+
+
+def _one_split(dataset_dict: Any, split: str | None, label: str) -> Any:
+  splits = sorted(dataset_dict)
+  if split is None:
+    if len(splits) == 1:
+      return dataset_dict[splits[0]]
+    raise errors.InvalidArgumentError(
+        f"Hugging Face dataset {label!r} has splits {splits}; choose one with split=."
+    )
+  if split not in dataset_dict:
+    raise errors.InvalidArgumentError(
+        f"Hugging Face dataset {label!r} has no split {split!r}; it has {splits}."
+    )
+  return dataset_dict[split]
+
+
+def _is_hf_dataset(source: Any) -> bool:
+  """A datasets.Dataset or DatasetDict, recognised without importing datasets."""
+  module = type(source).__module__ or ""
+  return module.split(".")[0] == "datasets" and type(source).__name__ in ("Dataset", "DatasetDict")
+
+
 def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
   """Turns the `source` argument of make_dataset into a random-access source.
 
@@ -392,6 +507,9 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
               ".array_record": ArrayRecordSource}[suffix]
     resolved = reader(paths)
     description = _describe_files(suffix[1:], paths)
+  elif isinstance(source, HuggingFaceSource) or _is_hf_dataset(source):
+    resolved = source if isinstance(source, HuggingFaceSource) else HuggingFaceSource(dataset=source)
+    description = resolved.description
   elif _is_random_access(source):
     resolved = source
     if isinstance(source, (list, tuple)):
@@ -402,7 +520,8 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     raise errors.InvalidArgumentError(
         f"source={_short(source)} is not supported. Pass a list of records "
         f"(dicts), a path, glob or list of paths to {', '.join(FILE_SUFFIXES)} "
-        "files, or a random-access data source (with __len__ and __getitem__)."
+        "files, a Hugging Face datasets.Dataset (or HuggingFaceSource), or a "
+        "random-access data source (with __len__ and __getitem__)."
     )
   length = len(resolved)
   if length == 0:

@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
       description="Inspect, verify and compare the data state that ckpt_iter "
       "writes into Orbax and Tunix checkpoints.",
       epilog="`ckpt-iter demo` runs the preempt-and-resume GRPO demo "
-      "(stock Tunix vs ckpt_iter); `ckpt-iter demo --help` for its options.",
+      "(stock Tunix vs ckpt_iter); `ckpt-iter demo --help` for its options. "
+      "`ckpt-iter train grpo|ppo|sft CONFIG.yaml [key=value ...]` runs Tunix's "
+      "YAML pipeline with the Resumable learners; `ckpt-iter train --help`.",
   )
   verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
   _add_inspect(verbs)

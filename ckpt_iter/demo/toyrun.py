@@ -72,6 +72,12 @@ class RunConfig:
   batch_sizes: list[int] | None = None
   # Sequence packing: RLTrainingConfig.max_seq_token_per_tpu (None: off).
   max_seq_token_per_tpu: int | None = None
+  # Algorithm settings a resume may change (with a warning).
+  beta: float = 0.04
+  temperature: float | None = None  # None: RolloutConfig's default
+  # None: optax.sgd(1e-2). A value: optax.inject_hyperparams(optax.sgd), whose
+  # learning rate is visible to the resume.
+  learning_rate: float | None = None
 
 
 def load_prompts(limit: int | None = None) -> list[dict[str, str]]:
@@ -137,7 +143,8 @@ def build_cluster(config: RunConfig, root: str) -> Any:
         tc.ToyTransformer(config=model_config, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(1)
     )
   training = rl_cluster_lib.RLTrainingConfig(
-      actor_optimizer=optax.sgd(1e-2),
+      actor_optimizer=(optax.sgd(1e-2) if config.learning_rate is None
+                       else optax.inject_hyperparams(optax.sgd)(learning_rate=config.learning_rate)),
       critic_optimizer=optax.sgd(1e-3) if config.algorithm == "ppo" else None,
       eval_every_n_steps=config.eval_every_n_steps,
       max_steps=config.max_steps,
@@ -161,6 +168,7 @@ def build_cluster(config: RunConfig, root: str) -> Any:
               # Tunix main takes the old log-probs of num_iterations > 1 from
               # the sampler (it refuses to run without them); 0.1.7 recomputes.
               return_logprobs=_sampler_logprobs_needed(),
+              **({} if config.temperature is None else {"temperature": config.temperature}),
           ),
       ),
       **extra_models,
@@ -223,7 +231,7 @@ def _algorithm(config: RunConfig) -> tuple[type, str, Any]:
     return grpo_learner.GRPOLearner, "algo_config", grpo_learner.GRPOConfig(
         num_generations=config.num_generations,
         num_iterations=config.num_iterations,
-        beta=0.04,
+        beta=config.beta,
     )
   if config.algorithm == "dapo":
     from tunix.rl.grpo import dapo_learner  # pylint: disable=g-import-not-at-top
@@ -242,13 +250,13 @@ def _algorithm(config: RunConfig) -> tuple[type, str, Any]:
     return drgrpo_learner.DrGRPOLearner, "algo_config", drgrpo_learner.DrGRPOConfig(
         num_generations=config.num_generations,
         num_iterations=config.num_iterations,
-        beta=0.04,
+        beta=config.beta,
     )
   if config.algorithm == "ppo":
     from tunix.rl.ppo import ppo_learner  # pylint: disable=g-import-not-at-top
 
     return ppo_learner.PPOLearner, _config_argument(ppo_learner.PPOLearner), ppo_learner.PPOConfig(
-        num_iterations=config.num_iterations, beta=0.04
+        num_iterations=config.num_iterations, beta=config.beta
     )
   raise ValueError(f"algorithm={config.algorithm!r}: expected 'grpo', 'dapo', 'drgrpo' or 'ppo'.")
 
@@ -351,12 +359,15 @@ def load_record(path: str) -> tuple[list[dict[str, np.ndarray]], dict[str, Any]]
 
 def prompt_labels(prompt_ids: np.ndarray) -> list[str]:
   """The prompt ids ("A", "B", ...) of the rows of a trainer input, deduplicated."""
+  return label_rows(prompt_ids, {r["prompts"]: r["id"] for r in load_prompts()})
+
+
+def label_rows(prompt_ids: np.ndarray, label_of_text: dict[str, str]) -> list[str]:
+  """The labels of a trainer input's prompt rows (MockVocab tokens), consecutive repeats merged."""
   from tunix.tests import test_common as tc  # pylint: disable=g-import-not-at-top
 
   vocab = tc.MockVocab()
-  by_tokens = {
-      tuple(vocab.EncodeAsIds(r["prompts"])): r["id"] for r in load_prompts()
-  }
+  by_tokens = {tuple(vocab.EncodeAsIds(text)): label for text, label in label_of_text.items()}
   labels = []
   for row in np.asarray(prompt_ids):
     tokens = tuple(int(t) for t in row if t not in (vocab.pad_id(), vocab.bos_id()))

@@ -12,6 +12,9 @@ its own consumer loop (`_agentic_loop.py`) with a deterministic order:
   rollout is rolled out before the next optimizer update (with separate
   models: before the next weight sync), so the weights a rollout uses depend
   only on when its prompt was fed, never on timing;
+* with num_iterations > 1 the installed Tunix's order of updates is kept:
+  0.1.7 trains each group's input num_iterations times in a row, main trains
+  the full batch once and then replays it whole (`_api.agentic_iteration_order`);
 * every actor save carries, in the same Orbax step, the produced trainer
   inputs not yet trained (arrays, bit for bit), the input position of the
   first prompt not yet absorbed into them (O(1) to restore for a Grain
@@ -51,7 +54,7 @@ class ResumableAgentic:
 
   Guarantees (single process; see docs/tunix.md, "Agentic learners"):
     * after a checkpoint at any optimizer update (inside a num_iterations
-      repeat and with gradient accumulation included) no prompt is skipped or
+      repeat or full-batch replay, with gradient accumulation included) no prompt is skipped or
       trained twice, and the trainer inputs already produced are restored from
       the checkpoint bit for bit, never regenerated;
     * prompts fed to the rollout but not yet produced at save time are read

@@ -7,8 +7,11 @@ by Tunix's RolloutOrchestrator; each finished group becomes trainer inputs
 Consumer (the thread that called `train()`, which is also the thread that
 saves): groups are absorbed strictly in prompt order into a queue of update
 inputs (one `update_actor` call each), trained one by one; full batches are
-fed at global-step boundaries as stock Tunix does. Everything a checkpoint
-needs is in this object's fields, so `snapshot()` is a pure read.
+fed at global-step boundaries as stock Tunix does. With num_iterations > 1 the
+installed Tunix's order is followed (`_api.agentic_iteration_order`): 0.1.7
+repeats each input in a row; main trains the full batch once, then replays it
+whole. Everything a checkpoint needs is in this object's fields, so
+`snapshot()` is a pure read.
 """
 
 from __future__ import annotations
@@ -63,10 +66,22 @@ class ConsumerLoop:
     self.config = config
     self.algo = learner.algo_config
     self.shared_weights = not learner.should_sync_weights
+    mu = int(self.algo.num_iterations)
+    order = api.agentic_iteration_order()
+    if order is None and mu > 1:
+      raise errors.UnsupportedConfigError(
+          "this Tunix's agentic learner repeats groups for num_iterations in a way "
+          "ckpt_iter does not recognise (neither 0.1.7's per-group repeats nor main's "
+          "full-batch replay); use num_iterations=1 or a supported Tunix."
+      )
+    # Main's order: the first pass's inputs are kept for the replays.
+    self.replays = order == api.AGENTIC_REPLAY_FULL_BATCH and mu > 1
+    self.evaluates_once_per_step = order == api.AGENTIC_REPLAY_FULL_BATCH
     self.started = False
     # Sizes are set from the first batch (as stock does).
     self.full_batch_size = 0
     self.micro_batch_size = 0
+    self.grad_acc_steps = 1
     self.in_consumer = False
     # Loop state, all of it consumer-thread owned.
     self.updates: collections.deque[Update] = collections.deque()
@@ -79,13 +94,24 @@ class ConsumerLoop:
     self.producer_done = False
     self.micro_batches_in_step = 0
     self.current: Update | None = None
+    # Replay state (self.replays): the inputs trained by this global step's
+    # first pass, the replay passes finished, and, while a replay's
+    # `update_actor` runs, the trainer's micro-step count its chunk 0 has.
+    self.step_inputs: list[Any] = []
+    self.replay_pass = 0
+    self.replay_chunks_done = 0
+    self.replay_origin: int | None = None
     self.step_start_time = time.time()
     self.prompt_queue: queue.Queue = queue.Queue()
     self.results: queue.Queue = queue.Queue()
 
   @property
   def fingerprint(self) -> dict[str, Any]:
+    # Only main's replay order adds a field: checkpoints of the other order
+    # (and every num_iterations=1 one, the same in both) keep their fingerprint.
+    order = {"num_iterations_order": api.AGENTIC_REPLAY_FULL_BATCH} if self.replays else {}
     return {
+        **order,
         **self.source.fingerprint,
         "agentic_learner": next(c.__name__ for c in type(self.learner).__mro__ if c.__module__.startswith("tunix.")),
         "num_generations": int(self.algo.num_generations),
@@ -117,12 +143,14 @@ class ConsumerLoop:
           "a micro-batch would span two fed batches."
       )
     self.full_batch_size, self.micro_batch_size = full, micro
+    self.grad_acc_steps = max(1, mini // micro)
     api.agentic_set_batch_sizes(self.learner, full, self.in_consumer)
 
   def _restore(self, value: state_lib.IteratorState) -> list[Any]:
     """Applies a checkpoint's data state; returns the prompts to feed again first."""
     position = value.position
     counters = value.counters
+    replay = self._check_replay(value)
     fields = set(self.source.fingerprint)
     checked = self.source.check(
         {k: v for k, v in value.fingerprint.items() if k in fields}, position["source"],
@@ -147,7 +175,14 @@ class ConsumerLoop:
     ]
     ends = position["ends_micro_batch"]
     num_updates = len(ends)
-    for slot, index in enumerate(value.pending.schedule):
+    schedule = list(value.pending.schedule)
+    if replay is not None:
+      kept = int(replay["inputs"])
+      self.step_inputs = [items[index] for index in schedule[:kept]]
+      schedule = schedule[kept:]
+      self.replay_pass = int(replay["pass"])
+      self.replay_chunks_done = int(replay["chunks_done"])
+    for slot, index in enumerate(schedule):
       if slot < num_updates:
         self.updates.append(Update(items[index], bool(ends[slot])))
       else:
@@ -162,8 +197,35 @@ class ConsumerLoop:
       self._set_sizes_from_counters(counters)
     return refeed
 
+  def _check_replay(self, value: state_lib.IteratorState) -> Any:
+    """The saved replay state (main's order), validated before anything is changed."""
+    replay = value.position.get("replay")
+    origin = "the agentic data state"
+    if (replay is not None) != self.replays:
+      saved = "main's full-batch replay" if replay is not None else "0.1.7's per-group repeat"
+      raise errors.UnsupportedConfigError(
+          f"{origin} was written in {saved} order of num_iterations, and this Tunix "
+          "and configuration train in the other: resume with the Tunix that wrote it."
+      )
+    if replay is None:
+      return None
+    names = ("inputs", "pass", "chunks_done")
+    fields = {name: replay.get(name) if isinstance(replay, dict) else None for name in names}
+    kept, passes, done = fields.values()
+    if (
+        not all(state_lib.is_int(x) for x in fields.values())
+        or not 0 <= passes < int(self.algo.num_iterations)
+        or kept != value.counters.get("micro_batches_in_step")
+        or kept > len(value.pending.schedule)
+        or not 0 <= done < max(kept, 1)
+    ):
+      raise errors.InvalidStateError(f"{origin}: inconsistent replay position {replay!r}.")
+    return replay
+
   def _set_sizes_from_counters(self, counters: Any) -> None:
     self.micro_batch_size = int(counters["micro_batch_size"])
+    mini = self.config.mini_batch_size or self.full_batch_size
+    self.grad_acc_steps = max(1, mini // self.micro_batch_size)
     self.in_consumer = api.agentic_compute_logps_micro_batch_size(self.learner) > 1
     api.agentic_set_batch_sizes(self.learner, self.full_batch_size, self.in_consumer)
 
@@ -204,7 +266,7 @@ class ConsumerLoop:
           if not self._feed_next_batch():
             break
       elif self.micro_batches_in_step == self._micro_batches_per_step():
-        self._end_global_step()  # the killed run saved, then would have done this
+        self._finish_global_step()  # the killed run saved, then would have done this
       self._consume()
     finally:
       self.prompt_queue.put(None)
@@ -249,8 +311,10 @@ class ConsumerLoop:
         self._absorb_all_fed()
       update = self.updates.popleft()
       api.set_learner_iter_steps(self.learner, api.learner_iter_steps(self.learner) + 1)
-      eval_examples = self._maybe_eval()
+      eval_examples = self._maybe_eval() if self._eval_due() else None
       example = update.example
+      if self.replays:
+        self.step_inputs.append(example)  # before the call: a save inside it must hold it
       self.current = update
       try:
         self.cluster.update_actor(self._chunks(example), eval_examples, self.skip_jit)
@@ -259,7 +323,40 @@ class ConsumerLoop:
       if update.ends_micro_batch:
         self.micro_batches_in_step += 1
         if self.micro_batches_in_step == self._micro_batches_per_step():
-          self._end_global_step()
+          self._finish_global_step()
+
+  def _eval_due(self) -> bool:
+    # Main's loop evaluates only before a global step's first optimizer update.
+    return not self.evaluates_once_per_step or self.micro_batches_in_step < self.grad_acc_steps
+
+  def _finish_global_step(self) -> None:
+    if self.replays:
+      self._replay()
+    self._end_global_step()
+
+  def _replay(self) -> None:
+    """Main's order: the step's inputs trained num_iterations - 1 more times, one call a pass.
+
+    Resumes inside a pass from its saved chunk; Tunix adds a pass's chunks to
+    the learner's `_iter_steps` before the call, so a resumed pass does not.
+    """
+    trainer = self.cluster.actor_trainer
+    total = len(self.step_inputs)
+    while self.replay_pass < int(self.algo.num_iterations) - 1:
+      done = self.replay_chunks_done
+      if self.shared_weights:
+        self._absorb_all_fed()
+      if not done:
+        api.set_learner_iter_steps(self.learner, api.learner_iter_steps(self.learner) + total)
+      self.replay_origin = int(trainer.iter_steps) - done
+      try:
+        self.cluster.update_actor(self.step_inputs[done:], None, self.skip_jit)
+      finally:
+        self.replay_origin = None
+      self.replay_pass += 1
+      self.replay_chunks_done = 0
+    self.step_inputs = []
+    self.replay_pass = 0
 
   def _chunks(self, example: Any) -> list[Any]:
     per_chunk = self.micro_batch_size * self.algo.num_generations
@@ -341,7 +438,8 @@ class ConsumerLoop:
       self._receive(block=True)
 
   def _absorb(self, payload: Any) -> None:
-    mu = int(self.algo.num_iterations)
+    # 0.1.7's order repeats each input in a row; main's replays the step later.
+    mu = 1 if self.replays else int(self.algo.num_iterations)
     if self.in_consumer:
       self.units.append(payload)  # a raw group; converted per micro-batch
       if len(self.units) == self.micro_batch_size:
@@ -452,6 +550,16 @@ class ConsumerLoop:
         items.append(jax.tree.map(np.asarray, example))
       schedule.append(seen[id(example)])
 
+    replay = None
+    if self.replays:
+      passes, done = self.replay_pass, 0
+      if self.replay_origin is not None:  # saving inside a replay pass
+        done = int(self.cluster.actor_trainer.iter_steps) - self.replay_origin
+        if done >= len(self.step_inputs):
+          passes, done = passes + 1, 0
+      for example in self.step_inputs:
+        add(example)
+      replay = {"inputs": len(self.step_inputs), "pass": passes, "chunks_done": done}
     for update in self.updates:
       add(update.example)
     ends = [bool(u.ends_micro_batch) for u in self.updates]
@@ -467,6 +575,8 @@ class ConsumerLoop:
         add(unit)
     position = self._prompt_position(resume_prompt)
     position["ends_micro_batch"] = ends
+    if replay is not None:
+      position["replay"] = replay
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self.fingerprint,

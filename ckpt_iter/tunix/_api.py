@@ -326,6 +326,43 @@ def agentic_set_batch_sizes(learner: Any, full_batch_size: int, process_in_consu
   learner._process_in_consumer = process_in_consumer  # pylint: disable=protected-access
 
 
+# How a group is trained `num_iterations` times. Two shapes exist:
+#   * google-tunix 0.1.7: the producer queues each group's trainer input
+#     num_iterations times in a row (or, converting in the consumer, each
+#     micro-batch is trained num_iterations times in a row);
+#   * upstream main: the producer queues it once; `train()` trains every
+#     micro-batch of the full batch once, then replays the whole full batch
+#     num_iterations - 1 times (one `update_actor` call per replay).
+AGENTIC_REPEAT_EACH = "repeat_each"
+AGENTIC_REPLAY_FULL_BATCH = "replay_full_batch"
+
+
+def _code_names(code: Any) -> set[str]:
+  """Names a code object and the functions nested in it refer to."""
+  names = set(code.co_names)
+  for const in code.co_consts:
+    if inspect.iscode(const):
+      names |= _code_names(const)
+  return names
+
+
+def agentic_iteration_order() -> str | None:
+  """AGENTIC_REPEAT_EACH, AGENTIC_REPLAY_FULL_BATCH, or None when neither is recognised.
+
+  Read from the installed code, not its version: a producer that asks for
+  `_num_iterations` repeats each group itself; otherwise the loop in
+  `train()` that asks for it replays the full batch.
+  """
+  from tunix.rl.agentic import agentic_rl_learner  # pylint: disable=g-import-not-at-top
+
+  learner_class = agentic_rl_learner.AgenticRLLearner
+  for method, order in (("_producer", AGENTIC_REPEAT_EACH), ("train", AGENTIC_REPLAY_FULL_BATCH)):
+    code = getattr(getattr(learner_class, method, None), "__code__", None)
+    if code is not None and "_num_iterations" in _code_names(code):
+      return order
+  return None
+
+
 def agentic_last_eval_train_step(learner: Any) -> int:
   return int(learner._last_eval_train_step)  # pylint: disable=protected-access
 
@@ -412,3 +449,89 @@ def agentic_cluster(learner: Any) -> Any:
   """
   engine = getattr(learner, "rl_engine", None)
   return engine if engine is not None else learner.rl_cluster
+
+
+# =============================================================================
+# Tunix's YAML pipelines (`tunix.cli.*_main`), for ckpt_iter.tunix.cli.
+#
+# Each pipeline builds its learner inside a method, looking the class up on a
+# module at call time: `grpo_learner.GrpoLearner(...)`, `from
+# tunix.rl.agentic.agentic_grpo_learner import GRPOLearner`,
+# `ppo_learner.PpoLearner(...)` (main's ppo_main), `peft_trainer.PeftTrainer(...)`.
+# ckpt_iter.tunix.cli puts its Resumable subclasses at those names for the run.
+# Each slot also names the text the pipeline's source must contain: a Tunix
+# that bound the class at import time instead would silently train stock.
+
+# kind -> (pipeline module, ((class module, attribute, lookup text in the pipeline), ...))
+CLI_PIPELINES: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
+    "grpo": ("tunix.cli.grpo_main", (
+        ("tunix.rl.grpo.grpo_learner", "GrpoLearner", "grpo_learner.GrpoLearner("),
+        ("tunix.rl.agentic.agentic_grpo_learner", "GRPOLearner",
+         "from tunix.rl.agentic.agentic_grpo_learner import GRPOLearner"),
+    )),
+    "ppo": ("tunix.cli.ppo_main", (
+        ("tunix.rl.ppo.ppo_learner", "PpoLearner", "ppo_learner.PpoLearner("),
+    )),
+    "sft": ("tunix.cli.peft_main", (
+        ("tunix.sft.peft_trainer", "PeftTrainer", "peft_trainer.PeftTrainer("),
+    )),
+}
+
+
+def _tunix_version() -> str:
+  import tunix  # pylint: disable=g-import-not-at-top
+
+  return getattr(tunix, "__version__", "unknown")
+
+
+def cli_pipeline(kind: str) -> tuple[Any, list[tuple[Any, str]]]:
+  """(Tunix's pipeline module for `kind`, [(module, attribute) it builds its learner from]).
+
+  Raises:
+    UnsupportedConfigError: naming the pipeline module, class or lookup this
+      Tunix lacks.
+  """
+  import importlib  # pylint: disable=g-import-not-at-top
+
+  module_name, slots = CLI_PIPELINES[kind]
+  try:
+    pipeline = importlib.import_module(module_name)
+  except ImportError as e:
+    raise errors.UnsupportedConfigError(
+        f"this Tunix ({_tunix_version()}) has no {module_name} ({e}), so "
+        f"`train {kind}` cannot run here; upstream Tunix main has it."
+    ) from None
+  problems = []
+  if not callable(getattr(pipeline, "main", None)):
+    problems.append(f"{module_name}.main is missing")
+  try:
+    source = inspect.getsource(pipeline)
+  except (OSError, TypeError):
+    source = ""
+  found = []
+  for class_module, attribute, lookup in slots:
+    module = importlib.import_module(class_module)
+    if not isinstance(getattr(module, attribute, None), type):
+      problems.append(f"{class_module}.{attribute} is missing")
+    elif lookup not in source:
+      problems.append(f"{module_name} no longer builds its learner through `{lookup}`")
+    else:
+      found.append((module, attribute))
+  if problems:
+    raise errors.UnsupportedConfigError(
+        f"this Tunix ({_tunix_version()}) does not build its `{kind}` learner where "
+        f"ckpt_iter swaps in the Resumable class: {'; '.join(problems)}. ckpt_iter "
+        "supports the pipelines of google-tunix 0.1.7 and upstream main at 0.1.8."
+    )
+  return pipeline, found
+
+
+def cli_bundled_config_path(name: str) -> str:
+  """Where Tunix's HyperParameters looks for a config given by this bare name.
+
+  It resolves the literal argument "base_config.yaml" next to tunix/cli/config.py;
+  the 0.1.7 and 0.1.8 wheels do not ship that file.
+  """
+  from tunix.cli import config as tunix_cli_config  # pylint: disable=g-import-not-at-top
+
+  return os.path.join(os.path.dirname(os.path.abspath(tunix_cli_config.__file__)), name)

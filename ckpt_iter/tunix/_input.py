@@ -9,12 +9,15 @@ in O(1); a plain iterable can only get there by replaying what was read.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import logging
 from typing import Any, Callable, Iterable, Mapping
 
 import grain
 
+from ckpt_iter import _drift
 from ckpt_iter import errors
 from ckpt_iter import iterator as iterator_lib
 from ckpt_iter import state as state_lib
@@ -107,55 +110,55 @@ class GrainSource:
 
 
 class ReplaySource:
-  """Full batches from any iterable; a position is a count of batches read."""
+  """Full batches from any iterable; a position is a count of batches read.
+
+  The position also holds a digest of the last batch read
+  (`_drift.batch_digest`); a restore replays the iterable and refuses it when
+  the last replayed batch has another digest: it is not the saved stream.
+  """
 
   def __init__(self, iterable: Iterable[Any]):
     self._iterable = iterable
     self._iterator = iter(iterable)
+    # A generator is its own iterator: it cannot be read again from the start.
+    self._one_shot = self._iterator is iterable
     self._read = 0
-    self._lookahead: list[Any] = []
+    self._last_digest: str | None = None
+    self._lookahead: collections.deque[Any] = collections.deque()
     self._warned = False
+    self._spent = False  # a generator read by a refused restore
 
   @property
   def fingerprint(self) -> dict[str, Any]:
     return {"source": f"iterable:{type(self._iterable).__qualname__}"}
 
   def position(self) -> dict[str, Any]:
-    return {"full_batches_read": self._read}
+    position: dict[str, Any] = {"full_batches_read": self._read}
+    if self._last_digest is not None:
+      position[_drift.REPLAY_DIGEST_FIELD] = self._last_digest
+    return position
 
   def check(self, fingerprint, position, *, allow_drift, origin) -> Any:
-    from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+    """Validates, then replays: a re-iterable (a list) on a fresh iterator, a generator in place.
 
+    A re-iterable yields what it yielded before until `apply` runs, so a
+    refused restore changes nothing. A generator cannot be read twice and is
+    not buffered (that would hold O(position) batches): the replay reads it,
+    and after a refusal it raises on use rather than yield from the wrong place.
+    """
     state_lib.check_fingerprint(fingerprint, self.fingerprint, allow_drift=allow_drift, origin=origin)
     count = position.get("full_batches_read") if isinstance(position, Mapping) else None
+    digest = position.get(_drift.REPLAY_DIGEST_FIELD) if isinstance(position, Mapping) else None
     if (
-        not isinstance(position, Mapping) or set(position) != {"full_batches_read"}
+        not isinstance(position, Mapping)
+        or not {"full_batches_read"} <= set(position) <= {"full_batches_read", _drift.REPLAY_DIGEST_FIELD}
         or not isinstance(count, int) or isinstance(count, bool) or count < 0
+        or not (digest is None or isinstance(digest, str))
     ):
       raise errors.InvalidStateError(
           f"{origin}: field 'position' is {position!r}; an iterable's position is "
-          "{'full_batches_read': N}."
+          f"{{'full_batches_read': N[, '{_drift.REPLAY_DIGEST_FIELD}': '<hex>']}}."
       )
-    return None
-
-  def apply(self, checked: Any, position: Mapping[str, Any]) -> None:
-    del checked
-    self._replay(position["full_batches_read"])
-
-  def seek_full_batches(self, count: int) -> bool:
-    self._replay(count)
-    return True
-
-  def row_boundary(self, stream_rows: int, last_rows: Any, *, origin: str) -> Any:
-    del stream_rows, last_rows, origin
-    return None, "the input is a plain iterable, whose rows can only be replayed"
-
-  def _replay(self, count: int) -> None:
-    """Skips the first `count` full batches; called on a fresh source only.
-
-    Works for one-shot iterators (generators) too: nothing is restarted, the
-    peeked batch counts as read.
-    """
     if self._read:
       raise errors.CkptIterError(
           f"cannot move an iterable input that already yielded {self._read} batches; "
@@ -168,18 +171,79 @@ class ReplaySource:
           "(ckpt_iter.make_dataset) to restore in O(1).", count,
       )
       self._warned = True
-    for _ in range(count):
-      next(self)
+    if count == 0:
+      return None, 0, None
+    fresh = None
+    if self._one_shot:
+      # A generator cannot be read twice: replay it here, keeping only the
+      # last batch (O(1) memory, not O(position)). A refused restore leaves
+      # it read, and says so.
+      available, last = 0, None
+      while available < count:
+        try:
+          last = self._lookahead.popleft() if self._lookahead else next(self._iterator)
+        except StopIteration:
+          break
+        available += 1
+    else:
+      fresh = iter(self._iterable)
+      available, last = 0, None
+      for batch in itertools.islice(fresh, count):
+        available, last = available + 1, batch
+    try:
+      if available < count:
+        error = errors.ConfigDriftError({"full_batches_read": (count, available)}, origin=origin)
+        error.args = (
+            f"{origin} was written after reading {count} batches of a plain iterable; this "
+            f"iterable has only {available}, so it is not the stream the checkpoint's run read. "
+            "Pass the same data in the same order.",
+        )
+        raise error
+      _drift.check_replayed(digest, last, count, origin=origin)
+    except errors.ConfigDriftError as refused:
+      if self._one_shot:
+        self._spent = True
+        refused.args = (f"{refused.args[0]} (This generator was read by the replay: pass a new one.)",)
+      raise
+    return fresh, count, _drift.batch_digest(last)
+
+  def apply(self, checked: Any, position: Mapping[str, Any]) -> None:
+    del position  # the checked value holds it
+    fresh, count, digest = checked
+    if fresh is not None:
+      self._iterator = fresh
+      self._lookahead.clear()
+    self._read = count
+    self._last_digest = digest
+
+  def seek_full_batches(self, count: int) -> bool:
+    self.apply(self.check(self.fingerprint, {"full_batches_read": count}, allow_drift=(), origin="the input"), {})
+    return True
+
+  def row_boundary(self, stream_rows: int, last_rows: Any, *, origin: str) -> Any:
+    del stream_rows, last_rows, origin
+    return None, "the input is a plain iterable, whose rows can only be replayed"
 
   def __next__(self) -> Any:
-    element = self._lookahead.pop() if self._lookahead else next(self._iterator)
+    self._check_not_spent()
+    element = self._lookahead.popleft() if self._lookahead else next(self._iterator)
     self._read += 1
+    # Hashed when read: the consumer may change the batch afterwards.
+    self._last_digest = _drift.batch_digest(element)
     return element
 
   def peek(self) -> Any:
+    self._check_not_spent()
     if not self._lookahead:
       self._lookahead.append(next(self._iterator))
-    return self._lookahead[-1]
+    return self._lookahead[0]
+
+  def _check_not_spent(self) -> None:
+    if self._spent:
+      raise errors.CkptIterError(
+          "this generator input was read by a refused restore, so it no longer starts "
+          "where its position says; pass a new generator (or a Grain dataset)."
+      )
 
 
 def make_source(train_ds: Any) -> GrainSource | ReplaySource:

@@ -22,7 +22,10 @@ from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
 from ckpt_iter.tunix import _layouts as layouts_lib
+from ckpt_iter.tunix import _settings as settings_lib
+from ckpt_iter import _drift
 from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
 from ckpt_iter import repeat as repeat_lib
 from ckpt_iter import state as state_lib
@@ -97,6 +100,8 @@ class DataSession:
     if self.packing is not None:
       # Another budget packs the pending sequences into other trainer inputs.
       self.fingerprint["max_seq_token_per_tpu"] = int(self.packing)
+    # Changeable on resume, with a warning (not compared as the fields above are).
+    self.fingerprint.update(settings_lib.algorithm_settings(learner))
 
   def tunix_input(self) -> list[Any]:
     """What Tunix's train() reads to size its batches (nothing else is read)."""
@@ -286,8 +291,16 @@ class DataSession:
     if not os.path.isdir(data_dir):
       self._restore_legacy(step, os.path.dirname(data_dir), on_legacy_checkpoint)
       return
-    value = checkpoint_lib.read_item(data_dir, jax.process_index(), jax.process_count()).value
     origin = f"checkpoint step {step} ({data_dir})"
+    try:
+      value = checkpoint_lib.read_item(data_dir, jax.process_index(), jax.process_count()).value
+    except errors.ProcessCountError as e:
+      # The generic advice (elastic=True) does not apply to a learner's state.
+      raise errors.ProcessCountError(
+          f"{origin}: resuming with {jax.process_count()} JAX process(es) "
+          f"{elastic_lib.resize_refusal('tunix', {})} Resume with the process count "
+          f"that wrote the checkpoint. ({e})"
+      ) from None
     if value.kind != "tunix":
       raise errors.InvalidStateError(f"{origin}: data state kind is {value.kind!r}, expected 'tunix'.")
     counters = value.counters
@@ -299,8 +312,10 @@ class DataSession:
           f"{origin}: the data state was taken at train step {counters['train_steps']}, "
           f"but the model was restored at step {step}; they must come from one step."
       )
+    saved_fingerprint, saved_settings = settings_lib.split(value.fingerprint)
+    current_fingerprint, current_settings = settings_lib.split(self.fingerprint)
     try:
-      state_lib.check_fingerprint(value.fingerprint, self.fingerprint, allow_drift=allow_drift, origin=origin)
+      state_lib.check_fingerprint(saved_fingerprint, current_fingerprint, allow_drift=allow_drift, origin=origin)
       source_fields = set(self.input.source.fingerprint)
       checked = self.input.check(
           {k: v for k, v in value.fingerprint.items() if k in source_fields},
@@ -343,6 +358,7 @@ class DataSession:
       items.apply_critic_state(learner, critic_state, step)
     self._restore_rollout_weights(rollout_params)
     learner.rl_cluster.global_steps = global_steps
+    settings_lib.warn(settings_lib.changes(saved_settings, current_settings), origin)
     _LOG.info(
         "ckpt_iter: restored the data state of step %d: %d pending trainer inputs, "
         "%d more mini-batches in this global step.",
@@ -359,6 +375,8 @@ class DataSession:
     geometry), and this input holds, just before a batch boundary at the
     same prompt count, the prompts the checkpoint's run trained last.
     """
+    if _drift.REPLAY_DIGEST_FIELD in drift.differences or "full_batches_read" in drift.differences:
+      raise drift  # a replayed iterable that is not the saved stream: its message says why
     learner_fields = set(self.fingerprint) - set(self.input.source.fingerprint)
     changed = set(drift.differences)
     blocking = (changed & learner_fields) - _CONTINUABLE_LEARNER_FIELDS

@@ -12,6 +12,9 @@ return a `grain.MapDataset` of records; Tunix then filters, batches and
       num_epochs: 3                      # leave Tunix's num_train_epochs at 1
       prompt_key: "question"             # the field that holds the prompt
 
+or a Hugging Face dataset (`source: hf`, with `path`, `split`, optionally
+`name`, `data_files`, `cache_dir`; a `save_to_disk` directory as `path` works).
+
 The result is a MapDataset, so a Resumable learner or trainer restores its
 position in O(1).
 """
@@ -25,8 +28,11 @@ import numpy as np
 
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import errors
+from ckpt_iter import sources as sources_lib
 
 PROMPTS = "prompts"
+HF_SOURCE = "hf"
+_HF_FIELDS = ("path", "split", "name", "data_files", "cache_dir")
 
 
 class _Record:
@@ -68,13 +74,19 @@ def create_dataset(
     output_prompt_key: str = PROMPTS,
     shard_index: int | None = None,
     shard_count: int | None = None,
+    path: str | None = None,
+    split: str | None = None,
+    name: str | None = None,
+    data_files: Any = None,
+    cache_dir: str | None = None,
     **unknown: Any,
 ) -> grain.MapDataset:
   """The records of `source`, shuffled per epoch, as a Tunix data_module dataset.
 
   Args:
     source: a path, glob or list of paths to `.jsonl`, `.parquet` or
-      `.array_record` files (read lazily), or a list of record dicts.
+      `.array_record` files (read lazily), a list of record dicts, or "hf"
+      for a Hugging Face dataset named by the arguments below.
     seed: shuffle seed; every epoch is a different permutation. None: the
       source order.
     num_epochs: passes over the source; None repeats forever.
@@ -84,6 +96,13 @@ def create_dataset(
       "prompts" by default).
     shard_index: this process's shard; defaults to `jax.process_index()`.
     shard_count: number of shards; defaults to `jax.process_count()`.
+    path: with source "hf": the dataset's Hub name, a local dataset folder, a
+      builder ("json", "parquet", ... with data_files), or a directory
+      written by `save_to_disk`.
+    split: with source "hf": the split (needed when there are several).
+    name: with source "hf": the dataset configuration.
+    data_files: with source "hf": load_dataset's data_files.
+    cache_dir: with source "hf": load_dataset's cache directory.
     **unknown: refused, with the accepted names (a YAML typo fails loudly).
 
   Returns:
@@ -97,8 +116,22 @@ def create_dataset(
   if unknown:
     raise errors.InvalidArgumentError(
         f"data_config has unknown field(s) {sorted(unknown)}; create_dataset accepts "
-        "source, seed, num_epochs, prompt_key, output_prompt_key, shard_index, shard_count."
+        "source, seed, num_epochs, prompt_key, output_prompt_key, shard_index, shard_count "
+        f"and, with source: {HF_SOURCE}, {', '.join(_HF_FIELDS)}."
     )
+  hf_arguments = {"path": path, "split": split, "name": name, "data_files": data_files, "cache_dir": cache_dir}
+  if source == HF_SOURCE:
+    if path is None:
+      raise errors.InvalidArgumentError(
+          f"source: {HF_SOURCE} needs path: the dataset's name, folder or save_to_disk directory."
+      )
+    source = sources_lib.HuggingFaceSource(**hf_arguments)
+  else:
+    given = sorted(k for k, v in hf_arguments.items() if v is not None)
+    if given:
+      raise errors.InvalidArgumentError(
+          f"data_config field(s) {given} apply to source: {HF_SOURCE} only; source is {source!r}."
+      )
   if prompt_key is not None and not isinstance(prompt_key, str):
     raise errors.InvalidArgumentError(f"prompt_key={prompt_key!r} must be a field name (a string) or None.")
   batches = dataset_lib.make_dataset(

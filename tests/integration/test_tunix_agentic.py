@@ -2,12 +2,23 @@
 
 Scenario (tests/workers/tunix_agentic_worker.py): full batches of 4 prompts,
 2 generations, num_iterations=3, mini-batch 2 of micro-batches of 1 (gradient
-accumulation 2), max_steps=2, a checkpoint at every optimizer update. The
-uninterrupted run trains 8 queue items in 4 updates: groups 0,0 | 0,1 | 1,1 |
-2,2. Checkpoint 1 falls inside a global step and between the repeats of
-group 0; checkpoint 2 at a global-step boundary. The same scenario is run with
-stock Tunix (killed after update 1) and with a separate rollout model and one
-prompt still in flight at the checkpoint.
+accumulation 2), max_steps=2, a checkpoint at every optimizer update (2
+trainer inputs each). The drop-in follows the installed Tunix's order of
+num_iterations:
+
+* 0.1.7 repeats each group in a row, a global step is 4 queue items: the
+  uninterrupted run trains groups 0,0 | 0,1 | 1,1 | 2,2 (4 updates);
+  checkpoint 1 falls between the repeats of group 0, checkpoint 2 at a
+  global-step boundary;
+* main trains each group of the batch once, then replays the whole batch
+  twice: groups 0,1 | 2,3 | 0,1 | 2,3 | 0,1 | 2,3 per step (12 updates in
+  all); checkpoint 1 falls inside the first pass, checkpoint 2 at its end,
+  before the replays.
+
+The same scenario is run with stock Tunix (killed after update 1) and with a
+separate rollout model and one prompt still in flight at the checkpoint. On
+main, a second scenario (num_iterations=2) is killed inside the replay of a
+full batch and compared with stock main's order of `update_actor` calls.
 """
 
 from __future__ import annotations
@@ -21,7 +32,9 @@ from concurrent import futures
 import numpy as np
 import pytest
 
+from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import testing
+from ckpt_iter.tunix import _api
 
 _WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "workers", "tunix_agentic_worker.py")
 _PREEMPT_EXIT_CODE = 42
@@ -32,9 +45,20 @@ _BATCH_0 = [(5, 6), (6, 8), (3, 12), (4, 5)]
 _BATCH_1 = [(8, 4), (10, 11), (11, 17), (12, 3)]
 _BATCH_0_TEXT = ["hello world", "world there", "input is", "string hello"]
 _BATCH_1_TEXT = {"there string", "My name", "name library", "is input"}
+# Whether the installed Tunix replays the full batch for num_iterations (main).
+_REPLAYS = _api.agentic_iteration_order() == _api.AGENTIC_REPLAY_FULL_BATCH
 
 
-def _run(root, out, cache_dir, *, learner="resumable", preempt_after=None, extra=()):
+def _expected_prompts(mu, steps=2, batches=(_BATCH_0, _BATCH_1)):
+  """The groups an uninterrupted run trains, one entry per trainer input."""
+  if _REPLAYS:  # each step: its batch once, then the whole batch mu - 1 more times
+    return [group for batch in batches[:steps] for group in list(batch) * mu]
+  # 0.1.7: each group mu times in a row; a step takes len(batch) queue items
+  stream = [group for batch in batches for group in batch for _ in range(mu)]
+  return stream[:steps * len(batches[0])]
+
+
+def _run(root, out, cache_dir, *, learner="resumable", preempt_after=None, extra=(), flags=_FLAGS):
   env = dict(
       os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -42,7 +66,7 @@ def _run(root, out, cache_dir, *, learner="resumable", preempt_after=None, extra
   if "--async-rollout" in extra:
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
   command = [
-      sys.executable, _WORKER, "--root", str(root), "--out", str(out), "--learner", learner, *_FLAGS, *extra,
+      sys.executable, _WORKER, "--root", str(root), "--out", str(out), "--learner", learner, *flags, *extra,
   ]
   if preempt_after is not None:
     command += ["--preempt-after", str(preempt_after)]
@@ -99,8 +123,9 @@ def runs(tmp_path_factory):
 
 def test_uninterrupted_trains_groups_in_prompt_order(runs):
   reference = runs["reference"]
-  assert reference["meta"]["train_steps"] == 4
-  assert _prompts(reference["inputs"]) == [_BATCH_0[0]] * 3 + [_BATCH_0[1]] * 3 + [_BATCH_0[2]] * 2
+  expected = _expected_prompts(3)
+  assert reference["meta"]["train_steps"] == len(expected) // 2
+  assert _prompts(reference["inputs"]) == expected
   # The toy run learns (so a rollout with other weights would differ).
   assert any(np.any(x["advantages"] != 0) for x in reference["inputs"])
 
@@ -110,7 +135,8 @@ def test_killed_mid_repeat_then_at_a_boundary_resumes_bit_for_bit(runs):
   seg0, seg1, seg2 = runs["segments"]
   assert [s["meta"]["restored"]["train_steps"] for s in runs["segments"]] == [0, 1, 2]
   expected = reference["inputs"]
-  for name, segment, (start, stop) in (("seg0", seg0, (0, 2)), ("seg1", seg1, (2, 4)), ("seg2", seg2, (4, 8))):
+  total = len(_expected_prompts(3))
+  for name, segment, (start, stop) in (("seg0", seg0, (0, 2)), ("seg1", seg1, (2, 4)), ("seg2", seg2, (4, total))):
     assert len(segment["inputs"]) == stop - start, name
     for index, (got, want) in enumerate(zip(segment["inputs"], expected[start:stop])):
       assert set(got) == set(_FIELDS)
@@ -125,8 +151,9 @@ def test_pending_groups_come_from_the_checkpoint_not_a_new_rollout(runs):
   # trains was produced by seg0 and restored from checkpoint 1.
   assert len(seg0["meta"]["rolled"]) == 8
   assert seg1["meta"]["rolled"] == []
-  # seg2 restored checkpoint 2 (a global-step boundary): it feeds batch 1, as
-  # the uninterrupted run does right after update 2, and rolls each prompt once.
+  # seg2 restored checkpoint 2 (0.1.7: a global-step boundary; main: before
+  # the replays of batch 0, which come from the checkpoint): it feeds batch 1
+  # as the uninterrupted run does at the step's end, and rolls each prompt once.
   rolled = _rolled(seg2)
   assert sorted(set(rolled)) == sorted(_BATCH_1_TEXT) and len(rolled) == 8
 
@@ -155,4 +182,82 @@ def test_in_flight_prompt_is_rolled_out_again_exactly_once(runs):
   assert _BATCH_0_TEXT[0] not in _rolled(resumed) and _BATCH_0_TEXT[1] not in _rolled(resumed)
   # Nothing skipped or trained twice: the uninterrupted order.
   trained = _prompts(first["inputs"]) + _prompts(resumed["inputs"])
-  assert trained == [_BATCH_0[0]] * 3 + [_BATCH_0[1]] * 3 + [_BATCH_0[2]] * 2
+  assert trained == _expected_prompts(3)
+
+
+# --- main's full-batch replay, killed inside it (num_iterations=2) ---------------------
+#
+# A step: 4 first-pass calls of 1 input (updates 1, 2), then one call replaying
+# the 4 inputs (updates 3, 4). Killed after update 3 (inside that replay call,
+# 2 of its 4 chunks trained), after update 4 (the replay's end, a global-step
+# boundary), then after update 6 (step 1's first pass done, its replay
+# pending), resumed each time.
+
+_MU2_FLAGS = ["--batch", "4", "--mini", "2", "--micro", "1", "--mu", "2", "--max-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def replay_runs(tmp_path_factory):
+  # Deselected on 0.1.7 (tunix_main marker), which repeats each group in a row.
+  assert _REPLAYS, "this Tunix is main (it has rl_engine) but does not replay full batches"
+  work = tmp_path_factory.mktemp("agentic_replay")
+  cache = work / "jax_cache"
+
+  def chain(steps):
+    return [
+        _run(work / "chain", work / f"chain{index}.npz", cache, preempt_after=step, flags=_MU2_FLAGS)
+        for index, step in enumerate([*steps, None])
+    ]
+
+  with futures.ThreadPoolExecutor(2) as pool:
+    reference = pool.submit(_run, work / "ref", work / "ref.npz", cache, flags=_MU2_FLAGS)
+    segments = pool.submit(chain, [3, 4, 6])
+    stock = pool.submit(_run, work / "stock", work / "stock.npz", cache, learner="stock", flags=_MU2_FLAGS)
+    return {"reference": reference.result(), "stock": stock.result(), "segments": segments.result(),
+            "chain_root": work / "chain"}
+
+
+@pytest.mark.tunix_main
+def test_replay_order_is_stock_mains(replay_runs):
+  reference, stock = replay_runs["reference"], replay_runs["stock"]
+  # Stock main: one call per micro-batch, then one call with the whole batch.
+  assert stock["meta"]["calls"] == [1, 1, 1, 1, 4] * 2
+  assert reference["meta"]["calls"] == stock["meta"]["calls"]
+  assert reference["meta"]["train_steps"] == stock["meta"]["train_steps"] == 8
+  assert _prompts(reference["inputs"]) == _expected_prompts(2)
+  # Stock trains a step's groups in completion order: the same groups, per step.
+  for step in range(2):
+    window = slice(8 * step, 8 * step + 8)
+    assert sorted(_prompts(stock["inputs"][window])) == sorted(_prompts(reference["inputs"][window]))
+
+
+@pytest.mark.tunix_main
+def test_checkpoint_inside_the_replay_records_where_it_is(replay_runs):
+  data_dir = replay_runs["chain_root"] / "actor" / "3" / "data"
+  value = checkpoint_lib.read_item(str(data_dir), 0, 1).value
+  # The 4 inputs of step 0 (arrays), 2 chunks of its one replay pass done.
+  assert value.position["replay"] == {"inputs": 4, "pass": 0, "chunks_done": 2}
+  assert len(value.pending.schedule) == 4 and value.counters["micro_batches_in_step"] == 4
+
+
+@pytest.mark.tunix_main
+def test_killed_inside_the_replay_resumes_bit_for_bit(replay_runs):
+  reference = replay_runs["reference"]
+  segments = replay_runs["segments"]
+  assert [s["meta"]["restored"]["train_steps"] for s in segments] == [0, 3, 4, 6]
+  # seg1 finishes the interrupted replay call (its last 2 chunks); seg2 ends
+  # step 0 and runs step 1's first pass; seg3 replays step 1 from the checkpoint.
+  assert [s["meta"]["calls"] for s in segments] == [[1, 1, 1, 1, 4], [2], [1, 1, 1, 1], [4]]
+  expected = reference["inputs"]
+  bounds = [0, 6, 8, 12, 16]
+  for number, segment in enumerate(segments):
+    start, stop = bounds[number], bounds[number + 1]
+    assert len(segment["inputs"]) == stop - start, f"seg{number}"
+    for index, (got, want) in enumerate(zip(segment["inputs"], expected[start:stop])):
+      testing.assert_trees_equal(got, want, path=f"seg{number}: input {start + index}")
+  for got, want in zip(segments[-1]["params"], reference["params"]):
+    np.testing.assert_array_equal(got, want)
+  # Each batch rolled out once: batch 0 by seg0, batch 1 by seg2 (fed at the
+  # step boundary it resumed from); the rest came from the checkpoints.
+  assert [len(s["meta"]["rolled"]) for s in segments] == [8, 0, 8, 0]
+  assert sorted(set(_rolled(segments[2]))) == sorted(_BATCH_1_TEXT)

@@ -117,6 +117,7 @@ def test_larger_batch_and_max_steps_continue_at_the_same_prompt(tmp_path, jax_ca
     (dict(batch_size=3), "full_batch_size"),  # 4 prompts consumed: no batch of 3 starts there
     pytest.param(dict(dataset_seed=5), "seed", marks=pytest.mark.slow),  # another prompt comes next
     pytest.param(dict(num_iterations=2), "num_iterations", marks=pytest.mark.slow),  # what a step means
+    pytest.param(dict(num_generations=3), "num_generations", marks=pytest.mark.slow),  # what a group holds
 ])
 def test_a_change_of_the_next_prompt_is_refused_naming_the_field(change, named, tmp_path, jax_cache):
   root = str(tmp_path / "ckpt")
@@ -125,3 +126,24 @@ def test_a_change_of_the_next_prompt_is_refused_naming_the_field(change, named, 
   refused = harness.run_toy(dict(dict(num_iterations=1, batch_size=2, max_steps=4), **change), root,
                             str(tmp_path / "1.npz"), cache_dir=jax_cache, expect_failure=True)
   assert "ConfigDriftError" in refused.stderr and named in refused.stderr, refused.stderr[-2000:]
+
+
+def test_changed_algorithm_settings_continue_with_one_warning(tmp_path, jax_cache):
+  # beta, the sampling temperature and the learning rate change how training
+  # goes on, not which prompt comes next: the resume takes the new values,
+  # says so once, and continues at the next prompt.
+  before = dict(num_iterations=1, batch_size=2, learning_rate=0.01)
+  root = str(tmp_path / "ckpt")
+  first = harness.run_toy(dict(before, max_steps=2), root, str(tmp_path / "0.npz"), cache_dir=jax_cache)
+  after = dict(before, beta=0.1, temperature=0.7, learning_rate=0.02)
+  second = harness.run_toy(dict(after, max_steps=4), root, str(tmp_path / "1.npz"), cache_dir=jax_cache)
+  assert second.meta["restored_step"] == 2
+  assert first.labels + second.labels == ["AB", "CD", "EF", "GH"]
+  warnings = [line for line in second.stderr.splitlines() if "other algorithm settings" in line]
+  assert len(warnings) == 1, second.stderr[-3000:]
+  for change in ("algo.beta: 0.04 -> 0.1", "rollout.temperature: 0.9 -> 0.7",
+                 "optimizer.learning_rate: 0.01 -> 0.02"):
+    assert change in warnings[0], warnings[0]
+  again = harness.run_toy(dict(after, max_steps=6), root, str(tmp_path / "2.npz"), cache_dir=jax_cache)
+  assert again.labels == ["IJ", "KL"]
+  assert "other algorithm settings" not in again.stderr  # the same settings as the last checkpoint

@@ -22,6 +22,7 @@ already differs."""
 from __future__ import annotations
 
 import json
+import shutil
 import types
 from pathlib import Path
 
@@ -143,6 +144,25 @@ def test_first_job_of_the_chain_equals_the_reference_before_its_preemption(runs)
     reference = _by_step(want)
     for train_step, record in _by_step(got).items():
       assert record == reference[train_step], f"step {train_step}"
+
+
+@_JOBS
+def test_resuming_with_another_process_count_is_refused_with_the_reason(runs, tmp_path):
+  # The chain's checkpoint at step 3 (inside a repeat), resumed by a 1-process job.
+  root = tmp_path / "root"
+  shutil.copytree(runs["chain_root"], root)
+  for role in root.iterdir():
+    for step in role.iterdir():
+      if step.name.isdigit() and int(step.name) > 3:
+        shutil.rmtree(step)
+  with pytest.raises(pytest.fail.Exception) as refused:
+    process_group.run_group(WORKER, tmp_path, "one_process", [{"root": str(root), "max_steps": MAX_STEPS}],
+                            timeout_seconds=RUN_TIMEOUT_SECONDS)
+  log = str(refused.value)
+  assert "ProcessCountError" in log and "with 1 JAX process(es)" in log, log[-3000:]
+  assert "Tunix learner" in log and "Resume with the process count" in log, log[-3000:]
+  # Nothing was written: the step the refused job restored is still the latest.
+  assert max(int(s.name) for s in (root / "actor").iterdir() if s.name.isdigit()) == 3
 
 
 # ---------------------------------------------------------------------------

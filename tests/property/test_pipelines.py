@@ -8,7 +8,12 @@ slice, repeat). For each generated graph:
 - a restore into the graph with one parameter changed is refused with
   ConfigDriftError naming that node's field, or, when the change leaves the
   fingerprint and the stream the same (a slice end past the data), continues
-  the saved stream exactly: never a silently different stream.
+  the saved stream exactly: never a silently different stream;
+- read by `mp_prefetch` with 1-4 worker processes (over the hand-built graph,
+  or over `make_dataset` followed by the graph's steps), a restore at a random
+  point with the same worker count is exact; with another count it is exact
+  for a `make_dataset` pipeline without a filter (`_graph.resume_workers`) and
+  refused naming the worker-count field otherwise.
 """
 
 from __future__ import annotations
@@ -16,18 +21,31 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 from typing import Any
 
+import absl.flags
 import grain
 import hypothesis
 from hypothesis import strategies as st
 import numpy as np
+import pytest
 
 import ckpt_iter
+from ckpt_iter import _graph
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import testing
 
-_EXAMPLES = 60
+# jax >= 0.10 makes mp_prefetch read absl flags (google/grain#1355); the
+# spawned workers import this module too, so they get it as well.
+absl.flags.FLAGS.mark_as_parsed()
+
+_LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
+# Per property in `make test`; with HYPOTHESIS_PROFILE=long, enough to reach
+# the rarer shapes (nested ragged batches first showed up after ~500).
+_EXAMPLES = 1000 if _LONG else 60
+# Each example starts two sets of worker processes (~2 s per worker here).
+_MP_EXAMPLES = 60 if _LONG else 10
 
 
 def double(element):
@@ -76,8 +94,9 @@ _KINDS = {"shuffle": "ShuffleMapDataset", "map": "MapMapDataset", "filter": "Fil
           "batch": "BatchMapDataset", "slice": "SliceMapDataset", "repeat": "RepeatMapDataset"}
 
 
-def build(graph: Graph) -> grain.MapDataset:
-  ds = grain.MapDataset.source([{"id": i, "value": v} for i, v in graph.records])
+def build(graph: Graph, base: grain.MapDataset | None = None) -> grain.MapDataset:
+  """The graph's steps over its records, or over `base` when given."""
+  ds = base if base is not None else grain.MapDataset.source(_records(graph))
   for step in graph.steps:
     p = dict(step.params)
     if step.kind == "shuffle":
@@ -111,17 +130,26 @@ _STEPS = {
 }
 
 
+def _records(graph: Graph) -> list[dict[str, int]]:
+  return [{"id": i, "value": v} for i, v in graph.records]
+
+
 @st.composite
-def graphs(draw) -> Graph:
+def graphs(draw, *, ragged: bool = False) -> Graph:
+  """A random graph; `ragged`: its input may end in a short batch, so no batch step follows."""
   count = draw(st.integers(1, 24))
   records = tuple((i, draw(st.integers(0, 99))) for i in range(count))
-  steps, filtered, repeats = [], False, 0
+  steps, no_batch, repeats = [], ragged, 0
   for _ in range(draw(st.integers(0, 6))):
-    kinds = [k for k in _STEPS if not (k == "batch" and filtered) and not (k == "repeat" and repeats >= 2)]
+    kinds = [k for k in _STEPS if not (k == "batch" and no_batch) and not (k == "repeat" and repeats >= 2)]
     kind = draw(st.sampled_from(kinds))
-    filtered |= kind == "filter"  # Grain refuses MapDataset.batch after filter
+    step = _STEPS[kind](draw)
+    # Grain cannot batch after a MapDataset filter (it yields None holes), nor
+    # stack a short remainder batch with full ones: such a graph fails without
+    # any checkpoint, so it is not generated.
+    no_batch |= kind == "filter" or (kind == "batch" and not step.get("drop_remainder"))
     repeats += kind == "repeat"
-    steps.append(_STEPS[kind](draw))
+    steps.append(step)
   return Graph(records, tuple(steps))
 
 
@@ -168,7 +196,7 @@ def _state_at(graph: Graph, index: int) -> dict[str, Any]:
   return json.loads(json.dumps(iterator.get_state()))
 
 
-@hypothesis.settings(max_examples=_EXAMPLES)
+@hypothesis.settings(max_examples=_EXAMPLES, deadline=None)
 @hypothesis.given(graph=graphs(), data=st.data())
 def test_a_restore_into_the_same_graph_is_exact(graph, data):
   length = len(_stream(graph))
@@ -176,7 +204,7 @@ def test_a_restore_into_the_same_graph_is_exact(graph, data):
   testing.assert_exact_resume(lambda: ckpt_iter.DataIterator(build(graph)), checkpoint_at=[point])
 
 
-@hypothesis.settings(max_examples=_EXAMPLES)
+@hypothesis.settings(max_examples=_EXAMPLES, deadline=None)
 @hypothesis.given(graph=graphs(), data=st.data())
 def test_a_restore_into_a_changed_graph_is_refused_naming_the_field(graph, data):
   saved_stream = _stream(graph)
@@ -213,7 +241,12 @@ def test_a_restore_into_a_changed_graph_is_refused_naming_the_field(graph, data)
   if field.endswith(".batch_size"):
     old_size = dataset_lib.describe_pipeline(build(graph))[field]
     new_size = dataset_lib.describe_pipeline(build(changed))[field]
-    assert new_index * new_size == saved_index * old_size, (field, saved_index, new_index)
+    # Elements of the batch's input consumed before and after: the same. A
+    # stream read to its end may have had a short last batch (drop_remainder=False).
+    where = len(graph.steps) - 1 - int(field[len("node["):field.index("]")])
+    inputs = len(build(dataclasses.replace(graph, steps=graph.steps[:where])))
+    assert min(new_index * new_size, inputs) == min(saved_index * old_size, inputs), (
+        field, saved_index, new_index, inputs)
   else:
     assert field.endswith((".num_epochs", ".stop")), f"{field} changed and the restore was accepted"
     assert new_index == saved_index
@@ -222,3 +255,87 @@ def test_a_restore_into_a_changed_graph_is_refused_naming_the_field(graph, data)
 
 def _stream_of(dataset: Any) -> list[Any]:
   return list(ckpt_iter.DataIterator(dataset))
+
+
+# ---------------------------------------------------------------------------
+# mp_prefetch: the same graphs read by worker processes.
+
+
+@dataclasses.dataclass(frozen=True)
+class MpCase:
+  graph: Graph
+  made: tuple[tuple[str, Any], ...] | None  # make_dataset arguments, or None: hand-built
+  workers: int  # at the save
+  restore_workers: int
+
+  @property
+  def filtered(self) -> bool:
+    return any(step.kind == "filter" for step in self.graph.steps)
+
+  def map_dataset(self) -> grain.MapDataset:
+    base = None
+    if self.made is not None:
+      base = ckpt_iter.make_dataset(_records(self.graph), **dict(self.made))
+    return build(self.graph, base)
+
+  def pipeline(self, num_workers: int) -> grain.IterDataset:
+    options = grain.MultiprocessingOptions(num_workers=num_workers)
+    return self.map_dataset().to_iter_dataset().mp_prefetch(options)
+
+
+@st.composite
+def mp_cases(draw) -> MpCase:
+  made = None
+  if draw(st.booleans(), label="make_dataset"):
+    made = (("batch_size", draw(st.integers(1, 3))), ("drop_remainder", draw(st.booleans())),
+            ("num_epochs", draw(st.integers(1, 2))), ("seed", draw(st.integers(0, 2**32 - 1))))
+  ragged = made is not None and not dict(made)["drop_remainder"]
+  graph = draw(graphs(ragged=ragged))
+  if made is not None and len(graph.records) < dict(made)["batch_size"]:
+    made = (("batch_size", 1),) + made[1:]  # make_dataset refuses an empty epoch
+  return MpCase(graph, made, draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+
+
+def _workers_field(fingerprint: dict[str, Any]) -> str:
+  (field,) = [name for name in fingerprint if _graph.is_workers_field(name)]
+  return field
+
+
+@hypothesis.settings(max_examples=_MP_EXAMPLES, deadline=None)
+@hypothesis.given(case=mp_cases(), data=st.data())
+def test_an_mp_prefetch_restore_is_exact_or_refused_naming_the_worker_count(case, data):
+  # Workers together yield every element the MapDataset yields, so the length
+  # is known without starting them; without a filter also the order.
+  in_order = _stream_of(case.map_dataset())
+  point = data.draw(st.integers(0, len(in_order)), label="checkpoint_at")
+  saving = ckpt_iter.DataIterator(case.pipeline(case.workers))
+  try:
+    consumed = list(itertools.islice(saving, point))
+    state = json.loads(json.dumps(saving.get_state()))  # as a checkpoint holds it
+    uninterrupted = consumed + list(saving)
+  finally:
+    saving.close()
+  assert len(uninterrupted) == len(in_order)
+  if not case.filtered:
+    testing.assert_trees_equal(uninterrupted, in_order)
+
+  restored = ckpt_iter.DataIterator(case.pipeline(case.restore_workers))
+  try:
+    before = restored.get_state()
+    translatable = case.made is not None and not case.filtered
+    kind = "make_dataset" if case.made is not None else "hand-built"
+    if case.restore_workers == case.workers or translatable:
+      same = case.restore_workers == case.workers
+      hypothesis.event(f"{kind}: {'same worker count' if same else 'another worker count, translated'}")
+      restored.set_state(state)
+      testing.assert_trees_equal(list(restored), uninterrupted[point:])
+      return
+    hypothesis.event(f"{kind}{' with a filter' if case.filtered else ''}: another worker count, refused")
+    with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+      restored.set_state(state)
+    field = _workers_field(restored.fingerprint)
+    assert info.value.differences == {field: (case.workers, case.restore_workers)}
+    assert f"grain.MultiprocessingOptions(num_workers={case.workers})" in str(info.value)
+    assert restored.get_state() == before  # a refused restore changes nothing
+  finally:
+    restored.close()

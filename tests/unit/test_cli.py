@@ -512,6 +512,19 @@ def test_entry_point_sends_demo_to_the_demo_and_the_rest_to_the_cli(capsys, monk
   assert calls == [["--help", "--keep"]]  # only demo reaches the demo
 
 
+def test_demo_learner_option_picks_the_scenario_and_its_defaults(capsys):
+  from ckpt_iter import demo  # pylint: disable=g-import-not-at-top
+
+  grpo = demo._parse([])  # pylint: disable=protected-access
+  assert (grpo.learner, grpo.preempt_after, grpo.num_iterations, grpo.max_steps) == ("grpo", 3, 2, 8)
+  agentic = demo._parse(["--learner", "agentic"])  # pylint: disable=protected-access
+  assert (agentic.preempt_after, agentic.num_iterations, agentic.max_steps) == (1, 2, 2)
+  assert demo._parse(["--learner", "agentic", "--preempt-after", "3"]).preempt_after == 3  # pylint: disable=protected-access
+  with pytest.raises(SystemExit):  # the agentic learner has no data_shuffle_seed
+    demo._parse(["--learner", "agentic", "--data-shuffle-seed", "1"])  # pylint: disable=protected-access
+  assert "--data-shuffle-seed" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------
 # the installed command, in fresh processes
 
@@ -555,3 +568,115 @@ def test_verify_reports_processes_at_different_positions(capsys, tmp_path):
   (line,) = out.splitlines()
   assert line.startswith(f"step 4: {item_dir}: process_1-of-2.json has "), line
   assert "must agree" in line
+
+
+# ---------------------------------------------------------------------------
+# train: Tunix's YAML pipelines with the Resumable learners (ckpt_iter.tunix.cli;
+# the real pipeline runs in tests/integration/test_tunix_cli.py)
+
+
+def _train(capsys, *argv):
+  from ckpt_iter import __main__ as entry  # pylint: disable=g-import-not-at-top
+
+  code = entry.main(["train", *argv])
+  out, err = capsys.readouterr()
+  assert "Traceback" not in out + err
+  return code, out, err
+
+
+def test_train_help_and_usage_errors(capsys, tmp_path):
+  code, out, _ = _train(capsys, "--help")
+  assert code == 0 and out.startswith("usage: ckpt-iter train {grpo,ppo,sft} CONFIG.yaml")
+  assert "`ckpt-iter train --help`" in _run(capsys, "--help")[1]  # named in the help
+  config = tmp_path / "c.yaml"
+  config.write_text("a: 1\n")
+  for argv, message in [
+      ((), "give a pipeline and a config file"),
+      (("dpo", str(config)), "unknown pipeline 'dpo'; expected one of grpo, ppo, sft"),
+      (("grpo",), "the argument after 'grpo' must be the config file"),
+      (("grpo", "a=1"), "the argument after 'grpo' must be the config file"),
+      (("grpo", str(tmp_path / "missing.yaml")), f"config file '{tmp_path / 'missing.yaml'}' does not exist"),
+      # Tunix resolves this bare name inside its package; the wheels do not ship it.
+      (("grpo", "base_config.yaml"), "'base_config.yaml' means Tunix's bundled base config"),
+  ]:
+    code, out, err = _train(capsys, *argv)
+    assert (code, out) == (2, ""), argv
+    assert err.startswith("usage: ckpt-iter train") and f"ckpt-iter train: {message}" in err, err
+
+
+@pytest.mark.tunix_0_1_7
+def test_train_ppo_needs_upstream_mains_pipeline(capsys, tmp_path):
+  config = tmp_path / "c.yaml"
+  config.write_text("a: 1\n")
+  code, _, err = _train(capsys, "ppo", str(config))
+  assert code == 1
+  assert err == (
+      "ckpt-iter train: this Tunix (0.1.7) has no tunix.cli.ppo_main (No module named "
+      "'tunix.cli.ppo_main'), so `train ppo` cannot run here; upstream Tunix main has it.\n"
+  )
+
+
+def _learner_slots():
+  from tunix.rl.agentic import agentic_grpo_learner  # pylint: disable=g-import-not-at-top
+  from tunix.rl.grpo import grpo_learner  # pylint: disable=g-import-not-at-top
+  from tunix.sft import peft_trainer  # pylint: disable=g-import-not-at-top
+
+  return {
+      "grpo": grpo_learner.GrpoLearner, "agentic": agentic_grpo_learner.GRPOLearner,
+      "sft": peft_trainer.PeftTrainer,
+  }
+
+
+def test_train_swaps_the_learner_classes_for_the_run_only():
+  from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import cli as tunix_cli  # pylint: disable=g-import-not-at-top
+
+  stock = _learner_slots()
+  with tunix_cli.resumable_learners("grpo") as pipeline:
+    assert pipeline.__name__ == "tunix.cli.grpo_main"
+    assert _learner_slots() == {
+        "grpo": ckpt_tunix.ResumableGRPOLearner, "agentic": ckpt_tunix.ResumableAgenticGRPOLearner,
+        "sft": stock["sft"],  # only what this pipeline builds
+    }
+  assert _learner_slots() == stock
+  with pytest.raises(RuntimeError, match="boom"):
+    with tunix_cli.resumable_learners("grpo"):
+      raise RuntimeError("boom")
+  assert _learner_slots() == stock  # put back however the run ends
+
+
+def test_train_sft_swaps_the_peft_trainer():
+  # Its own process: Tunix's grpo_main and peft_main both define the absl
+  # flag pathways_bns, so one process can import only one of them.
+  script = (
+      "from tunix.sft import peft_trainer\n"
+      "from ckpt_iter.tunix import ResumablePeftTrainer, cli\n"
+      "stock = peft_trainer.PeftTrainer\n"
+      "with cli.resumable_learners('sft') as pipeline:\n"
+      "  assert pipeline.__name__ == 'tunix.cli.peft_main'\n"
+      "  assert peft_trainer.PeftTrainer is ResumablePeftTrainer\n"
+      "assert peft_trainer.PeftTrainer is stock\n"
+      "print('ok')\n"
+  )
+  result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=300)
+  assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr[-2000:]
+
+
+def test_train_names_a_missing_tunix_internal(monkeypatch):
+  from ckpt_iter.tunix import _api  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import cli as tunix_cli  # pylint: disable=g-import-not-at-top
+
+  # A Tunix that renamed the class, or bound it at import time (so the
+  # pipeline's source no longer looks it up), fails before anything runs.
+  monkeypatch.setitem(_api.CLI_PIPELINES, "grpo", ("tunix.cli.grpo_main", (
+      ("tunix.rl.grpo.grpo_learner", "GrpoLearnerV2", "grpo_learner.GrpoLearnerV2("),
+      ("tunix.rl.grpo.grpo_learner", "GRPOLearner", "grpo_learner.GRPOLearner("),
+  )))
+  stock = _learner_slots()
+  with pytest.raises(ckpt_iter.UnsupportedConfigError) as info:
+    with tunix_cli.resumable_learners("grpo"):
+      pass
+  message = str(info.value)
+  assert "tunix.rl.grpo.grpo_learner.GrpoLearnerV2 is missing" in message
+  assert "tunix.cli.grpo_main no longer builds its learner through `grpo_learner.GRPOLearner(`" in message
+  assert _learner_slots() == stock

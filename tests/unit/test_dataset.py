@@ -361,6 +361,92 @@ def test_any_random_access_source_works():
   assert dataset.spec.source.description.endswith("Squares")
 
 
+# ---------------------------------------------------------------------------
+# Hugging Face datasets: built locally (no network), read from disk
+
+
+def _hf_saved(tmp_path, records, name="hf"):
+  import datasets  # pylint: disable=g-import-not-at-top  (the test extra installs it)
+  path = str(tmp_path / name)
+  datasets.Dataset.from_list(records).save_to_disk(path)
+  return path
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_hf_sources_give_the_same_batches_as_in_memory(tmp_path, seed):
+  import datasets  # pylint: disable=g-import-not-at-top  (the test extra installs it)
+  records = _records(23)
+  jsonl = tmp_path / "train.jsonl"
+  _write_jsonl(jsonl, records)
+  kwargs = dict(batch_size=4, seed=seed, num_epochs=2, drop_remainder=False)
+  expected = _all_batches(_make(records, **kwargs))
+  from_disk = sources_lib.HuggingFaceSource(_hf_saved(tmp_path, records))
+  by_builder = sources_lib.HuggingFaceSource(
+      "json", data_files=str(jsonl), split="train", cache_dir=str(tmp_path / "cache"))
+  loaded = datasets.load_from_disk(str(tmp_path / "hf"))
+  for source in (from_disk, by_builder, loaded):  # a datasets.Dataset itself works too
+    dataset = _make(source, **kwargs)
+    testing.assert_trees_equal(_all_batches(dataset), expected)
+    assert dataset.spec.source.length == 23
+    assert dataset.spec.source.digest == _make(records, **kwargs).spec.source.digest
+  assert _make(from_disk, **kwargs).spec.source.description == "hf[hf]"
+  assert _make(by_builder, **kwargs).spec.source.description == "hf[json:train]"
+  assert _make(loaded, **kwargs).spec.source.description == "hf[dataset]"
+
+
+def test_hf_changed_dataset_is_refused_naming_the_field(tmp_path):
+  records = _records(20)
+
+  def iterator(directory, content):
+    os.makedirs(tmp_path / directory)
+    # The same directory name each time, as a dataset rewritten in place.
+    source = sources_lib.HuggingFaceSource(_hf_saved(tmp_path / directory, content))
+    return ckpt_iter.DataIterator(_make(source, batch_size=2))
+
+  saved = iterator("first", records)
+  next(saved)
+  state = saved.get_state()
+  edited = [dict(r) for r in records]
+  edited[0]["text"] = "changed"
+  for field, content in (("source_digest", edited), ("source_length", records[:18])):
+    with pytest.raises(ckpt_iter.ConfigDriftError, match=field):
+      iterator(field, content).set_state(state)
+  same = iterator("same", records)
+  same.set_state(state)
+  assert _ids([next(same)]) == _ids([next(saved)])
+
+
+def test_hf_splits_and_errors_name_the_choices(tmp_path):
+  import datasets  # pylint: disable=g-import-not-at-top  (the test extra installs it)
+  records = _records(6)
+  path = str(tmp_path / "dict")
+  datasets.DatasetDict(
+      train=datasets.Dataset.from_list(records), test=datasets.Dataset.from_list(records[:2])
+  ).save_to_disk(path)
+  assert len(sources_lib.HuggingFaceSource(path, split="test")) == 2
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match=r"splits \['test', 'train'\]; choose one with split="):
+    sources_lib.HuggingFaceSource(path)
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match=r"no split 'valid'; it has \['test', 'train'\]"):
+    sources_lib.HuggingFaceSource(path, split="valid")
+  jsonl = tmp_path / "t.jsonl"
+  _write_jsonl(jsonl, records)
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match="Unknown split"):
+    sources_lib.HuggingFaceSource("json", data_files=str(jsonl), split="nope", cache_dir=str(tmp_path / "c"))
+  streaming = datasets.Dataset.from_list(records).to_iterable_dataset()
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match="no random access"):
+    sources_lib.HuggingFaceSource(dataset=streaming)
+
+
+def test_hf_source_is_picklable_for_grain_workers(tmp_path):
+  import pickle  # pylint: disable=g-import-not-at-top
+
+  records = _records(9)
+  source = sources_lib.HuggingFaceSource(_hf_saved(tmp_path, records))
+  clone = pickle.loads(pickle.dumps(source))
+  assert [clone[i] for i in range(9)] == [source[i] for i in range(9)]
+  assert [clone[i]["id"] for i in range(9)] == list(range(9))
+
+
 def test_large_jsonl_is_indexed_not_loaded(tmp_path):
   # ~96 MB of JSONL: building the dataset and reading a few random records
   # must allocate a bounded amount (index + read chunk), not the file.

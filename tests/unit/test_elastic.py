@@ -6,6 +6,7 @@ count. tests/test_multihost.py does the same with real JAX processes.
 """
 
 import dataclasses
+import json
 import os
 import tempfile
 
@@ -261,3 +262,69 @@ def test_read_all_checks_positions_only_where_they_are_global(tmp_path):
   save(tmp_path / "filtered", filtered)
   states = support.read_all(tmp_path / "filtered")
   assert states[0].position != states[1].position
+
+
+# ---------------------------------------------------------------------------
+# The saved count from the count file (no listing), and what a restore then
+# still refuses.
+
+
+def _saved_by_handler(directory, count):
+  its = [repeat_iterator(i, count, 4) for i in range(count)]
+  for it in its:
+    next(it)
+  save(directory, its)
+  return its
+
+
+def test_the_handler_records_the_process_count_once(tmp_path):
+  _saved_by_handler(tmp_path, 4)
+  with open(tmp_path / _files.COUNT_FILE) as f:
+    assert json.load(f) == {"process_count": 4}
+  assert _files.saved_process_count(tmp_path) == 4
+  os.remove(tmp_path / _files.COUNT_FILE)  # as an item written before the count file
+  assert _files.saved_process_count(tmp_path) == 4  # listed instead
+
+
+def test_a_missing_file_of_a_recorded_set_is_named_and_changes_nothing(tmp_path):
+  _saved_by_handler(tmp_path, 4)
+  os.remove(tmp_path / "process_2-of-4.json")
+  for index in range(2):  # both windows of 4 -> 2 hold file 2
+    it = repeat_iterator(index, 2, 4)
+    before = it.state()
+    with pytest.raises(ckpt_iter.InvalidStateError,
+                       match=r"process_2-of-4\.json: missing: process 2 of 4 wrote no state.*restore an earlier step"):
+      checkpoint_lib.IteratorCheckpointHandler(index, 2).restore(
+          tmp_path, ckpt_iter.IteratorRestore(it, elastic=True))
+    testing.assert_trees_equal(it.state().pending, before.pending)
+    assert it.state().position == before.position
+
+
+def test_a_same_count_elastic_restore_refuses_an_incomplete_set_somewhere(tmp_path):
+  _saved_by_handler(tmp_path, 4)
+  os.remove(tmp_path / "process_3-of-4.json")
+  refused = []
+  for index in range(3):  # process 3 would miss its own file
+    try:
+      elastic.read_for_process(tmp_path, index, 4)
+    except ckpt_iter.InvalidStateError as e:
+      assert "process_3-of-4.json: missing: process 3 of 4" in str(e)
+      refused.append(index)
+  assert refused and all(3 in elastic.checked_files(4, i, 4) for i in refused)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"process_count": "4"}', r"ckpt_iter\.json: field 'process_count' is '4', expected .*delete ckpt_iter\.json"),
+    ('{"process_count": 0}', r"field 'process_count' is 0"),
+    ('[4]', r"field 'process_count' is \[4\]"),
+    ('{"process_count": 4', r"ckpt_iter\.json: not valid JSON"),
+    ('{"process_count": 2}', r"ckpt_iter\.json: says 2 processes, but the state files are the set of 4"),
+])
+def test_a_bad_count_file_is_refused_with_the_fix(tmp_path, text, message):
+  _saved_by_handler(tmp_path, 4)
+  (tmp_path / _files.COUNT_FILE).write_text(text)
+  it = repeat_iterator(0, 2, 4)
+  before = it.state()
+  with pytest.raises(ckpt_iter.InvalidStateError, match=message):
+    checkpoint_lib.IteratorCheckpointHandler(0, 2).restore(tmp_path, ckpt_iter.IteratorRestore(it, elastic=True))
+  assert it.state().position == before.position

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import ckpt_iter
+from ckpt_iter import _drift
 from ckpt_iter import testing
 
 _NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -367,3 +368,159 @@ def test_iter_dataset_fingerprint_names_the_pipeline_and_bad_positions_fail_clea
   reference = ckpt_iter.DataIterator(_iter_pipeline(seed=2))
   next(reference)
   testing.assert_trees_equal([next(iterator)], [next(reference)])
+
+
+def test_a_repeat_after_make_dataset_reads_every_epoch_and_resumes_exactly():
+  # Grain's RepeatMapDataset reads its input past its length (a MapDataset's
+  # index space is unbounded); make_dataset's batches continue into later
+  # epochs there, as make_dataset(num_epochs=2) would.
+  once = ckpt_iter.make_dataset(_records(6), batch_size=2, seed=3, num_epochs=1)
+  repeated = list(ckpt_iter.DataIterator(once.repeat(2)))
+  twice = list(ckpt_iter.DataIterator(ckpt_iter.make_dataset(_records(6), batch_size=2, seed=3, num_epochs=2)))
+  testing.assert_trees_equal(repeated, twice)
+  testing.assert_exact_resume(
+      lambda: ckpt_iter.DataIterator(once.repeat(2)), checkpoint_at=[0, 2, 3, 5, 6], num_elements=6)
+  with pytest.raises(IndexError):
+    once[-1]  # pylint: disable=pointless-statement
+
+
+# ---------------------------------------------------------------------------
+# Replayed plain iterables: the digest of the last batch read.
+
+
+def _batch(ids, texts=None):
+  return {"ids": np.asarray(ids, np.int32), "prompts": list(texts or [f"p{i}" for i in ids])}
+
+
+def test_batch_digest_is_stable_and_sees_every_value_dtype_shape_and_key():
+  digest = _drift.batch_digest
+  base = digest(_batch([1, 2]))
+  assert isinstance(base, str) and len(base) == 16 and int(base, 16) >= 0
+  # Rebuilt, with keys in another order: the same.
+  assert digest({"prompts": ["p1", "p2"], "ids": np.array([1, 2], np.int32)}) == base
+  changed = [
+      _batch([1, 3]),                                    # a value
+      {**_batch([1, 2]), "ids": np.asarray([1, 2], np.int64)},  # a dtype
+      {**_batch([1, 2]), "ids": np.asarray([[1, 2]], np.int32)},  # a shape
+      _batch([1, 2], ["p1", "q2"]),                      # a string
+      {"id": np.asarray([1, 2], np.int32), "prompts": ["p1", "p2"]},  # a key
+      {**_batch([1, 2]), "prompts": ("p1", "p2")},       # list -> tuple
+      {**_batch([1, 2]), "extra": None},                 # one more leaf
+  ]
+  digests = [digest(batch) for batch in changed]
+  assert base not in digests and len(set(digests)) == len(digests)
+  # Arrays of Python objects are hashed element by element, not by address.
+  assert digest(np.array(["a", 1], dtype=object)) == digest(np.array(["a", 1], dtype=object))
+  assert digest(np.array(["a", 1], dtype=object)) != digest(np.array(["a", 2], dtype=object))
+
+
+def test_check_replayed_refuses_another_last_batch_naming_the_field_and_both_digests():
+  saved = _drift.batch_digest(_batch([4, 5]))
+  _drift.check_replayed(saved, _batch([4, 5]), 3, origin="the input")  # the same: accepted
+  _drift.check_replayed(None, _batch([9]), 3, origin="the input")  # a state without the field
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    _drift.check_replayed(saved, _batch([4, 6]), 3, origin="the input")
+  here = _drift.batch_digest(_batch([4, 6]))
+  field = _drift.REPLAY_DIGEST_FIELD
+  assert info.value.differences == {field: (saved, here)}
+  message = str(info.value)
+  assert f"{field}={saved!r}" in message and f"{field}={here!r}" in message
+  assert "batch 2" in message and "the same batches in the same order" in message
+
+
+def _replay_source(iterable):
+  from ckpt_iter.tunix import _input  # pylint: disable=g-import-not-at-top  (imports Tunix)
+
+  return _input.ReplaySource(iterable)
+
+
+def _read(source, count):
+  return [next(source) for _ in range(count)]
+
+
+def _batches(count, changed_at=None):
+  return [_batch([i, i + 100] if i != changed_at else [i, -1]) for i in range(count)]
+
+
+def _restore(source, position, origin="the input"):
+  source.apply(source.check(source.fingerprint, position, allow_drift=(), origin=origin), position)
+
+
+def _maker(one_shot):
+  return (lambda b: (x for x in b)) if one_shot else list
+
+
+def _position_after_three(make):
+  saving = _replay_source(make(_batches(6)))
+  _read(saving, 3)
+  return saving.position()
+
+
+@pytest.mark.parametrize("one_shot", [False, True], ids=["list", "generator"])
+def test_a_replayed_iterable_resumes_after_the_batch_it_saved_last(one_shot):
+  make = _maker(one_shot)
+  position = _position_after_three(make)
+  assert position == {"full_batches_read": 3, _drift.REPLAY_DIGEST_FIELD: _drift.batch_digest(_batches(6)[2])}
+  restored = _replay_source(make(_batches(6)))
+  restored.peek()  # as a learner does when it is built
+  _restore(restored, json.loads(json.dumps(position)))
+  assert restored.position() == position
+  testing.assert_trees_equal(_read(restored, 3), _batches(6)[3:])
+
+
+@pytest.mark.parametrize("one_shot", [False, True], ids=["list", "generator"])
+def test_another_iterable_of_the_same_type_is_refused_and_a_list_is_unchanged(one_shot):
+  make = _maker(one_shot)
+  position = _position_after_three(make)
+  other = _batches(6, changed_at=2)  # differs in the last batch the saving run read
+  restored = _replay_source(make(other))
+  # The type name alone cannot tell.
+  assert restored.fingerprint == _replay_source(make(_batches(6))).fingerprint
+  restored.peek()
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    _restore(restored, position)
+  field = _drift.REPLAY_DIGEST_FIELD
+  saved, here = position[field], _drift.batch_digest(other[2])
+  assert info.value.differences == {field: (saved, here)}
+  assert f"{field}={saved!r}" in str(info.value) and f"{field}={here!r}" in str(info.value)
+  assert restored.position() == {"full_batches_read": 0}
+  if one_shot:
+    # Read by the replay (not buffered): it refuses to yield from the wrong place.
+    assert "pass a new one" in str(info.value)
+    with pytest.raises(ckpt_iter.CkptIterError, match="read by a refused restore"):
+      next(restored)
+  else:
+    # Nothing changed: the list is read from its first batch.
+    testing.assert_trees_equal(_read(restored, 6), other)
+
+
+def test_a_shorter_iterable_is_refused_naming_the_count():
+  saving = _replay_source(_batches(6))
+  _read(saving, 5)
+  restored = _replay_source(_batches(3))
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    _restore(restored, saving.position())
+  assert info.value.differences == {"full_batches_read": (5, 3)}
+  testing.assert_trees_equal(_read(restored, 3), _batches(3))
+
+
+def test_what_the_last_batch_digest_does_not_see():
+  saving = _replay_source(_batches(6))
+  _read(saving, 3)
+  position = saving.position()
+  # A state written before the field existed is not checked.
+  old = _replay_source(_batches(6, changed_at=2))
+  _restore(old, {"full_batches_read": 3})
+  testing.assert_trees_equal(_read(old, 1), [_batches(6)[3]])
+  # Nor is a difference before the last batch the saving run read.
+  earlier = _replay_source(_batches(6, changed_at=1))
+  _restore(earlier, position)
+  testing.assert_trees_equal(_read(earlier, 1), [_batches(6)[3]])
+
+
+def test_a_malformed_replay_position_is_refused():
+  source = _replay_source(_batches(2))
+  for position in ({"full_batches_read": 1, _drift.REPLAY_DIGEST_FIELD: 7}, {"full_batches_read": 1, "x": 1}):
+    with pytest.raises(ckpt_iter.InvalidStateError):
+      _restore(source, position)
+  assert source.position() == {"full_batches_read": 0}

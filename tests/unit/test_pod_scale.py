@@ -1,9 +1,11 @@
 """What one process reads to restore: O(1) files, O(1 + N/M) when elastic.
 
 Every file a restore opens is counted by wrapping `builtins.open` (the only
-way `_files` opens a state file), so the counts are what really happened.
-N saved processes are simulated in one process with
-`IteratorCheckpointHandler(process_index, process_count)`.
+way `_files` opens a state file), every stat of a state file's path by
+wrapping `os.stat`, and every directory listing by wrapping `os.listdir` and
+`os.scandir`, so the counts are what really happened. N saved processes are
+simulated in one process with `IteratorCheckpointHandler(process_index,
+process_count)`.
 """
 
 import builtins
@@ -54,23 +56,51 @@ def save(directory, count, *, pending=True):
     checkpoint_lib.IteratorCheckpointHandler(index, count).save(directory, ckpt_iter.IteratorSave(it))
 
 
+class IoCalls:
+  """What a restore did to the item's files."""
+
+  def __init__(self):
+    self.opened = []  # (process_index, "json" | "npz") of each state file; (None, "count") for the count file
+    self.stat = []  # (process_index, extension) of each state file whose path was stat'ed
+    self.listings = 0
+
+
 @contextlib.contextmanager
-def opened_state_files():
-  """Collects (process_index, extension) of every state file opened."""
-  opened = []
-  real_open = builtins.open
+def counted_io():
+  calls = IoCalls()
+  real = builtins.open, os.stat, os.listdir, os.scandir
+  real_open, real_stat, real_listdir, real_scandir = real
+
+  def state_file(file):
+    return _STATE_FILE.search(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else None
 
   def counting_open(file, *args, **kwargs):
-    match = _STATE_FILE.search(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else None
+    match = state_file(file)
     if match:
-      opened.append((int(match.group(1)), match.group(3)))
+      calls.opened.append((int(match.group(1)), match.group(3)))
+    elif isinstance(file, (str, os.PathLike)) and os.path.basename(os.fspath(file)) == _files.COUNT_FILE:
+      calls.opened.append((None, "count"))
     return real_open(file, *args, **kwargs)
 
-  builtins.open = counting_open
+  def counting_stat(path, *args, **kwargs):
+    match = state_file(path)
+    if match:
+      calls.stat.append((int(match.group(1)), match.group(3)))
+    return real_stat(path, *args, **kwargs)
+
+  def counting_listdir(*args):
+    calls.listings += 1
+    return real_listdir(*args)
+
+  def counting_scandir(*args):
+    calls.listings += 1
+    return real_scandir(*args)
+
+  builtins.open, os.stat, os.listdir, os.scandir = counting_open, counting_stat, counting_listdir, counting_scandir
   try:
-    yield opened
+    yield calls
   finally:
-    builtins.open = real_open
+    builtins.open, os.stat, os.listdir, os.scandir = real
 
 
 def expected_state(directory, saved_count, index, count):
@@ -106,11 +136,20 @@ def assert_items_equal(got, expected):
 @pytest.mark.parametrize("pending", [True, False], ids=["pending", "no_pending"])
 def test_same_count_restore_opens_one_header_and_at_most_one_npz(tmp_path, pending):
   save(tmp_path, 8, pending=pending)
+  own = lambda index: [(index, "json"), (index, "npz")] if pending else [(index, "json")]  # noqa: E731
   for index in (0, 5, 7):
-    with opened_state_files() as opened:
+    # A plain restore: its own files, no count file, no stat of a path, no listing.
+    with counted_io() as calls:
+      value = checkpoint_lib.read_item(tmp_path, index, 8).value
+    assert (calls.opened, calls.stat, calls.listings) == (own(index), [], 0)
+    assert value.fingerprint["shard_index"] == index
+    # elastic=True with the saved count: the count file, then the same files;
+    # the rest of its window is only stat'ed (an incomplete set is refused).
+    with counted_io() as calls:
       value = elastic.read_for_process(tmp_path, index, 8)
-    expected = [(index, "json"), (index, "npz")] if pending else [(index, "json")]
-    assert opened == expected
+    assert calls.opened == [(None, "count")] + own(index)
+    assert sorted(calls.stat) == [(i, "json") for i in elastic.checked_files(8, index, 8) if i != index]
+    assert calls.listings == 0
     assert value.fingerprint["shard_index"] == index
 
 
@@ -121,8 +160,10 @@ def test_elastic_restore_reads_only_the_files_that_hold_its_rows(tmp_path, saved
   states, _ = expected_state(tmp_path, saved, 0, restored)
   headers_checked = set()
   for index in range(restored):
-    with opened_state_files() as opened:
+    with counted_io() as calls:
       value = elastic.read_for_process(tmp_path, index, restored)
+    opened = calls.opened
+    assert opened[0] == (None, "count") and calls.listings == 0  # the saved count, without a listing
     headers = [i for i, ext in opened if ext == "json"]
     arrays = [i for i, ext in opened if ext == "npz"]
     assert len(set(headers)) == len(headers) and len(set(arrays)) == len(arrays), opened
@@ -145,10 +186,10 @@ def test_elastic_restore_reads_only_the_files_that_hold_its_rows(tmp_path, saved
 def test_elastic_restore_without_pending_reads_no_arrays(tmp_path):
   save(tmp_path, 16, pending=False)
   for index in range(4):
-    with opened_state_files() as opened:
+    with counted_io() as calls:
       value = elastic.read_for_process(tmp_path, index, 4)
-    assert [ext for _, ext in opened] == ["json"] * len(opened)
-    assert len(opened) <= math.ceil(16 / 4) + 2
+    assert [ext for _, ext in calls.opened] == ["count"] + ["json"] * (len(calls.opened) - 1)
+    assert len(calls.opened) - 1 <= math.ceil(16 / 4) + 2
     assert value.pending is None
 
 
@@ -185,3 +226,27 @@ def test_checked_files_cover_every_saved_file_within_the_budget():
         assert len(checked) <= budget + (0 not in rows_from)
         union |= set(checked)
       assert union == set(range(saved)), (saved, restored)
+
+
+@pytest.mark.parametrize("saved,restored", [(16, 4), (4, 16), (8, 8), (1, 3)])
+def test_an_elastic_handler_restore_lists_nothing(tmp_path, saved, restored):
+  save(tmp_path, saved)
+  results = {}
+  for count_file in (True, False):
+    if not count_file:  # an item written before the count file: listed once
+      os.remove(tmp_path / _files.COUNT_FILE)
+    index = restored // 2
+    global_rows = ROWS_PER_PROCESS * saved
+    fresh = ckpt_iter.RepeatIterator(ckpt_iter.DataIterator(ckpt_iter.make_dataset(
+        [{"id": i} for i in range(global_rows * 4)], batch_size=global_rows // restored, seed=1,
+        num_epochs=None, shard_index=index, shard_count=restored)),
+        produce=produce, num_repeats=3, shuffle_seed=9)
+    with counted_io() as calls:
+      checkpoint_lib.IteratorCheckpointHandler(index, restored).restore(
+          tmp_path, ckpt_iter.IteratorRestore(fresh, elastic=True))
+    # The count file is tried first (an open that fails when there is none).
+    assert calls.opened.count((None, "count")) == 1
+    assert calls.listings == (0 if count_file else 1)
+    results[count_file] = fresh.state()
+  assert results[True].position == results[False].position
+  assert_items_equal(results[True].pending.items, results[False].pending.items)

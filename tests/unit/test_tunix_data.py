@@ -90,3 +90,57 @@ def test_missing_prompt_key_names_the_fields(tmp_path):
   ds = data.create_dataset(_write_jsonl(tmp_path / "a.jsonl", 2), prompt_key="prompt")
   with pytest.raises(errors.InvalidArgumentError, match=r"prompt_key='prompt'.*\['answer', 'question'\]"):
     ds[0]
+
+
+# ---------------------------------------------------------------------------
+# source: hf (Hugging Face datasets, built locally: no network)
+
+
+def _hf_dataset(tmp_path, count, name="hf"):
+  import datasets  # pylint: disable=g-import-not-at-top  (the test extra installs it)
+  path = str(tmp_path / name)
+  datasets.Dataset.from_list([{"question": f"q{i}", "answer": i} for i in range(count)]).save_to_disk(path)
+  return path
+
+
+def test_hf_source_from_a_saved_dataset_and_a_builder(tmp_path):
+  path = _hf_dataset(tmp_path, 10)
+  from_disk = data.create_dataset("hf", path=path, seed=3, num_epochs=2, prompt_key="question")
+  from_jsonl = data.create_dataset(_write_jsonl(tmp_path / "a.jsonl", 10), seed=3, num_epochs=2, prompt_key="question")
+  assert _questions(from_disk) == _questions(from_jsonl)
+  by_builder = data.create_dataset(
+      "hf", path="json", data_files=str(tmp_path / "a.jsonl"), split="train",
+      cache_dir=str(tmp_path / "cache"), seed=3, num_epochs=2, prompt_key="question",
+  )
+  assert _questions(by_builder) == _questions(from_jsonl)
+  assert int(by_builder[0]["answer"]) == int(from_jsonl[0]["answer"])
+
+
+def test_hf_source_resumes_and_refuses_a_changed_dataset(tmp_path):
+  path = _hf_dataset(tmp_path, 10)
+  uninterrupted = _questions(data.create_dataset("hf", path=path, seed=3, prompt_key="question"))
+  iterator = DataIterator(data.create_dataset("hf", path=path, seed=3, prompt_key="question"))
+  for _ in range(4):
+    next(iterator)
+  state = iterator.get_state()
+  assert state["fingerprint"]["source"] == "hf[hf]"
+  resumed = DataIterator(data.create_dataset("hf", path=path, seed=3, prompt_key="question"))
+  resumed.set_state(state)
+  assert [str(r["prompts"]) for r in resumed] == uninterrupted[4:]
+  (tmp_path / "other").mkdir()
+  longer = _hf_dataset(tmp_path / "other", 12)
+  with pytest.raises(errors.ConfigDriftError, match="source_length"):
+    DataIterator(data.create_dataset("hf", path=longer, seed=3, prompt_key="question")).set_state(state)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"source": "hf"}, "source: hf needs path"),
+        ({"split": "train"}, r"\['split'\] apply to source: hf only"),
+    ],
+)
+def test_hf_fields_are_checked(tmp_path, kwargs, message):
+  kwargs.setdefault("source", _write_jsonl(tmp_path / "a.jsonl", 4))
+  with pytest.raises(errors.InvalidArgumentError, match=message):
+    data.create_dataset(**kwargs)

@@ -1,0 +1,145 @@
+"""`ckpt-iter train grpo CONFIG.yaml`: Tunix's own YAML pipeline with the Resumable learner.
+
+Each run is a fresh process (tests/workers/tunix_cli_worker.py) that calls the
+`ckpt-iter` entry point with a complete GRPO config naming
+`data_module: ckpt_iter.tunix.data`. The pipeline is Tunix's (config loading
+and overrides, meshes, rollout and training configs, the data_module dataset
+filtered and batched by Tunix, reward functions from the config, the learner
+it builds, Orbax checkpoints); the worker only makes its model and tokenizer
+loaders return Tunix's toy ones and, since CPU devices have no coordinates,
+gives Tunix's mesh allocator a flat device list.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import testing
+import ckpt_iter.tunix  # noqa: F401  (registers the TrainExample types read_item decodes)
+from ckpt_iter.demo import toyrun
+import tunix_cli_worker
+
+_WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "workers", "tunix_cli_worker.py")
+_WORKERS_DIR = os.path.dirname(os.path.abspath(_WORKER))
+_RESUMABLE = "ckpt_iter.tunix.ResumableGRPOLearner"
+_MAX_STEPS = 6  # grad accumulation 2 (mini batch 2, micro 1): 12 trainer inputs
+
+
+def _env(cache_dir):
+  return dict(
+      os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache_dir,
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      # The config names its reward module `tunix_cli_rewards` (in workers/).
+      PYTHONPATH=os.pathsep.join([_WORKERS_DIR, os.environ.get("PYTHONPATH", "")]),
+  )
+
+
+def _write_config(path, root, **changes):
+  config = tunix_cli_worker.grpo_config(str(root), toyrun.PROMPTS_FILE, **changes)
+  path.write_text(yaml.safe_dump(config))
+  return str(path)
+
+
+def _train(config, out, cache_dir, *overrides, preempt_after=None, expect_rc=0):
+  command = [sys.executable, _WORKER, "--out", str(out)]
+  if preempt_after is not None:
+    command += ["--preempt-after", str(preempt_after)]
+  command += ["--", "grpo", config, *overrides]
+  process = subprocess.run(command, env=_env(cache_dir), capture_output=True, text=True, timeout=900)
+  assert process.returncode == expect_rc, (
+      f"worker exited {process.returncode}, expected {expect_rc}:\n{process.stderr[-4000:]}"
+  )
+  with np.load(out) as record:
+    meta = json.loads(bytes(record["meta"]).decode())
+    inputs = [
+        {k.split("_", 1)[1]: record[k] for k in record.files if k.startswith(f"input{i}_")}
+        for i in range(meta["num_inputs"])
+    ]
+  return inputs, meta
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache_dir):
+  """One run of the pipeline to max_steps, with a Tunix override on the command line."""
+  work = tmp_path_factory.mktemp("cli_uninterrupted")
+  root = work / "ckpt"
+  config = _write_config(work / "grpo.yaml", root)
+  inputs, meta = _train(config, work / "run.npz", cache_dir, "data_config.seed=1")
+  return root, inputs, meta
+
+
+def test_the_pipeline_builds_the_resumable_learner_and_checkpoints_the_data(uninterrupted):
+  root, inputs, meta = uninterrupted
+  assert meta["exit_code"] == 0
+  assert meta["learners"] == [_RESUMABLE]  # the class Tunix's pipeline built and trained
+  assert meta["restored"]  # grpo_learner.GrpoLearner etc. are Tunix's classes again
+  assert len(inputs) == 2 * _MAX_STEPS
+  steps = sorted(int(name) for name in os.listdir(root / "actor") if name.isdigit())
+  assert steps == list(range(1, _MAX_STEPS + 1))
+  for step in steps:
+    item = root / "actor" / str(step) / "data"
+    value = checkpoint_lib.read_item(str(item), 0, 1).value
+    assert value.kind == "tunix" and value.counters["train_steps"] == step
+    # The fingerprint is the data_module's dataset (make_dataset over the
+    # JSONL file, with the seed given on the command line) behind Tunix's batching.
+    assert value.fingerprint["source"].startswith("jsonl[prompts.jsonl:")
+    assert value.fingerprint["seed"] == 1 and value.fingerprint["num_epochs"] == 2
+  verify = subprocess.run(
+      [sys.executable, "-m", "ckpt_iter", "verify", str(root)], capture_output=True, text=True, timeout=300
+  )
+  assert verify.returncode == 0 and verify.stdout.startswith("ok: "), verify.stdout + verify.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed_after", [3, 4])
+def test_a_killed_run_resumes_exactly_through_the_entry_point(tmp_path, cache_dir, uninterrupted, killed_after):
+  # After 3 updates the kill falls between the two updates (num_iterations=2)
+  # of one rollout: the resumed run must train the pending repeat from the
+  # checkpoint. After 4 it falls at a rollout boundary.
+  _, expected, _ = uninterrupted
+  root = tmp_path / "ckpt"
+  config = _write_config(tmp_path / "grpo.yaml", root)
+  killed, meta = _train(config, tmp_path / "killed.npz", cache_dir, "data_config.seed=1",
+                        preempt_after=killed_after, expect_rc=tunix_cli_worker.PREEMPT_EXIT_CODE)
+  assert meta["preempted"] and meta["learners"] == [_RESUMABLE]
+  resumed, meta = _train(config, tmp_path / "resumed.npz", cache_dir, "data_config.seed=1")
+  assert meta["learners"] == [_RESUMABLE] and meta["restored_steps"] == [killed_after]
+  consumed = 2 * killed_after
+  assert len(killed) == consumed and len(resumed) == len(expected) - consumed
+  testing.assert_trees_equal(killed, expected[:consumed], path="before the kill")
+  testing.assert_trees_equal(resumed, expected[consumed:], path="after the resume")
+
+
+def test_a_resume_into_another_dataset_seed_is_refused_naming_it(tmp_path, cache_dir, uninterrupted):
+  root, _, _ = uninterrupted
+  copy = tmp_path / "ckpt"
+  subprocess.run(["cp", "-r", str(root), str(copy)], check=True)
+  config = _write_config(tmp_path / "grpo.yaml", copy, rl_training_config={
+      **tunix_cli_worker.grpo_config(str(copy), "")["rl_training_config"], "max_steps": _MAX_STEPS + 2})
+  command = [sys.executable, _WORKER, "--out", str(tmp_path / "r.npz"), "--", "grpo", config, "data_config.seed=2"]
+  process = subprocess.run(command, env=_env(cache_dir), capture_output=True, text=True, timeout=900)
+  assert process.returncode == 1, process.stderr[-3000:]
+  message = process.stderr.strip().splitlines()[-1]
+  assert message.startswith("ckpt-iter train: ") and "seed=1 there" in message and "seed=2 here" in message, message
+
+
+def test_tunix_config_errors_come_from_tunix(tmp_path):
+  # Overrides go to Tunix's own config loader: a key the file lacks is its error.
+  config = _write_config(tmp_path / "grpo.yaml", tmp_path / "ckpt")
+  process = subprocess.run(
+      [sys.executable, "-m", "ckpt_iter.tunix.cli", "grpo", config, "no_such_key=1"],
+      env=_env(str(tmp_path / "cache")), capture_output=True, text=True, timeout=300,
+  )
+  assert process.returncode != 0
+  assert "Key no_such_key was passed at the command line but isn't in config" in process.stderr
