@@ -407,6 +407,28 @@ def process_set_problems(
   return problems
 
 
+def count_file_problems(
+    directory: str, present: Sequence[tuple[int, int]]
+) -> list[tuple[str, str]]:
+  """What is wrong with `COUNT_FILE` next to a sound set of process files, as (path, message).
+
+  For `ckpt-iter verify`: a garbled count file, or one that names another
+  count than the files' (restores trust it to learn the count).
+  """
+  path = os.path.join(directory, COUNT_FILE)
+  try:
+    recorded = _read_count_file(directory)
+  except errors.InvalidStateError as e:
+    return [(path, str(e).removeprefix(f"{path}: "))]
+  except OSError as e:
+    return [(path, f"cannot read it ({e.strerror or e}).")]
+  counts = {count for _, count in present}
+  if recorded is None or not counts or counts == {recorded}:
+    return []
+  return [(path, f"says {recorded} processes, but the state files are the set of {min(counts)}. "
+                 f"Delete {COUNT_FILE} to have the process files listed instead.")]
+
+
 def incomplete_set_error(directory: str, process_index: int, process_count: int) -> errors.InvalidStateError:
   """The error for a file missing from a set whose count the item records.
 

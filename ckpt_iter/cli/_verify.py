@@ -54,6 +54,8 @@ def verify_step(layout: inspection.Layout, step: int) -> StepCheck:
     ),))
   files = _files.list_process_files(item_dir)
   problems = [Problem(step, path, message) for path, message in _files.process_set_problems(item_dir, files)]
+  if not problems:  # the count file is judged against a sound set only
+    problems = [Problem(step, path, message) for path, message in _files.count_file_problems(item_dir, files)]
   states: dict[tuple[int, int], state_lib.IteratorState] = {}
   arrays_read = 0
   for index, count in files:

@@ -355,6 +355,12 @@ CORRUPTIONS = {
         lambda d: _save_processes(d, [_advance(_repeat_iterator(0, 0, 2), 1),
                                       ckpt_iter.DataIterator(_dataset(0, 1, 2))]),
         "process_1-of-2.json", "kind='data' here, 'repeat' there"),
+    "garbled count file": (
+        lambda d: (d / "ckpt_iter.json").write_text('{"process_count": "two"}'),
+        "ckpt_iter.json", "field 'process_count' is 'two'"),
+    "stale count file": (
+        lambda d: (d / "ckpt_iter.json").write_text('{"process_count": 3}'),
+        "ckpt_iter.json", "says 3 processes, but the state files are the set of 2"),
     "mixed process counts": (
         lambda d: _save_processes(d, [_repeat_iterator()]),
         "", "state files of different process counts (1, 2)"),
