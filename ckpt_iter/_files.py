@@ -365,7 +365,8 @@ def _missing_process_file(directory: str, process_index: int, process_count: int
         f"{directory}: written by {counts[0]} process(es) "
         f"({', '.join(process_file_stem(i, n) + '.json' for i, n in present)}), "
         f"but this run has {process_count}. Restore with {counts[0]} processes, or "
-        "pass elastic=True to IteratorRestore (make_dataset pipelines only)."
+        "pass elastic=True to IteratorRestore (make_dataset pipelines only).",
+        saved_count=counts[0], process_count=process_count,
     )
   return errors.InvalidStateError(
       f"{directory}: {process_file_stem(process_index, process_count)}.json is missing "

@@ -54,7 +54,16 @@ class ConfigDriftError(CkptIterError):
 
 
 class ProcessCountError(CkptIterError):
-  """A checkpoint was written by another number of processes."""
+  """A checkpoint was written by another number of processes.
+
+  `saved_count` and `process_count` say which, for callers that word their
+  own advice (a Tunix learner cannot take `elastic=True`).
+  """
+
+  def __init__(self, message: str, *, saved_count: int, process_count: int):
+    super().__init__(message)
+    self.saved_count = saved_count
+    self.process_count = process_count
 
 
 class LegacyCheckpointError(CkptIterError):

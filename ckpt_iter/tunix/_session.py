@@ -101,7 +101,9 @@ class DataSession:
       # Another budget packs the pending sequences into other trainer inputs.
       self.fingerprint["max_seq_token_per_tpu"] = int(self.packing)
     # Changeable on resume, with a warning (not compared as the fields above are).
-    self.fingerprint.update(settings_lib.algorithm_settings(learner))
+    settings = settings_lib.algorithm_settings(learner)
+    if settings:
+      self.fingerprint[settings_lib.FIELD] = settings_lib.encode(settings)
 
   def tunix_input(self) -> list[Any]:
     """What Tunix's train() reads to size its batches (nothing else is read)."""
@@ -297,9 +299,10 @@ class DataSession:
     except errors.ProcessCountError as e:
       # The generic advice (elastic=True) does not apply to a learner's state.
       raise errors.ProcessCountError(
-          f"{origin}: resuming with {jax.process_count()} JAX process(es) "
-          f"{elastic_lib.resize_refusal('tunix', {})} Resume with the process count "
-          f"that wrote the checkpoint. ({e})"
+          f"{origin}: written by {e.saved_count} JAX process(es); resuming with "
+          f"{e.process_count} {elastic_lib.resize_refusal('tunix', {})} "
+          f"Resume with {e.saved_count} processes.",
+          saved_count=e.saved_count, process_count=e.process_count,
       ) from None
     if value.kind != "tunix":
       raise errors.InvalidStateError(f"{origin}: data state kind is {value.kind!r}, expected 'tunix'.")

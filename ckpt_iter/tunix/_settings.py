@@ -1,14 +1,16 @@
 """Algorithm settings a resume may change: recorded with the data state, warned about.
 
 The data state's fingerprint refuses any change to what the pending examples
-mean (num_generations, num_iterations, batch geometry, the input). Settings such
-as the KL weight, the clipping epsilon, the sampling temperature or the learning
-rate only change how the run goes on; a resume accepts a new value, and logs
-one warning listing every old -> new pair, so a changed config is never silent.
+mean (num_generations, num_iterations, batch geometry, the input). The numeric
+settings of the algorithm and the sampler (the KL weight, the clipping
+epsilons, the temperature, the learning rate, ...) only change how the run
+goes on; a resume accepts new values and logs one warning listing every
+old -> new pair, so a changed config is never silent.
 
-They travel in the fingerprint under the "setting." prefix and are taken out of
-it before the fingerprint is compared (`split`): a state written before they
-were recorded has none, and nothing is compared for it.
+They travel in the fingerprint as one compact field, `settings`
+("beta=0.04,epsilon=0.2,..."; a data state header stays well under 1 KB),
+which is taken out before the fingerprint is compared (`split`): a state
+written before it existed has none, and nothing is compared for it.
 """
 
 from __future__ import annotations
@@ -17,64 +19,65 @@ import dataclasses
 import logging
 from typing import Any, Mapping
 
-from ckpt_iter import state as state_lib
 
-PREFIX = "setting."
+FIELD = "settings"
 _LOG = logging.getLogger("ckpt_iter")
 # Fingerprinted in their own right (a change is refused): not repeated here.
 _REFUSED = frozenset({"num_generations", "num_iterations"})
 # The rollout's sampling knobs in the training mode.
-_ROLLOUT_FIELDS = ("temperature", "top_p", "top_k", "max_tokens_to_generate", "max_prompt_length")
+_ROLLOUT_FIELDS = ("temperature", "top_p", "top_k")
 
 
-def algorithm_settings(learner: Any) -> dict[str, state_lib.JsonScalar]:
-  """The learner's changeable settings, "setting.<group>.<name>" -> scalar."""
-  settings: dict[str, state_lib.JsonScalar] = {}
+def algorithm_settings(learner: Any) -> dict[str, int | float]:
+  """The learner's numeric changeable settings, name -> value."""
+  settings: dict[str, int | float] = {}
   algo_config = getattr(learner, "algo_config", None)
   if dataclasses.is_dataclass(algo_config):
     for field in dataclasses.fields(algo_config):
       value = getattr(algo_config, field.name, None)
       # GRPO copies the rollout temperature into its config: recorded once, below.
-      if field.name not in _REFUSED and field.name not in _ROLLOUT_FIELDS and _is_scalar(value):
-        settings[f"{PREFIX}algo.{field.name}"] = value
+      if field.name not in _REFUSED and field.name not in _ROLLOUT_FIELDS and _is_number(value):
+        settings[field.name] = value
   rollout = _train_rollout_config(learner)
   for name in _ROLLOUT_FIELDS:
     value = getattr(rollout, name, None)
-    if _is_scalar(value):
-      settings[f"{PREFIX}rollout.{name}"] = value
+    if _is_number(value):
+      settings[name] = value
   learning_rate = _initial_learning_rate(learner)
   if learning_rate is not None:
-    settings[f"{PREFIX}optimizer.learning_rate"] = learning_rate
+    settings["learning_rate"] = learning_rate
   return settings
 
 
-def split(fingerprint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-  """(the fingerprint without settings, the settings)."""
-  rest, settings = {}, {}
-  for name, value in fingerprint.items():
-    (settings if name.startswith(PREFIX) else rest)[name] = value
-  return rest, settings
+def encode(settings: Mapping[str, int | float]) -> str:
+  return ",".join(f"{name}={value!r}" for name, value in sorted(settings.items()))
 
 
-def changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+def split(fingerprint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+  """(the fingerprint without the settings field, the settings as name -> value text)."""
+  rest = {name: value for name, value in fingerprint.items() if name != FIELD}
+  text = fingerprint.get(FIELD)
+  if not isinstance(text, str) or not text:
+    return rest, {}
+  return rest, dict(pair.split("=", 1) for pair in text.split(",") if "=" in pair)
+
+
+def changes(saved: Mapping[str, str], current: Mapping[str, str]) -> dict[str, tuple[str, str]]:
   """Settings recorded on both sides whose values differ, name -> (saved, current)."""
-  return {
-      name[len(PREFIX):]: (saved[name], current[name])
-      for name in sorted(set(saved) & set(current))
-      if not state_lib.same_field_value(saved[name], current[name])
-  }
+  return {name: (saved[name], current[name])
+          for name in sorted(set(saved) & set(current)) if saved[name] != current[name]}
 
 
-def warn(changed: Mapping[str, tuple[Any, Any]], origin: str) -> None:
+def warn(changed: Mapping[str, tuple[str, str]], origin: str) -> None:
   if changed:
     _LOG.warning(
         "ckpt_iter: %s was written with other algorithm settings; resuming with the new ones: %s.",
-        origin, ", ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changed.items()),
+        origin, ", ".join(f"{name}: {old} -> {new}" for name, (old, new) in changed.items()),
     )
 
 
-def _is_scalar(value: Any) -> bool:
-  return isinstance(value, (bool, int, float, str)) or value is None
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _train_rollout_config(learner: Any) -> Any:

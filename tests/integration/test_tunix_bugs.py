@@ -141,8 +141,7 @@ def test_changed_algorithm_settings_continue_with_one_warning(tmp_path, jax_cach
   assert first.labels + second.labels == ["AB", "CD", "EF", "GH"]
   warnings = [line for line in second.stderr.splitlines() if "other algorithm settings" in line]
   assert len(warnings) == 1, second.stderr[-3000:]
-  for change in ("algo.beta: 0.04 -> 0.1", "rollout.temperature: 0.9 -> 0.7",
-                 "optimizer.learning_rate: 0.01 -> 0.02"):
+  for change in ("beta: 0.04 -> 0.1", "temperature: 0.9 -> 0.7", "learning_rate: 0.01 -> 0.02"):
     assert change in warnings[0], warnings[0]
   again = harness.run_toy(dict(after, max_steps=6), root, str(tmp_path / "2.npz"), cache_dir=jax_cache)
   assert again.labels == ["IJ", "KL"]

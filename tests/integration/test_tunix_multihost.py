@@ -159,8 +159,9 @@ def test_resuming_with_another_process_count_is_refused_with_the_reason(runs, tm
     process_group.run_group(WORKER, tmp_path, "one_process", [{"root": str(root), "max_steps": MAX_STEPS}],
                             timeout_seconds=RUN_TIMEOUT_SECONDS)
   log = str(refused.value)
-  assert "ProcessCountError" in log and "with 1 JAX process(es)" in log, log[-3000:]
-  assert "Tunix learner" in log and "Resume with the process count" in log, log[-3000:]
+  assert "ProcessCountError" in log and "written by 2 JAX process(es); resuming with 1" in log, log[-3000:]
+  assert "Tunix learner" in log and "Resume with 2 processes." in log, log[-3000:]
+  assert "elastic=True" not in log, log[-3000:]  # advice a learner cannot take
   # Nothing was written: the step the refused job restored is still the latest.
   assert max(int(s.name) for s in (root / "actor").iterdir() if s.name.isdigit()) == 3
 

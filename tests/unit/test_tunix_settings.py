@@ -23,20 +23,23 @@ def test_the_learning_rate_is_read_where_optax_exposes_it():
   assert settings._initial_learning_rate(_learner_with(optax.sgd(1e-2))) is None
 
 
-def test_settings_are_split_from_the_fingerprint_and_compared_where_both_sides_have_them():
-  saved = {"num_iterations": 2, "setting.algo.beta": 0.04, "setting.rollout.temperature": 0.9}
-  current = {"num_iterations": 2, "setting.algo.beta": 0.1, "setting.optimizer.learning_rate": 0.01}
+def test_settings_travel_as_one_field_and_are_compared_where_both_sides_have_them():
+  saved = {"num_iterations": 2, "settings": settings.encode({"beta": 0.04, "temperature": 0.9})}
+  current = {"num_iterations": 2, "settings": settings.encode({"beta": 0.1, "learning_rate": 0.01})}
+  assert saved["settings"] == "beta=0.04,temperature=0.9"
   rest, saved_settings = settings.split(saved)
   assert rest == {"num_iterations": 2}
   _, current_settings = settings.split(current)
   # temperature (saved only) and learning_rate (current only) were not recorded
   # on both sides: nothing to compare.
-  assert settings.changes(saved_settings, current_settings) == {"algo.beta": (0.04, 0.1)}
+  assert settings.changes(saved_settings, current_settings) == {"beta": ("0.04", "0.1")}
+  # A state written before the field existed compares nothing.
+  assert settings.split({"num_iterations": 2}) == ({"num_iterations": 2}, {})
 
 
 def test_one_warning_lists_every_change(caplog):
   with caplog.at_level(logging.WARNING, logger="ckpt_iter"):
-    settings.warn({"algo.beta": (0.04, 0.1), "rollout.temperature": (0.9, 0.7)}, "checkpoint step 2")
+    settings.warn({"beta": ("0.04", "0.1"), "temperature": ("0.9", "0.7")}, "checkpoint step 2")
     settings.warn({}, "checkpoint step 3")
   assert len(caplog.records) == 1
-  assert "algo.beta: 0.04 -> 0.1, rollout.temperature: 0.9 -> 0.7" in caplog.records[0].getMessage()
+  assert "beta: 0.04 -> 0.1, temperature: 0.9 -> 0.7" in caplog.records[0].getMessage()
