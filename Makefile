@@ -51,4 +51,4 @@ test-tunix-main: $(TUNIX_MAIN_VENV)/bin/python
 	  tests/integration/test_tunix_main.py tests/integration/test_tunix_bugs.py \
 	  tests/integration/test_tunix_sft.py tests/integration/test_tunix_agentic.py \
 	  tests/integration/test_tunix_packing.py tests/integration/test_tunix_cli.py \
-	  tests/unit/test_tunix_api.py
+	  tests/integration/test_tunix_object_store.py tests/unit/test_tunix_api.py

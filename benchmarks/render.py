@@ -46,6 +46,7 @@ TITLES = {
     "resume_wall_time": "6. Resume wall time of the demo scenario",
     "pod_scale": "7. Pod scale: restore cost per process vs process count",
     "jsonl_index": "8. JSONL restart: cached line index",
+    "object_store": "9. Object stores: requests per save and restore on gs://",
 }
 
 
@@ -565,8 +566,9 @@ def _jsonl_index(rows: list[dict]) -> str:
 
 `benchmarks/jsonl_index.py`. A `JsonlSource` indexes each JSONL file by line offsets (a start
 and an end, 16 bytes per line) before it serves a record; that index is cached per file (an
-`.npy` under `~/.cache/ckpt_iter/jsonl_index/`, used while the file's size and `mtime_ns`
-match, see [datasets.md](datasets.md)), so a restart does not rescan the data. One
+`.npy` under `~/.cache/ckpt_iter/jsonl_index/`, used while the file's size and version — inode,
+`mtime_ns` and `ctime_ns` — match, see [datasets.md](datasets.md)), so a restart does not rescan
+the data. One
 {file_bytes / 2**20:.0f} MiB JSONL file ({_fmt(lines)} lines of ~200 bytes; the scan is linear in
 the size, so the ratio grows with the file). Time to build a `JsonlSource`, medians of interleaved repetitions
 ({first['repetitions']} first starts, {second['repetitions']} second starts, {scan['repetitions']} scans):
@@ -586,9 +588,69 @@ alone, what every start cost before the cache.
   scan reads: if both are bound by the disk, that size ratio, not the one above, is the gain.
 - The first start pays the cache write on top of the scan: first start minus no cache,
   {_fmt(first['median_ms'] - scan['median_ms'])} ms here (two medians, so noisy on a shared machine).
-- A second start trusts size, `mtime_ns` and the spot checks instead of rescanning: a file
-  replaced by another of the same size and `mtime_ns` (copied with its times preserved, say)
-  whose lines differ only between the spot-checked ones would not be noticed.
+- A second start trusts size, inode, `mtime_ns`, `ctime_ns` and the spot checks instead of
+  rescanning. Tools that preserve times (`cp -p`, `rsync -t`, `touch -r`) cannot set
+  `ctime`, so a file they edited or replaced is rescanned.
+"""
+
+
+def _object_store(rows: list[dict]) -> str:
+  summary = _summary(rows)
+  kinds = ["read", "write", "list", "metadata", "delete"]
+
+  def table(level: str) -> str:
+    return _table(["case"] + [f"{k}s" if k != "metadata" else k for k in kinds],
+                  [[r["case"]] + [r[k] for k in kinds] for r in _measurements(rows, level=level)])
+
+  pending = {r["case"]: r for r in _measurements(rows, level="pending")}
+  npz_save, tree_save = pending["npz item save"], pending["orbax pytree save"]
+  npz_restore, tree_restore = pending["npz item restore"], pending["orbax pytree restore"]
+  pending_table = _table(
+      ["pending arrays stored as", "save: writes / reads / lists / metadata", "save ms (median)",
+       "restore: reads / lists / metadata", "restore ms (median)"],
+      [[name.split(" ", 1)[0] if name.startswith("npz") else "Orbax PyTree item (tensorstore OCDBT)",
+        f"{s['write']} / {s['read']} / {s['list']} / {s['metadata']}", s["median_ms"],
+        f"{r['read']} / {r['list']} / {r['metadata']}", r["median_ms"]]
+       for name, s, r in (("npz in the data item", npz_save, npz_restore),
+                          ("pytree", tree_save, tree_restore))])
+  return f"""## {TITLES['object_store']}
+
+`benchmarks/object_store.py`. On a bucket each object operation is a round trip of tens of
+milliseconds, so what a data item costs there is its number of requests. Counted from the
+request log of a real local GCS emulator (fake-gcs-server, in-memory, on 127.0.0.1): every HTTP
+request a client made, classified as an object read, an upload request (*write*: a one-request
+upload counts 1, a resumable upload 2), a listing, a metadata request or a delete. See
+[storage.md](storage.md) for what each backend makes atomic and caches.
+
+**Item level**: one handler's save or restore of one process's item, called on its directory
+(the item's own requests only). ckpt_iter writes the header, the npz of pending arrays (when
+there are any) and, on process 0, the count file, one upload each, and reads a same-count
+restore's header and npz with one ranged GET each: no listing, no metadata request. Grain's
+handler writes its one file with epath (a two-request resumable upload) and restores with an
+existence check and epath's open (two metadata requests) before the read. An elastic restore
+reads the count file and the headers and arrays of its window of saved processes.
+
+{table("item")}
+**Step level**: a `CheckpointManager` step holding only that item; Orbax's own requests for
+the step (its metadata, the item directory, `commit_success.txt`) are the same for both
+handlers and dominate.
+
+{table("step")}
+**Pending arrays: npz or an Orbax PyTree item.** The pending rollout of one process
+({_fmt(npz_save['pending_bytes'] / 2**20, 3)} MiB: 8 prompts x 64 generations x 1,024 tokens) saved in a
+step as ckpt_iter writes it (an npz next to the header, one object) or as a separate Orbax
+PyTree item of the same pytree (tensorstore, OCDBT). Whole step, medians of interleaved runs.
+
+{pending_table}
+The PyTree item costs {tree_save['write'] - npz_save['write']} more upload requests and
+{tree_save['read'] - npz_save['read']} more reads per save, and {tree_restore['read'] - npz_restore['read']}
+more reads, {tree_restore['list'] - npz_restore['list']} more listings and
+{tree_restore['metadata'] - npz_restore['metadata']} more metadata requests per restore, and is not
+faster here; its strengths (parallel chunked writes, re-sharding) pay off for arrays of many
+GiB sharded over devices, not for one process's rows of a rollout, which the elastic restore
+re-slices itself. So pending arrays stay in the npz (format_version 1, unchanged).
+
+{_checks(summary)}
 """
 
 
@@ -600,7 +662,7 @@ def _reproduce() -> str:
   return """## How to reproduce
 
 ```sh
-make bench                                  # all eight, then this page (about 12 minutes on 2 cores)
+make bench                                  # all nine, then this page (about 12 minutes on 2 cores)
 .venv/bin/python benchmarks/run_all.py --quick   # smoke pass (results and page in a temp dir)
 .venv/bin/python benchmarks/restore_latency.py   # one question; each script takes --quick
 .venv/bin/python benchmarks/run_all.py --docs-only   # re-render this page from results.jsonl
@@ -621,4 +683,5 @@ SECTIONS = [
     ("resume_wall_time", _resume_wall_time),
     ("pod_scale", _pod_scale),
     ("jsonl_index", _jsonl_index),
+    ("object_store", _object_store),
 ]

@@ -16,6 +16,7 @@ from ckpt_iter.errors import CkptIterError
 from ckpt_iter.errors import ConfigDriftError
 from ckpt_iter.errors import InvalidArgumentError
 from ckpt_iter.errors import InvalidStateError
+from ckpt_iter.errors import ItemNotFoundError
 from ckpt_iter.errors import LegacyCheckpointError
 from ckpt_iter.errors import ProcessCountError
 from ckpt_iter.errors import StateVersionError
@@ -39,6 +40,7 @@ __all__ = [
     "FORMAT_VERSION",
     "InvalidArgumentError",
     "InvalidStateError",
+    "ItemNotFoundError",
     "IteratorCheckpointHandler",
     "IteratorCheckpointable",
     "IteratorRestore",

@@ -5,26 +5,32 @@ Plus `ckpt_iter.json`, written by process 0 through the checkpoint handler:
 one small file instead of listing the 2n names (items written before it
 existed are listed, as before).
 
-This module is the only one that names, lists, writes or reads them. Writes
-are atomic (a file appears whole or not at all); reads are hardened against
-truncated, garbled or hostile files: sizes are checked before anything is
-allocated, arrays must be stored (not compressed) plain .npy members whose
-dtype and shape match the header, and every error names the file.
+This module is the only one that names, lists, writes or reads them, through
+`_storage` (a local directory or an object store). A file is written in one
+piece, with no temporary and rename (object stores have none): the item is
+published by the Orbax step commit it is written inside. Reads are hardened
+against truncated, garbled or hostile files: each file is read whole in one
+request, at most a bound known before the read (a header's limit; for an npz
+the bytes its header's manifest allows), the npz's member count is checked
+before its zip directory is parsed, arrays must be stored (not compressed)
+plain .npy members whose dtype and shape match the header, and every error
+names the file.
 """
 
 from __future__ import annotations
 
-import errno
+import io
 import json
 import os
 import re
-import stat
+import struct
 import zipfile
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ckpt_iter import _codec as codec
+from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -32,6 +38,12 @@ MAX_HEADER_BYTES = 64 * 2**20
 COUNT_FILE = "ckpt_iter.json"
 # Far above any pod; a larger value is a garbled file, not a job.
 MAX_PROCESS_COUNT = 2**24
+# What an npz may hold beyond its arrays' data: per member, the .npy header
+# (numpy pads it to at most 4096 bytes) and the zip local and central entries
+# with their zip64 extras; per archive, the end records.
+_NPY_HEADER_BYTES = 4096
+_ZIP_MEMBER_BYTES = 256
+_ZIP_ARCHIVE_BYTES = 1024
 _PROCESS_FILE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
 _PROCESS_FILES_IN_LISTING = re.compile(r"^process_(\d+)-of-(\d+)\.json$", re.MULTILINE)
 
@@ -55,30 +67,27 @@ def write_files(
     process_count: int,
     count_file: bool = False,
 ) -> None:
-  """Writes one process's files; each appears whole or not at all.
+  """Writes one process's files: one object each (header, npz, count file).
 
   With `count_file` (the checkpoint handler), process 0 also writes
   `COUNT_FILE`, the saved process count an elastic restore reads.
+
+  Raises:
+    OSError: naming the file that could not be written (nothing partial of
+      it is left behind).
   """
   directory = os.fspath(directory)
   stem = process_file_stem(process_index, process_count)
   if arrays:
-    _atomic_write(os.path.join(directory, stem + ".npz"), lambda f: np.savez(f, **arrays))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    _storage.write_bytes(os.path.join(directory, stem + ".npz"), buffer.getbuffer())
   # Compact: a state is read by programs (`ckpt-iter inspect` shows it to people).
   text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-  _atomic_write(os.path.join(directory, stem + ".json"), lambda f: f.write(text))
+  _storage.write_bytes(os.path.join(directory, stem + ".json"), text)
   if count_file and process_index == 0:
     count = json.dumps({"process_count": process_count}).encode()
-    _atomic_write(os.path.join(directory, COUNT_FILE), lambda f: f.write(count))
-
-
-def _atomic_write(path: str, write: Any) -> None:
-  temporary = f"{path}.tmp-{os.getpid()}"
-  with open(temporary, "wb") as f:
-    write(f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temporary, path)
+    _storage.write_bytes(os.path.join(directory, COUNT_FILE), count)
 
 
 def read_header(path: str) -> dict[str, Any]:
@@ -89,11 +98,16 @@ def read_header(path: str) -> dict[str, Any]:
     InvalidStateError: anything else.
   """
   try:
-    data = _read_small_file(path)
+    data = _storage.read_bytes(path, max_bytes=MAX_HEADER_BYTES)
   except FileNotFoundError:
     raise
+  except _storage.TooLargeError as e:
+    raise errors.InvalidStateError(
+        f"{path}: state header is {e.size}{'+' if e.size > e.max_bytes else ''} bytes, over the "
+        f"{MAX_HEADER_BYTES} limit; the file is corrupt or not a ckpt_iter state."
+    ) from None
   except OSError as e:
-    raise errors.InvalidStateError(f"{path}: cannot read the state file ({e.strerror}).") from None
+    raise errors.InvalidStateError(f"{path}: cannot read the state file ({e.strerror or e}).") from None
   try:
     return _DECODER.decode(data.decode("utf-8"))
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -102,62 +116,6 @@ def read_header(path: str) -> dict[str, Any]:
         f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); the file "
         "is truncated or garbled. Restore an earlier step."
     ) from None
-
-
-def _read_small_file(path: str) -> bytes:
-  """The bytes of a regular file of at most MAX_HEADER_BYTES.
-
-  One open and an fstat of the open file, no stat of the path first: the
-  regular-file check holds for the very file that is read.
-  """
-  f, size = _open_regular(path)
-  with f:
-    if size > MAX_HEADER_BYTES:
-      raise errors.InvalidStateError(
-          f"{path}: state header is {size} bytes, over the {MAX_HEADER_BYTES} limit; "
-          "the file is corrupt or not a ckpt_iter state."
-      )
-    # Bounded by the measured size (read(n) allocates n bytes up front); a
-    # raw read may return less than asked (FUSE, NFS), so read to the end.
-    chunks, left = [], size + 1
-    while left > 0:
-      chunk = f.read(left)
-      if not chunk:
-        break
-      chunks.append(chunk)
-      left -= len(chunk)
-  data = b"".join(chunks)
-  if len(data) > size:
-    raise errors.InvalidStateError(
-        f"{path}: not valid JSON (ValueError: the file grew past its {size} bytes while being "
-        "read); the file is truncated or garbled. Restore an earlier step."
-    )
-  return data
-
-
-def _open_regular(path: str, buffering: int = 0) -> tuple[Any, int]:
-  """`path` open for reading, and its size; OSError unless it is a regular file.
-
-  A FIFO would block the reader forever and a device (/dev/zero) never ends,
-  so a state file (or a symlink in its place) must be a regular file. The
-  open is non-blocking, so a FIFO is refused at the fstat instead of hanging
-  in open(); for a regular file O_NONBLOCK changes nothing. Unbuffered by
-  default: a header is read whole, and a buffer would only add a copy (and an
-  isatty probe).
-  """
-  f = open(path, "rb", buffering=buffering, opener=_nonblocking)  # pylint: disable=consider-using-with
-  try:
-    info = os.fstat(f.fileno())
-    if not stat.S_ISREG(info.st_mode):
-      raise OSError(errno.EINVAL, "not a regular file", path)
-  except BaseException:
-    f.close()
-    raise
-  return f, info.st_size
-
-
-def _nonblocking(path: str, flags: int) -> int:
-  return os.open(path, flags | os.O_NONBLOCK)
 
 
 def _reject_constant(name: str) -> Any:
@@ -186,6 +144,10 @@ def read_state(
   `count_is_saved`: `process_count` is the one the item records
   (`saved_process_count`), so a missing file means an incomplete step, not
   a restore with another process count.
+
+  Raises:
+    ItemNotFoundError: the directory holds no state file at all.
+    ProcessCountError, InvalidStateError, StateVersionError: see the message.
   """
   directory = os.fspath(directory)
   stem = process_file_stem(process_index, process_count)
@@ -200,9 +162,8 @@ def read_state(
     # No manifest, no array to load (a pending node naming one is refused by
     # decode_state first), so the npz is not looked for.
     return codec.decode_state(header, _stand_in, origin=json_path)
-  npz_path = os.path.join(directory, stem + ".npz")
-  with _ArrayReader(npz_path) as reader:
-    return codec.decode_state(header, reader.load, origin=json_path)
+  reader = _ArrayReader(os.path.join(directory, stem + ".npz"), header, origin=json_path)
+  return codec.decode_state(header, reader.load, origin=json_path)
 
 
 def _stand_in(name: str, spec: codec.ArraySpec) -> np.ndarray:
@@ -211,44 +172,70 @@ def _stand_in(name: str, spec: codec.ArraySpec) -> np.ndarray:
   return np.broadcast_to(np.zeros((), dtype=np.dtype(spec.dtype)), spec.shape)
 
 
+def npz_size_bound(specs: Mapping[str, codec.ArraySpec]) -> int:
+  """The most bytes an npz of these arrays takes, as np.savez writes it."""
+  return _ZIP_ARCHIVE_BYTES + sum(
+      spec.nbytes + _NPY_HEADER_BYTES + _ZIP_MEMBER_BYTES + 2 * len(name) for name, spec in specs.items()
+  )
+
+
 class _ArrayReader:
-  """Loads named arrays from an npz, checking dtype, shape and stored size first."""
+  """Loads named arrays from an npz read whole, checking its size and members first.
 
-  def __init__(self, path: str):
+  The npz is read at the first `load`, once decode_state has validated the
+  header whose manifest bounds it.
+  """
+
+  def __init__(self, path: str, header: Mapping[str, Any], *, origin: str):
     self._path = path
+    self._header = header
+    self._origin = origin
+    self._specs: Mapping[str, codec.ArraySpec] = {}
     self._zip: zipfile.ZipFile | None = None
-    self._file: _ClampedFile | None = None
+    self._size = 0
 
-  def __enter__(self) -> "_ArrayReader":
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    if self._zip is not None:
-      self._zip.close()
-    if self._file is not None:
-      self._file.close()
+  def _open(self, name: str) -> zipfile.ZipFile:
+    path = self._path
+    self._specs = codec.array_specs(self._header, origin=self._origin)
+    bound = npz_size_bound(self._specs)
+    try:
+      data = _storage.read_bytes(path, max_bytes=bound)
+    except FileNotFoundError:
+      raise errors.InvalidStateError(
+          f"{path}: missing; the state refers to array {name!r}. "
+          "The checkpoint is incomplete: restore an earlier step."
+      ) from None
+    except _storage.TooLargeError as e:
+      raise errors.InvalidStateError(
+          f"{path}: {e.size}+ bytes, more than the {bound} its header's {len(self._specs)} array(s) "
+          "allow; the file is garbled or padded. Restore an earlier step."
+      ) from None
+    except OSError as e:
+      raise errors.InvalidStateError(
+          f"{path}: not a readable npz ({e.strerror or e}); the state refers to array "
+          f"{name!r}. The file is truncated or garbled: restore an earlier step."
+      ) from None
+    members = _zip_member_count(data)
+    if members is None or members > len(self._specs):
+      # Checked before zipfile parses the directory: extra members (a file
+      # padded with a million empty ones) would cost time without bound.
+      shown = "no zip end record" if members is None else f"{members} members, its header lists {len(self._specs)}"
+      raise errors.InvalidStateError(
+          f"{path}: not a readable npz ({shown}); the state refers to array {name!r}. "
+          "The file is truncated or garbled: restore an earlier step."
+      )
+    try:
+      self._size = len(data)
+      return zipfile.ZipFile(io.BytesIO(data))
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
+      raise errors.InvalidStateError(
+          f"{path}: not a readable npz ({e}); the state refers to array "
+          f"{name!r}. The file is truncated or garbled: restore an earlier step."
+      ) from None
 
   def load(self, name: str, spec: codec.ArraySpec) -> np.ndarray:
     if self._zip is None:
-      try:
-        self._file = _ClampedFile(self._path)
-      except FileNotFoundError:
-        raise errors.InvalidStateError(
-            f"{self._path}: missing; the state refers to array {name!r}. "
-            "The checkpoint is incomplete: restore an earlier step."
-        ) from None
-      except OSError as e:
-        raise errors.InvalidStateError(
-            f"{self._path}: not a readable npz ({e}); the state refers to array "
-            f"{name!r}. The file is truncated or garbled: restore an earlier step."
-        ) from None
-      try:
-        self._zip = zipfile.ZipFile(self._file)
-      except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
-        raise errors.InvalidStateError(
-            f"{self._path}: not a readable npz ({e}); the state refers to array "
-            f"{name!r}. The file is truncated or garbled: restore an earlier step."
-        ) from None
+      self._zip = self._open(name)
     member = name + ".npy"
     try:
       info = self._zip.getinfo(member)
@@ -261,13 +248,13 @@ class _ArrayReader:
           f"{self._path}: array {name!r} is compressed or its sizes disagree; "
           "ckpt_iter writes stored members only."
       )
-    if info.header_offset + info.compress_size > self._file.size:
+    if info.header_offset + info.compress_size > self._size:
       raise errors.InvalidStateError(
           f"{self._path}: array {name!r} claims {info.compress_size} bytes at offset "
-          f"{info.header_offset}, but the file holds only {self._file.size}; the "
+          f"{info.header_offset}, but the file holds only {self._size}; the "
           "file is truncated or garbled."
       )
-    if info.file_size > spec.nbytes + 4096:
+    if info.file_size > spec.nbytes + _NPY_HEADER_BYTES:
       raise errors.InvalidStateError(
           f"{self._path}: array {name!r} takes {info.file_size} bytes, more than "
           f"its {spec.nbytes}-byte spec allows."
@@ -310,38 +297,43 @@ class _ArrayReader:
     return array.copy()
 
 
-class _ClampedFile:
-  """A read-only regular file whose reads never ask for more than it holds.
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
 
-  A garbled zip can claim a central directory or a member of gigabytes, and
-  zipfile then calls read(n) with that n, which allocates n bytes up front.
-  Clamping n to what is left in the file bounds memory by the file's size.
+
+def _zip_member_count(data: bytes) -> int | None:
+  """The member count a zip's end record declares, read before zipfile parses anything.
+
+  np.savez writes no archive comment, so the end record is the last 22
+  bytes; None when it is not there (truncated, or not a zip).
   """
-
-  def __init__(self, path: str):
-    # Buffered: zipfile reads the directory and member headers in small pieces.
-    self._f, self.size = _open_regular(path, buffering=-1)
-
-  def read(self, n: int | None = -1) -> bytes:
-    left = max(0, self.size - self._f.tell())
-    return self._f.read(left if n is None or n < 0 else min(n, left))
-
-  def seek(self, offset: int, whence: int = 0) -> int:
-    return self._f.seek(offset, whence)
-
-  def tell(self) -> int:
-    return self._f.tell()
-
-  def seekable(self) -> bool:
-    return True
-
-  def close(self) -> None:
-    self._f.close()
+  if len(data) < _EOCD.size:
+    return None
+  signature, _, _, _, total, _, _, comment = _EOCD.unpack_from(data, len(data) - _EOCD.size)
+  if signature != b"PK\x05\x06" or comment:
+    return None
+  if total != 0xFFFF:
+    return total
+  locator_at = len(data) - _EOCD.size - _ZIP64_LOCATOR.size
+  if locator_at < 0:
+    return None
+  signature, _, record_at, _ = _ZIP64_LOCATOR.unpack_from(data, locator_at)
+  if signature != b"PK\x06\x07" or record_at + _ZIP64_EOCD.size > locator_at:
+    return None
+  fields = _ZIP64_EOCD.unpack_from(data, record_at)
+  return fields[7] if fields[0] == b"PK\x06\x06" else None
 
 
 def list_process_files(directory: str | os.PathLike[str]) -> list[tuple[int, int]]:
-  """The (process_index, process_count) pairs of the state files in a directory."""
-  names = os.listdir(os.fspath(directory))
+  """The (process_index, process_count) pairs of the state files in a directory.
+
+  One listing. Raises FileNotFoundError when there is no such directory.
+  """
+  return _process_files_named(_storage.list_names(os.fspath(directory)))
+
+
+def _process_files_named(names: Sequence[str]) -> list[tuple[int, int]]:
   listing = "\n".join(names)
   if listing.count("\n") == max(len(names) - 1, 0):
     # One regex pass over the whole listing: a pod's item directory holds 2N
@@ -358,7 +350,17 @@ def list_process_files(directory: str | os.PathLike[str]) -> list[tuple[int, int
 
 
 def _missing_process_file(directory: str, process_index: int, process_count: int) -> errors.CkptIterError:
-  present = list_process_files(directory) if os.path.isdir(directory) else []
+  """The error for a missing header, from one listing (an error path only)."""
+  try:
+    names = _storage.list_names(directory)
+  except (FileNotFoundError, NotADirectoryError):
+    names = []
+  present = _process_files_named(names)
+  if not names:
+    return errors.ItemNotFoundError(
+        f"{directory}: no data item here (no process_<i>-of-<n>.json, and the directory is empty "
+        "or absent). Restore a step that has one, or check the item name."
+    )
   counts = sorted({count for _, count in present})
   if counts and process_count not in counts:
     return errors.ProcessCountError(
@@ -462,11 +464,11 @@ def require_headers(directory: str, process_count: int, indices: Sequence[int]) 
   """Raises `incomplete_set_error` unless these processes' headers exist (one stat each)."""
   for index in indices:
     try:
-      os.stat(header_path(directory, index, process_count))
-    except FileNotFoundError:
-      raise incomplete_set_error(directory, index, process_count) from None
+      exists = _storage.is_file(header_path(directory, index, process_count))
     except OSError:
-      pass  # exists but unreadable: refused by whichever process reads it
+      continue  # exists but unreadable: refused by whichever process reads it
+    if not exists:
+      raise incomplete_set_error(directory, index, process_count)
 
 
 def saved_process_count(directory: str | os.PathLike[str]) -> int:

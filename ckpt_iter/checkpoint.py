@@ -154,6 +154,20 @@ def read_item(
   return SavedState(value, resized=saved_count != process_count, origin=directory)
 
 
+def read_item_if_present(
+    directory: str | os.PathLike[str], process_index: int, process_count: int
+) -> SavedState | None:
+  """`read_item`, or None when the directory holds no data item at all.
+
+  For learners that resume steps written without one (stock Tunix): the
+  header is read directly, and only its absence costs a listing.
+  """
+  try:
+    return read_item(directory, process_index, process_count)
+  except errors.ItemNotFoundError:
+    return None
+
+
 def check_restore_saved(
     item: Any, saved: SavedState, *, allow_drift: Collection[str] = ()
 ) -> Callable[[], None]:

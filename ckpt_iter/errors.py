@@ -25,6 +25,10 @@ class InvalidStateError(CkptIterError, ValueError):
   """A state value or file is malformed, truncated or unreadable."""
 
 
+class ItemNotFoundError(InvalidStateError):
+  """An item directory holds no data state file at all (e.g. a step written without one)."""
+
+
 class StateVersionError(CkptIterError):
   """A state was written in a format version this release cannot read."""
 

@@ -3,17 +3,22 @@
 Every source here has `__len__` and `__getitem__` (Grain's RandomAccessDataSource
 protocol), returns one record (a dict) per index, and reads files lazily: a
 JSONL file is indexed by line offsets (16 bytes per line), cached between runs
-(see `index_cache_location`), and records are read with `os.pread`; Parquet is
-read one row group at a time; ArrayRecord files hold one UTF-8 JSON object per
-record; a Hugging Face `datasets.Dataset` is Arrow memory-mapped from its
-cache. All are picklable, so Grain worker processes can use them.
+(see `index_cache_location`), and records are read by byte range (`os.pread`
+locally, one ranged GET on an object store); Parquet is read one row group at
+a time; ArrayRecord files hold one UTF-8 JSON object per record; a Hugging
+Face `datasets.Dataset` is Arrow memory-mapped from its cache. All are
+picklable, so Grain worker processes can use them.
+
+File paths may be local or URLs (gs://...): JSONL and Parquet files are read
+through `_storage` (fsspec), ArrayRecord files by array_record's own reader,
+which opens gs:// itself.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
-import glob
 import hashlib
 import json
 import logging
@@ -23,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -56,7 +62,7 @@ class _FileReader:
 
   def __getstate__(self):
     state = self.__dict__.copy()
-    del state["_local"]
+    state.pop("_local", None)
     return state
 
   def __setstate__(self, state):
@@ -86,7 +92,8 @@ class JsonlSource(_FileReader):
   """
 
   def __init__(self, paths: Sequence[str], *, index_cache_dir: str | None = None):
-    self._paths = [os.path.abspath(p) for p in paths]
+    self._paths = [_storage.absolute(p) for p in paths]
+    self._readers = [_storage.RangeReader(p) for p in self._paths]
     self._starts: list[np.ndarray] = []
     self._ends: list[np.ndarray] = []
     cache_dir = index_cache_location(index_cache_dir)
@@ -104,22 +111,13 @@ class JsonlSource(_FileReader):
     file_index, line = _locate(self._offsets, index, len(self))
     start = int(self._starts[file_index][line])
     end = int(self._ends[file_index][line])
-    data = os.pread(self._fd(file_index), end - start, start)
+    data = self._readers[file_index].read(start, end)
     try:
       return json.loads(data)
     except ValueError as e:
       raise errors.InvalidStateError(
           f"{self._paths[file_index]} line {line + 1}: not valid JSON ({e})."
       ) from None
-
-  def _fd(self, file_index: int) -> int:
-    fds = getattr(self._local, "fds", None)
-    if fds is None or getattr(self._local, "pid", None) != os.getpid():
-      fds = self._local.fds = {}
-      self._local.pid = os.getpid()
-    if file_index not in fds:
-      fds[file_index] = os.open(self._paths[file_index], os.O_RDONLY)
-    return fds[file_index]
 
 
 
@@ -131,7 +129,7 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
   starts, ends = [], []
   position = 0
   line_start = 0
-  with open(path, "rb") as f:
+  with _storage.open_read(path) as f:
     while True:
       chunk = f.read(_INDEX_CHUNK_BYTES)
       if not chunk:
@@ -154,7 +152,7 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
   keep = end - start > 1
   short = np.flatnonzero(end - start == 1)
   if len(short):
-    with open(path, "rb") as f:
+    with _storage.open_read(path) as f:
       for i in short:
         f.seek(int(start[i]))
         keep[i] = f.read(1) not in (b"\r", b" ", b"\t")
@@ -162,16 +160,20 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------
-# The JSONL line-index cache: one .npy per file, an int64 array
-#   [magic, version, size, mtime_ns, line_count, starts..., ends...]
+# The JSONL line-index cache: one local .npy per file, an int64 array
+#   [magic, version, size, version_digest, line_count, starts..., ends...]
 # written atomically, read with allow_pickle=False, and used only when the
-# file's size and mtime_ns match and the offsets agree with the file's bytes.
+# file's size and version (`_storage.identity`: inode, mtime and ctime of a
+# local file; generation and checksum of an object) match, and, for a local
+# file, the offsets agree with spot-checked bytes of the file. An object's
+# generation changes with every write, so a remote file is not spot-checked
+# (each check would be a request).
 
 # Smaller files are scanned every time: that takes about a millisecond, and
 # caching them would only litter the cache directory.
 INDEX_CACHE_MIN_BYTES = 2**20
 _CACHE_MAGIC = 0x636B70746964780A  # "ckptidx\n"
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 _CACHE_HEADER = 5
 _CACHE_SPOT_CHECKS = 8
 _CACHE_MAX_TAIL_BYTES = 64 * 2**10
@@ -187,35 +189,39 @@ def index_cache_location(index_cache_dir: str | None = None) -> str | None:
   if index_cache_dir is None:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     index_cache_dir = os.path.join(base, "ckpt_iter", "jsonl_index")
+  if index_cache_dir and _storage.is_url(index_cache_dir):
+    raise errors.InvalidArgumentError(
+        f"index_cache_dir={index_cache_dir!r}: the JSONL index cache must be a local directory "
+        f"(it is memory-mapped); pass a local path, or set {INDEX_CACHE_ENV} to one."
+    )
   return index_cache_dir or None
 
 
 def index_cache_path(path: str, cache_dir: str) -> str:
-  """The cache file of one JSONL file: keyed by its absolute path."""
-  path = os.path.abspath(path)
+  """The cache file of one JSONL file: keyed by its absolute path or URL."""
+  path = _storage.absolute(path)
   key = hashlib.sha256(path.encode()).hexdigest()[:24]
   return os.path.join(cache_dir, f"{key}.{os.path.basename(path)}.ckpt_iter-index.npy")
 
 
 def _cached_line_index(path: str, cache_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
   """The line index of `path`: from its cache when valid, else built and cached."""
-  stat = os.stat(path)
-  if cache_dir is None or stat.st_size < INDEX_CACHE_MIN_BYTES:
+  identity = _storage.identity(path)
+  if cache_dir is None or identity.size < INDEX_CACHE_MIN_BYTES or identity.version is None:
     return _index_lines(path)
   cache_path = index_cache_path(path, cache_dir)
-  cached = _read_index_cache(cache_path, path, stat)
+  cached = _read_index_cache(cache_path, path, identity)
   if cached is not None:
     return cached
   starts, ends = _index_lines(path)
-  after = os.stat(path)
   # Cache only an index of a file that did not change while it was read.
-  if (after.st_size, after.st_mtime_ns) == (stat.st_size, stat.st_mtime_ns):
-    _write_index_cache(cache_path, stat, starts, ends)
+  if _storage.identity(path) == identity:
+    _write_index_cache(cache_path, identity, starts, ends)
   return starts, ends
 
 
 def _read_index_cache(
-    cache_path: str, path: str, stat: os.stat_result
+    cache_path: str, path: str, identity: _storage.Identity
 ) -> tuple[np.ndarray, np.ndarray] | None:
   """The cached (starts, ends) if the cache is intact and matches the file."""
   try:
@@ -233,14 +239,14 @@ def _read_index_cache(
   ):
     _log.info("ignoring the JSONL index cache %s: not a version %d index", cache_path, _CACHE_VERSION)
     return None
-  size, mtime_ns, count = (int(v) for v in array[2:5])
-  if (size, mtime_ns) != (stat.st_size, stat.st_mtime_ns):
+  size, version, count = (int(v) for v in array[2:5])
+  if (size, version) != (identity.size, _storage.version_digest(identity.version)):
     return None  # stale: the file changed since it was indexed
   if len(array) != _CACHE_HEADER + 2 * count:
     return None
   starts = array[_CACHE_HEADER:_CACHE_HEADER + count]
   ends = array[_CACHE_HEADER + count:]
-  if not _offsets_agree_with_file(path, size, starts, ends):
+  if not _storage.is_url(path) and not _offsets_agree_with_file(path, size, starts, ends):
     _log.info("ignoring the JSONL index cache %s: it disagrees with %s", cache_path, path)
     return None
   return np.asarray(starts), np.asarray(ends)
@@ -260,7 +266,7 @@ def _offsets_agree_with_file(path: str, size: int, starts: np.ndarray, ends: np.
   if count > 1 and np.any(starts[1:] <= ends[:-1]):
     return False
   checks = sorted({(i * count) // _CACHE_SPOT_CHECKS for i in range(_CACHE_SPOT_CHECKS)} | {count - 1})
-  with open(path, "rb") as f:
+  with _storage.open_read(path) as f:
     for i in checks:
       start, end = int(starts[i]), int(ends[i])
       if start > 0:
@@ -277,16 +283,18 @@ def _offsets_agree_with_file(path: str, size: int, starts: np.ndarray, ends: np.
 def _only_space(path: str, start: int, size: int) -> bool:
   if size - start > _CACHE_MAX_TAIL_BYTES:
     return False
-  with open(path, "rb") as f:
+  with _storage.open_read(path) as f:
     f.seek(start)
     return all(byte in _LINE_SPACE for byte in f.read(size - start))
 
 
-def _write_index_cache(cache_path: str, stat: os.stat_result, starts: np.ndarray, ends: np.ndarray) -> None:
+def _write_index_cache(
+    cache_path: str, identity: _storage.Identity, starts: np.ndarray, ends: np.ndarray
+) -> None:
   """Writes the cache atomically; a directory that is not writable is skipped."""
-  header = np.array(
-      [_CACHE_MAGIC, _CACHE_VERSION, stat.st_size, stat.st_mtime_ns, len(starts)], np.int64
-  )
+  header = np.array([
+      _CACHE_MAGIC, _CACHE_VERSION, identity.size, _storage.version_digest(identity.version), len(starts)
+  ], np.int64)
   temporary = f"{cache_path}.tmp-{os.getpid()}-{threading.get_ident()}"
   try:
     os.makedirs(os.path.dirname(cache_path), exist_ok=True)
@@ -315,10 +323,11 @@ class ParquetSource(_FileReader):
 
   def __init__(self, paths: Sequence[str]):
     pq = _import_pyarrow_parquet()
-    self._paths = [os.path.abspath(p) for p in paths]
+    self._paths = [_storage.absolute(p) for p in paths]
     group_rows = []
     for path in self._paths:
-      metadata = pq.ParquetFile(path).metadata
+      with _parquet_file(pq, path) as parquet:
+        metadata = parquet.metadata
       group_rows.append(
           [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
       )
@@ -337,11 +346,22 @@ class ParquetSource(_FileReader):
     if cached is None or cached[0] != group or getattr(self._local, "pid", None) != os.getpid():
       pq = _import_pyarrow_parquet()
       file_index, group_index = self._groups[group]
-      table = pq.ParquetFile(self._paths[file_index]).read_row_group(group_index)
+      with _parquet_file(pq, self._paths[file_index]) as parquet:
+        table = parquet.read_row_group(group_index)
       cached = self._local.cache = (group, table)
       self._local.pid = os.getpid()
     return cached[1].slice(row, 1).to_pylist()[0]
 
+
+
+@contextlib.contextmanager
+def _parquet_file(pq: Any, path: str) -> Any:
+  """A pyarrow ParquetFile of a local path (read natively) or a URL (through `_storage`)."""
+  if not _storage.is_url(path):
+    yield pq.ParquetFile(path)
+    return
+  with _storage.open_read(path) as f:
+    yield pq.ParquetFile(f)
 
 
 class ArrayRecordSource:
@@ -357,7 +377,7 @@ class ArrayRecordSource:
           f"reading .array_record files needs the array_record package ({e}). "
           "Install it with: pip install array-record"
       ) from None
-    self._paths = [os.path.abspath(p) for p in paths]
+    self._paths = [_storage.absolute(p) for p in paths]
 
   def __len__(self) -> int:
     return len(self._source)
@@ -402,7 +422,9 @@ class HuggingFaceSource:
     if dataset is None:
       path = os.fspath(path)
       dataset = _load_hf(datasets, path, split, name, data_files, cache_dir)
-      label = os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else path
+      label = path
+      if _storage.is_dir(path):
+        label = os.path.basename(path.rstrip("/") if _storage.is_url(path) else os.path.normpath(path))
     else:
       label = "dataset"
     if isinstance(dataset, datasets.DatasetDict):
@@ -448,8 +470,8 @@ def _import_datasets():
 
 def _is_saved_to_disk(path: str) -> bool:
   """A directory written by save_to_disk (a Dataset's or a DatasetDict's)."""
-  return os.path.isdir(path) and any(
-      os.path.isfile(os.path.join(path, marker)) for marker in ("state.json", "dataset_dict.json")
+  return _storage.is_dir(path) and any(
+      _storage.is_file(os.path.join(path, marker)) for marker in ("state.json", "dataset_dict.json")
   )
 
 
@@ -537,7 +559,7 @@ def _describe_files(kind: str, paths: list[str]) -> str:
   Beyond a few files the list is summarized by count, first and last name
   and a digest of all names and sizes, so a state stays well under 1 KB.
   """
-  entries = [f"{os.path.basename(p)}:{os.path.getsize(p)}" for p in paths]
+  entries = [f"{os.path.basename(p)}:{_storage.identity(p).size}" for p in paths]
   if len(entries) <= _LISTED_FILES:
     return f"{kind}[{','.join(entries)}]"
   digest = hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
@@ -563,14 +585,13 @@ def _as_paths(source: Any) -> list[str] | None:
           f"source path {candidate!r} does not end in one of {', '.join(FILE_SUFFIXES)}. "
           "Pass JSONL, Parquet or ArrayRecord files, or a list of record dicts."
       )
-    matches = sorted(glob.glob(candidate)) if glob.has_magic(candidate) else [candidate]
+    matches = _storage.glob(candidate) if _storage.has_magic(candidate) else [candidate]
     if not matches:
       raise errors.InvalidArgumentError(f"source glob {candidate!r} matches no file.")
     for match in matches:
-      if not os.path.isfile(match):
-        raise errors.InvalidArgumentError(
-            f"source file {match!r} does not exist (working directory {os.getcwd()!r})."
-        )
+      if not _storage.is_file(match):
+        where = "" if _storage.is_url(match) else f" (working directory {os.getcwd()!r})"
+        raise errors.InvalidArgumentError(f"source file {match!r} does not exist{where}.")
     paths.extend(matches)
   return paths
 

@@ -2,6 +2,7 @@
 and fixtures several test files use (records, pipelines, a CheckpointManager)."""
 
 import os
+import re
 import sys
 import tempfile
 
@@ -101,3 +102,30 @@ def ckpt_manager(ckpt_dir):
   manager = ocp.CheckpointManager(ckpt_dir)
   yield manager
   manager.close()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+  """A real local GCS emulator (fake-gcs-server) for the whole session.
+
+  Exports the emulator's environment variables to this process (so gs://
+  paths reach it through gcsfs, tensorstore and array_record) and to every
+  subprocess started while it runs. Never skipped: its package is in the
+  test extra, and a failure to start fails the tests that need it.
+  """
+  import gcs_emulator as emulator_lib  # pylint: disable=g-import-not-at-top
+
+  emulator = emulator_lib.GcsEmulator().start()
+  yield emulator
+  emulator.stop()
+
+
+@pytest.fixture
+def gcs_root(gcs_emulator, request):
+  """A fresh gs:// prefix of the emulator's bucket for one test (no trailing slash)."""
+  import gcs_emulator as emulator_lib  # pylint: disable=g-import-not-at-top
+  import uuid  # pylint: disable=g-import-not-at-top
+
+  del gcs_emulator
+  name = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:60]
+  return f"gs://{emulator_lib.BUCKET}/{name}-{uuid.uuid4().hex[:8]}"

@@ -9,7 +9,11 @@ Layouts understood:
   <root>/<step>/<item>/process_<i>-of-<n>.json  (+ .npz)   plain Orbax root
   <root>/actor/<step>/data/process_<i>-of-<n>.json         Tunix root
 Steps are the integer-named directories; Orbax's temporary step directories
-(`<step>.orbax-checkpoint-tmp-<n>`) are not steps and are ignored.
+(`<step>.orbax-checkpoint-tmp-<n>`) are not steps and are ignored. On an
+object store (gs://), where Orbax commits a step by writing
+`commit_success.txt` into it instead of renaming it, a step directory
+without that file is uncommitted and ignored too. Paths may be local or
+URLs (read through `_storage`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 from typing import Any, Mapping
 
 from ckpt_iter import _files
+from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
@@ -27,6 +32,8 @@ from ckpt_iter import state as state_lib
 DEFAULT_ITEM = "data"
 TUNIX_ACTOR_DIR = "actor"
 ABSENT = "<absent>"
+# Orbax's marker of a committed step where there is no rename (object stores).
+COMMIT_FILE = "commit_success.txt"
 _STEP_NAME = re.compile(r"^\d+$")
 
 
@@ -69,7 +76,7 @@ def find_layout(path: str, item: str | None = None) -> Layout:
     UsageError: `path` is not a directory, has no steps, or no step holds
       ckpt_iter state files (in `item`, when given).
   """
-  if not os.path.isdir(path):
+  if not _storage.is_dir(path):
     raise UsageError(f"{path}: no such directory.")
   root = _steps_root(path)
   steps = list_steps(root)
@@ -85,18 +92,17 @@ def find_layout(path: str, item: str | None = None) -> Layout:
 
 def _steps_root(path: str) -> str:
   actor = os.path.join(path, TUNIX_ACTOR_DIR)
-  if os.path.isdir(actor) and list_steps(actor):
+  if TUNIX_ACTOR_DIR in subdirectories(path) and list_steps(actor):
     return actor
   return path
 
 
 def list_steps(directory: str) -> list[int]:
-  """The integer-named subdirectories of `directory`, ascending."""
-  return sorted(
-      int(name)
-      for name in os.listdir(directory)
-      if _STEP_NAME.match(name) and os.path.isdir(os.path.join(directory, name))
-  )
+  """The committed integer-named subdirectories of `directory`, ascending."""
+  steps = sorted(int(name) for name in subdirectories(directory) if _STEP_NAME.match(name))
+  if _storage.is_url(directory):
+    steps = [step for step in steps if _storage.is_file(os.path.join(directory, str(step), COMMIT_FILE))]
+  return steps
 
 
 def _items_with_state(root: str, steps: list[int]) -> dict[str, list[int]]:
@@ -104,16 +110,14 @@ def _items_with_state(root: str, steps: list[int]) -> dict[str, list[int]]:
   found: dict[str, list[int]] = {}
   for step in steps:
     for name in subdirectories(os.path.join(root, str(step))):
-      if _files.list_process_files(os.path.join(root, str(step), name)):
+      if _process_files_or_none(os.path.join(root, str(step), name)):
         found.setdefault(name, []).append(step)
   return found
 
 
 def subdirectories(directory: str) -> list[str]:
-  """The names of the directories in `directory`, sorted."""
-  return sorted(
-      name for name in os.listdir(directory) if os.path.isdir(os.path.join(directory, name))
-  )
+  """The names of the directories in `directory`, sorted (one listing)."""
+  return sorted(name for name, is_dir in _storage.list_entries(directory) if is_dir)
 
 
 def _choose_item(root: str, steps: list[int], items: Mapping[str, list[int]], item: str | None) -> str:
@@ -175,7 +179,7 @@ def read_summaries(layout: Layout, step: int) -> list[ProcessState]:
     UsageError: the step has no state files in the layout's item.
   """
   item_dir = layout.item_dir(step)
-  files = _files.list_process_files(item_dir) if os.path.isdir(item_dir) else []
+  files = _process_files_or_none(item_dir)
   if not files:
     raise UsageError(
         f"{item_dir}: step {step} holds no ckpt_iter state (no "
@@ -186,10 +190,15 @@ def read_summaries(layout: Layout, step: int) -> list[ProcessState]:
 
 
 def _steps_with_files(layout: Layout) -> list[int]:
-  return [
-      step for step in layout.steps
-      if os.path.isdir(layout.item_dir(step)) and _files.list_process_files(layout.item_dir(step))
-  ]
+  return [step for step in layout.steps if _process_files_or_none(layout.item_dir(step))]
+
+
+def _process_files_or_none(item_dir: str) -> list[tuple[int, int]]:
+  """The process files of an item directory; [] when there is no such directory."""
+  try:
+    return _files.list_process_files(item_dir)
+  except (FileNotFoundError, NotADirectoryError):
+    return []
 
 
 def _read_summary(item_dir: str, index: int, count: int) -> ProcessState:

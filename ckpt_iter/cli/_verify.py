@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping
 
 from ckpt_iter import _files
+from ckpt_iter import _storage
 from ckpt_iter import elastic
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -45,7 +46,7 @@ class StepCheck:
 def verify_step(layout: inspection.Layout, step: int) -> StepCheck:
   """Checks one step: files present, states readable, fingerprints consistent."""
   item_dir = layout.item_dir(step)
-  if not os.path.isdir(item_dir):
+  if not _storage.is_dir(item_dir):
     step_dir = os.path.dirname(item_dir)
     return StepCheck(step, 0, 0, (Problem(
         step, item_dir,

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_iter import _storage
+
 PROMPTS_FILE = os.path.join(os.path.dirname(__file__), "prompts.jsonl")
 RECORDED_FIELDS = (
     "prompt_ids",
@@ -109,8 +111,8 @@ def build_cluster(config: RunConfig, root: str) -> Any:
   from tunix.rl.rollout import base_rollout  # pylint: disable=g-import-not-at-top
   from tunix.tests import test_common as tc  # pylint: disable=g-import-not-at-top
 
-  if not os.path.isabs(root):
-    raise ValueError(f"root={root!r} must be absolute (Orbax needs absolute paths).")
+  if not (os.path.isabs(root) or _storage.is_url(root)):
+    raise ValueError(f"root={root!r} must be absolute or a URL such as gs://... (Orbax needs absolute paths).")
   if config.learner != "stock":
     # Imported first, as a user's script does at the top (on Tunix main this
     # registers the data item's Orbax v1 handler before Tunix's Checkpointer).

@@ -24,7 +24,6 @@ its own consumer loop (`_agentic_loop.py`) with a deterministic order:
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Collection, Iterable
 
 import jax
@@ -120,7 +119,10 @@ class ResumableAgentic:
       return None
     data_dir = _sft._data_directory(trainer, step)  # pylint: disable=protected-access
     origin = f"checkpoint step {step} ({data_dir})"
-    if data_dir is None or not os.path.isdir(data_dir):
+    saved = None
+    if data_dir is not None:
+      saved = checkpoint_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
+    if saved is None:
       skipped = int(api.agentic_cluster(self).global_steps)
       if data_dir is not None and on_legacy == "raise":
         raise errors.LegacyCheckpointError(
@@ -139,7 +141,7 @@ class ResumableAgentic:
         )
       loop.skip_full_batches(skipped)
       return None
-    value = checkpoint_lib.read_item(data_dir, jax.process_index(), jax.process_count()).value
+    value = saved.value
     if value.kind != KIND or value.fingerprint.get(LEARNER_FIELD) is None:
       raise errors.InvalidStateError(
           f"{origin}: the data state was written by a {value.kind!r} iterator without "

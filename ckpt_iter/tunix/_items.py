@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from tunix.rl import rl_learner
 
 from ckpt_iter.tunix import _api as api
+from ckpt_iter import _storage
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
@@ -62,7 +63,7 @@ def rollout_params(learner: Any) -> Any:
 def read_rollout_params(learner: Any, step: int, origin: str) -> Any:
   """The rollout weights saved with a mid-global-step checkpoint."""
   tunix_manager = learner.rl_cluster.actor_trainer.checkpoint_manager
-  if not os.path.isdir(api.item_directory(tunix_manager, step, ROLLOUT_ITEM)):
+  if not _storage.is_dir(api.item_directory(tunix_manager, step, ROLLOUT_ITEM)):
     raise errors.InvalidStateError(
         f"{origin}: the checkpoint falls inside a global step but has no "
         f"'{ROLLOUT_ITEM}' item, so the rollout weights of the rest of the step "
@@ -84,7 +85,7 @@ def read_critic_state(learner: Any, step: int, origin: str) -> Any:
     return None
   tunix_manager = learner.rl_cluster.actor_trainer.checkpoint_manager
   for item in (CRITIC_PARAMS_ITEM, CRITIC_OPTIMIZER_ITEM):
-    if not os.path.isdir(api.item_directory(tunix_manager, step, item)):
+    if not _storage.is_dir(api.item_directory(tunix_manager, step, item)):
       raise errors.InvalidStateError(
           f"{origin}: this learner trains a critic, but the step has no '{item}' "
           "item, so actor and critic cannot be restored to the same input."

@@ -290,12 +290,9 @@ class DataSession:
     if api.item_directory(tunix_manager, step, items.DATA_ITEM) is None or api.latest_step(tunix_manager) is None:
       return  # checkpointing off, or a fresh run
     data_dir = api.item_directory(tunix_manager, step, items.DATA_ITEM)
-    if not os.path.isdir(data_dir):
-      self._restore_legacy(step, os.path.dirname(data_dir), on_legacy_checkpoint)
-      return
     origin = f"checkpoint step {step} ({data_dir})"
     try:
-      value = checkpoint_lib.read_item(data_dir, jax.process_index(), jax.process_count()).value
+      saved = checkpoint_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
     except errors.ProcessCountError as e:
       # The generic advice (elastic=True) does not apply to a learner's state.
       raise errors.ProcessCountError(
@@ -304,6 +301,10 @@ class DataSession:
           f"Resume with {e.saved_count} processes.",
           saved_count=e.saved_count, process_count=e.process_count,
       ) from None
+    if saved is None:
+      self._restore_legacy(step, os.path.dirname(data_dir), on_legacy_checkpoint)
+      return
+    value = saved.value
     if value.kind != "tunix":
       raise errors.InvalidStateError(f"{origin}: data state kind is {value.kind!r}, expected 'tunix'.")
     counters = value.counters

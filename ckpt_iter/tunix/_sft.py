@@ -171,8 +171,11 @@ class ResumableSft:
     if not self._ci_data_restored and step and step == self._ci_restored_step:
       data_dir = _data_directory(self, step)
     self._ci_data_restored = True  # only the constructor's restore has a data item
-    if data_dir is not None and os.path.isdir(data_dir):
-      self._ci_restore(feed, step, data_dir, allow_drift)
+    saved = None
+    if data_dir is not None:
+      saved = checkpoint_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
+    if saved is not None:
+      self._ci_restore(feed, step, data_dir, saved.value, allow_drift)
       return
     iter_steps = int(self.iter_steps)
     if data_dir is not None:
@@ -188,9 +191,10 @@ class ResumableSft:
         next(feed.source)
     feed.examples_read = iter_steps
 
-  def _ci_restore(self, feed: _Feed, step: int, data_dir: str, allow_drift: frozenset[str]) -> None:
+  def _ci_restore(
+      self, feed: _Feed, step: int, data_dir: str, value: state_lib.IteratorState, allow_drift: frozenset[str]
+  ) -> None:
     origin = f"checkpoint step {step} ({data_dir})"
-    value = checkpoint_lib.read_item(data_dir, jax.process_index(), jax.process_count()).value
     if value.kind != "tunix" or value.fingerprint.get(_TRAINER_FIELD) is None:
       raise errors.InvalidStateError(
           f"{origin}: the data state was written by a {value.kind!r} iterator "

@@ -216,15 +216,52 @@ def test_pending_cannot_name_an_array_outside_the_manifest(tmp_path):
   assert "refers to array '../a0', which is not in the manifest" in str(error)
 
 
-def test_zip_member_names_are_never_extracted(tmp_path):
+@pytest.mark.parametrize("members, fragment", [
+    (["../a0.npy"], "has no array 'a0'"),
+    # More members than the header lists: refused before the zip directory is parsed.
+    (["../a0.npy", "../../evil.npy"], "2 members, its header lists 1"),
+])
+def test_zip_member_names_are_never_extracted(tmp_path, members, fragment):
   """A member named '../a0.npy' is not the array 'a0', and nothing is written."""
   item_dir = str(tmp_path / "ckpt" / "1" / "data")
   header = _header({"a0": {"dtype": "<i8", "shape": [2]}})
-  _write(item_dir, header, {"../a0.npy": _npy(np.arange(2)), "../../evil.npy": _npy(np.arange(2))})
+  _write(item_dir, header, {name: _npy(np.arange(2)) for name in members})
   before = sorted(os.walk(str(tmp_path)))
   error, _ = _read_refused(item_dir)
-  assert "has no array 'a0'" in str(error)
+  assert fragment in str(error)
   assert sorted(os.walk(str(tmp_path))) == before
+
+
+def test_an_npz_padded_with_unlisted_members_is_refused_before_its_directory_is_parsed(tmp_path):
+  """50,000 empty members the manifest does not list, within the size bound.
+
+  The manifest claims a 64 MiB array, so the padded file (a few MB) passes
+  the size bound; the member count in the zip's end record refuses it
+  before zipfile reads one directory entry.
+  """
+  item_dir = str(tmp_path / "data")
+  _write(item_dir, _header({"a0": {"dtype": "|u1", "shape": [2**26]}}))
+  with zipfile.ZipFile(os.path.join(item_dir, STEM + ".npz"), "w", zipfile.ZIP_STORED) as z:
+    z.writestr("a0.npy", _npy(np.zeros(2, np.uint8)))
+    for i in range(50_000):
+      z.writestr(f"p{i}", b"")
+  assert os.path.getsize(os.path.join(item_dir, STEM + ".npz")) < _files.npz_size_bound(
+      {"a0": codec.ArraySpec("|u1", (2**26,))})
+  original = zipfile.ZipFile.__init__
+  parsed = []
+
+  def counting_init(self, *args, **kwargs):
+    parsed.append(args)
+    return original(self, *args, **kwargs)
+
+  zipfile.ZipFile.__init__ = counting_init
+  try:
+    error, _ = _read_refused(item_dir)
+  finally:
+    zipfile.ZipFile.__init__ = original
+  assert type(error) is errors.InvalidStateError
+  assert "50001 members, its header lists 1" in str(error) and STEM + ".npz" in str(error)
+  assert parsed == []  # refused from the end record alone
 
 
 # ---------------------------------------------------------------------------
@@ -297,7 +334,8 @@ def _size_cases() -> dict[str, tuple[Callable[[str], None], str]]:
       "member_larger_than_spec": (
           lambda d: _write(d, _header({"a0": {"dtype": "|u1", "shape": [16]}}),
                            {"a0.npy": _npy(np.zeros(2**16, np.uint8))}),
-          "more than its 16-byte spec allows",
+          # Refused by the file's size before its zip directory is read.
+          "array(s) allow; the file is garbled or padded",
       ),
       # A member claiming 1 TB, more than the whole file.
       "member_claims_1tb": (member_claims(2**40, 16), "but the file holds only"),

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 import ckpt_iter
+from ckpt_iter import _storage as storage_lib
 from ckpt_iter import sources as sources_lib
 
 
 class _ByteCounter:
-  """Wraps `open` in ckpt_iter.sources: counts the bytes read from data files."""
+  """Wraps `open` in ckpt_iter.sources and _storage: counts the bytes read from data files."""
 
   def __init__(self):
     self.bytes_read = 0
@@ -41,6 +42,7 @@ def cache_small_files(monkeypatch):
 def counter(monkeypatch):
   counter = _ByteCounter()
   monkeypatch.setattr(sources_lib, "open", counter.open, raising=False)
+  monkeypatch.setattr(storage_lib, "open", counter.open, raising=False)
   return counter
 
 

@@ -26,6 +26,7 @@ from flax import nnx
 from tunix.sft import peft_trainer
 from tunix.tests import test_common as tc
 
+from ckpt_iter import _storage
 from ckpt_iter.tunix import _api
 
 from ckpt_iter.tunix import ResumablePeftTrainer
@@ -88,7 +89,7 @@ def main() -> None:
       eval_every_n_steps=1000,
       max_steps=args.max_steps,
       gradient_accumulation_steps=args.grad_acc if args.grad_acc > 1 else None,
-      checkpoint_root_directory=os.path.abspath(args.root),
+      checkpoint_root_directory=_storage.absolute(args.root),
       checkpointing_options=ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=100),
   )
   model = tc.ToyTransformer(config=tc.ModelConfig(), rngs=nnx.Rngs(0))

@@ -1,0 +1,310 @@
+"""Bytes on any filesystem: local paths and object stores (gs://, s3://, ...).
+
+Every file ckpt_iter reads or writes — data items, CLI reads, source files,
+the JSONL index cache's subject — goes through this module, so a checkpoint
+root or a source can be wherever Orbax and Grain can put theirs.
+
+- A local path uses the OS: reads refuse anything but a regular file (a FIFO
+  would block forever, /dev/zero never ends) and know the size before they
+  read; writes are fsynced, so Orbax's step commit (a rename) publishes
+  durable files.
+- A URL (`scheme://...`) uses fsspec, the filesystem layer `etils.epath` runs
+  gs:// on when TensorFlow is absent (gcsfs), with the same credentials and
+  `STORAGE_EMULATOR_HOST`. It is called directly for the two operations epath
+  makes costly on an object store: a whole-object read is one ranged GET
+  (epath's open() first fetches the object's metadata) and a write is one
+  upload (epath's open("wb") starts a two-request resumable upload).
+
+Object stores have no rename, so nothing here writes a temporary and renames
+it: atomicity comes from the caller's commit (Orbax's step commit, see
+docs/failure_modes.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import glob as glob_lib
+import hashlib
+import os
+import re
+import stat
+import threading
+from typing import Any, BinaryIO
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# What to install for a scheme whose fsspec implementation is missing.
+_PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+  """A `scheme://...` location (an object store), as opposed to a local path."""
+  return bool(_URL.match(os.fspath(path)))
+
+
+def absolute(path: str | os.PathLike[str]) -> str:
+  """`path` made absolute; a URL is already (os.path.abspath would mangle it)."""
+  path = os.fspath(path)
+  return path if is_url(path) else os.path.abspath(path)
+
+
+class TooLargeError(OSError):
+  """A file holds more bytes than the reader allows (`size` is at least that)."""
+
+  def __init__(self, path: str, size: int, max_bytes: int):
+    super().__init__(errno.EFBIG, f"{size} bytes or more, over the {max_bytes}-byte limit", path)
+    self.size = size
+    self.max_bytes = max_bytes
+
+
+def read_bytes(path: str, *, max_bytes: int) -> bytes:
+  """The whole content of a file of at most `max_bytes`, in one read (one GET).
+
+  Raises:
+    FileNotFoundError: there is no such file.
+    TooLargeError: it holds more than `max_bytes` (nothing more is read).
+    OSError: it cannot be read, or (local) is not a regular file.
+  """
+  if is_url(path):
+    fs, key = _filesystem(path)
+    # One ranged request: a larger object shows itself by the extra byte.
+    data = fs.cat_file(key, start=0, end=max_bytes + 1)
+    if len(data) > max_bytes:
+      raise TooLargeError(path, len(data), max_bytes)
+    return data
+  with _open_regular(path) as (f, size):
+    if size > max_bytes:
+      raise TooLargeError(path, size, max_bytes)
+    # Bounded by the measured size (read(n) allocates n bytes up front); a
+    # raw read may return less than asked (FUSE, NFS), so read to the end.
+    chunks, left = [], size + 1
+    while left > 0:
+      chunk = f.read(left)
+      if not chunk:
+        break
+      chunks.append(chunk)
+      left -= len(chunk)
+  data = b"".join(chunks)
+  if len(data) > size:  # it grew while being read
+    raise TooLargeError(path, len(data), size)
+  return data
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  """Writes a whole file (one upload on an object store).
+
+  Not atomic by itself: a crash can leave a partial local file. Callers
+  write inside an Orbax step, whose commit is the atomic unit. A failed
+  write removes what it wrote.
+
+  Raises:
+    OSError: naming `path` (e.g. ENOSPC).
+  """
+  if is_url(path):
+    fs, key = _filesystem(path)
+    try:
+      fs.pipe_file(key, data)
+    except OSError as e:
+      raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
+    return
+  regular = False
+  try:
+    with open(path, "wb") as f:
+      regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+  except OSError as e:
+    if regular:  # a partial file of ours; never a device a symlink pointed to
+      try:
+        os.unlink(path)
+      except OSError:
+        pass
+    raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
+
+
+def list_entries(directory: str) -> list[tuple[str, bool]]:
+  """(name, is_directory) of each entry of `directory`, from one listing.
+
+  Raises:
+    FileNotFoundError: no such directory (on an object store: no object
+      under that prefix).
+  """
+  if not is_url(directory):
+    with os.scandir(directory) as entries:
+      return [(entry.name, entry.is_dir()) for entry in entries]
+  fs, key = _filesystem(directory)
+  fs.invalidate_cache(key)  # another client (Orbax's) may have written since
+  found = []
+  for info in fs.ls(key, detail=True):
+    name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+    if info["name"].rstrip("/") != key.rstrip("/"):  # ls of a file lists the file
+      found.append((name, info.get("type") == "directory"))
+  return found
+
+
+def list_names(directory: str) -> list[str]:
+  """The names in `directory`, from one listing (see `list_entries`)."""
+  if not is_url(directory):
+    return os.listdir(directory)
+  return [name for name, _ in list_entries(directory)]
+
+
+def is_dir(path: str) -> bool:
+  """Whether `path` is a directory (on an object store: a non-empty prefix)."""
+  if not is_url(path):
+    return os.path.isdir(path)
+  fs, key = _filesystem(path)
+  fs.invalidate_cache(key)
+  return fs.isdir(key)
+
+
+def is_file(path: str) -> bool:
+  """Whether `path` is a file (an object)."""
+  if not is_url(path):
+    return os.path.isfile(path)
+  fs, key = _filesystem(path)
+  return fs.isfile(key)
+
+
+def glob(pattern: str) -> list[str]:
+  """The paths matching a glob pattern, sorted (URLs keep their scheme)."""
+  if not is_url(pattern):
+    return sorted(glob_lib.glob(pattern))
+  fs, key = _filesystem(pattern)
+  return sorted(fs.unstrip_protocol(match) for match in fs.glob(key))
+
+
+def has_magic(pattern: str) -> bool:
+  return glob_lib.has_magic(pattern)
+
+
+def open_read(path: str) -> BinaryIO:
+  """A seekable binary file for streaming reads (line indexing, Parquet)."""
+  if not is_url(path):
+    return open(path, "rb")  # pylint: disable=consider-using-with
+  fs, key = _filesystem(path)
+  return fs.open(key, "rb")
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+  """What a cache may trust a file by.
+
+  Attributes:
+    size: bytes.
+    version: changes with every write of the content; None when the store
+      offers nothing such (then nothing is cached). Local: inode, mtime and
+      ctime (ctime cannot be set back: `touch -r`, `cp -p`, `rsync -t` keep
+      the mtime of an edited file, not its ctime). Object store: the
+      object's generation (GCS), version id or ETag, with its checksum.
+  """
+
+  size: int
+  version: str | None
+
+
+_VERSION_KEYS = ("generation", "version_id", "VersionId", "ETag", "etag", "crc32c", "md5Hash")
+
+
+def identity(path: str) -> Identity:
+  """The size and version of a file (one stat, or one metadata request).
+
+  Raises:
+    FileNotFoundError: no such file.
+  """
+  if not is_url(path):
+    info = os.stat(path)
+    return Identity(info.st_size, f"ino={info.st_ino},mtime={info.st_mtime_ns},ctime={info.st_ctime_ns}")
+  fs, key = _filesystem(path)
+  fs.invalidate_cache(key)
+  info = fs.info(key)
+  parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
+  return Identity(int(info["size"]), ",".join(parts) or None)
+
+
+def version_digest(version: str) -> int:
+  """A version string as a signed int64 (the JSONL index cache stores int64s)."""
+  return int.from_bytes(hashlib.blake2b(version.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+class RangeReader:
+  """Reads byte ranges of one file from any thread or Grain worker process.
+
+  Local: os.pread on a descriptor per thread and process. Object store: one
+  ranged GET per read. Picklable (descriptors are not carried over).
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self._url = is_url(path)
+    self._local = threading.local()
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"path": self.path, "_url": self._url}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._local = threading.local()
+
+  def read(self, start: int, end: int) -> bytes:
+    if self._url:
+      fs, key = _filesystem(self.path)
+      return fs.cat_file(key, start=start, end=end)
+    return os.pread(self._descriptor(), end - start, start)
+
+  def _descriptor(self) -> int:
+    if getattr(self._local, "pid", None) != os.getpid():
+      self._local.fd = os.open(self.path, os.O_RDONLY)
+      self._local.pid = os.getpid()
+    return self._local.fd
+
+
+# ---------------------------------------------------------------------------
+
+
+class _open_regular:  # pylint: disable=invalid-name
+  """`with _open_regular(path) as (f, size)`: a local regular file, unbuffered.
+
+  One non-blocking open and an fstat of the open file, no stat of the path
+  first: the check holds for the very file that is read, and a FIFO is
+  refused at the fstat instead of hanging in open(). For a regular file
+  O_NONBLOCK changes nothing.
+  """
+
+  def __init__(self, path: str):
+    self._path = path
+    self._file: Any = None
+
+  def __enter__(self) -> tuple[Any, int]:
+    self._file = open(self._path, "rb", buffering=0, opener=_nonblocking)  # pylint: disable=consider-using-with
+    try:
+      info = os.fstat(self._file.fileno())
+      if not stat.S_ISREG(info.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", self._path)
+    except BaseException:
+      self._file.close()
+      raise
+    return self._file, info.st_size
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self._file.close()
+
+
+def _nonblocking(path: str, flags: int) -> int:
+  return os.open(path, flags | os.O_NONBLOCK)
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+  """The fsspec filesystem of a URL (fsspec caches instances, per process) and its key."""
+  try:
+    import fsspec  # pylint: disable=g-import-not-at-top
+
+    return fsspec.core.url_to_fs(url)
+  except ImportError as e:
+    scheme = url.split("://", 1)[0]
+    package = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
+    raise ImportError(
+        f"{url}: reading or writing {scheme}:// needs {package} ({e}). Install it with: "
+        f"pip install {package}" + (" (or ckpt_iter[gcs])" if package == "gcsfs" else "")
+    ) from None

@@ -1,0 +1,250 @@
+"""Checkpoints and sources on gs://, against a real local GCS emulator, in fresh processes.
+
+The emulator (fake-gcs-server, `gcs_emulator` fixture) serves every client
+of the stack over HTTP on 127.0.0.1: gcsfs (ckpt_iter's files, epath),
+tensorstore (Orbax's arrays) and array_record. Each save and each restore is
+its own process (tests/workers/object_store_worker.py); a save run goes on
+past its last checkpoint, so it is the uninterrupted run a restore is
+compared with, batch for batch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ckpt_iter import _storage
+from ckpt_iter import errors
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_WORKER = os.path.join(os.path.dirname(_HERE), "workers", "object_store_worker.py")
+_MULTIHOST_WORKER = os.path.join(os.path.dirname(_HERE), "workers", "multihost_worker.py")
+_REPO = os.path.dirname(os.path.dirname(_HERE))
+_TIMEOUT_SECONDS = 300
+# Over sources.INDEX_CACHE_MIN_BYTES (1 MiB) each, so their line indexes are cached.
+_RECORDS_PER_FILE = 20_000
+
+
+def _worker(tmp_path, name: str, **config) -> dict:
+  config["out"] = str(tmp_path / f"{name}.json")
+  path = tmp_path / f"{name}.config.json"
+  path.write_text(json.dumps(config))
+  process = subprocess.run(
+      [sys.executable, _WORKER, str(path)], capture_output=True, text=True,
+      timeout=_TIMEOUT_SECONDS, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  assert process.returncode == 0, f"{name} failed:\n{process.stderr[-4000:]}"
+  with open(config["out"]) as f:
+    return json.load(f)
+
+
+def _upload_sources(prefix: str, kind: str) -> str:
+  """Two source files of 20,000 records each at `prefix`; returns their glob."""
+  for part in range(2):
+    records = [{"id": part * _RECORDS_PER_FILE + i, "text": "x" * 40} for i in range(_RECORDS_PER_FILE)]
+    if kind == "jsonl":
+      data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    else:
+      import pyarrow as pa  # pylint: disable=g-import-not-at-top
+      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+      buffer = io.BytesIO()
+      pq.write_table(pa.Table.from_pylist(records), buffer, row_group_size=1000)
+      data = buffer.getvalue()
+    _storage.write_bytes(f"{prefix}/prompts-{part}.{kind}", data)
+  return f"{prefix}/prompts-*.{kind}"
+
+
+def test_storage_reads_writes_and_lists_objects(gcs_root):
+  path = f"{gcs_root}/a/b.json"
+  _storage.write_bytes(path, b"0123456789")
+  assert _storage.read_bytes(path, max_bytes=10) == b"0123456789"
+  with pytest.raises(_storage.TooLargeError):
+    _storage.read_bytes(path, max_bytes=9)
+  with pytest.raises(FileNotFoundError):
+    _storage.read_bytes(f"{gcs_root}/a/missing.json", max_bytes=10)
+  _storage.write_bytes(f"{gcs_root}/a/c/d.json", b"{}")
+  assert sorted(_storage.list_entries(f"{gcs_root}/a")) == [("b.json", False), ("c", True)]
+  assert _storage.is_dir(f"{gcs_root}/a/c") and not _storage.is_dir(f"{gcs_root}/a/nothing")
+  assert _storage.is_file(path) and not _storage.is_file(f"{gcs_root}/a/c")
+  assert _storage.glob(f"{gcs_root}/a/*.json") == [path]
+  with pytest.raises(FileNotFoundError):
+    _storage.list_entries(f"{gcs_root}/nothing")
+  assert _storage.RangeReader(path).read(3, 6) == b"345"
+
+
+def test_an_overwritten_object_gets_a_new_identity_and_a_new_jsonl_index(gcs_root, tmp_path, monkeypatch):
+  """The index cache of a remote file is keyed by the object's generation, not by its size or time."""
+  from ckpt_iter import sources as sources_lib  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(sources_lib, "INDEX_CACHE_MIN_BYTES", 0)
+  built = []
+  original = sources_lib._index_lines  # pylint: disable=protected-access
+  monkeypatch.setattr(sources_lib, "_index_lines", lambda path: built.append(path) or original(path))
+  path = f"{gcs_root}/data.jsonl"
+  _storage.write_bytes(path, b'{"id": 1}\n{"id": 2}\n')
+  first = _storage.identity(path)
+  cache = str(tmp_path / "cache")
+  assert [sources_lib.JsonlSource([path], index_cache_dir=cache)[i] for i in (0, 1)] == [{"id": 1}, {"id": 2}]
+  sources_lib.JsonlSource([path], index_cache_dir=cache)
+  assert len(built) == 1  # the second start used the cache
+  _storage.write_bytes(path, b'{"id": 3}\n{"id": 4}\n')  # same size, a new generation
+  assert _storage.identity(path).size == first.size and _storage.identity(path).version != first.version
+  source = sources_lib.JsonlSource([path], index_cache_dir=cache)
+  assert len(built) == 2 and source[1] == {"id": 4}
+
+
+@pytest.mark.parametrize("pipeline, api", [
+    ("jsonl", "v0"), ("parquet", "v1"), ("repeat", "v0"), ("repeat", "v1"), ("loader", "v0"),
+])
+def test_a_fresh_process_resumes_exactly_from_a_gs_checkpoint(tmp_path, gcs_root, pipeline, api):
+  config = {
+      "pipeline": pipeline, "api": api, "root": f"{gcs_root}/ckpt", "save_steps": 5, "total": 9,
+      "index_cache_dir": str(tmp_path / "index_cache"),
+  }
+  if pipeline in ("jsonl", "parquet"):
+    config["source"] = _upload_sources(f"{gcs_root}/data", pipeline)
+  saved = _worker(tmp_path, "save", mode="save", **config)
+  # Step 3 of the repeat pipeline falls inside a group's second repeat:
+  # its pending items (with their noise) come from the checkpoint.
+  restored = _worker(tmp_path, "restore", mode="restore", restore_step=3, **config)
+  assert len(saved["batches"]) == 9
+  assert [b["ids"] for b in restored["batches"]] == [b["ids"] for b in saved["batches"][3:]]
+  assert restored["params"] == (np.arange(4.0) + 3).tolist()
+  if pipeline == "jsonl":
+    assert saved["index_builds"] == 2 and restored["index_builds"] == 0  # second start: cached
+  if pipeline == "repeat":
+    # Groups of 2 batches, each yielded twice: step 3 leaves the second
+    # group member's second repeat pending. It comes from the checkpoint, bit
+    # for bit; the groups after it are new rollouts of the resumed process
+    # (fresh noise), each trained exactly num_repeats=2 times.
+    assert restored["batches"][0] == saved["batches"][3]
+    assert restored["batches"][1]["noise"] != saved["batches"][4]["noise"]
+    noise = [n for b in saved["batches"][:3] + restored["batches"][:5] for n in b["noise"]]  # 2 whole groups
+    assert sorted(set(noise.count(n) for n in noise)) == [2]
+  else:
+    assert restored["batches"] == saved["batches"][3:]
+
+
+def test_inspect_verify_and_diff_read_a_gs_checkpoint(tmp_path, gcs_root):
+  root = f"{gcs_root}/ckpt"
+  _worker(tmp_path, "save", mode="save", pipeline="repeat", api="v0", root=root, save_steps=3, total=3)
+
+  def cli(*args):
+    return subprocess.run([sys.executable, "-m", "ckpt_iter", *args], capture_output=True, text=True,
+                          timeout=_TIMEOUT_SECONDS, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=_REPO)
+
+  inspected = cli("inspect", root, "--json")
+  assert inspected.returncode == 0, inspected.stderr[-2000:]
+  summary = json.loads(inspected.stdout)
+  assert json.dumps(summary).count('"kind": "repeat"') >= 1 and '"step": 3' in json.dumps(summary)
+  verified = cli("verify", root)
+  assert verified.returncode == 0, verified.stdout + verified.stderr[-2000:]
+  assert verified.stdout.startswith("ok: ") and "3 steps (1-3)" in verified.stdout
+  diffed = cli("diff", root, "--step", "1", "--step", "3", "--json")
+  assert diffed.returncode == 0, diffed.stderr[-2000:]
+  assert json.loads(diffed.stdout)["processes"][0]["pending"]["remaining"] == [3, 1]  # pending after steps 1 and 3
+
+  # A torn object in a committed step: verify names it, exit 1.
+  _storage.write_bytes(f"{root}/2/data/process_0-of-1.npz", b"PK\x03\x04 torn")
+  broken = cli("verify", root)
+  assert broken.returncode == 1
+  assert "step 2: " in broken.stdout and "process_0-of-1.npz: not a readable npz" in broken.stdout
+
+  # A step without Orbax's commit file (a save cut short on an object store,
+  # where Orbax commits by writing it instead of renaming) is not a step,
+  # for Orbax and for the CLI alike.
+  import fsspec  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  fs, key = fsspec.core.url_to_fs(f"{root}/3/commit_success.txt")
+  fs.rm(key)
+  with ocp.CheckpointManager(root) as manager:
+    assert manager.all_steps() == [1, 2]
+  uncommitted = cli("verify", root)
+  assert uncommitted.returncode == 1 and "step 2: " in uncommitted.stdout and "step 3" not in uncommitted.stdout
+  assert json.loads(cli("inspect", root, "--json").stdout)["step"] == 2
+
+
+# ---------------------------------------------------------------------------
+# Corrupt objects give the same typed errors as corrupt files, and leave the
+# iterator as it was.
+
+
+def _save_repeat_step(root: str):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  import object_store_worker as worker  # pylint: disable=g-import-not-at-top
+
+  iterator = worker.build({"pipeline": "repeat"})
+  for _ in range(3):
+    next(iterator)
+  with ocp.CheckpointManager(root) as manager:
+    manager.save(3, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+    manager.wait_until_finished()
+  return iterator
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("truncate_npz", "not a readable npz"),
+    ("truncate_header", "not valid JSON"),
+    ("delete_header", "process_0-of-1.json is missing"),
+    ("delete_npz", "process_0-of-1.npz: missing; the state refers to array"),
+])
+def test_a_torn_or_missing_object_is_a_typed_error_that_changes_nothing(gcs_root, damage, fragment):
+  import fsspec  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  import object_store_worker as worker  # pylint: disable=g-import-not-at-top
+
+  root = f"{gcs_root}/ckpt"
+  _save_repeat_step(root)
+  item = f"{root}/3/data"
+  name = "process_0-of-1.npz" if damage.endswith("npz") else "process_0-of-1.json"
+  fs, _ = fsspec.core.url_to_fs(item)
+  if damage.startswith("truncate"):
+    data = _storage.read_bytes(f"{item}/{name}", max_bytes=2**24)
+    _storage.write_bytes(f"{item}/{name}", data[: len(data) // 2])
+  else:
+    fs.rm(f"{item}/{name}".split("://", 1)[1])
+  fresh = worker.build({"pipeline": "repeat"})
+  before = fresh.get_state()
+  with ocp.CheckpointManager(root) as manager, pytest.raises(errors.InvalidStateError) as raised:
+    manager.restore(3, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(fresh)))
+  assert fragment in str(raised.value) and item in str(raised.value)
+  assert fresh.get_state() == before
+
+
+# ---------------------------------------------------------------------------
+# Several JAX processes writing one gs:// step; restored by another count.
+
+
+def test_two_processes_save_to_gs_and_one_resumes_elastically(tmp_path, gcs_root):
+  """jax.distributed with 2 CPU processes writes one gs:// step; 1 process resumes it."""
+  import multihost_worker  # pylint: disable=g-import-not-at-top
+  import process_group  # pylint: disable=g-import-not-at-top
+
+  def launch(name, count, mode, elastic=False):
+    config = {"ckpt_dir": f"{gcs_root}/ckpt", "mode": mode, "elastic": elastic}
+    return process_group.run_group(_MULTIHOST_WORKER, tmp_path, name, [config] * count, timeout_seconds=240)
+
+  saved = launch("save2", 2, "save")
+  restored = launch("restore2to1", 1, "restore", elastic=True)
+  assert restored[0]["params_ok"] and restored[0]["errors"].keys() >= {"data_plain"}
+  assert restored[0]["batch_size"] == multihost_worker.GLOBAL_BATCH_SIZE
+  # The one process takes both saved processes' rows, in process order.
+  for field in ("data_after", "repeat_after"):
+    merged = [
+        {key: before[key] + other[key] for key in before if key != "tag"}
+        for before, other in zip(saved[0][field], saved[1][field])
+    ]
+    got = [{key: value for key, value in item.items() if key != "tag"} for item in restored[0][field]]
+    assert got == merged and got, field
