@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 import sys
 from collections.abc import Mapping  # not typing's: its isinstance is ~3x slower
 from typing import Any, Callable
@@ -153,6 +154,10 @@ def encode_pytree(value: Any, arrays: dict[str, np.ndarray], prefix: str) -> Any
       raise errors.InvalidStateError("a pending item is nested deeper than 64 levels.")
     if node is None:
       return None
+    if isinstance(node, float) and not isinstance(node, np.generic) and not math.isfinite(node):
+      # JSON has no NaN or infinity: the float's 8 bytes, so every bit (sign,
+      # NaN payload) comes back. A NaN reward must not make a step unsavable.
+      return {"float": struct.pack("<d", node).hex()}
     if isinstance(node, (bool, int, float, str)) and not isinstance(node, np.generic):
       return {"value": node}
     if isinstance(node, np.generic):
@@ -257,6 +262,12 @@ def decode_pytree(
       if not _is_json_scalar(node["value"]):
         raise errors.InvalidStateError(f"{origin}: malformed scalar {_short(node)}.")
       return node["value"]
+    if set(node) == {"float"}:
+      bits = node["float"]
+      if not (isinstance(bits, str) and len(bits) == 16 and all(c in "0123456789abcdef" for c in bits)):
+        raise errors.InvalidStateError(
+            f"{origin}: malformed float {_short(node)}; expected 16 hex digits (its 8 bytes).")
+      return struct.unpack("<d", bytes.fromhex(bits))[0]
     if "array" in node and set(node) <= {"array", "scalar", "dtype"}:
       if not isinstance(node["array"], str):
         raise errors.InvalidStateError(f"{origin}: array name must be a string, got {_short(node)}.")

@@ -300,7 +300,8 @@ class _Plan:
       self, fields: Collection[str], element: int, old_batch: int, new_batch: int, within: str
   ) -> errors.ConfigDriftError:
     step = old_batch * new_batch // math.gcd(old_batch, new_batch)
-    divisors = [b for b in range(1, element + 1) if element % b == 0 and b <= 4 * max(old_batch, new_batch)]
+    # Bounded by the batch sizes, not by the position (a hint, not a scan).
+    divisors = [b for b in range(1, min(element, 4 * max(old_batch, new_batch)) + 1) if element % b == 0]
     return self._refuse(
         fields,
         f"the state was saved after {element} elements {within}".rstrip() + f" (batches of {old_batch}); "

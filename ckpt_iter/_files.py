@@ -19,8 +19,10 @@ names the file.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import math
 import os
 import re
 import struct
@@ -36,6 +38,10 @@ from ckpt_iter import state as state_lib
 
 MAX_HEADER_BYTES = 64 * 2**20
 COUNT_FILE = "ckpt_iter.json"
+# Header field binding a header to its npz: a digest of the npz's zip
+# directory, which holds every member's name, size and CRC-32 (zipfile checks
+# each member's CRC as it reads it). Headers written before it have none.
+ARRAYS_DIGEST = "arrays_digest"
 # Far above any pod; a larger value is a garbled file, not a job.
 MAX_PROCESS_COUNT = 2**24
 # What an npz may hold beyond its arrays' data: per member, the .npy header
@@ -81,7 +87,9 @@ def write_files(
   if arrays:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    _storage.write_bytes(os.path.join(directory, stem + ".npz"), buffer.getbuffer())
+    npz = buffer.getbuffer()
+    header = {**header, ARRAYS_DIGEST: _directory_digest(npz)}
+    _storage.write_bytes(os.path.join(directory, stem + ".npz"), npz)
   # Compact: a state is read by programs (`ckpt-iter inspect` shows it to people).
   text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
   _storage.write_bytes(os.path.join(directory, stem + ".json"), text)
@@ -122,8 +130,15 @@ def _reject_constant(name: str) -> Any:
   raise ValueError(f"{name} is not valid in a state file")
 
 
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):  # 1e400: JSON allows the digits, not the infinity
+    raise ValueError(f"number {text[:40]} is out of the float range")
+  return value
+
+
 # One decoder for every read: json.loads with a keyword builds a new one each call.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 def read_state(
@@ -163,7 +178,9 @@ def read_state(
     # decode_state first), so the npz is not looked for.
     return codec.decode_state(header, _stand_in, origin=json_path)
   reader = _ArrayReader(os.path.join(directory, stem + ".npz"), header, origin=json_path)
-  return codec.decode_state(header, reader.load, origin=json_path)
+  value = codec.decode_state(header, reader.load, origin=json_path)
+  reader.check_same_save()
+  return value
 
 
 def _stand_in(name: str, spec: codec.ArraySpec) -> np.ndarray:
@@ -193,6 +210,23 @@ class _ArrayReader:
     self._specs: Mapping[str, codec.ArraySpec] = {}
     self._zip: zipfile.ZipFile | None = None
     self._size = 0
+    self._digest: str | None = None
+
+  def check_same_save(self) -> None:
+    """Raises unless the npz read is the one its header was written with.
+
+    After every array was read and checked, so that a damaged member is
+    reported as such; what is left is a sound npz of another save (a torn
+    pair: a partial copy, two writers), which only this binding tells apart.
+    """
+    expected = self._header.get(ARRAYS_DIGEST)
+    if self._digest is None or expected is None or self._digest == expected:
+      return
+    raise errors.InvalidStateError(
+        f"{self._path}: belongs to another save than its header {os.path.basename(self._origin)} "
+        f"({ARRAYS_DIGEST} {state_lib.short_repr(expected, 40)} there, {self._digest} here): a "
+        "partial copy or two writers mixed the step's files. Restore an earlier step."
+    )
 
   def _open(self, name: str) -> zipfile.ZipFile:
     path = self._path
@@ -215,7 +249,8 @@ class _ArrayReader:
           f"{path}: not a readable npz ({e.strerror or e}); the state refers to array "
           f"{name!r}. The file is truncated or garbled: restore an earlier step."
       ) from None
-    members = _zip_member_count(data)
+    end = _end_record(data)
+    members = None if end is None else end[0]
     if members is None or members > len(self._specs):
       # Checked before zipfile parses the directory: extra members (a file
       # padded with a million empty ones) would cost time without bound.
@@ -224,6 +259,7 @@ class _ArrayReader:
           f"{path}: not a readable npz ({shown}); the state refers to array {name!r}. "
           "The file is truncated or garbled: restore an earlier step."
       )
+    self._digest = _directory_digest(data, end)
     try:
       self._size = len(data)
       return zipfile.ZipFile(io.BytesIO(data))
@@ -302,27 +338,41 @@ _ZIP64_LOCATOR = struct.Struct("<4sLQL")
 _ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
 
 
-def _zip_member_count(data: bytes) -> int | None:
-  """The member count a zip's end record declares, read before zipfile parses anything.
+def _end_record(data: bytes | memoryview) -> tuple[int, int, int] | None:
+  """(member count, directory size, directory offset) from a zip's end records.
 
-  np.savez writes no archive comment, so the end record is the last 22
-  bytes; None when it is not there (truncated, or not a zip).
+  Read before zipfile parses anything. np.savez writes no archive comment,
+  so the end record is the last 22 bytes; None when it is not there
+  (truncated, or not a zip) or points outside the file.
   """
   if len(data) < _EOCD.size:
     return None
-  signature, _, _, _, total, _, _, comment = _EOCD.unpack_from(data, len(data) - _EOCD.size)
+  signature, _, _, _, total, size, offset, comment = _EOCD.unpack_from(data, len(data) - _EOCD.size)
   if signature != b"PK\x05\x06" or comment:
     return None
-  if total != 0xFFFF:
-    return total
-  locator_at = len(data) - _EOCD.size - _ZIP64_LOCATOR.size
-  if locator_at < 0:
+  if 0xFFFF in (total,) or 0xFFFFFFFF in (size, offset):
+    locator_at = len(data) - _EOCD.size - _ZIP64_LOCATOR.size
+    if locator_at < 0:
+      return None
+    signature, _, record_at, _ = _ZIP64_LOCATOR.unpack_from(data, locator_at)
+    if signature != b"PK\x06\x07" or record_at + _ZIP64_EOCD.size > locator_at:
+      return None
+    fields = _ZIP64_EOCD.unpack_from(data, record_at)
+    if fields[0] != b"PK\x06\x06":
+      return None
+    total, size, offset = fields[7], fields[8], fields[9]
+  if offset + size > len(data):
     return None
-  signature, _, record_at, _ = _ZIP64_LOCATOR.unpack_from(data, locator_at)
-  if signature != b"PK\x06\x07" or record_at + _ZIP64_EOCD.size > locator_at:
-    return None
-  fields = _ZIP64_EOCD.unpack_from(data, record_at)
-  return fields[7] if fields[0] == b"PK\x06\x06" else None
+  return total, size, offset
+
+
+def _directory_digest(data: bytes | memoryview, end: tuple[int, int, int] | None = None) -> str:
+  """sha256 (32 hex digits) of an npz's zip directory: names, sizes and CRC-32s of every member."""
+  end = _end_record(data) if end is None else end
+  if end is None:
+    return "none"
+  _, size, offset = end
+  return hashlib.sha256(memoryview(data)[offset:offset + size]).hexdigest()[:32]
 
 
 def list_process_files(directory: str | os.PathLike[str]) -> list[tuple[int, int]]:

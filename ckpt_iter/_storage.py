@@ -32,6 +32,8 @@ import stat
 import threading
 from typing import Any, BinaryIO
 
+from ckpt_iter import errors
+
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # What to install for a scheme whose fsspec implementation is missing.
 _PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}
@@ -231,17 +233,23 @@ def version_digest(version: str) -> int:
 class RangeReader:
   """Reads byte ranges of one file from any thread or Grain worker process.
 
-  Local: os.pread on a descriptor per thread and process. Object store: one
-  ranged GET per read. Picklable (descriptors are not carried over).
+  Local: os.pread on a descriptor per thread and process. Each descriptor
+  is checked, when opened, to be the file that was there when the reader was
+  made (device, inode, size, mtime): a file replaced under a live source
+  would otherwise be read by new threads and workers while older ones read
+  the old one, through one index. Object store: one ranged GET per read (of
+  the object's newest generation). Picklable (descriptors are not carried
+  over; the pinned identity is).
   """
 
   def __init__(self, path: str):
     self.path = path
     self._url = is_url(path)
+    self._pinned = None if self._url else _file_key(os.stat(path))
     self._local = threading.local()
 
   def __getstate__(self) -> dict[str, Any]:
-    return {"path": self.path, "_url": self._url}
+    return {"path": self.path, "_url": self._url, "_pinned": self._pinned}
 
   def __setstate__(self, state: dict[str, Any]) -> None:
     self.__dict__.update(state)
@@ -255,9 +263,22 @@ class RangeReader:
 
   def _descriptor(self) -> int:
     if getattr(self._local, "pid", None) != os.getpid():
-      self._local.fd = os.open(self.path, os.O_RDONLY)
+      fd = os.open(self.path, os.O_RDONLY)
+      found = _file_key(os.fstat(fd))
+      if found != self._pinned:
+        os.close(fd)
+        raise errors.InvalidStateError(
+            f"{self.path}: replaced or rewritten since this source indexed it (size, inode or "
+            f"mtime changed: {self._pinned} then, {found} now); its records would mix two "
+            "versions. Build the source again (make_dataset) to read the new file."
+        )
+      self._local.fd = fd
       self._local.pid = os.getpid()
     return self._local.fd
+
+
+def _file_key(info: os.stat_result) -> tuple[int, int, int, int]:
+  return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
 # ---------------------------------------------------------------------------

@@ -9,6 +9,23 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+# How much of one value a message shows; longer ones are cut, their length shown.
+SHOWN_VALUE_CHARS = 200
+
+
+def shown_value(value: Any, limit: int = SHOWN_VALUE_CHARS) -> str:
+  """repr(value) for a message, cut to about `limit` characters with the full length said.
+
+  A string is cut before repr, so a 60 MB field costs no 60 MB repr.
+  """
+  if isinstance(value, str) and len(value) > limit:
+    return f"{value[:limit]!r}... ({len(value):,} chars)"
+  try:
+    text = repr(value)
+  except RecursionError:  # a hostile value nested thousands deep
+    return f"<{type(value).__name__} nested too deeply to show>"
+  return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} chars)"
+
 
 class CkptIterError(Exception):
   """Base class of every error ckpt_iter raises on purpose."""
@@ -42,14 +59,13 @@ class ConfigDriftError(CkptIterError):
 
   def __init__(self, differences: Mapping[str, tuple[Any, Any]], origin: str = "the state"):
     self.differences = dict(differences)
+    shown = sorted(self.differences.items())
     parts = [
-        f"{name}={saved!r} there, {name}={current!r} here"
-        for name, (saved, current) in sorted(self.differences.items())
+        f"{name}={shown_value(saved)} there, {name}={shown_value(current)} here"
+        for name, (saved, current) in shown
     ]
-    rebuild = ", ".join(
-        f"{name}={saved!r}" for name, (saved, _) in sorted(self.differences.items())
-    )
-    names = ", ".join(repr(n) for n in sorted(self.differences))
+    rebuild = ", ".join(f"{name}={shown_value(saved)}" for name, (saved, _) in shown)
+    names = ", ".join(shown_value(n) for n in sorted(self.differences))
     super().__init__(
         f"{origin} was written by a different pipeline: {'; '.join(parts)}. "
         f"Rebuild the pipeline with {rebuild}, or pass allow_drift={{{names}}} "

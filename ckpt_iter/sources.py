@@ -93,16 +93,17 @@ class JsonlSource(_FileReader):
 
   def __init__(self, paths: Sequence[str], *, index_cache_dir: str | None = None):
     self._paths = [_storage.absolute(p) for p in paths]
-    self._readers = [_storage.RangeReader(p) for p in self._paths]
     self._starts: list[np.ndarray] = []
     self._ends: list[np.ndarray] = []
+    self._readers: list[_storage.RangeReader] = []
     cache_dir = index_cache_location(index_cache_dir)
     for path in self._paths:
       starts, ends = _cached_line_index(path, cache_dir)
       self._starts.append(starts)
       self._ends.append(ends)
+      # Made right after the index: it pins the file the index describes.
+      self._readers.append(_storage.RangeReader(path))
     self._offsets = np.cumsum([0] + [len(s) for s in self._starts]).tolist()
-    self._local = threading.local()
 
   def __len__(self) -> int:
     return self._offsets[-1]

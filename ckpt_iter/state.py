@@ -17,6 +17,7 @@ Format version history:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import typing
@@ -92,8 +93,31 @@ class IteratorState:
   counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
   format_version: int = FORMAT_VERSION
 
+  def __post_init__(self):
+    # Validated like a state read from a file, and copied: a caller who
+    # mutates the dicts it passed in cannot change this value, and neither
+    # can a reader of it (read-only views).
+    fields = _checked_fields(
+        {"kind": self.kind, "fingerprint": self.fingerprint, "position": self.position,
+         "shuffle_key": self.shuffle_key, "pending": self.pending, "counters": self.counters},
+        "IteratorState",
+    )
+    if self.format_version != FORMAT_VERSION:
+      raise errors.InvalidStateError(
+          f"IteratorState: format_version is {_short(self.format_version)}; a value is always of "
+          f"the current format ({FORMAT_VERSION}): read older ones with IteratorState.from_dict."
+      )
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
+
+  def __hash__(self) -> int:
+    # Over the JSON fields (pending arrays are unhashable): equal values hash equal.
+    return hash((self.kind, _canonical_json(self.fingerprint), _canonical_json(self.position),
+                 self.shuffle_key, _canonical_json(self.counters),
+                 None if self.pending is None else self.pending.schedule))
+
   def to_dict(self) -> dict[str, Any]:
-    """Returns the Grain-protocol dict form (format_version first)."""
+    """Returns the Grain-protocol dict form (format_version first), as new mutable dicts."""
     pending = None
     if self.pending is not None:
       pending = {
@@ -104,7 +128,7 @@ class IteratorState:
         "format_version": self.format_version,
         "kind": self.kind,
         "fingerprint": dict(self.fingerprint),
-        "position": self.position,
+        "position": _thawed(self.position),
         "shuffle_key": None if self.shuffle_key is None else list(self.shuffle_key),
         "pending": pending,
         "counters": dict(self.counters),
@@ -163,7 +187,17 @@ def migrate(value: Any, *, origin: str = "the state") -> dict[str, Any]:
 
 
 def validated(value: Mapping[str, Any], origin: str) -> IteratorState:
-  """The IteratorState of a migrated dict, every field checked."""
+  """The IteratorState of a migrated dict, every field checked (errors name `origin`)."""
+  fields = _checked_fields(value, origin)
+  return IteratorState(**fields, format_version=FORMAT_VERSION)
+
+
+def _checked_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
+  """The fields of a state, checked and copied into read-only form.
+
+  The one validation of a state's fields: for a dict read from a file
+  (`validated`) and for a value built in code (`IteratorState.__post_init__`).
+  """
   kind = value.get("kind")
   if not isinstance(kind, str) or kind not in KINDS:  # `in` would compare an array elementwise
     raise errors.InvalidStateError(
@@ -177,7 +211,7 @@ def validated(value: Mapping[str, Any], origin: str) -> IteratorState:
       )
     if type(field_value) not in _JSON_SCALAR_TYPES and not is_json_scalar(field_value):
       raise errors.InvalidStateError(
-          f"{origin}: fingerprint field {name!r} must be a JSON scalar, "
+          f"{origin}: fingerprint field {name!r} must be a JSON scalar (a finite float, no NaN), "
           f"got {_short(field_value)}."
       )
   position = require(value, "position", Mapping, origin)
@@ -192,7 +226,7 @@ def validated(value: Mapping[str, Any], origin: str) -> IteratorState:
       )
     shuffle_key = tuple(int(k) for k in shuffle_key)
   pending = value.get("pending")
-  if pending is not None:
+  if pending is not None and not isinstance(pending, Pending):
     pending = validated_pending(pending, origin)
   counters = value.get("counters")
   if counters is None:  # not `or {}`: the truth value of an array raises
@@ -203,15 +237,59 @@ def validated(value: Mapping[str, Any], origin: str) -> IteratorState:
     raise errors.InvalidStateError(
         f"{origin}: field 'counters' must map names to integers, got {_short(counters)}."
     )
-  return IteratorState(
-      kind=kind,
-      fingerprint=dict(fingerprint),
-      position=dict(position),
-      shuffle_key=shuffle_key,
-      pending=pending,
-      counters={k: int(v) for k, v in counters.items()},
-      format_version=FORMAT_VERSION,
-  )
+  return {
+      "kind": kind,
+      "fingerprint": FrozenDict(fingerprint),
+      "position": _frozen(position),
+      "shuffle_key": shuffle_key,
+      "pending": pending,
+      "counters": FrozenDict({k: int(v) for k, v in counters.items()}),
+  }
+
+
+class FrozenDict(dict):
+  """A dict that refuses changes: the mapping fields of an IteratorState.
+
+  A dict subclass, so JSON, equality with a dict and repr are a dict's; a
+  copy or pickle of it is a plain (mutable) dict.
+  """
+
+  def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+    raise TypeError("an IteratorState is immutable: its mappings cannot be changed "
+                    "(build a new state, e.g. with dataclasses.replace).")
+
+  __setitem__ = __delitem__ = __ior__ = _refuse
+  clear = pop = popitem = setdefault = update = _refuse
+
+  def __reduce__(self) -> Any:
+    return (dict, (dict(self),))
+
+  def __copy__(self) -> dict:
+    return dict(self)
+
+  def __deepcopy__(self, memo: Any) -> dict:
+    return _thawed(self)
+
+
+def _frozen(position: Mapping[str, Any]) -> FrozenDict:
+  """A read-only deep copy of a position (its nested dicts and lists are plain copies)."""
+  return FrozenDict(_thawed(position))
+
+
+def _thawed(value: Any) -> Any:
+  """A deep copy of a JSON-like value as plain dicts and lists (tuples stay tuples:
+  a Grain position tells them apart)."""
+  if isinstance(value, Mapping):
+    return {k: _thawed(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_thawed(v) for v in value]
+  if isinstance(value, tuple):
+    return tuple(_thawed(v) for v in value)
+  return value
+
+
+def _canonical_json(value: Any) -> str:
+  return json.dumps(_thawed(value), sort_keys=True, default=repr)
 
 
 def validated_pending(pending: Any, origin: str) -> Pending:
@@ -321,14 +399,15 @@ _is_int = is_int
 
 
 # The exact types JSON parsing gives; is_json_scalar also takes their subclasses.
-_JSON_SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
+_JSON_SCALAR_TYPES = frozenset({type(None), bool, int, str})  # floats: finite ones only (is_json_scalar)
 
 
 def is_json_scalar(value: Any) -> bool:
+  """None, a bool, an int, a str or a finite float (JSON has no NaN or infinity)."""
   if value is None or isinstance(value, (bool, str)):
     return True
   if isinstance(value, float):
-    return True
+    return math.isfinite(value)
   return isinstance(value, int)
 
 

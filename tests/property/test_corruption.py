@@ -97,6 +97,18 @@ def _edit_header(edit: Callable[[dict], None]) -> Callable[[str], None]:
   return damage
 
 
+def _replace_text(old: str, new: str) -> Callable[[str], None]:
+  """Edits the header's JSON text (for numbers json.dump cannot write, such as 1e400)."""
+  def damage(item_dir: str) -> None:
+    path = _path(item_dir, ".json")
+    with open(path) as f:
+      text = f.read()
+    assert old in text
+    with open(path, "w") as f:
+      f.write(text.replace(old, new, 1))
+  return damage
+
+
 def _truncate(suffix: str, keep: float) -> Callable[[str], None]:
   def damage(item_dir: str) -> None:
     path = _path(item_dir, suffix)
@@ -245,8 +257,14 @@ CASES = [
          errors.InvalidStateError, NPZ, "'a1'"),
     Case("npz_wrong_rank", "repeat", _rewrite_arrays(_set("a3", np.zeros((2, 1), np.float64))),
          errors.InvalidStateError, NPZ, "'a3'"),
+    # A torn pair: a sound npz of the same dtypes and shapes, from another save.
+    Case("npz_of_another_save", "repeat", _rewrite_arrays(lambda a: a.update(a1=a["a1"] + 1)),
+         errors.InvalidStateError, NPZ, "belongs to another save than its header"),
     Case("process_file_missing", "repeat", _remove(".json"), errors.InvalidStateError, JSON, "missing",
          verify_says=(f"{STEP}/{ITEM}: ", "holds no process_<i>-of-<n>.json")),
+    # Valid JSON digits that overflow to infinity, which no state holds.
+    Case("number_overflows_to_infinity", "repeat", _replace_text('"fingerprint":{', '"fingerprint":{"lr":1e400,'),
+         errors.InvalidStateError, JSON, "1e400 is out of the float range"),
     Case("format_version_newer", "repeat", _edit_header(_assign(state_lib.FORMAT_VERSION + 1, "format_version")),
          errors.StateVersionError, JSON, "format_version"),
     Case("format_version_zero", "repeat", _edit_header(_assign(0, "format_version")),

@@ -20,6 +20,7 @@ import tracemalloc
 import zipfile
 from typing import Any, Callable
 
+import grain
 import numpy as np
 import pytest
 
@@ -503,3 +504,32 @@ def test_array_valued_fields_are_refused(field):
   with pytest.raises(errors.InvalidStateError, match=field):
     iterator.set_state({**iterator.get_state(), field: np.array([1, 2])})
   assert iterator.state() == before
+
+
+# ---------------------------------------------------------------------------
+# Bounded costs of refusals: messages and hints do not grow with the input.
+
+
+def test_a_huge_fingerprint_field_gives_a_short_error_that_states_its_length():
+  huge = "x" * (60 * 2**20)  # a 60 MB field, as a garbled or hostile header can hold
+  with pytest.raises(errors.ConfigDriftError) as raised:
+    state_lib.check_fingerprint({"source": huge, "seed": 1}, {"source": "records", "seed": 1})
+  message = str(raised.value)
+  assert len(message) < 2_000, len(message)
+  assert f"({len(huge) + 2:,} chars)" in message or f"({len(huge):,} chars)" in message
+  assert "source=" in message and "allow_drift={'source'}" in message
+
+
+def test_the_batch_size_hint_does_not_scan_the_position():
+  """The hint lists divisors up to a few batch sizes, never every number up to the position.
+
+  Saved after 3 * 10**12 elements: a scan up to the position, as before,
+  would not end in any test's lifetime.
+  """
+  old = ckpt_iter.DataIterator(grain.MapDataset.range(10**13).batch(3))
+  saved = dict(old.get_state(), position={"next_index": 10**12})
+  with pytest.raises(errors.ConfigDriftError) as raised:
+    ckpt_iter.DataIterator(grain.MapDataset.range(10**13).batch(7)).set_state(saved)
+  message = str(raised.value)
+  assert "cannot start a batch there" in message and "after 3000000000000 elements" in message
+  assert "e.g. [" in message

@@ -354,3 +354,29 @@ def test_a_corrupt_state_file_is_refused_naming_the_file(ckpt_dir):
     _restore(directory, 1, data=ckpt_iter.IteratorRestore(fresh))
   assert str(path) in str(info.value) and "not valid JSON" in str(info.value)
   assert fresh.get_state()["position"] == {"next_index": 1}
+
+
+def test_an_async_save_of_a_nan_reward_commits_and_restores_bit_for_bit(ckpt_dir):
+  """A pending rollout holding a NaN (and infinite) Python float reward is saved like any other."""
+  records = [{"id": i} for i in range(12)]
+  rewards = iter([float("nan"), float("inf"), -float("inf"), 1.5] * 10)
+
+  def produce(batch):
+    return {"ids": np.asarray(batch["id"]), "reward": next(rewards)}
+
+  def make():
+    dataset = ckpt_iter.make_dataset(records, batch_size=2, seed=1, num_epochs=None)
+    return ckpt_iter.RepeatIterator(ckpt_iter.DataIterator(dataset), produce=produce, num_repeats=2, group_size=2)
+
+  iterator = make()
+  for _ in range(3):  # inside the first group: its two items (NaN, inf rewards) are pending
+    next(iterator)
+  with ocp.CheckpointManager(ckpt_dir) as manager:
+    assert manager.save(3, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+    manager.wait_until_finished()
+    assert manager.all_steps() == [3]
+    restored = make()
+    manager.restore(3, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(restored)))
+  got, want = next(restored), next(iterator)
+  assert np.array_equal(got["ids"], want["ids"])
+  assert np.float64(got["reward"]).tobytes() == np.float64(want["reward"]).tobytes()

@@ -3,6 +3,8 @@
 import builtins
 import json
 import os
+import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -205,3 +207,55 @@ def test_blank_lines_and_a_missing_final_newline_survive_the_cache(tmp_path, cac
   second = _source(path, cache_dir)
   assert [second[i] for i in range(len(second))] == [first[i] for i in range(3)] == [
       {"id": 0}, {"id": 1}, {"id": 2}]
+
+
+@pytest.mark.parametrize("how", ["touch -r", "os.utime"])
+def test_an_edit_that_puts_the_old_size_and_mtime_back_is_rebuilt(jsonl, cache_dir, tmp_path, how):
+  """rsync -t, cp -p, tar and touch -r keep size and mtime; the ctime they cannot keep."""
+  _source(jsonl, cache_dir)
+  before = os.stat(jsonl)
+  reference = tmp_path / "times"
+  reference.write_text("")
+  os.utime(reference, ns=(before.st_atime_ns, before.st_mtime_ns))
+  # One character moves from line 101 to line 100: same size, and the line
+  # break between them (not one the spot checks look at) moves by one byte.
+  with open(jsonl) as f:
+    lines = f.readlines()
+  records = [json.loads(line) for line in lines]
+  records[100]["text"] += "x"
+  records[101]["text"] = records[101]["text"][1:]
+  lines[100:102] = [json.dumps(records[i]) + "\n" for i in (100, 101)]
+  with open(jsonl, "w") as f:
+    f.writelines(lines)
+  if how == "touch -r":
+    subprocess.run(["touch", "-r", str(reference), jsonl], check=True)
+  else:
+    os.utime(jsonl, ns=(before.st_atime_ns, before.st_mtime_ns))
+  after = os.stat(jsonl)
+  assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+  source = _source(jsonl, cache_dir)
+  assert [source[i] for i in range(len(source))] == [json.loads(line) for line in lines]
+
+
+def test_a_file_replaced_under_a_live_source_is_refused_by_new_threads(jsonl, cache_dir):
+  """Readers opened after the replacement would read the new file through the old index."""
+  source = _source(jsonl, cache_dir)
+  first = source[5]
+  replacement = jsonl + ".new"
+  _write(replacement, 100, 2000)  # other records, a file of another size
+  os.replace(replacement, jsonl)
+  assert source[5] == first  # this thread's reader still has the indexed file open
+  errors_seen = []
+
+  def read_in_a_new_thread():
+    try:
+      source[5]
+    except ckpt_iter.InvalidStateError as e:
+      errors_seen.append(str(e))
+
+  thread = threading.Thread(target=read_in_a_new_thread)
+  thread.start()
+  thread.join()
+  assert len(errors_seen) == 1 and "replaced or rewritten since this source indexed it" in errors_seen[0]
+  assert jsonl in errors_seen[0]

@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import math
+import struct
 
 import grain
 import hypothesis
@@ -119,6 +120,41 @@ def test_to_dict_round_trips_and_starts_with_format_version():
   assert again.position == value.position
   assert again.shuffle_key == value.shuffle_key
   np.testing.assert_array_equal(again.pending.items[0]["a"], np.arange(3))
+
+
+def test_an_iterator_state_is_validated_copied_immutable_and_hashable():
+  with pytest.raises(errors.InvalidStateError, match="field 'kind' is 'bogus'"):
+    state_lib.IteratorState(kind="bogus", fingerprint={}, position={})
+  with pytest.raises(errors.InvalidStateError, match="fingerprint field 'lr'.*finite float"):
+    state_lib.IteratorState(kind="data", fingerprint={"lr": math.nan}, position={})
+  fingerprint, position = {"seed": 1}, {"next_index": 2, "nested": {"a": [1]}}
+  value = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position=position)
+  fingerprint["seed"], position["nested"]["a"][0] = 9, 9  # the caller's dicts, not the state's
+  assert value.fingerprint == {"seed": 1} and value.position == {"next_index": 2, "nested": {"a": [1]}}
+  with pytest.raises(TypeError, match="immutable"):
+    value.fingerprint["seed"] = 3
+  with pytest.raises(TypeError, match="immutable"):
+    value.counters.update(x=1)
+  same = state_lib.IteratorState(kind="data", fingerprint={"seed": 1}, position={"next_index": 2, "nested": {"a": [1]}})
+  assert value == same and hash(value) == hash(same) and len({value, same}) == 1
+  round_trip = state_lib.IteratorState.from_dict(json.loads(json.dumps(value.to_dict())))
+  assert round_trip == value and type(value.to_dict()["position"]) is dict
+
+
+def test_non_finite_floats_in_pending_items_round_trip_bit_for_bit():
+  """A NaN reward must not make a step unsavable: JSON has no NaN, so its 8 bytes are stored."""
+  payload_nan = struct.unpack("<d", bytes.fromhex("010000000000f87f"))[0]
+  item = {"reward": math.nan, "up": math.inf, "down": -math.inf, "payload": payload_nan, "zero": -0.0,
+          "ids": np.arange(3)}
+  value = state_lib.IteratorState(
+      kind="repeat", fingerprint={}, position={"next_index": 1},
+      pending=state_lib.Pending(items=(item,), schedule=(0,)))
+  header, arrays = codec.encode_state(value)
+  text = json.dumps(header, allow_nan=False)  # what the item's writer does
+  decoded = codec.decode_state(json.loads(text), lambda name, spec: arrays[name]).pending.items[0]
+  for name in ("reward", "up", "down", "payload", "zero"):
+    assert type(decoded[name]) is float
+    assert struct.pack("<d", decoded[name]) == struct.pack("<d", item[name]), name
 
 
 def test_from_dict_does_not_mutate_its_input():
