@@ -6,12 +6,9 @@ the model. `ckpt_iter.tunix` (imported separately) makes Tunix RL learners
 resume exactly.
 """
 
-from ckpt_iter.checkpoint import IteratorCheckpointable
-from ckpt_iter.checkpoint import IteratorCheckpointHandler
-from ckpt_iter.checkpoint import IteratorRestore
-from ckpt_iter.checkpoint import IteratorSave
-from ckpt_iter.dataset import make_dataset
-from ckpt_iter.elastic import ELASTIC_FIELDS
+import importlib
+import typing
+
 from ckpt_iter.errors import CkptIterError
 from ckpt_iter.errors import ConfigDriftError
 from ckpt_iter.errors import InvalidArgumentError
@@ -21,13 +18,51 @@ from ckpt_iter.errors import LegacyCheckpointError
 from ckpt_iter.errors import ProcessCountError
 from ckpt_iter.errors import StateVersionError
 from ckpt_iter.errors import UnsupportedConfigError
-from ckpt_iter.iterator import DataIterator
-from ckpt_iter._loader import DataLoaderIterator
-from ckpt_iter.repeat import RepeatIterator
 from ckpt_iter.state import FORMAT_VERSION
 from ckpt_iter.state import IteratorState
 from ckpt_iter.state import Pending
-from ckpt_iter._codec import register_pytree_dataclass
+
+# The names that need JAX, Grain or Orbax are imported on first use, so that
+# `import ckpt_iter` (and the read-only `ckpt-iter inspect/verify/diff`,
+# which only read JSON headers) loads none of them.
+_LAZY = {
+    "IteratorCheckpointable": "ckpt_iter.checkpoint",
+    "IteratorCheckpointHandler": "ckpt_iter.checkpoint",
+    "IteratorRestore": "ckpt_iter.checkpoint",
+    "IteratorSave": "ckpt_iter.checkpoint",
+    "make_dataset": "ckpt_iter.dataset",
+    "ELASTIC_FIELDS": "ckpt_iter.elastic",
+    "DataIterator": "ckpt_iter.iterator",
+    "DataLoaderIterator": "ckpt_iter._loader",
+    "RepeatIterator": "ckpt_iter.repeat",
+    "register_pytree_dataclass": "ckpt_iter._codec",
+}
+
+if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselves
+  from ckpt_iter._codec import register_pytree_dataclass
+  from ckpt_iter._loader import DataLoaderIterator
+  from ckpt_iter.checkpoint import IteratorCheckpointable
+  from ckpt_iter.checkpoint import IteratorCheckpointHandler
+  from ckpt_iter.checkpoint import IteratorRestore
+  from ckpt_iter.checkpoint import IteratorSave
+  from ckpt_iter.dataset import make_dataset
+  from ckpt_iter.elastic import ELASTIC_FIELDS
+  from ckpt_iter.iterator import DataIterator
+  from ckpt_iter.repeat import RepeatIterator
+
+
+def __getattr__(name: str):
+  module = _LAZY.get(name)
+  if module is None:
+    raise AttributeError(f"module 'ckpt_iter' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value  # later lookups skip this function
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

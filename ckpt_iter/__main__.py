@@ -16,6 +16,10 @@ from typing import Sequence
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command line `argv` (default: sys.argv[1:]); returns the exit code."""
   argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] in (["demo"], ["train"]) and not _has_tunix():
+    print(f"ckpt-iter: `{argv[0]}` runs Tunix, which is not installed: pip install 'ckpt_iter[tunix]'",
+          file=sys.stderr)
+    return 2
   if argv[:1] == ["demo"]:
     from ckpt_iter import demo  # pylint: disable=g-import-not-at-top
 
@@ -27,6 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
 
   return cli.main(argv)
+
+
+def _has_tunix() -> bool:
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  return importlib.util.find_spec("tunix") is not None
 
 
 if __name__ == "__main__":

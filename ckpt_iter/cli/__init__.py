@@ -1,17 +1,21 @@
 """The `ckpt-iter` command: inspect, verify and diff data checkpoints.
 
-    ckpt-iter inspect /ckpts/run1            # Tunix root, .../actor, or Orbax root
+    ckpt-iter inspect /ckpts/run1            # Tunix root, .../actor, Orbax root, or gs://...
     ckpt-iter verify /ckpts/run1             # exit 0 ok, 1 problems, 2 usage
     ckpt-iter diff /ckpts/run1 --step 3 --step 5
 
 Everything is read from the state files: no model is restored, no array is
-loaded by `inspect` or `diff`. Errors go to stderr as `ckpt-iter: <message>`.
+loaded by `inspect` or `diff`, and neither JAX, Grain, Orbax nor Tunix is
+imported (verify imports ckpt_iter.tunix only for a state holding Tunix
+items). Errors go to stderr as `ckpt-iter: <message>`; a closed pipe
+(`| head`) ends the output quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -51,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_USAGE
   try:
     return args.run(args)
+  except BrokenPipeError:
+    # The reader (`| head`) has what it wanted: no traceback, no message, and
+    # nothing more written at exit (stdout now goes nowhere).
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_OK
   except inspection.UsageError as e:
     return _fail(str(e), EXIT_USAGE)
   except (errors.CkptIterError, OSError) as e:
@@ -65,8 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
       epilog="`ckpt-iter demo` runs the preempt-and-resume GRPO demo "
       "(stock Tunix vs ckpt_iter); `ckpt-iter demo --help` for its options. "
       "`ckpt-iter train grpo|ppo|sft CONFIG.yaml [key=value ...]` runs Tunix's "
-      "YAML pipeline with the Resumable learners; `ckpt-iter train --help`.",
+      "YAML pipeline with the Resumable learners; `ckpt-iter train --help`. "
+      "Both need Tunix (pip install 'ckpt_iter[tunix]').",
   )
+  from ckpt_iter import __version__  # pylint: disable=g-import-not-at-top
+
+  parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
   verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
   _add_inspect(verbs)
   _add_verify(verbs)
@@ -76,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_inspect(verbs: Any) -> None:
   summary = "show each process's data state of a step (default: the latest)"
-  parser = verbs.add_parser("inspect", help=summary, description=summary + ".")
+  parser = verbs.add_parser("inspect", help=summary, description=summary + ".",
+                            epilog="exit codes: 0 shown, 1 a state file is unreadable, 2 usage error")
   _add_checkpoint_argument(parser)
   parser.add_argument("--step", type=_step_number, help="step to show (default: latest)")
   _add_item_argument(parser)
@@ -86,10 +100,12 @@ def _add_inspect(verbs: Any) -> None:
 
 def _add_verify(verbs: Any) -> None:
   summary = "check every step (or one): exit 0 if sound, 1 with one line per problem"
-  parser = verbs.add_parser("verify", help=summary, description=summary + "; 2 for usage errors.")
+  parser = verbs.add_parser("verify", help=summary, description=summary + ".",
+                            epilog="exit codes: 0 sound, 1 problems (one line each), 2 usage error")
   _add_checkpoint_argument(parser)
   parser.add_argument("--step", type=_step_number, help="check only this step")
   _add_item_argument(parser)
+  parser.add_argument("--json", action="store_true", help="print JSON instead of text")
   parser.set_defaults(run=run_verify)
 
 
@@ -99,6 +115,7 @@ def _add_diff(verbs: Any) -> None:
       "diff", help=summary,
       description=summary + ": `diff DIR --step A --step B`, `diff DIR_A DIR_B` "
       "(latest steps) or `diff DIR_A DIR_B --step A --step B`.",
+      epilog="exit codes: 0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error",
   )
   parser.add_argument("checkpoints", nargs="+", metavar="CKPT_DIR",
                       help="one checkpoint (with two --step) or two")
@@ -270,13 +287,20 @@ def run_verify(args: argparse.Namespace) -> int:
   steps = list(layout.steps) if args.step is None else [layout.choose_step(args.step)]
   checks = [verification.verify_step(layout, step) for step in steps]
   problems = [problem for check in checks for problem in check.problems]
+  files = sum(check.files_read for check in checks)
+  arrays = sum(check.arrays_read for check in checks)
+  if args.json:
+    print(json.dumps({
+        "checkpoint": layout.root, "item": layout.item, "steps": steps, "ok": not problems,
+        "state_files": files, "pending_arrays": arrays,
+        "problems": [{"step": p.step, "path": p.path, "message": p.message} for p in problems],
+    }, indent=1))
+    return EXIT_PROBLEMS if problems else EXIT_OK
   for problem in problems:
     print(problem.line())
   if problems:
     print(f"{PROG}: {_plural(len(problems), 'problem')} in {layout.root}", file=sys.stderr)
     return EXIT_PROBLEMS
-  files = sum(check.files_read for check in checks)
-  arrays = sum(check.arrays_read for check in checks)
   print(
       f"ok: {layout.root}: {_plural(len(steps), 'step')} ({inspection.format_steps(steps)}), "
       f"item {layout.item!r}, {_plural(files, 'state file')}, {_plural(arrays, 'pending array')} checked"

@@ -20,7 +20,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import ckpt_iter
+from ckpt_iter import _files as files_lib
 from ckpt_iter import cli
+from ckpt_iter import state as state_lib
 
 RECORDS = [{"prompts": f"prompt {i}", "answer": i} for i in range(12)]
 BATCHES_PER_EPOCH = 6  # 12 records, batch size 2, one process
@@ -686,3 +688,78 @@ def test_train_names_a_missing_tunix_internal(monkeypatch):
   assert "tunix.rl.grpo.grpo_learner.GrpoLearnerV2 is missing" in message
   assert "tunix.cli.grpo_main no longer builds its learner through `grpo_learner.GRPOLearner(`" in message
   assert _learner_slots() == stock
+
+
+# ---------------------------------------------------------------------------
+# A light command: what it loads, its version, JSON from every read-only verb,
+# exit codes in each verb's help, a closed pipe, a missing Tunix.
+
+
+def test_read_only_verbs_load_no_jax_grain_orbax_or_tensorstore(data_ckpt):
+  code = (
+      "import sys\n"
+      "from ckpt_iter import cli\n"
+      f"for argv in (['inspect', {str(data_ckpt)!r}], ['verify', {str(data_ckpt)!r}],\n"
+      f"             ['diff', {str(data_ckpt)!r}, '--step', '3', '--step', '5']):\n"
+      "  assert cli.main(argv) == 0, argv\n"
+      "print(sorted(m for m in ('jax', 'grain', 'orbax', 'tensorstore', 'tunix') if m in sys.modules))\n"
+  )
+  result = _command(sys.executable, "-c", code)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_version_and_exit_codes_in_every_verbs_help(capsys):
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  code, out, _ = _run(capsys, "--version")
+  assert (code, out) == (0, f"ckpt-iter {ckpt_iter.__version__}\n")
+  for verb, codes in (("inspect", "0 shown, 1 a state file is unreadable, 2 usage error"),
+                      ("verify", "0 sound, 1 problems (one line each), 2 usage error"),
+                      ("diff", "0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error")):
+    code, out, _ = _run(capsys, verb, "--help")
+    assert code == 0 and f"exit codes: {codes}" in " ".join(out.split()), verb
+
+
+def test_verify_json_reports_the_same_as_its_lines(capsys, data_ckpt, tmp_path):
+  code, out, _ = _run(capsys, "verify", str(data_ckpt), "--json")
+  report = json.loads(out)
+  assert code == 0 and report["ok"] and report["problems"] == [] and report["steps"] == [0, 3, 5]
+  broken = tmp_path / "broken"
+  shutil.copytree(data_ckpt, broken)
+  (broken / "3" / "data" / "process_0-of-1.json").write_text("{")
+  code, out, _ = _run(capsys, "verify", str(broken), "--json")
+  report = json.loads(out)
+  assert code == 1 and not report["ok"]
+  (problem,) = report["problems"]
+  assert problem["step"] == 3 and problem["path"].endswith("3/data/process_0-of-1.json")
+  assert "not valid JSON" in problem["message"]
+
+
+def test_a_closed_pipe_ends_the_output_quietly(tmp_path):
+  """`inspect | head -1` of a step of 600 processes: far more than a pipe holds, so the
+  writer meets the closed pipe."""
+  from ckpt_iter import _codec as codec_lib  # pylint: disable=g-import-not-at-top
+
+  value = state_lib.IteratorState(kind="data", fingerprint={"seed": 1}, position={"next_index": 3})
+  header, arrays = codec_lib.encode_state(value)
+  item = tmp_path / "ckpt" / "1" / "data"
+  item.mkdir(parents=True)
+  for index in range(600):
+    files_lib.write_files(item, header, arrays, process_index=index, process_count=600)
+  command = f"set -o pipefail; {sys.executable} -m ckpt_iter inspect {tmp_path / 'ckpt'} | head -1"
+  result = subprocess.run(command, shell=True, env=ENV, capture_output=True, text=True, timeout=300,
+                          executable="/bin/bash")
+  assert result.stdout.startswith("checkpoint")
+  assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_train_and_demo_without_tunix_say_so_in_one_line():
+  code = ("import sys; sys.modules['tunix'] = None\n"
+          "from ckpt_iter.__main__ import main\n"
+          "print(main(['train', 'grpo', 'c.yaml']), main(['demo']))\n")
+  result = _command(sys.executable, "-c", code)
+  assert result.stdout.strip() == "2 2"
+  lines = result.stderr.strip().splitlines()
+  assert lines == [f"ckpt-iter: `{verb}` runs Tunix, which is not installed: pip install 'ckpt_iter[tunix]'"
+                   for verb in ("train", "demo")]
