@@ -272,7 +272,7 @@ pending arrays (`np.copy` into fresh memory) took {_fmt(summary['copy_ms'])} ms.
 one-element params item — Orbax's fixed cost of any save — blocked {_fmt(summary['orbax_fixed_ms_tiny_item'])} ms.
 
 {variants}
-The handler's own synchronous part (`checkpoint.snapshot`: encode the state, copy the arrays):
+The handler's own synchronous part (`_item.snapshot`: encode the state, copy the arrays):
 
 {snapshots}
 "params+data minus params only" is the data item's cost in a real loop, which saves the

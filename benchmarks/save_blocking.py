@@ -39,6 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import ckpt_iter
+from ckpt_iter import _item as item_lib
 from ckpt_iter import checkpoint as checkpoint_lib
 
 NUM_ROWS = 64 * 8
@@ -118,7 +119,7 @@ def main() -> None:
   copies, snapshots = [], {k: [] for k in data}
   # The handler's snapshot as it runs inside a save, next to Orbax's threads.
   in_save = {name: [] for name in variants}
-  snapshot = checkpoint_lib.snapshot
+  snapshot = item_lib.snapshot
   current = {"log": None}
 
   def timed_snapshot(item):
@@ -127,7 +128,7 @@ def main() -> None:
       current["log"].append(elapsed)
     return result
 
-  checkpoint_lib.snapshot = timed_snapshot
+  item_lib.snapshot = timed_snapshot
   order = list(managers)
   shuffler = random.Random(0)
   try:
@@ -154,7 +155,7 @@ def main() -> None:
           paired_copy = copies[-1] if k != "no_pending" else 0.0
           snapshots[k].append(_common.timed_ms(lambda: snapshot(iterator))[0] - paired_copy)  # pylint: disable=cell-var-from-loop
   finally:
-    checkpoint_lib.snapshot = snapshot
+    item_lib.snapshot = snapshot
     for manager in managers.values():
       manager.close()
     shutil.rmtree(workdir, ignore_errors=True)

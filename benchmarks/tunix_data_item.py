@@ -12,7 +12,7 @@ optimizer update (so half the checkpoints hold pending repeats).
 
 - Save: one process trains max_steps updates. Per save, the data item's
   synchronous work (`DataSession.snapshot`, which picks the consumed position and
-  pending examples, plus `checkpoint.snapshot`, which encodes them and copies the
+  pending examples, plus `_item.snapshot`, which encodes them and copies the
   arrays once) is timed against the whole blocking `checkpoint_manager.save`
   call (model, optimizer and data; the writes themselves finish in Orbax's
   background thread).
@@ -59,13 +59,13 @@ def _config(max_steps: int):
 
 
 def save_worker(root: str) -> dict:
-  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
   from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import _session  # pylint: disable=g-import-not-at-top
 
   picks, encodes, saves = [], [], []
   _session.DataSession.snapshot = _timed(picks, _session.DataSession.snapshot)
-  checkpoint_lib.snapshot = _timed(encodes, checkpoint_lib.snapshot)
+  item_lib.snapshot = _timed(encodes, item_lib.snapshot)
   config = _config(MAX_STEPS)
   learner = toyrun.build_learner(config, root)
   manager = learner.rl_cluster.actor_trainer.checkpoint_manager

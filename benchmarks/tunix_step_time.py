@@ -13,7 +13,7 @@ from other jobs on the machine do not decide it); the ratio is ckpt_iter's
 over stock's. The per-pair ratios (runs of a pair ran back to back) and their
 median are reported too, as a measure of the spread. The checkpoint saves
 (`actor_trainer.checkpoint_manager.save`) are timed for the save share, and
-for ckpt_iter also `ckpt_iter.checkpoint.snapshot`, the data item's
+for ckpt_iter also `ckpt_iter._item.snapshot`, the data item's
 synchronous part inside the save.
 
 Two save settings: save_interval_steps=1 (a checkpoint every step, as the
@@ -41,7 +41,7 @@ LEARNERS = ("stock", "ckpt_iter")
 
 def train_once(learner_kind: str, root: str, max_steps: int, save_interval_steps: int) -> dict:
   """Trains one toy run in this process and returns its timings in the window."""
-  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
   from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
 
   config = toyrun.RunConfig(learner=learner_kind, max_steps=max_steps, save_interval_steps=save_interval_steps)
@@ -68,13 +68,13 @@ def train_once(learner_kind: str, root: str, max_steps: int, save_interval_steps
   cluster.update_actor = stamped_update_actor
   manager = cluster.actor_trainer.checkpoint_manager
   manager.save = timed(manager.save, saves)
-  snapshot = checkpoint_lib.snapshot
-  checkpoint_lib.snapshot = timed(snapshot, snapshots)
+  snapshot = item_lib.snapshot
+  item_lib.snapshot = timed(snapshot, snapshots)
   try:
     kwargs = {} if learner_kind == "stock" else {"on_legacy_checkpoint": "raise"}
     learner.train(toyrun.make_train_dataset(config), None, **kwargs)
   finally:
-    checkpoint_lib.snapshot = snapshot
+    item_lib.snapshot = snapshot
   first, last = WARMUP_UPDATES, max_steps - 2  # whole global steps, final save excluded
   in_window = lambda t: stamps[first] <= t < stamps[last]  # pylint: disable=unnecessary-lambda-assignment
   return {

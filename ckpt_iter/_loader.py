@@ -17,11 +17,12 @@ import grain
 
 from ckpt_iter import _codec as codec
 from ckpt_iter import _graph
+from ckpt_iter import _item as item_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
 
-class DataLoaderIterator(state_lib.RestorableIterator):
+class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
   """Iterates a `grain.DataLoader` with a checkpointable, fingerprinted state.
 
   Args:

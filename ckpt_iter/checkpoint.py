@@ -13,55 +13,22 @@ pickled); process 0 also writes `ckpt_iter.json`, the process count, which an
 elastic restore reads instead of listing the directory. The state is
 snapshotted synchronously in `save`; the files are written in Orbax's
 background thread; Orbax makes the step visible only once every item of every
-process is written, so a step that did not finish is never restored.
+process is written, so a step that did not finish is never restored. What
+is written and how it is read and checked is `_item`'s; this module adapts
+it to Orbax's handler and args (v0) and checkpointable (v1) APIs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from typing import Any, Callable, Collection
+from typing import Any, Collection
 
 from etils import epath
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
-from ckpt_iter import _codec as codec
 from ckpt_iter import _files
-from ckpt_iter import elastic as elastic_lib
+from ckpt_iter import _item
 from ckpt_iter import errors
-from ckpt_iter import state as state_lib
-
-
-def snapshot(item: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  """Takes the state of `item` now: a JSON header and copies of its arrays.
-
-  The only copy of the pending arrays a save makes: one host copy per leaf
-  (`_codec.encode_pytree`; a JAX array on an accelerator is transferred, and
-  that transfer is the copy). The handler writes these very arrays in Orbax's
-  background thread, with no further defensive copy.
-  """
-  if hasattr(item, "state"):
-    value = item.state()
-  else:
-    value = state_lib.IteratorState.from_dict(_grain_state_dict(item.get_state()))
-  return codec.encode_state(value)
-
-
-def _grain_state_dict(grain_state: Any) -> Any:
-  """A plain Grain iterator's state as a dict: a DataLoader's comes as JSON bytes."""
-  if isinstance(grain_state, bytes):
-    try:
-      return json.loads(grain_state.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-      raise errors.InvalidStateError(
-          f"the iterator's get_state() returned bytes that are not JSON ({e}); "
-          "ckpt_iter stores Grain states as JSON. Wrap a grain.DataLoader in "
-          "ckpt_iter.DataLoaderIterator."
-      ) from None
-  return grain_state
 
 
 # ---------------------------------------------------------------------------
@@ -76,23 +43,20 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._process_count = process_count
 
   def _process(self) -> tuple[int, int]:
-    index = jax.process_index() if self._process_index is None else self._process_index
-    count = jax.process_count() if self._process_count is None else self._process_count
-    return index, count
+    return _item.process(self._process_index, self._process_count)
 
   async def async_save(self, directory: epath.Path, args: "IteratorSave") -> list[Any]:
-    header, arrays = snapshot(args.item)
+    header, arrays = _item.snapshot(args.item)
     index, count = self._process()
 
     async def write() -> None:
-      _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True)
+      _item.write(directory, header, arrays, index, count)
 
     return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="ckpt_iter_save")]
 
   def save(self, directory: epath.Path, args: "IteratorSave") -> None:
-    header, arrays = snapshot(args.item)
-    index, count = self._process()
-    _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True)
+    header, arrays = _item.snapshot(args.item)
+    _item.write(directory, header, arrays, *self._process())
 
   def restore(self, directory: epath.Path, args: "IteratorRestore | None" = None) -> Any:
     if args is None or args.item is None:
@@ -100,9 +64,8 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
           "restoring a ckpt_iter item needs the iterator to restore into: "
           "IteratorRestore(iterator)."
       )
-    index, count = self._process()
-    saved = read_item(directory, index, count, elastic=args.elastic)
-    check_restore_saved(args.item, saved, allow_drift=args.allow_drift)()
+    saved = _item.read_item(directory, *self._process(), elastic=args.elastic)
+    _item.check_restore_saved(args.item, saved, allow_drift=args.allow_drift)()
     return args.item
 
   def metadata(self, directory: epath.Path) -> Any:
@@ -118,96 +81,6 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def close(self) -> None:
     pass
-
-
-@dataclasses.dataclass(frozen=True)
-class SavedState:
-  """A data state as read from an item directory, for one process."""
-
-  value: state_lib.IteratorState
-  resized: bool  # written by another process count (re-sliced by elastic)
-  origin: str  # what error messages name
-
-
-def read_item(
-    directory: str | os.PathLike[str], process_index: int, process_count: int, *, elastic: bool = False
-) -> SavedState:
-  """Reads process `process_index`'s state from an item directory, validated.
-
-  The one read path of a data item: Orbax restores and the Tunix learners'
-  restores both come through here.
-  """
-  directory = os.fspath(directory)
-  if not elastic:
-    return SavedState(
-        _files.read_state(directory, process_index, process_count),
-        resized=False,
-        origin=_files.header_path(directory, process_index, process_count),
-    )
-  saved_count = _files.saved_process_count(directory)
-  value = elastic_lib.read_for_process(
-      directory, process_index, process_count, saved_count=saved_count
-  )
-  # With the saved process count an elastic restore is an exact one: each
-  # process gets its own file, so per-process fields are checked as usual
-  # (and a per-process filter, refused only when the count changes, works).
-  return SavedState(value, resized=saved_count != process_count, origin=directory)
-
-
-def read_item_if_present(
-    directory: str | os.PathLike[str], process_index: int, process_count: int
-) -> SavedState | None:
-  """`read_item`, or None when the directory holds no data item at all.
-
-  For learners that resume steps written without one (stock Tunix): the
-  header is read directly, and only its absence costs a listing.
-  """
-  try:
-    return read_item(directory, process_index, process_count)
-  except errors.ItemNotFoundError:
-    return None
-
-
-def check_restore_saved(
-    item: Any, saved: SavedState, *, allow_drift: Collection[str] = ()
-) -> Callable[[], None]:
-  """Checks a state read by `read_item` against `item`; returns the apply step.
-
-  A state re-sliced for another process count may differ in the per-process
-  fields (`elastic.ELASTIC_FIELDS`); everything else must match.
-  """
-  allowed = set(allow_drift) | (elastic_lib.ELASTIC_FIELDS if saved.resized else set())
-  return check_restore_into(item, saved.value, allow_drift=allowed, origin=saved.origin)
-
-
-def restore_into(
-    item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
-) -> None:
-  """Restores `value` into a ckpt_iter iterator (check, then apply) or a Grain one."""
-  check_restore_into(item, value, allow_drift=allow_drift, origin=origin)()
-
-
-def check_restore_into(
-    item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
-) -> Callable[[], None]:
-  """The check half of `restore_into`: raises or returns the apply step."""
-  # What isinstance(item, state_lib.Restorable) decides, without typing's
-  # protocol machinery, which walks the protocol's MRO on every call.
-  check_restore = getattr(item, "check_restore", None)
-  if check_restore is not None:
-    return check_restore(value, allow_drift=allow_drift, origin=origin)
-  if allow_drift:
-    raise errors.InvalidArgumentError(
-        f"allow_drift/elastic need a ckpt_iter iterator; {type(item).__qualname__} "
-        "has only set_state."
-    )
-  # A plain Grain iterator: its own state is the position, in the form its
-  # get_state gives (a DataLoader's iterator takes JSON bytes). Grain checks
-  # it only when it is set.
-  position = dict(value.position)
-  if isinstance(item.get_state(), bytes):
-    return lambda: item.set_state(json.dumps(position).encode("utf-8"))
-  return lambda: item.set_state(position)
 
 
 @ocp.args.register_with_handler(IteratorCheckpointHandler, for_save=True)
@@ -272,31 +145,17 @@ class IteratorCheckpointable:
     self.item = item
     self.allow_drift = allow_drift
     self.elastic = elastic
-    self._handler = IteratorCheckpointHandler(process_index, process_count)
+    self._process_index = process_index
+    self._process_count = process_count
     register_v1_handler()
 
   async def save(self, directory: Any) -> Any:
-    header, arrays = snapshot(self.item)
-    index, count = self._handler._process()  # pylint: disable=protected-access
-
-    async def write() -> None:
-      path = await directory.await_creation()
-      _files.write_files(path, header, arrays, process_index=index, process_count=count, count_file=True)
-
-    return write()
+    return await _item.v1_save(self.item, directory, self._process_index, self._process_count)
 
   async def load(self, directory: Any) -> Any:
-    # Read and check now, apply in the background step: Orbax wraps errors
-    # of the background step in NoEntryError, but lets these through, so a
-    # refused restore raises the same errors as through the v0 API.
-    index, count = self._handler._process()  # pylint: disable=protected-access
-    saved = read_item(epath.Path(directory), index, count, elastic=self.elastic)
-    apply = check_restore_saved(self.item, saved, allow_drift=self.allow_drift)
-
-    async def finish() -> None:
-      apply()
-
-    return finish()
+    return await _item.v1_load(
+        self.item, epath.Path(directory), allow_drift=self.allow_drift, elastic=self.elastic,
+        index=self._process_index, count=self._process_count)
 
 
 class _IteratorCheckpointableHandler:

@@ -16,6 +16,7 @@ import grain
 
 from ckpt_iter import _drift
 from ckpt_iter import _graph
+from ckpt_iter import _item as item_lib
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import elastic
 from ckpt_iter import errors
@@ -28,7 +29,7 @@ from ckpt_iter import state as state_lib
 DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
-class DataIterator(state_lib.RestorableIterator, grain.DatasetIterator):
+class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grain.DatasetIterator):
   """Iterates a Grain dataset; `get_state`/`set_state` follow Grain's protocol.
 
   Args:

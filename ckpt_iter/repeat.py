@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from ckpt_iter import errors
+from ckpt_iter import _item as item_lib
 from ckpt_iter import iterator as iterator_lib
 from ckpt_iter import state as state_lib
 
@@ -65,7 +66,7 @@ def key_from_ints(values: Sequence[int] | None) -> np.ndarray | None:
   return None if values is None else np.asarray(values, dtype=np.uint32)
 
 
-class RepeatIterator(state_lib.RestorableIterator):
+class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
   """Yields each produced group `num_repeats` times; checkpointable mid-group.
 
   Reads `group_size` elements from `source`, calls `produce(element)` on each

@@ -1,6 +1,7 @@
 """Shared pytest setup: CPU JAX, the --run-slow switch, Hypothesis profiles,
 and fixtures several test files use (records, pipelines, a CheckpointManager)."""
 
+import importlib.util
 import os
 import re
 import sys
@@ -46,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
     out |= {id(item) for item in items if "slow" in item.keywords}
   # Version-specific tests: those of the other Tunix than the installed one.
   versioned = [item for item in items if {"tunix_main", "tunix_0_1_7"} & set(item.keywords)]
-  if versioned:
+  if versioned and importlib.util.find_spec("tunix") is not None:
     other = "tunix_0_1_7" if _tunix_has_rl_engine() else "tunix_main"
     out |= {id(item) for item in versioned if other in item.keywords}
   if out:
@@ -102,6 +103,12 @@ def ckpt_manager(ckpt_dir):
   manager = ocp.CheckpointManager(ckpt_dir)
   yield manager
   manager.close()
+
+
+# Tests of the optional integrations skip, with this reason, where the extra is
+# not installed (`make test` installs both: nothing is skipped there).
+NEEDS_TUNIX = "google-tunix is not installed (pip install 'ckpt_iter[tunix]')"
+NEEDS_DATASETS = "datasets is not installed (pip install 'ckpt_iter[hf]')"
 
 
 @pytest.fixture(scope="session")

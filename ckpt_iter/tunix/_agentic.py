@@ -31,7 +31,7 @@ from tunix.rl.agentic import agentic_grpo_learner
 from tunix.rl.agentic import agentic_rl_learner
 
 from ckpt_iter import _codec as codec
-from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _agentic_loop
@@ -121,7 +121,7 @@ class ResumableAgentic:
     origin = f"checkpoint step {step} ({data_dir})"
     saved = None
     if data_dir is not None:
-      saved = checkpoint_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
+      saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
     if saved is None:
       skipped = int(api.agentic_cluster(self).global_steps)
       if data_dir is not None and on_legacy == "raise":

@@ -24,7 +24,7 @@ from ckpt_iter.tunix import _items as items
 from ckpt_iter.tunix import _layouts as layouts_lib
 from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter import _drift
-from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
 from ckpt_iter import repeat as repeat_lib
@@ -292,7 +292,7 @@ class DataSession:
     data_dir = api.item_directory(tunix_manager, step, items.DATA_ITEM)
     origin = f"checkpoint step {step} ({data_dir})"
     try:
-      saved = checkpoint_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
+      saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
     except errors.ProcessCountError as e:
       # The generic advice (elastic=True) does not apply to a learner's state.
       raise errors.ProcessCountError(

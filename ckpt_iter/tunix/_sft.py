@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from tunix.sft import peft_trainer as _peft_trainer
 from tunix.sft.dpo import dpo_trainer as _dpo_trainer
 
+from ckpt_iter import _item as item_lib
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -173,7 +174,7 @@ class ResumableSft:
     self._ci_data_restored = True  # only the constructor's restore has a data item
     saved = None
     if data_dir is not None:
-      saved = checkpoint_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
+      saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
     if saved is not None:
       self._ci_restore(feed, step, data_dir, saved.value, allow_drift)
       return

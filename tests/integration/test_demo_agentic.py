@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 from ckpt_iter.tunix import _api
 

@@ -31,8 +31,9 @@ from concurrent import futures
 
 import numpy as np
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
-from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import testing
 from ckpt_iter.tunix import _api
 
@@ -234,7 +235,7 @@ def test_replay_order_is_stock_mains(replay_runs):
 @pytest.mark.tunix_main
 def test_checkpoint_inside_the_replay_records_where_it_is(replay_runs):
   data_dir = replay_runs["chain_root"] / "actor" / "3" / "data"
-  value = checkpoint_lib.read_item(str(data_dir), 0, 1).value
+  value = item_lib.read_item(str(data_dir), 0, 1).value
   # The 4 inputs of step 0 (arrays), 2 chunks of its one replay pass done.
   assert value.position["replay"] == {"inputs": 4, "pass": 0, "chunks_done": 2}
   assert len(value.pending.schedule) == 4 and value.counters["micro_batches_in_step"] == 4

@@ -13,6 +13,7 @@ Runs on whichever Tunix is installed (0.1.7 in .venv, upstream main in
 import os
 
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 import tunix_harness as harness
 

@@ -17,9 +17,10 @@ import sys
 
 import numpy as np
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 import yaml
 
-from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import testing
 import ckpt_iter.tunix  # noqa: F401  (registers the TrainExample types read_item decodes)
 from ckpt_iter.demo import toyrun
@@ -89,7 +90,7 @@ def test_the_pipeline_builds_the_resumable_learner_and_checkpoints_the_data(unin
   assert steps == list(range(1, _MAX_STEPS + 1))
   for step in steps:
     item = root / "actor" / str(step) / "data"
-    value = checkpoint_lib.read_item(str(item), 0, 1).value
+    value = item_lib.read_item(str(item), 0, 1).value
     assert value.kind == "tunix" and value.counters["train_steps"] == step
     # The fingerprint is the data_module's dataset (make_dataset over the
     # JSONL file, with the seed given on the command line) behind Tunix's batching.

@@ -12,6 +12,7 @@ import math
 import os
 
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 from ckpt_iter import _files
 from ckpt_iter import testing

@@ -12,10 +12,11 @@ import json
 import os
 
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.ppo import ppo_learner
 
-from ckpt_iter import checkpoint
+from ckpt_iter import _item as item_lib
 from ckpt_iter import errors
 from ckpt_iter import tunix as ckpt_tunix
 from ckpt_iter.demo import toyrun
@@ -111,7 +112,7 @@ def test_grpo_killed_mid_repeat_resumes_exactly_with_data_item_in_the_step(tmp_p
   # The data item is in the model's step, in the files ckpt_iter's reader reads.
   step_dir = os.path.join(str(tmp_path), "chain", "actor", "3")
   assert {"model_params", "optimizer_state", "data"} <= set(os.listdir(step_dir))
-  saved = checkpoint.read_item(os.path.join(step_dir, "data"), 0, 1).value
+  saved = item_lib.read_item(os.path.join(step_dir, "data"), 0, 1).value
   assert saved.kind == "tunix" and saved.counters["train_steps"] == 3
   assert saved.pending is not None  # step 3 falls between B's two updates
   metadata = json.load(open(os.path.join(step_dir, "_CHECKPOINT_METADATA")))

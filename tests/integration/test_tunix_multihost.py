@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 from ckpt_iter import testing
 import process_group  # pylint: disable=g-import-not-at-top,wrong-import-position

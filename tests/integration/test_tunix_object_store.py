@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 from ckpt_iter import _storage
 import tunix_harness as harness  # pylint: disable=g-import-not-at-top,wrong-import-order

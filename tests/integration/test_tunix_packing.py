@@ -15,6 +15,7 @@ Runs on whichever Tunix is installed (0.1.7 in .venv, upstream main in
 
 import numpy as np
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 import tunix_harness as harness
 

@@ -14,6 +14,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 from tunix.rl import algorithm_config
 from tunix.rl import rl_learner
 from tunix.rl.queue import data_queue

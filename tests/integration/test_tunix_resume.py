@@ -22,6 +22,7 @@ import os
 
 import numpy as np
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 import tunix_harness as harness
 

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 _WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "workers", "tunix_sft_worker.py")
 _PREEMPT_EXIT_CODE = 42

@@ -19,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import conftest
 import ckpt_iter
 from ckpt_iter import _files as files_lib
 from ckpt_iter import cli
@@ -115,6 +116,7 @@ def repeat_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tunix_ckpt(tmp_path_factory):
   """A real Tunix checkpoint root: toy GRPO, mu=2, preempted after step 2."""
+  pytest.importorskip("tunix", reason=conftest.NEEDS_TUNIX)
   root = tmp_path_factory.mktemp("tunix")
   config = json.dumps({"learner": "ckpt_iter", "max_steps": 4})
   result = subprocess.run(

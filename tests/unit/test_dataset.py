@@ -13,6 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import conftest
+
 import ckpt_iter
 from ckpt_iter import testing
 from ckpt_iter import sources as sources_lib
@@ -366,7 +368,7 @@ def test_any_random_access_source_works():
 
 
 def _hf_saved(tmp_path, records, name="hf"):
-  import datasets  # pylint: disable=g-import-not-at-top  (the test extra installs it)
+  datasets = pytest.importorskip("datasets", reason=conftest.NEEDS_DATASETS)
   path = str(tmp_path / name)
   datasets.Dataset.from_list(records).save_to_disk(path)
   return path
@@ -374,7 +376,7 @@ def _hf_saved(tmp_path, records, name="hf"):
 
 @pytest.mark.parametrize("seed", [None, 5])
 def test_hf_sources_give_the_same_batches_as_in_memory(tmp_path, seed):
-  import datasets  # pylint: disable=g-import-not-at-top  (the test extra installs it)
+  datasets = pytest.importorskip("datasets", reason=conftest.NEEDS_DATASETS)
   records = _records(23)
   jsonl = tmp_path / "train.jsonl"
   _write_jsonl(jsonl, records)
@@ -417,7 +419,7 @@ def test_hf_changed_dataset_is_refused_naming_the_field(tmp_path):
 
 
 def test_hf_splits_and_errors_name_the_choices(tmp_path):
-  import datasets  # pylint: disable=g-import-not-at-top  (the test extra installs it)
+  datasets = pytest.importorskip("datasets", reason=conftest.NEEDS_DATASETS)
   records = _records(6)
   path = str(tmp_path / "dict")
   datasets.DatasetDict(

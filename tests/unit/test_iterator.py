@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 import numpy as np
 import pytest
 
+import conftest
+
 import ckpt_iter
 from ckpt_iter import _drift
 from ckpt_iter import testing
@@ -429,6 +431,7 @@ def test_check_replayed_refuses_another_last_batch_naming_the_field_and_both_dig
 
 
 def _replay_source(iterable):
+  pytest.importorskip("tunix", reason=conftest.NEEDS_TUNIX)
   from ckpt_iter.tunix import _input  # pylint: disable=g-import-not-at-top  (imports Tunix)
 
   return _input.ReplaySource(iterable)

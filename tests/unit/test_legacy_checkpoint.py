@@ -14,8 +14,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import conftest
+
 import ckpt_iter
-from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _item as item_lib
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 _V1_CHECKPOINT = os.path.join(_FIXTURES, "v1_checkpoint")
@@ -79,6 +81,7 @@ def _array_record(value):
 
 
 def test_v1_tunix_data_item_reads_with_its_pending_arrays(tmp_path):
+  pytest.importorskip("tunix", reason=conftest.NEEDS_TUNIX)
   import ckpt_iter.tunix  # noqa: F401  (registers TrainExample)
 
   directory = tmp_path / "data"
@@ -86,7 +89,7 @@ def test_v1_tunix_data_item_reads_with_its_pending_arrays(tmp_path):
   with open(directory / "expected.json") as f:
     expected = json.load(f)
 
-  value = checkpoint_lib.read_item(directory, 0, 1).value
+  value = item_lib.read_item(directory, 0, 1).value
 
   assert value.kind == "tunix" == expected["kind"]
   assert value.format_version == expected["format_version"]

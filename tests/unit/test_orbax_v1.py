@@ -108,3 +108,64 @@ def test_a_fresh_process_resumes_from_a_v1_checkpoint(tmp_path):
                         timeout=300, env=env, cwd=_REPO)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
+
+
+# ---------------------------------------------------------------------------
+# The iterators themselves are v1 checkpointables, as Grain's iterators are,
+# and write ckpt_iter's files (fingerprint, count file), checked on load.
+
+
+def _loader(seed=5):
+  import grain  # pylint: disable=g-import-not-at-top
+
+  sampler = grain.samplers.IndexSampler(
+      len(RECORDS), shard_options=grain.sharding.NoSharding(), shuffle=True, seed=seed, num_epochs=1)
+  return ckpt_iter.DataLoaderIterator(grain.DataLoader(
+      data_source=RECORDS, sampler=sampler, operations=[grain.transforms.Batch(4)]))
+
+
+_ITERATORS = {
+    "data_iterator": (lambda seed=1: ckpt_iter.DataIterator(_pipeline(seed)), "seed"),
+    "repeat_iterator": (_repeat, "seed"),
+    "data_loader_iterator": (_loader, "loader.sampler"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ITERATORS))
+def test_an_iterator_is_itself_a_v1_checkpointable_in_ckpt_iters_format(tmp_path, name):
+  make, seed_field = _ITERATORS[name]
+  iterator = make()
+  for _ in range(3):  # the repeat iterator stops mid-group: pending arrays are saved
+    next(iterator)
+  path = str(tmp_path / "step_3")
+  ocp1.save_checkpointables(path, {"params": {"w": np.arange(3.0)}, "data": iterator})
+  item = os.path.join(path, "data")
+  header = json.load(open(os.path.join(item, "process_0-of-1.json")))
+  assert header["format_version"] == ckpt_iter.FORMAT_VERSION and header["fingerprint"]
+  assert json.load(open(os.path.join(item, _files.COUNT_FILE))) == {"process_count": 1}
+  expected = [next(iterator) for _ in range(4)]
+
+  resumed = make()
+  ocp1.load_checkpointables(path, {"data": resumed})
+  testing.assert_trees_equal([next(resumed) for _ in range(4)], expected)
+
+  other = make(seed=9)
+  before = other.get_state()
+  with pytest.raises(ckpt_iter.ConfigDriftError, match=seed_field):  # not Orbax's NoEntryError
+    ocp1.load_checkpointables(path, {"data": other})
+  assert other.get_state() == before
+
+
+def test_an_item_in_grains_own_format_restores_with_a_warning_that_says_so(tmp_path, caplog):
+  grain_iterator = iter(_pipeline())  # a plain Grain iterator: Grain's own v1 save
+  for _ in range(2):
+    next(grain_iterator)
+  path = str(tmp_path / "step_2")
+  ocp1.save_checkpointables(path, {"data": grain_iterator})
+  expected = [next(grain_iterator) for _ in range(2)]
+  resumed = ckpt_iter.DataIterator(_pipeline())
+  with caplog.at_level("WARNING", logger="ckpt_iter._item"):
+    ocp1.load_checkpointables(path, {"data": resumed})
+  testing.assert_trees_equal([next(resumed) for _ in range(2)], expected)
+  (record,) = [r for r in caplog.records if r.name == "ckpt_iter._item"]
+  assert "written in Grain's own format" in record.getMessage() and "process_0-of-1.json" in record.getMessage()

@@ -21,6 +21,7 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import _files
+from ckpt_iter import _item as item_lib
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import elastic
 
@@ -140,7 +141,7 @@ def test_same_count_restore_opens_one_header_and_at_most_one_npz(tmp_path, pendi
   for index in (0, 5, 7):
     # A plain restore: its own files, no count file, no stat of a path, no listing.
     with counted_io() as calls:
-      value = checkpoint_lib.read_item(tmp_path, index, 8).value
+      value = item_lib.read_item(tmp_path, index, 8).value
     assert (calls.opened, calls.stat, calls.listings) == (own(index), [], 0)
     assert value.fingerprint["shard_index"] == index
     # elastic=True with the saved count: the count file, then the same files;

@@ -1,6 +1,7 @@
 """The private Tunix API ckpt_iter relies on, and what happens when it is gone."""
 
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 from tunix.rl import rl_learner
 
 from ckpt_iter.tunix import _api as api

@@ -4,6 +4,7 @@ import json
 
 import grain
 import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 from ckpt_iter import DataIterator
 from ckpt_iter import errors

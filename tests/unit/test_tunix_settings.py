@@ -3,6 +3,8 @@
 import logging
 import types
 
+import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 import optax
 
 from ckpt_iter.tunix import _settings as settings

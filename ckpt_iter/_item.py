@@ -1,0 +1,220 @@
+"""One step's data item, whatever writes it: take a state, write it, read it, check it.
+
+The one home of the item's logic below the Orbax layer: the v0 handler and
+the v1 checkpointable (`checkpoint`), the iterators themselves as Orbax v1
+checkpointables (`V1Checkpointable`), and the Tunix learners all save and
+restore through here, so an item is written and validated one way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Callable, Collection
+
+import numpy as np
+
+from ckpt_iter import _codec as codec
+from ckpt_iter import _files
+from ckpt_iter import elastic as elastic_lib
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+
+_log = logging.getLogger(__name__)
+
+
+def process(process_index: int | None = None, process_count: int | None = None) -> tuple[int, int]:
+  """(index, count) of this process: JAX's, unless given."""
+  if process_index is None or process_count is None:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+  return process_index, process_count
+
+
+def write(directory: Any, header: dict[str, Any], arrays: dict[str, np.ndarray], index: int, count: int) -> None:
+  """Writes a snapshot as this process's files of the item (and the count file on process 0)."""
+  _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True)
+
+
+def snapshot(item: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """Takes the state of `item` now: a JSON header and copies of its arrays.
+
+  The only copy of the pending arrays a save makes: one host copy per leaf
+  (`_codec.encode_pytree`; a JAX array on an accelerator is transferred, and
+  that transfer is the copy). The handler writes these very arrays in Orbax's
+  background thread, with no further defensive copy.
+  """
+  if hasattr(item, "state"):
+    value = item.state()
+  else:
+    value = state_lib.IteratorState.from_dict(_grain_state_dict(item.get_state()))
+  return codec.encode_state(value)
+
+
+def _grain_state_dict(grain_state: Any) -> Any:
+  """A plain Grain iterator's state as a dict: a DataLoader's comes as JSON bytes."""
+  if isinstance(grain_state, bytes):
+    try:
+      return json.loads(grain_state.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+      raise errors.InvalidStateError(
+          f"the iterator's get_state() returned bytes that are not JSON ({e}); "
+          "ckpt_iter stores Grain states as JSON. Wrap a grain.DataLoader in "
+          "ckpt_iter.DataLoaderIterator."
+      ) from None
+  return grain_state
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+  """A data state as read from an item directory, for one process."""
+
+  value: state_lib.IteratorState
+  resized: bool  # written by another process count (re-sliced by elastic)
+  origin: str  # what error messages name
+
+
+def read_item(
+    directory: str | os.PathLike[str], process_index: int, process_count: int, *, elastic: bool = False
+) -> SavedState:
+  """Reads process `process_index`'s state from an item directory, validated.
+
+  The one read path of a data item: Orbax restores and the Tunix learners'
+  restores both come through here.
+  """
+  directory = os.fspath(directory)
+  if not elastic:
+    return SavedState(
+        _files.read_state(directory, process_index, process_count),
+        resized=False,
+        origin=_files.header_path(directory, process_index, process_count),
+    )
+  saved_count = _files.saved_process_count(directory)
+  value = elastic_lib.read_for_process(
+      directory, process_index, process_count, saved_count=saved_count
+  )
+  # With the saved process count an elastic restore is an exact one: each
+  # process gets its own file, so per-process fields are checked as usual
+  # (and a per-process filter, refused only when the count changes, works).
+  return SavedState(value, resized=saved_count != process_count, origin=directory)
+
+
+def read_item_if_present(
+    directory: str | os.PathLike[str], process_index: int, process_count: int
+) -> SavedState | None:
+  """`read_item`, or None when the directory holds no data item at all.
+
+  For learners that resume steps written without one (stock Tunix): the
+  header is read directly, and only its absence costs a listing.
+  """
+  try:
+    return read_item(directory, process_index, process_count)
+  except errors.ItemNotFoundError:
+    return None
+
+
+def check_restore_saved(
+    item: Any, saved: SavedState, *, allow_drift: Collection[str] = ()
+) -> Callable[[], None]:
+  """Checks a state read by `read_item` against `item`; returns the apply step.
+
+  A state re-sliced for another process count may differ in the per-process
+  fields (`elastic.ELASTIC_FIELDS`); everything else must match.
+  """
+  allowed = set(allow_drift) | (elastic_lib.ELASTIC_FIELDS if saved.resized else set())
+  if not saved.value.fingerprint and hasattr(item, "check_restore"):
+    # Every state ckpt_iter writes has a fingerprint; a bare Grain state has none.
+    _log.warning(
+        "%s: written in Grain's own format (a bare iterator state, no fingerprint), e.g. by "
+        "grain.checkpoint or a Grain iterator saved by Orbax v1: restored without checking that "
+        "it comes from this pipeline. Save with ckpt_iter (IteratorSave, or the ckpt_iter "
+        "iterator itself) to have it checked.", saved.origin)
+  return check_restore_into(item, saved.value, allow_drift=allowed, origin=saved.origin)
+
+
+def restore_into(
+    item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
+) -> None:
+  """Restores `value` into a ckpt_iter iterator (check, then apply) or a Grain one."""
+  check_restore_into(item, value, allow_drift=allow_drift, origin=origin)()
+
+
+def check_restore_into(
+    item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
+) -> Callable[[], None]:
+  """The check half of `restore_into`: raises or returns the apply step."""
+  # What isinstance(item, state_lib.Restorable) decides, without typing's
+  # protocol machinery, which walks the protocol's MRO on every call.
+  check_restore = getattr(item, "check_restore", None)
+  if check_restore is not None:
+    return check_restore(value, allow_drift=allow_drift, origin=origin)
+  if allow_drift:
+    raise errors.InvalidArgumentError(
+        f"allow_drift/elastic need a ckpt_iter iterator; {type(item).__qualname__} "
+        "has only set_state."
+    )
+  # A plain Grain iterator: its own state is the position, in the form its
+  # get_state gives (a DataLoader's iterator takes JSON bytes). Grain checks
+  # it only when it is set.
+  position = dict(value.position)
+  if isinstance(item.get_state(), bytes):
+    return lambda: item.set_state(json.dumps(position).encode("utf-8"))
+  return lambda: item.set_state(position)
+
+
+
+
+# ---------------------------------------------------------------------------
+# Orbax v1: the save and load of a StatefulCheckpointable, in ckpt_iter's files.
+
+
+async def v1_save(item: Any, directory: Any, index: int | None = None, count: int | None = None) -> Any:
+  """Takes the state now; returns the background write (after Orbax created the directory)."""
+  header, arrays = snapshot(item)
+  index, count = process(index, count)
+
+  async def write_in_background() -> None:
+    write(await directory.await_creation(), header, arrays, index, count)
+
+  return write_in_background()
+
+
+async def v1_load(
+    item: Any, directory: Any, *, allow_drift: Collection[str] = (), elastic: bool = False,
+    index: int | None = None, count: int | None = None,
+) -> Any:
+  """Reads and checks now, applies in the background step.
+
+  Orbax wraps errors of the background step in NoEntryError but lets these
+  through, so a refused restore raises the same errors as through the v0 API.
+  """
+  index, count = process(index, count)
+  saved = read_item(os.fspath(directory), index, count, elastic=elastic)
+  apply = check_restore_saved(item, saved, allow_drift=allow_drift)
+
+  async def finish() -> None:
+    apply()
+
+  return finish()
+
+
+class V1Checkpointable:
+  """Makes an iterator an Orbax v1 checkpointable itself, as Grain's iterators are.
+
+      ocp1.save_checkpointables(path, {"params": params, "data": iterator})
+      ocp1.load_checkpointables(path, {"params": abstract, "data": iterator})
+
+  Written in ckpt_iter's files and checked on load (ConfigDriftError names
+  the field), like `ckpt_iter.IteratorCheckpointable(iterator)`, which also
+  takes allow_drift and elastic.
+  """
+
+  async def save(self, directory: Any) -> Any:
+    return await v1_save(self, directory)
+
+  async def load(self, directory: Any) -> Any:
+    return await v1_load(self, directory)
