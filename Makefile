@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: test test-full lint demo bench clean
+.PHONY: test test-full test-lowest lint demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,19 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info
+
+# The suite on the lowest versions pyproject.toml allows (its floors), without
+# the optional integrations (Tunix, Hugging Face), whose tests then skip.
+LOWEST_VENV ?= .venv-lowest
+LOWEST_PINS := jax==0.8.3 jaxlib==0.8.3 orbax-checkpoint==0.11.40 grain==0.2.17 numpy==2.0.2
+$(LOWEST_VENV)/bin/python:
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/pip install --quiet --upgrade pip
+	$(LOWEST_VENV)/bin/pip install --quiet -e '.[test-core]' $(LOWEST_PINS)
+
+test-lowest: $(LOWEST_VENV)/bin/python
+	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests
 
 # The Tunix integration tests against upstream Tunix main (0.1.8), from the wheel
 # in ../shared/peer/wheels (the same venv ../shared/peer/run main builds).

@@ -1,0 +1,44 @@
+"""Every Python block of README.md and docs/ marked runnable runs as written, in a fresh process.
+
+A block is marked by the line `<!-- runnable -->` right before it (run on
+its own) or `<!-- runnable: continues -->` (run after the file's previous
+runnable blocks, as a reader who typed them in order would). Each must check
+something: it holds an `assert` or calls `testing.assert_...`.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+_MARKED = re.compile(r"<!-- runnable(: continues)? -->\n```python\n(.*?)```", re.S)
+
+
+def _programs() -> list[tuple[str, str]]:
+  """(id, program) per runnable block, continued blocks prefixed by what they continue."""
+  programs = []
+  for path in [_REPO / "README.md", *sorted((_REPO / "docs").glob("*.md"))]:
+    so_far = ""
+    for index, match in enumerate(_MARKED.finditer(path.read_text())):
+      continues, code = match.group(1), match.group(2)
+      so_far = (so_far if continues else "") + code
+      programs.append((f"{path.relative_to(_REPO)}#{index}", so_far))
+  return programs
+
+
+def test_the_docs_mark_their_runnable_blocks():
+  ids = [name for name, _ in _programs()]
+  assert {"README.md#0", "README.md#1", "docs/guarantees.md#0"} <= set(ids), ids
+
+
+@pytest.mark.parametrize("name, program", _programs(), ids=[name for name, _ in _programs()])
+def test_a_runnable_block_runs_as_written(name, program):
+  assert "assert" in program, f"{name} checks nothing"
+  process = subprocess.run(
+      [sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd="/",
+      env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+  )
+  assert process.returncode == 0, f"{name}:\n{process.stderr[-3000:]}"

@@ -1,0 +1,44 @@
+"""The sdist: what it ships and the metadata an index page shows."""
+
+import os
+import tarfile
+
+import pytest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+  from setuptools import build_meta  # pylint: disable=g-import-not-at-top
+
+  out = tmp_path_factory.mktemp("sdist")
+  cwd = os.getcwd()
+  os.chdir(_REPO)  # the backend builds the project of the working directory
+  try:
+    name = build_meta.build_sdist(str(out))
+  finally:
+    os.chdir(cwd)
+  with tarfile.open(out / name) as archive:
+    members = {m.name.split("/", 1)[1] for m in archive.getmembers() if "/" in m.name}
+    metadata = archive.extractfile(next(m for m in archive.getmembers() if m.name.endswith("/PKG-INFO")))
+    return members, metadata.read().decode()
+
+
+def test_the_sdist_ships_tests_docs_benchmarks_and_the_changelog(sdist):
+  members, _ = sdist
+  for path in ("tests/conftest.py", "tests/unit/test_packaging.py", "tests/workers/crash_worker.py",
+               "tests/fixtures/README.md", "docs/storage.md", "docs/guarantees.md", "benchmarks/run_all.py",
+               "CHANGELOG.md", "LICENSE", "Makefile", "ckpt_iter/py.typed", "ckpt_iter/demo/prompts.jsonl"):
+    assert path in members, path
+  assert not any("__pycache__" in m or m.endswith(".pyc") for m in members)
+
+
+def test_the_metadata_names_authors_classifiers_and_the_extras(sdist):
+  _, metadata = sdist
+  assert "Author: ckpt_iter developers" in metadata
+  assert "Classifier: Programming Language :: Python :: 3.11" in metadata
+  assert "License-Expression: Apache-2.0" in metadata
+  for extra in ("gcs", "tunix", "hf", "files", "test", "test-core"):
+    assert f"Provides-Extra: {extra}" in metadata, extra
+  assert "Requires-Dist: grain>=0.2.17" in metadata and "Requires-Dist: jax>=0.8.3" in metadata
