@@ -7,6 +7,7 @@ in a subprocess. Each verb runs in-process through `cli.main`, and the
 command itself runs as `python -m ckpt_iter` and as the `ckpt-iter` script.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -29,6 +30,7 @@ RECORDS = [{"prompts": f"prompt {i}", "answer": i} for i in range(12)]
 BATCHES_PER_EPOCH = 6  # 12 records, batch size 2, one process
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckpt-iter")
+_NEEDS_TUNIX = pytest.mark.skipif(importlib.util.find_spec("tunix") is None, reason=conftest.NEEDS_TUNIX)
 
 
 # ---------------------------------------------------------------------------
@@ -515,6 +517,7 @@ def test_entry_point_sends_demo_to_the_demo_and_the_rest_to_the_cli(capsys, monk
   fake.main = lambda argv: calls.append(argv) or 3
   monkeypatch.setitem(sys.modules, "ckpt_iter.demo", fake)
   monkeypatch.setattr(sys.modules["ckpt_iter"], "demo", fake, raising=False)
+  monkeypatch.setattr(entry, "_has_tunix", lambda: True)  # dispatch only: the fake demo needs none
   assert entry.main(["demo", "--help", "--keep"]) == 3
   assert calls == [["--help", "--keep"]]
   assert entry.main(["verify", "--help"]) == 0
@@ -594,6 +597,7 @@ def _train(capsys, *argv):
   return code, out, err
 
 
+@_NEEDS_TUNIX
 def test_train_help_and_usage_errors(capsys, tmp_path):
   code, out, _ = _train(capsys, "--help")
   assert code == 0 and out.startswith("usage: ckpt-iter train {grpo,ppo,sft} CONFIG.yaml")
@@ -615,6 +619,7 @@ def test_train_help_and_usage_errors(capsys, tmp_path):
 
 
 @pytest.mark.tunix_0_1_7
+@_NEEDS_TUNIX
 def test_train_ppo_needs_upstream_mains_pipeline(capsys, tmp_path):
   config = tmp_path / "c.yaml"
   config.write_text("a: 1\n")
@@ -637,6 +642,7 @@ def _learner_slots():
   }
 
 
+@_NEEDS_TUNIX
 def test_train_swaps_the_learner_classes_for_the_run_only():
   from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import cli as tunix_cli  # pylint: disable=g-import-not-at-top
@@ -655,6 +661,7 @@ def test_train_swaps_the_learner_classes_for_the_run_only():
   assert _learner_slots() == stock  # put back however the run ends
 
 
+@_NEEDS_TUNIX
 def test_train_sft_swaps_the_peft_trainer():
   # Its own process: Tunix's grpo_main and peft_main both define the absl
   # flag pathways_bns, so one process can import only one of them.
@@ -672,6 +679,7 @@ def test_train_sft_swaps_the_peft_trainer():
   assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr[-2000:]
 
 
+@_NEEDS_TUNIX
 def test_train_names_a_missing_tunix_internal(monkeypatch):
   from ckpt_iter.tunix import _api  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import cli as tunix_cli  # pylint: disable=g-import-not-at-top
