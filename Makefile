@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: test test-full test-lowest lint demo bench clean
+.PHONY: test test-heavy test-full test-lowest lint demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The real Tunix runs beyond make test's representative ones (CI runs these too).
+test-heavy: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests --run-heavy -m heavy
 
 test-full: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests --run-slow

@@ -34,7 +34,11 @@ hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default")
 def pytest_addoption(parser):
   parser.addoption(
       "--run-slow", action="store_true", default=False,
-      help="also run the long variants marked @pytest.mark.slow",
+      help="also run the long variants marked @pytest.mark.slow (and the heavy tests)",
+  )
+  parser.addoption(
+      "--run-heavy", action="store_true", default=False,
+      help="also run the real Tunix runs marked @pytest.mark.heavy",
   )
 
 
@@ -45,6 +49,8 @@ def pytest_collection_modifyitems(config, items):
   out = set()
   if not config.getoption("--run-slow"):
     out |= {id(item) for item in items if "slow" in item.keywords}
+    if not config.getoption("--run-heavy"):
+      out |= {id(item) for item in items if "heavy" in item.keywords}
   # Version-specific tests: those of the other Tunix than the installed one.
   versioned = [item for item in items if {"tunix_main", "tunix_0_1_7"} & set(item.keywords)]
   if versioned and importlib.util.find_spec("tunix") is not None:

@@ -32,6 +32,8 @@ from concurrent import futures
 import numpy as np
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+# Real Tunix runs beyond make test's representative ones: `make test-heavy` (CI) runs them.
+pytestmark = pytest.mark.heavy
 
 from ckpt_iter import _item as item_lib
 from ckpt_iter import testing

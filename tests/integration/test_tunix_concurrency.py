@@ -13,6 +13,8 @@ import os
 
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+# Real Tunix runs beyond make test's representative ones: `make test-heavy` (CI) runs them.
+pytestmark = pytest.mark.heavy
 
 from ckpt_iter import _files
 from ckpt_iter import testing

@@ -43,6 +43,7 @@ def test_grpo_on_gs_killed_inside_a_repeat_resumes_bit_for_bit(tmp_path, gcs_roo
   harness.assert_same_inputs(killed.inputs + resumed.inputs, reference.inputs, "gs:// resume after update 3")
 
 
+@pytest.mark.heavy
 def test_sft_on_gs_killed_mid_run_resumes_bit_for_bit(tmp_path, gcs_root, jax_cache):
   reference = sft._run(tmp_path / "local", tmp_path / "reference.npz", jax_cache)  # pylint: disable=protected-access
   root = f"{gcs_root}/sft"

@@ -16,6 +16,8 @@ Runs on whichever Tunix is installed (0.1.7 in .venv, upstream main in
 import numpy as np
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+# Real Tunix runs beyond make test's representative ones: `make test-heavy` (CI) runs them.
+pytestmark = pytest.mark.heavy
 
 import tunix_harness as harness
 

@@ -23,6 +23,8 @@ import os
 import numpy as np
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+# Real Tunix runs beyond make test's representative ones: `make test-heavy` (CI) runs them.
+pytestmark = pytest.mark.heavy
 
 import tunix_harness as harness
 

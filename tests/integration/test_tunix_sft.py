@@ -16,6 +16,8 @@ import sys
 import numpy as np
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+# Real Tunix runs beyond make test's representative ones: `make test-heavy` (CI) runs them.
+pytestmark = pytest.mark.heavy
 
 _WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "workers", "tunix_sft_worker.py")
 _PREEMPT_EXIT_CODE = 42
