@@ -123,6 +123,7 @@ def test_resuming_with_another_num_iterations_names_the_field(resumable_copy):
     _train("ckpt_iter", resumable_copy, 6, num_iterations=3)
 
 
+@pytest.mark.heavy
 def test_resumable_refuses_to_resume_a_stock_checkpoint(tmp_path):
   root = str(tmp_path / "ckpt")
   labels, _ = _train("stock", root, 2)

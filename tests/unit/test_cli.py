@@ -232,6 +232,7 @@ def test_inspect_unreadable_process_exits_1_and_shows_the_others(capsys, tmp_pat
   assert err.startswith("ckpt-iter: ") and "process_1-of-2.json" in err
 
 
+@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
 def test_inspect_tunix_checkpoint_root_and_actor_dir(capsys, tunix_ckpt):
   code, out, _ = _run(capsys, "inspect", tunix_ckpt, "--step", "1")
   assert code == 0
@@ -247,6 +248,7 @@ def test_inspect_tunix_checkpoint_root_and_actor_dir(capsys, tunix_ckpt):
   assert (code, from_actor) == (0, out)
 
 
+@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
 def test_inspect_does_not_import_tunix_or_restore_a_model(tunix_ckpt):
   program = (
       "import json, sys\n"
@@ -275,6 +277,7 @@ def test_verify_sound_checkpoints_exit_0_with_one_summary_line(capsys, data_ckpt
   assert code == 0 and out.startswith("ok: ") and "4 pending arrays checked" in out
 
 
+@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
 def test_verify_tunix_checkpoint(capsys, tunix_ckpt):
   code, out, _ = _run(capsys, "verify", tunix_ckpt)
   assert code == 0
@@ -451,6 +454,7 @@ def test_diff_two_checkpoints_names_fingerprint_fields(capsys, tmp_path, data_ck
   assert _row("position", "epoch 0, 5 of 6 batches read (next_index 5) -> epoch 1, 2 of 6 batches read (next_index 8)").search(text)
 
 
+@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
 def test_diff_tunix_steps_shows_counters_and_pending(capsys, tunix_ckpt):
   code, out, _ = _run(capsys, "diff", tunix_ckpt, "--step", "1", "--step", "2")
   assert code == 0
@@ -548,6 +552,7 @@ def _command(*argv):
   return result
 
 
+@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
 def test_python_m_ckpt_iter_inspect_and_verify(tmp_path, tunix_ckpt):
   result = _command(sys.executable, "-m", "ckpt_iter", "inspect", tunix_ckpt, "--json")
   assert result.returncode == 0
@@ -562,10 +567,10 @@ def test_python_m_ckpt_iter_inspect_and_verify(tmp_path, tunix_ckpt):
   assert line.startswith(f"step 1: {corrupt}/actor/1/data/process_0-of-1.npz: missing")
 
 
-def test_console_script(tunix_ckpt):
+def test_console_script(data_ckpt):
   assert os.path.exists(SCRIPT), f"{SCRIPT} is missing: run `pip install -e .`"
-  result = _command(SCRIPT, "verify", tunix_ckpt, "--step", "2")
-  assert result.returncode == 0 and result.stdout.startswith(f"ok: {tunix_ckpt}/actor: 1 step (2)")
+  result = _command(SCRIPT, "verify", str(data_ckpt), "--step", "3")
+  assert result.returncode == 0 and result.stdout.startswith(f"ok: {data_ckpt}: 1 step (3)")
   result = _command(SCRIPT, "inspect", "/nonexistent/ckpt")
   assert (result.returncode, result.stderr) == (2, "ckpt-iter: /nonexistent/ckpt: no such directory.\n")
 
