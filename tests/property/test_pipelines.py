@@ -45,7 +45,7 @@ _LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
 # the rarer shapes (nested ragged batches first showed up after ~500).
 _EXAMPLES = 1000 if _LONG else 60
 # Each example starts two sets of worker processes (~2 s per worker here).
-_MP_EXAMPLES = 60 if _LONG else 6
+_MP_EXAMPLES = 60 if _LONG else 5
 
 
 def double(element):
