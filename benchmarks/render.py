@@ -455,11 +455,14 @@ def _pod_scale(rows: list[dict]) -> str:
         ours["n"], ours["save_blocked_ms"], theirs["save_blocked_ms"],
         _common_ratio(ours["save_blocked_ms"], theirs["save_blocked_ms"]),
         ours["restore_ms"], theirs["restore_ms"], _common_ratio(ours["restore_ms"], theirs["restore_ms"]),
+        (f"{ours['restore_ratio_p10']}–{ours['restore_ratio_p90']} ({ours['reps']} pairs)"
+         if "restore_ratio_p10" in ours else "—"),
         ours["bytes_on_disk_per_process"], theirs["bytes_on_disk_per_process"],
         f"{ours['restore_counts']['files_opened']} / {theirs['restore_counts']['files_opened']}",
     ])
   grain = _table(
       ["N", "save blocked ms, ckpt_iter", "Grain", "ratio", "restore ms, ckpt_iter", "Grain", "ratio",
+       "restore ratio of a pair, 10th–90th percentile",
        "bytes on disk per process, ckpt_iter", "Grain", "files opened by a restore, ckpt_iter / Grain"], grain_rows)
   baseline = "" if not before else (
       " The *before* columns are the previous `elastic.read_for_process`, given the saved count "

@@ -110,6 +110,15 @@ class IteratorState:
     for name, value in fields.items():
       object.__setattr__(self, name, value)
 
+  @classmethod
+  def _from_checked(cls, fields: Mapping[str, Any]) -> "IteratorState":
+    """A value of fields `_checked_fields` just returned: not checked and copied twice."""
+    value = object.__new__(cls)
+    for name, field_value in fields.items():
+      object.__setattr__(value, name, field_value)
+    object.__setattr__(value, "format_version", FORMAT_VERSION)
+    return value
+
   def __hash__(self) -> int:
     # Over the JSON fields (pending arrays are unhashable): equal values hash equal.
     return hash((self.kind, _canonical_json(self.fingerprint), _canonical_json(self.position),
@@ -188,8 +197,7 @@ def migrate(value: Any, *, origin: str = "the state") -> dict[str, Any]:
 
 def validated(value: Mapping[str, Any], origin: str) -> IteratorState:
   """The IteratorState of a migrated dict, every field checked (errors name `origin`)."""
-  fields = _checked_fields(value, origin)
-  return IteratorState(**fields, format_version=FORMAT_VERSION)
+  return IteratorState._from_checked(_checked_fields(value, origin))  # pylint: disable=protected-access
 
 
 def _checked_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
