@@ -64,7 +64,7 @@ _SPEC_BATCH = frozenset({"batch_size", "global_batch_size", "batches_per_epoch"}
 _SPEC_LENGTH = frozenset({"num_epochs"})
 _DERIVED = frozenset({"dataset_length", "pipeline"})
 _NODE_FIELD = re.compile(r"^node\[(\d+)\]\.([^.]+)\.(.+)$")
-_ABSENT = "<absent>"
+_ABSENT = state_lib.ABSENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,13 +125,7 @@ def reconcile(
   unchanged = Reconciled(position=dict(position))
   if not saved:
     return unchanged
-  compare_graph = state_lib.GRAPH_FIELD in saved
-  differing = {
-      name for name in set(saved) | set(current)
-      if name not in allow_drift
-      and (compare_graph or not state_lib.is_graph_field(name))
-      and not state_lib.same_field_value(saved.get(name, _ABSENT), current.get(name, _ABSENT))
-  }
+  differing = set(state_lib.differing_fields(saved, current, allow_drift=allow_drift))
   next_index = position.get("next_index")
   if not differing or set(position) != {"next_index"} or not state_lib.is_int(next_index):
     return unchanged

@@ -280,7 +280,7 @@ def _check_agree(
     for field in sorted(set(fingerprint) | set(first.fingerprint)):
       if field in PER_PROCESS_FIELDS:
         continue
-      here, there = fingerprint.get(field, "<absent>"), first.fingerprint.get(field, "<absent>")
+      here, there = fingerprint.get(field, state_lib.ABSENT), first.fingerprint.get(field, state_lib.ABSENT)
       if type(here) is not type(there) or here != there:
         raise disagree(f"fingerprint.{field}", here, there)
     if not global_position:

@@ -353,22 +353,37 @@ def check_fingerprint(
         f"allow_drift names {sorted(unknown)}, which are not fingerprint fields. "
         f"Known fields: {sorted(set(saved) | set(current))}."
     )
+  differences = differing_fields(saved, current, allow_drift=allow_drift)
+  if differences:
+    raise errors.ConfigDriftError(differences, origin=origin)
+
+
+ABSENT = "<absent>"
+
+
+def differing_fields(
+    saved: Mapping[str, Any], current: Mapping[str, Any], *, allow_drift: Collection[str] = ()
+) -> dict[str, tuple[Any, Any]]:
+  """name -> (saved, current) of the fingerprint fields that differ (ABSENT where missing).
+
+  The one comparison of two fingerprints (`check_fingerprint`, `_drift.reconcile`).
+  A saved fingerprint without "graph" predates the graph fields, so those
+  of `current` are not compared.
+  """
   if GRAPH_FIELD not in saved:
     current = {k: v for k, v in current.items() if not is_graph_field(k)}
-  absent = "<absent>"
   differences = {}
   # Usually both have the same fields: no union set to build then.
   names = saved.keys() if saved.keys() == current.keys() else saved.keys() | current.keys()
   for name in names:
     if name in allow_drift:
       continue
-    before, after = saved.get(name, absent), current.get(name, absent)
+    before, after = saved.get(name, ABSENT), current.get(name, ABSENT)
     if type(before) is type(after) and before == after:
       continue  # same_field_value's common case, without the call
     if not same_field_value(before, after):
       differences[name] = (before, after)
-  if differences:
-    raise errors.ConfigDriftError(differences, origin=origin)
+  return differences
 
 
 def is_graph_field(name: str) -> bool:

@@ -31,7 +31,7 @@ from ckpt_iter import state as state_lib
 
 DEFAULT_ITEM = "data"
 TUNIX_ACTOR_DIR = "actor"
-ABSENT = "<absent>"
+ABSENT = state_lib.ABSENT
 # Orbax's marker of a committed step where there is no rename (object stores).
 COMMIT_FILE = "commit_success.txt"
 _STEP_NAME = re.compile(r"^\d+$")
