@@ -612,7 +612,7 @@ def _object_store(rows: list[dict]) -> str:
   pending_table = _table(
       ["pending arrays stored as", "save: writes / reads / lists / metadata", "save ms (median)",
        "restore: reads / lists / metadata", "restore ms (median)"],
-      [[name.split(" ", 1)[0] if name.startswith("npz") else "Orbax PyTree item (tensorstore OCDBT)",
+      [[name if name.startswith("npz") else "an Orbax PyTree item (tensorstore OCDBT)",
         f"{s['write']} / {s['read']} / {s['list']} / {s['metadata']}", s["median_ms"],
         f"{r['read']} / {r['list']} / {r['metadata']}", r["median_ms"]]
        for name, s, r in (("npz in the data item", npz_save, npz_restore),
