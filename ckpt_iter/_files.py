@@ -111,8 +111,8 @@ def read_header(path: str) -> dict[str, Any]:
     raise
   except _storage.TooLargeError as e:
     raise errors.InvalidStateError(
-        f"{path}: state header is {e.size}{'+' if e.size > e.max_bytes else ''} bytes, over the "
-        f"{MAX_HEADER_BYTES} limit; the file is corrupt or not a ckpt_iter state."
+        f"{path}: state header is {e.shown_size} bytes, over the {MAX_HEADER_BYTES} limit; the "
+        "file is corrupt or not a ckpt_iter state."
     ) from None
   except OSError as e:
     raise errors.InvalidStateError(f"{path}: cannot read the state file ({e.strerror or e}).") from None
@@ -241,8 +241,8 @@ class _ArrayReader:
       ) from None
     except _storage.TooLargeError as e:
       raise errors.InvalidStateError(
-          f"{path}: {e.size}+ bytes, more than the {bound} its header's {len(self._specs)} array(s) "
-          "allow; the file is garbled or padded. Restore an earlier step."
+          f"{path}: {e.shown_size} bytes, more than the {bound:,} its header's {len(self._specs)} "
+          "array(s) allow; the file is garbled or padded. Restore an earlier step."
       ) from None
     except OSError as e:
       raise errors.InvalidStateError(

@@ -51,12 +51,18 @@ def absolute(path: str | os.PathLike[str]) -> str:
 
 
 class TooLargeError(OSError):
-  """A file holds more bytes than the reader allows (`size` is at least that)."""
+  """A file holds more bytes than the reader allows.
 
-  def __init__(self, path: str, size: int, max_bytes: int):
-    super().__init__(errno.EFBIG, f"{size} bytes or more, over the {max_bytes}-byte limit", path)
+  `size` is the file's size when `exact`, else a lower bound (an object
+  store read stops one byte past the limit).
+  """
+
+  def __init__(self, path: str, size: int, max_bytes: int, *, exact: bool):
+    self.shown_size = f"{size:,}" if exact else f"{size:,}+"
+    super().__init__(errno.EFBIG, f"{self.shown_size} bytes, over the {max_bytes}-byte limit", path)
     self.size = size
     self.max_bytes = max_bytes
+    self.exact = exact
 
 
 def read_bytes(path: str, *, max_bytes: int) -> bytes:
@@ -72,11 +78,11 @@ def read_bytes(path: str, *, max_bytes: int) -> bytes:
     # One ranged request: a larger object shows itself by the extra byte.
     data = fs.cat_file(key, start=0, end=max_bytes + 1)
     if len(data) > max_bytes:
-      raise TooLargeError(path, len(data), max_bytes)
+      raise TooLargeError(path, len(data), max_bytes, exact=False)
     return data
   with _open_regular(path) as (f, size):
     if size > max_bytes:
-      raise TooLargeError(path, size, max_bytes)
+      raise TooLargeError(path, size, max_bytes, exact=True)
     # Bounded by the measured size (read(n) allocates n bytes up front); a
     # raw read may return less than asked (FUSE, NFS), so read to the end.
     chunks, left = [], size + 1
@@ -88,7 +94,7 @@ def read_bytes(path: str, *, max_bytes: int) -> bytes:
       left -= len(chunk)
   data = b"".join(chunks)
   if len(data) > size:  # it grew while being read
-    raise TooLargeError(path, len(data), size)
+    raise TooLargeError(path, len(data), size, exact=False)
   return data
 
 
