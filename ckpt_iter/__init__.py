@@ -11,6 +11,7 @@ import typing
 
 from ckpt_iter.errors import CkptIterError
 from ckpt_iter.errors import ConfigDriftError
+from ckpt_iter.errors import ContentDriftError
 from ckpt_iter.errors import InvalidArgumentError
 from ckpt_iter.errors import InvalidStateError
 from ckpt_iter.errors import ItemNotFoundError
@@ -69,6 +70,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CkptIterError",
     "ConfigDriftError",
+    "ContentDriftError",
     "DataIterator",
     "DataLoaderIterator",
     "ELASTIC_FIELDS",

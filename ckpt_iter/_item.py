@@ -20,6 +20,7 @@ from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
+from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import state as state_lib
 
 _log = logging.getLogger(__name__)
@@ -76,6 +77,11 @@ class SavedState:
   value: state_lib.IteratorState
   resized: bool  # written by another process count (re-sliced by elastic)
   origin: str  # what error messages name
+  step: int | None = None  # the checkpoint step it was read from, when the path says
+
+  def resumed(self) -> state_lib.IteratorState:
+    """The value with this resume recorded in its lineage (what the receiver carries on)."""
+    return lineage_lib.resumed(self.value, self.step, resized=self.resized)
 
 
 def read_item(
@@ -87,11 +93,13 @@ def read_item(
   restores both come through here.
   """
   directory = os.fspath(directory)
+  step = lineage_lib.step_of_item_directory(directory)
   if not elastic:
     return SavedState(
         _files.read_state(directory, process_index, process_count),
         resized=False,
         origin=_files.header_path(directory, process_index, process_count),
+        step=step,
     )
   saved_count = _files.saved_process_count(directory)
   value = elastic_lib.read_for_process(
@@ -100,7 +108,7 @@ def read_item(
   # With the saved process count an elastic restore is an exact one: each
   # process gets its own file, so per-process fields are checked as usual
   # (and a per-process filter, refused only when the count changes, works).
-  return SavedState(value, resized=saved_count != process_count, origin=directory)
+  return SavedState(value, resized=saved_count != process_count, origin=directory, step=step)
 
 
 def read_item_if_present(
@@ -133,7 +141,9 @@ def check_restore_saved(
         "grain.checkpoint or a Grain iterator saved by Orbax v1: restored without checking that "
         "it comes from this pipeline. Save with ckpt_iter (IteratorSave, or the ckpt_iter "
         "iterator itself) to have it checked.", saved.origin)
-  return check_restore_into(item, saved.value, allow_drift=allowed, origin=saved.origin)
+  # A ckpt_iter iterator carries the lineage on, with this resume in it.
+  value = saved.resumed() if hasattr(item, "check_restore") else saved.value
+  return check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
 
 
 def restore_into(

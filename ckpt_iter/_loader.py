@@ -78,6 +78,10 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
         kind="data",
         fingerprint=self._fingerprint,
         position=codec.position_from_json(codec.position_to_json(position)),
+        # A DataLoader is read through worker processes, in its sampler's order:
+        # an element cannot be produced again by index here.
+        content={"check": _NO_CONTENT_CHECK},
+        lineage=getattr(self, "_lineage", None),
     )
 
   def set_state(self, state: Mapping[str, Any] | bytes) -> None:
@@ -122,6 +126,7 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
 
     def apply() -> None:
       old, self._inner = self._inner, fresh
+      self._lineage = state.lineage
       _close(old)
 
     return apply
@@ -131,6 +136,9 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
 
   def __str__(self) -> str:
     return f"DataLoaderIterator({self._fingerprint.get('loader.sampler')})"
+
+
+_NO_CONTENT_CHECK = "unavailable: a grain.DataLoader cannot produce an element again"
 
 
 def _close(iterator: Any) -> None:

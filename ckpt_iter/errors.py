@@ -73,6 +73,28 @@ class ConfigDriftError(CkptIterError):
     )
 
 
+class ContentDriftError(ConfigDriftError):
+  """The pipeline is defined as before, but the element before the saved position changed.
+
+  Attributes:
+    differences: {"content.<field>": (digest in the checkpoint, digest now)}.
+    index: the index of the element produced again.
+  """
+
+  def __init__(self, field: str, saved: str, current: str, *, index: int, origin: str = "the state"):
+    self.differences = {f"content.{field}": (saved, current)}
+    self.index = index
+    CkptIterError.__init__(
+        self,
+        f"{origin}: content: the element before the saved position (index {index}) is not "
+        f"the one the checkpoint saw: field {shown_value(field)} has digest {saved} there, "
+        f"{current} here. The pipeline is defined as before, but what it produces changed "
+        "(a vocabulary or data file, a record, a map function or a library). Resume with "
+        "the data the run was saved with, or pass check_content=False to the iterator to "
+        "continue with the new output.",
+    )
+
+
 class ProcessCountError(CkptIterError):
   """A checkpoint was written by another number of processes.
 

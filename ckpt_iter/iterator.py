@@ -14,6 +14,7 @@ from typing import Any, Callable, Collection, Mapping
 
 import grain
 
+from ckpt_iter import _content
 from ckpt_iter import _drift
 from ckpt_iter import _graph
 from ckpt_iter import _item as item_lib
@@ -39,6 +40,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       the calling thread.
     allow_drift: fingerprint fields a restored state may differ in. Use
       `ckpt_iter.ELASTIC_FIELDS` to resume with another process count.
+    check_content: for a MapDataset, record a digest of the element produced
+      last in each state, and on restore produce that element again and
+      compare (ContentDriftError names the first differing field). Off, the
+      state says so and a restore checks nothing of the content.
 
   Guarantees:
     After `set_state(s)` on a fresh iterator over the same pipeline, the
@@ -49,7 +54,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     stream (more or fewer epochs, a slice end, a batch size at a batch
     boundary; `_drift.reconcile`, docs/guarantees.md "Same stream"), which
     resumes at the same element and logs one line per change on the
-    "ckpt_iter" logger. A `make_dataset` pipeline under `mp_prefetch` also
+    "ckpt_iter" logger. A MapDataset pipeline defined as before whose element
+    before the saved position is no longer the one saved raises
+    ContentDriftError (`check_content`). A `make_dataset` pipeline under `mp_prefetch` also
     resumes with another worker count, at the next element in the same order
     (`_graph.resume_workers`); other pipelines need the saved count. After a
     restore of a pipeline with worker processes (`mp_prefetch`), prefetching
@@ -62,6 +69,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       *,
       read_options: grain.ReadOptions | None = None,
       allow_drift: Collection[str] = (),
+      check_content: bool = True,
   ):
     if isinstance(dataset, grain.MapDataset):
       self._length: int | None = len(dataset)
@@ -92,6 +100,14 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self._fingerprint = dataset_lib.describe_pipeline(dataset)
     self._spec, _ = dataset_lib.find_spec(dataset)
     self._allow_drift = frozenset(allow_drift)
+    self._check_content = bool(check_content)
+    self._records_last = self._length is not None and self._check_content
+    # The element produced last (its dict copied: a consumer adding keys does
+    # not change it), digested only when a state is taken.
+    self._last: Any = _NOTHING
+    self._digested: tuple[Any, Any] = (_NOTHING, None)
+    self._restored_content: Any = None
+    self._lineage: Any = None
 
   @property
   def dataset(self) -> grain.MapDataset | grain.IterDataset:
@@ -108,18 +124,37 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     return self._spec
 
   def __next__(self) -> Any:
-    return next(self._inner)
+    element = next(self._inner)
+    if self._records_last:
+      self._last = dict(element) if type(element) is dict else element
+    return element
+
+  def position(self) -> Any:
+    """The Grain position of the next unread element, as a state holds it."""
+    # Through JSON and back: the state holds what a checkpoint would.
+    return codec.position_from_json(codec.position_to_json(self._inner.get_state()))
 
   def state(self) -> state_lib.IteratorState:
     """The current state as an immutable value."""
     return state_lib.IteratorState(
         kind="data",
         fingerprint=self._fingerprint,
-        # Through JSON and back: the state holds what a checkpoint would.
-        position=codec.position_from_json(
-            codec.position_to_json(self._inner.get_state())
-        ),
+        position=self.position(),
+        content=self.content(),
+        lineage=self._lineage,
     )
+
+  def content(self) -> dict[str, Any] | None:
+    """The content record a state taken now holds (`_content.digest` of the last element)."""
+    if self._length is None:
+      return {"check": _content.ITER_DATASET}
+    if not self._check_content:
+      return {"check": _CONTENT_OFF}
+    if self._last is _NOTHING:
+      return self._restored_content  # nothing produced since the restore
+    if self._digested[0] is not self._last:
+      self._digested = (self._last, _content.digest(self._last))
+    return self._digested[1]
 
   def check_restore(
       self,
@@ -167,10 +202,12 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
             f"{origin}: field 'position' is {_short(position)}; this pipeline's "
             f"position is {{'next_index': 0..{self._length}}}."
         )
-
+      if position == state.position and not state_lib.differing_fields(state.fingerprint, self._fingerprint):
+        self._check_same_content(state.content, next_index, origin)
 
       def apply() -> None:
         self._inner.set_state(position)
+        self._adopt(state)
         resume.log()
 
       return apply
@@ -188,6 +225,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
     def apply_fresh() -> None:
       self._replace_inner(fresh)
+      self._adopt(state)
       for line in workers.changes:
         _drift.LOGGER.info(line)
       resume.log()
@@ -195,6 +233,36 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
         self._start_prefetch()
 
     return apply_fresh
+
+  def _check_same_content(self, saved: Any, next_index: int, origin: str) -> None:
+    """Produces the element before `next_index` again and compares it with the saved digest.
+
+    Only for a pipeline defined exactly as the saved one, at the saved
+    position: then that element must be the one the checkpoint saw. Costs
+    one element's production. Elements a filter dropped (None) are skipped,
+    at most `_CONTENT_LOOKBACK` of them.
+    """
+    if not self._check_content or saved is None or saved.get("check") != _content.BY_INDEX:
+      return
+    for index in range(next_index - 1, max(-1, next_index - 1 - _CONTENT_LOOKBACK), -1):
+      element = self._dataset[index]
+      if element is not None:
+        break
+    else:
+      return
+    current = _content.digest(element)
+    if current.get("check") != _content.BY_INDEX:
+      return
+    difference = _content.first_difference(saved, current)
+    if difference is not None:
+      raise errors.ContentDriftError(*difference, index=index, origin=origin)
+
+  def _adopt(self, state: state_lib.IteratorState) -> None:
+    """Carries the restored state's content record and lineage on."""
+    self._last = _NOTHING
+    self._digested = (_NOTHING, None)
+    self._restored_content = state.content if self._records_last else None
+    self._lineage = state.lineage
 
   @property
   def _has_workers(self) -> bool:
@@ -267,3 +335,6 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
 
 _short = state_lib.short_repr
+_NOTHING = object()
+_CONTENT_OFF = "off: check_content=False"
+_CONTENT_LOOKBACK = 64

@@ -119,6 +119,12 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
     self._key = None if shuffle_seed is None else initial_key(shuffle_seed)
     self._items: list[Any] = []
     self._schedule: collections.deque[int] = collections.deque()
+    # Over the run, resumes included: yielded = num_repeats x produced - pending
+    # (what `ckpt-iter audit` checks).
+    self._yielded = 0
+    self._produced = 0
+    self._counted = True
+    self._lineage: Any = None
 
   @property
   def fingerprint(self) -> dict[str, Any]:
@@ -138,6 +144,7 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
     item = self._items[self._schedule.popleft()]
     if not self._schedule:
       self._items = []
+    self._yielded += 1
     return item
 
   def _start_group(self) -> None:
@@ -145,6 +152,7 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
     for _ in range(self._group_size):
       elements.append(next(self._source))  # StopIteration drops a partial group.
     items = [self._produce(element) for element in elements]
+    self._produced += len(items)
     schedule, self._key = repeat_schedule(len(items), self._num_repeats, self._key)
     self._items = items
     self._schedule = collections.deque(schedule)
@@ -164,9 +172,13 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
     return state_lib.IteratorState(
         kind="repeat",
         fingerprint=self.fingerprint,
-        position=self._source.state().position,
+        position=self._source.position(),
         shuffle_key=key_to_ints(self._key),
         pending=pending,
+        # Not counted on from a state written without them (an older ckpt_iter).
+        counters={"yielded": self._yielded, "produced": self._produced} if self._counted else {},
+        content=self._source.content(),
+        lineage=self._lineage,
     )
 
   def check_restore(
@@ -201,6 +213,7 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
         kind="data",
         fingerprint={k: v for k, v in state.fingerprint.items() if k not in REPEAT_FIELDS},
         position=state.position,
+        content=state.content,
     )
     apply_source = self._source.check_restore(
         source_state, allow_drift=allowed - set(REPEAT_FIELDS), origin=origin
@@ -208,6 +221,10 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
 
     def apply() -> None:
       apply_source()
+      self._counted = {"yielded", "produced"} <= set(state.counters)
+      self._yielded = state.counters.get("yielded", 0)
+      self._produced = state.counters.get("produced", 0)
+      self._lineage = state.lineage
       self._key = key_from_ints(state.shuffle_key)
       if state.pending is None:
         self._items, self._schedule = [], collections.deque()

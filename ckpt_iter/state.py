@@ -32,6 +32,9 @@ KINDS = ("data", "repeat", "tunix")
 # Fail fast on absurd inputs instead of allocating for them.
 MAX_PENDING_ITEMS = 1_000_000
 MAX_SCHEDULE_LENGTH = 10_000_000
+# The optional fields are small by construction; a larger one is corrupt.
+MAX_CONTENT_FIELDS = 64
+MAX_LINEAGE_RECENT = 64
 
 JsonScalar = None | bool | int | float | str
 
@@ -83,6 +86,12 @@ class IteratorState:
     counters: named integer counters (e.g. learner steps), for inspection and
       for integrations that must restore them.
     format_version: the format this value follows.
+    content: a digest of the element produced last (`_content.digest`), which
+      a restore produces again and compares; or why it cannot; or None.
+    lineage: the resumes of the run that wrote it (`lineage.extended`), or None.
+
+  `content` and `lineage` describe how the state came about, not where the
+  stream continues: equality and hashing leave them out.
   """
 
   kind: str
@@ -92,6 +101,8 @@ class IteratorState:
   pending: Pending | None = None
   counters: Mapping[str, int] = dataclasses.field(default_factory=dict)
   format_version: int = FORMAT_VERSION
+  content: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
+  lineage: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     # Validated like a state read from a file, and copied: a caller who
@@ -99,7 +110,8 @@ class IteratorState:
     # can a reader of it (read-only views).
     fields = _checked_fields(
         {"kind": self.kind, "fingerprint": self.fingerprint, "position": self.position,
-         "shuffle_key": self.shuffle_key, "pending": self.pending, "counters": self.counters},
+         "shuffle_key": self.shuffle_key, "pending": self.pending, "counters": self.counters,
+         "content": self.content, "lineage": self.lineage},
         "IteratorState",
     )
     if self.format_version != FORMAT_VERSION:
@@ -114,6 +126,8 @@ class IteratorState:
   def _from_checked(cls, fields: Mapping[str, Any]) -> "IteratorState":
     """A value of fields `_checked_fields` just returned: not checked and copied twice."""
     value = object.__new__(cls)
+    object.__setattr__(value, "content", None)
+    object.__setattr__(value, "lineage", None)
     for name, field_value in fields.items():
       object.__setattr__(value, name, field_value)
     object.__setattr__(value, "format_version", FORMAT_VERSION)
@@ -133,7 +147,7 @@ class IteratorState:
           "items": list(self.pending.items),
           "schedule": list(self.pending.schedule),
       }
-    return {
+    result = {
         "format_version": self.format_version,
         "kind": self.kind,
         "fingerprint": dict(self.fingerprint),
@@ -142,6 +156,12 @@ class IteratorState:
         "pending": pending,
         "counters": dict(self.counters),
     }
+    # Written only when present: a state without them reads as before.
+    if self.content is not None:
+      result["content"] = _thawed(self.content)
+    if self.lineage is not None:
+      result["lineage"] = _thawed(self.lineage)
+    return result
 
   @classmethod
   def from_dict(cls, value: Any, *, origin: str = "the state") -> "IteratorState":
@@ -252,7 +272,56 @@ def _checked_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
       "shuffle_key": shuffle_key,
       "pending": pending,
       "counters": FrozenDict({k: int(v) for k, v in counters.items()}),
+      "content": _checked_content(value.get("content"), origin),
+      "lineage": _checked_lineage(value.get("lineage"), origin),
   }
+
+
+def _checked_content(content: Any, origin: str) -> FrozenDict | None:
+  """`content`: {"check": str, "digest": str, "fields": {name: str}} (digest and fields optional)."""
+  if content is None:
+    return None
+  fields = content.get("fields", {}) if isinstance(content, Mapping) else None
+  if (
+      not isinstance(content, Mapping)
+      or not set(content) <= {"check", "digest", "fields"}
+      or not isinstance(content.get("check"), str)
+      or not isinstance(content.get("digest", ""), str)
+      or not isinstance(fields, Mapping)
+      or len(fields) > MAX_CONTENT_FIELDS
+      or not all(isinstance(k, str) and isinstance(v, str) for k, v in fields.items())
+  ):
+    raise errors.InvalidStateError(
+        f"{origin}: field 'content' must be {{'check': str, 'digest': str, 'fields': "
+        f"{{name: str}} (at most {MAX_CONTENT_FIELDS})}}, got {_short(content)}."
+    )
+  return _frozen(content)
+
+
+def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
+  """`lineage`: {"resumes": int, "digest": str, "recent": [{"step": int|None, "state": str, ...}]}."""
+  if lineage is None:
+    return None
+  recent = lineage.get("recent") if isinstance(lineage, Mapping) else None
+  if (
+      not isinstance(lineage, Mapping)
+      or set(lineage) != {"resumes", "digest", "recent"}
+      or not _is_int(lineage["resumes"]) or lineage["resumes"] < 0
+      or not isinstance(lineage["digest"], str)
+      or not isinstance(recent, (list, tuple))
+      or len(recent) > min(MAX_LINEAGE_RECENT, lineage["resumes"])
+      or not all(
+          isinstance(entry, Mapping) and isinstance(entry.get("state"), str)
+          and (entry.get("step") is None or _is_int(entry.get("step")))
+          and all(is_json_scalar(v) for v in entry.values())
+          for entry in recent
+      )
+  ):
+    raise errors.InvalidStateError(
+        f"{origin}: field 'lineage' must be {{'resumes': int, 'digest': str, 'recent': "
+        f"[at most {MAX_LINEAGE_RECENT} {{'step': int, 'state': str}}]}}, got {_short(lineage)}."
+    )
+  return _frozen(lineage)
 
 
 class FrozenDict(dict):
@@ -494,7 +563,13 @@ class RestorableIterator:
     raise NotImplementedError
 
   def get_state(self) -> dict[str, Any]:
-    return self.state().to_dict()
+    # Grain's form keeps one structure over a run (Grain's own checkpoint
+    # tests require it): where the stream continues, without the content
+    # record and the lineage, which ckpt_iter's checkpoint items write.
+    result = self.state().to_dict()
+    result.pop("content", None)
+    result.pop("lineage", None)
+    return result
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     self.restore_state(IteratorState.from_dict(state))

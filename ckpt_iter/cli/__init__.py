@@ -1,8 +1,9 @@
-"""The `ckpt-iter` command: inspect, verify and diff data checkpoints.
+"""The `ckpt-iter` command: inspect, verify, diff and audit data checkpoints.
 
     ckpt-iter inspect /ckpts/run1            # Tunix root, .../actor, Orbax root, or gs://...
     ckpt-iter verify /ckpts/run1             # exit 0 ok, 1 problems, 2 usage
     ckpt-iter diff /ckpts/run1 --step 3 --step 5
+    ckpt-iter audit /ckpts/run1 --plot run1.png   # exit 0 an unbroken chain of resumes
 
 Everything is read from the state files: no model is restored, no array is
 loaded by `inspect` or `diff`, and neither JAX, Grain, Orbax nor Tunix is
@@ -20,6 +21,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from ckpt_iter import errors
+from ckpt_iter.cli import _audit as auditing
 from ckpt_iter.cli import _inspect as inspection
 from ckpt_iter.cli import _verify as verification
 
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_inspect(verbs)
   _add_verify(verbs)
   _add_diff(verbs)
+  _add_audit(verbs)
   return parser
 
 
@@ -124,6 +127,21 @@ def _add_diff(verbs: Any) -> None:
   _add_item_argument(parser)
   parser.add_argument("--json", action="store_true", help="print JSON instead of text")
   parser.set_defaults(run=run_diff)
+
+
+def _add_audit(verbs: Any) -> None:
+  summary = "prove from the kept steps that every resume continued exactly where its step stopped"
+  parser = verbs.add_parser(
+      "audit", help=summary, description=summary + " (docs/prove_your_run.md).",
+      epilog="exit codes: 0 an unbroken chain, 1 a break or a step that cannot be proven "
+      "(one line each), 2 usage error (or --plot without matplotlib)",
+  )
+  _add_checkpoint_argument(parser)
+  _add_item_argument(parser)
+  parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+  parser.add_argument("--plot", metavar="FILE.png",
+                      help="also draw the timeline (needs matplotlib: pip install 'ckpt_iter[plot]')")
+  parser.set_defaults(run=run_audit)
 
 
 def _add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
@@ -306,6 +324,30 @@ def run_verify(args: argparse.Namespace) -> int:
       f"item {layout.item!r}, {_plural(files, 'state file')}, {_plural(arrays, 'pending array')} checked"
   )
   return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# audit
+
+
+def run_audit(args: argparse.Namespace) -> int:
+  layout = inspection.find_layout(args.checkpoint, args.item, require_state=False)
+  report = auditing.audit(layout)
+  if args.plot:
+    from ckpt_iter.cli import _plot  # pylint: disable=g-import-not-at-top  (matplotlib, optional)
+
+    try:
+      _plot.timeline(report, args.plot)
+    except _plot.MissingMatplotlib as e:
+      return _fail(str(e), EXIT_USAGE)
+  if args.json:
+    print(json.dumps(auditing.report_json(report), indent=1))
+  else:
+    for line in auditing.report_lines(report):
+      print(line)
+    if args.plot:
+      print(f"timeline: {args.plot}")
+  return EXIT_OK if report.verdict == auditing.OK else EXIT_PROBLEMS
 
 
 # ---------------------------------------------------------------------------

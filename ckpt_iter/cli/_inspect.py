@@ -69,12 +69,15 @@ class Layout:
     return step
 
 
-def find_layout(path: str, item: str | None = None) -> Layout:
+def find_layout(path: str, item: str | None = None, *, require_state: bool = True) -> Layout:
   """Finds the steps and the ckpt_iter item of the checkpoint at `path`.
+
+  `require_state=False` (the audit) takes a root none of whose steps holds a
+  data state, e.g. one written by stock Tunix, with `item` or "data".
 
   Raises:
     UsageError: `path` is not a directory, has no steps, or no step holds
-      ckpt_iter state files (in `item`, when given).
+      ckpt_iter state files (in `item`, when given) and `require_state`.
   """
   if not _storage.is_dir(path):
     raise UsageError(f"{path}: no such directory.")
@@ -87,6 +90,8 @@ def find_layout(path: str, item: str | None = None) -> Layout:
         "root or a Tunix checkpoint root."
     )
   items = _items_with_state(root, steps)
+  if not require_state and (not items or item is not None and item not in items):
+    return Layout(root=root, item=item or DEFAULT_ITEM, steps=tuple(steps))
   return Layout(root=root, item=_choose_item(root, steps, items, item), steps=tuple(steps))
 
 

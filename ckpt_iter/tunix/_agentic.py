@@ -141,7 +141,7 @@ class ResumableAgentic:
         )
       loop.skip_full_batches(skipped)
       return None
-    value = saved.value
+    value = saved.resumed()  # this resume recorded in its lineage
     if value.kind != KIND or value.fingerprint.get(LEARNER_FIELD) is None:
       raise errors.InvalidStateError(
           f"{origin}: the data state was written by a {value.kind!r} iterator without "

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
+from ckpt_iter import _content
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
@@ -60,6 +61,7 @@ class ConsumerLoop:
     self.learner = learner
     self.cluster = api.agentic_cluster(learner)
     self.source = source
+    self.lineage: Any = None  # the restored state's, with its resume
     self.eval_dataset = eval_dataset
     self.skip_jit = skip_jit
     config = api.training_config(learner)
@@ -151,6 +153,7 @@ class ConsumerLoop:
     position = value.position
     counters = value.counters
     replay = self._check_replay(value)
+    self.lineage = value.lineage
     fields = set(self.source.fingerprint)
     checked = self.source.check(
         {k: v for k, v in value.fingerprint.items() if k in fields}, position["source"],
@@ -582,6 +585,8 @@ class ConsumerLoop:
         fingerprint=self.fingerprint,
         position=position,
         pending=state_lib.Pending(items=tuple(items), schedule=tuple(schedule)),
+        content={"check": _content.TUNIX_INPUT},
+        lineage=self.lineage,
         counters={
             "train_steps": int(self.cluster.actor_trainer.train_steps),
             "global_steps": int(self.cluster.global_steps),

@@ -36,7 +36,7 @@ class GrainSource:
     return self._iterator.fingerprint
 
   def position(self) -> dict[str, Any]:
-    return dict(self._iterator.state().position)
+    return dict(self._iterator.position())
 
   def check(self, fingerprint, position, *, allow_drift, origin) -> Callable[[], None]:
     value = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position=position)

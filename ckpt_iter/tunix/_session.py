@@ -23,6 +23,7 @@ from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
 from ckpt_iter.tunix import _layouts as layouts_lib
 from ckpt_iter.tunix import _settings as settings_lib
+from ckpt_iter import _content
 from ckpt_iter import _drift
 from ckpt_iter import _item as item_lib
 from ckpt_iter import elastic as elastic_lib
@@ -66,6 +67,7 @@ class DataSession:
     self.index_in_global_step = 0
     self._restored_pending: list[Any] | None = None
     self._first_global_step: int | None = None
+    self.lineage: Any = None  # the restored state's, with its resume
     self._lock = threading.Lock()
     config = api.training_config(learner)
     first = source.peek()  # as Tunix: the sizes come from the first batch
@@ -190,6 +192,8 @@ class DataSession:
         position=position,
         shuffle_key=key,
         pending=pending,
+        content={"check": _content.TUNIX_INPUT},
+        lineage=self.lineage,
         counters={
             "train_steps": int(trainer.train_steps),
             "actor_iter_steps": int(trainer.iter_steps),
@@ -304,7 +308,7 @@ class DataSession:
     if saved is None:
       self._restore_legacy(step, os.path.dirname(data_dir), on_legacy_checkpoint)
       return
-    value = saved.value
+    value = saved.resumed()  # this resume recorded in its lineage
     if value.kind != "tunix":
       raise errors.InvalidStateError(f"{origin}: data state kind is {value.kind!r}, expected 'tunix'.")
     counters = value.counters
@@ -344,6 +348,7 @@ class DataSession:
     else:
       self.input.continue_at(continuation, value.position)
     self.key = repeat_lib.key_from_ints(value.shuffle_key)
+    self.lineage = value.lineage
     if value.pending is not None:
       self._restored_pending = [on_device[i] for i in value.pending.schedule]
     remaining = counters["remaining_mini_batches"]

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from tunix.sft import peft_trainer as _peft_trainer
 from tunix.sft.dpo import dpo_trainer as _dpo_trainer
 
+from ckpt_iter import _content
 from ckpt_iter import _item as item_lib
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import errors
@@ -117,6 +118,7 @@ class ResumableSft:
     # The step the constructor restored the model from (0: none).
     self._ci_restored_step = int(self.train_steps)
     self._ci_data_restored = False
+    self._ci_lineage: Any = None  # the restored state's, with its resume
     self._ci_feed: _Feed | None = None
 
   def train(
@@ -176,7 +178,7 @@ class ResumableSft:
     if data_dir is not None:
       saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
     if saved is not None:
-      self._ci_restore(feed, step, data_dir, saved.value, allow_drift)
+      self._ci_restore(feed, step, data_dir, saved.resumed(), allow_drift)
       return
     iter_steps = int(self.iter_steps)
     if data_dir is not None:
@@ -230,6 +232,7 @@ class ResumableSft:
     )
     # All checks passed: apply.
     feed.source.apply(checked, value.position)
+    self._ci_lineage = value.lineage
     api.set_trainer_steps(self, step, counters["iter_steps"])
     feed.examples_read = counters["iter_steps"]
     _LOG.info(
@@ -247,6 +250,8 @@ class ResumableSft:
         fingerprint=self._ci_fingerprint,
         position=feed.position(),
         counters={"train_steps": int(self.train_steps), "iter_steps": int(self.iter_steps)},
+        content={"check": _content.TUNIX_INPUT},
+        lineage=self._ci_lineage,
     )
 
 

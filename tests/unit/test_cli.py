@@ -715,7 +715,7 @@ def test_read_only_verbs_load_no_jax_grain_orbax_or_tensorstore(data_ckpt):
       "import sys\n"
       "from ckpt_iter import cli\n"
       f"for argv in (['inspect', {str(data_ckpt)!r}], ['verify', {str(data_ckpt)!r}],\n"
-      f"             ['diff', {str(data_ckpt)!r}, '--step', '3', '--step', '5']):\n"
+      f"             ['diff', {str(data_ckpt)!r}, '--step', '3', '--step', '5'], ['audit', {str(data_ckpt)!r}]):\n"
       "  assert cli.main(argv) == 0, argv\n"
       "print(sorted(m for m in ('jax', 'grain', 'orbax', 'tensorstore', 'tunix') if m in sys.modules))\n"
   )
@@ -731,7 +731,8 @@ def test_version_and_exit_codes_in_every_verbs_help(capsys):
   assert (code, out) == (0, f"ckpt-iter {ckpt_iter.__version__}\n")
   for verb, codes in (("inspect", "0 shown, 1 a state file is unreadable, 2 usage error"),
                       ("verify", "0 sound, 1 problems (one line each), 2 usage error"),
-                      ("diff", "0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error")):
+                      ("diff", "0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error"),
+                      ("audit", "0 an unbroken chain, 1 a break or a step that cannot be proven")):
     code, out, _ = _run(capsys, verb, "--help")
     assert code == 0 and f"exit codes: {codes}" in " ".join(out.split()), verb
 

@@ -39,6 +39,6 @@ def test_the_metadata_names_authors_classifiers_and_the_extras(sdist):
   assert "Author: ckpt_iter developers" in metadata
   assert "Classifier: Programming Language :: Python :: 3.11" in metadata
   assert "License-Expression: Apache-2.0" in metadata
-  for extra in ("gcs", "tunix", "hf", "files", "test", "test-core"):
+  for extra in ("gcs", "tunix", "hf", "files", "plot", "test", "test-core"):
     assert f"Provides-Extra: {extra}" in metadata, extra
   assert "Requires-Dist: grain>=0.2.17" in metadata and "Requires-Dist: jax>=0.8.3" in metadata

@@ -1,0 +1,300 @@
+"""`ckpt-iter audit`: prove from the saved data states that a run resumed exactly.
+
+Reads each kept step's data state header (small reads; no array, no model)
+and checks the chain step by step, for each process:
+  * a state whose lineage records new resumes (`ckpt_iter.lineage`): each
+    resume restored exactly the state its step saved (the digest recorded at
+    the restore equals the digest of the state kept there), from the latest
+    step saved before it, so no element is skipped or trained twice;
+  * a state with no new resume: the same run as the step before (the same
+    lineage), at a position no earlier than that step's;
+  * a Tunix learner's state was taken at the step it is stored in;
+  * a RepeatIterator's state consumed each produced item exactly
+    num_repeats times (yielded = num_repeats x produced - pending).
+A step without a data state (written by stock Tunix, or without ckpt_iter)
+cannot be proven. Resumes recorded before the earliest kept step are outside
+what the root can prove and are counted, not judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ckpt_iter import _files
+from ckpt_iter import errors
+from ckpt_iter import lineage as lineage_lib
+from ckpt_iter import state as state_lib
+from ckpt_iter.cli import _inspect as inspection
+
+OK, BROKEN, UNPROVABLE = "ok", "broken", "unprovable"
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  """What the audit knows of one process's state at one step."""
+
+  step: int
+  process_index: int
+  process_count: int
+  kind: str
+  digest: str
+  progress: int | None  # elements (data), items yielded (repeat), prompts (Tunix)
+  lineage: Mapping[str, Any]
+  counters: Mapping[str, int]
+  fingerprint: Mapping[str, Any]
+  remaining: int  # pending items still to be yielded
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+  """A verdict on one resume, or on one step's state."""
+
+  verdict: str  # OK, BROKEN or UNPROVABLE
+  step: int  # the step whose state the finding is about
+  process_index: int
+  message: str
+  resumed_from: int | None = None  # for a resume: the step it restored
+
+  def line(self) -> str:
+    what = f"resume from step {self.resumed_from}" if self.resumed_from is not None else f"step {self.step}"
+    if self.resumed_from is not None:
+      what += f" (first saved at step {self.step})"
+    return f"{self.verdict}: process {self.process_index}: {what}: {self.message}"
+
+
+@dataclasses.dataclass
+class Report:
+  root: str
+  item: str
+  steps: tuple[int, ...]
+  points: list[Saved] = dataclasses.field(default_factory=list)
+  findings: list[Finding] = dataclasses.field(default_factory=list)
+  resumes_before_window: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> count
+
+  @property
+  def resumes(self) -> list[Finding]:
+    return [f for f in self.findings if f.resumed_from is not None]
+
+  @property
+  def verdict(self) -> str:
+    verdicts = {f.verdict for f in self.findings}
+    if BROKEN in verdicts:
+      return BROKEN
+    if UNPROVABLE in verdicts or not self.points:
+      return UNPROVABLE
+    return OK
+
+
+def audit(layout: inspection.Layout) -> Report:
+  """Audits every kept step of `layout` (see the module docstring)."""
+  report = Report(root=layout.root, item=layout.item, steps=layout.steps)
+  by_step: dict[int, dict[int, Saved]] = {}
+  for step in layout.steps:
+    by_step[step] = _read_step(layout, step, report)
+  processes = sorted({p for states in by_step.values() for p in states}) or [0]
+  for process_index in processes:
+    previous: Saved | None = None
+    for step in layout.steps:
+      saved = by_step[step].get(process_index)
+      if saved is None:
+        if not by_step[step]:  # the whole step has none (one finding per step, not per process)
+          if process_index == processes[0]:
+            report.findings.append(Finding(
+                UNPROVABLE, step, process_index,
+                f"no data state in item {layout.item!r} (written by stock Tunix, or without ckpt_iter)",
+            ))
+        continue
+      report.points.append(saved)
+      findings = _own_checks(saved)
+      if previous is None:
+        if saved.lineage["resumes"]:
+          report.resumes_before_window[process_index] = saved.lineage["resumes"]
+      else:
+        findings += _chain_checks(previous, saved, by_step)
+      report.findings.extend(findings)
+      # The next state is compared with the last sound one: one bad item is one break.
+      if all(f.verdict != BROKEN for f in findings):
+        previous = saved
+  return report
+
+
+def _read_step(layout: inspection.Layout, step: int, report: Report) -> dict[int, Saved]:
+  item_dir = layout.item_dir(step)
+  result = {}
+  for index, count in inspection._process_files_or_none(item_dir):  # pylint: disable=protected-access
+    path = _files.header_path(item_dir, index, count)
+    try:
+      header = _files.read_header(path)
+      result[index] = _saved(step, index, count, header, path)
+    except errors.CkptIterError as e:
+      report.findings.append(Finding(BROKEN, step, index, f"unreadable state: {inspection.one_line(str(e))}"))
+  return result
+
+
+def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved:
+  value = state_lib.IteratorState.from_dict(header, origin=origin)
+  return Saved(
+      step=step, process_index=index, process_count=count, kind=value.kind,
+      digest=lineage_lib.header_digest(header, origin=origin),
+      progress=_progress(value),
+      lineage=value.lineage or lineage_lib.empty(),
+      counters=value.counters, fingerprint=value.fingerprint,
+      remaining=0 if value.pending is None else len(value.pending.schedule),
+  )
+
+
+def _progress(value: state_lib.IteratorState) -> int | None:
+  """How far the state is into its stream, as one number (None when its position has none)."""
+  if value.kind == "repeat":
+    return value.counters.get("yielded")
+  position: Any = value.position
+  for name in ("stream_rows", "prompt_index"):  # Tunix RL, agentic: prompts consumed
+    if state_lib.is_int(position.get(name)):
+      return position[name]
+  for name in ("full_batch", "source"):  # a Tunix learner's input position
+    if isinstance(position.get(name), Mapping):
+      position = position[name]
+  next_index = position.get("next_index")
+  return next_index if state_lib.is_int(next_index) else None
+
+
+def _own_checks(saved: Saved) -> list[Finding]:
+  """What one state must satisfy by itself."""
+  findings = []
+  counters = saved.counters
+  if saved.kind == "tunix" and "train_steps" in counters and counters["train_steps"] != saved.step:
+    findings.append(Finding(
+        BROKEN, saved.step, saved.process_index,
+        f"the data state was taken at train step {counters['train_steps']} but is stored in step "
+        f"{saved.step} (a data item copied from another step?)",
+    ))
+  if saved.kind == "repeat" and {"yielded", "produced"} <= set(counters):
+    repeats = saved.fingerprint.get("num_repeats")
+    if state_lib.is_int(repeats):
+      expected = repeats * counters["produced"] - saved.remaining
+      if counters["yielded"] != expected:
+        findings.append(Finding(
+            BROKEN, saved.step, saved.process_index,
+            f"{counters['yielded']} items yielded, but {counters['produced']} produced x "
+            f"num_repeats={repeats} - {saved.remaining} pending = {expected}: pending repeats "
+            "were lost or repeated",
+        ))
+  return findings
+
+
+def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, Saved]]) -> list[Finding]:
+  """What `saved` must satisfy given the state kept at the step before it."""
+  before, after = previous.lineage, saved.lineage
+  new = after["resumes"] - before["resumes"]
+  where = (saved.step, saved.process_index)
+  if new < 0:
+    return [Finding(
+        BROKEN, *where,
+        f"its lineage records {after['resumes']} resumes, fewer than step {previous.step}'s "
+        f"{before['resumes']}: it is an older state than step {previous.step}'s "
+        "(a data item copied from an earlier step?)",
+    )]
+  if new == 0:
+    if after["digest"] != before["digest"]:
+      return [Finding(BROKEN, *where, f"another run than step {previous.step}'s (their lineages differ)")]
+    return _forward(previous, saved, "")
+  if new > len(after["recent"]):
+    return [Finding(
+        UNPROVABLE, *where,
+        f"{new} resumes since step {previous.step}, more than the {len(after['recent'])} a state records",
+    )]
+  entries = list(after["recent"])[-new:]
+  digest = before["digest"]
+  for entry in entries:
+    digest = lineage_lib.fold(digest, entry)
+  if digest != after["digest"]:
+    return [Finding(
+        BROKEN, *where,
+        f"its lineage does not continue step {previous.step}'s (the resumes recorded differ)",
+    )]
+  findings = [_resume_finding(entry, previous, saved, by_step) for entry in entries]
+  if all(f.verdict == OK for f in findings):
+    findings += _forward(previous, saved, " after the resume")
+  return findings
+
+
+def _resume_finding(
+    entry: Mapping[str, Any], previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, Saved]]
+) -> Finding:
+  source_step = entry.get("step")
+  where = (saved.step, saved.process_index)
+  if source_step is None:
+    return Finding(UNPROVABLE, *where, "restored from a path with no step number (or through set_state)",
+                   resumed_from=None)
+  if source_step < previous.step:
+    return Finding(
+        BROKEN, *where,
+        f"restored step {source_step} though step {previous.step} was already saved: what was "
+        f"trained after step {source_step} was trained again", resumed_from=source_step,
+    )
+  if source_step >= saved.step:
+    return Finding(BROKEN, *where, f"restored step {source_step}, not earlier than the step it saved",
+                   resumed_from=source_step)
+  kept = by_step.get(source_step)
+  if not kept:
+    return Finding(UNPROVABLE, *where, f"step {source_step} is not kept: its saved state cannot be compared",
+                   resumed_from=source_step)
+  # Another process count (elastic): every process continues from process 0's global fields.
+  origin = kept.get(0 if entry.get("resized") else saved.process_index)
+  if origin is None:
+    return Finding(UNPROVABLE, *where, f"step {source_step} has no state of process {saved.process_index}",
+                   resumed_from=source_step)
+  if entry.get("state") != origin.digest:
+    return Finding(
+        BROKEN, *where,
+        f"restored a state (digest {entry.get('state')}) that is not the one step {source_step} "
+        f"holds ({origin.digest})", resumed_from=source_step,
+    )
+  at = "" if origin.progress is None else f", position {origin.progress}"
+  pending = f", {origin.remaining} pending" if origin.remaining else ""
+  return Finding(OK, *where, f"resumed exactly at step {source_step}'s saved state{at}{pending}",
+                 resumed_from=source_step)
+
+
+def _forward(previous: Saved, saved: Saved, context: str) -> list[Finding]:
+  if previous.progress is not None and saved.progress is not None and saved.progress < previous.progress:
+    return [Finding(
+        BROKEN, saved.step, saved.process_index,
+        f"position {saved.progress}{context}, behind step {previous.step}'s {previous.progress}: "
+        "elements trained again, or a data item copied from an earlier step",
+    )]
+  return []
+
+
+def report_json(report: Report) -> dict[str, Any]:
+  return {
+      "checkpoint": report.root, "item": report.item, "steps": list(report.steps),
+      "verdict": report.verdict,
+      "resumes_before_kept_steps": report.resumes_before_window,
+      "findings": [dataclasses.asdict(f) for f in report.findings],
+      "points": [
+          {"step": p.step, "process_index": p.process_index, "kind": p.kind, "progress": p.progress,
+           "resumes": p.lineage["resumes"], "pending": p.remaining}
+          for p in report.points
+      ],
+  }
+
+
+def report_lines(report: Report) -> list[str]:
+  lines = [f"audit of {report.root}: item {report.item!r}, "
+           f"steps {inspection.format_steps(report.steps) or 'none'}"]
+  for count in sorted(set(report.resumes_before_window.values())):
+    lines.append(f"  {count} resume(s) before the earliest kept step: not provable from this root")
+  for finding in report.findings:
+    lines.append("  " + finding.line())
+  resumes = report.resumes
+  proven = sum(f.verdict == OK for f in resumes)
+  verdict = {
+      OK: "unbroken chain",
+      BROKEN: "broken chain",
+      UNPROVABLE: "not provable",
+  }[report.verdict]
+  lines.append(f"{verdict}: {len(report.points)} state(s), {len(resumes)} resume(s), {proven} proven exact")
+  return lines

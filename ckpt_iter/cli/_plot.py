@@ -1,0 +1,95 @@
+"""The timeline picture of an audit: position against step, resumes marked, breaks in red.
+
+matplotlib is an optional extra (`pip install 'ckpt_iter[plot]'`), imported
+only here and only when `ckpt-iter audit --plot` asks for a picture.
+"""
+
+from __future__ import annotations
+
+from ckpt_iter.cli import _audit as auditing
+
+
+class MissingMatplotlib(Exception):
+  pass
+
+
+_PROGRESS_LABEL = {
+    "data": "elements read (next_index)",
+    "repeat": "items yielded to the trainer",
+    "tunix": "prompts consumed",
+}
+
+
+def timeline(report: auditing.Report, path: str) -> None:
+  """Writes a PNG of `report` to `path`."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+
+    matplotlib.use("Agg")  # no display: a file only
+    from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise MissingMatplotlib(
+        "--plot needs matplotlib, which is not installed: pip install 'ckpt_iter[plot]'."
+    ) from None
+  figure, axes = pyplot.subplots(figsize=(9, 4.5), dpi=110)
+  try:
+    _draw(axes, report)
+    figure.tight_layout()
+    figure.savefig(path)
+  finally:
+    pyplot.close(figure)
+
+
+def _draw(axes, report: auditing.Report) -> None:
+  processes = sorted({p.process_index for p in report.points})
+  kinds = sorted({p.kind for p in report.points})
+  for process_index in processes:
+    points = [p for p in report.points if p.process_index == process_index and p.progress is not None]
+    if points:
+      axes.plot([p.step for p in points], [p.progress for p in points], "-o", color="#3b6ea8",
+                markersize=4, linewidth=1.4, alpha=1.0 if process_index == processes[0] else 0.4,
+                label="saved states" if process_index == processes[0] else None)
+  for point in report.points:
+    if point.process_index == processes[0] and point.remaining and point.progress is not None:
+      axes.annotate(f"{point.remaining} pending", (point.step, point.progress), textcoords="offset points",
+                    xytext=(0, 7), ha="center", fontsize=7, color="#555555")
+  progress = {(p.step, p.process_index): p.progress for p in report.points}
+  first_resume = first_break = first_unprovable = True
+  for finding in report.findings:
+    y = progress.get((finding.step, finding.process_index))
+    if finding.resumed_from is not None and finding.verdict == auditing.OK:
+      axes.axvline(finding.resumed_from, color="#7a7a7a", linestyle=":", linewidth=1,
+                   label="preemption, resumed from this step" if first_resume else None)
+      resumed_at = progress.get((finding.resumed_from, finding.process_index))
+      if resumed_at is not None:
+        axes.plot([finding.resumed_from], [resumed_at], "o", markersize=10, markerfacecolor="none",
+                  markeredgecolor="#2ca02c", markeredgewidth=1.6,
+                  label="resume proven exact" if first_resume else None)
+      first_resume = False
+    elif finding.verdict == auditing.BROKEN:
+      axes.axvline(finding.step, color="#d62728", linewidth=1.5, alpha=0.6)
+      if y is not None:
+        axes.plot([finding.step], [y], "X", color="#d62728", markersize=11,
+                  label="break" if first_break else None)
+      first_break = False
+    elif finding.verdict == auditing.UNPROVABLE:
+      axes.axvspan(finding.step - 0.4, finding.step + 0.4, color="#f0b429", alpha=0.3,
+                   label="no data state: unprovable" if first_unprovable else None)
+      first_unprovable = False
+  verdict = {auditing.OK: "unbroken chain", auditing.BROKEN: "BROKEN chain",
+             auditing.UNPROVABLE: "not provable"}[report.verdict]
+  resumes = report.resumes
+  proven = sum(f.verdict == auditing.OK for f in resumes)
+  where = "/".join(report.root.rstrip("/").split("/")[-2:])
+  axes.set_title(f"{verdict}: {len(resumes)} resume(s), {proven} proven exact  (.../{where})",
+                 fontsize=9, color="#d62728" if report.verdict == auditing.BROKEN else "black")
+  axes.set_xlabel("checkpoint step")
+  axes.set_ylabel(" / ".join(_PROGRESS_LABEL.get(kind, "position") for kind in kinds) or "position")
+  axes.grid(alpha=0.25)
+  axes.margins(y=0.12)  # room for the pending labels
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+
+  axes.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  axes.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  if axes.get_legend_handles_labels()[0]:
+    axes.legend(loc="lower right", fontsize=8)

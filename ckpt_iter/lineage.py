@@ -1,0 +1,104 @@
+"""The lineage of a state: which checkpoints the run that wrote it resumed from.
+
+Every restore from a checkpoint step adds one entry to the restored state's
+lineage: the step and a digest of the state restored there (kind,
+fingerprint, position, key, pending schedule, counters). The state keeps the
+last `MAX_RECENT` entries, the number of all of them and a running digest
+over all, so it stays small however often a run is preempted, and
+`ckpt-iter audit` can prove from the saved states alone that each resume
+started exactly where the step it came from had stopped (`cli._audit`).
+
+Entries are added where the step is known: the Orbax handlers and the
+Tunix learners. `set_state` (Grain's protocol) carries a lineage unchanged.
+Pure: no JAX, Grain or Orbax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ckpt_iter import _codec as codec
+from ckpt_iter import state as state_lib
+
+MAX_RECENT = state_lib.MAX_LINEAGE_RECENT
+_START = "0" * 16  # the running digest of a run never resumed
+
+
+def state_digest(value: state_lib.IteratorState) -> str:
+  """A digest of where `value` continues: what a resume entry records of it.
+
+  Computable from a header alone (pending items are not read: the schedule
+  and the arrays' digest in the header stand for them), so the audit and
+  the restore compute the same value.
+  """
+  return _digest_of_fields(
+      value.kind, value.fingerprint, codec.position_to_json(value.position),
+      value.shuffle_key, None if value.pending is None else value.pending.schedule, value.counters,
+  )
+
+
+def header_digest(header: Mapping[str, Any], *, origin: str) -> str:
+  """`state_digest` of the state a header holds, without reading its arrays."""
+  value = state_lib.IteratorState.from_dict(header, origin=origin)
+  position = codec.position_to_json(codec.position_from_json(value.position))
+  return _digest_of_fields(
+      value.kind, value.fingerprint, position, value.shuffle_key,
+      None if value.pending is None else value.pending.schedule, value.counters,
+  )
+
+
+def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counters) -> str:
+  text = json.dumps(
+      [kind, dict(fingerprint), position, None if shuffle_key is None else list(shuffle_key),
+       None if schedule is None else list(schedule), dict(counters)],
+      sort_keys=True, separators=(",", ":"), default=repr,
+  )
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized: bool = False) -> dict[str, Any]:
+  """The entry a restore of `restored` from checkpoint `step` adds."""
+  entry: dict[str, Any] = {"step": step, "state": state_digest(restored)}
+  if resized:
+    entry["resized"] = True  # restored by another process count (elastic)
+  return entry
+
+
+def extended(lineage: Mapping[str, Any] | None, entry: Mapping[str, Any]) -> dict[str, Any]:
+  """`lineage` with one more resume."""
+  lineage = lineage or empty()
+  recent = [dict(e) for e in lineage["recent"]] + [dict(entry)]
+  return {
+      "resumes": lineage["resumes"] + 1,
+      "digest": fold(lineage["digest"], entry),
+      "recent": recent[-MAX_RECENT:],
+  }
+
+
+def empty() -> dict[str, Any]:
+  return {"resumes": 0, "digest": _START, "recent": []}
+
+
+def fold(digest: str, entry: Mapping[str, Any]) -> str:
+  """The running digest after `entry`."""
+  text = digest + json.dumps(dict(entry), sort_keys=True, separators=(",", ":"))
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def resumed(
+    restored: state_lib.IteratorState, step: int | None, *, resized: bool = False
+) -> state_lib.IteratorState:
+  """`restored` with the resume from `step` added to its lineage."""
+  entry = resume_entry(restored, step, resized=resized)
+  return dataclasses.replace(restored, lineage=extended(restored.lineage, entry))
+
+
+def step_of_item_directory(directory: str) -> int | None:
+  """The step of `<root>/<step>/<item>`, or None when the parent is not a step number."""
+  parent = directory.rstrip("/").rsplit("/", 2)
+  name = parent[-2] if len(parent) >= 2 else ""
+  return int(name) if name.isdigit() else None

@@ -1,0 +1,190 @@
+"""`ckpt-iter audit` and the lineage it reads, on real Orbax roots written in this process.
+
+Each "segment" stands for one training process: a fresh iterator, restored
+from the latest step (or not), training and saving a few steps. Real kills in
+separate processes are in tests/integration (test_crash.py, test_tunix_audit.py).
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import grain
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import ckpt_iter
+from ckpt_iter import cli
+from ckpt_iter import lineage
+
+
+def _dataset():
+  return grain.MapDataset.range(40).map(lambda x: {"x": np.int64(x)})
+
+
+def _segment(root, steps, *, restore_step="latest", repeat=False):
+  """One process: restore `restore_step` (None: a fresh start), then train and save `steps`."""
+  source = ckpt_iter.DataIterator(_dataset())
+  iterator = (ckpt_iter.RepeatIterator(source, produce=lambda b: {"y": b["x"] * 2}, num_repeats=3, group_size=2)
+              if repeat else source)
+  with ocp.CheckpointManager(str(root), item_names=("data",)) as manager:
+    step = manager.latest_step() if restore_step == "latest" else restore_step
+    if step is not None:
+      manager.restore(step, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(iterator)))
+    for step in steps:
+      next(iterator)
+      manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+    manager.wait_until_finished()
+  return iterator
+
+
+def _audit(capsys, root, *extra):
+  code = cli.main(["audit", str(root), "--json", *extra])
+  out, err = capsys.readouterr()
+  assert "Traceback" not in out + err
+  return code, (json.loads(out) if out else None), err
+
+
+def _header(root, step):
+  return os.path.join(str(root), str(step), "data", "process_0-of-1.json")
+
+
+def _edit_header(root, step, change):
+  path = _header(root, step)
+  with open(path) as f:
+    header = json.load(f)
+  change(header)
+  with open(path, "w") as f:
+    json.dump(header, f)
+
+
+@pytest.mark.parametrize("repeat", [False, True], ids=["data", "repeat"])
+def test_an_unbroken_chain_is_proven_resume_by_resume(tmp_path, capsys, repeat):
+  _segment(tmp_path, [1, 2, 3], repeat=repeat)
+  _segment(tmp_path, [4, 5], repeat=repeat)
+  last = _segment(tmp_path, [6, 7, 8], repeat=repeat)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 0 and report["verdict"] == "ok", report["findings"]
+  assert [(f["resumed_from"], f["step"], f["verdict"]) for f in report["findings"]] == [(3, 4, "ok"), (5, 6, "ok")]
+  assert last.state().lineage["resumes"] == 2
+  assert [p["resumes"] for p in report["points"]] == [0, 0, 0, 1, 1, 2, 2, 2]
+  if repeat:  # three repeats of each produced item, pending ones included
+    assert [p["pending"] for p in report["points"]][:3] == [5, 4, 3]
+
+
+def test_a_run_restarted_from_scratch_into_the_same_root_is_a_break(tmp_path, capsys):
+  _segment(tmp_path, [1, 2, 3])
+  _segment(tmp_path, [4, 5], restore_step=None)  # forgot to restore: trains elements 0, 1 again
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1 and report["verdict"] == "broken"
+  # Both states of the second run are behind the last sound one (step 3).
+  assert [(f["step"], f["verdict"]) for f in report["findings"]] == [(4, "broken"), (5, "broken")]
+  assert "position 1, behind step 3's 3" in report["findings"][0]["message"]
+
+
+def test_a_resume_from_an_older_step_than_the_latest_saved_is_a_break(tmp_path, capsys):
+  _segment(tmp_path, [1, 2, 3])
+  _segment(tmp_path, [4, 5], restore_step=2)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1
+  assert any("restored step 2 though step 3 was already saved" in f["message"] for f in report["findings"])
+
+
+def test_a_resume_whose_step_is_no_longer_kept_is_unprovable(tmp_path, capsys):
+  _segment(tmp_path, [1, 2, 3])
+  _segment(tmp_path, [4, 5])
+  shutil.rmtree(tmp_path / "3")
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1 and report["verdict"] == "unprovable"
+  assert report["findings"][0]["message"] == "step 3 is not kept: its saved state cannot be compared"
+
+
+def test_resumes_before_the_earliest_kept_step_are_counted_not_judged(tmp_path, capsys):
+  _segment(tmp_path, [1, 2])
+  _segment(tmp_path, [3, 4])
+  _segment(tmp_path, [5, 6])
+  for step in (1, 2, 3, 4):
+    shutil.rmtree(tmp_path / str(step))
+  code, report, _ = _audit(capsys, tmp_path)
+  assert (code, report["verdict"], report["resumes_before_kept_steps"]) == (0, "ok", {"0": 2})
+
+
+def test_a_tampered_lineage_or_a_state_other_than_the_one_saved_is_a_break(tmp_path, capsys):
+  _segment(tmp_path, [1, 2, 3])
+  _segment(tmp_path, [4, 5])
+  backup = tmp_path.parent / "backup"
+  shutil.copytree(tmp_path, backup)
+
+  def retarget(header):
+    header["lineage"]["recent"][0]["state"] = "0123456789abcdef"
+  _edit_header(tmp_path, 4, retarget)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1 and "does not continue step 3's" in report["findings"][0]["message"]
+
+  # Step 3's state changed after step 4 resumed from it: not the state restored.
+  shutil.rmtree(tmp_path)
+  shutil.copytree(backup, tmp_path)
+  _edit_header(tmp_path, 3, lambda header: header["position"].update(next_index=2))
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1
+  assert "not the one step 3 holds" in report["findings"][0]["message"]
+
+
+def test_a_repeat_state_that_lost_pending_repeats_is_a_break(tmp_path, capsys):
+  _segment(tmp_path, [1, 2, 3], repeat=True)
+  _edit_header(tmp_path, 2, lambda header: header["counters"].update(yielded=1))
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1
+  assert "1 items yielded, but 2 produced x num_repeats=3 - 4 pending = 2" in report["findings"][0]["message"]
+
+
+def test_a_root_without_data_states_is_unprovable_and_usage_errors_exit_2(tmp_path, capsys):
+  with ocp.CheckpointManager(str(tmp_path / "model"), item_names=("params",)) as manager:
+    manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": np.ones(2)})))
+  code, report, _ = _audit(capsys, tmp_path / "model")
+  assert code == 1 and report["verdict"] == "unprovable"
+  assert report["findings"][0]["message"].startswith("no data state in item 'data'")
+  assert _audit(capsys, tmp_path / "missing")[0] == 2
+
+
+def test_plot_without_matplotlib_is_a_usage_error_naming_the_extra(tmp_path, capsys, monkeypatch):
+  _segment(tmp_path, [1])
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  code = cli.main(["audit", str(tmp_path), "--plot", str(tmp_path / "t.png")])
+  assert code == 2 and "pip install 'ckpt_iter[plot]'" in capsys.readouterr().err
+
+
+def test_the_text_report_and_picture(tmp_path, capsys):
+  _segment(tmp_path, [1, 2])
+  _segment(tmp_path, [3])
+  code = cli.main(["audit", str(tmp_path), "--plot", str(tmp_path / "t.png")])
+  out = capsys.readouterr().out.splitlines()
+  assert code == 0
+  assert out[1] == "  ok: process 0: resume from step 2 (first saved at step 3): resumed exactly at step 2's saved state, position 2"
+  assert out[2] == "unbroken chain: 3 state(s), 1 resume(s), 1 proven exact"
+  assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_lineage_stays_bounded_and_its_running_digest_covers_every_resume():
+  state = ckpt_iter.IteratorState(kind="data", fingerprint={}, position={"next_index": 0})
+  for step in range(70):
+    state = lineage.resumed(state, step)
+  assert state.lineage["resumes"] == 70 and len(state.lineage["recent"]) == lineage.MAX_RECENT
+  assert state.lineage["recent"][0]["step"] == 70 - lineage.MAX_RECENT
+  digest = lineage.empty()["digest"]
+  for step in range(70):
+    digest = lineage.fold(digest, lineage.resume_entry(ckpt_iter.IteratorState(
+        kind="data", fingerprint={}, position={"next_index": 0}), step))
+  assert digest == state.lineage["digest"]
+  # Grain's dict form keeps one structure: no lineage or content in it.
+  assert lineage.step_of_item_directory("gs://b/run/12/data") == 12
+  assert lineage.step_of_item_directory("/x/ckpt/data") is None
+
+
+def test_grain_form_leaves_out_content_and_lineage(tmp_path):
+  iterator = _segment(tmp_path, [1])
+  restored = _segment(tmp_path, [2])
+  assert restored.state().lineage["resumes"] == 1
+  assert set(restored.get_state()) == set(iterator.get_state()) and "lineage" not in restored.get_state()

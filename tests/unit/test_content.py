@@ -1,0 +1,218 @@
+"""The content check: a restore produces the element before the saved position again and compares.
+
+Each case saves a real Orbax step, changes what the pipeline produces while
+its definition (and so its fingerprint) stays the same, and restores into a
+fresh iterator over the same pipeline.
+"""
+
+import dataclasses
+import json
+import sys
+
+import grain
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import ckpt_iter
+from ckpt_iter import _content
+from ckpt_iter import testing
+from ckpt_iter import errors
+
+
+def _save(root, iterator, step=1):
+  with ocp.CheckpointManager(str(root), item_names=("data",)) as manager:
+    manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+    manager.wait_until_finished()
+
+
+def _restore(root, iterator, step=1):
+  with ocp.CheckpointManager(str(root), item_names=("data",)) as manager:
+    manager.restore(step, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(iterator)))
+  return iterator
+
+
+def _vocabulary_pipeline(vocabulary_file):
+  def tokenize(record):
+    with open(vocabulary_file) as f:
+      vocabulary = json.load(f)
+    return {"tokens": np.array([vocabulary[w] for w in record["text"].split()], np.int32),
+            "id": record["id"]}
+
+  records = [{"id": i, "text": "a b" if i % 2 else "b a"} for i in range(12)]
+  return ckpt_iter.make_dataset(records, batch_size=2, seed=0, num_epochs=1,
+                                shard_index=0, shard_count=1, transform=tokenize)
+
+
+def test_a_changed_vocabulary_file_behind_the_same_pipeline_is_refused_naming_the_field(tmp_path):
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+  iterator = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
+  for _ in range(3):
+    next(iterator)
+  _save(tmp_path / "ckpt", iterator)
+  vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
+  fresh = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
+  assert fresh.fingerprint == iterator.fingerprint  # the definition did not change
+  with pytest.raises(errors.ContentDriftError) as raised:
+    _restore(tmp_path / "ckpt", fresh)
+  message = str(raised.value)
+  assert "content: the element before the saved position (index 2)" in message
+  assert "field 'tokens'" in message and "check_content=False" in message
+  assert list(raised.value.differences) == ["content.tokens"]
+  assert isinstance(raised.value, errors.ConfigDriftError)
+  # Refused before anything was applied: the iterator is still at the start.
+  assert fresh.state().position == {"next_index": 0}
+
+
+def test_nothing_changed_restores_silently_and_continues_exactly(tmp_path):
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+  iterator = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
+  for _ in range(3):
+    next(iterator)
+  _save(tmp_path / "ckpt", iterator)
+  fresh = _restore(tmp_path / "ckpt", ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary))))
+  testing.assert_trees_equal(next(fresh), next(iterator))
+  assert fresh.state() == iterator.state()
+
+
+def test_check_content_false_continues_with_the_new_output_and_says_so_in_the_state(tmp_path):
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+  iterator = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
+  next(iterator)
+  _save(tmp_path / "ckpt", iterator)
+  vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
+  fresh = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)), check_content=False)
+  _restore(tmp_path / "ckpt", fresh)
+  assert next(fresh)["tokens"].tolist() == [[7, 1], [1, 7]]
+  assert fresh.state().content == {"check": "off: check_content=False"}
+
+
+def test_a_changed_record_outside_the_sampled_source_digest_is_refused(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  records = [{"id": i, "text": f"prompt {i:04d}"} for i in range(400)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+  def pipeline():
+    return ckpt_iter.make_dataset(str(path), batch_size=4, seed=1, num_epochs=1,
+                                  shard_index=0, shard_count=1)
+
+  iterator = ckpt_iter.DataIterator(pipeline())
+  for _ in range(5):
+    batch = next(iterator)
+  _save(tmp_path / "ckpt", iterator)
+  # Edit one record of the last batch read, keeping its length, such that
+  # the fingerprint (whose source_digest samples 64 records) is unchanged.
+  for record_id in batch["id"].tolist():
+    edited = list(records)
+    edited[record_id] = {"id": record_id, "text": f"prompt {record_id:04d}".replace("prompt", "PROMPT")}
+    path.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    if ckpt_iter.DataIterator(pipeline()).fingerprint == iterator.fingerprint:
+      break
+  else:
+    pytest.fail("every record of the batch is sampled by source_digest: choose another seed")
+  with pytest.raises(errors.ContentDriftError, match=r"field 'text'"):
+    _restore(tmp_path / "ckpt", ckpt_iter.DataIterator(pipeline()))
+
+
+SCALE = 2  # stands for a library default that an upgrade changes
+
+
+def _scaled(x):
+  return {"x": np.int64(x) * SCALE}
+
+
+def test_a_map_function_whose_output_changed_is_refused(tmp_path, monkeypatch):
+  dataset = grain.MapDataset.range(10).map(_scaled)
+  iterator = ckpt_iter.DataIterator(dataset)
+  for _ in range(4):
+    next(iterator)
+  _save(tmp_path / "ckpt", iterator)
+  monkeypatch.setattr(sys.modules[__name__], "SCALE", 3)
+  fresh = ckpt_iter.DataIterator(grain.MapDataset.range(10).map(_scaled))
+  assert fresh.fingerprint == iterator.fingerprint
+  with pytest.raises(errors.ContentDriftError, match=r"index 3\).*field 'x'"):
+    _restore(tmp_path / "ckpt", fresh)
+
+
+def test_filtered_elements_are_skipped_back_to_the_one_produced(tmp_path):
+  def dataset():
+    return grain.MapDataset.range(20).filter(lambda x: x % 5 == 0).map(lambda x: {"x": np.int64(x)})
+
+  iterator = ckpt_iter.DataIterator(dataset())
+  assert [int(next(iterator)["x"]) for _ in range(2)] == [0, 5]
+  _save(tmp_path / "ckpt", iterator)
+  fresh = _restore(tmp_path / "ckpt", ckpt_iter.DataIterator(dataset()))
+  assert int(next(fresh)["x"]) == 10
+
+
+def test_a_consumer_adding_keys_to_the_batch_does_not_change_the_record(tmp_path):
+  iterator = ckpt_iter.DataIterator(grain.MapDataset.range(6).map(lambda x: {"x": np.int64(x)}))
+  batch = next(iterator)
+  batch["added_by_the_trainer"] = np.zeros(3)
+  _save(tmp_path / "ckpt", iterator)
+  _restore(tmp_path / "ckpt", ckpt_iter.DataIterator(grain.MapDataset.range(6).map(lambda x: {"x": np.int64(x)})))
+
+
+def test_repeat_iterator_checks_its_source_element(tmp_path):
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+
+  def repeat():
+    return ckpt_iter.RepeatIterator(ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary))),
+                                    produce=lambda b: {"y": b["tokens"] * 10}, num_repeats=2)
+
+  iterator = repeat()
+  for _ in range(3):
+    next(iterator)
+  _save(tmp_path / "ckpt", iterator)
+  assert iterator.state().content["check"] == _content.BY_INDEX
+  vocabulary.write_text(json.dumps({"a": 5, "b": 2}))
+  with pytest.raises(errors.ContentDriftError, match="field 'tokens'"):
+    _restore(tmp_path / "ckpt", repeat())
+
+
+def test_pipelines_that_cannot_produce_an_element_again_say_so():
+  iterator = ckpt_iter.DataIterator(grain.MapDataset.range(5).to_iter_dataset())
+  next(iterator)
+  assert iterator.state().content == {"check": _content.ITER_DATASET}
+  assert "cannot" in _content.ITER_DATASET
+
+
+def test_a_state_without_a_content_record_restores_without_a_check(monkeypatch):
+  iterator = ckpt_iter.DataIterator(grain.MapDataset.range(8).map(_scaled))
+  for _ in range(3):
+    next(iterator)
+  old = dataclasses.replace(iterator.state(), content=None)  # as an older ckpt_iter wrote it
+  monkeypatch.setattr(sys.modules[__name__], "SCALE", 3)
+  fresh = ckpt_iter.DataIterator(grain.MapDataset.range(8).map(_scaled))
+  fresh.restore_state(old)
+  assert int(next(fresh)["x"]) == 9
+
+
+def test_digest_names_the_first_differing_leaf_and_refuses_objects():
+  a = _content.digest({"b": np.arange(3), "a": {"c": "x", "d": [1, 2.5]}})
+  b = _content.digest({"b": np.arange(3), "a": {"c": "x", "d": [1, 2.75]}})
+  assert list(a["fields"]) == ["a.c", "a.d[0]", "a.d[1]", "b"]
+  assert _content.first_difference(a, b)[0] == "a.d[1]"
+  assert _content.first_difference(a, a) is None
+  # dtype and shape are part of a leaf, not only its bytes
+  assert _content.digest(np.zeros(4, np.int32))["digest"] != _content.digest(np.zeros(2, np.int64))["digest"]
+  assert _content.digest({"o": object()})["check"].startswith("unavailable: the element holds a object")
+
+
+def test_content_and_lineage_fields_are_validated():
+  good = {"kind": "data", "fingerprint": {}, "position": {"next_index": 1}}
+  for bad in ({"check": 3}, {"check": "index", "fields": {"a": 1}}, {"check": "index", "extra": ""}):
+    with pytest.raises(errors.InvalidStateError, match="'content'"):
+      ckpt_iter.IteratorState(**good, content=bad)
+  for bad in ({"resumes": 1, "digest": "0", "recent": [{"step": "x", "state": "a"}]},
+              {"resumes": 0, "digest": "0", "recent": [{"step": 1, "state": "a"}]},
+              {"resumes": -1, "digest": "0", "recent": []}):
+    with pytest.raises(errors.InvalidStateError, match="'lineage'"):
+      ckpt_iter.IteratorState(**good, lineage=bad)
+  state = ckpt_iter.IteratorState(**good, content={"check": "index", "digest": "ab", "fields": {}})
+  assert state == ckpt_iter.IteratorState(**good)  # how it came about is not where it continues
+  assert "content" in state.to_dict() and "content" not in ckpt_iter.IteratorState(**good).to_dict()
