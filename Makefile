@@ -43,12 +43,14 @@ clean:
 # the optional integrations (Tunix, Hugging Face), whose tests then skip.
 LOWEST_VENV ?= .venv-lowest
 LOWEST_PINS := jax==0.8.3 jaxlib==0.8.3 orbax-checkpoint==0.11.40 grain==0.2.17 numpy==2.0.2
-$(LOWEST_VENV)/bin/python:
-	$(PYTHON) -m venv $(LOWEST_VENV)
+# Re-installed when pyproject.toml changes, as .venv is.
+$(LOWEST_VENV)/.installed: pyproject.toml
+	[ -x $(LOWEST_VENV)/bin/python ] || $(PYTHON) -m venv $(LOWEST_VENV)
 	$(LOWEST_VENV)/bin/pip install --quiet --upgrade pip
 	$(LOWEST_VENV)/bin/pip install --quiet -e '.[test-core]' $(LOWEST_PINS)
+	touch $@
 
-test-lowest: $(LOWEST_VENV)/bin/python
+test-lowest: $(LOWEST_VENV)/.installed
 	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests
 
 # The Tunix integration tests against upstream Tunix main (0.1.8), from the wheel
@@ -56,15 +58,17 @@ test-lowest: $(LOWEST_VENV)/bin/python
 TUNIX_MAIN_VENV ?= .venv-tunix-main
 TUNIX_MAIN_WHEEL ?= ../shared/peer/wheels/google_tunix-0.1.8-py3-none-any.whl
 .PHONY: test-tunix-main
-$(TUNIX_MAIN_VENV)/bin/python:
-	$(PYTHON) -m venv $(TUNIX_MAIN_VENV)
+$(TUNIX_MAIN_VENV)/.installed: pyproject.toml
+	[ -x $(TUNIX_MAIN_VENV)/bin/python ] || $(PYTHON) -m venv $(TUNIX_MAIN_VENV)
 	$(TUNIX_MAIN_VENV)/bin/pip install -q -e '.[test]'
 	$(TUNIX_MAIN_VENV)/bin/pip install -q --no-deps $(TUNIX_MAIN_WHEEL)
 	$(TUNIX_MAIN_VENV)/bin/pip install -q perfetto tenacity 'qwix>=0.1.6'
+	touch $@
 
-test-tunix-main: $(TUNIX_MAIN_VENV)/bin/python
+test-tunix-main: $(TUNIX_MAIN_VENV)/.installed
 	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider --run-slow \
 	  tests/integration/test_tunix_main.py tests/integration/test_tunix_bugs.py \
 	  tests/integration/test_tunix_sft.py tests/integration/test_tunix_agentic.py \
 	  tests/integration/test_tunix_packing.py tests/integration/test_tunix_cli.py \
-	  tests/integration/test_tunix_object_store.py tests/unit/test_tunix_api.py
+	  tests/integration/test_tunix_object_store.py tests/integration/test_tunix_audit.py \
+	  tests/unit/test_tunix_api.py

@@ -14,7 +14,7 @@ Pure: no JAX, no Grain.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import struct
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -27,12 +27,9 @@ from ckpt_iter import state as state_lib
 # MapDataset. Any other `check` value says why it cannot (and has no digest).
 BY_INDEX = "index"
 ITER_DATASET = "unavailable: an IterDataset cannot produce an element again"
-# A Tunix learner's input is split into micro-batches and read ahead by its
-# producer: its states record no element (yet).
-TUNIX_INPUT = "unavailable: not recorded for a Tunix learner's input"
+_NPY_OBJECT, _NPY_VOID = np.dtype(object).num, np.dtype("V1").num
 WHOLE_ELEMENT = "element"
 _MAX_DEPTH = 32
-_DIGEST_BYTES = 8
 
 
 class Undigestible(Exception):
@@ -47,42 +44,49 @@ def digest(element: Any) -> dict[str, Any]:
   tuples and dataclasses. Anything else has no stable bytes: the record then
   says so and the restore checks nothing.
   """
-  fields: dict[str, str] = {}
-  whole = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+  leaves: list[str] = []  # "name\0crc", every leaf
   try:
-    _visit(element, "", 0, fields, whole)
+    if type(element) is dict and all(type(v) is np.ndarray for v in element.values()):
+      # The usual batch, a dict of arrays, without the walk: a save runs this
+      # cold, right after a batch, where every call costs several times more.
+      leaves = [f"{key}\0{_leaf_crc(element[key]):08x}" for key in _sorted_keys(element)]
+    else:
+      _visit(element, "", 0, leaves)
   except Undigestible as e:
     return {"check": f"unavailable: the element holds {e}"}
-  return {"check": BY_INDEX, "digest": whole.hexdigest(), "fields": fields}
+  fields = dict(leaf.rsplit("\0", 1) for leaf in leaves[: state_lib.MAX_CONTENT_FIELDS])
+  # Over every leaf's name and CRC: two 32-bit checksums of a short string (a
+  # hash object would cost more than the rest, cold, at a save).
+  joined = "\0".join(leaves).encode("utf-8", "surrogatepass")
+  return {"check": BY_INDEX, "digest": f"{zlib.crc32(joined):08x}{zlib.adler32(joined):08x}", "fields": fields}
 
 
-def _visit(node: Any, path: str, depth: int, fields: dict[str, str], whole: Any) -> None:
+def _visit(node: Any, path: str, depth: int, leaves: list[str]) -> None:
+  # Runs at every save, cold, right after a batch: the common shapes (a dict
+  # of arrays, an array) take the shortest path.
   if depth > _MAX_DEPTH:
     raise Undigestible(f"containers nested deeper than {_MAX_DEPTH}")
   kind = type(node)
-  if kind is not np.ndarray:  # the common leaf skips the container checks (~1 us each)
-    if kind is dict or isinstance(node, Mapping):
-      try:
-        keys = sorted(node)
-      except TypeError:  # keys of mixed types
-        keys = sorted(node, key=repr)
-      for key in keys:
-        _visit(node[key], f"{path}.{key}" if path else str(key), depth + 1, fields, whole)
-      return
-    if isinstance(node, (list, tuple)):
-      for index, child in enumerate(node):
-        _visit(child, f"{path}[{index}]", depth + 1, fields, whole)
-      return
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-      for field in dataclasses.fields(node):
-        _visit(getattr(node, field.name), f"{path}.{field.name}" if path else field.name,
-               depth + 1, fields, whole)
-      return
-  leaf = f"{_leaf_crc(node):08x}"
-  name = path or WHOLE_ELEMENT
-  if len(fields) < state_lib.MAX_CONTENT_FIELDS:
-    fields[name] = leaf
-  whole.update(f"{name}\0{leaf}\0".encode("utf-8", "surrogatepass"))
+  if kind is np.ndarray:
+    leaves.append(f"{path or WHOLE_ELEMENT}\0{_leaf_crc(node):08x}")
+  elif kind is dict or isinstance(node, Mapping):
+    for key in _sorted_keys(node):
+      _visit(node[key], f"{path}.{key}" if path else str(key), depth + 1, leaves)
+  elif isinstance(node, (list, tuple)):
+    for index, child in enumerate(node):
+      _visit(child, f"{path}[{index}]", depth + 1, leaves)
+  elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+    for field in dataclasses.fields(node):
+      _visit(getattr(node, field.name), f"{path}.{field.name}" if path else field.name, depth + 1, leaves)
+  else:
+    leaves.append(f"{path or WHOLE_ELEMENT}\0{_leaf_crc(node):08x}")
+
+
+def _sorted_keys(mapping: Mapping[Any, Any]) -> list[Any]:
+  try:
+    return sorted(mapping)
+  except TypeError:  # keys of mixed types
+    return sorted(mapping, key=repr)
 
 
 def _leaf_crc(node: Any) -> int:
@@ -96,10 +100,19 @@ def _leaf_crc(node: Any) -> int:
   if type(node) is not np.ndarray and (isinstance(node, np.generic) or hasattr(node, "__array__")
                                         and hasattr(node, "dtype")):
     node = np.asarray(node)
-  if isinstance(node, np.ndarray):
-    if node.dtype.hasobject:
-      raise Undigestible(f"an object array ({node.dtype})")
-    crc = zlib.crc32(f"{node.dtype.str}{node.shape}".encode("ascii"))
+  if type(node) is np.ndarray or isinstance(node, np.ndarray):
+    # As few dtype attributes as possible: each costs microseconds cold.
+    kind = node.dtype.num
+    if kind == _NPY_OBJECT:
+      raise Undigestible("an object array")
+    header = struct.pack(f"<{node.ndim + 1}q", kind, *node.shape)
+    if kind == _NPY_VOID:  # structured or opaque: its layout and fields too
+      if node.dtype.hasobject:
+        raise Undigestible(f"an object array ({node.dtype})")
+      header += str(node.dtype.descr).encode("utf-8")
+    elif node.dtype.byteorder == ">":
+      header += b">"
+    crc = zlib.crc32(header)
     if not node.flags.c_contiguous:
       node = np.ascontiguousarray(node)
     if not node.size:

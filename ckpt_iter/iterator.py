@@ -202,7 +202,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
             f"{origin}: field 'position' is {_short(position)}; this pipeline's "
             f"position is {{'next_index': 0..{self._length}}}."
         )
-      if position == state.position and not state_lib.differing_fields(state.fingerprint, self._fingerprint):
+      if (self._check_content and state.content is not None and position == state.position
+          and not state_lib.differing_fields(state.fingerprint, self._fingerprint)):
         self._check_same_content(state.content, next_index, origin)
 
       def apply() -> None:

@@ -15,7 +15,6 @@ Pure: no JAX, Grain or Orbax.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -94,7 +93,7 @@ def resumed(
 ) -> state_lib.IteratorState:
   """`restored` with the resume from `step` added to its lineage."""
   entry = resume_entry(restored, step, resized=resized)
-  return dataclasses.replace(restored, lineage=extended(restored.lineage, entry))
+  return restored.with_lineage(extended(restored.lineage, entry))
 
 
 def step_of_item_directory(directory: str) -> int | None:

@@ -133,6 +133,13 @@ class IteratorState:
     object.__setattr__(value, "format_version", FORMAT_VERSION)
     return value
 
+  def with_lineage(self, lineage: Mapping[str, Any]) -> "IteratorState":
+    """This value with another lineage (checked); the other fields are not checked again."""
+    value = object.__new__(type(self))
+    value.__dict__.update(self.__dict__)
+    object.__setattr__(value, "lineage", _checked_lineage(lineage, "IteratorState"))
+    return value
+
   def __hash__(self) -> int:
     # Over the JSON fields (pending arrays are unhashable): equal values hash equal.
     return hash((self.kind, _canonical_json(self.fingerprint), _canonical_json(self.position),

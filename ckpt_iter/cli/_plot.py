@@ -6,6 +6,9 @@ only here and only when `ckpt-iter audit --plot` asks for a picture.
 
 from __future__ import annotations
 
+import io
+
+from ckpt_iter import _storage
 from ckpt_iter.cli import _audit as auditing
 
 
@@ -35,9 +38,11 @@ def timeline(report: auditing.Report, path: str) -> None:
   try:
     _draw(axes, report)
     figure.tight_layout()
-    figure.savefig(path)
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
   finally:
     pyplot.close(figure)
+  _storage.write_bytes(path, png.getvalue())  # beside the checkpoints on gs:// too
 
 
 def _draw(axes, report: auditing.Report) -> None:

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
-from ckpt_iter import _content
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
@@ -585,7 +584,6 @@ class ConsumerLoop:
         fingerprint=self.fingerprint,
         position=position,
         pending=state_lib.Pending(items=tuple(items), schedule=tuple(schedule)),
-        content={"check": _content.TUNIX_INPUT},
         lineage=self.lineage,
         counters={
             "train_steps": int(self.cluster.actor_trainer.train_steps),

@@ -23,7 +23,6 @@ from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
 from ckpt_iter.tunix import _layouts as layouts_lib
 from ckpt_iter.tunix import _settings as settings_lib
-from ckpt_iter import _content
 from ckpt_iter import _drift
 from ckpt_iter import _item as item_lib
 from ckpt_iter import elastic as elastic_lib
@@ -192,7 +191,6 @@ class DataSession:
         position=position,
         shuffle_key=key,
         pending=pending,
-        content={"check": _content.TUNIX_INPUT},
         lineage=self.lineage,
         counters={
             "train_steps": int(trainer.train_steps),

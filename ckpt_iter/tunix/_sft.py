@@ -23,7 +23,6 @@ import orbax.checkpoint as ocp
 from tunix.sft import peft_trainer as _peft_trainer
 from tunix.sft.dpo import dpo_trainer as _dpo_trainer
 
-from ckpt_iter import _content
 from ckpt_iter import _item as item_lib
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import errors
@@ -250,7 +249,6 @@ class ResumableSft:
         fingerprint=self._ci_fingerprint,
         position=feed.position(),
         counters={"train_steps": int(self.train_steps), "iter_steps": int(self.iter_steps)},
-        content={"check": _content.TUNIX_INPUT},
         lineage=self._ci_lineage,
     )
 

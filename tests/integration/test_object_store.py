@@ -196,6 +196,30 @@ def test_inspect_verify_and_diff_read_a_gs_checkpoint(gcs_root, capsys):
   assert command.returncode == 0 and f"{root}" in command.stdout, command.stderr[-2000:]
 
 
+def test_audit_proves_a_resumed_gs_chain_and_writes_its_picture_to_the_bucket(gcs_root, capsys):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import cli as cli_lib  # pylint: disable=g-import-not-at-top
+  import object_store_worker as worker  # pylint: disable=g-import-not-at-top
+
+  root = f"{gcs_root}/chain"
+  for steps in ([1, 2], [3, 4]):  # two processes' worth: the second resumes from step 2
+    iterator = worker.build({"pipeline": "repeat"})
+    with ocp.CheckpointManager(root) as manager:
+      if manager.latest_step() is not None:
+        manager.restore(manager.latest_step(), args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(iterator)))
+      for step in steps:
+        next(iterator)
+        manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+      manager.wait_until_finished()
+  code = cli_lib.main(["audit", root, "--json", "--plot", f"{gcs_root}/timeline.png"])
+  report = json.loads(capsys.readouterr().out)
+  assert code == 0 and report["verdict"] == "ok", report["findings"]
+  assert [(f["resumed_from"], f["verdict"]) for f in report["findings"]] == [(2, "ok")]
+  assert _storage.read_bytes(f"{gcs_root}/timeline.png", max_bytes=2**22)[:4] == b"\x89PNG"
+
+
 # ---------------------------------------------------------------------------
 # Corrupt objects give the same typed errors as corrupt files, and leave the
 # iterator as it was.
