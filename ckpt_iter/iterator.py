@@ -56,8 +56,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     resumes at the same element and logs one line per change on the
     "ckpt_iter" logger. A MapDataset pipeline defined as before whose element
     before the saved position is no longer the one saved raises
-    ContentDriftError (`check_content`). A `make_dataset` pipeline under `mp_prefetch` also
-    resumes with another worker count, at the next element in the same order
+    ContentDriftError (`check_content`). A `make_dataset` pipeline under
+    `mp_prefetch` also resumes with another worker count, at the next element in the same order
     (`_graph.resume_workers`); other pipelines need the saved count. After a
     restore of a pipeline with worker processes (`mp_prefetch`), prefetching
     starts at once (google/grain#1211).
@@ -243,8 +243,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     one element's production. Elements a filter dropped (None) are skipped,
     at most `_CONTENT_LOOKBACK` of them.
     """
-    if not self._check_content or saved is None or saved.get("check") != _content.BY_INDEX:
-      return
+    if saved.get("check") != _content.BY_INDEX:
+      return  # the saving pipeline could not record it, or had the check off
     for index in range(next_index - 1, max(-1, next_index - 1 - _CONTENT_LOOKBACK), -1):
       element = self._dataset[index]
       if element is not None:

@@ -250,6 +250,12 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
     if summary["pending"]["item_types"]:
       rows.append(("pending types", ", ".join(summary["pending"]["item_types"])))
   rows.extend((f"counter {k}", str(v)) for k, v in summary["counters"].items())
+  if summary["content"] is not None:
+    rows.append(("content check", "by index (checked on restore)" if summary["content"] == "index"
+                 else summary["content"]))
+  resumes = summary["resumes"]
+  rows.append(("resumes", "none" if not resumes else
+               f"{resumes} (last from step {_scalar(summary['last_resume_from'])}); ckpt-iter audit checks them"))
   rows.extend(
       (f"fingerprint {k}", _scalar(v)) for k, v in summary["fingerprint"].items() if k not in shared
   )

@@ -232,6 +232,10 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
       "pending": _pending_summary(header.get("pending"), value.pending, specs),
       "counters": dict(value.counters),
       "fingerprint": dict(value.fingerprint),
+      "content": None if value.content is None else value.content.get("check"),
+      "resumes": 0 if value.lineage is None else value.lineage["resumes"],
+      "last_resume_from": (value.lineage["recent"][-1]["step"]
+                           if value.lineage is not None and value.lineage["recent"] else None),
   }
 
 

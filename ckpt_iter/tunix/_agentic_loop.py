@@ -152,13 +152,13 @@ class ConsumerLoop:
     position = value.position
     counters = value.counters
     replay = self._check_replay(value)
-    self.lineage = value.lineage
     fields = set(self.source.fingerprint)
     checked = self.source.check(
         {k: v for k, v in value.fingerprint.items() if k in fields}, position["source"],
         allow_drift=(), origin="the agentic data state",
     )
     self.source.apply(checked, position["source"])
+    self.lineage = value.lineage
     refeed: list[Any] = []
     first = int(position["prompt_index"])
     for index in range(int(position["batches_fed"])):
