@@ -553,8 +553,9 @@ def _pod_verdict(summary: dict, rows: list[dict]) -> str:
     spread = f"{_fmt(min(extra), 2)}–{_fmt(max(extra), 2)} ms" if extra else "a fraction of a millisecond"
     lines.append(
         "Against Grain's handler, a restore validates the state (format, fingerprint field by field, "
-        f"a regular-file check of the open file) where Grain's only parses JSON: {spread} more "
-        "per restore, the same one file opened.")
+        "a regular-file check of the open file) and records the resume in the state's lineage "
+        "(a digest of the restored state, about 0.03 ms here), where Grain's only parses JSON: "
+        f"{spread} more per restore, the same one file opened.")
   return " ".join(lines) + "\n"
 
 
