@@ -44,13 +44,19 @@ def _vocabulary_pipeline(vocabulary_file):
                                 shard_index=0, shard_count=1, transform=tokenize)
 
 
-def test_a_changed_vocabulary_file_behind_the_same_pipeline_is_refused_naming_the_field(tmp_path):
+def _saved_vocabulary_run(tmp_path, batches=3):
+  """A vocabulary file and an iterator saved at step 1 after `batches` batches tokenized with it."""
   vocabulary = tmp_path / "vocab.json"
   vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
   iterator = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
-  for _ in range(3):
+  for _ in range(batches):
     next(iterator)
   _save(tmp_path / "ckpt", iterator)
+  return vocabulary, iterator
+
+
+def test_a_changed_vocabulary_file_behind_the_same_pipeline_is_refused_naming_the_field(tmp_path):
+  vocabulary, iterator = _saved_vocabulary_run(tmp_path)
   vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
   fresh = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
   assert fresh.fingerprint == iterator.fingerprint  # the definition did not change
@@ -66,23 +72,14 @@ def test_a_changed_vocabulary_file_behind_the_same_pipeline_is_refused_naming_th
 
 
 def test_nothing_changed_restores_silently_and_continues_exactly(tmp_path):
-  vocabulary = tmp_path / "vocab.json"
-  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
-  iterator = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
-  for _ in range(3):
-    next(iterator)
-  _save(tmp_path / "ckpt", iterator)
+  vocabulary, iterator = _saved_vocabulary_run(tmp_path)
   fresh = _restore(tmp_path / "ckpt", ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary))))
   testing.assert_trees_equal(next(fresh), next(iterator))
   assert fresh.state() == iterator.state()
 
 
 def test_check_content_false_continues_with_the_new_output_and_says_so_in_the_state(tmp_path):
-  vocabulary = tmp_path / "vocab.json"
-  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
-  iterator = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
-  next(iterator)
-  _save(tmp_path / "ckpt", iterator)
+  vocabulary, _ = _saved_vocabulary_run(tmp_path, batches=1)
   vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
   fresh = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)), check_content=False)
   _restore(tmp_path / "ckpt", fresh)
