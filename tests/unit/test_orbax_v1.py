@@ -68,6 +68,9 @@ def test_training_checkpointer_saves_and_restores_the_data_item(tmp_path):
   checkpointer.load_checkpointables(3, {"data": ckpt_iter.IteratorCheckpointable(resumed)})
   checkpointer.close()
   testing.assert_trees_equal([next(resumed) for _ in range(3)], expected)
+  # The resume is recorded with its step, as through the v0 handler (ckpt-iter audit reads it).
+  (entry,) = resumed.state().lineage["recent"]
+  assert entry["step"] == 3 and resumed.state().lineage["resumes"] == 1
 
 
 def test_a_load_into_another_pipeline_is_refused_naming_the_field_and_changes_nothing(tmp_path):
