@@ -105,6 +105,12 @@ def audit(layout: inspection.Layout) -> Report:
                 UNPROVABLE, step, process_index,
                 f"no data state in item {layout.item!r} (written by stock Tunix, or without ckpt_iter)",
             ))
+        elif all(s.process_count > process_index for s in by_step[step].values()):
+          report.findings.append(Finding(
+              BROKEN, step, process_index,
+              "no state of this process, though the step's other processes have one (an incomplete "
+              "item: `ckpt-iter verify` says more)",
+          ))
         continue
       report.points.append(saved)
       findings = _own_checks(saved)

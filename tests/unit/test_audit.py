@@ -15,7 +15,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from etils import epath
+
 import ckpt_iter
+from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import cli
 from ckpt_iter import lineage
 
@@ -188,3 +191,17 @@ def test_grain_form_leaves_out_content_and_lineage(tmp_path):
   restored = _segment(tmp_path, [2])
   assert restored.state().lineage["resumes"] == 1
   assert set(restored.get_state()) == set(iterator.get_state()) and "lineage" not in restored.get_state()
+
+
+def test_a_process_missing_from_a_step_is_a_break(tmp_path, capsys):
+  for index in range(2):  # two processes' files, as each process's handler writes its own
+    iterator = ckpt_iter.DataIterator(_dataset())
+    next(iterator)
+    for step in (1, 2):
+      directory = tmp_path / str(step) / "data"
+      directory.mkdir(parents=True, exist_ok=True)
+      checkpoint_lib.IteratorCheckpointHandler(index, 2).save(epath.Path(directory), ckpt_iter.IteratorSave(iterator))
+  os.remove(tmp_path / "2" / "data" / "process_1-of-2.json")
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1
+  assert [(f["step"], f["process_index"], f["verdict"]) for f in report["findings"]] == [(2, 1, "broken")]
