@@ -64,9 +64,14 @@ class RunConfig:
   # Sleeps before each actor update: a slower trainer lets the producer
   # thread run ahead (async rollout), the case a save must not be fooled by.
   trainer_delay_seconds: float = 0.0
-  # "grain": a make_dataset MapDataset; "iterable": a one-shot generator of
-  # the same batches (restored by replay).
+  # The same batches in several forms. "grain": make_dataset's MapDataset;
+  # "map": a MapDataset built by hand with Grain's own methods; "iter": the
+  # make_dataset pipeline `.to_iter_dataset()`; "dataloader": a
+  # grain.DataLoader over it; "list": a list of the batches; "iterable": a
+  # one-shot generator of them (the last two restored by replay).
   input_kind: str = "grain"
+  # Passes over the prompts (None: repeat forever, so max_steps ends the run).
+  num_epochs: int | None = None
   # "explicit": CheckpointManagerOptions(save_interval_steps, max_to_keep=1000);
   # "default": checkpointing_options=None (Tunix's own default policy).
   checkpointing: str = "explicit"
@@ -282,11 +287,13 @@ def _resumable(stock_cls: type) -> type:
 def make_train_dataset(config: RunConfig) -> Any:
   from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
 
+  import grain  # pylint: disable=g-import-not-at-top
+
   dataset = dataset_lib.make_dataset(
       load_prompts(config.num_prompts),
       batch_size=config.batch_size,
       seed=config.dataset_seed,
-      num_epochs=None,
+      num_epochs=config.num_epochs,
       shard_index=0,
       shard_count=1,
   )
@@ -294,9 +301,43 @@ def make_train_dataset(config: RunConfig) -> Any:
     return _uneven_batches(config)
   if config.input_kind == "grain":
     return dataset
+  if config.input_kind == "map":
+    return _hand_built_dataset(config)
+  if config.input_kind == "iter":
+    return dataset.to_iter_dataset()
+  if config.input_kind == "dataloader":
+    # As a DataLoader user writes it: records, a seeded sampler, a Batch operation.
+    rows = load_prompts(config.num_prompts)
+    return grain.DataLoader(
+        data_source=rows,
+        sampler=grain.samplers.IndexSampler(
+            len(rows), shard_options=grain.sharding.NoSharding(),
+            shuffle=config.dataset_seed is not None, seed=config.dataset_seed or 0,
+            num_epochs=config.num_epochs),
+        operations=[grain.transforms.Batch(config.batch_size, drop_remainder=True)],
+        worker_count=0,
+    )
+  if config.num_epochs is None:
+    raise ValueError(f"input_kind={config.input_kind!r} needs num_epochs (a finite list of batches).")
+  if config.input_kind == "list":
+    return [dataset[index] for index in range(len(dataset))]
   if config.input_kind == "iterable":
     return (dataset[index] for index in range(len(dataset)))
-  raise ValueError(f"input_kind={config.input_kind!r}: expected 'grain' or 'iterable'.")
+  raise ValueError(
+      f"input_kind={config.input_kind!r}: expected 'grain', 'map', 'iter', 'dataloader', 'list' or 'iterable'."
+  )
+
+
+def _hand_built_dataset(config: RunConfig) -> Any:
+  """The prompts as a user builds them with Grain alone: source, shuffle, repeat, batch."""
+  import grain  # pylint: disable=g-import-not-at-top
+
+  rows = load_prompts(config.num_prompts)
+  dataset = grain.MapDataset.source(rows)
+  if config.dataset_seed is not None:
+    dataset = dataset.shuffle(seed=config.dataset_seed)
+  dataset = dataset.repeat(config.num_epochs)
+  return dataset.batch(config.batch_size, drop_remainder=True)
 
 
 def _uneven_batches(config: RunConfig) -> list[dict[str, Any]]:
@@ -333,6 +374,16 @@ class TrainerInputRecorder:
       return original(train_ds, eval_ds, skip_jit)
 
     cluster.update_actor = update_actor
+    # Where the actor's trainer evaluates (Tunix decides, per update, from its eval input).
+    self.eval_steps: list[int] = []
+    trainer = cluster.actor_trainer
+    run_eval = trainer._run_eval  # pylint: disable=protected-access
+
+    def record_eval(*args, **kwargs):
+      self.eval_steps.append(int(trainer.train_steps))
+      return run_eval(*args, **kwargs)
+
+    trainer._run_eval = record_eval  # pylint: disable=protected-access
 
   def save(self, path: str, meta: dict[str, Any]) -> None:
     arrays = {
@@ -340,7 +391,7 @@ class TrainerInputRecorder:
         for i, fields in enumerate(self.inputs)
         for name, value in fields.items()
     }
-    meta = dict(meta, num_inputs=len(self.inputs), train_steps=self.train_steps)
+    meta = dict(meta, num_inputs=len(self.inputs), train_steps=self.train_steps, eval_steps=self.eval_steps)
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     np.savez(path, **arrays)
 
@@ -428,8 +479,25 @@ def run(config: RunConfig, root: str, out: str, preempt_step: int | None = None)
   if config.with_eval:
     eval_ds = make_eval_dataset(config)
   learner.train(make_train_dataset(config), eval_ds, **train_kwargs)
+  meta["actor_digest"] = actor_digest(learner)
   finish(False)
   return meta
+
+
+def actor_digest(learner: Any) -> str:
+  """sha256 of the actor's parameters, leaf by leaf (the final weights, bit for bit)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  digest = hashlib.sha256()
+  model = learner.rl_cluster.actor_trainer.model
+  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+    value = np.asarray(leaf)
+    digest.update(f"{jax.tree_util.keystr(path)}:{value.dtype}:{value.shape}".encode())
+    digest.update(value.tobytes())
+  return digest.hexdigest()
 
 
 def make_eval_dataset(config: RunConfig) -> Any:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any, Collection, Iterable
+from typing import TYPE_CHECKING, Any, Collection, Iterable
 
 import jax
 import numpy as np
@@ -31,6 +31,7 @@ from tunix.rl.ppo import ppo_learner
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _items
 from ckpt_iter.tunix import _session
+from ckpt_iter.tunix import _signature
 from ckpt_iter.tunix._agentic import ResumableAgentic, ResumableAgenticGRPOLearner
 from ckpt_iter.tunix._sft import ResumableDPOTrainer, ResumablePeftTrainer, ResumableSft
 from ckpt_iter import checkpoint as checkpoint_lib
@@ -68,7 +69,8 @@ class Resumable:
   """Mixin that makes a `tunix.rl.rl_learner.RLLearner` subclass resume exactly.
 
   Put it first in the bases: `class MyLearner(Resumable, DAPOLearner): pass`.
-  The constructor is the Tunix class's, unchanged.
+  The constructor is the Tunix class's, unchanged: the class binds and
+  shows (`inspect.signature`) exactly the Tunix class's parameters.
 
   Guarantees (with a Grain dataset as input; see docs/tunix.md):
     * a checkpoint after any optimizer update, mid-repeat included, resumes
@@ -83,19 +85,26 @@ class Resumable:
       the uninterrupted run would have used.
   """
 
-  def __init__(self, *args, **kwargs):
-    # Arguments go to the Tunix class untouched: it accepts what it accepts
-    # (rl_cluster= and/or rl_engine=, ppo_config= or algo_config=).
-    super().__init__(*args, **kwargs)
-    api.require_api(self)
-    self._ci_initial_key = api.take_shuffle_key(self)
-    # What the fingerprint records: the seed as given, or (passed
-    # positionally) the key it made, as integers.
-    self._ci_data_shuffle_seed = kwargs.get(
-        "data_shuffle_seed",
-        None if self._ci_initial_key is None else list(repeat_lib.key_to_ints(self._ci_initial_key)),
-    )
-    self._ci_session: _session.DataSession | None = None
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _signature.presents_stock_signature(cls, Resumable)
+
+  if not TYPE_CHECKING:  # so that type checkers see the Tunix constructor
+
+    def __init__(self, *args, **kwargs):
+      # Arguments go to the Tunix class untouched: it accepts what it accepts
+      # (rl_cluster= and/or rl_engine=, ppo_config= or algo_config=) and
+      # raises TypeError for anything else.
+      super().__init__(*args, **kwargs)
+      api.require_api(self)
+      self._ci_initial_key = api.take_shuffle_key(self)
+      # What the fingerprint records: the seed as given, or (passed
+      # positionally) the key it made, as integers.
+      self._ci_data_shuffle_seed = kwargs.get(
+          "data_shuffle_seed",
+          None if self._ci_initial_key is None else list(repeat_lib.key_to_ints(self._ci_initial_key)),
+      )
+      self._ci_session: _session.DataSession | None = None
 
   # --- public API ------------------------------------------------------------
 
@@ -139,7 +148,8 @@ class Resumable:
       _LOG.info("ckpt_iter: the restored checkpoint is the run's last (max_steps reached); nothing to train.")
       self.rl_cluster.close()
       return
-    super().train(session.tunix_input(), eval_ds, skip_jit)
+    with session.restored_evaluation():
+      super().train(session.tunix_input(), eval_ds, skip_jit)
 
   # --- overrides of Tunix internals -------------------------------------------
 
@@ -164,6 +174,11 @@ class Resumable:
       mode=rl_cluster_lib.Mode.TRAIN,
   ):
     session = _session_of(self)
+    if session is not None and mode == rl_cluster_lib.Mode.EVAL:
+      return self._ci_prepare_eval(
+          session, iterator, proceed_num_steps, sample_repeat, batch_repeat,
+          service_target_batch_size, data_queue, async_loading,
+      )
     if mode != rl_cluster_lib.Mode.TRAIN or session is None:
       return super()._prepare_data(
           iterator, proceed_num_steps, sample_repeat, batch_repeat,
@@ -177,7 +192,7 @@ class Resumable:
       data_queue.put([example])
 
     try:
-      pending = session.take_restored_pending()
+      pending = session.take_restored_pending(mini_batch)
       if pending is not None:
         # Also opens this global step's train metrics buffer, which Tunix's
         # evaluation path expects a rollout to have opened.
@@ -196,6 +211,38 @@ class Resumable:
       mini_batch.key_after = repeat_lib.key_to_ints(session.key)
       mini_batch.done.set()
       data_queue.put(None)
+
+  def _ci_prepare_eval(
+      self, session, iterator, proceed_num_steps, sample_repeat, batch_repeat,
+      service_target_batch_size, data_queue, async_loading,
+  ) -> None:
+    """Tunix's evaluation input for the current mini-batch: restored if it has one, else Tunix's.
+
+    Tunix takes the first item it queues (`eval_data_queue.get()`); the
+    session keeps it, so a checkpoint inside the mini-batch can hold it.
+    """
+    restored = session.current_eval_input()
+    if restored is not None:
+      data_queue.put(restored)
+      data_queue.put(None)
+      return
+    queued: list[Any] = []
+
+    class _Recording:
+      def put(self, item, *args, **kwargs):
+        if item is not None and not queued:
+          queued.append(item)
+        return data_queue.put(item, *args, **kwargs)
+
+      def __getattr__(self, name):
+        return getattr(data_queue, name)
+
+    super()._prepare_data(
+        iterator, proceed_num_steps, sample_repeat, batch_repeat,
+        service_target_batch_size, _Recording(), async_loading, rl_cluster_lib.Mode.EVAL,
+    )
+    if queued:
+      session.record_eval_input(queued[0])
 
   def _ci_produce(
       self, session, proceed_num_steps, sample_repeat, batch_repeat,

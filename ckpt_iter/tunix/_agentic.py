@@ -24,7 +24,7 @@ its own consumer loop (`_agentic_loop.py`) with a deterministic order:
 from __future__ import annotations
 
 import logging
-from typing import Any, Collection, Iterable
+from typing import TYPE_CHECKING, Any, Collection, Iterable
 
 import jax
 from tunix.rl.agentic import agentic_grpo_learner
@@ -38,6 +38,7 @@ from ckpt_iter.tunix import _agentic_loop
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _sft
+from ckpt_iter.tunix import _signature
 
 _LOG = logging.getLogger("ckpt_iter")
 
@@ -46,10 +47,37 @@ LEARNER_FIELD = "agentic_learner"
 codec.register_pytree_dataclass("tunix.rl.agentic.TrainExample", agentic_rl_learner.TrainExample)
 
 
+def refuse_unmirrored_settings(learner: Any) -> None:
+  """Raises UnsupportedConfigError for what stock's agentic `train()` does and this loop does not.
+
+  The loop replaces Tunix's `train()`; a setting that changes what stock
+  trains and that the loop does not reproduce is refused here, by name,
+  rather than trained differently.
+  """
+  config = api.training_config(learner)
+  budget = getattr(config, "max_seq_token_per_tpu", None)
+  if budget is not None:
+    raise errors.UnsupportedConfigError(
+        f"max_seq_token_per_tpu={budget!r}: stock Tunix's agentic learner packs "
+        "trainer inputs with rl_utils.pack_sequences, which "
+        "ResumableAgenticGRPOLearner does not reproduce (it would train them "
+        "unpacked). Set RLTrainingConfig.max_seq_token_per_tpu=None, or use the "
+        "stock learner without exact resume."
+    )
+  if hasattr(api.agentic_cluster(learner), "critic_trainer"):
+    raise errors.UnsupportedConfigError(
+        "the RL cluster has a critic (critic_trainer): stock Tunix's agentic "
+        "learner updates it after every actor update, which "
+        "ResumableAgenticGRPOLearner does not reproduce. Build the cluster "
+        "without a critic model, or use the stock learner without exact resume."
+    )
+
+
 class ResumableAgentic:
   """Mixin that makes an `AgenticRLLearner` subclass resume exactly.
 
-  Put it first in the bases; the constructor is the Tunix class's, unchanged.
+  Put it first in the bases; the constructor is the Tunix class's, unchanged:
+  the class binds and shows (`inspect.signature`) exactly its parameters.
 
   Guarantees (single process; see docs/tunix.md, "Agentic learners"):
     * after a checkpoint at any optimizer update (inside a num_iterations
@@ -63,9 +91,17 @@ class ResumableAgentic:
     * the data state is written in the same Orbax step as the actor.
   """
 
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    self._ci_loop: _agentic_loop.ConsumerLoop | None = None
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _signature.presents_stock_signature(cls, ResumableAgentic)
+
+  if not TYPE_CHECKING:  # so that type checkers see the Tunix constructor
+
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      api.require_api(self, api.check_agentic_api(self))
+      refuse_unmirrored_settings(self)
+      self._ci_loop: _agentic_loop.ConsumerLoop | None = None
 
   def train(
       self,

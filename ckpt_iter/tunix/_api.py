@@ -3,9 +3,11 @@
 Tunix (google-tunix 0.1.7 and upstream main) has no public hook for the data side of a resume,
 so the integration overrides two learner methods (`_prepare_data`,
 `_run_global_step`, in `ckpt_iter.tunix`) and uses the private names listed in
-`REQUIRED_PRIVATE_API`. `check_private_api()` verifies them; the Resumable
-mixin calls it when a learner is built and tests call it directly, so a Tunix
-release that renames one fails loudly instead of resuming wrong.
+one list per learner family (`RL_LEARNER_PRIVATE_API`,
+`AGENTIC_LEARNER_PRIVATE_API`, `REQUIRED_SFT_TRAINER_ATTRIBUTES`). Each
+Resumable mixin checks its list when a learner is built, and tests call the
+checks directly, so a Tunix release that renames one fails loudly at
+construction instead of resuming wrong mid-run.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import numpy as np
 from ckpt_iter import errors
 
 # (module, class, attribute, parameters it must accept; None for data attributes)
-REQUIRED_PRIVATE_API: tuple[tuple[str, str, str, tuple[str, ...] | None], ...] = (
+PrivateName = tuple[str, str, str, "tuple[str, ...] | None"]
+
+# RLLearner subclasses (GRPO, PPO, DAPO, Dr.GRPO): `ckpt_iter.tunix.Resumable`.
+RL_LEARNER_PRIVATE_API: tuple[PrivateName, ...] = (
     ("tunix.rl.rl_learner", "RLLearner", "_prepare_data", (
         "iterator", "proceed_num_steps", "sample_repeat", "batch_repeat",
         "service_target_batch_size", "data_queue", "async_loading", "mode")),
@@ -34,17 +39,42 @@ REQUIRED_PRIVATE_API: tuple[tuple[str, str, str, tuple[str, ...] | None], ...] =
     ("tunix.rl.rl_learner", "RLLearner", "_num_iterations", ()),
     ("tunix.rl.rl_learner", "RLLearner", "_num_generations", ()),
 )
+REQUIRED_PRIVATE_API = RL_LEARNER_PRIVATE_API  # the name earlier releases exported
 # Instance attributes set by the constructors, checked on a built object.
 REQUIRED_LEARNER_ATTRIBUTES = ("_data_shuffle_seed", "_iter_steps", "_training_config")
 REQUIRED_TRAINER_ATTRIBUTES = ("_train_steps", "_iter_steps", "checkpoint_manager")
 
+# AgenticRLLearner subclasses: `ckpt_iter.tunix.ResumableAgentic` (its loop in
+# `_agentic_loop` calls these).
+_AGENTIC = "tunix.rl.agentic.agentic_rl_learner"
+AGENTIC_LEARNER_PRIVATE_API: tuple[PrivateName, ...] = (
+    (_AGENTIC, "AgenticRLLearner", "_build_orchestrator", ()),
+    (_AGENTIC, "AgenticRLLearner", "_create_agent_env_pair", ("single_example", "group_id", "pair_index")),
+    (_AGENTIC, "AgenticRLLearner", "_batch_to_train_example", ("batch_results", "mode")),
+    (_AGENTIC, "AgenticRLLearner", "_orchestrator_producer", (
+        "orchestrator", "prompt_iterator", "num_generations")),
+    (_AGENTIC, "AgenticRLLearner", "_create_micro_batch_iterator", (
+        "full_batch_iterator", "micro_batch_size")),
+    (_AGENTIC, "AgenticRLLearner", "_num_iterations", ()),
+    (_AGENTIC, "AgenticRLLearner", "_num_generations", ()),
+)
+AGENTIC_LEARNER_ATTRIBUTES = (
+    "_training_config", "_iter_steps", "_eval_iter_steps", "_last_eval_train_step",
+    "_rollout_sync_lock", "_compute_logps_micro_batch_size", "_full_batch_size",
+    "_rollout_micro_batch_size",
+)
+# Set by the agentic loop and read by Tunix's own methods (its orchestrator
+# producer and trainer-input conversion): a Tunix that stopped reading one
+# would silently ignore what the loop sets, so its code must still name it.
+AGENTIC_ATTRIBUTES_TUNIX_READS = ("_process_in_consumer", "_full_batch_size", "_rollout_micro_batch_size")
 
-def check_private_api() -> list[str]:
+
+def check_private_api(required: tuple[PrivateName, ...] = RL_LEARNER_PRIVATE_API) -> list[str]:
   """Returns one line per required private Tunix name that is missing."""
   import importlib  # pylint: disable=g-import-not-at-top
 
   problems = []
-  for module_name, class_name, attribute, parameters in REQUIRED_PRIVATE_API:
+  for module_name, class_name, attribute, parameters in required:
     cls = getattr(importlib.import_module(module_name), class_name)
     member = getattr(cls, attribute, None)
     if member is None:
@@ -67,8 +97,11 @@ def check_instance_api(learner: Any) -> list[str]:
       for name in REQUIRED_LEARNER_ATTRIBUTES
       if not hasattr(learner, name)
   ]
-  trainer = learner.rl_cluster.actor_trainer
-  problems += [
+  return problems + _check_actor_trainer(learner.rl_cluster.actor_trainer)
+
+
+def _check_actor_trainer(trainer: Any) -> list[str]:
+  problems = [
       f"actor trainer {type(trainer).__name__}.{name} is missing"
       for name in REQUIRED_TRAINER_ATTRIBUTES
       if not hasattr(trainer, name)
@@ -82,8 +115,33 @@ def check_instance_api(learner: Any) -> list[str]:
   return problems
 
 
-def require_api(learner: Any) -> None:
-  problems = check_private_api() + check_instance_api(learner)
+def check_agentic_api(learner: Any) -> list[str]:
+  """What a built agentic learner lacks of the Tunix names its loop relies on."""
+  from tunix.rl.agentic import agentic_rl_learner  # pylint: disable=g-import-not-at-top
+
+  problems = check_private_api(AGENTIC_LEARNER_PRIVATE_API)
+  problems += [
+      f"{type(learner).__name__}.{name} is missing"
+      for name in AGENTIC_LEARNER_ATTRIBUTES
+      if not hasattr(learner, name)
+  ]
+  read = set()
+  for member in vars(agentic_rl_learner.AgenticRLLearner).values():
+    code = getattr(member, "__code__", None)
+    if code is not None:
+      read |= _code_names(code)
+  problems += [
+      f"{_AGENTIC}.AgenticRLLearner no longer reads {name}"
+      for name in AGENTIC_ATTRIBUTES_TUNIX_READS
+      if name not in read
+  ]
+  return problems + _check_actor_trainer(agentic_cluster(learner).actor_trainer)
+
+
+def require_api(learner: Any, problems: list[str] | None = None) -> None:
+  """Raises UnsupportedConfigError naming what this Tunix lacks (RL learner by default)."""
+  if problems is None:
+    problems = check_private_api() + check_instance_api(learner)
   if problems:
     import tunix  # pylint: disable=g-import-not-at-top
 

@@ -13,11 +13,12 @@ import collections
 import hashlib
 import itertools
 import logging
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 import grain
 
 from ckpt_iter import _drift
+from ckpt_iter import _loader as loader_lib
 from ckpt_iter import errors
 from ckpt_iter import iterator as iterator_lib
 from ckpt_iter import state as state_lib
@@ -26,9 +27,13 @@ _LOG = logging.getLogger("ckpt_iter")
 
 
 class GrainSource:
-  """Full batches from a Grain dataset; positions restored in O(1)."""
+  """Full batches from a Grain dataset or DataLoader; positions restored in O(1).
 
-  def __init__(self, data_iterator: iterator_lib.DataIterator):
+  Wraps a `DataIterator` or a `DataLoaderIterator`: both restore an exact
+  position through their own `check_restore`.
+  """
+
+  def __init__(self, data_iterator: iterator_lib.DataIterator | loader_lib.DataLoaderIterator):
     self._iterator = data_iterator
 
   @property
@@ -36,6 +41,8 @@ class GrainSource:
     return self._iterator.fingerprint
 
   def position(self) -> dict[str, Any]:
+    if isinstance(self._iterator, loader_lib.DataLoaderIterator):
+      return dict(self._iterator.state().position)
     return dict(self._iterator.position())
 
   def check(self, fingerprint, position, *, allow_drift, origin) -> Callable[[], None]:
@@ -64,7 +71,7 @@ class GrainSource:
     Returns:
       (position, None) or (None, reason).
     """
-    dataset = self._iterator.dataset
+    dataset = getattr(self._iterator, "dataset", None)
     if not isinstance(dataset, grain.MapDataset):
       return None, "the input is not a random-access Grain MapDataset"
     if set(self.position()) != {"next_index"}:
@@ -247,16 +254,54 @@ class ReplaySource:
 
 
 def make_source(train_ds: Any) -> GrainSource | ReplaySource:
-  if isinstance(train_ds, iterator_lib.DataIterator):
+  if isinstance(train_ds, (iterator_lib.DataIterator, loader_lib.DataLoaderIterator)):
     return GrainSource(train_ds)
   if isinstance(train_ds, (grain.MapDataset, grain.IterDataset)):
     return GrainSource(iterator_lib.DataIterator(train_ds))
+  if isinstance(train_ds, grain.DataLoader):
+    # Its iterator's state is Grain's exact per-record position: O(1), no replay.
+    return GrainSource(loader_lib.DataLoaderIterator(train_ds))
   if isinstance(train_ds, (str, bytes)) or not hasattr(train_ds, "__iter__"):
     raise errors.InvalidArgumentError(
         f"train_ds of type {type(train_ds).__qualname__} is not iterable; pass a "
         "Grain dataset (ckpt_iter.make_dataset) or an iterable of batch dicts."
     )
   return ReplaySource(train_ds)
+
+
+def check_learner_state(
+    saved: Mapping[str, Any],
+    learner_fingerprint: Mapping[str, Any],
+    restorable: Any,
+    position: Any,
+    *,
+    allow_drift: frozenset[str],
+    origin: str,
+    optional_learner_fields: Collection[str] = (),
+) -> Any:
+  """The one fingerprint rule of every learner's restore; returns the checked apply value.
+
+  A learner's data state fingerprints two things: the learner's own fields
+  (`learner_fingerprint`: batch geometry, num_iterations, seeds...), compared
+  strictly, and the input's, left to the input's own `check` (for a Grain
+  dataset, `DataIterator.check_restore`, whose `_drift.reconcile` accepts what
+  keeps the stream, such as more epochs after the data ran out). So every
+  change `DataIterator` accepts is accepted by every learner.
+  `optional_learner_fields` are learner fields that a fingerprint holds only
+  in some configurations (set in one run, absent in the other).
+
+  Raises:
+    ConfigDriftError: a learner field differs, or the input refuses the change.
+  """
+  learner_fields = frozenset(learner_fingerprint) | frozenset(optional_learner_fields)
+  state_lib.check_fingerprint(
+      {k: v for k, v in saved.items() if k in learner_fields}, learner_fingerprint,
+      allow_drift=allow_drift & learner_fields, origin=origin,
+  )
+  return restorable.check(
+      {k: v for k, v in saved.items() if k not in learner_fields}, position,
+      allow_drift=allow_drift - learner_fields, origin=origin,
+  )
 
 
 def prompts_digest(prompts: Iterable[Any]) -> str:

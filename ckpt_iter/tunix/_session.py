@@ -9,12 +9,13 @@ at restore time it validates a saved state in full and applies it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 
@@ -50,6 +51,11 @@ class MiniBatch:
   global_steps: int  # rl_cluster.global_steps while it runs
   index_in_global_step: int
   queue: list[Any] = dataclasses.field(default_factory=list)
+  # The evaluation input Tunix gives this mini-batch's trainer inputs once it
+  # prepared one (at its first input at a multiple of eval_every_n_steps),
+  # and whether it came from the checkpoint rather than from a rollout here.
+  eval_input: list[Any] | None = None
+  eval_restored: bool = False
   position_after: dict[str, Any] | None = None
   key_after: tuple[int, ...] | None = None
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -65,6 +71,7 @@ class DataSession:
     self.current: MiniBatch | None = None
     self.index_in_global_step = 0
     self._restored_pending: list[Any] | None = None
+    self._restored_eval: list[Any] | None = None
     self._first_global_step: int | None = None
     self.lineage: Any = None  # the restored state's, with its resume
     self._lock = threading.Lock()
@@ -134,9 +141,65 @@ class DataSession:
         and self._restored_pending is None and self._first_global_step is None
     )
 
-  def take_restored_pending(self) -> list[Any] | None:
+  def take_restored_pending(self, mini_batch: MiniBatch) -> list[Any] | None:
+    """The restored pending inputs, for `mini_batch` (with the evaluation input they had)."""
     pending, self._restored_pending = self._restored_pending, None
+    restored_eval, self._restored_eval = self._restored_eval, None
+    if pending is not None and restored_eval is not None:
+      mini_batch.eval_input, mini_batch.eval_restored = restored_eval, True
     return pending
+
+  # --- evaluation inputs ---------------------------------------------------------
+  #
+  # Tunix prepares one evaluation input per mini-batch, at its first trainer
+  # input whose train step is a multiple of eval_every_n_steps, and passes it
+  # to that and every later update of the mini-batch (each update with one
+  # evaluates). A checkpoint inside a mini-batch holds that input, so the
+  # resumed rest of the mini-batch evaluates with it, as the uninterrupted run
+  # does, rather than with none (the restored mini-batch starts later).
+
+  def current_eval_input(self) -> list[Any] | None:
+    with self._lock:
+      mini_batch = self.current
+    return None if mini_batch is None else mini_batch.eval_input
+
+  def record_eval_input(self, eval_input: list[Any]) -> None:
+    with self._lock:
+      mini_batch = self.current
+    if mini_batch is not None and mini_batch.eval_input is None:
+      mini_batch.eval_input = eval_input
+
+  @contextlib.contextmanager
+  def restored_evaluation(self) -> Iterator[None]:
+    """While training: an update Tunix gives no evaluation input gets the restored one.
+
+    Only the mini-batch a mid-mini-batch checkpoint resumed has one (its
+    `eval_restored`); every other update is passed through unchanged.
+    """
+    cluster = self.learner.rl_cluster
+    names = [name for name in ("update_actor", "update_critic") if hasattr(cluster, name)]
+    own = {name: vars(cluster).get(name) for name in names}
+
+    def with_restored_eval(update: Any) -> Any:
+      def call(train_ds, eval_ds=None, skip_jit=False):
+        if eval_ds is None:
+          with self._lock:
+            mini_batch = self.current
+          if mini_batch is not None and mini_batch.eval_restored:
+            eval_ds = mini_batch.eval_input
+        return update(train_ds, eval_ds, skip_jit)
+      return call
+
+    for name in names:
+      setattr(cluster, name, with_restored_eval(getattr(cluster, name)))
+    try:
+      yield
+    finally:
+      for name in names:
+        if own[name] is None:
+          delattr(cluster, name)
+        else:
+          setattr(cluster, name, own[name])
 
   def take_first_global_step_size(self, per_global_step: int) -> int:
     size, self._first_global_step = self._first_global_step, None
@@ -171,19 +234,26 @@ class DataSession:
       global_steps = mini_batch.global_steps
       position, key = mini_batch.position_after, mini_batch.key_after
     pending = None
+    eval_input = () if mini_batch is None or mini_batch.eval_input is None else tuple(mini_batch.eval_input)
+    if mini_batch is None and self._restored_eval is not None:
+      eval_input = tuple(self._restored_eval)
     if pending_items:
       # A rollout still due for several repeats is queued several times:
-      # store it once, with the schedule saying where it comes back.
+      # store it once, with the schedule saying where it comes back. The
+      # mini-batch's evaluation input follows, outside the schedule.
       first_index: dict[int, int] = {}
       for example in pending_items:
         first_index.setdefault(id(example), len(first_index))
       distinct = {index: example for example in pending_items
                   for index in [first_index[id(example)]]}
       origin = f"checkpoint step {step}"
+      stored = [distinct[i] for i in range(len(distinct))] + list(eval_input)
       pending = state_lib.Pending(
-          items=tuple(items.for_checkpoint(learner, distinct[i], origin) for i in range(len(distinct))),
+          items=tuple(items.for_checkpoint(learner, item, origin) for item in stored),
           schedule=tuple(first_index[id(example)] for example in pending_items),
       )
+    else:
+      eval_input = ()  # at a mini-batch boundary the next one decides afresh
     mid_global_step = bool(pending_items) or remaining > 0
     value = state_lib.IteratorState(
         kind="tunix",
@@ -198,6 +268,7 @@ class DataSession:
             "global_steps": int(global_steps),
             "remaining_mini_batches": int(remaining),
             "mini_batches_per_global_step": int(self.mini_batches_per_global_step),
+            **({"eval_items": len(eval_input)} if eval_input else {}),
         },
     )
     return value, mid_global_step
@@ -318,14 +389,25 @@ class DataSession:
           f"{origin}: the data state was taken at train step {counters['train_steps']}, "
           f"but the model was restored at step {step}; they must come from one step."
       )
+    eval_items = counters.get("eval_items", 0)
+    scheduled = set(value.pending.schedule) if value.pending is not None else set()
+    if (
+        not state_lib.is_int(eval_items) or eval_items < 0
+        or eval_items > (len(value.pending.items) if value.pending is not None else 0)
+        or any(i >= len(value.pending.items) - eval_items for i in scheduled)
+    ):
+      raise errors.InvalidStateError(
+          f"{origin}: counter 'eval_items' is {eval_items!r}; it must count trailing "
+          "pending items the schedule does not use (the mini-batch's evaluation input)."
+      )
     saved_fingerprint, saved_settings = settings_lib.split(value.fingerprint)
     current_fingerprint, current_settings = settings_lib.split(self.fingerprint)
+    source_fields = set(self.input.source.fingerprint)
     try:
-      state_lib.check_fingerprint(saved_fingerprint, current_fingerprint, allow_drift=allow_drift, origin=origin)
-      source_fields = set(self.input.source.fingerprint)
-      checked = self.input.check(
-          {k: v for k, v in value.fingerprint.items() if k in source_fields},
-          value.position, allow_drift=allow_drift & source_fields, origin=origin,
+      checked = _input.check_learner_state(
+          saved_fingerprint, {k: v for k, v in current_fingerprint.items() if k not in source_fields},
+          self.input, value.position, allow_drift=allow_drift, origin=origin,
+          optional_learner_fields=("max_seq_token_per_tpu",),
       )
       continuation = None
     except errors.ConfigDriftError as drift:
@@ -349,6 +431,8 @@ class DataSession:
     self.lineage = value.lineage
     if value.pending is not None:
       self._restored_pending = [on_device[i] for i in value.pending.schedule]
+      if eval_items:
+        self._restored_eval = on_device[len(on_device) - eval_items:]
     remaining = counters["remaining_mini_batches"]
     if mid_global_step:
       self._first_global_step = remaining + (1 if value.pending is not None else 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Collection, Iterable
+from typing import TYPE_CHECKING, Any, Collection, Iterable
 
 import jax
 import orbax.checkpoint as ocp
@@ -30,6 +30,7 @@ from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items
+from ckpt_iter.tunix import _signature
 
 _LOG = logging.getLogger("ckpt_iter")
 
@@ -91,7 +92,8 @@ class ResumableSft:
   """Mixin that makes `PeftTrainer` (or a subclass) resume its input exactly.
 
   Put it first in the bases: `class MyTrainer(ResumableSft, DPOTrainer): pass`.
-  The constructor is the Tunix class's, unchanged.
+  The constructor is the Tunix class's, unchanged: the class binds and
+  shows (`inspect.signature`) exactly the Tunix class's parameters.
 
   Guarantees (the input is a Grain dataset; see docs/tunix.md):
     * every checkpoint Tunix writes (the forced one in `close()` included)
@@ -111,14 +113,20 @@ class ResumableSft:
   Tunix), which are resumed the stock way: skip `iter_steps` examples.
   """
 
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    api.require_sft_api(self)
-    # The step the constructor restored the model from (0: none).
-    self._ci_restored_step = int(self.train_steps)
-    self._ci_data_restored = False
-    self._ci_lineage: Any = None  # the restored state's, with its resume
-    self._ci_feed: _Feed | None = None
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _signature.presents_stock_signature(cls, ResumableSft)
+
+  if not TYPE_CHECKING:  # so that type checkers see the Tunix constructor
+
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      api.require_sft_api(self)
+      # The step the constructor restored the model from (0: none).
+      self._ci_restored_step = int(self.train_steps)
+      self._ci_data_restored = False
+      self._ci_lineage: Any = None  # the restored state's, with its resume
+      self._ci_feed: _Feed | None = None
 
   def train(
       self,
@@ -221,13 +229,9 @@ class ResumableSft:
           f"step {step} with gradient_accumulation_steps={grad_acc} needs "
           f"{step * grad_acc}..{(step + 1) * grad_acc - 1}."
       )
-    state_lib.check_fingerprint(
-        value.fingerprint, self._ci_fingerprint, allow_drift=allow_drift, origin=origin
-    )
-    source_fields = set(feed.source.fingerprint)
-    checked = feed.source.check(
-        {k: v for k, v in value.fingerprint.items() if k in source_fields},
-        value.position, allow_drift=allow_drift & source_fields, origin=origin,
+    checked = _input.check_learner_state(
+        value.fingerprint, _learner_fields(self._ci_fingerprint, feed.source), feed.source,
+        value.position, allow_drift=allow_drift, origin=origin,
     )
     # All checks passed: apply.
     feed.source.apply(checked, value.position)
@@ -251,6 +255,11 @@ class ResumableSft:
         counters={"train_steps": int(self.train_steps), "iter_steps": int(self.iter_steps)},
         lineage=self._ci_lineage,
     )
+
+
+def _learner_fields(fingerprint: dict[str, Any], source: Any) -> dict[str, Any]:
+  """The trainer's own fingerprint fields (the rest are the input's)."""
+  return {k: v for k, v in fingerprint.items() if k not in source.fingerprint}
 
 
 def _data_directory(trainer: Any, step: int) -> str | None:

@@ -67,6 +67,28 @@ def run_toy(
   return Run(inputs, meta, process.stderr)
 
 
+def run_in_one_process(
+    runs: list[tuple[dict[str, Any], str, str]], cache_dir: str | None = None
+) -> list[Run]:
+  """Runs (config, root, out) one after another in one fresh process; returns each run."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if any(config.get("async_rollout") for config, _, _ in runs):
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  if cache_dir:
+    env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  spec = os.path.join(os.path.dirname(runs[0][2]), "runs.json")
+  with open(spec, "w", encoding="utf-8") as f:
+    json.dump([{"config": c, "root": r, "out": o} for c, r, o in runs], f)
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_conformance_worker.py")
+  process = subprocess.run(
+      [sys.executable, worker, spec], env=env, capture_output=True, text=True,
+      timeout=_TIMEOUT_SECONDS * len(runs),
+  )
+  assert process.returncode == 0, f"toy runs failed:\n{process.stderr[-4000:]}"
+  return [Run(*toyrun.load_record(out), process.stderr) for _, _, out in runs]
+
+
 def assert_same_inputs(actual: list[dict], expected: list[dict], what: str) -> None:
   """Trainer inputs equal bit for bit: prompts, completions, advantages, log-probs."""
   actual_labels = ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in actual]

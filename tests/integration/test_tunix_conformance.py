@@ -1,0 +1,181 @@
+"""Differential conformance: a drop-in learner never trains what stock Tunix would not.
+
+A Hypothesis property over Tunix RL configurations (learner, num_iterations,
+batch geometry with gradient accumulation, shuffle seed, evaluation, input
+form, save interval, async rollout, sequence packing). For each drawn
+configuration, with real toy Tunix runs (real RLCluster, Orbax checkpoints,
+processes killed with os._exit):
+
+  (a) the drop-in run uninterrupted equals stock Tunix's uninterrupted run bit
+      for bit: every trainer input (prompts, completions, advantages,
+      log-probs), the steps where the trainer evaluates and the final actor
+      weights; except for the deliberate fixes docs/tunix.md lists, which
+      `deliberate_difference` names and which have tests of their own;
+  (b) killed after 1-2 checkpoints drawn among those the save interval writes,
+      each segment a fresh process, the chain equals the uninterrupted drop-in
+      run, bit for bit, in the same three respects.
+
+Every example first asserts that its inputs are distinguishable: each trained
+row's prompt tokens identify one prompt, and a run that trains several
+prompts shows several. Otherwise the equalities could hold vacuously.
+
+`make test` runs two derandomized examples; `make test-full` and
+`make test-tunix-main` draw CKPT_ITER_CONFORMANCE_EXAMPLES (default 12)
+random ones, without shrinking (a failure is reported as drawn).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import hypothesis
+from hypothesis import strategies as st
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+
+import tunix_harness as harness  # noqa: E402
+
+from ckpt_iter.demo import toyrun  # noqa: E402
+
+_FULL_EXAMPLES = int(os.environ.get("CKPT_ITER_CONFORMANCE_EXAMPLES", "12"))
+
+
+def _examples(request_slow: bool) -> int:
+  return _FULL_EXAMPLES if request_slow else 2
+
+
+@st.composite
+def rl_configs(draw) -> tuple[dict, list[int]]:
+  """A toy RL configuration and the checkpoints to kill the chain after."""
+  algorithm = draw(st.sampled_from(["grpo", "ppo", "dapo", "drgrpo"]))
+  config: dict = {"algorithm": algorithm, "num_iterations": draw(st.integers(1, 3))}
+  geometry = draw(st.sampled_from(["batch1", "batch2", "gradacc2", "two_minis", "uneven"]))
+  if geometry == "batch2":
+    config["batch_size"] = 2
+  elif geometry == "gradacc2":
+    config.update(batch_size=2, mini_batch_size=2, train_micro_batch_size=1)
+  elif geometry == "two_minis":
+    config.update(batch_size=2, mini_batch_size=1)
+  config["input_kind"] = draw(st.sampled_from(["grain", "map", "iter", "dataloader", "list"]))
+  if geometry == "uneven":
+    # A plain list of batches of 2 and 1 prompts, cycled (replayed on resume).
+    config.update(batch_size=2, batch_sizes=[2, 1], input_kind="list")
+  if config["input_kind"] == "list":
+    config["num_epochs"] = 1
+  config["dataset_seed"] = draw(st.none() | st.integers(0, 9))
+  config["data_shuffle_seed"] = draw(st.none() | st.integers(0, 9))
+  if draw(st.booleans()):
+    config.update(with_eval=True, eval_every_n_steps=draw(st.integers(1, 3)))
+  if algorithm == "grpo" and geometry in ("batch2", "two_minis") and draw(st.integers(0, 3)) == 0:
+    config["async_rollout"] = True  # separate rollout mesh; 2 host devices
+  if algorithm == "grpo" and not config.get("async_rollout") and draw(st.integers(0, 3)) == 0:
+    config["max_seq_token_per_tpu"] = 64
+  config["save_interval_steps"] = draw(st.sampled_from([1, 2]))
+  config["max_steps"] = draw(st.integers(3, 6))
+  saved = [s for s in range(1, config["max_steps"]) if s % config["save_interval_steps"] == 0]
+  kills = sorted(draw(st.sets(st.sampled_from(saved), min_size=1, max_size=min(2, len(saved)))))
+  return config, kills
+
+
+def deliberate_difference(config: dict) -> str | None:
+  """The docs/tunix.md fix that makes the drop-in differ from stock here, or None.
+
+  Evaluation with a shuffle seed: stock Tunix splits the repeat-order key in
+  its evaluation path too, from the main thread while its producer thread
+  splits it for the repeats, so stock's repeat order depends on thread timing;
+  the drop-in's key chain is the trainer's alone
+  (test_tunix_resume.py::test_eval_does_not_change_the_repeat_order).
+  """
+  if config.get("with_eval") and config.get("data_shuffle_seed") is not None:
+    return "evaluation with data_shuffle_seed: the drop-in's repeat order does not depend on eval"
+  return None
+
+
+def assert_distinguishable(run: harness.Run, what: str) -> None:
+  """Each trained row's prompt tokens name exactly one prompt, and distinct prompts show."""
+  assert run.inputs, f"{what}: trained nothing"
+  labels = []
+  for index, fields in enumerate(run.inputs):
+    prompt_ids = np.asarray(fields["prompt_ids"])
+    assert prompt_ids.ndim == 2 and prompt_ids.shape[0] >= 1, f"{what}: input {index} prompt_ids {prompt_ids.shape}"
+    row_labels = toyrun.prompt_labels(prompt_ids)
+    assert "?" not in row_labels, f"{what}: input {index} has prompt rows that match no prompt: {prompt_ids.tolist()}"
+    labels.extend(row_labels)
+  if run.meta["num_inputs"] > run.meta["config"]["num_iterations"]:
+    assert len(set(labels)) > 1, f"{what}: every trainer input holds the same prompt {labels[0]!r}"
+
+
+def test_the_toy_prompts_are_distinguishable_by_tokens():
+  """The premise of `assert_distinguishable`: no two toy prompts tokenize alike."""
+  from tunix.tests import test_common as tc
+
+  vocab = tc.MockVocab()
+  prompts = toyrun.load_prompts()
+  encodings = {tuple(vocab.EncodeAsIds(r["prompts"])) for r in prompts}
+  assert len(encodings) == len(prompts)
+  assert all(len(e) > 0 for e in encodings)
+
+
+def _assert_same_run(actual: harness.Run, expected: harness.Run, what: str) -> None:
+  harness.assert_same_inputs(actual.inputs, expected.inputs, what)
+  assert actual.meta["eval_steps"] == expected.meta["eval_steps"], (
+      f"{what}: evaluated at train steps {actual.meta['eval_steps']}, expected {expected.meta['eval_steps']}"
+  )
+  assert actual.meta["actor_digest"] == expected.meta["actor_digest"], f"{what}: final actor weights differ"
+
+
+def check_configuration(config: dict, kills: list[int], workdir: str, cache_dir: str) -> None:
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  os.makedirs(workdir)
+  stock, drop_in = harness.run_in_one_process([
+      (dict(config, learner="stock"), os.path.join(workdir, "stock"), os.path.join(workdir, "stock.npz")),
+      (dict(config, learner="ckpt_iter"), os.path.join(workdir, "reference"),
+       os.path.join(workdir, "reference.npz")),
+  ], cache_dir)
+  assert_distinguishable(stock, "stock")
+  assert_distinguishable(drop_in, "drop-in")
+  difference = deliberate_difference(config)
+  if difference is None:
+    _assert_same_run(drop_in, stock, f"drop-in vs stock, uninterrupted, {config}")
+  else:
+    # The same prompts and evaluations, in another repeat order.
+    assert sorted(drop_in.labels) == sorted(stock.labels), f"{difference}: {drop_in.labels} vs {stock.labels}"
+    assert drop_in.meta["eval_steps"] == stock.meta["eval_steps"], difference
+  segments, _ = harness.chain(dict(config, learner="ckpt_iter"), workdir, kills, cache_dir)
+  chained = harness.Run(
+      [x for run in segments for x in run.inputs],
+      {"eval_steps": [s for run in segments for s in run.meta["eval_steps"]],
+       "actor_digest": segments[-1].meta["actor_digest"]},
+      "",
+  )
+  _assert_same_run(chained, drop_in, f"killed after {kills} and resumed, {config}")
+
+
+@pytest.fixture(scope="module")
+def conformance_dirs(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("conformance")), str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def test_rl_drop_ins_conform_to_stock_and_resume_exactly(conformance_dirs, request):
+  slow = request.config.getoption("--run-slow")
+  workdir, cache_dir = conformance_dirs
+  seen: list[tuple[dict, list[int]]] = []
+
+  @hypothesis.settings(
+      max_examples=_examples(slow), deadline=None, derandomize=not slow, database=None,
+      phases=[hypothesis.Phase.generate], print_blob=True,
+      suppress_health_check=list(hypothesis.HealthCheck),
+  )
+  @hypothesis.given(rl_configs())
+  def conforms(drawn):
+    config, kills = drawn
+    seen.append(drawn)
+    print(f"conformance example {len(seen)}: {config} killed after {kills}")
+    check_configuration(config, kills, os.path.join(workdir, f"example{len(seen)}"), cache_dir)
+
+  conforms()
+  assert len(seen) == _examples(slow)
