@@ -115,6 +115,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                       help="delay this prompt's rollouts by 120 s (to have it in flight at a save, "
                       "however slow the first update is)")
   parser.add_argument("--preempt-after", type=int, action="append", default=[])
+  parser.add_argument("--max-seq-token-per-tpu", type=int, default=None,
+                      help="sequence packing budget (the drop-in refuses it)")
+  parser.add_argument("--critic", action="store_true",
+                      help="a critic model in the cluster (the drop-in refuses it)")
   return parser.parse_args(argv)
 
 
@@ -153,12 +157,20 @@ def run(args: argparse.Namespace) -> None:
       mini_batch_size=args.mini, train_micro_batch_size=args.micro,
       checkpoint_root_directory=os.path.abspath(args.root),
       checkpointing_options=ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=100),
+      max_seq_token_per_tpu=args.max_seq_token_per_tpu,
+      critic_optimizer=optax.sgd(1e-3) if args.critic else None,
   )
+  role_to_mesh = {rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
+                  rl_cluster_lib.Role.ROLLOUT: rollout_mesh}
+  critic = {}
+  if args.critic:
+    role_to_mesh[rl_cluster_lib.Role.CRITIC] = mesh
+    critic["critic"] = tc.ToyTransformerWithScoreHead(
+        tc.ToyTransformer(config=config, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(1))
   cluster = rl_cluster_lib.RLCluster(
-      actor=actor, reference=ref, tokenizer=tokenizer,
+      actor=actor, reference=ref, tokenizer=tokenizer, **critic,
       cluster_config=rl_cluster_lib.ClusterConfig(
-          role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
-                        rl_cluster_lib.Role.ROLLOUT: rollout_mesh},
+          role_to_mesh=role_to_mesh,
           rollout_engine="vanilla", offload_to_cpu=False, training_config=training,
           rollout_config=base_rollout.RolloutConfig(
               max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=64,

@@ -264,3 +264,18 @@ def test_killed_inside_the_replay_resumes_bit_for_bit(replay_runs):
   # step boundary it resumed from); the rest came from the checkpoints.
   assert [len(s["meta"]["rolled"]) for s in segments] == [8, 0, 8, 0]
   assert sorted(set(_rolled(segments[2]))) == sorted(_BATCH_1_TEXT)
+
+
+@pytest.mark.parametrize("flag, setting", [
+    (("--max-seq-token-per-tpu", "64"), "max_seq_token_per_tpu=64"),
+    (("--critic",), "critic_trainer"),
+])
+def test_what_the_loop_does_not_reproduce_is_refused_when_built(flag, setting, tmp_path):
+  """Stock packs sequences / updates a critic; the drop-in would not, so it refuses by name."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  command = [sys.executable, _WORKER, "--root", str(tmp_path / "root"), "--out", str(tmp_path / "out.npz"),
+             "--learner", "resumable", *_FLAGS, *flag]
+  process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+  assert process.returncode != 0
+  assert "UnsupportedConfigError" in process.stderr and setting in process.stderr, process.stderr[-3000:]
+  assert not (tmp_path / "out.npz").exists()  # refused before anything trained

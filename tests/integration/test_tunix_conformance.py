@@ -99,13 +99,32 @@ def assert_distinguishable(run: harness.Run, what: str) -> None:
   assert run.inputs, f"{what}: trained nothing"
   labels = []
   for index, fields in enumerate(run.inputs):
-    prompt_ids = np.asarray(fields["prompt_ids"])
-    assert prompt_ids.ndim == 2 and prompt_ids.shape[0] >= 1, f"{what}: input {index} prompt_ids {prompt_ids.shape}"
-    row_labels = toyrun.prompt_labels(prompt_ids)
-    assert "?" not in row_labels, f"{what}: input {index} has prompt rows that match no prompt: {prompt_ids.tolist()}"
-    labels.extend(row_labels)
+    for prompt_ids in _prompt_rows(fields):
+      row_labels = toyrun.prompt_labels(prompt_ids)
+      assert "?" not in row_labels, f"{what}: input {index} has prompt rows that match no prompt: {prompt_ids.tolist()}"
+      labels.extend(row_labels)
   if run.meta["num_inputs"] > run.meta["config"]["num_iterations"]:
     assert len(set(labels)) > 1, f"{what}: every trainer input holds the same prompt {labels[0]!r}"
+
+
+def _prompt_rows(fields: dict) -> list[np.ndarray]:
+  """Each trained sequence's prompt tokens, as a one-row array.
+
+  A packed input (max_seq_token_per_tpu) holds several sequences per row:
+  each segment's prompt is its tokens outside the completion mask.
+  """
+  if "segment_ids" not in fields:
+    prompt_ids = np.asarray(fields["prompt_ids"])
+    assert prompt_ids.ndim == 2 and prompt_ids.shape[0] >= 1, f"prompt_ids of shape {prompt_ids.shape}"
+    return [prompt_ids[i:i + 1] for i in range(prompt_ids.shape[0])]
+  tokens, segments = np.asarray(fields["completion_ids"]), np.asarray(fields["segment_ids"])
+  completion = np.asarray(fields["completion_mask"]).astype(bool)
+  rows = []
+  for row in range(tokens.shape[0]):
+    for segment in sorted(set(segments[row].tolist()) - {0}):
+      rows.append(tokens[row][(segments[row] == segment) & ~completion[row]][None, :])
+  assert rows, "a packed input without any sequence"
+  return rows
 
 
 def test_the_toy_prompts_are_distinguishable_by_tokens():

@@ -206,3 +206,45 @@ def test_sweep_every_checkpoint_step(config, tmp_path, jax_cache):
       dict(config, learner="ckpt_iter"), str(tmp_path), list(range(1, last_step)), jax_cache
   )
   harness.assert_same_inputs(resumed, reference.inputs, f"resumed after each of steps 1..{last_step - 1}")
+
+
+@pytest.mark.parametrize("input_kind", ["iter", "grain"])
+def test_one_more_epoch_after_the_data_ran_out_continues(input_kind, tmp_path, jax_cache):
+  """A run that ended by exhausting its one epoch, restarted with two, trains epoch 2.
+
+  `.to_iter_dataset()` ("iter") included: the learner compares its own fields
+  strictly and leaves the input's change to DataIterator's rule, which
+  accepts more epochs of the same stream. The two runs together train what
+  one uninterrupted two-epoch run trains, bit for bit.
+  """
+  config = dict(num_iterations=2, num_prompts=3, dataset_seed=4, data_shuffle_seed=1,
+                max_steps=100, input_kind=input_kind)
+  root = str(tmp_path / "chain")
+  first = harness.run_toy(dict(config, num_epochs=1), root, str(tmp_path / "epoch1.npz"), cache_dir=jax_cache)
+  assert first.meta["train_steps"][-1] == 5 and len(first.inputs) == 6  # 3 prompts x mu 2: data ran out
+  second = harness.run_toy(dict(config, num_epochs=2), root, str(tmp_path / "epoch2.npz"), cache_dir=jax_cache)
+  assert second.meta["restored_step"] == 6
+  both = harness.run_toy(dict(config, num_epochs=2), str(tmp_path / "uninterrupted"),
+                         str(tmp_path / "both.npz"), cache_dir=jax_cache)
+  assert len(both.inputs) == 12
+  harness.assert_same_inputs(first.inputs + second.inputs, both.inputs, "epoch 1, then epoch 2 resumed")
+  assert second.meta["actor_digest"] == both.meta["actor_digest"]
+  assert "replaying" not in second.stderr
+
+
+def test_eval_does_not_change_the_repeat_order(tmp_path, jax_cache):
+  """The one deliberate difference from stock (docs/tunix.md, "Deliberate differences").
+
+  Stock Tunix splits the repeat-order key in its evaluation path too, from
+  the main thread while its producer thread splits it for the repeats. The
+  drop-in's key chain is the trainer's alone: with evaluation on, the same
+  repeats in the same order as with it off.
+  """
+  config = dict(num_iterations=3, max_steps=6, data_shuffle_seed=2)
+  plain, evaluated = harness.run_in_one_process([
+      (config, str(tmp_path / "plain"), str(tmp_path / "plain.npz")),
+      (dict(config, with_eval=True, eval_every_n_steps=1), str(tmp_path / "eval"), str(tmp_path / "eval.npz")),
+  ], jax_cache)
+  assert evaluated.meta["eval_steps"] and not plain.meta["eval_steps"]
+  harness.assert_same_inputs(evaluated.inputs, plain.inputs, "with evaluation vs without")
+  assert len(set(plain.labels)) > 1

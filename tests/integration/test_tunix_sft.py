@@ -141,3 +141,28 @@ def test_resume_into_another_pipeline_names_the_field(workdir, cache_dir):
   _run(root, workdir / "drift.npz", cache_dir, preempt_after=1, expect_rc=_PREEMPT_EXIT_CODE)
   stderr = _run(root, workdir / "drift_resumed.npz", cache_dir, expect_rc=1, seed=4)
   assert "ConfigDriftError" in stderr and "seed" in stderr, stderr[-2000:]
+
+
+def test_one_more_epoch_after_the_data_ran_out_continues_like_stock(workdir, cache_dir):
+  """A run that ended by exhausting repeat(1), restarted with repeat(2), trains epoch 2 as stock does.
+
+  The trainer's own fields are compared strictly; the input's change is left
+  to DataIterator's rule, which accepts more epochs of the same stream.
+  """
+  results = {}
+  for trainer in ("resumable", "stock"):
+    root = workdir / f"more_epochs_{trainer}"
+    first = _run(root, workdir / f"epoch1_{trainer}.npz", cache_dir, trainer=trainer, epochs=1, max_steps=100)
+    assert first["meta"]["train_steps"] == 5  # 10 batches, gradient accumulation 2: the data ran out
+    second = _run(root, workdir / f"epoch2_{trainer}.npz", cache_dir, trainer=trainer, epochs=2, max_steps=100)
+    assert second["meta"]["restored_step"] == 5 and second["meta"]["train_steps"] == 10
+    results[trainer] = (first, second)
+  (ours_1, ours_2), (stock_1, stock_2) = results["resumable"], results["stock"]
+  np.testing.assert_array_equal(ours_1["fed"], stock_1["fed"])
+  assert len(ours_2["fed"]) == 10, _labels(ours_2["fed"])
+  np.testing.assert_array_equal(ours_2["fed"], stock_2["fed"])
+  for got, want in zip(ours_2["params"], stock_2["params"]):
+    np.testing.assert_array_equal(got, want)
+  # O(1): stock re-reads the 10 batches of epoch 1 to skip them; the drop-in reads none.
+  assert ours_2["meta"]["produced"] == 10 and stock_2["meta"]["produced"] == 20, (
+      ours_2["meta"], stock_2["meta"])

@@ -1,9 +1,9 @@
 """Tests for the ckpt-iter command line: inspect, verify, diff, demo, --help.
 
 Checkpoints are real: Orbax CheckpointManager saves of DataIterator and
-RepeatIterator items, multi-process item directories written by the handler
-with explicit process indices, and one Tunix checkpoint made by a toy GRPO run
-in a subprocess. Each verb runs in-process through `cli.main`, and the
+RepeatIterator items and multi-process item directories written by the handler
+with explicit process indices (a real Tunix root: tests/integration/
+test_cli_tunix_root.py). Each verb runs in-process through `cli.main`, and the
 command itself runs as `python -m ckpt_iter` and as the `ckpt-iter` script.
 """
 
@@ -115,22 +115,6 @@ def repeat_ckpt(tmp_path_factory):
   return str(root), iterator.state()
 
 
-@pytest.fixture(scope="module")
-def tunix_ckpt(tmp_path_factory):
-  """A real Tunix checkpoint root: toy GRPO, mu=2, preempted after step 2."""
-  pytest.importorskip("tunix", reason=conftest.NEEDS_TUNIX)
-  root = tmp_path_factory.mktemp("tunix")
-  config = json.dumps({"learner": "ckpt_iter", "max_steps": 4})
-  result = subprocess.run(
-      [sys.executable, "-m", "ckpt_iter.demo.toyrun", "--root", str(root / "run"),
-       "--out", str(root / "inputs.npz"), "--preempt-after", "2", "--config", config],
-      env=ENV, capture_output=True, text=True, timeout=600, check=False,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert sorted(os.listdir(root / "run" / "actor")) == ["1", "2"]
-  return str(root / "run")
-
-
 def _run(capsys, *argv):
   code = cli.main(list(argv))
   out, err = capsys.readouterr()
@@ -232,37 +216,6 @@ def test_inspect_unreadable_process_exits_1_and_shows_the_others(capsys, tmp_pat
   assert err.startswith("ckpt-iter: ") and "process_1-of-2.json" in err
 
 
-@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
-def test_inspect_tunix_checkpoint_root_and_actor_dir(capsys, tunix_ckpt):
-  code, out, _ = _run(capsys, "inspect", tunix_ckpt, "--step", "1")
-  assert code == 0
-  assert _row("checkpoint", os.path.join(tunix_ckpt, "actor")).search(out)
-  assert _row("kind", "tunix").search(out)
-  assert _row("position", "full batches: epoch 0, 1 of 64 batches read (next_index 1)").search(out)
-  assert _row("micro_batches_taken", "0").search(out)
-  # Step 1 falls between the two updates on the first rollout (mu=2).
-  assert _row("pending types", "tunix.rl.grpo.TrainExample").search(out)
-  assert _row("counter train_steps", "1").search(out)
-  assert _row("num_iterations", "2").search(out)
-  code, from_actor, _ = _run(capsys, "inspect", os.path.join(tunix_ckpt, "actor"), "--step", "1")
-  assert (code, from_actor) == (0, out)
-
-
-@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
-def test_inspect_does_not_import_tunix_or_restore_a_model(tunix_ckpt):
-  program = (
-      "import json, sys\n"
-      "from ckpt_iter import cli\n"
-      f"code = cli.main(['inspect', {tunix_ckpt!r}, '--json'])\n"
-      "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('tunix', 'flax'))\n"
-      "print(json.dumps({'code': code, 'loaded': loaded}))\n"
-  )
-  result = subprocess.run([sys.executable, "-c", program], env=ENV, capture_output=True,
-                          text=True, timeout=300, check=False)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert json.loads(result.stdout.splitlines()[-1]) == {"code": 0, "loaded": []}
-
-
 # ---------------------------------------------------------------------------
 # verify: sound checkpoints
 
@@ -275,13 +228,6 @@ def test_verify_sound_checkpoints_exit_0_with_one_summary_line(capsys, data_ckpt
   ]
   code, out, _ = _run(capsys, "verify", repeat_ckpt[0], "--step", "1")
   assert code == 0 and out.startswith("ok: ") and "4 pending arrays checked" in out
-
-
-@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
-def test_verify_tunix_checkpoint(capsys, tunix_ckpt):
-  code, out, _ = _run(capsys, "verify", tunix_ckpt)
-  assert code == 0
-  assert out == f"ok: {tunix_ckpt}/actor: 2 steps (1-2), item 'data', 2 state files, 7 pending arrays checked\n"
 
 
 def test_verify_ignores_orbax_tmp_dirs_and_chooses_the_data_item(capsys, tmp_path):

@@ -164,3 +164,17 @@ def test_core_modules_import_no_outer_layer():
   }
   offences = {m: names for m, names in offences.items() if names}
   assert not offences, f"core modules import tunix/cli/demo: {offences}"
+
+
+def test_unit_tests_run_no_tunix_training():
+  """Real Tunix runs (toy trainings in processes of their own) live in tests/integration."""
+  unit_dir = os.path.dirname(os.path.abspath(__file__))
+  markers = ('"ckpt_iter.demo.toyrun"', '"ckpt_iter.demo.agentic_toyrun"', "tunix_harness",
+             "toyrun.run(", "tunix_sft_worker", "tunix_agentic_worker", "tunix_conformance_worker")
+  offenders = []
+  for name in sorted(os.listdir(unit_dir)):
+    if name.endswith(".py") and name != os.path.basename(__file__):
+      with open(os.path.join(unit_dir, name), encoding="utf-8") as f:
+        source = f.read()
+      offenders += [f"{name}: {marker}" for marker in markers if marker in source]
+  assert offenders == []

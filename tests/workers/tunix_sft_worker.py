@@ -1,7 +1,7 @@
 """One toy SFT training process: stock or Resumable PeftTrainer, killable after checkpoint K.
 
     python tunix_sft_worker.py --root DIR --out OUT.npz --trainer resumable|stock
-        [--grad-acc G] [--max-steps M] [--seed S] [--preempt-after K]
+        [--grad-acc G] [--max-steps M] [--seed S] [--epochs E] [--preempt-after K]
 
 Trains Tunix's ToyTransformer on a Grain MapDataset of token batches (shuffled,
 two epochs) with real Orbax checkpoints under DIR, and writes to OUT.npz the
@@ -44,9 +44,9 @@ def _make_batch(index: int) -> peft_trainer.TrainingInput:
   return peft_trainer.TrainingInput(input_tokens=tokens, input_mask=np.ones(BATCH_SHAPE, np.int32))
 
 
-def make_train_ds(seed: int) -> grain.MapDataset:
+def make_train_ds(seed: int, epochs: int = 2) -> grain.MapDataset:
   return (
-      grain.MapDataset.range(NUM_DISTINCT_BATCHES).shuffle(seed=seed).repeat(2).map(_make_batch)
+      grain.MapDataset.range(NUM_DISTINCT_BATCHES).shuffle(seed=seed).repeat(epochs).map(_make_batch)
   )
 
 
@@ -81,6 +81,7 @@ def main() -> None:
   parser.add_argument("--max-steps", type=int, default=8)
   parser.add_argument("--seed", type=int, default=3)
   parser.add_argument("--preempt-after", type=int, default=None)
+  parser.add_argument("--epochs", type=int, default=2, help="passes over the batches")
   args = parser.parse_args()
 
   base = ResumablePeftTrainer if args.trainer == "resumable" else peft_trainer.PeftTrainer
@@ -109,7 +110,7 @@ def main() -> None:
 
     tunix_manager.save = save_then_maybe_die
 
-  trainer.train(make_train_ds(args.seed))
+  trainer.train(make_train_ds(args.seed, args.epochs))
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   fed = trainer_cls.fed
   np.savez(
