@@ -140,19 +140,20 @@ class ResumableAgentic:
     trainer = api.agentic_cluster(self).actor_trainer
     trainer._ci_snapshot = self._ci_snapshot  # pylint: disable=protected-access
     _sft._install_saver(trainer)  # pylint: disable=protected-access
-    restored = self._ci_read_state(loop, frozenset(allow_drift), on_legacy_checkpoint)
-    loop.run(restored)
+    restored, checked_source = self._ci_read_state(loop, frozenset(allow_drift), on_legacy_checkpoint)
+    loop.run(restored, checked_source)
 
   def _ci_snapshot(self) -> state_lib.IteratorState | None:
     loop = self._ci_loop
     return None if loop is None or not loop.started else loop.snapshot()
 
-  def _ci_read_state(self, loop: Any, allow_drift: frozenset[str], on_legacy: str) -> Any:
-    """The data state of the step Tunix restored the actor from, or None (fresh run)."""
+  def _ci_read_state(self, loop: Any, allow_drift: frozenset[str], on_legacy: str) -> tuple[Any, Any]:
+    """The data state of the step Tunix restored the actor from and its input's checked
+    apply step, or (None, None) for a fresh run."""
     trainer = api.agentic_cluster(self).actor_trainer
     step = int(trainer.train_steps)
     if not step:
-      return None
+      return None, None
     data_dir = _sft._data_directory(trainer, step)  # pylint: disable=protected-access
     origin = f"checkpoint step {step} ({data_dir})"
     saved = None
@@ -176,7 +177,7 @@ class ResumableAgentic:
             "or trained twice.", origin, skipped,
         )
       loop.skip_full_batches(skipped)
-      return None
+      return None, None
     value = saved.resumed()  # this resume recorded in its lineage
     if value.kind != KIND or value.fingerprint.get(LEARNER_FIELD) is None:
       raise errors.InvalidStateError(
@@ -190,8 +191,15 @@ class ResumableAgentic:
           f"{value.counters.get('train_steps')!r}, but the actor was restored at "
           f"step {step}; they must come from one step."
       )
-    state_lib.check_fingerprint(value.fingerprint, loop.fingerprint, allow_drift=allow_drift, origin=origin)
-    return value
+    position = value.position
+    if not isinstance(position, dict) or "source" not in position:
+      raise errors.InvalidStateError(f"{origin}: field 'position' has no 'source' entry: {position!r}.")
+    checked = _input.check_learner_state(
+        value.fingerprint, loop.learner_fingerprint(), loop.source, position["source"],
+        allow_drift=allow_drift, origin=origin,
+        optional_learner_fields=("num_iterations_order",),
+    )
+    return value, checked
 
 
 class ResumableAgenticGRPOLearner(ResumableAgentic, agentic_grpo_learner.GRPOLearner):

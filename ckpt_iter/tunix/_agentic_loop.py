@@ -147,17 +147,19 @@ class ConsumerLoop:
     self.grad_acc_steps = max(1, mini // micro)
     api.agentic_set_batch_sizes(self.learner, full, self.in_consumer)
 
-  def _restore(self, value: state_lib.IteratorState) -> list[Any]:
-    """Applies a checkpoint's data state; returns the prompts to feed again first."""
+  def learner_fingerprint(self) -> dict[str, Any]:
+    """The fingerprint fields that are the learner's own (the rest are the input's)."""
+    return {k: v for k, v in self.fingerprint.items() if k not in self.source.fingerprint}
+
+  def _restore(self, value: state_lib.IteratorState, checked_source: Any) -> list[Any]:
+    """Applies a checkpoint's data state; returns the prompts to feed again first.
+
+    `checked_source` is the input's checked apply step (`_input.check_learner_state`).
+    """
     position = value.position
     counters = value.counters
     replay = self._check_replay(value)
-    fields = set(self.source.fingerprint)
-    checked = self.source.check(
-        {k: v for k, v in value.fingerprint.items() if k in fields}, position["source"],
-        allow_drift=(), origin="the agentic data state",
-    )
-    self.source.apply(checked, position["source"])
+    self.source.apply(checked_source, position["source"])
     self.lineage = value.lineage
     refeed: list[Any] = []
     first = int(position["prompt_index"])
@@ -239,9 +241,9 @@ class ConsumerLoop:
 
   # --- the run -------------------------------------------------------------------
 
-  def run(self, restored: state_lib.IteratorState | None) -> None:
+  def run(self, restored: state_lib.IteratorState | None, checked_source: Any = None) -> None:
     if restored is not None:
-      refeed = self._restore(restored)
+      refeed = self._restore(restored, checked_source)
       _LOG.info(
           "ckpt_iter: restored the agentic data state in O(1): %d pending update inputs, "
           "%d prompts to roll out again, next prompt %d.",

@@ -412,6 +412,15 @@ class MicroBatchInput:
     return result
 
   def _source_position(self) -> dict[str, Any]:
+    if self._micro_batch_size is not None and not self._read and self._start_rows:
+      # Restored inside a full batch and nothing read since: still there (a
+      # checkpoint before the next read, e.g. after the restored repeats,
+      # must not lose the offset).
+      taken, rest = divmod(self._start_rows, self._micro_batch_size)
+      result = {"full_batch": self._source.position(), "micro_batches_taken": taken}
+      if rest:
+        result["rows_taken"] = self._start_rows
+      return result
     if self._micro_batch_size is None or not self._read or self._rows_yielded >= self._rows_read:
       # Nothing buffered: the next micro-batch starts at the next full batch.
       return {"full_batch": self._source.position(), "micro_batches_taken": 0}

@@ -57,11 +57,18 @@ REPRESENTATIVE = {
         [3, 6],
     ),
     "mu4_mid_repeat": (dict(num_iterations=4, max_steps=4, data_shuffle_seed=1), [2]),
+    # Found by the differential suite: full batch 2 in two mini-batches, killed
+    # after 1 (mid-repeat) and 2 (the resumed process's first checkpoint, before
+    # it read anything): the second resume trained prompt A again.
+    "two_minis_consecutive_kills": (
+        dict(num_iterations=2, batch_size=2, mini_batch_size=1, data_shuffle_seed=2, max_steps=3),
+        [1, 2],
+    ),
     "mu1": (dict(num_iterations=1, max_steps=3), [1]),
 }
 
 
-DEFAULT_RUN = ("mu2_shuffle",)
+DEFAULT_RUN = ("mu2_shuffle", "two_minis_consecutive_kills")
 
 
 @pytest.mark.parametrize("name", [

@@ -1,0 +1,61 @@
+"""The learners' input positions (ckpt_iter/tunix/_input.py), without a Tunix run."""
+
+import numpy as np
+import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+
+import ckpt_iter
+from ckpt_iter.tunix import _input
+
+RECORDS = [{"prompts": f"prompt {i}", "answer": str(i)} for i in range(8)]
+
+
+def _rebatch(full_batches, size):
+  """Rows of full batches re-cut into micro-batches of `size` (Tunix carries rows over too)."""
+  for batch in full_batches:
+    rows = len(batch["prompts"])
+    for start in range(0, rows, size):
+      yield {k: v[start:start + size] for k, v in batch.items()}
+
+
+def _input_at(position=None):
+  dataset = ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=1)
+  micro = _input.MicroBatchInput(_input.make_source(dataset), 1, _rebatch)
+  if position is not None:
+    fingerprint = micro.source.fingerprint
+    micro.apply(micro.check(fingerprint, position, allow_drift=frozenset(), origin="test"), position)
+  return micro
+
+
+def test_a_position_inside_a_full_batch_survives_a_save_before_the_next_read():
+  """A resumed run whose first checkpoint comes before it reads (the restored repeats
+  fill the step) must save the position it was restored at, offset included.
+
+  Found by the differential suite: full batch 2, mini batch 1, num_iterations 2,
+  killed after steps 1 and 2; the second resume trained prompt A again."""
+  uninterrupted = _input_at()
+  first = uninterrupted.next_micro_batch()
+  saved = uninterrupted.position()
+  assert saved["micro_batches_taken"] == 1
+  resumed = _input_at(saved)
+  assert resumed.position() == saved  # nothing read yet: still one row into the batch
+  again = _input_at(resumed.position())
+  following = uninterrupted.next_micro_batch()
+  np.testing.assert_array_equal(again.next_micro_batch()["prompts"], following["prompts"])
+  assert following["prompts"][0] != first["prompts"][0]
+
+
+def test_the_learner_rule_leaves_more_epochs_to_the_input():
+  """Learner fields are compared strictly; the input's own rule accepts one more epoch."""
+  one = ckpt_iter.DataIterator(ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=1))
+  for _ in one:
+    pass
+  saved, position = dict(one.fingerprint, num_iterations=2), one.position()
+  two = _input.make_source(ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=2))
+  checked = _input.check_learner_state(
+      saved, {"num_iterations": 2}, two, dict(position), allow_drift=frozenset(), origin="test")
+  two.apply(checked, position)
+  assert two.position() == {"next_index": 4}
+  with pytest.raises(ckpt_iter.ConfigDriftError, match="num_iterations"):
+    _input.check_learner_state(
+        saved, {"num_iterations": 3}, two, dict(position), allow_drift=frozenset(), origin="test")
