@@ -58,6 +58,8 @@ test-lowest: $(LOWEST_VENV)/.installed
 TUNIX_MAIN_VENV ?= .venv-tunix-main
 TUNIX_MAIN_WHEEL ?= ../shared/peer/wheels/google_tunix-0.1.8-py3-none-any.whl
 .PHONY: test-tunix-main
+# Random differential examples per learner family on main (make test-full draws 12 on 0.1.7).
+TUNIX_MAIN_CONFORMANCE_EXAMPLES ?= 4
 $(TUNIX_MAIN_VENV)/.installed: pyproject.toml
 	[ -x $(TUNIX_MAIN_VENV)/bin/python ] || $(PYTHON) -m venv $(TUNIX_MAIN_VENV)
 	$(TUNIX_MAIN_VENV)/bin/pip install -q -e '.[test]'
@@ -71,4 +73,6 @@ test-tunix-main: $(TUNIX_MAIN_VENV)/.installed
 	  tests/integration/test_tunix_sft.py tests/integration/test_tunix_agentic.py \
 	  tests/integration/test_tunix_packing.py tests/integration/test_tunix_cli.py \
 	  tests/integration/test_tunix_object_store.py tests/integration/test_tunix_audit.py \
-	  tests/unit/test_tunix_api.py
+	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py
+	CKPT_ITER_CONFORMANCE_EXAMPLES=$(TUNIX_MAIN_CONFORMANCE_EXAMPLES) $(TUNIX_MAIN_VENV)/bin/python -m pytest \
+	  -q -p no:cacheprovider --run-slow -s tests/integration/test_tunix_conformance.py

@@ -1,8 +1,11 @@
 """Differential conformance: a drop-in learner never trains what stock Tunix would not.
 
-A Hypothesis property over Tunix RL configurations (learner, num_iterations,
-batch geometry with gradient accumulation, shuffle seed, evaluation, input
-form, save interval, async rollout, sequence packing). For each drawn
+Hypothesis properties over Tunix configurations. The RL one draws the
+learner (GRPO, PPO with its critic, DAPO, Dr.GRPO), num_iterations 1-3, the
+batch geometry (gradient accumulation, two mini-batches per global step, an
+uneven last batch), the shuffle seed, evaluation, the input form (make_dataset,
+a hand-built MapDataset, `.to_iter_dataset()`, a grain.DataLoader, a list),
+the save interval, async rollout and sequence packing. For each drawn
 configuration, with real toy Tunix runs (real RLCluster, Orbax checkpoints,
 processes killed with os._exit):
 
@@ -21,7 +24,10 @@ prompts shows several. Otherwise the equalities could hold vacuously.
 
 `make test` runs two derandomized examples; `make test-full` and
 `make test-tunix-main` draw CKPT_ITER_CONFORMANCE_EXAMPLES (default 12)
-random ones, without shrinking (a failure is reported as drawn).
+random ones, without shrinking (a failure is reported as drawn). The SFT
+property draws gradient accumulation, max_steps (or the data running out),
+the shuffle seed and one or two epochs, and checks the same two things for
+ResumablePeftTrainer against PeftTrainer.
 """
 
 from __future__ import annotations
@@ -195,6 +201,79 @@ def test_rl_drop_ins_conform_to_stock_and_resume_exactly(conformance_dirs, reque
     seen.append(drawn)
     print(f"conformance example {len(seen)}: {config} killed after {kills}")
     check_configuration(config, kills, os.path.join(workdir, f"example{len(seen)}"), cache_dir)
+
+  conforms()
+  assert len(seen) == _examples(slow)
+
+
+# --- SFT: ResumablePeftTrainer against PeftTrainer (tests/workers/tunix_sft_worker.py) ---
+
+
+@st.composite
+def sft_configs(draw) -> tuple[dict, list[int]]:
+  """Gradient accumulation, max_steps (or the data running out), seed, epochs; 1-2 kills."""
+  grad_acc = draw(st.integers(1, 2))
+  epochs = draw(st.integers(1, 2))
+  # 10 batches an epoch: max_steps past the data ends the run by exhausting it.
+  max_steps = draw(st.integers(3, 12))
+  config = {"grad_acc": grad_acc, "epochs": epochs, "max_steps": max_steps, "seed": draw(st.integers(0, 9))}
+  last = min(max_steps, 10 * epochs // grad_acc)
+  kills = sorted(draw(st.sets(st.integers(1, last - 1), min_size=1, max_size=2)))
+  return config, kills
+
+
+def _assert_same_sft(actual: dict, expected: dict, what: str) -> None:
+  assert [int(b[0, 0]) for b in actual["fed"]] == [int(b[0, 0]) for b in expected["fed"]], what
+  np.testing.assert_array_equal(actual["fed"], expected["fed"], err_msg=what)
+  for index, (got, want) in enumerate(zip(actual["params"], expected["params"], strict=True)):
+    np.testing.assert_array_equal(got, want, err_msg=f"{what}: param leaf {index}")
+
+
+def check_sft_configuration(config: dict, kills: list[int], workdir: str, cache_dir: str) -> None:
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  os.makedirs(workdir)
+  runs = {}
+  for trainer in ("stock", "resumable"):
+    runs[trainer] = harness.run_sft(os.path.join(workdir, trainer), os.path.join(workdir, f"{trainer}.npz"),
+                                    cache_dir, trainer=trainer, **config)
+  fed = runs["stock"]["fed"]
+  # Distinguishable: the toy batches differ in their first token, and several are trained.
+  assert len(fed) > 1 and len({int(b[0, 0]) for b in fed}) > 1, [int(b[0, 0]) for b in fed]
+  _assert_same_sft(runs["resumable"], runs["stock"], f"drop-in vs stock, uninterrupted, {config}")
+  root = os.path.join(workdir, "chain")
+  for index, kill in enumerate([*kills, None]):
+    run = harness.run_sft(
+        root, os.path.join(workdir, f"segment{index}.npz"), cache_dir, preempt_after=kill,
+        expect_rc=0 if kill is None else harness.SFT_PREEMPT_EXIT_CODE, **config)
+    if kill is None:
+      last = run
+  # A killed segment writes no record: what the chain trained after the last
+  # kill must be the uninterrupted run's tail, and the final params (which
+  # every update of every segment shaped) the uninterrupted run's.
+  assert last["meta"]["restored_step"] == kills[-1]
+  tail = runs["resumable"]["fed"][kills[-1] * config["grad_acc"]:]
+  _assert_same_sft({"fed": last["fed"], "params": last["params"]},
+                   {"fed": tail, "params": runs["resumable"]["params"]},
+                   f"killed after {kills} and resumed, {config}")
+
+
+def test_sft_drop_in_conforms_to_stock_and_resumes_exactly(conformance_dirs, request):
+  slow = request.config.getoption("--run-slow")
+  workdir, cache_dir = conformance_dirs
+  seen: list = []
+
+  @hypothesis.settings(
+      max_examples=_examples(slow), deadline=None, derandomize=not slow, database=None,
+      phases=[hypothesis.Phase.generate], print_blob=True,
+      suppress_health_check=list(hypothesis.HealthCheck),
+  )
+  @hypothesis.given(sft_configs())
+  def conforms(drawn):
+    config, kills = drawn
+    seen.append(drawn)
+    print(f"sft conformance example {len(seen)}: {config} killed after {kills}")
+    check_sft_configuration(config, kills, os.path.join(workdir, f"sft{len(seen)}"), cache_dir)
 
   conforms()
   assert len(seen) == _examples(slow)

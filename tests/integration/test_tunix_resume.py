@@ -255,3 +255,15 @@ def test_eval_does_not_change_the_repeat_order(tmp_path, jax_cache):
   assert evaluated.meta["eval_steps"] and not plain.meta["eval_steps"]
   harness.assert_same_inputs(evaluated.inputs, plain.inputs, "with evaluation vs without")
   assert len(set(plain.labels)) > 1
+
+
+def test_a_dataloader_input_is_restored_in_o1_not_replayed(tmp_path, jax_cache):
+  """A grain.DataLoader passed to train() resumes from its exact Grain state (DataLoaderIterator)."""
+  config = dict(num_iterations=2, max_steps=4, input_kind="dataloader", data_shuffle_seed=3, dataset_seed=2)
+  reference = harness.run_toy(dict(config, learner="ckpt_iter"), str(tmp_path / "reference"),
+                              str(tmp_path / "reference.npz"), cache_dir=jax_cache)
+  segments, resumed = harness.chain(dict(config, learner="ckpt_iter"), str(tmp_path), [1, 3], jax_cache)
+  harness.assert_same_inputs(resumed, reference.inputs, "DataLoader input, killed after 1 and 3")
+  for segment in segments[1:]:
+    assert "replaying" not in segment.stderr and "plain iterable" not in segment.stderr, segment.stderr[-2000:]
+  assert len(set(reference.labels)) > 1

@@ -8,10 +8,6 @@ exactly the micro-batches the uninterrupted run gives it after k, and end
 with bit-identical params, without re-reading any input element.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,32 +15,15 @@ pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 
 # Real Tunix runs beyond make test's representative ones: `make test-heavy` (CI) runs them.
 pytestmark = pytest.mark.heavy
 
-_WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "workers", "tunix_sft_worker.py")
-_PREEMPT_EXIT_CODE = 42
+import tunix_harness as harness  # noqa: E402
+
+_PREEMPT_EXIT_CODE = harness.SFT_PREEMPT_EXIT_CODE
 _GRAD_ACC = 2
 _MAX_STEPS = 8
 
 
-def _run(root, out, cache_dir, *, trainer="resumable", preempt_after=None, expect_rc=0, **flags):
-  env = dict(
-      os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache_dir,
-      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-  )
-  command = [sys.executable, _WORKER, "--root", str(root), "--out", str(out), "--trainer", trainer]
-  if preempt_after is not None:
-    command += ["--preempt-after", str(preempt_after)]
-  for name, value in flags.items():
-    command += [f"--{name.replace('_', '-')}", str(value)]
-  process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-  assert process.returncode == expect_rc, (
-      f"worker exited {process.returncode}, expected {expect_rc}:\n{process.stderr[-4000:]}"
-  )
-  if expect_rc != 0:
-    return process.stderr
-  with np.load(out) as record:
-    params = [record[k] for k in sorted((k for k in record.files if k.startswith("param_")),
-                                        key=lambda k: int(k.split("_")[1]))]
-    return {"fed": record["fed"], "params": params, "meta": json.loads(str(record["meta"]))}
+def _run(root, out, cache_dir, **kwargs):
+  return harness.run_sft(root, out, cache_dir, **kwargs)
 
 
 def _labels(fed):

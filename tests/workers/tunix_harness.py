@@ -21,6 +21,8 @@ from ckpt_iter import testing
 from ckpt_iter.demo import toyrun
 
 _TIMEOUT_SECONDS = 900
+_SFT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_sft_worker.py")
+SFT_PREEMPT_EXIT_CODE = 42  # tunix_sft_worker.PREEMPT_EXIT_CODE
 
 
 @dataclasses.dataclass
@@ -142,3 +144,26 @@ def check_chain(config, preempt_steps, workdir, cache_dir, compare_stock=True):
   _, resumed = chain(dict(config, learner="ckpt_iter"), workdir, preempt_steps, cache_dir)
   assert_same_inputs(resumed, reference.inputs, f"resumed after {preempt_steps}")
   return reference
+
+
+def run_sft(root, out, cache_dir, *, trainer="resumable", preempt_after=None, expect_rc=0, **flags):
+  """Runs tests/workers/tunix_sft_worker.py once; returns its record (or stderr on failure)."""
+  env = dict(
+      os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache_dir,
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
+  command = [sys.executable, _SFT_WORKER, "--root", str(root), "--out", str(out), "--trainer", trainer]
+  if preempt_after is not None:
+    command += ["--preempt-after", str(preempt_after)]
+  for name, value in flags.items():
+    command += [f"--{name.replace('_', '-')}", str(value)]
+  process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+  assert process.returncode == expect_rc, (
+      f"worker exited {process.returncode}, expected {expect_rc}:\n{process.stderr[-4000:]}"
+  )
+  if expect_rc != 0:
+    return process.stderr
+  with np.load(out) as record:
+    params = [record[k] for k in sorted((k for k in record.files if k.startswith("param_")),
+                                        key=lambda k: int(k.split("_")[1]))]
+    return {"fed": record["fed"], "params": params, "meta": json.loads(str(record["meta"]))}
