@@ -26,17 +26,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Collection, Iterable
 
-import jax
 from tunix.rl.agentic import agentic_grpo_learner
 from tunix.rl.agentic import agentic_rl_learner
 
 from ckpt_iter import _codec as codec
-from ckpt_iter import _item as item_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _agentic_loop
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
+from ckpt_iter.tunix import _items
 from ckpt_iter.tunix import _sft
 from ckpt_iter.tunix import _signature
 
@@ -156,10 +155,11 @@ class ResumableAgentic:
       return None, None
     data_dir = _sft._data_directory(trainer, step)  # pylint: disable=protected-access
     origin = f"checkpoint step {step} ({data_dir})"
-    saved = None
+    value = None
     if data_dir is not None:
-      saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
-    if saved is None:
+      value = _items.read_step_state(
+          data_dir, step, learner_field=LEARNER_FIELD, writer="ResumableAgenticGRPOLearner")
+    if value is None:
       skipped = int(api.agentic_cluster(self).global_steps)
       if data_dir is not None and on_legacy == "raise":
         raise errors.LegacyCheckpointError(
@@ -178,19 +178,6 @@ class ResumableAgentic:
         )
       loop.skip_full_batches(skipped)
       return None, None
-    value = saved.resumed()  # this resume recorded in its lineage
-    if value.kind != KIND or value.fingerprint.get(LEARNER_FIELD) is None:
-      raise errors.InvalidStateError(
-          f"{origin}: the data state was written by a {value.kind!r} iterator without "
-          f"a {LEARNER_FIELD!r} field, not by ResumableAgenticGRPOLearner. Restore it "
-          "with the class that wrote it."
-      )
-    if value.counters.get("train_steps") != step:
-      raise errors.InvalidStateError(
-          f"{origin}: the data state was taken at train step "
-          f"{value.counters.get('train_steps')!r}, but the actor was restored at "
-          f"step {step}; they must come from one step."
-      )
     position = value.position
     if not isinstance(position, dict) or "source" not in position:
       raise errors.InvalidStateError(f"{origin}: field 'position' has no 'source' entry: {position!r}.")

@@ -20,8 +20,10 @@ import orbax.checkpoint as ocp
 from tunix.rl import rl_learner
 
 from ckpt_iter.tunix import _api as api
+from ckpt_iter import _item as item_lib
 from ckpt_iter import _storage
 from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
@@ -40,6 +42,51 @@ class Snapshot:
 
   def state(self) -> state_lib.IteratorState:
     return self.value
+
+
+def read_step_state(
+    data_dir: str, step: int, *, learner_field: str, writer: str
+) -> state_lib.IteratorState | None:
+  """The data state of actor step `step`, checked as every learner needs; None when it has none.
+
+  The one reader of a learner's data item (RL, SFT and agentic learners):
+  this process's state, the resume recorded in its lineage, then the checks
+  that do not depend on the learner: kind `tunix`, written by the same
+  family (`learner_field` in the fingerprint; `writer` names the class for
+  the message), and taken at the step the model was restored from. None
+  means the step has no data item (written by stock Tunix): each learner's
+  legacy policy decides.
+
+  Raises:
+    ProcessCountError: written by another number of JAX processes.
+    InvalidStateError: corrupt, another learner's, or from another step.
+  """
+  origin = f"checkpoint step {step} ({data_dir})"
+  try:
+    saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
+  except errors.ProcessCountError as e:
+    # The generic advice (elastic=True) does not apply to a learner's state.
+    raise errors.ProcessCountError(
+        f"{origin}: written by {e.saved_count} JAX process(es); resuming with "
+        f"{e.process_count} {elastic_lib.resize_refusal('tunix', {})} "
+        f"Resume with {e.saved_count} processes.",
+        saved_count=e.saved_count, process_count=e.process_count,
+    ) from None
+  if saved is None:
+    return None
+  value = saved.resumed()  # this resume recorded in its lineage
+  if value.kind != "tunix" or value.fingerprint.get(learner_field) is None:
+    raise errors.InvalidStateError(
+        f"{origin}: the data state was written by a {value.kind!r} iterator without "
+        f"a {learner_field!r} field, not by {writer}. Restore it with the class that wrote it."
+    )
+  train_steps = value.counters.get("train_steps")
+  if train_steps != step:
+    raise errors.InvalidStateError(
+        f"{origin}: the data state was taken at train step {train_steps!r}, "
+        f"but the model was restored at step {step}; they must come from one step."
+    )
+  return value
 
 
 def tunix_learner_name(learner: Any) -> str:

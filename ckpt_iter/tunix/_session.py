@@ -17,7 +17,6 @@ import os
 import threading
 from typing import Any, Iterator
 
-import jax
 
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
@@ -25,8 +24,6 @@ from ckpt_iter.tunix import _items as items
 from ckpt_iter.tunix import _layouts as layouts_lib
 from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter import _drift
-from ckpt_iter import _item as item_lib
-from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
 from ckpt_iter import repeat as repeat_lib
 from ckpt_iter import state as state_lib
@@ -364,31 +361,14 @@ class DataSession:
       return  # checkpointing off, or a fresh run
     data_dir = api.item_directory(tunix_manager, step, items.DATA_ITEM)
     origin = f"checkpoint step {step} ({data_dir})"
-    try:
-      saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
-    except errors.ProcessCountError as e:
-      # The generic advice (elastic=True) does not apply to a learner's state.
-      raise errors.ProcessCountError(
-          f"{origin}: written by {e.saved_count} JAX process(es); resuming with "
-          f"{e.process_count} {elastic_lib.resize_refusal('tunix', {})} "
-          f"Resume with {e.saved_count} processes.",
-          saved_count=e.saved_count, process_count=e.process_count,
-      ) from None
-    if saved is None:
+    value = items.read_step_state(data_dir, step, learner_field="learner", writer="a Resumable RL learner")
+    if value is None:
       self._restore_legacy(step, os.path.dirname(data_dir), on_legacy_checkpoint)
       return
-    value = saved.resumed()  # this resume recorded in its lineage
-    if value.kind != "tunix":
-      raise errors.InvalidStateError(f"{origin}: data state kind is {value.kind!r}, expected 'tunix'.")
     counters = value.counters
-    for name in ("train_steps", "global_steps", "remaining_mini_batches"):
+    for name in ("global_steps", "remaining_mini_batches"):
       if name not in counters:
         raise errors.InvalidStateError(f"{origin}: counter {name!r} is missing.")
-    if counters["train_steps"] != step:
-      raise errors.InvalidStateError(
-          f"{origin}: the data state was taken at train step {counters['train_steps']}, "
-          f"but the model was restored at step {step}; they must come from one step."
-      )
     eval_items = counters.get("eval_items", 0)
     scheduled = set(value.pending.schedule) if value.pending is not None else set()
     if (

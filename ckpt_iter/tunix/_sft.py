@@ -18,12 +18,10 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Collection, Iterable
 
-import jax
 import orbax.checkpoint as ocp
 from tunix.sft import peft_trainer as _peft_trainer
 from tunix.sft.dpo import dpo_trainer as _dpo_trainer
 
-from ckpt_iter import _item as item_lib
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -181,11 +179,11 @@ class ResumableSft:
     if not self._ci_data_restored and step and step == self._ci_restored_step:
       data_dir = _data_directory(self, step)
     self._ci_data_restored = True  # only the constructor's restore has a data item
-    saved = None
+    value = None
     if data_dir is not None:
-      saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
-    if saved is not None:
-      self._ci_restore(feed, step, data_dir, saved.resumed(), allow_drift)
+      value = _items.read_step_state(data_dir, step, learner_field=_TRAINER_FIELD, writer="a ResumablePeftTrainer")
+    if value is not None:
+      self._ci_restore(feed, step, data_dir, value, allow_drift)
       return
     iter_steps = int(self.iter_steps)
     if data_dir is not None:
@@ -205,22 +203,11 @@ class ResumableSft:
       self, feed: _Feed, step: int, data_dir: str, value: state_lib.IteratorState, allow_drift: frozenset[str]
   ) -> None:
     origin = f"checkpoint step {step} ({data_dir})"
-    if value.kind != "tunix" or value.fingerprint.get(_TRAINER_FIELD) is None:
-      raise errors.InvalidStateError(
-          f"{origin}: the data state was written by a {value.kind!r} iterator "
-          f"without a {_TRAINER_FIELD!r} field, not by a ResumablePeftTrainer. "
-          "Restore it with the class that wrote it."
-      )
     counters = value.counters
-    for name in ("train_steps", "iter_steps"):
-      if not state_lib.is_int(counters.get(name)) or counters[name] < 0:
-        raise errors.InvalidStateError(
-            f"{origin}: counter {name!r} is {counters.get(name)!r}, expected an integer >= 0."
-        )
-    if counters["train_steps"] != step:
+    iter_steps = counters.get("iter_steps")
+    if not state_lib.is_int(iter_steps) or iter_steps < 0:
       raise errors.InvalidStateError(
-          f"{origin}: the data state was taken at train step {counters['train_steps']}, "
-          f"but the model was restored at step {step}; they must come from one step."
+          f"{origin}: counter 'iter_steps' is {iter_steps!r}, expected an integer >= 0."
       )
     grad_acc = _grad_acc_steps(self)
     if not step * grad_acc <= counters["iter_steps"] < (step + 1) * grad_acc:

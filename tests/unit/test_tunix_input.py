@@ -59,3 +59,35 @@ def test_the_learner_rule_leaves_more_epochs_to_the_input():
   with pytest.raises(ckpt_iter.ConfigDriftError, match="num_iterations"):
     _input.check_learner_state(
         saved, {"num_iterations": 3}, two, dict(position), allow_drift=frozenset(), origin="test")
+
+
+def _write_state(directory, value):
+  from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _items  # pylint: disable=g-import-not-at-top
+
+  directory.mkdir()
+  header, arrays = item_lib.snapshot(_items.Snapshot(value))
+  item_lib.write(str(directory), header, arrays, 0, 1)
+
+
+def test_one_reader_checks_kind_family_and_step_for_every_learner(tmp_path):
+  from ckpt_iter import errors, state as state_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _items  # pylint: disable=g-import-not-at-top
+
+  def state(kind="tunix", fingerprint=None, train_steps=3):
+    return state_lib.IteratorState(kind=kind, fingerprint=fingerprint or {"trainer": "PeftTrainer"},
+                                   position={"next_index": 4}, counters={"train_steps": train_steps})
+
+  assert _items.read_step_state(str(tmp_path / "absent"), 3, learner_field="trainer", writer="w") is None
+  sound = tmp_path / "sound"
+  _write_state(sound, state())
+  value = _items.read_step_state(str(sound), 3, learner_field="trainer", writer="w")
+  assert value.position == {"next_index": 4} and value.lineage["resumes"] == 1  # the resume is recorded
+  with pytest.raises(errors.InvalidStateError, match="'learner' field, not by a Resumable RL learner"):
+    _items.read_step_state(str(sound), 3, learner_field="learner", writer="a Resumable RL learner")
+  with pytest.raises(errors.InvalidStateError, match="taken at train step 3, but the model was restored at step 5"):
+    _items.read_step_state(str(sound), 5, learner_field="trainer", writer="w")
+  other = tmp_path / "other"
+  _write_state(other, state(kind="data"))
+  with pytest.raises(errors.InvalidStateError, match="written by a 'data' iterator"):
+    _items.read_step_state(str(other), 3, learner_field="trainer", writer="w")
