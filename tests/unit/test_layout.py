@@ -166,6 +166,40 @@ def test_core_modules_import_no_outer_layer():
   assert not offences, f"core modules import tunix/cli/demo: {offences}"
 
 
+# The arrows docs/architecture.md declares between the subpackages: which
+# outer layer each may import (the core is open to all of them).
+_DECLARED_OUTER_IMPORTS = {
+    "ckpt_iter.tunix": (),
+    "ckpt_iter.cli": ("ckpt_iter.tunix",),  # cli/_verify only, see below
+    "ckpt_iter.demo": ("ckpt_iter.tunix", "ckpt_iter.cli"),
+}
+
+
+def _layer_of(name):
+  return next((layer for layer in _OUTER_LAYERS if name == layer or name.startswith(layer + ".")), None)
+
+
+def test_subpackages_import_only_the_layers_architecture_md_declares():
+  modules = _package_modules()
+  offences = []
+  for module, path in modules.items():
+    layer = _layer_of(module)
+    if layer is None:
+      continue
+    for name in _imported_names(path, module, modules):
+      target = _layer_of(name)
+      if target is None or target == layer:
+        continue
+      if target not in _DECLARED_OUTER_IMPORTS[layer]:
+        offences.append(f"{module} imports {name}")
+      elif layer == "ckpt_iter.cli" and module != "ckpt_iter.cli._verify":
+        offences.append(f"{module} imports {name} (only cli/_verify may, for Tunix TrainExamples)")
+  assert offences == []
+  # Not blind: the one declared cli -> tunix arrow is there.
+  assert any(_layer_of(n) == "ckpt_iter.tunix"
+             for n in _imported_names(modules["ckpt_iter.cli._verify"], "ckpt_iter.cli._verify", modules))
+
+
 def test_unit_tests_run_no_tunix_training():
   """Real Tunix runs (toy trainings in processes of their own) live in tests/integration."""
   unit_dir = os.path.dirname(os.path.abspath(__file__))
