@@ -13,6 +13,9 @@ import shutil
 
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+# Real Tunix chains: `make test-heavy` (CI) and `make test-tunix-main` run them;
+# make test audits real killed chains in test_crash.py and on gs://.
+pytestmark = pytest.mark.heavy
 
 from ckpt_iter import cli
 import tunix_harness as harness

@@ -22,10 +22,11 @@ Every example first asserts that its inputs are distinguishable: each trained
 row's prompt tokens identify one prompt, and a run that trains several
 prompts shows several. Otherwise the equalities could hold vacuously.
 
-`make test` runs the explicit examples (the configurations where the suite
-found the drop-in wrong); `make test-full` and `make test-tunix-main` also
-draw CKPT_ITER_CONFORMANCE_EXAMPLES (default 12; 4 on main) random ones,
-without shrinking (a failure is reported as drawn). The SFT
+`make test` runs one explicit RL example (a configuration where the suite
+found the drop-in wrong); `make test-heavy` the other and the SFT property's
+explicit example; `make test-full` and `make test-tunix-main` also draw
+CKPT_ITER_CONFORMANCE_EXAMPLES (default 12; 4 on main) random ones per
+property, without shrinking (a failure is reported as drawn). The SFT
 property draws gradient accumulation, max_steps (or the data running out),
 the shuffle seed and one or two epochs, and checks the same two things for
 ResumablePeftTrainer against PeftTrainer.
@@ -183,14 +184,17 @@ def conformance_dirs(tmp_path_factory):
   return str(tmp_path_factory.mktemp("conformance")), str(tmp_path_factory.mktemp("jax_cache"))
 
 
-# What `make test` checks every time: the two configurations where the suite
-# found the drop-in wrong (both fixed), explicit examples of the same property.
+# The configurations where the suite found the drop-in wrong (both fixed).
+# `make test` runs the first as an explicit example of the property;
+# `make test-heavy` (CI) runs the second.
 RL_MAKE_TEST_EXAMPLES = [
     # PPO (critic), full batch 2 in two mini-batches, mu 2, killed after 1 and 2:
     # the second resume trained prompt A again.
     ({"algorithm": "ppo", "num_iterations": 2, "batch_size": 2, "mini_batch_size": 1,
       "input_kind": "grain", "dataset_seed": None, "data_shuffle_seed": 2,
       "save_interval_steps": 1, "max_steps": 3}, [1, 2]),
+]
+RL_HEAVY_EXAMPLES = [
     # Evaluation every 2 steps, mu 2, `.to_iter_dataset()`, killed after update 3
     # (mid-mini-batch): the resumed run lost the evaluations at steps 3 and 4.
     ({"algorithm": "grpo", "num_iterations": 2, "input_kind": "iter", "with_eval": True,
@@ -281,6 +285,14 @@ def check_sft_configuration(config: dict, kills: list[int], workdir: str, cache_
                    f"killed after {kills} and resumed, {config}")
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("config, kills", RL_HEAVY_EXAMPLES)
+def test_rl_found_configuration_conforms(config, kills, conformance_dirs):
+  workdir, cache_dir = conformance_dirs
+  check_configuration(config, kills, os.path.join(workdir, "found"), cache_dir)
+
+
+@pytest.mark.heavy  # the SFT trainer's own chains run in make test-heavy as well
 def test_sft_drop_in_conforms_to_stock_and_resumes_exactly(conformance_dirs, request):
   slow = request.config.getoption("--run-slow")
   workdir, cache_dir = conformance_dirs
