@@ -6,9 +6,10 @@ killed right after checkpoint K and resumed in a fresh process. The trainer
 inputs of the chain must equal the uninterrupted run's bit for bit: same
 prompts in the same order, same completions, advantages and log-probs.
 
-`make test-heavy` (CI) runs one representative chain (mu=2, shuffled
-repeats, killed after every step; `make test` runs a killed PPO chain in
-test_tunix_conformance.py); `make test-full` adds the other learners (PPO, DAPO),
+`make test-heavy` (CI) runs two representative chains (mu=2, shuffled
+repeats, killed after every step; two mini-batches killed after steps 1 and
+2) and the tests without a parameter; `make test` runs a killed PPO chain in
+test_tunix_conformance.py; `make test-full` adds the other learners (PPO, DAPO),
 configurations and features (evaluation, plain iterables, legacy and forced
 close() checkpoints, the stock bug) and the sweep:
 num_iterations 1-4 x (full batch 2 = one mini-batch, with gradient
