@@ -74,7 +74,7 @@ def rl_configs(draw) -> tuple[dict, list[int]]:
   config["data_shuffle_seed"] = draw(st.none() | st.integers(0, 9))
   if draw(st.booleans()):
     config.update(with_eval=True, eval_every_n_steps=draw(st.integers(1, 3)))
-  if algorithm == "grpo" and geometry in ("batch2", "two_minis") and draw(st.integers(0, 3)) == 0:
+  if algorithm == "grpo" and geometry in ("batch2", "two_minis") and draw(st.booleans()):
     config["async_rollout"] = True  # separate rollout mesh; 2 host devices
   if algorithm == "grpo" and not config.get("async_rollout") and draw(st.integers(0, 3)) == 0:
     config["max_seq_token_per_tpu"] = 64
