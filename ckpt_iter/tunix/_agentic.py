@@ -41,7 +41,6 @@ from ckpt_iter.tunix import _signature
 
 _LOG = logging.getLogger("ckpt_iter")
 
-KIND = "tunix"
 LEARNER_FIELD = "agentic_learner"
 codec.register_pytree_dataclass("tunix.rl.agentic.TrainExample", agentic_rl_learner.TrainExample)
 

@@ -17,7 +17,6 @@ import os
 import threading
 from typing import Any, Iterator
 
-
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
