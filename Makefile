@@ -58,8 +58,8 @@ test-lowest: $(LOWEST_VENV)/.installed
 TUNIX_MAIN_VENV ?= .venv-tunix-main
 TUNIX_MAIN_WHEEL ?= ../shared/peer/wheels/google_tunix-0.1.8-py3-none-any.whl
 .PHONY: test-tunix-main
-# Random differential examples per learner family on main (make test-full draws 12 on 0.1.7).
-TUNIX_MAIN_CONFORMANCE_EXAMPLES ?= 4
+# Drawn differential examples per property on main (make test-full draws 12 on 0.1.7).
+TUNIX_MAIN_CONFORMANCE_EXAMPLES ?= 2
 $(TUNIX_MAIN_VENV)/.installed: pyproject.toml
 	[ -x $(TUNIX_MAIN_VENV)/bin/python ] || $(PYTHON) -m venv $(TUNIX_MAIN_VENV)
 	$(TUNIX_MAIN_VENV)/bin/pip install -q -e '.[test]'

@@ -25,7 +25,7 @@ prompts shows several. Otherwise the equalities could hold vacuously.
 `make test` runs one explicit RL example (a configuration where the suite
 found the drop-in wrong); `make test-heavy` the other and the SFT property's
 explicit example; `make test-full` and `make test-tunix-main` also draw
-CKPT_ITER_CONFORMANCE_EXAMPLES (default 12; 4 on main) random ones per
+CKPT_ITER_CONFORMANCE_EXAMPLES (default 12; 2 on main) random ones per
 property, without shrinking (a failure is reported as drawn). The SFT
 property draws gradient accumulation, max_steps (or the data running out),
 the shuffle seed and one or two epochs, and checks the same two things for
