@@ -317,12 +317,12 @@ def make_train_dataset(config: RunConfig) -> Any:
         operations=[grain.transforms.Batch(config.batch_size, drop_remainder=True)],
         worker_count=0,
     )
-  if config.num_epochs is None:
-    raise ValueError(f"input_kind={config.input_kind!r} needs num_epochs (a finite list of batches).")
-  if config.input_kind == "list":
-    return [dataset[index] for index in range(len(dataset))]
   if config.input_kind == "iterable":
     return (dataset[index] for index in range(len(dataset)))
+  if config.input_kind == "list":
+    if config.num_epochs is None:
+      raise ValueError("input_kind='list' needs num_epochs (a finite list of batches).")
+    return [dataset[index] for index in range(len(dataset))]
   raise ValueError(
       f"input_kind={config.input_kind!r}: expected 'grain', 'map', 'iter', 'dataloader', 'list' or 'iterable'."
   )
