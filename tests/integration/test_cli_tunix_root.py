@@ -1,4 +1,4 @@
-"""`ckpt-iter inspect` and `verify` on a real Tunix checkpoint root.
+"""`ckpt-iter inspect`, `verify` and `diff` on a real Tunix checkpoint root.
 
 The root is made by a toy GRPO run (mu=2) in a fresh process, killed after
 step 2; the verbs run in-process through `cli.main`, and once in a fresh
@@ -8,6 +8,7 @@ process to show they load neither Tunix nor flax.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -41,6 +42,12 @@ def _run(capsys, *argv):
   out, err = capsys.readouterr()
   assert "Traceback" not in out + err
   return code, out, err
+
+
+def _command(*argv):
+  result = subprocess.run(list(argv), env=ENV, capture_output=True, text=True, timeout=300, check=False)
+  assert "Traceback" not in result.stdout + result.stderr, result.stderr[-2000:]
+  return result
 
 
 def _row(key, value):
@@ -81,3 +88,25 @@ def test_verify_tunix_checkpoint(capsys, tunix_ckpt):
   code, out, _ = _run(capsys, "verify", tunix_ckpt)
   assert code == 0
   assert out == f"ok: {tunix_ckpt}/actor: 2 steps (1-2), item 'data', 2 state files, 7 pending arrays checked\n"
+
+
+def test_diff_tunix_steps_shows_counters_and_pending(capsys, tunix_ckpt):
+  code, out, _ = _run(capsys, "diff", tunix_ckpt, "--step", "1", "--step", "2")
+  assert code == 0
+  assert _row("counter train_steps", "1 -> 2 (+1)").search(out)
+  assert re.search(r"^\s*pending\s+1 item, 1 still to yield; 7 arrays, \d+ B -> none$", out, re.M)
+  assert re.search(r"^\s*fingerprint\s+same \(\d+ fields\)$", out, re.M)
+
+
+def test_python_m_ckpt_iter_inspect_and_verify(tmp_path, tunix_ckpt):
+  result = _command(sys.executable, "-m", "ckpt_iter", "inspect", tunix_ckpt, "--json")
+  assert result.returncode == 0
+  report = json.loads(result.stdout)
+  assert report["step"] == 2 and report["processes"][0]["kind"] == "tunix"
+  corrupt = tmp_path / "run"
+  shutil.copytree(tunix_ckpt, corrupt)
+  os.remove(corrupt / "actor" / "1" / "data" / "process_0-of-1.npz")
+  result = _command(sys.executable, "-m", "ckpt_iter", "verify", str(corrupt))
+  assert result.returncode == 1
+  (line,) = result.stdout.splitlines()
+  assert line.startswith(f"step 1: {corrupt}/actor/1/data/process_0-of-1.npz: missing")

@@ -400,15 +400,6 @@ def test_diff_two_checkpoints_names_fingerprint_fields(capsys, tmp_path, data_ck
   assert _row("position", "epoch 0, 5 of 6 batches read (next_index 5) -> epoch 1, 2 of 6 batches read (next_index 8)").search(text)
 
 
-@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
-def test_diff_tunix_steps_shows_counters_and_pending(capsys, tunix_ckpt):
-  code, out, _ = _run(capsys, "diff", tunix_ckpt, "--step", "1", "--step", "2")
-  assert code == 0
-  assert _row("counter train_steps", "1 -> 2 (+1)").search(out)
-  assert re.search(r"^\s*pending\s+1 item, 1 still to yield; 7 arrays, \d+ B -> none$", out, re.M)
-  assert re.search(r"^\s*fingerprint\s+same \(\d+ fields\)$", out, re.M)
-
-
 # ---------------------------------------------------------------------------
 # usage errors: exit 2, one `ckpt-iter: ` message, no traceback
 
@@ -496,21 +487,6 @@ def _command(*argv):
   result = subprocess.run(list(argv), env=ENV, capture_output=True, text=True, timeout=300, check=False)
   assert "Traceback" not in result.stdout + result.stderr, result.stderr[-2000:]
   return result
-
-
-@pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
-def test_python_m_ckpt_iter_inspect_and_verify(tmp_path, tunix_ckpt):
-  result = _command(sys.executable, "-m", "ckpt_iter", "inspect", tunix_ckpt, "--json")
-  assert result.returncode == 0
-  report = json.loads(result.stdout)
-  assert report["step"] == 2 and report["processes"][0]["kind"] == "tunix"
-  corrupt = tmp_path / "run"
-  shutil.copytree(tunix_ckpt, corrupt)
-  os.remove(corrupt / "actor" / "1" / "data" / "process_0-of-1.npz")
-  result = _command(sys.executable, "-m", "ckpt_iter", "verify", str(corrupt))
-  assert result.returncode == 1
-  (line,) = result.stdout.splitlines()
-  assert line.startswith(f"step 1: {corrupt}/actor/1/data/process_0-of-1.npz: missing")
 
 
 def test_console_script(data_ckpt):
