@@ -49,8 +49,8 @@ def refuse_unmirrored_settings(learner: Any) -> None:
   """Raises UnsupportedConfigError for what stock's agentic `train()` does and this loop does not.
 
   The loop replaces Tunix's `train()`; a setting that changes what stock
-  trains and that the loop does not reproduce is refused here, by name,
-  rather than trained differently.
+  trains and that the loop does not reproduce is refused by name when
+  `train()` starts, rather than trained differently.
   """
   config = api.training_config(learner)
   budget = getattr(config, "max_seq_token_per_tpu", None)
@@ -98,7 +98,6 @@ class ResumableAgentic:
     def __init__(self, *args, **kwargs):
       super().__init__(*args, **kwargs)
       api.require_api(self, api.check_agentic_api(self))
-      refuse_unmirrored_settings(self)
       self._ci_loop: _agentic_loop.ConsumerLoop | None = None
 
   def train(
@@ -132,6 +131,10 @@ class ResumableAgentic:
       raise errors.InvalidArgumentError(
           f"on_legacy_checkpoint={on_legacy_checkpoint!r}: expected 'raise' or 'fast_forward'."
       )
+    # Refused here, before anything is read, restored or trained, not in the
+    # constructor: the learner's other methods are stock's, and Tunix's own
+    # tests build packed learners to call them.
+    refuse_unmirrored_settings(self)
     source = _input.make_source(train_dataset)
     loop = _agentic_loop.ConsumerLoop(self, source, eval_dataset, skip_jit)
     self._ci_loop = loop

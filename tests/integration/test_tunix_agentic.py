@@ -270,8 +270,11 @@ def test_killed_inside_the_replay_resumes_bit_for_bit(replay_runs):
     (("--max-seq-token-per-tpu", "64"), "max_seq_token_per_tpu=64"),
     (("--critic",), "critic_trainer"),
 ])
-def test_what_the_loop_does_not_reproduce_is_refused_when_built(flag, setting, tmp_path):
-  """Stock packs sequences / updates a critic; the drop-in would not, so it refuses by name."""
+def test_what_the_loop_does_not_reproduce_is_refused_before_training(flag, setting, tmp_path):
+  """Stock packs sequences / updates a critic; the drop-in would not, so `train()` refuses by name.
+
+  (Building the learner stays allowed: its other methods are stock's, and
+  Tunix's own tests build packed learners to call them.)"""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   command = [sys.executable, _WORKER, "--root", str(tmp_path / "root"), "--out", str(tmp_path / "out.npz"),
              "--learner", "resumable", *_FLAGS, *flag]
