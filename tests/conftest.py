@@ -8,6 +8,9 @@ import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A worker that dies of a signal (a native crash in XLA or Tunix's threads)
+# prints every thread's Python stack: the test's stderr tail then says where.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # JSONL line-index caches go to a throwaway directory, never to ~/.cache.
 os.environ.setdefault("CKPT_ITER_INDEX_CACHE_DIR", tempfile.mkdtemp(prefix="ckpt_iter_index_"))
 # Test modules import the shared helpers (support.py) and the worker scripts

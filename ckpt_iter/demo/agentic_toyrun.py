@@ -268,6 +268,9 @@ def run(args: argparse.Namespace) -> None:
 
   learner.train(make_train_ds(args.batch))
   dump()
+  # Tunix runs the learner's asyncio loop on a daemon thread it never stops;
+  # stop it, so the interpreter does not tear down under a running loop.
+  learner.loop.call_soon_threadsafe(learner.loop.stop)
 
 
 def main(argv: list[str] | None = None) -> int:

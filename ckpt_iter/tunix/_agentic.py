@@ -36,7 +36,7 @@ from ckpt_iter.tunix import _agentic_loop
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items
-from ckpt_iter.tunix import _sft
+from ckpt_iter.tunix import _saving
 from ckpt_iter.tunix import _signature
 
 _LOG = logging.getLogger("ckpt_iter")
@@ -139,8 +139,7 @@ class ResumableAgentic:
     loop = _agentic_loop.ConsumerLoop(self, source, eval_dataset, skip_jit)
     self._ci_loop = loop
     trainer = api.agentic_cluster(self).actor_trainer
-    trainer._ci_snapshot = self._ci_snapshot  # pylint: disable=protected-access
-    _sft._install_saver(trainer)  # pylint: disable=protected-access
+    _saving.install(trainer.checkpoint_manager, _saving.DataStateOnly(self._ci_snapshot))
     restored, checked_source = self._ci_read_state(loop, frozenset(allow_drift), on_legacy_checkpoint)
     loop.run(restored, checked_source)
 
@@ -155,7 +154,7 @@ class ResumableAgentic:
     step = int(trainer.train_steps)
     if not step:
       return None, None
-    data_dir = _sft._data_directory(trainer, step)  # pylint: disable=protected-access
+    data_dir = _saving.data_directory(trainer.checkpoint_manager, step)
     origin = f"checkpoint step {step} ({data_dir})"
     value = None
     if data_dir is not None:

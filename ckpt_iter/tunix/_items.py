@@ -1,47 +1,35 @@
-"""The Orbax items a Resumable learner adds to Tunix's actor checkpoints.
+"""The Orbax items of a Tunix learner's step: what an RL learner adds, and reading them back.
 
 `data` (the data state), `rollout_params` (the rollout model's weights, for a
 step inside a global step) and, for learners with a critic, `critic_params`
-and `critic_optimizer_state`. They are written by standing in for the Orbax
-manager inside Tunix's actor CheckpointManager, so they land in the same
-Orbax step as `model_params`, and read back on restore.
+and `critic_optimizer_state`. `_saving` writes them into the same Orbax step
+as `model_params`; `read_step_state` is the one reader of a step's data item
+for RL, SFT and agentic learners.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from flax import nnx
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from tunix.rl import rl_learner
 
 from ckpt_iter.tunix import _api as api
+from ckpt_iter.tunix import _saving
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _storage
-from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
 
-DATA_ITEM = "data"
-ROLLOUT_ITEM = "rollout_params"
-CRITIC_PARAMS_ITEM = "critic_params"
-CRITIC_OPTIMIZER_ITEM = "critic_optimizer_state"
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-  """A data state taken at save time (IteratorSave reads it via .state())."""
-
-  value: state_lib.IteratorState
-
-  def state(self) -> state_lib.IteratorState:
-    return self.value
+DATA_ITEM = _saving.DATA_ITEM
+ROLLOUT_ITEM = _saving.ROLLOUT_ITEM
+CRITIC_PARAMS_ITEM = _saving.CRITIC_PARAMS_ITEM
+CRITIC_OPTIMIZER_ITEM = _saving.CRITIC_OPTIMIZER_ITEM
 
 
 def read_step_state(
@@ -97,10 +85,7 @@ def tunix_learner_name(learner: Any) -> str:
 
 
 def weight_filter(learner: Any, model: Any = None) -> Any:
-  from tunix.sft import utils as sft_utils  # pylint: disable=g-import-not-at-top
-
-  model = learner.rl_cluster.actor_trainer.model if model is None else model
-  return nnx.LoRAParam if sft_utils.is_lora_enabled(model) else nnx.Param
+  return _saving.weight_filter(learner.rl_cluster.actor_trainer.model if model is None else model)
 
 
 def rollout_params(learner: Any) -> Any:
@@ -238,144 +223,30 @@ def to_device(learner: Any, pytree: Any, origin: str) -> Any:
   return jax.tree.map(place, pytree)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Pytree:
-  """An item ckpt_iter adds that is a pytree of arrays (weights, optimizer state)."""
+class RlStepItems:
+  """What an RL learner adds to each actor save (`_saving.StepItems`).
 
-  tree: Any
-
-
-class _DataSaver:
-  """Adds ckpt_iter's items to every actor save Tunix makes, in the same Orbax step.
-
-  The data item (and the rollout weights when a step falls inside a global
-  step) goes with every save, and the forced save in `close()` gets the
-  metadata every other save has. Tunix's own save policy decides which steps
-  are written: ckpt_iter never changes it.
-
-  With a critic (PPO) the actor's save of step K waits until the critic has
-  made its update K, then the one Orbax step also holds the critic's params
-  and optimizer state: actor, critic and data state always come from the
-  same trainer input, whatever moment the process dies.
-
-  Subclasses write one step through one Orbax API (`_write`).
+  The data item, the rollout weights when the step falls inside a global
+  step (the rest of the step rolls out with them), and the metadata every
+  other save has for the forced save in `close()`. A critic's update K goes
+  with actor step K (see `_saving._DataSaver`).
   """
 
   def __init__(self, learner: Any):
     self._learner = learner
-    self._deferred: tuple[Any, ...] | None = None
 
-  def save_with_data(self, step, items, custom_metadata, force, extra) -> bool:
+  def add_items(self, step: int, items: dict[str, Any], custom_metadata: Any) -> Any:
     learner = self._learner
-    session = learner._ci_session  # pylint: disable=protected-access
-    items = dict(items)
-    value, mid_global_step = session.snapshot(step)
-    items[DATA_ITEM] = Snapshot(value)
+    value, mid_global_step = learner._ci_session.snapshot(step)  # pylint: disable=protected-access
+    items[DATA_ITEM] = _saving.Snapshot(value)
     if learner.should_sync_weights and mid_global_step:
-      items[ROLLOUT_ITEM] = _Pytree(rollout_params(learner))
+      items[ROLLOUT_ITEM] = _saving.Pytree(rollout_params(learner))
     if not custom_metadata:
       custom_metadata = learner.rl_cluster.actor_trainer.custom_checkpoint_metadata()
-    if critic_trainer(learner) is not None:
-      self._deferred = (step, items, custom_metadata, force, extra)
-      return True
-    return self._write(step, items, custom_metadata, force, extra)
+    return custom_metadata
 
-  def _write(self, step, items, custom_metadata, force, extra) -> bool:
-    raise NotImplementedError
-
-  def flush_with_critic(self, critic_model: Any, critic_optimizer: Any) -> None:
-    """Writes the deferred actor step, now that the critic made the same update."""
-    if self._deferred is None:
-      return
-    step, items, custom_metadata, force, extra = self._deferred
-    self._deferred = None
-    items[CRITIC_PARAMS_ITEM] = _Pytree(nnx.state(critic_model, weight_filter(self._learner, critic_model)))
-    if critic_optimizer is not None:
-      items[CRITIC_OPTIMIZER_ITEM] = _Pytree(nnx.state(critic_optimizer, nnx.optimizer.OptState))
-    self._write(step, items, custom_metadata, force, extra)
-
-  def flush_on_close(self) -> None:
-    critic = critic_trainer(self._learner)
-    if critic is not None and self._deferred is not None:
-      if critic.train_steps >= self._deferred[0]:
-        self.flush_with_critic(critic.model, critic.optimizer)
-      else:
-        # Closed between the actor's and the critic's update of this step:
-        # the step would pair the actor with a stale critic, so it is dropped.
-        self._deferred = None
-
-
-class _SavingManager(_DataSaver):
-  """Orbax v0: stands in for the Orbax manager inside Tunix's CheckpointManager."""
-
-  def __init__(self, real: ocp.CheckpointManager, learner: Any):
-    super().__init__(learner)
-    self._real = real
-
-  def save(self, step, args=None, custom_metadata=None, force=False, **kwargs):
-    items = dict(args.items()) if args is not None else {}
-    return self.save_with_data(step, items, custom_metadata, force, kwargs)
-
-  def _write(self, step, items, custom_metadata, force, extra) -> bool:
-    args = {}
-    for name, item in items.items():
-      if isinstance(item, Snapshot):
-        item = checkpoint_lib.IteratorSave(item)
-      elif isinstance(item, _Pytree):
-        item = _pytree_save(item.tree)
-      args[name] = item
-    return self._real.save(
-        step, args=ocp.args.Composite(**args), custom_metadata=custom_metadata,
-        force=force, **extra,
-    )
-
-  def close(self) -> None:
-    self.flush_on_close()
-    self._real.close()
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._real, name)
-
-
-class _CheckpointablesSaver(_DataSaver):
-  """Orbax v1: wraps Tunix's `_save_checkpointables`, which applies Tunix's policy."""
-
-  def __init__(self, original: Any, learner: Any):
-    super().__init__(learner)
-    self._original = original
-
-  def __call__(self, step, checkpointables, force, custom_metadata) -> bool:
-    return self.save_with_data(step, checkpointables, custom_metadata, force, None)
-
-  def _write(self, step, items, custom_metadata, force, extra) -> bool:
-    del extra
-    checkpointables = {}
-    for name, item in items.items():
-      if isinstance(item, Snapshot):
-        item = checkpoint_lib.IteratorCheckpointable(item)
-      elif isinstance(item, _Pytree):
-        item = item.tree
-      checkpointables[name] = item
-    return self._original(step, checkpointables, force, custom_metadata)
-
-
-class _CriticCheckpointManager:
-  """Stands in for the critic trainer's Tunix CheckpointManager.
-
-  Its save() runs right after each critic update: the moment the deferred
-  actor step can be written with the critic's matching state.
-  """
-
-  def __init__(self, real: Any, actor_saving: _DataSaver):
-    self._real = real
-    self._actor_saving = actor_saving
-
-  def save(self, step, model, optimizer=None, *args, **kwargs):
-    self._actor_saving.flush_with_critic(model, optimizer)
-    return self._real.save(step, model, optimizer, *args, **kwargs)
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._real, name)
+  def critic(self) -> Any:
+    return critic_trainer(self._learner)
 
 
 def critic_trainer(learner: Any) -> Any:
@@ -383,78 +254,6 @@ def critic_trainer(learner: Any) -> Any:
   return getattr(learner.rl_cluster, "critic_trainer", None)
 
 
-def _pytree_save(tree: Any) -> Any:
-  return ocp.args.PyTreeSave(item=tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), tree))
-
-
 def install_saving_manager(learner: Any) -> None:
   """Makes every actor save of this learner carry ckpt_iter's items (idempotent)."""
-  tunix_manager = learner.rl_cluster.actor_trainer.checkpoint_manager
-  backend = api.checkpoint_backend(tunix_manager)
-  if backend == api.ORBAX_V1:
-    saving = _install_v1(learner, tunix_manager)
-  else:
-    saving = _install_v0(learner, tunix_manager)
-  if saving is None:
-    return
-  critic = critic_trainer(learner)
-  if critic is not None:
-    critic.checkpoint_manager = _CriticCheckpointManager(critic.checkpoint_manager, saving)
-
-
-def _install_v0(learner: Any, tunix_manager: Any) -> _DataSaver | None:
-  current = api.orbax_manager(tunix_manager)
-  if current is None or isinstance(current, _SavingManager):
-    return None
-  current.wait_until_finished()
-  directory = current.directory
-  # The options Tunix built its manager with: its own default policy when
-  # checkpointing_options is None, the user's otherwise.
-  options = api.orbax_manager_options(current)
-  current.close()
-  replacement = ocp.CheckpointManager(
-      directory, item_handlers=_item_handlers(), options=options
-  )
-  saving = _SavingManager(replacement, learner)
-  api.replace_orbax_manager(tunix_manager, saving)
-  return saving
-
-
-def _install_v1(learner: Any, tunix_manager: Any) -> _DataSaver | None:
-  if api.orbax_checkpointer(tunix_manager) is None:
-    return None
-  made: list[_DataSaver] = []
-
-  def make(original: Any) -> Any:
-    made.append(_CheckpointablesSaver(original, learner))
-    return made[0]
-
-  if not api.wrap_save_checkpointables(tunix_manager, make):
-    return None
-  saving = made[0]
-  close = tunix_manager.close
-
-  def close_after_flush() -> None:
-    saving.flush_on_close()
-    close()
-
-  tunix_manager.close = close_after_flush
-  return saving
-
-
-def _item_handlers() -> dict[str, Any]:
-  if "proxy" in os.getenv("JAX_PLATFORMS", ""):
-    # Pathways: the same handler settings Tunix uses there.
-    def pytree():
-      return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False)
-  else:
-    pytree = ocp.PyTreeCheckpointHandler
-  return {
-      "model_params": pytree(),
-      "optimizer_state": pytree(),
-      "custom_metadata": ocp.JsonCheckpointHandler(),
-      DATA_ITEM: checkpoint_lib.IteratorCheckpointHandler(),
-      ROLLOUT_ITEM: pytree(),
-      CRITIC_PARAMS_ITEM: pytree(),
-      CRITIC_OPTIMIZER_ITEM: pytree(),
-  }
+  _saving.install(learner.rl_cluster.actor_trainer.checkpoint_manager, RlStepItems(learner))

@@ -18,23 +18,21 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Collection, Iterable
 
-import orbax.checkpoint as ocp
 from tunix.sft import peft_trainer as _peft_trainer
 from tunix.sft.dpo import dpo_trainer as _dpo_trainer
 
-from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items
+from ckpt_iter.tunix import _saving
 from ckpt_iter.tunix import _signature
 
 _LOG = logging.getLogger("ckpt_iter")
 
-DATA_ITEM = _items.DATA_ITEM  # the same item name as the RL learners'
+DATA_ITEM = _saving.DATA_ITEM  # the same item name as the RL learners'
 _TRAINER_FIELD = "trainer"
-_Snapshot = _items.Snapshot
 
 
 class _Feed:
@@ -159,7 +157,7 @@ class ResumableSft:
         "gradient_accumulation_steps": _grad_acc_steps(self),
     }
     self._ci_fingerprint = fingerprint
-    _install_saver(self)
+    _saving.install(self.checkpoint_manager, _saving.DataStateOnly(self._ci_snapshot))
     self._ci_position_feed(feed, frozenset(allow_drift))
     self._ci_feed = feed
     # Managed externally: Tunix neither skips (the feed is already where it
@@ -177,7 +175,7 @@ class ResumableSft:
     step = int(self.train_steps)
     data_dir = None
     if not self._ci_data_restored and step and step == self._ci_restored_step:
-      data_dir = _data_directory(self, step)
+      data_dir = _saving.data_directory(self.checkpoint_manager, step)
     self._ci_data_restored = True  # only the constructor's restore has a data item
     value = None
     if data_dir is not None:
@@ -247,88 +245,6 @@ class ResumableSft:
 def _learner_fields(fingerprint: dict[str, Any], source: Any) -> dict[str, Any]:
   """The trainer's own fingerprint fields (the rest are the input's)."""
   return {k: v for k, v in fingerprint.items() if k not in source.fingerprint}
-
-
-def _data_directory(trainer: Any, step: int) -> str | None:
-  manager = trainer.checkpoint_manager
-  if api.checkpoint_backend(manager) is None or not _is_real(manager):
-    return None
-  return api.item_directory(manager, step, DATA_ITEM)
-
-
-def _is_real(tunix_manager: Any) -> bool:
-  """False for a stand-in (tests mock Tunix's CheckpointManager): stock then."""
-  backend = api.checkpoint_backend(tunix_manager)
-  if backend == api.ORBAX_V0:
-    inner = api.orbax_manager(tunix_manager)
-    return isinstance(inner, (ocp.CheckpointManager, _SavingManager))
-  if backend == api.ORBAX_V1:
-    return api.orbax_checkpointer(tunix_manager) is not None
-  return False
-
-
-class _SavingManager:
-  """Orbax v0: stands in for the Orbax manager inside Tunix's CheckpointManager.
-
-  Every save Tunix makes gets the trainer's data state as one more item of
-  the same Orbax step; Tunix's save policy decides which steps are written.
-  """
-
-  def __init__(self, real: ocp.CheckpointManager, trainer: Any):
-    self._real = real
-    self._trainer = trainer
-
-  def save(self, step, args=None, custom_metadata=None, force=False, **kwargs):
-    items = dict(args.items()) if args is not None else {}
-    value = self._trainer._ci_snapshot()  # pylint: disable=protected-access
-    if value is not None:
-      items[DATA_ITEM] = checkpoint_lib.IteratorSave(_Snapshot(value))
-    return self._real.save(
-        step, args=ocp.args.Composite(**items), custom_metadata=custom_metadata,
-        force=force, **kwargs,
-    )
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._real, name)
-
-
-def _install_saver(trainer: Any) -> None:
-  """Makes every save of `trainer` carry its data state (idempotent)."""
-  manager = trainer.checkpoint_manager
-  if not _is_real(manager):
-    return
-  if api.checkpoint_backend(manager) == api.ORBAX_V1:
-
-    def make(original: Any) -> Any:
-      def save_checkpointables(step, checkpointables, force, custom_metadata):
-        value = trainer._ci_snapshot()  # pylint: disable=protected-access
-        if value is not None:
-          checkpointables = dict(checkpointables)
-          checkpointables[DATA_ITEM] = checkpoint_lib.IteratorCheckpointable(_Snapshot(value))
-        return original(step, checkpointables, force, custom_metadata)
-
-      return save_checkpointables
-
-    api.wrap_save_checkpointables(manager, make)
-    return
-  current = api.orbax_manager(manager)
-  if isinstance(current, _SavingManager):
-    return
-  current.wait_until_finished()
-  options = api.orbax_manager_options(current)
-  directory = current.directory
-  handlers = {}
-  for name in ("model_params", "optimizer_state"):
-    handlers[name] = (
-        ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False)
-        if "proxy" in os.getenv("JAX_PLATFORMS", "") else ocp.PyTreeCheckpointHandler()
-    )
-  handlers["custom_metadata"] = ocp.JsonCheckpointHandler()
-  handlers[DATA_ITEM] = checkpoint_lib.IteratorCheckpointHandler()
-  current.close()
-  replacement = ocp.CheckpointManager(directory, item_handlers=handlers, options=options)
-  api.replace_orbax_manager(manager, _SavingManager(replacement, trainer))
-
 
 
 class ResumablePeftTrainer(ResumableSft, _peft_trainer.PeftTrainer):

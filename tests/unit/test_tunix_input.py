@@ -63,10 +63,10 @@ def test_the_learner_rule_leaves_more_epochs_to_the_input():
 
 def _write_state(directory, value):
   from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.tunix import _items  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _saving  # pylint: disable=g-import-not-at-top
 
   directory.mkdir()
-  header, arrays = item_lib.snapshot(_items.Snapshot(value))
+  header, arrays = item_lib.snapshot(_saving.Snapshot(value))
   item_lib.write(str(directory), header, arrays, 0, 1)
 
 
