@@ -111,6 +111,19 @@ def read_item(
   return SavedState(value, resized=saved_count != process_count, origin=directory, step=step)
 
 
+def read_replicated_item(directory: str | os.PathLike[str], saved_count: int) -> SavedState:
+  """The state all `saved_count` saved processes hold alike, for a process of another count.
+
+  For states that cannot be re-sliced (a Tunix learner's): see
+  `elastic.read_replicated`. The resume is recorded as resized.
+  """
+  directory = os.fspath(directory)
+  return SavedState(
+      elastic_lib.read_replicated(directory, saved_count), resized=True, origin=directory,
+      step=lineage_lib.step_of_item_directory(directory),
+  )
+
+
 def read_item_if_present(
     directory: str | os.PathLike[str], process_index: int, process_count: int
 ) -> SavedState | None:

@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -64,9 +65,10 @@ def resize_refusal(kind: str, fingerprint: Mapping[str, Any]) -> str | None:
   """
   if kind == "tunix":
     return (
-        "is not supported for a Tunix learner's data state: the learner restores "
-        "its state itself, per process, and its pending TrainExamples and "
-        "mini-batch counters are shaped by the per-process batch size."
+        "is not supported for a Tunix learner's data state by re-slicing: its "
+        "pending TrainExamples and mini-batch counters are shaped by the "
+        "per-process batch size. The learner itself resumes with another count "
+        "when every saved process holds the same state (`read_replicated`)."
     )
   if fingerprint.get("position_scope") == "global":
     return None  # set only for a bare ElasticIterator (dataset.describe_pipeline)
@@ -145,6 +147,39 @@ def read_for_process(
       states, rows_from, saved_count, process_index, process_count,
       origin=f"{directory} (written by {saved_count} processes, restored by {process_count})",
   )
+
+
+def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> state_lib.IteratorState:
+  """The one state all `saved_count` saved processes hold, for a process of any count.
+
+  A Tunix learner's state cannot be re-sliced (its pending TrainExamples and
+  mini-batch counters are shaped by the per-process batch), but in Tunix's
+  default every process feeds the same batches and so saves the same state.
+  Then that state is exactly what every process of another count would hold
+  too. Each saved file is read and digested (`_codec.state_digest`): N files
+  per process, read once at restore.
+
+  Raises:
+    UnsupportedConfigError: two saved processes hold different states (the
+      message names the first part that differs); nothing can be resumed
+      with another count.
+    InvalidStateError: a saved file is missing or corrupt.
+  """
+  directory = os.fspath(directory)
+  states = [_read(directory, index, saved_count, load_arrays=True) for index in range(saved_count)]
+  first = codec.state_parts(states[0])
+  for index, state in enumerate(states[1:], start=1):
+    parts = codec.state_parts(state)
+    if parts == first:
+      continue
+    differ = sorted(k for k in set(parts) | set(first) if parts.get(k) != first.get(k))
+    raise errors.UnsupportedConfigError(
+        f"{directory}: process {index} of {saved_count} saved another data state than "
+        f"process 0 (they differ in {', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}): "
+        "the processes fed different data, so no saved state is the one a process of "
+        f"another count would hold. Resume with {saved_count} processes."
+    )
+  return states[0]
 
 
 def _read(directory: str, index: int, saved_count: int, *, load_arrays: bool) -> state_lib.IteratorState:

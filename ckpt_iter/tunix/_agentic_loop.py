@@ -33,6 +33,7 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
+from ckpt_iter.tunix import _input
 
 _LOG = logging.getLogger("ckpt_iter")
 _TRAIN = rl_cluster_lib.Mode.TRAIN
@@ -149,7 +150,7 @@ class ConsumerLoop:
 
   def learner_fingerprint(self) -> dict[str, Any]:
     """The fingerprint fields that are the learner's own (the rest are the input's)."""
-    return {k: v for k, v in self.fingerprint.items() if k not in self.source.fingerprint}
+    return _input.learner_part(self.fingerprint, self.source)
 
   def _restore(self, value: state_lib.IteratorState, checked_source: Any) -> list[Any]:
     """Applies a checkpoint's data state; returns the prompts to feed again first.

@@ -269,6 +269,11 @@ def make_source(train_ds: Any) -> GrainSource | ReplaySource:
   return ReplaySource(train_ds)
 
 
+def learner_part(fingerprint: Mapping[str, Any], source: Any) -> dict[str, Any]:
+  """The fields of a learner's fingerprint that are the learner's own, not its input's."""
+  return {k: v for k, v in fingerprint.items() if k not in source.fingerprint}
+
+
 def check_learner_state(
     saved: Mapping[str, Any],
     learner_fingerprint: Mapping[str, Any],

@@ -21,7 +21,6 @@ from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _saving
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _storage
-from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
@@ -45,21 +44,32 @@ def read_step_state(
   means the step has no data item (written by stock Tunix): each learner's
   legacy policy decides.
 
+  With another process count than the step's, every process reads all the
+  saved states; when they are identical (Tunix's default: every process feeds
+  the same batches) that state is this process's too, and the resume is
+  recorded as resized.
+
   Raises:
-    ProcessCountError: written by another number of JAX processes.
+    ProcessCountError: written by another number of JAX processes whose
+      states differ (each fed its own data).
     InvalidStateError: corrupt, another learner's, or from another step.
   """
   origin = f"checkpoint step {step} ({data_dir})"
   try:
     saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
   except errors.ProcessCountError as e:
-    # The generic advice (elastic=True) does not apply to a learner's state.
-    raise errors.ProcessCountError(
-        f"{origin}: written by {e.saved_count} JAX process(es); resuming with "
-        f"{e.process_count} {elastic_lib.resize_refusal('tunix', {})} "
-        f"Resume with {e.saved_count} processes.",
-        saved_count=e.saved_count, process_count=e.process_count,
-    ) from None
+    # Another process count: exact when every saved process holds the same
+    # state (Tunix's default, every process feeding the same batches).
+    try:
+      saved = item_lib.read_replicated_item(data_dir, e.saved_count)
+    except errors.UnsupportedConfigError as refusal:
+      # The generic advice (elastic=True) does not apply to a learner's state.
+      raise errors.ProcessCountError(
+          f"{origin}: written by {e.saved_count} JAX process(es); resuming with "
+          f"{e.process_count} is exact only when every saved process holds the "
+          f"same data state. {refusal}",
+          saved_count=e.saved_count, process_count=e.process_count,
+      ) from None
   if saved is None:
     return None
   value = saved.resumed()  # this resume recorded in its lineage

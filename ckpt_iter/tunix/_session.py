@@ -381,10 +381,9 @@ class DataSession:
       )
     saved_fingerprint, saved_settings = settings_lib.split(value.fingerprint)
     current_fingerprint, current_settings = settings_lib.split(self.fingerprint)
-    source_fields = set(self.input.source.fingerprint)
     try:
       checked = _input.check_learner_state(
-          saved_fingerprint, {k: v for k, v in current_fingerprint.items() if k not in source_fields},
+          saved_fingerprint, _input.learner_part(current_fingerprint, self.input.source),
           self.input, value.position, allow_drift=allow_drift, origin=origin,
           optional_learner_fields=("max_seq_token_per_tpu",),
       )
@@ -447,7 +446,7 @@ class DataSession:
     """
     if _drift.REPLAY_DIGEST_FIELD in drift.differences or "full_batches_read" in drift.differences:
       raise drift  # a replayed iterable that is not the saved stream: its message says why
-    learner_fields = set(self.fingerprint) - set(self.input.source.fingerprint)
+    learner_fields = set(_input.learner_part(self.fingerprint, self.input.source))
     changed = set(drift.differences)
     blocking = (changed & learner_fields) - _CONTINUABLE_LEARNER_FIELDS
     position = value.position if isinstance(value.position, dict) else {}

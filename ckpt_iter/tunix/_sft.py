@@ -215,7 +215,7 @@ class ResumableSft:
           f"{step * grad_acc}..{(step + 1) * grad_acc - 1}."
       )
     checked = _input.check_learner_state(
-        value.fingerprint, _learner_fields(self._ci_fingerprint, feed.source), feed.source,
+        value.fingerprint, _input.learner_part(self._ci_fingerprint, feed.source), feed.source,
         value.position, allow_drift=allow_drift, origin=origin,
     )
     # All checks passed: apply.
@@ -240,11 +240,6 @@ class ResumableSft:
         counters={"train_steps": int(self.train_steps), "iter_steps": int(self.iter_steps)},
         lineage=self._ci_lineage,
     )
-
-
-def _learner_fields(fingerprint: dict[str, Any], source: Any) -> dict[str, Any]:
-  """The trainer's own fingerprint fields (the rest are the input's)."""
-  return {k: v for k, v in fingerprint.items() if k not in source.fingerprint}
 
 
 class ResumablePeftTrainer(ResumableSft, _peft_trainer.PeftTrainer):

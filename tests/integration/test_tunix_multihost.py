@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
+import ckpt_iter
 from ckpt_iter import testing
 import process_group  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -148,23 +149,73 @@ def test_first_job_of_the_chain_equals_the_reference_before_its_preemption(runs)
 
 
 @_JOBS
-def test_resuming_with_another_process_count_is_refused_with_the_reason(runs, tmp_path):
-  # The chain's checkpoint at step 3 (inside a repeat), resumed by a 1-process job.
+def test_a_one_process_job_resumes_the_two_process_checkpoint_exactly(runs, tmp_path):
+  # Both processes fed the same batches, so they saved the same data state:
+  # a 1-process job (two CPU devices, the same mesh shape) resumes the
+  # chain's checkpoint 3, inside a repeat, and trains what the 2-process
+  # reference trains after it.
   root = tmp_path / "root"
   shutil.copytree(runs["chain_root"], root)
   for role in root.iterdir():
     for step in role.iterdir():
       if step.name.isdigit() and int(step.name) > 3:
         shutil.rmtree(step)
-  with pytest.raises(pytest.fail.Exception) as refused:
-    process_group.run_group(WORKER, tmp_path, "one_process", [{"root": str(root), "max_steps": MAX_STEPS}],
-                            timeout_seconds=RUN_TIMEOUT_SECONDS)
-  log = str(refused.value)
-  assert "ProcessCountError" in log and "written by 2 JAX process(es); resuming with 1" in log, log[-3000:]
-  assert "Tunix learner" in log and "Resume with 2 processes." in log, log[-3000:]
-  assert "elastic=True" not in log, log[-3000:]  # advice a learner cannot take
-  # Nothing was written: the step the refused job restored is still the latest.
-  assert max(int(s.name) for s in (root / "actor").iterdir() if s.name.isdigit()) == 3
+  (resumed,) = process_group.run_group(
+      WORKER, tmp_path, "one_process", [{"root": str(root), "max_steps": MAX_STEPS}],
+      timeout_seconds=RUN_TIMEOUT_SECONDS,
+      extra_env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+  )
+  assert resumed["process_count"] == 1 and resumed["restored_step"] == 3
+  assert resumed["restored_pending"] == 1, "the rollout's second update is restored, not redone"
+  trained = _by_step(resumed)
+  assert sorted(trained) == list(range(3, MAX_STEPS))
+  want = _by_step(runs["reference"][0])
+  # The restored update: every field bit for bit, as it was saved.
+  assert trained[3]["fields"] == want[3]["fields"]
+  # Every later input holds the same data: prompts, completions, advantages
+  # and the actor's log-probs (rolled out by the restored weights), bit for bit.
+  data_fields = ("prompt_ids", "completion_ids", "advantages", "prompt_mask", "completion_mask")
+  for train_step, record in trained.items():
+    assert record["prompt_ids"] == want[train_step]["prompt_ids"], train_step
+    for name in data_fields:
+      assert record["fields"][name] == want[train_step]["fields"][name], (train_step, name)
+  assert trained[4]["fields"]["old_per_token_logps"] == want[4]["fields"]["old_per_token_logps"]
+  # The reference model's log-probs are recomputed by another XLA program on
+  # one process (the same mesh shape): equal to float32 rounding, not in
+  # every bit. That is the model's arithmetic on a new topology, not data.
+  for train_step, record in trained.items():
+    got, expected = (np.asarray(r["logps"]["ref_per_token_logps"]) for r in (record, want[train_step]))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5, err_msg=f"step {train_step}")
+  # The resume is recorded as one with another process count.
+  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
+
+  data = _files.read_state(str(root / "actor" / str(MAX_STEPS) / "data"), 0, 1)
+  assert [(e["step"], e.get("resized", False)) for e in data.lineage["recent"]] == [(1, False), (3, True)]
+
+
+def test_processes_that_fed_different_data_are_refused_another_count(tmp_path):
+  # Each process read its own shard: the saved states differ, and no state
+  # fits a process of another count. Real files, the learner's one reader.
+  from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+
+  data_dir = tmp_path / "actor" / "3" / "data"
+  data_dir.mkdir(parents=True)
+  for index in range(2):
+    value = state_lib.IteratorState(
+        kind="tunix", fingerprint={"learner": "GRPOLearner", "shard_index": index, "shard_count": 2},
+        position={"next_index": 2}, counters={"train_steps": 3},
+    )
+    header, arrays = codec.encode_state(value)
+    _files.write_files(str(data_dir), header, arrays, process_index=index, process_count=2)
+  with pytest.raises(ckpt_iter.ProcessCountError) as refused:
+    items.read_step_state(str(data_dir), 3, learner_field="learner", writer="a Resumable RL learner")
+  message = str(refused.value)
+  assert "written by 2 JAX process(es); resuming with 1 is exact only when every saved process" in message
+  assert "process 1 of 2 saved another data state than process 0 (they differ in fingerprint.shard_index)" in message
+  assert "Resume with 2 processes." in message and "elastic=True" not in message
 
 
 # ---------------------------------------------------------------------------

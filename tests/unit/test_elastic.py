@@ -328,3 +328,55 @@ def test_a_bad_count_file_is_refused_with_the_fix(tmp_path, text, message):
   with pytest.raises(ckpt_iter.InvalidStateError, match=message):
     checkpoint_lib.IteratorCheckpointHandler(0, 2).restore(tmp_path, ckpt_iter.IteratorRestore(it, elastic=True))
   assert it.state().position == before.position
+
+
+# ---------------------------------------------------------------------------
+# States that cannot be re-sliced (a Tunix learner's) resume with another
+# count only when every saved process holds the same one.
+
+
+def _replicated(count):
+  """What each process of a Tunix job feeding the same batches saves: one state, `count` times."""
+  value = dataclasses.replace(_states(count=1)[0], kind="tunix")
+  return [value] * count
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_identical_process_states_are_read_as_one(tmp_path, count):
+  states = _replicated(count)
+  _write(str(tmp_path), states)
+  restored = elastic.read_replicated(str(tmp_path), count)
+  assert codec.state_digest(restored) == codec.state_digest(states[0])
+  testing.assert_trees_equal(restored.pending.items, states[0].pending.items)
+
+
+@pytest.mark.parametrize("change, part", [
+    (lambda s: dataclasses.replace(s, position={"next_index": 0}), "position"),
+    (lambda s: dataclasses.replace(s, fingerprint={**s.fingerprint, "shard_index": 1}), "fingerprint.shard_index"),
+    (lambda s: _with_pending(s, _flipped), "array a"),
+])
+def test_a_process_state_that_differs_is_refused_naming_the_part(tmp_path, change, part):
+  first, second, third = _replicated(3)
+  _write(str(tmp_path), [first, second, change(third)])
+  with pytest.raises(ckpt_iter.UnsupportedConfigError) as refused:
+    elastic.read_replicated(str(tmp_path), 3)
+  message = str(refused.value)
+  assert "process 2 of 3 saved another data state than process 0" in message
+  assert f"differ in {part}" in message and "Resume with 3 processes." in message
+
+
+def _flipped(item):
+  """The same pending item with one array element changed (one bit is enough)."""
+  def flip(leaf):
+    if isinstance(leaf, np.ndarray) and leaf.size:
+      leaf = leaf.copy()
+      leaf.reshape(-1)[0] += 1
+    return leaf
+  return {k: flip(v) for k, v in item.items()} if isinstance(item, dict) else flip(item)
+
+
+def test_digest_tells_states_apart_by_any_part():
+  (value,) = _replicated(1)
+  other = dataclasses.replace(value, counters={**value.counters, "extra": 1})
+  assert codec.state_digest(value) == codec.state_digest(dataclasses.replace(value))
+  assert codec.state_digest(value) != codec.state_digest(other)

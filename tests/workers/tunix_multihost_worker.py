@@ -166,6 +166,11 @@ class Recorder:
               for name, value in arrays.items()
           },
           "layout": {name: field_layout(value) for name, value in arrays.items()},
+          # The log-prob values themselves, to say how far two topologies differ.
+          "logps": {
+              name: np.asarray(value, dtype=np.float64).ravel().tolist()
+              for name, value in arrays.items() if name.endswith("per_token_logps")
+          },
           "params_before": params_checksum(learner),
           "opt_before": params_checksum(learner, opt=True),
       }
