@@ -3,8 +3,9 @@
 Checkpoints are real: Orbax CheckpointManager saves of DataIterator and
 RepeatIterator items and multi-process item directories written by the handler
 with explicit process indices (a real Tunix root: tests/integration/
-test_cli_tunix_root.py). Each verb runs in-process through `cli.main`, and the
-command itself runs as `python -m ckpt_iter` and as the `ckpt-iter` script.
+test_cli_tunix_root.py). Each verb runs in-process through `cli.main`; the
+command itself, in fresh processes (`python -m ckpt_iter`, the `ckpt-iter`
+script), is tested in tests/integration/test_fresh_processes.py.
 """
 
 import importlib.util
@@ -12,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import types
 
@@ -22,14 +22,10 @@ import pytest
 
 import conftest
 import ckpt_iter
-from ckpt_iter import _files as files_lib
 from ckpt_iter import cli
-from ckpt_iter import state as state_lib
 
 RECORDS = [{"prompts": f"prompt {i}", "answer": i} for i in range(12)]
 BATCHES_PER_EPOCH = 6  # 12 records, batch size 2, one process
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
-SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckpt-iter")
 _NEEDS_TUNIX = pytest.mark.skipif(importlib.util.find_spec("tunix") is None, reason=conftest.NEEDS_TUNIX)
 
 
@@ -479,24 +475,6 @@ def test_demo_learner_option_picks_the_scenario_and_its_defaults(capsys):
   assert "--data-shuffle-seed" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------
-# the installed command, in fresh processes
-
-
-def _command(*argv):
-  result = subprocess.run(list(argv), env=ENV, capture_output=True, text=True, timeout=300, check=False)
-  assert "Traceback" not in result.stdout + result.stderr, result.stderr[-2000:]
-  return result
-
-
-def test_console_script(data_ckpt):
-  assert os.path.exists(SCRIPT), f"{SCRIPT} is missing: run `pip install -e .`"
-  result = _command(SCRIPT, "verify", str(data_ckpt), "--step", "3")
-  assert result.returncode == 0 and result.stdout.startswith(f"ok: {data_ckpt}: 1 step (3)")
-  result = _command(SCRIPT, "inspect", "/nonexistent/ckpt")
-  assert (result.returncode, result.stderr) == (2, "ckpt-iter: /nonexistent/ckpt: no such directory.\n")
-
-
 def test_verify_reports_processes_at_different_positions(capsys, tmp_path):
   # A make_dataset position is global: every process of a step must agree.
   iterators = [_advance(_repeat_iterator(0, i, 2), 1) for i in range(2)]
@@ -589,24 +567,6 @@ def test_train_swaps_the_learner_classes_for_the_run_only():
 
 
 @_NEEDS_TUNIX
-def test_train_sft_swaps_the_peft_trainer():
-  # Its own process: Tunix's grpo_main and peft_main both define the absl
-  # flag pathways_bns, so one process can import only one of them.
-  script = (
-      "from tunix.sft import peft_trainer\n"
-      "from ckpt_iter.tunix import ResumablePeftTrainer, cli\n"
-      "stock = peft_trainer.PeftTrainer\n"
-      "with cli.resumable_learners('sft') as pipeline:\n"
-      "  assert pipeline.__name__ == 'tunix.cli.peft_main'\n"
-      "  assert peft_trainer.PeftTrainer is ResumablePeftTrainer\n"
-      "assert peft_trainer.PeftTrainer is stock\n"
-      "print('ok')\n"
-  )
-  result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=300)
-  assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr[-2000:]
-
-
-@_NEEDS_TUNIX
 def test_train_names_a_missing_tunix_internal(monkeypatch):
   from ckpt_iter.tunix import _api  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import cli as tunix_cli  # pylint: disable=g-import-not-at-top
@@ -630,20 +590,6 @@ def test_train_names_a_missing_tunix_internal(monkeypatch):
 # ---------------------------------------------------------------------------
 # A light command: what it loads, its version, JSON from every read-only verb,
 # exit codes in each verb's help, a closed pipe, a missing Tunix.
-
-
-def test_read_only_verbs_load_no_jax_grain_orbax_or_tensorstore(data_ckpt):
-  code = (
-      "import sys\n"
-      "from ckpt_iter import cli\n"
-      f"for argv in (['inspect', {str(data_ckpt)!r}], ['verify', {str(data_ckpt)!r}],\n"
-      f"             ['diff', {str(data_ckpt)!r}, '--step', '3', '--step', '5'], ['audit', {str(data_ckpt)!r}]):\n"
-      "  assert cli.main(argv) == 0, argv\n"
-      "print(sorted(m for m in ('jax', 'grain', 'orbax', 'tensorstore', 'tunix') if m in sys.modules))\n"
-  )
-  result = _command(sys.executable, "-c", code)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_version_and_exit_codes_in_every_verbs_help(capsys):
@@ -674,30 +620,3 @@ def test_verify_json_reports_the_same_as_its_lines(capsys, data_ckpt, tmp_path):
   assert "not valid JSON" in problem["message"]
 
 
-def test_a_closed_pipe_ends_the_output_quietly(tmp_path):
-  """`inspect | head -1` of a step of 600 processes: far more than a pipe holds, so the
-  writer meets the closed pipe."""
-  from ckpt_iter import _codec as codec_lib  # pylint: disable=g-import-not-at-top
-
-  value = state_lib.IteratorState(kind="data", fingerprint={"seed": 1}, position={"next_index": 3})
-  header, arrays = codec_lib.encode_state(value)
-  item = tmp_path / "ckpt" / "1" / "data"
-  item.mkdir(parents=True)
-  for index in range(600):
-    files_lib.write_files(item, header, arrays, process_index=index, process_count=600)
-  command = f"set -o pipefail; {sys.executable} -m ckpt_iter inspect {tmp_path / 'ckpt'} | head -1"
-  result = subprocess.run(command, shell=True, env=ENV, capture_output=True, text=True, timeout=300,
-                          executable="/bin/bash")
-  assert result.stdout.startswith("checkpoint")
-  assert (result.returncode, result.stderr) == (0, "")
-
-
-def test_train_and_demo_without_tunix_say_so_in_one_line():
-  code = ("import sys; sys.modules['tunix'] = None\n"
-          "from ckpt_iter.__main__ import main\n"
-          "print(main(['train', 'grpo', 'c.yaml']), main(['demo']))\n")
-  result = _command(sys.executable, "-c", code)
-  assert result.stdout.strip() == "2 2"
-  lines = result.stderr.strip().splitlines()
-  assert lines == [f"ckpt-iter: `{verb}` runs Tunix, which is not installed: pip install 'ckpt_iter[tunix]'"
-                   for verb in ("train", "demo")]

@@ -200,15 +200,24 @@ def test_subpackages_import_only_the_layers_architecture_md_declares():
              for n in _imported_names(modules["ckpt_iter.cli._verify"], "ckpt_iter.cli._verify", modules))
 
 
-def test_unit_tests_run_no_tunix_training():
-  """Real Tunix runs (toy trainings in processes of their own) live in tests/integration."""
+def _unit_test_offences(markers):
   unit_dir = os.path.dirname(os.path.abspath(__file__))
-  markers = ('"ckpt_iter.demo.toyrun"', '"ckpt_iter.demo.agentic_toyrun"', "tunix_harness",
-             "toyrun.run(", "tunix_sft_worker", "tunix_agentic_worker", "tunix_conformance_worker")
   offenders = []
   for name in sorted(os.listdir(unit_dir)):
     if name.endswith(".py") and name != os.path.basename(__file__):
       with open(os.path.join(unit_dir, name), encoding="utf-8") as f:
         source = f.read()
       offenders += [f"{name}: {marker}" for marker in markers if marker in source]
-  assert offenders == []
+  return offenders
+
+
+def test_unit_tests_run_no_tunix_training():
+  """Real Tunix runs (toy trainings in processes of their own) live in tests/integration."""
+  assert _unit_test_offences(('"ckpt_iter.demo.toyrun"', '"ckpt_iter.demo.agentic_toyrun"', "tunix_harness",
+                              "toyrun.run(", "tunix_sft_worker", "tunix_agentic_worker",
+                              "tunix_conformance_worker")) == []
+
+
+def test_unit_tests_start_no_python_process():
+  """Fresh-process tests (restores, the installed command, imports) live in tests/integration."""
+  assert _unit_test_offences(("sys.executable", "process_group", "multiprocessing")) == []

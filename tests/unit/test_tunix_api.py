@@ -38,16 +38,6 @@ def test_building_a_learner_fails_loudly_when_api_is_gone(monkeypatch, tmp_path)
     toyrun.build_learner(toyrun.RunConfig(learner="ckpt_iter"), str(tmp_path / "ckpt"))
 
 
-def test_importing_ckpt_iter_does_not_import_tunix():
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-
-  code = "import sys, ckpt_iter; print('tunix' in sys.modules)"
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-  assert out.returncode == 0, out.stderr
-  assert out.stdout.strip() == "False"
-
-
 def test_sequence_packing_is_accepted_at_construction(tmp_path):
   # Packed runs resume exactly (tests/integration/test_tunix_packing.py).
   from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
