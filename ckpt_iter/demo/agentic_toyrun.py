@@ -193,6 +193,12 @@ def run(args: argparse.Namespace) -> None:
   cluster.rollout.generate = seeded_rollout_generate
 
   rolled: list[str] = []  # the prompt of every rollout this process made
+  # Tunix runs the agent/env pairs on a thread pool (max_concurrency), and
+  # each calls the rollout model. Its vanilla sampler is not safe to call
+  # from several threads at once: on CPU a process died of SIGSEGV inside
+  # concurrent generate calls (CI, 0.1.7 and main alike). Rollouts stay
+  # concurrent; the model call itself runs one at a time.
+  generate_lock = threading.Lock()
 
   def short_generate(prompts, *a, max_generation_steps=None, **kw):
     # The toy model rarely emits EOS: a rollout that fills the whole response
@@ -204,7 +210,8 @@ def run(args: argparse.Namespace) -> None:
     tags = kw.get("trace_tags") or {}
     pair_seed.value = 1000 * int(tags.get("group_id", 0)) + int(tags.get("pair_index", 0))
     try:
-      return generate(prompts, *a, max_generation_steps=3, **kw)
+      with generate_lock:
+        return generate(prompts, *a, max_generation_steps=3, **kw)
     finally:
       pair_seed.value = None
 

@@ -75,7 +75,7 @@ def _run(root, out, cache_dir, *, learner="resumable", preempt_after=None, extra
     command += ["--preempt-after", str(preempt_after)]
   process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
   expected_rc = 0 if preempt_after is None else _PREEMPT_EXIT_CODE
-  assert process.returncode == expected_rc, process.stderr[-4000:]
+  assert process.returncode == expected_rc, process.stderr[-12000:]  # a crash: every thread's stack
   data = np.load(out)
   meta = json.loads(str(data["meta"]))
   inputs = [
