@@ -57,7 +57,7 @@ test-lowest: $(LOWEST_VENV)/.installed
 # in ../shared/peer/wheels (the same venv ../shared/peer/run main builds).
 TUNIX_MAIN_VENV ?= .venv-tunix-main
 TUNIX_MAIN_WHEEL ?= ../shared/peer/wheels/google_tunix-0.1.8-py3-none-any.whl
-.PHONY: test-tunix-main
+.PHONY: test-tunix-main test-tunix-main-core
 # Drawn differential examples per property on main (make test-full draws 12 on 0.1.7).
 TUNIX_MAIN_CONFORMANCE_EXAMPLES ?= 2
 $(TUNIX_MAIN_VENV)/.installed: pyproject.toml
@@ -76,3 +76,15 @@ test-tunix-main: $(TUNIX_MAIN_VENV)/.installed
 	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py
 	CKPT_ITER_CONFORMANCE_EXAMPLES=$(TUNIX_MAIN_CONFORMANCE_EXAMPLES) $(TUNIX_MAIN_VENV)/bin/python -m pytest \
 	  -q -p no:cacheprovider --run-slow -s tests/integration/test_tunix_conformance.py
+
+# What CI runs on main (it runs all of it on 0.1.7, in make test and
+# test-heavy): the learners and orders where main differs from 0.1.7 (every
+# RL learner family, the agentic loop and its full-batch replay, packing) and
+# the differential suite's explicit examples. make test-tunix-main runs all.
+test-tunix-main-core: $(TUNIX_MAIN_VENV)/.installed
+	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider --run-slow \
+	  tests/integration/test_tunix_main.py tests/integration/test_tunix_agentic.py \
+	  tests/integration/test_tunix_packing.py \
+	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py
+	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider --run-heavy -s \
+	  tests/integration/test_tunix_conformance.py

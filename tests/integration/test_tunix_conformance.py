@@ -187,14 +187,16 @@ def conformance_dirs(tmp_path_factory):
 # The configurations where the suite found the drop-in wrong (both fixed).
 # `make test` runs the first as an explicit example of the property;
 # `make test-heavy` (CI) runs the second.
-RL_MAKE_TEST_EXAMPLES = [
-    # PPO (critic), full batch 2 in two mini-batches, mu 2, killed after 1 and 2:
-    # the second resume trained prompt A again.
-    ({"algorithm": "ppo", "num_iterations": 2, "batch_size": 2, "mini_batch_size": 1,
-      "input_kind": "grain", "dataset_seed": None, "data_shuffle_seed": 2,
-      "save_interval_steps": 1, "max_steps": 3}, [1, 2]),
-]
+# Full batch 2 in two mini-batches, mu 2, killed after 1 and 2: the second
+# resume trained prompt A again (found with PPO; GRPO did the same).
+_TWO_MINIS_KILLED_TWICE = {
+    "num_iterations": 2, "batch_size": 2, "mini_batch_size": 1, "input_kind": "grain",
+    "dataset_seed": None, "data_shuffle_seed": 2, "save_interval_steps": 1, "max_steps": 3,
+}
+RL_MAKE_TEST_EXAMPLES = [({"algorithm": "grpo", **_TWO_MINIS_KILLED_TWICE}, [1, 2])]
 RL_HEAVY_EXAMPLES = [
+    # The configuration as found: PPO, its critic restored with the actor.
+    ({"algorithm": "ppo", **_TWO_MINIS_KILLED_TWICE}, [1, 2]),
     # Evaluation every 2 steps, mu 2, `.to_iter_dataset()`, killed after update 3
     # (mid-mini-batch): the resumed run lost the evaluations at steps 3 and 4.
     ({"algorithm": "grpo", "num_iterations": 2, "input_kind": "iter", "with_eval": True,

@@ -301,6 +301,7 @@ def _workers_field(fingerprint: dict[str, Any]) -> str:
   return field
 
 
+@pytest.mark.heavy  # worker processes for every example: make test keeps the fixed cases
 @hypothesis.settings(max_examples=_MP_EXAMPLES, deadline=None)
 @hypothesis.given(case=mp_cases(), data=st.data())
 def test_an_mp_prefetch_restore_is_exact_or_refused_naming_the_worker_count(case, data):
