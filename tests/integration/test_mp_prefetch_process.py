@@ -91,7 +91,10 @@ def _child(directory, script, num_workers):
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("num_workers", [2, 3, 1])
+# Another worker count than the saved one in make test; the others in make test-heavy.
+@pytest.mark.parametrize("num_workers", [
+    pytest.param(2, marks=pytest.mark.heavy), 3, pytest.param(1, marks=pytest.mark.heavy),
+])
 def test_a_fresh_process_resumes_with_any_worker_count_exactly(saved, num_workers):
   directory, script, consumed, uninterrupted = saved
   rest = _child(directory, script, num_workers)
