@@ -378,6 +378,7 @@ def test_train_and_demo_without_tunix_say_so_in_one_line():
                    for verb in ("train", "demo")]
 
 
+@pytest.mark.heavy  # imports Tunix in a process of its own (make test stays under 7 minutes)
 @_NEEDS_TUNIX
 def test_train_sft_swaps_the_peft_trainer():
   # Its own process: Tunix's grpo_main and peft_main both define the absl

@@ -324,6 +324,7 @@ def test_worker_positions_that_are_not_a_round_robin_prefix_are_refused(counts):
     _graph.resume_workers(saved, current, _interleave_position(counts), _mp(3), origin="s")
 
 
+@pytest.mark.heavy  # make test resumes another worker count in a fresh process (test_mp_prefetch_process)
 def test_another_worker_count_resumes_a_make_dataset_pipeline_at_the_next_element():
   saved = ckpt_iter.DataIterator(_mp(2))
   try:
