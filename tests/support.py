@@ -11,6 +11,27 @@ from ckpt_iter import elastic
 from ckpt_iter import state as state_lib
 
 
+def orbax_save(directory: str | os.PathLike[str], step: int, **items: Any) -> None:
+  """One Orbax step holding `items` (v0 args), written and finished."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  manager = ocp.CheckpointManager(directory)
+  manager.save(step, args=ocp.args.Composite(**items))
+  manager.wait_until_finished()
+  manager.close()
+
+
+def orbax_restore(directory: str | os.PathLike[str], step: int, **items: Any) -> Any:
+  """The Composite restored from one Orbax step (v0 args)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  manager = ocp.CheckpointManager(directory)
+  try:
+    return manager.restore(step, args=ocp.args.Composite(**items))
+  finally:
+    manager.close()
+
+
 def write_array_record(path: str, records: Sequence[Any]) -> None:
   """Writes records as JSON objects into one ArrayRecord file."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top

@@ -27,6 +27,7 @@ import ckpt_iter
 from ckpt_iter import _files
 from ckpt_iter import state as state_lib
 from ckpt_iter import testing
+import support
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckpt-iter")
@@ -160,21 +161,6 @@ def _restore_in_fresh_process(pipelines, directory, step, kind, tmp_path):
     return pickle.load(f)
 
 
-def _save(directory, step, **items):
-  manager = ocp.CheckpointManager(directory)
-  manager.save(step, args=ocp.args.Composite(**items))
-  manager.wait_until_finished()
-  manager.close()
-
-
-def _restore(directory, step, **items):
-  manager = ocp.CheckpointManager(directory)
-  try:
-    return manager.restore(step, args=ocp.args.Composite(**items))
-  finally:
-    manager.close()
-
-
 def test_data_iterator_resumes_exactly_in_a_fresh_process(pipelines, tmp_path, ckpt_dir):
   full = list(pipelines["data_iterator"]())
   iterator = pipelines["data_iterator"]()
@@ -182,7 +168,7 @@ def test_data_iterator_resumes_exactly_in_a_fresh_process(pipelines, tmp_path, c
     next(iterator)
   params = pipelines["params"]()
   directory = ckpt_dir
-  _save(directory, 3, params=ocp.args.StandardSave(params),
+  support.orbax_save(directory, 3, params=ocp.args.StandardSave(params),
         data=ckpt_iter.IteratorSave(iterator))
 
   # No pending arrays: the JSON header only.
@@ -208,7 +194,7 @@ def test_repeat_iterator_resumes_mid_repeat_in_a_fresh_process(pipelines, tmp_pa
   assert pending == 4
   params = pipelines["params"]()
   directory = ckpt_dir
-  _save(directory, 5, params=ocp.args.StandardSave(params),
+  support.orbax_save(directory, 5, params=ocp.args.StandardSave(params),
         data=ckpt_iter.IteratorSave(iterator))
 
   data_dir = directory / "5" / "data"
@@ -259,7 +245,7 @@ def test_state_is_snapshotted_when_save_is_called(pipelines, monkeypatch, ckpt_d
   assert write_began.is_set()
 
   fresh = pipelines["repeat_iterator"](pipelines["Producer"]())
-  _restore(ckpt_dir, 1, data=ckpt_iter.IteratorRestore(fresh))
+  support.orbax_restore(ckpt_dir, 1, data=ckpt_iter.IteratorRestore(fresh))
   testing.assert_trees_equal(list(fresh), full[4:])
 
 

@@ -13,21 +13,7 @@ from ckpt_iter import testing
 from ckpt_iter import _files
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
-
-def _save(directory, step, **items):
-  manager = ocp.CheckpointManager(directory)
-  manager.save(step, args=ocp.args.Composite(**items))
-  manager.wait_until_finished()
-  manager.close()
-
-
-def _restore(directory, step, **items):
-  manager = ocp.CheckpointManager(directory)
-  try:
-    return manager.restore(step, args=ocp.args.Composite(**items))
-  finally:
-    manager.close()
-
+import support
 
 def _interleave():
   shards = [grain.MapDataset.range(100 * s, 100 * s + 6) for s in range(4)]
@@ -61,10 +47,10 @@ def test_int_keys_in_a_grain_state_survive_the_checkpoint(ckpt_dir):
       state_lib.IteratorState(kind="data", fingerprint=iterator.fingerprint, position=position)
   )
   directory = ckpt_dir
-  _save(directory, 1, data=ckpt_iter.IteratorSave(iterator))
+  support.orbax_save(directory, 1, data=ckpt_iter.IteratorSave(iterator))
 
   fresh = ckpt_iter.DataIterator(_interleave())
-  _restore(directory, 1, data=ckpt_iter.IteratorRestore(fresh))
+  support.orbax_restore(directory, 1, data=ckpt_iter.IteratorRestore(fresh))
   assert set(fresh.get_state()["position"]["future_states"]) == {2, 3}
   assert [int(x) for x in fresh] == [int(x) for x in expected]
 
@@ -100,12 +86,12 @@ def test_a_checkpoint_written_by_grain_restores_into_a_data_iterator(ckpt_dir):
   for _ in range(5):
     next(grain_iterator)
   directory = ckpt_dir
-  _save(directory, 2, data=grain.checkpoint.CheckpointSave(grain_iterator))
+  support.orbax_save(directory, 2, data=grain.checkpoint.CheckpointSave(grain_iterator))
   written = json.loads((directory / "2" / "data" / "process_0-of-1.json").read_text())
   assert "format_version" not in written  # a bare, version-0 Grain state
 
   iterator = ckpt_iter.DataIterator(_grain_pipeline())
-  _restore(directory, 2, data=ckpt_iter.IteratorRestore(iterator))
+  support.orbax_restore(directory, 2, data=ckpt_iter.IteratorRestore(iterator))
   assert iterator.get_state()["position"] == {"next_index": 5}
   testing.assert_trees_equal(list(iterator), list(grain_iterator))
 
@@ -114,32 +100,32 @@ def test_restoring_into_another_pipeline_names_the_file_and_field(ckpt_dir):
   iterator = ckpt_iter.DataIterator(_grain_pipeline())
   next(iterator)
   directory = ckpt_dir
-  _save(directory, 4, data=ckpt_iter.IteratorSave(iterator))
+  support.orbax_save(directory, 4, data=ckpt_iter.IteratorSave(iterator))
   other = ckpt_iter.make_dataset(
       [{"id": i} for i in range(20)], batch_size=3, seed=9, num_epochs=2,
       shard_index=0, shard_count=1,
   )
 
   with pytest.raises(ckpt_iter.ConfigDriftError) as info:
-    _restore(directory, 4, data=ckpt_iter.IteratorRestore(ckpt_iter.DataIterator(other)))
+    support.orbax_restore(directory, 4, data=ckpt_iter.IteratorRestore(ckpt_iter.DataIterator(other)))
   assert os.path.join(str(directory), "4", "data", "process_0-of-1.json") in str(info.value)
   assert "seed=8 there, seed=9 here" in str(info.value)
 
   allowed = ckpt_iter.DataIterator(other)
-  _restore(directory, 4, data=ckpt_iter.IteratorRestore(allowed, allow_drift={"seed"}))
+  support.orbax_restore(directory, 4, data=ckpt_iter.IteratorRestore(allowed, allow_drift={"seed"}))
   assert allowed.get_state()["position"] == {"next_index": 1}
 
 
 def test_a_corrupt_state_file_is_refused_naming_the_file(ckpt_dir):
   iterator = ckpt_iter.DataIterator(_grain_pipeline())
   directory = ckpt_dir
-  _save(directory, 1, data=ckpt_iter.IteratorSave(iterator))
+  support.orbax_save(directory, 1, data=ckpt_iter.IteratorSave(iterator))
   path = directory / "1" / "data" / "process_0-of-1.json"
   path.write_text(path.read_text()[:40])  # truncated
   fresh = ckpt_iter.DataIterator(_grain_pipeline())
   next(fresh)
   with pytest.raises(ckpt_iter.InvalidStateError) as info:
-    _restore(directory, 1, data=ckpt_iter.IteratorRestore(fresh))
+    support.orbax_restore(directory, 1, data=ckpt_iter.IteratorRestore(fresh))
   assert str(path) in str(info.value) and "not valid JSON" in str(info.value)
   assert fresh.get_state()["position"] == {"next_index": 1}
 
