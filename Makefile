@@ -74,7 +74,8 @@ test-tunix-main: $(TUNIX_MAIN_VENV)/.installed
 	  tests/integration/test_tunix_packing.py tests/integration/test_tunix_cli.py \
 	  tests/integration/test_tunix_object_store.py tests/integration/test_tunix_audit.py \
 	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py
-	CKPT_ITER_CONFORMANCE_EXAMPLES=$(TUNIX_MAIN_CONFORMANCE_EXAMPLES) $(TUNIX_MAIN_VENV)/bin/python -m pytest \
+	CKPT_ITER_CONFORMANCE_EXAMPLES=$(TUNIX_MAIN_CONFORMANCE_EXAMPLES) \
+	  CKPT_ITER_AGENTIC_CONFORMANCE_EXAMPLES=$(TUNIX_MAIN_CONFORMANCE_EXAMPLES) $(TUNIX_MAIN_VENV)/bin/python -m pytest \
 	  -q -p no:cacheprovider --run-slow -s tests/integration/test_tunix_conformance.py
 
 # What CI runs on main (it runs all of it on 0.1.7, in make test and

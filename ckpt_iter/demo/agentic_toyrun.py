@@ -11,7 +11,8 @@ checkpoint K is on disk (the async save finished) and dies with os._exit, the
 way a scheduler kills a job.
 
     python -m ckpt_iter.demo.agentic_toyrun --root DIR --out OUT.npz --learner resumable|stock
-        [--max-steps M] [--mu MU] [--batch B] [--mini M] [--micro M] [--preempt-after K]
+        [--max-steps M] [--mu MU] [--batch B] [--mini M] [--micro M] [--max-concurrency C]
+        [--preempt-after K]
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import json
 import os
 import sys
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -109,17 +109,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--batch", type=int, default=2)
   parser.add_argument("--mini", type=int, default=2)
   parser.add_argument("--micro", type=int, default=1)
+  parser.add_argument("--max-concurrency", type=int, default=8,
+                      help="agent/env pairs rolled out at once (GRPOConfig.max_concurrency)")
   parser.add_argument("--async-rollout", action="store_true",
                       help="rollout on its own mesh (needs 2 devices), weights synced per global step")
   parser.add_argument("--slow-prompt", default=None,
-                      help="delay this prompt's rollouts by 120 s (to have it in flight at a save, "
-                      "however slow the first update is)")
+                      help="this prompt's rollouts wait until the first checkpoint save begins, "
+                      "so they are in flight at it however slow the first update is; needs "
+                      "--preempt-after and --async-rollout (with one shared model every fed "
+                      "prompt is rolled out before the first update)")
   parser.add_argument("--preempt-after", type=int, action="append", default=[])
   parser.add_argument("--max-seq-token-per-tpu", type=int, default=None,
                       help="sequence packing budget (the drop-in refuses it)")
   parser.add_argument("--critic", action="store_true",
                       help="a critic model in the cluster (the drop-in refuses it)")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.slow_prompt and not (args.preempt_after and args.async_rollout):
+    parser.error("--slow-prompt needs --preempt-after and --async-rollout (its rollouts wait for that save)")
+  return args
 
 
 def run(args: argparse.Namespace) -> None:
@@ -199,6 +206,7 @@ def run(args: argparse.Namespace) -> None:
   # concurrent generate calls (CI, 0.1.7 and main alike). Rollouts stay
   # concurrent; the model call itself runs one at a time.
   generate_lock = threading.Lock()
+  save_began = threading.Event()  # for --slow-prompt
 
   def short_generate(prompts, *a, max_generation_steps=None, **kw):
     # The toy model rarely emits EOS: a rollout that fills the whole response
@@ -206,7 +214,7 @@ def run(args: argparse.Namespace) -> None:
     del max_generation_steps
     rolled.extend([prompts] if isinstance(prompts, str) else [str(p) for p in prompts])
     if args.slow_prompt and args.slow_prompt in str(prompts):
-      time.sleep(120.0)  # the process is killed at the save, well before
+      save_began.wait(timeout=600.0)
     tags = kw.get("trace_tags") or {}
     pair_seed.value = 1000 * int(tags.get("group_id", 0)) + int(tags.get("pair_index", 0))
     try:
@@ -238,7 +246,7 @@ def run(args: argparse.Namespace) -> None:
       rl_cluster=cluster,
       algo_config=agentic_grpo_learner.GRPOConfig(
           num_generations=2, num_iterations=args.mu, beta=0.04, max_response_length=4,
-          max_concurrency=8),
+          max_concurrency=args.max_concurrency),
       reward_fns=reward_fn, chat_parser=ChatParser(),
   )
   restored = {"train_steps": int(cluster.actor_trainer.train_steps),
@@ -263,6 +271,7 @@ def run(args: argparse.Namespace) -> None:
     save = tunix_manager.save
 
     def save_then_maybe_die(step, *a, **kw):
+      save_began.set()
       saved = save(step, *a, **kw)
       if saved and step in args.preempt_after:
         _api.wait_until_saved(tunix_manager)

@@ -15,10 +15,10 @@ its own consumer loop (`_agentic_loop.py`) with a deterministic order:
 * with num_iterations > 1 the installed Tunix's order of updates is kept:
   0.1.7 trains each group's input num_iterations times in a row, main trains
   the full batch once and then replays it whole (`_api.agentic_iteration_order`);
-* every actor save carries, in the same Orbax step, the produced trainer
-  inputs not yet trained (arrays, bit for bit), the input position of the
-  first prompt not yet absorbed into them (O(1) to restore for a Grain
-  dataset) and the loop's counters.
+* every actor save waits for the rollouts of every fed prompt, then
+  carries, in the same Orbax step, the produced trainer inputs not yet
+  trained (arrays, bit for bit), the input position of the next batch (O(1)
+  to restore for a Grain dataset) and the loop's counters.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ class ResumableAgentic:
       repeat or full-batch replay, with gradient accumulation included) no prompt is skipped or
       trained twice, and the trainer inputs already produced are restored from
       the checkpoint bit for bit, never regenerated;
-    * prompts fed to the rollout but not yet produced at save time are read
-      again from their saved position and rolled out exactly once;
+    * a save waits until every prompt fed to the rollout is rolled out, so
+      the checkpoint holds its group and a resume rolls out nothing again
+      (the rollout weights of the last sync are in no checkpoint);
     * the input position is restored in O(1) for a Grain dataset (a plain
       iterable is replayed, with a warning);
     * the data state is written in the same Orbax step as the actor.

@@ -1,25 +1,24 @@
-"""The agentic learner's producer/consumer loop, in a deterministic order.
+"""The agentic learner's driver: runs the schedule (`_agentic_schedule`) against Tunix.
 
 Producer (on the learner's asyncio loop): prompts are rolled out concurrently
 by Tunix's RolloutOrchestrator; each finished group becomes trainer inputs
 (`_batch_to_train_example`) and is handed over with its prompt index.
 
 Consumer (the thread that called `train()`, which is also the thread that
-saves): groups are absorbed strictly in prompt order into a queue of update
-inputs (one `update_actor` call each), trained one by one; full batches are
-fed at global-step boundaries as stock Tunix does. With num_iterations > 1 the
-installed Tunix's order is followed (`_api.agentic_iteration_order`): 0.1.7
-repeats each input in a row; main trains the full batch once, then replays it
-whole. Everything a checkpoint needs is in this object's fields, so
-`snapshot()` is a pure read.
+saves): the schedule takes the groups strictly in prompt order and decides
+which input each `update_actor` call trains; this driver is its `Port`: it
+reads and feeds the input, calls Tunix, and keeps Tunix's counters. With
+num_iterations > 1 the installed Tunix's order is followed
+(`_api.agentic_iteration_order`): 0.1.7 repeats each input in a row; main
+trains the full batch once, then replays it whole. Everything a checkpoint
+needs is in the schedule and Tunix's counters: `snapshot()` waits for the
+fed rollouts, then only reads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import copy
-import dataclasses
 import logging
 import queue
 import time
@@ -32,6 +31,7 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
+from ckpt_iter.tunix import _agentic_schedule as schedule_lib
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 
@@ -40,22 +40,8 @@ _TRAIN = rl_cluster_lib.Mode.TRAIN
 _DONE = object()
 
 
-@dataclasses.dataclass
-class Update:
-  """One `update_actor` input; `ends_micro_batch` closes a stock micro-batch."""
-
-  example: Any
-  ends_micro_batch: bool
-
-
-@dataclasses.dataclass
-class FedBatch:
-  position: dict[str, Any]  # the input position this full batch was read from
-  first_prompt: int  # its first prompt's index in the run
-
-
 class ConsumerLoop:
-  """One `train()` call of a ResumableAgentic learner."""
+  """One `train()` call of a ResumableAgentic learner; the schedule's `Port` for Tunix."""
 
   def __init__(self, learner: Any, source: Any, eval_dataset: Any, skip_jit: bool):
     self.learner = learner
@@ -67,7 +53,6 @@ class ConsumerLoop:
     config = api.training_config(learner)
     self.config = config
     self.algo = learner.algo_config
-    self.shared_weights = not learner.should_sync_weights
     mu = int(self.algo.num_iterations)
     order = api.agentic_iteration_order()
     if order is None and mu > 1:
@@ -79,30 +64,11 @@ class ConsumerLoop:
     # Main's order: the first pass's inputs are kept for the replays.
     self.replays = order == api.AGENTIC_REPLAY_FULL_BATCH and mu > 1
     self.evaluates_once_per_step = order == api.AGENTIC_REPLAY_FULL_BATCH
+    self.schedule = schedule_lib.Schedule(
+        mu, self.replays, shared_weights=not learner.should_sync_weights, merge=self._merge)
     self.started = False
-    # Sizes are set from the first batch (as stock does).
-    self.full_batch_size = 0
-    self.micro_batch_size = 0
-    self.grad_acc_steps = 1
-    self.in_consumer = False
-    # Loop state, all of it consumer-thread owned.
-    self.updates: collections.deque[Update] = collections.deque()
-    self.units: list[Any] = []  # absorbed group inputs not yet forming a micro-batch
-    self.produced: dict[int, Any] = {}  # finished groups waiting for their turn
-    self.next_prompt = 0  # first prompt not yet absorbed
-    self.fed_prompts = 0  # prompts handed to the rollout
-    self.fed: list[FedBatch] = []
+    self.in_consumer = False  # groups are converted per micro-batch, in this thread
     self.feeding_done = False
-    self.producer_done = False
-    self.micro_batches_in_step = 0
-    self.current: Update | None = None
-    # Replay state (self.replays): the inputs trained by this global step's
-    # first pass, the replay passes finished, and, while a replay's
-    # `update_actor` runs, the trainer's micro-step count its chunk 0 has.
-    self.step_inputs: list[Any] = []
-    self.replay_pass = 0
-    self.replay_chunks_done = 0
-    self.replay_origin: int | None = None
     self.step_start_time = time.time()
     self.prompt_queue: queue.Queue = queue.Queue()
     self.results: queue.Queue = queue.Queue()
@@ -126,26 +92,26 @@ class ConsumerLoop:
 
   # --- setup -------------------------------------------------------------------
 
-  def _set_sizes(self, first_batch: Any) -> None:
-    full = len(next(iter(first_batch.values())))
+  def _set_sizes(self, full: int, micro: int | None = None) -> None:
+    """Sizes from the first batch (as stock sets them), or `micro` from a checkpoint."""
     mini = self.config.mini_batch_size or full
-    micro = self.config.train_micro_batch_size or mini
     logps_micro = api.agentic_compute_logps_micro_batch_size(self.learner)
     self.in_consumer = logps_micro > 1
-    if self.in_consumer and logps_micro != micro:
-      raise ValueError(
-          f"compute_logps_micro_batch_size ({logps_micro}) must be equal to "
-          f"train_micro_batch_size ({micro})"
-      )
-    if full % mini:
-      raise ValueError(f"mini_batch_size={mini} must divide the full batch size {full}.")
-    if full % micro:
-      raise errors.UnsupportedConfigError(
-          f"train_micro_batch_size={micro} does not divide the full batch size {full}: "
-          "a micro-batch would span two fed batches."
-      )
-    self.full_batch_size, self.micro_batch_size = full, micro
-    self.grad_acc_steps = max(1, mini // micro)
+    if micro is None:
+      micro = self.config.train_micro_batch_size or mini
+      if self.in_consumer and logps_micro != micro:
+        raise ValueError(
+            f"compute_logps_micro_batch_size ({logps_micro}) must be equal to "
+            f"train_micro_batch_size ({micro})"
+        )
+      if full % mini:
+        raise ValueError(f"mini_batch_size={mini} must divide the full batch size {full}.")
+      if full % micro:
+        raise errors.UnsupportedConfigError(
+            f"train_micro_batch_size={micro} does not divide the full batch size {full}: "
+            "a micro-batch would span two fed batches."
+        )
+    self.schedule.set_sizes(full, micro, max(1, mini // micro), raw_groups=self.in_consumer)
     api.agentic_set_batch_sizes(self.learner, full, self.in_consumer)
 
   def learner_fingerprint(self) -> dict[str, Any]:
@@ -159,80 +125,35 @@ class ConsumerLoop:
     """
     position = value.position
     counters = value.counters
-    replay = self._check_replay(value)
+    replay = self.schedule.check_replay(
+        position, counters.get("micro_batches_in_step"), len(value.pending.schedule),
+        origin="the agentic data state")
     self.source.apply(checked_source, position["source"])
     self.lineage = value.lineage
     refeed: list[Any] = []
-    first = int(position["prompt_index"])
+    fed_positions = []
+    offset = int(position["prompt_offset"])
     for index in range(int(position["batches_fed"])):
-      batch_position = self.source.position()
+      fed_positions.append(self.source.position())
       batch = next(self.source)
       if index == 0:
-        self._set_sizes(batch)
-      self.fed.append(FedBatch(batch_position, first + index * self.full_batch_size - int(position["prompt_offset"])))
+        self._set_sizes(_batch_size(batch))
       prompts = list(api.micro_batch_iterator(self.learner, [batch], 1))
-      refeed.extend(prompts[int(position["prompt_offset"]) if index == 0 else 0:])
-    self.next_prompt = first
-    self.fed_prompts = first + len(refeed)
+      refeed.extend(prompts[offset if index == 0 else 0:])
+    if not fed_positions:
+      self._set_sizes(int(counters["full_batch_size"]), int(counters["micro_batch_size"]))
     items = [
         jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, item)
         for item in value.pending.items
     ]
-    ends = position["ends_micro_batch"]
-    num_updates = len(ends)
-    schedule = list(value.pending.schedule)
-    if replay is not None:
-      kept = int(replay["inputs"])
-      self.step_inputs = [items[index] for index in schedule[:kept]]
-      schedule = schedule[kept:]
-      self.replay_pass = int(replay["pass"])
-      self.replay_chunks_done = int(replay["chunks_done"])
-    for slot, index in enumerate(schedule):
-      if slot < num_updates:
-        self.updates.append(Update(items[index], bool(ends[slot])))
-      else:
-        self.units.append(items[index])
+    self.schedule.restore(
+        items, value.pending.schedule, position, int(counters["micro_batches_in_step"]),
+        fed_positions, replay)
     self.cluster.global_steps = int(counters["global_steps"])
     self.learner.policy_version = int(counters["policy_version"])
     api.set_learner_iter_steps(self.learner, int(counters["learner_iter_steps"]))
-    self.micro_batches_in_step = int(counters["micro_batches_in_step"])
     self.feeding_done = bool(counters["feeding_done"])
-    if not self.full_batch_size:
-      self.full_batch_size = int(counters["full_batch_size"])
-      self._set_sizes_from_counters(counters)
     return refeed
-
-  def _check_replay(self, value: state_lib.IteratorState) -> Any:
-    """The saved replay state (main's order), validated before anything is changed."""
-    replay = value.position.get("replay")
-    origin = "the agentic data state"
-    if (replay is not None) != self.replays:
-      saved = "main's full-batch replay" if replay is not None else "0.1.7's per-group repeat"
-      raise errors.UnsupportedConfigError(
-          f"{origin} was written in {saved} order of num_iterations, and this Tunix "
-          "and configuration train in the other: resume with the Tunix that wrote it."
-      )
-    if replay is None:
-      return None
-    names = ("inputs", "pass", "chunks_done")
-    fields = {name: replay.get(name) if isinstance(replay, dict) else None for name in names}
-    kept, passes, done = fields.values()
-    if (
-        not all(state_lib.is_int(x) for x in fields.values())
-        or not 0 <= passes < int(self.algo.num_iterations)
-        or kept != value.counters.get("micro_batches_in_step")
-        or kept > len(value.pending.schedule)
-        or not 0 <= done < max(kept, 1)
-    ):
-      raise errors.InvalidStateError(f"{origin}: inconsistent replay position {replay!r}.")
-    return replay
-
-  def _set_sizes_from_counters(self, counters: Any) -> None:
-    self.micro_batch_size = int(counters["micro_batch_size"])
-    mini = self.config.mini_batch_size or self.full_batch_size
-    self.grad_acc_steps = max(1, mini // self.micro_batch_size)
-    self.in_consumer = api.agentic_compute_logps_micro_batch_size(self.learner) > 1
-    api.agentic_set_batch_sizes(self.learner, self.full_batch_size, self.in_consumer)
 
   def skip_full_batches(self, count: int) -> None:
     """Stock Tunix's resume without a data state: drop `count` full batches."""
@@ -248,7 +169,7 @@ class ConsumerLoop:
       _LOG.info(
           "ckpt_iter: restored the agentic data state in O(1): %d pending update inputs, "
           "%d prompts to roll out again, next prompt %d.",
-          len(self.updates), len(refeed), self.next_prompt,
+          len(self.schedule.updates), len(refeed), self.schedule.next_prompt,
       )
       if self.learner.should_sync_weights:
         # A separate rollout model starts from its initial weights; the killed
@@ -270,21 +191,14 @@ class ConsumerLoop:
         for _ in range(self.algo.off_policy_steps + 1):
           if not self._feed_next_batch():
             break
-      elif self.micro_batches_in_step == self._micro_batches_per_step():
-        self._finish_global_step()  # the killed run saved, then would have done this
-      self._consume()
+      elif self.schedule.step_complete:
+        self.schedule.finish_global_step(self)  # the killed run saved, then would have done this
+      self.schedule.consume(self)
     finally:
       self.prompt_queue.put(None)
       self.feeding_done = True
     producer.result()
     self.cluster.close()
-
-  def _micro_batches_per_step(self) -> int:
-    return self.full_batch_size // self.micro_batch_size
-
-  def _max_steps_reached(self) -> bool:
-    max_steps = self.config.max_steps
-    return bool(max_steps) and self.cluster.global_steps >= max_steps
 
   def _feed_next_batch(self) -> bool:
     """Hands the next full batch to the rollout, as stock does at a step boundary."""
@@ -295,85 +209,62 @@ class ConsumerLoop:
       batch = next(self.source)
     except StopIteration:
       batch = None
-    if batch is not None and not self.full_batch_size:
-      self._set_sizes(batch)
-    if batch is None or self._max_steps_reached() or len(next(iter(batch.values()))) != self.full_batch_size:
+    if batch is not None and not self.schedule.full_batch_size:
+      self._set_sizes(_batch_size(batch))
+    full = self.schedule.full_batch_size
+    if batch is None or self.max_steps_reached() or _batch_size(batch) != full:
       self.feeding_done = True
       self.prompt_queue.put(None)
       return False
-    self.fed.append(FedBatch(position, self.fed_prompts))
+    self.schedule.feed(position, full)
     for prompt in api.micro_batch_iterator(self.learner, [batch], 1):
       self.prompt_queue.put(prompt)
-      self.fed_prompts += 1
     return True
 
-  def _consume(self) -> None:
-    while not self._max_steps_reached():
-      if not self.updates and not self._absorb_until_update():
-        return
-      if self.shared_weights:
-        # Rollouts share the model the update changes: finish every fed one first.
-        self._absorb_all_fed()
-      update = self.updates.popleft()
-      api.set_learner_iter_steps(self.learner, api.learner_iter_steps(self.learner) + 1)
-      eval_examples = self._maybe_eval() if self._eval_due() else None
-      example = update.example
-      if self.replays:
-        self.step_inputs.append(example)  # before the call: a save inside it must hold it
-      self.current = update
-      try:
-        self.cluster.update_actor(self._chunks(example), eval_examples, self.skip_jit)
-      finally:
-        self.current = None
-      if update.ends_micro_batch:
-        self.micro_batches_in_step += 1
-        if self.micro_batches_in_step == self._micro_batches_per_step():
-          self._finish_global_step()
+  def _merge(self, units: list[Any]) -> Any:
+    if self.in_consumer:  # raw groups: converted now, one input for the micro-batch
+      trajectories = [t for group in units for t in group]
+      return api.agentic_to_train_examples(self.learner, trajectories, _TRAIN)[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *units)
 
-  def _eval_due(self) -> bool:
+  # --- the schedule's Port ---------------------------------------------------------
+
+  def receive(self, block: bool) -> Any:
+    try:
+      item = self.results.get(block=block)
+    except queue.Empty:
+      return None
+    if item is _DONE:
+      return schedule_lib.PRODUCER_DONE
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  def max_steps_reached(self) -> bool:
+    max_steps = self.config.max_steps
+    return bool(max_steps) and self.cluster.global_steps >= max_steps
+
+  def trainer_steps(self) -> int:
+    return int(self.cluster.actor_trainer.iter_steps)
+
+  def input_position(self) -> dict[str, Any]:
+    return self.source.position()
+
+  def train(self, update: schedule_lib.Update, first_mini_batch: bool) -> None:
+    api.set_learner_iter_steps(self.learner, api.learner_iter_steps(self.learner) + 1)
     # Main's loop evaluates only before a global step's first optimizer update.
-    return not self.evaluates_once_per_step or self.micro_batches_in_step < self.grad_acc_steps
+    eval_due = not self.evaluates_once_per_step or first_mini_batch
+    eval_examples = self._maybe_eval() if eval_due else None
+    self.cluster.update_actor(self._chunks(update.example), eval_examples, self.skip_jit)
 
-  def _finish_global_step(self) -> None:
-    if self.replays:
-      self._replay()
-    self._end_global_step()
+  def replay(self, inputs: list[Any], starts_pass: bool, pass_size: int) -> None:
+    # Tunix adds a pass's chunks to the learner's `_iter_steps` before the
+    # call, so a pass resumed in its middle does not add them again.
+    if starts_pass:
+      api.set_learner_iter_steps(self.learner, api.learner_iter_steps(self.learner) + pass_size)
+    self.cluster.update_actor(inputs, None, self.skip_jit)
 
-  def _replay(self) -> None:
-    """Main's order: the step's inputs trained num_iterations - 1 more times, one call a pass.
-
-    Resumes inside a pass from its saved chunk; Tunix adds a pass's chunks to
-    the learner's `_iter_steps` before the call, so a resumed pass does not.
-    """
-    trainer = self.cluster.actor_trainer
-    total = len(self.step_inputs)
-    while self.replay_pass < int(self.algo.num_iterations) - 1:
-      done = self.replay_chunks_done
-      if self.shared_weights:
-        self._absorb_all_fed()
-      if not done:
-        api.set_learner_iter_steps(self.learner, api.learner_iter_steps(self.learner) + total)
-      self.replay_origin = int(trainer.iter_steps) - done
-      try:
-        self.cluster.update_actor(self.step_inputs[done:], None, self.skip_jit)
-      finally:
-        self.replay_origin = None
-      self.replay_pass += 1
-      self.replay_chunks_done = 0
-    self.step_inputs = []
-    self.replay_pass = 0
-
-  def _chunks(self, example: Any) -> list[Any]:
-    per_chunk = self.micro_batch_size * self.algo.num_generations
-    total = example.completion_ids.shape[0]
-    if total <= per_chunk:
-      return [example]
-    raise errors.UnsupportedConfigError(
-        f"a trainer input of {total} sequences would be split into several train "
-        f"steps of {per_chunk}, and a checkpoint could fall between them."
-    )
-
-  def _end_global_step(self) -> None:
+  def end_global_step(self) -> None:
     now = time.time()
     self.cluster.buffer_metrics_async(
         {"perf/global_step_time": (now - self.step_start_time, np.mean)},
@@ -381,7 +272,6 @@ class ConsumerLoop:
     )
     self.step_start_time = now
     if self.learner.should_sync_weights:
-      self._absorb_all_fed()  # every fed prompt is rolled out with the weights of the last sync
       lock = api.agentic_rollout_sync_lock(self.learner)
       lock.acquire_weight_sync()
       try:
@@ -394,72 +284,16 @@ class ConsumerLoop:
       self.cluster.global_steps += 1
       self._feed_next_batch()
     self.cluster.buffer_metrics(self.cluster.perf_v2.export(), mode=_TRAIN)
-    self.micro_batches_in_step = 0
 
-  # --- absorbing produced groups in prompt order ------------------------------------
-
-  def _receive(self, block: bool) -> bool:
-    try:
-      item = self.results.get(block=block)
-    except queue.Empty:
-      return False
-    if item is _DONE:
-      self.producer_done = True
-    elif isinstance(item, BaseException):
-      raise item
-    else:
-      prompt_index, payload = item
-      self.produced[prompt_index] = payload
-    return True
-
-  def _absorb_ready(self) -> None:
-    while self._receive(block=False):
-      pass
-    while self.next_prompt in self.produced:
-      self._absorb(self.produced.pop(self.next_prompt))
-      self.next_prompt += 1
-    # A fed batch is needed for a checkpoint's position only while it holds a
-    # prompt not yet absorbed (or a raw group waiting for its micro-batch).
-    oldest_needed = self.next_prompt - (len(self.units) if self.in_consumer else 0)
-    while self.fed and self.fed[0].first_prompt + self.full_batch_size <= oldest_needed:
-      self.fed.pop(0)
-
-  def _absorb_until_update(self) -> bool:
-    """Waits for the groups the next update input needs; False: the stream ended."""
-    while not self.updates:
-      self._absorb_ready()
-      if self.updates:
-        return True
-      if self.producer_done:
-        return False
-      self._receive(block=True)
-    return True
-
-  def _absorb_all_fed(self) -> None:
-    while True:
-      self._absorb_ready()
-      if self.next_prompt >= self.fed_prompts or self.producer_done:
-        return
-      self._receive(block=True)
-
-  def _absorb(self, payload: Any) -> None:
-    # 0.1.7's order repeats each input in a row; main's replays the step later.
-    mu = 1 if self.replays else int(self.algo.num_iterations)
-    if self.in_consumer:
-      self.units.append(payload)  # a raw group; converted per micro-batch
-      if len(self.units) == self.micro_batch_size:
-        trajectories = [t for group in self.units for t in group]
-        example = api.agentic_to_train_examples(self.learner, trajectories, _TRAIN)[0]
-        self.units = []
-        for index in range(mu):
-          self.updates.append(Update(example, index == mu - 1))
-      return
-    for _ in range(mu):
-      self.units.extend(payload)
-    while len(self.units) >= self.micro_batch_size:
-      taken, self.units = self.units[:self.micro_batch_size], self.units[self.micro_batch_size:]
-      merged = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *taken)
-      self.updates.append(Update(merged, True))
+  def _chunks(self, example: Any) -> list[Any]:
+    per_chunk = self.schedule.micro_batch_size * self.algo.num_generations
+    total = example.completion_ids.shape[0]
+    if total <= per_chunk:
+      return [example]
+    raise errors.UnsupportedConfigError(
+        f"a trainer input of {total} sequences would be split into several train "
+        f"steps of {per_chunk}, and a checkpoint could fall between them."
+    )
 
   # --- the producer (runs on the learner's asyncio loop) ------------------------------
 
@@ -470,7 +304,7 @@ class ConsumerLoop:
     orchestrator = api.agentic_build_orchestrator(learner)
 
     async def pairs():
-      prompt_index = self.next_prompt
+      prompt_index = self.schedule.next_prompt
       while True:
         prompt = await loop.run_in_executor(None, self.prompt_queue.get)
         if prompt is None:
@@ -541,75 +375,29 @@ class ConsumerLoop:
     """The data state matching the actor after the update in progress (if any).
 
     Runs in the consumer thread (Tunix saves from inside `update_actor`).
-    Groups finished by now are absorbed first, so they are saved as arrays
-    rather than rolled out again after a resume.
     """
-    self._absorb_ready()
-    items: list[Any] = []
-    schedule: list[int] = []
-    seen: dict[int, int] = {}
-
-    def add(example: Any) -> None:
-      if id(example) not in seen:
-        seen[id(example)] = len(items)
-        items.append(jax.tree.map(np.asarray, example))
-      schedule.append(seen[id(example)])
-
-    replay = None
-    if self.replays:
-      passes, done = self.replay_pass, 0
-      if self.replay_origin is not None:  # saving inside a replay pass
-        done = int(self.cluster.actor_trainer.iter_steps) - self.replay_origin
-        if done >= len(self.step_inputs):
-          passes, done = passes + 1, 0
-      for example in self.step_inputs:
-        add(example)
-      replay = {"inputs": len(self.step_inputs), "pass": passes, "chunks_done": done}
-    for update in self.updates:
-      add(update.example)
-    ends = [bool(u.ends_micro_batch) for u in self.updates]
-    micro_batches = self.micro_batches_in_step
-    if self.current is not None and self.current.ends_micro_batch:
-      micro_batches += 1
-    resume_prompt = self.next_prompt
-    if self.in_consumer and self.units:
-      # Raw groups are not arrays yet: roll them out again after a resume.
-      resume_prompt -= len(self.units)
-    else:
-      for unit in self.units:
-        add(unit)
-    position = self._prompt_position(resume_prompt)
-    position["ends_micro_batch"] = ends
-    if replay is not None:
-      position["replay"] = replay
+    saved = self.schedule.snapshot(self)
+    schedule = self.schedule
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self.fingerprint,
-        position=position,
-        pending=state_lib.Pending(items=tuple(items), schedule=tuple(schedule)),
+        position=saved.position,
+        pending=state_lib.Pending(
+            items=tuple(jax.tree.map(np.asarray, item) for item in saved.items),
+            schedule=saved.order),
         lineage=self.lineage,
         counters={
             "train_steps": int(self.cluster.actor_trainer.train_steps),
             "global_steps": int(self.cluster.global_steps),
             "policy_version": int(self.learner.policy_version),
             "learner_iter_steps": api.learner_iter_steps(self.learner),
-            "micro_batches_in_step": micro_batches,
+            "micro_batches_in_step": saved.micro_batches_in_step,
             "feeding_done": int(self.feeding_done),
-            "full_batch_size": self.full_batch_size,
-            "micro_batch_size": self.micro_batch_size,
+            "full_batch_size": schedule.full_batch_size,
+            "micro_batch_size": schedule.micro_batch_size,
         },
     )
 
-  def _prompt_position(self, prompt_index: int) -> dict[str, Any]:
-    """Where prompt `prompt_index` is read, and how many fed batches follow from there."""
-    for number, batch in enumerate(self.fed):
-      if batch.first_prompt <= prompt_index < batch.first_prompt + self.full_batch_size:
-        return {
-            "source": dict(batch.position), "prompt_index": prompt_index,
-            "prompt_offset": prompt_index - batch.first_prompt,
-            "batches_fed": len(self.fed) - number,
-        }
-    return {
-        "source": self.source.position(), "prompt_index": prompt_index,
-        "prompt_offset": 0, "batches_fed": 0,
-    }
+
+def _batch_size(batch: Any) -> int:
+  return len(next(iter(batch.values())))

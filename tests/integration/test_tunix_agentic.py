@@ -23,7 +23,6 @@ full batch and compared with stock main's order of `update_actor` calls.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 # Real Tunix runs beyond make test's representative ones: `make test-heavy` (CI) runs them.
 pytestmark = pytest.mark.heavy
+
+import tunix_harness as harness  # noqa: E402
 
 from ckpt_iter import _item as item_lib
 from ckpt_iter import testing
@@ -62,27 +63,8 @@ def _expected_prompts(mu, steps=2, batches=(_BATCH_0, _BATCH_1)):
 
 
 def _run(root, out, cache_dir, *, learner="resumable", preempt_after=None, extra=(), flags=_FLAGS):
-  env = dict(
-      os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-  )
-  if "--async-rollout" in extra:
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-  command = [
-      sys.executable, _WORKER, "--root", str(root), "--out", str(out), "--learner", learner, *flags, *extra,
-  ]
-  if preempt_after is not None:
-    command += ["--preempt-after", str(preempt_after)]
-  process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-  expected_rc = 0 if preempt_after is None else _PREEMPT_EXIT_CODE
-  assert process.returncode == expected_rc, process.stderr[-12000:]  # a crash: every thread's stack
-  data = np.load(out)
-  meta = json.loads(str(data["meta"]))
-  inputs = [
-      {f: data[f"{i}/{f}"] for f in _FIELDS if f"{i}/{f}" in data.files} for i in range(meta["num_inputs"])
-  ]
-  params = [data[f"param_{i}"] for i in range(sum(k.startswith("param_") for k in data.files))]
-  return {"inputs": inputs, "meta": meta, "params": params}
+  return harness.run_agentic(root, out, cache_dir, learner=learner, preempt_after=preempt_after,
+                             flags=[*flags, *extra])
 
 
 def _prompts(inputs):
@@ -110,8 +92,10 @@ def runs(tmp_path_factory):
     reference = pool.submit(_run, work / "ref", work / "ref.npz", cache)
     segments = pool.submit(chain, "resumable", [1, 2])
     stock = pool.submit(chain, "stock", [1], learner="stock")
-    # Separate rollout model; prompt 2's rollouts are slowed down in the first
-    # process only, so they are in flight when checkpoint 1 is written.
+    # Separate rollout model; in the first process prompt 2's rollouts wait
+    # until checkpoint 1's save begins, so they are in flight at it.
+    async_reference = pool.submit(_run, work / "async_ref", work / "async_ref.npz", cache,
+                                  extra=("--async-rollout",))
     async_first = pool.submit(
         _run, work / "async", work / "async0.npz", cache, preempt_after=1,
         extra=("--async-rollout", "--slow-prompt", _BATCH_0_TEXT[2]),
@@ -120,7 +104,7 @@ def runs(tmp_path_factory):
     async_resumed = _run(work / "async", work / "async1.npz", cache, extra=("--async-rollout",))
     return {
         "reference": reference.result(), "segments": segments.result(), "stock": stock.result(),
-        "async": [async_first.result(), async_resumed],
+        "async": [async_first.result(), async_resumed], "async_reference": async_reference.result(),
     }
 
 
@@ -175,17 +159,20 @@ def test_stock_skips_the_rest_of_the_batch(runs):
   assert set(_prompts(resumed["inputs"])) <= set(_BATCH_1)
 
 
-def test_in_flight_prompt_is_rolled_out_again_exactly_once(runs):
+def test_a_prompt_in_flight_at_the_save_is_waited_for_and_never_rolled_out_again(runs):
   first, resumed = runs["async"]
-  # Killed after update 1 while prompt 2 was still being rolled out: groups
-  # 0 and 1 came from the checkpoint, prompt 2 was re-read from its saved
-  # position and rolled out once (2 generations) in the resumed process.
+  # Killed after update 1 while prompt 2 was being rolled out: the save waited
+  # for it (the rollout weights of the last sync are in no checkpoint), so its
+  # group is in the checkpoint and the resumed process rolls out nothing of
+  # batch 0.
   assert _rolled(first).count(_BATCH_0_TEXT[2]) == 2
-  assert _rolled(resumed).count(_BATCH_0_TEXT[2]) == 2
-  assert _BATCH_0_TEXT[0] not in _rolled(resumed) and _BATCH_0_TEXT[1] not in _rolled(resumed)
-  # Nothing skipped or trained twice: the uninterrupted order.
-  trained = _prompts(first["inputs"]) + _prompts(resumed["inputs"])
-  assert trained == _expected_prompts(3)
+  assert not set(_BATCH_0_TEXT) & set(_rolled(resumed)), _rolled(resumed)
+  # The chain equals the uninterrupted run with the separate rollout model,
+  # bit for bit: every trainer input and the final weights.
+  reference = runs["async_reference"]
+  testing.assert_trees_equal(first["inputs"] + resumed["inputs"], reference["inputs"], path="async chain")
+  testing.assert_trees_equal(resumed["params"], reference["params"], path="async final params")
+  assert _prompts(reference["inputs"]) == _expected_prompts(3)
 
 
 # --- main's full-batch replay, killed inside it (num_iterations=2) ---------------------

@@ -34,6 +34,7 @@ ResumablePeftTrainer against PeftTrainer.
 
 from __future__ import annotations
 
+from concurrent import futures
 import os
 import shutil
 from typing import Any
@@ -47,9 +48,12 @@ pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 
 
 import tunix_harness as harness  # noqa: E402
 
+from ckpt_iter.demo import agentic_toyrun  # noqa: E402
 from ckpt_iter.demo import toyrun  # noqa: E402
 
 _FULL_EXAMPLES = int(os.environ.get("CKPT_ITER_CONFORMANCE_EXAMPLES", "12"))
+# An agentic example is 4-5 processes of ~40 s: fewer are drawn.
+_AGENTIC_EXAMPLES = int(os.environ.get("CKPT_ITER_AGENTIC_CONFORMANCE_EXAMPLES", "4"))
 
 
 @st.composite
@@ -208,14 +212,14 @@ SFT_MAKE_TEST_EXAMPLES = [
 ]
 
 
-def _property_settings(slow: bool, explicit: list, strategy, check) -> Any:
+def _property_settings(slow: bool, explicit: list, strategy, check, examples: int = _FULL_EXAMPLES) -> Any:
   """The property over `strategy`: its explicit examples always, drawn ones with --run-slow."""
   phases = [hypothesis.Phase.explicit] + ([hypothesis.Phase.generate] if slow else [])
   decorated = hypothesis.given(strategy)(check)
   for example in explicit:
     decorated = hypothesis.example(example)(decorated)
   return hypothesis.settings(
-      max_examples=_FULL_EXAMPLES, deadline=None, database=None, phases=phases, print_blob=True,
+      max_examples=examples, deadline=None, database=None, phases=phases, print_blob=True,
       suppress_health_check=list(hypothesis.HealthCheck),
   )(decorated)
 
@@ -308,3 +312,125 @@ def test_sft_drop_in_conforms_to_stock_and_resumes_exactly(conformance_dirs, req
 
   _property_settings(slow, SFT_MAKE_TEST_EXAMPLES, sft_configs(), conforms)()
   assert len(seen) >= len(SFT_MAKE_TEST_EXAMPLES) + (1 if slow else 0)
+
+
+# --- Agentic: ResumableAgenticGRPOLearner against tunix.rl.agentic's GRPOLearner ---
+# (tests/workers/tunix_agentic_worker.py; 8 prompts "hello world", ...)
+
+_AGENTIC_GEOMETRIES = {
+    "batch1": ["--batch", "1", "--mini", "1", "--micro", "1"],
+    "gradacc2": ["--batch", "2", "--mini", "2", "--micro", "1"],
+    "two_minis": ["--batch", "2", "--mini", "1", "--micro", "1"],
+    "micro2": ["--batch", "2", "--mini", "2", "--micro", "2"],
+}
+
+
+@st.composite
+def agentic_configs(draw) -> tuple[dict, list[int]]:
+  """num_iterations, batch geometry, shared or separate rollout weights, max_steps, the
+  drop-in's rollout concurrency; 1-2 kills, picked among the uninterrupted run's checkpoints."""
+  config = {
+      "num_iterations": draw(st.integers(1, 3)),
+      "geometry": draw(st.sampled_from(sorted(_AGENTIC_GEOMETRIES))),
+      "separate_rollout": draw(st.booleans()),
+      "max_steps": draw(st.integers(2, 3)),
+      "max_concurrency": draw(st.sampled_from([1, 8])),
+  }
+  picks = draw(st.lists(st.integers(0, 99), min_size=1, max_size=2))
+  return config, picks
+
+
+def agentic_deliberate_difference(config: dict) -> str | None:
+  """The docs/tunix.md fix that makes the agentic drop-in differ from stock here, or None.
+
+  Stock runs with max_concurrency=1, so its groups finish in prompt order, the
+  drop-in's order (the drop-in may run with 8). With one model for actor and
+  rollout, stock rolls out the next prompts while it trains, with weights
+  that depend on timing; the drop-in rolls out every fed prompt before the
+  next update (tests/unit/test_agentic_schedule.py checks it).
+  """
+  if not config["separate_rollout"]:
+    return "shared actor and rollout weights: the drop-in rolls out every fed prompt before an update"
+  return None
+
+
+def _agentic_flags(config: dict, stock: bool) -> list[str]:
+  flags = [*_AGENTIC_GEOMETRIES[config["geometry"]], "--mu", str(config["num_iterations"]),
+           "--max-steps", str(config["max_steps"]),
+           "--max-concurrency", "1" if stock else str(config["max_concurrency"])]
+  return flags + (["--async-rollout"] if config["separate_rollout"] else [])
+
+
+def _agentic_labels(record: dict) -> list[str]:
+  return ["".join(agentic_toyrun.input_labels(x["prompt_ids"])) for x in record["inputs"]]
+
+
+def _assert_same_agentic(actual: dict, expected: dict, what: str) -> None:
+  if "calls" in actual["meta"]:  # a chain has none: a killed call is counted by two segments
+    assert actual["meta"]["calls"] == expected["meta"]["calls"], (
+        f"{what}: update_actor calls {actual['meta']['calls']}, expected {expected['meta']['calls']}")
+  harness.assert_same_inputs(actual["inputs"], expected["inputs"], what)
+  for index, (got, want) in enumerate(zip(actual["params"], expected["params"], strict=True)):
+    np.testing.assert_array_equal(got, want, err_msg=f"{what}: param leaf {index}")
+
+
+def check_agentic_configuration(config: dict, picks: list[int], workdir: str, cache_dir: str) -> list[int]:
+  """(a) and (b) for one agentic configuration; returns the checkpoints it killed after."""
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  os.makedirs(workdir)
+  with futures.ThreadPoolExecutor(2) as pool:
+    runs = {
+        learner: pool.submit(
+            harness.run_agentic, os.path.join(workdir, learner), os.path.join(workdir, f"{learner}.npz"),
+            cache_dir, learner=learner, flags=_agentic_flags(config, stock=learner == "stock"))
+        for learner in ("stock", "resumable")
+    }
+    stock, drop_in = runs["stock"].result(), runs["resumable"].result()
+  for name, record in (("stock", stock), ("drop-in", drop_in)):
+    labels = _agentic_labels(record)
+    assert labels and all("?" not in label for label in labels), f"{name}: indistinct prompts {labels}"
+    assert len(set("".join(labels))) > 1, f"{name}: every input holds the same prompt {labels}"
+  difference = agentic_deliberate_difference(config)
+  if difference is None:
+    _assert_same_agentic(drop_in, stock, f"drop-in vs stock, uninterrupted, {config}")
+  else:
+    assert sorted(_agentic_labels(drop_in)) == sorted(_agentic_labels(stock)), difference
+  saved = list(range(1, drop_in["meta"]["train_steps"]))
+  assert saved, f"{config}: one checkpoint only, nothing to kill after"
+  kills = sorted({saved[pick % len(saved)] for pick in picks})
+  root = os.path.join(workdir, "chain")
+  segments = [
+      harness.run_agentic(root, os.path.join(workdir, f"segment{index}.npz"), cache_dir,
+                          preempt_after=kill, flags=_agentic_flags(config, stock=False))
+      for index, kill in enumerate([*kills, None])
+  ]
+  assert [s["meta"]["restored"]["train_steps"] for s in segments] == [0, *kills]
+  chained = {"inputs": [x for s in segments for x in s["inputs"]], "meta": {}, "params": segments[-1]["params"]}
+  _assert_same_agentic(chained, drop_in, f"killed after {kills} and resumed, {config}")
+  return kills
+
+
+# All of the suite's agentic levers at once: num_iterations 3 in gradient
+# accumulation 2, a separate rollout model synced per step, the drop-in
+# rolling out 8 pairs at once against stock's 1, killed twice.
+AGENTIC_HEAVY_EXAMPLES = [
+    ({"num_iterations": 3, "geometry": "gradacc2", "separate_rollout": True, "max_steps": 2,
+      "max_concurrency": 8}, [0, 1]),
+]
+
+
+@pytest.mark.heavy
+def test_agentic_drop_in_conforms_to_stock_and_resumes_exactly(conformance_dirs, request):
+  slow = request.config.getoption("--run-slow")
+  workdir, cache_dir = conformance_dirs
+  seen: list = []
+
+  def conforms(drawn):
+    config, picks = drawn
+    seen.append(drawn)
+    kills = check_agentic_configuration(config, picks, os.path.join(workdir, f"agentic{len(seen)}"), cache_dir)
+    print(f"agentic conformance example {len(seen)}: {config} killed after {kills}")
+
+  _property_settings(slow, AGENTIC_HEAVY_EXAMPLES, agentic_configs(), conforms, examples=_AGENTIC_EXAMPLES)()
+  assert len(seen) >= len(AGENTIC_HEAVY_EXAMPLES) + (1 if slow else 0)

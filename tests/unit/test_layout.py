@@ -137,13 +137,27 @@ def test_the_package_has_no_import_cycle():
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def _framework_imports(module, frameworks):
+  path = _package_modules()[module]
+  return sorted(name for name in _imported_names(path, module) if name.split(".")[0] in frameworks)
+
+
 def test_state_imports_no_framework():
-  path = _package_modules()["ckpt_iter.state"]
-  frameworks = sorted(
-      name for name in _imported_names(path, "ckpt_iter.state")
-      if name.split(".")[0] in _FRAMEWORKS
-  )
+  frameworks = _framework_imports("ckpt_iter.state", _FRAMEWORKS)
   assert not frameworks, f"ckpt_iter/state.py imports {frameworks}; it must stay framework-free"
+
+
+def test_the_agentic_schedule_imports_no_tunix_jax_or_threads():
+  # The pure value the property tests drive; the driver is _agentic_loop.
+  found = _framework_imports(
+      "ckpt_iter.tunix._agentic_schedule", (*_FRAMEWORKS, "tunix", "threading", "asyncio", "queue"))
+  assert not found, f"ckpt_iter/tunix/_agentic_schedule.py imports {found}; it must stay pure"
+  tunix_parts = [
+      name for name in _imported_names(
+          _package_modules()["ckpt_iter.tunix._agentic_schedule"], "ckpt_iter.tunix._agentic_schedule")
+      if name.startswith("ckpt_iter.tunix")
+  ]
+  assert not tunix_parts, f"the agentic schedule imports {tunix_parts}"
 
 
 def test_core_modules_import_no_outer_layer():

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 
 from ckpt_iter import testing
+from ckpt_iter.demo import agentic_toyrun
 from ckpt_iter.demo import toyrun
 
 _TIMEOUT_SECONDS = 900
+_AGENTIC_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_agentic_worker.py")
 _SFT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_sft_worker.py")
 SFT_PREEMPT_EXIT_CODE = 42  # tunix_sft_worker.PREEMPT_EXIT_CODE
 
@@ -144,6 +146,28 @@ def check_chain(config, preempt_steps, workdir, cache_dir, compare_stock=True):
   _, resumed = chain(dict(config, learner="ckpt_iter"), workdir, preempt_steps, cache_dir)
   assert_same_inputs(resumed, reference.inputs, f"resumed after {preempt_steps}")
   return reference
+
+
+def run_agentic(root, out, cache_dir, *, learner="resumable", preempt_after=None, flags=()) -> dict:
+  """Runs tests/workers/tunix_agentic_worker.py once; returns its record (`agentic_toyrun.load_record`).
+
+  With `preempt_after` the process must die right after that checkpoint.
+  """
+  env = dict(
+      os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
+  if "--async-rollout" in flags:
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  command = [
+      sys.executable, _AGENTIC_WORKER, "--root", str(root), "--out", str(out), "--learner", learner, *flags,
+  ]
+  if preempt_after is not None:
+    command += ["--preempt-after", str(preempt_after)]
+  process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_TIMEOUT_SECONDS)
+  expected_rc = 0 if preempt_after is None else agentic_toyrun.PREEMPT_EXIT_CODE
+  assert process.returncode == expected_rc, process.stderr[-12000:]  # a crash: every thread's stack
+  return agentic_toyrun.load_record(str(out))
 
 
 def run_sft(root, out, cache_dir, *, trainer="resumable", preempt_after=None, expect_rc=0, **flags):
