@@ -224,19 +224,28 @@ def _property_settings(slow: bool, explicit: list, strategy, check, examples: in
   )(decorated)
 
 
-def test_rl_drop_ins_conform_to_stock_and_resume_exactly(conformance_dirs, request):
+def _run_property(request, explicit: list, strategy, check_one, examples: int = _FULL_EXAMPLES) -> None:
+  """`check_one(drawn, number)` on the explicit examples, and on drawn ones with --run-slow."""
   slow = request.config.getoption("--run-slow")
-  workdir, cache_dir = conformance_dirs
-  seen: list[tuple[dict, list[int]]] = []
+  seen: list = []
 
   def conforms(drawn):
-    config, kills = drawn
     seen.append(drawn)
-    print(f"conformance example {len(seen)}: {config} killed after {kills}")
-    check_configuration(config, kills, os.path.join(workdir, f"example{len(seen)}"), cache_dir)
+    check_one(drawn, len(seen))
 
-  _property_settings(slow, RL_MAKE_TEST_EXAMPLES, rl_configs(), conforms)()
-  assert len(seen) >= len(RL_MAKE_TEST_EXAMPLES) + (1 if slow else 0)
+  _property_settings(slow, explicit, strategy, conforms, examples)()
+  assert len(seen) >= len(explicit) + (1 if slow else 0)
+
+
+def test_rl_drop_ins_conform_to_stock_and_resume_exactly(conformance_dirs, request):
+  workdir, cache_dir = conformance_dirs
+
+  def check(drawn, number):
+    config, kills = drawn
+    print(f"conformance example {number}: {config} killed after {kills}")
+    check_configuration(config, kills, os.path.join(workdir, f"example{number}"), cache_dir)
+
+  _run_property(request, RL_MAKE_TEST_EXAMPLES, rl_configs(), check)
 
 
 # --- SFT: ResumablePeftTrainer against PeftTrainer (tests/workers/tunix_sft_worker.py) ---
@@ -300,18 +309,14 @@ def test_rl_found_configuration_conforms(config, kills, conformance_dirs):
 
 @pytest.mark.heavy  # the SFT trainer's own chains run in make test-heavy as well
 def test_sft_drop_in_conforms_to_stock_and_resumes_exactly(conformance_dirs, request):
-  slow = request.config.getoption("--run-slow")
   workdir, cache_dir = conformance_dirs
-  seen: list = []
 
-  def conforms(drawn):
+  def check(drawn, number):
     config, kills = drawn
-    seen.append(drawn)
-    print(f"sft conformance example {len(seen)}: {config} killed after {kills}")
-    check_sft_configuration(config, kills, os.path.join(workdir, f"sft{len(seen)}"), cache_dir)
+    print(f"sft conformance example {number}: {config} killed after {kills}")
+    check_sft_configuration(config, kills, os.path.join(workdir, f"sft{number}"), cache_dir)
 
-  _property_settings(slow, SFT_MAKE_TEST_EXAMPLES, sft_configs(), conforms)()
-  assert len(seen) >= len(SFT_MAKE_TEST_EXAMPLES) + (1 if slow else 0)
+  _run_property(request, SFT_MAKE_TEST_EXAMPLES, sft_configs(), check)
 
 
 # --- Agentic: ResumableAgenticGRPOLearner against tunix.rl.agentic's GRPOLearner ---
@@ -422,15 +427,11 @@ AGENTIC_HEAVY_EXAMPLES = [
 
 @pytest.mark.heavy
 def test_agentic_drop_in_conforms_to_stock_and_resumes_exactly(conformance_dirs, request):
-  slow = request.config.getoption("--run-slow")
   workdir, cache_dir = conformance_dirs
-  seen: list = []
 
-  def conforms(drawn):
+  def check(drawn, number):
     config, picks = drawn
-    seen.append(drawn)
-    kills = check_agentic_configuration(config, picks, os.path.join(workdir, f"agentic{len(seen)}"), cache_dir)
-    print(f"agentic conformance example {len(seen)}: {config} killed after {kills}")
+    kills = check_agentic_configuration(config, picks, os.path.join(workdir, f"agentic{number}"), cache_dir)
+    print(f"agentic conformance example {number}: {config} killed after {kills}")
 
-  _property_settings(slow, AGENTIC_HEAVY_EXAMPLES, agentic_configs(), conforms, examples=_AGENTIC_EXAMPLES)()
-  assert len(seen) >= len(AGENTIC_HEAVY_EXAMPLES) + (1 if slow else 0)
+  _run_property(request, AGENTIC_HEAVY_EXAMPLES, agentic_configs(), check, examples=_AGENTIC_EXAMPLES)
