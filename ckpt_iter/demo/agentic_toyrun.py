@@ -1,4 +1,4 @@
-"""A toy agentic GRPO run on CPU: `ckpt-iter demo --learner agentic`'s and the tests' workload.
+"""A toy agentic GRPO run on CPU: the workload of `ckpt-iter demo --learner agentic`.
 
 Trains Tunix's ToyTransformer with `tunix.rl.agentic.agentic_grpo_learner.GRPOLearner`
 (stock) or ckpt_iter's drop-in `ResumableAgenticGRPOLearner` on a Grain MapDataset
@@ -11,8 +11,10 @@ checkpoint K is on disk (the async save finished) and dies with os._exit, the
 way a scheduler kills a job.
 
     python -m ckpt_iter.demo.agentic_toyrun --root DIR --out OUT.npz --learner resumable|stock
-        [--max-steps M] [--mu MU] [--batch B] [--mini M] [--micro M] [--max-concurrency C]
-        [--preempt-after K]
+        [--max-steps M] [--mu MU] [--batch B] [--mini M] [--micro M] [--preempt-after K]
+
+The tests' worker (tests/workers/tunix_agentic_worker.py) runs it with an
+`Extension`: more Tunix settings, and hooks into rollouts and saves.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -31,6 +33,19 @@ PREEMPT_EXIT_CODE = 42
 WORDS = ("hello", "world", "input", "string", "there", "My", "name", "is", "Tunix", "library")
 NUM_PROMPTS = 16
 FIELDS = ("prompt_ids", "completion_ids", "advantages", "old_per_token_logps", "ref_per_token_logps")
+MAX_CONCURRENCY = 8  # agent/env pairs rolled out at once (GRPOConfig.max_concurrency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Extension:
+  """What a caller adds to the demo's run: Tunix settings and hooks."""
+
+  training_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # more RLTrainingConfig fields
+  algo_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # more GRPOConfig fields
+  async_rollout: bool = False  # the rollout model on a device of its own, synced per global step
+  critic: bool = False  # a critic model in the cluster
+  on_rollout: Callable[[str], None] | None = None  # called with a rollout's prompt before it runs
+  on_save: Callable[[], None] | None = None  # called as each checkpoint save begins
 
 
 class ChatParser:
@@ -99,49 +114,31 @@ def input_labels(prompt_ids: np.ndarray) -> list[str]:
   return toyrun.label_rows(prompt_ids, {prompt_text(i): prompt_label(i) for i in range(NUM_PROMPTS)})
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--root", required=True)
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--learner", choices=("resumable", "stock"), required=True)
-  parser.add_argument("--max-steps", type=int, default=6)
-  parser.add_argument("--mu", type=int, default=2)
-  parser.add_argument("--batch", type=int, default=2)
-  parser.add_argument("--mini", type=int, default=2)
-  parser.add_argument("--micro", type=int, default=1)
-  parser.add_argument("--max-concurrency", type=int, default=8,
-                      help="agent/env pairs rolled out at once (GRPOConfig.max_concurrency)")
-  parser.add_argument("--async-rollout", action="store_true",
-                      help="rollout on its own mesh (needs 2 devices), weights synced per global step")
-  parser.add_argument("--slow-prompt", default=None,
-                      help="this prompt's rollouts wait until the first checkpoint save begins, "
-                      "so they are in flight at it however slow the first update is; needs "
-                      "--preempt-after and --async-rollout (with one shared model every fed "
-                      "prompt is rolled out before the first update)")
-  parser.add_argument("--preempt-after", type=int, action="append", default=[])
-  parser.add_argument("--max-seq-token-per-tpu", type=int, default=None,
-                      help="sequence packing budget (the drop-in refuses it)")
-  parser.add_argument("--critic", action="store_true",
-                      help="a critic model in the cluster (the drop-in refuses it)")
-  args = parser.parse_args(argv)
-  if args.slow_prompt and not (args.preempt_after and args.async_rollout):
-    parser.error("--slow-prompt needs --preempt-after and --async-rollout (its rollouts wait for that save)")
-  return args
+def parser() -> argparse.ArgumentParser:
+  """The run's command line (the tests' worker adds its options to it)."""
+  parser_ = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser_.add_argument("--root", required=True)
+  parser_.add_argument("--out", required=True)
+  parser_.add_argument("--learner", choices=("resumable", "stock"), required=True)
+  parser_.add_argument("--max-steps", type=int, default=6)
+  parser_.add_argument("--mu", type=int, default=2)
+  parser_.add_argument("--batch", type=int, default=2)
+  parser_.add_argument("--mini", type=int, default=2)
+  parser_.add_argument("--micro", type=int, default=1)
+  parser_.add_argument("--preempt-after", type=int, action="append", default=[])
+  return parser_
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, extension: Extension | None = None) -> None:
   """Trains (resuming from args.root if it holds checkpoints) and writes args.out."""
+  extension = extension or Extension()
   # pylint: disable=g-import-not-at-top
   import jax
   import optax
-  import orbax.checkpoint as ocp
   from flax import nnx
-  from tunix.generate import tokenizer_adapter
-  from tunix.rl import rl_cluster as rl_cluster_lib
   from tunix.rl.agentic import agentic_grpo_learner
-  from tunix.rl.rollout import base_rollout
-  from tunix.tests import test_common as tc
 
+  from ckpt_iter.demo import toyrun
   from ckpt_iter.tunix import _api
   # pylint: enable=g-import-not-at-top
 
@@ -150,39 +147,16 @@ def run(args: argparse.Namespace) -> None:
   else:
     base = agentic_grpo_learner.GRPOLearner
 
-  vocab = tc.MockVocab()
-  tokenizer = tokenizer_adapter.TokenizerAdapter(vocab)
-  config = tc.ModelConfig(vocab_size=vocab.GetPieceSize())
-  actor = tc.ToyTransformer(config=config, rngs=nnx.Rngs(0))
-  ref = tc.ToyTransformer(config=config, rngs=nnx.Rngs(0))
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-  rollout_mesh = mesh
-  if args.async_rollout:
-    rollout_mesh = jax.sharding.Mesh(np.array(jax.devices()[1:2]).reshape(1, 1), ("fsdp", "tp"))
-  training = rl_cluster_lib.RLTrainingConfig(
-      actor_optimizer=optax.adamw(1e-2), eval_every_n_steps=1000, max_steps=args.max_steps,
-      mini_batch_size=args.mini, train_micro_batch_size=args.micro,
-      checkpoint_root_directory=os.path.abspath(args.root),
-      checkpointing_options=ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=100),
-      max_seq_token_per_tpu=args.max_seq_token_per_tpu,
-      critic_optimizer=optax.sgd(1e-3) if args.critic else None,
-  )
-  role_to_mesh = {rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
-                  rl_cluster_lib.Role.ROLLOUT: rollout_mesh}
-  critic = {}
-  if args.critic:
-    role_to_mesh[rl_cluster_lib.Role.CRITIC] = mesh
-    critic["critic"] = tc.ToyTransformerWithScoreHead(
-        tc.ToyTransformer(config=config, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(1))
-  cluster = rl_cluster_lib.RLCluster(
-      actor=actor, reference=ref, tokenizer=tokenizer, **critic,
-      cluster_config=rl_cluster_lib.ClusterConfig(
-          role_to_mesh=role_to_mesh,
-          rollout_engine="vanilla", offload_to_cpu=False, training_config=training,
-          rollout_config=base_rollout.RolloutConfig(
-              max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=64,
-              return_logprobs=True, temperature=0.9),
-      ),
+  cluster = toyrun.toy_cluster(
+      os.path.abspath(args.root), with_drop_ins=args.learner == "resumable", tokenizer_adapter=True,
+      training_options={
+          "actor_optimizer": optax.adamw(1e-2), "max_steps": args.max_steps,
+          "mini_batch_size": args.mini, "train_micro_batch_size": args.micro,
+          "checkpointing_options": toyrun.explicit_checkpointing(1, max_to_keep=100),
+          **extension.training_options,
+      },
+      rollout_options={"return_logprobs": True, "temperature": 0.9},
+      async_rollout=extension.async_rollout, critic=extension.critic,
   )
   generate = cluster.generate
   rollout_generate = cluster.rollout.generate
@@ -206,15 +180,14 @@ def run(args: argparse.Namespace) -> None:
   # concurrent generate calls (CI, 0.1.7 and main alike). Rollouts stay
   # concurrent; the model call itself runs one at a time.
   generate_lock = threading.Lock()
-  save_began = threading.Event()  # for --slow-prompt
 
   def short_generate(prompts, *a, max_generation_steps=None, **kw):
     # The toy model rarely emits EOS: a rollout that fills the whole response
     # budget is recorded with an empty completion, so stop one token short.
     del max_generation_steps
     rolled.extend([prompts] if isinstance(prompts, str) else [str(p) for p in prompts])
-    if args.slow_prompt and args.slow_prompt in str(prompts):
-      save_began.wait(timeout=600.0)
+    if extension.on_rollout:
+      extension.on_rollout(str(prompts))
     tags = kw.get("trace_tags") or {}
     pair_seed.value = 1000 * int(tags.get("group_id", 0)) + int(tags.get("pair_index", 0))
     try:
@@ -246,7 +219,7 @@ def run(args: argparse.Namespace) -> None:
       rl_cluster=cluster,
       algo_config=agentic_grpo_learner.GRPOConfig(
           num_generations=2, num_iterations=args.mu, beta=0.04, max_response_length=4,
-          max_concurrency=args.max_concurrency),
+          **{"max_concurrency": MAX_CONCURRENCY, **extension.algo_options}),
       reward_fns=reward_fn, chat_parser=ChatParser(),
   )
   restored = {"train_steps": int(cluster.actor_trainer.train_steps),
@@ -266,12 +239,13 @@ def run(args: argparse.Namespace) -> None:
         "train_steps": int(cluster.actor_trainer.train_steps),
         "global_steps": int(cluster.global_steps)})), **arrays)
 
-  if args.preempt_after:
+  if args.preempt_after or extension.on_save:
     tunix_manager = cluster.actor_trainer.checkpoint_manager
     save = tunix_manager.save
 
     def save_then_maybe_die(step, *a, **kw):
-      save_began.set()
+      if extension.on_save:
+        extension.on_save()
       saved = save(step, *a, **kw)
       if saved and step in args.preempt_after:
         _api.wait_until_saved(tunix_manager)
@@ -290,7 +264,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  run(_parse(argv))
+  run(parser().parse_args(argv))
   return 0
 
 

@@ -1,12 +1,15 @@
-"""A toy Tunix RL run on CPU: the demo's, the tests' and the benchmarks' workload.
+"""A toy Tunix GRPO run on CPU: the workload of `ckpt-iter demo` and the benchmarks.
 
 It uses the toy model and vocabulary that ship in the Tunix wheel
 (`tunix.tests.test_common`), a prompt set shipped in this package, and real
-RLCluster, GRPOLearner/PPOLearner, Orbax checkpoints and JIT. A run can be
-preempted: the process is killed with `os._exit` right after checkpoint K is
-on disk, the way a scheduler kills a job. Every trainer input (the
-TrainExample handed to the actor update) is recorded, so runs can be compared
-bit for bit.
+RLCluster, GRPOLearner, Orbax checkpoints and JIT. A run can be preempted: the
+process is killed with `os._exit` right after checkpoint K is on disk, the way
+a scheduler kills a job. Every trainer input (the TrainExample handed to the
+actor update) is recorded, so runs can be compared bit for bit.
+
+The tests' workload (tests/workers/tunix_toy.py) builds on these parts and
+adds what only the tests vary: other algorithms, pipeline forms, packing,
+evaluation, checkpoint policies.
 
 Run one in a process of its own:
     python -m ckpt_iter.demo.toyrun --root /abs/dir --out run.npz --config '{"learner": "stock"}'
@@ -20,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -46,45 +49,15 @@ class RunConfig:
   """What defines a toy run."""
 
   learner: str = "ckpt_iter"  # "stock" (Tunix as released) or "ckpt_iter"
-  algorithm: str = "grpo"  # "grpo", "dapo", "drgrpo" or "ppo"
   num_iterations: int = 2
   num_generations: int = 2
   batch_size: int = 1  # full batch, prompts per global step
   mini_batch_size: int | None = None
   train_micro_batch_size: int | None = None
   data_shuffle_seed: int | None = None
-  dataset_seed: int | None = None
-  async_rollout: bool = False
   max_steps: int = 8
   num_prompts: int = 64
-  eval_every_n_steps: int = 1000
-  with_eval: bool = False
-  on_legacy_checkpoint: str = "raise"
   save_interval_steps: int = 1
-  # Sleeps before each actor update: a slower trainer lets the producer
-  # thread run ahead (async rollout), the case a save must not be fooled by.
-  trainer_delay_seconds: float = 0.0
-  # The same batches in several forms. "grain": make_dataset's MapDataset;
-  # "map": a MapDataset built by hand with Grain's own methods; "iter": the
-  # make_dataset pipeline `.to_iter_dataset()`; "dataloader": a
-  # grain.DataLoader over it; "list": a list of the batches; "iterable": a
-  # one-shot generator of them (the last two restored by replay).
-  input_kind: str = "grain"
-  # Passes over the prompts (None: repeat forever, so max_steps ends the run).
-  num_epochs: int | None = None
-  # "explicit": CheckpointManagerOptions(save_interval_steps, max_to_keep=1000);
-  # "default": checkpointing_options=None (Tunix's own default policy).
-  checkpointing: str = "explicit"
-  # Prompts per batch, cycled (e.g. [2, 1]: uneven batches); None: batch_size.
-  batch_sizes: list[int] | None = None
-  # Sequence packing: RLTrainingConfig.max_seq_token_per_tpu (None: off).
-  max_seq_token_per_tpu: int | None = None
-  # Algorithm settings a resume may change (with a warning).
-  beta: float = 0.04
-  temperature: float | None = None  # None: RolloutConfig's default
-  # None: optax.sgd(1e-2). A value: optax.inject_hyperparams(optax.sgd), whose
-  # learning rate is visible to the resume.
-  learning_rate: float | None = None
 
 
 def load_prompts(limit: int | None = None) -> list[dict[str, str]]:
@@ -103,12 +76,57 @@ def reward_fn(prompts, completions, answer, **unused) -> list[float]:
 
 
 def build_learner(config: RunConfig, root: str) -> Any:
-  """Builds RLCluster and the learner of `config` with its checkpoints in `root`."""
-  return _make_learner(config, build_cluster(config, root))
+  """Builds RLCluster and the GRPO learner of `config` with its checkpoints in `root`."""
+  from tunix.rl.grpo import grpo_learner  # pylint: disable=g-import-not-at-top
+
+  cluster = build_cluster(config, root)
+  if config.learner == "stock":
+    learner_cls = grpo_learner.GRPOLearner
+  else:
+    from ckpt_iter.tunix import ResumableGRPOLearner as learner_cls  # pylint: disable=g-import-not-at-top
+  return learner_cls(
+      rl_cluster=cluster,
+      reward_fns=reward_fn,
+      algo_config=grpo_learner.GRPOConfig(
+          num_generations=config.num_generations, num_iterations=config.num_iterations, beta=0.04),
+      data_shuffle_seed=config.data_shuffle_seed,
+  )
 
 
 def build_cluster(config: RunConfig, root: str) -> Any:
-  """Builds the RLCluster of `config` with its checkpoints in `root`."""
+  """The RLCluster of `config` with its checkpoints in `root`."""
+  return toy_cluster(root, with_drop_ins=config.learner != "stock", training_options={
+      "max_steps": config.max_steps,
+      "mini_batch_size": config.mini_batch_size,
+      "train_micro_batch_size": config.train_micro_batch_size,
+      "checkpointing_options": explicit_checkpointing(config.save_interval_steps),
+  })
+
+
+def explicit_checkpointing(save_interval_steps: int, max_to_keep: int = 1000) -> Any:
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  return ocp.CheckpointManagerOptions(save_interval_steps=save_interval_steps, max_to_keep=max_to_keep)
+
+
+def toy_cluster(
+    root: str,
+    *,
+    with_drop_ins: bool,
+    training_options: dict[str, Any],
+    rollout_options: dict[str, Any] | None = None,
+    async_rollout: bool = False,
+    critic: bool = False,
+    tokenizer_adapter: bool = False,
+) -> Any:
+  """An RLCluster of Tunix's toy models on CPU, checkpointing to `root`.
+
+  `training_options` and `rollout_options` are RLTrainingConfig and
+  RolloutConfig fields over the toy's defaults (SGD at 1e-2, no evaluation,
+  4 generated tokens). `async_rollout` puts the rollout model on a device of
+  its own; `critic` adds a critic with a score head (PPO); `tokenizer_adapter`
+  wraps the vocabulary the way the agentic learner wants it.
+  """
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -118,7 +136,7 @@ def build_cluster(config: RunConfig, root: str) -> Any:
 
   if not (os.path.isabs(root) or _storage.is_url(root)):
     raise ValueError(f"root={root!r} must be absolute or a URL such as gs://... (Orbax needs absolute paths).")
-  if config.learner != "stock":
+  if with_drop_ins:
     # Imported first, as a user's script does at the top (on Tunix main this
     # registers the data item's Orbax v1 handler before Tunix's Checkpointer).
     import ckpt_iter.tunix  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
@@ -128,7 +146,7 @@ def build_cluster(config: RunConfig, root: str) -> Any:
   reference = tc.ToyTransformer(config=model_config, rngs=nnx.Rngs(0))
   devices = jax.devices()
   actor_mesh = jax.sharding.Mesh(np.array(devices[:1]).reshape(1, 1), ("fsdp", "tp"))
-  if config.async_rollout:
+  if async_rollout:
     if len(devices) < 2:
       raise RuntimeError(
           "async rollout needs 2 devices: set "
@@ -142,214 +160,56 @@ def build_cluster(config: RunConfig, root: str) -> Any:
       rl_cluster_lib.Role.REFERENCE: actor_mesh,
       rl_cluster_lib.Role.ROLLOUT: rollout_mesh,
   }
+  training = {"actor_optimizer": optax.sgd(1e-2), "eval_every_n_steps": 1000,
+              "checkpoint_root_directory": root}
   extra_models = {}
-  if config.algorithm == "ppo":
+  if critic:
     role_to_mesh[rl_cluster_lib.Role.CRITIC] = actor_mesh
     role_to_mesh[rl_cluster_lib.Role.REWARD] = actor_mesh
     extra_models["critic"] = tc.ToyTransformerWithScoreHead(
         tc.ToyTransformer(config=model_config, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(1)
     )
-  training = rl_cluster_lib.RLTrainingConfig(
-      actor_optimizer=(optax.sgd(1e-2) if config.learning_rate is None
-                       else optax.inject_hyperparams(optax.sgd)(learning_rate=config.learning_rate)),
-      critic_optimizer=optax.sgd(1e-3) if config.algorithm == "ppo" else None,
-      eval_every_n_steps=config.eval_every_n_steps,
-      max_steps=config.max_steps,
-      mini_batch_size=config.mini_batch_size,
-      train_micro_batch_size=config.train_micro_batch_size,
-      checkpoint_root_directory=root,
-      checkpointing_options=_checkpointing_options(config),
-      **_packing_options(config),
-  )
-  cluster = rl_cluster_lib.RLCluster(
+    training["critic_optimizer"] = optax.sgd(1e-3)
+  rollout = {"max_tokens_to_generate": 4, "max_prompt_length": 8, "kv_cache_size": 64,
+             # Tunix main takes the old log-probs of num_iterations > 1 from
+             # the sampler (it refuses to run without them); 0.1.7 recomputes.
+             "return_logprobs": sampler_logprobs_needed()}
+  if tokenizer_adapter:
+    from tunix.generate import tokenizer_adapter as adapter_lib  # pylint: disable=g-import-not-at-top
+
+    tokenizer = adapter_lib.TokenizerAdapter(vocab)
+  else:
+    tokenizer = vocab
+  return rl_cluster_lib.RLCluster(
       actor=actor,
       reference=reference,
-      tokenizer=vocab,
+      tokenizer=tokenizer,
       cluster_config=rl_cluster_lib.ClusterConfig(
           role_to_mesh=role_to_mesh,
           rollout_engine="vanilla",
           offload_to_cpu=False,
-          training_config=training,
-          rollout_config=base_rollout.RolloutConfig(
-              max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=64,
-              # Tunix main takes the old log-probs of num_iterations > 1 from
-              # the sampler (it refuses to run without them); 0.1.7 recomputes.
-              return_logprobs=_sampler_logprobs_needed(),
-              **({} if config.temperature is None else {"temperature": config.temperature}),
-          ),
+          training_config=rl_cluster_lib.RLTrainingConfig(**{**training, **training_options}),
+          rollout_config=base_rollout.RolloutConfig(**{**rollout, **(rollout_options or {})}),
       ),
       **extra_models,
   )
-  return cluster
 
 
-def _packing_options(config: RunConfig) -> dict[str, Any]:
-  """Only the options set: a default run builds the config it always built."""
-  options = {}
-  if config.max_seq_token_per_tpu is not None:
-    options["max_seq_token_per_tpu"] = config.max_seq_token_per_tpu
-  return options
-
-
-def _checkpointing_options(config: RunConfig) -> Any:
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  if config.checkpointing == "default":
-    return None
-  if config.checkpointing == "explicit":
-    return ocp.CheckpointManagerOptions(
-        save_interval_steps=config.save_interval_steps, max_to_keep=1000
-    )
-  raise ValueError(f"checkpointing={config.checkpointing!r}: expected 'explicit' or 'default'.")
-
-
-def _sampler_logprobs_needed() -> bool:
+def sampler_logprobs_needed() -> bool:
   """True on a Tunix whose learners take `rl_engine=` (upstream main, 0.1.8)."""
   from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=g-import-not-at-top
 
   return hasattr(rl_cluster_lib, "RLEngine")
 
 
-def _config_argument(learner_cls: type) -> str:
-  """The name this Tunix gives the algorithm config (PPO: ppo_config or algo_config)."""
-  import inspect  # pylint: disable=g-import-not-at-top
-
-  parameters = inspect.signature(learner_cls.__init__).parameters
-  return "algo_config" if "algo_config" in parameters else "ppo_config"
-
-
-def _make_learner(config: RunConfig, cluster: Any) -> Any:
-  """The stock Tunix learner of `config.algorithm`, or its Resumable version."""
-  stock_cls, config_argument, algo_config = _algorithm(config)
-  learner_cls = stock_cls if config.learner == "stock" else _resumable(stock_cls)
-  return learner_cls(
-      rl_cluster=cluster,
-      reward_fns=reward_fn,
-      data_shuffle_seed=config.data_shuffle_seed,
-      **{config_argument: algo_config},
-  )
-
-
-def _algorithm(config: RunConfig) -> tuple[type, str, Any]:
-  """(stock learner class, name of its config argument, algorithm config)."""
-  if config.algorithm == "grpo":
-    from tunix.rl.grpo import grpo_learner  # pylint: disable=g-import-not-at-top
-
-    return grpo_learner.GRPOLearner, "algo_config", grpo_learner.GRPOConfig(
-        num_generations=config.num_generations,
-        num_iterations=config.num_iterations,
-        beta=config.beta,
-    )
-  if config.algorithm == "dapo":
-    from tunix.rl.grpo import dapo_learner  # pylint: disable=g-import-not-at-top
-
-    return dapo_learner.DAPOLearner, "algo_config", dapo_learner.DAPOConfig(
-        num_generations=config.num_generations,
-        num_iterations=config.num_iterations,
-        overlong_buffer={
-            "enable": True, "overlong_buffer_length": 2,
-            "overlong_buffer_penalty": 1.0, "max_response_length": 4,
-        },
-    )
-  if config.algorithm == "drgrpo":
-    from tunix.rl.grpo import drgrpo_learner  # pylint: disable=g-import-not-at-top
-
-    return drgrpo_learner.DrGRPOLearner, "algo_config", drgrpo_learner.DrGRPOConfig(
-        num_generations=config.num_generations,
-        num_iterations=config.num_iterations,
-        beta=config.beta,
-    )
-  if config.algorithm == "ppo":
-    from tunix.rl.ppo import ppo_learner  # pylint: disable=g-import-not-at-top
-
-    return ppo_learner.PPOLearner, _config_argument(ppo_learner.PPOLearner), ppo_learner.PPOConfig(
-        num_iterations=config.num_iterations, beta=config.beta
-    )
-  raise ValueError(f"algorithm={config.algorithm!r}: expected 'grpo', 'dapo', 'drgrpo' or 'ppo'.")
-
-
-def _resumable(stock_cls: type) -> type:
-  from ckpt_iter import tunix as ckpt_tunix  # pylint: disable=g-import-not-at-top
-
-  ready_made = {
-      "DAPOLearner": ckpt_tunix.ResumableDAPOLearner,
-      "GRPOLearner": ckpt_tunix.ResumableGRPOLearner,
-      "PPOLearner": ckpt_tunix.ResumablePPOLearner,
-  }
-  if hasattr(ckpt_tunix, "ResumableDrGRPOLearner"):
-    ready_made["DrGRPOLearner"] = ckpt_tunix.ResumableDrGRPOLearner
-  if stock_cls.__name__ in ready_made:
-    return ready_made[stock_cls.__name__]
-  # Any other RLLearner subclass resumes exactly through the mixin.
-  return type(f"Resumable{stock_cls.__name__}", (ckpt_tunix.Resumable, stock_cls), {})
-
-
 def make_train_dataset(config: RunConfig) -> Any:
+  """make_dataset over the shipped prompts, repeated forever (max_steps ends the run)."""
   from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
 
-  import grain  # pylint: disable=g-import-not-at-top
-
-  dataset = dataset_lib.make_dataset(
-      load_prompts(config.num_prompts),
-      batch_size=config.batch_size,
-      seed=config.dataset_seed,
-      num_epochs=config.num_epochs,
-      shard_index=0,
-      shard_count=1,
+  return dataset_lib.make_dataset(
+      load_prompts(config.num_prompts), batch_size=config.batch_size, seed=None, num_epochs=None,
+      shard_index=0, shard_count=1,
   )
-  if config.batch_sizes:
-    return _uneven_batches(config)
-  if config.input_kind == "grain":
-    return dataset
-  if config.input_kind == "map":
-    return _hand_built_dataset(config)
-  if config.input_kind == "iter":
-    return dataset.to_iter_dataset()
-  if config.input_kind == "dataloader":
-    # As a DataLoader user writes it: records, a seeded sampler, a Batch operation.
-    rows = load_prompts(config.num_prompts)
-    return grain.DataLoader(
-        data_source=rows,
-        sampler=grain.samplers.IndexSampler(
-            len(rows), shard_options=grain.sharding.NoSharding(),
-            shuffle=config.dataset_seed is not None, seed=config.dataset_seed or 0,
-            num_epochs=config.num_epochs),
-        operations=[grain.transforms.Batch(config.batch_size, drop_remainder=True)],
-        worker_count=0,
-    )
-  if config.input_kind == "iterable":
-    return (dataset[index] for index in range(len(dataset)))
-  if config.input_kind == "list":
-    if config.num_epochs is None:
-      raise ValueError("input_kind='list' needs num_epochs (a finite list of batches).")
-    return [dataset[index] for index in range(len(dataset))]
-  raise ValueError(
-      f"input_kind={config.input_kind!r}: expected 'grain', 'map', 'iter', 'dataloader', 'list' or 'iterable'."
-  )
-
-
-def _hand_built_dataset(config: RunConfig) -> Any:
-  """The prompts as a user builds them with Grain alone: source, shuffle, repeat, batch."""
-  import grain  # pylint: disable=g-import-not-at-top
-
-  rows = load_prompts(config.num_prompts)
-  dataset = grain.MapDataset.source(rows)
-  if config.dataset_seed is not None:
-    dataset = dataset.shuffle(seed=config.dataset_seed)
-  dataset = dataset.repeat(config.num_epochs)
-  return dataset.batch(config.batch_size, drop_remainder=True)
-
-
-def _uneven_batches(config: RunConfig) -> list[dict[str, Any]]:
-  """A plain list of batches of config.batch_sizes prompts, cycled."""
-  prompts = load_prompts(config.num_prompts)
-  batches, start, index = [], 0, 0
-  while start < len(prompts):
-    size = config.batch_sizes[index % len(config.batch_sizes)]
-    rows = prompts[start:start + size]
-    batches.append({k: np.asarray([r[k] for r in rows]) for k in rows[0]})
-    start, index = start + size, index + 1
-  return batches
 
 
 class TrainerInputRecorder:
@@ -362,6 +222,7 @@ class TrainerInputRecorder:
     original = cluster.update_actor
 
     def update_actor(train_ds, eval_ds, skip_jit=False):
+      self._call_started_at = int(cluster.actor_trainer.train_steps)
       example = train_ds[0]
       self.inputs.append({
           name: np.asarray(getattr(example, name))
@@ -374,13 +235,19 @@ class TrainerInputRecorder:
       return original(train_ds, eval_ds, skip_jit)
 
     cluster.update_actor = update_actor
-    # Where the actor's trainer evaluates (Tunix decides, per update, from its eval input).
+    # Where the actor's trainer evaluates (Tunix decides, per update, from its
+    # eval input): when an update call starts, and after an update's save at
+    # a multiple of eval_every_n_steps ("after update").
     self.eval_steps: list[int] = []
+    self.eval_after_update: list[bool] = []
+    self._call_started_at: int | None = None
     trainer = cluster.actor_trainer
     run_eval = trainer._run_eval  # pylint: disable=protected-access
 
     def record_eval(*args, **kwargs):
-      self.eval_steps.append(int(trainer.train_steps))
+      step = int(trainer.train_steps)
+      self.eval_steps.append(step)
+      self.eval_after_update.append(self._call_started_at is not None and step != self._call_started_at)
       return run_eval(*args, **kwargs)
 
     trainer._run_eval = record_eval  # pylint: disable=protected-access
@@ -391,7 +258,8 @@ class TrainerInputRecorder:
         for i, fields in enumerate(self.inputs)
         for name, value in fields.items()
     }
-    meta = dict(meta, num_inputs=len(self.inputs), train_steps=self.train_steps, eval_steps=self.eval_steps)
+    meta = dict(meta, num_inputs=len(self.inputs), train_steps=self.train_steps, eval_steps=self.eval_steps,
+                eval_after_update=self.eval_after_update)
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     np.savez(path, **arrays)
 
@@ -461,9 +329,25 @@ def run(config: RunConfig, root: str, out: str, preempt_step: int | None = None)
   """Trains (resuming from `root` if it holds checkpoints) and records inputs."""
   started = time.perf_counter()
   learner = build_learner(config, root)
-  restored_step = int(learner.rl_cluster.actor_trainer.train_steps)
-  recorder = TrainerInputRecorder(learner, config.trainer_delay_seconds)
-  meta: dict[str, Any] = {"config": dataclasses.asdict(config), "restored_step": restored_step}
+  return record_training(learner, make_train_dataset(config), None, out,
+                         {"config": dataclasses.asdict(config)}, started, preempt_step)
+
+
+def record_training(
+    learner: Any,
+    train_ds: Any,
+    eval_ds: Any,
+    out: str,
+    meta: dict[str, Any],
+    started: float,
+    preempt_step: int | None = None,
+    *,
+    train_kwargs: dict[str, Any] | None = None,
+    trainer_delay_seconds: float = 0.0,
+) -> dict[str, Any]:
+  """Trains `learner` and writes what it trained to `out` (also when killed at `preempt_step`)."""
+  meta = dict(meta, restored_step=int(learner.rl_cluster.actor_trainer.train_steps))
+  recorder = TrainerInputRecorder(learner, trainer_delay_seconds)
 
   def finish(preempted: bool) -> None:
     meta["preempted"] = preempted
@@ -472,13 +356,7 @@ def run(config: RunConfig, root: str, out: str, preempt_step: int | None = None)
 
   if preempt_step is not None:
     preempt_after(learner, preempt_step, lambda: finish(True))
-  train_kwargs = {}
-  if config.learner != "stock":
-    train_kwargs["on_legacy_checkpoint"] = config.on_legacy_checkpoint
-  eval_ds = None
-  if config.with_eval:
-    eval_ds = make_eval_dataset(config)
-  learner.train(make_train_dataset(config), eval_ds, **train_kwargs)
+  learner.train(train_ds, eval_ds, **(train_kwargs or {}))
   meta["actor_digest"] = actor_digest(learner)
   finish(False)
   return meta
@@ -500,25 +378,21 @@ def actor_digest(learner: Any) -> str:
   return digest.hexdigest()
 
 
-def make_eval_dataset(config: RunConfig) -> Any:
-  """Two held-out prompts, one per batch."""
-  del config
-  return [
-      {k: np.asarray([r[k]]) for k in r}
-      for r in load_prompts()[-2:]
-  ]
-
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    *,
+    config_type: type = RunConfig,
+    run_one: Callable[..., dict[str, Any]] = run,
+) -> int:
+  """The command line of a toy run; the tests' toy passes its own config type and run."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--root", required=True, help="absolute checkpoint root")
   parser.add_argument("--out", required=True, help="where to write the recorded inputs (.npz)")
   parser.add_argument("--preempt-after", type=int, default=None)
-  parser.add_argument("--config", default="{}", help="RunConfig fields as JSON")
+  parser.add_argument("--config", default="{}", help=f"{config_type.__name__} fields as JSON")
   args = parser.parse_args(argv)
-  config = RunConfig(**json.loads(args.config))
-  meta = run(config, args.root, args.out, args.preempt_after)
+  config = config_type(**json.loads(args.config))
+  meta = run_one(config, args.root, args.out, args.preempt_after)
   print(json.dumps({"restored_step": meta["restored_step"], "seconds": round(meta["seconds"], 2)}))
   return 0
 

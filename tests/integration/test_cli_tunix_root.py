@@ -15,6 +15,7 @@ import sys
 import pytest
 
 import conftest
+import tunix_toy
 from ckpt_iter import cli
 
 pytestmark = pytest.mark.heavy  # a real toy Tunix run (the tunix_ckpt fixture)
@@ -28,7 +29,7 @@ def tunix_ckpt(tmp_path_factory):
   root = tmp_path_factory.mktemp("tunix")
   config = json.dumps({"learner": "ckpt_iter", "max_steps": 4})
   result = subprocess.run(
-      [sys.executable, "-m", "ckpt_iter.demo.toyrun", "--root", str(root / "run"),
+      [sys.executable, tunix_toy.WORKER, "--root", str(root / "run"),
        "--out", str(root / "inputs.npz"), "--preempt-after", "2", "--config", config],
       env=ENV, capture_output=True, text=True, timeout=600, check=False,
   )

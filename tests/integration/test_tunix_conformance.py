@@ -136,6 +136,16 @@ def _prompt_rows(fields: dict) -> list[np.ndarray]:
   return rows
 
 
+def test_a_kill_interrupts_only_the_evaluation_after_its_own_save():
+  # Every 2 steps, 2 updates per mini-batch: the update ending at 2 evaluates
+  # after its save, and the next update evaluates at 2 when it starts.
+  run = harness.Run([], {"eval_steps": [0, 1, 2, 2, 3, 4],
+                         "eval_after_update": [False, False, True, False, False, True]}, "")
+  assert evals_a_chain_makes(run, [2]) == [0, 1, 2, 3, 4]
+  assert evals_a_chain_makes(run, [2, 4]) == [0, 1, 2, 3]
+  assert evals_a_chain_makes(run, [1, 3]) == [0, 1, 2, 2, 3, 4]  # no evaluation after those saves
+
+
 def test_the_toy_prompts_are_distinguishable_by_tokens():
   """The premise of `assert_distinguishable`: no two toy prompts tokenize alike."""
   from tunix.tests import test_common as tc
@@ -180,7 +190,25 @@ def check_configuration(config: dict, kills: list[int], workdir: str, cache_dir:
        "actor_digest": segments[-1].meta["actor_digest"]},
       "",
   )
-  _assert_same_run(chained, drop_in, f"killed after {kills} and resumed, {config}")
+  expected = harness.Run(drop_in.inputs, dict(drop_in.meta, eval_steps=evals_a_chain_makes(drop_in, kills)), "")
+  _assert_same_run(chained, expected, f"killed after {kills} and resumed, {config}")
+
+
+def evals_a_chain_makes(uninterrupted: harness.Run, kills: list[int]) -> list[int]:
+  """The uninterrupted run's evaluation steps, less those the kills interrupt.
+
+  Tunix evaluates right after the save of a step that is a multiple of
+  eval_every_n_steps. A process killed right after checkpoint K's save never
+  runs that evaluation, and checkpoint K is the same whether or not it ran, so
+  no resume can know to run it again. The resumed process evaluates the same
+  weights when its first update starts, as the uninterrupted run's next
+  update does; every other evaluation must happen at the same step.
+  """
+  events = list(zip(uninterrupted.meta["eval_steps"], uninterrupted.meta["eval_after_update"]))
+  for kill in kills:
+    if (kill, True) in events:
+      events.remove((kill, True))
+  return [step for step, _ in events]
 
 
 @pytest.fixture(scope="module")

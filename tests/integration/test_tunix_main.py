@@ -22,6 +22,7 @@ from ckpt_iter import tunix as ckpt_tunix
 from ckpt_iter.demo import toyrun
 from ckpt_iter.tunix import _api as api
 import tunix_harness as harness
+import tunix_toy
 
 HAS_RL_ENGINE = hasattr(rl_cluster_lib, "RLEngine")
 
@@ -42,37 +43,37 @@ def _grpo_kwargs():
 
 @pytest.mark.tunix_main
 def test_grpo_is_built_with_rl_engine_or_rl_cluster(tmp_path):
-  config = toyrun.RunConfig()
+  config = tunix_toy.RunConfig()
   by_engine = ckpt_tunix.ResumableGRPOLearner(
-      rl_engine=toyrun.build_cluster(config, str(tmp_path / "a")), **_grpo_kwargs())
+      rl_engine=tunix_toy.build_cluster(config, str(tmp_path / "a")), **_grpo_kwargs())
   by_cluster = ckpt_tunix.ResumableGRPOLearner(
-      rl_cluster=toyrun.build_cluster(config, str(tmp_path / "b")), **_grpo_kwargs())
+      rl_cluster=tunix_toy.build_cluster(config, str(tmp_path / "b")), **_grpo_kwargs())
   assert by_engine.rl_cluster is by_engine.rl_engine
   assert by_cluster.rl_cluster is by_cluster.rl_engine
 
 
 def test_grpo_is_built_positionally_and_by_keyword(tmp_path):
-  config = toyrun.RunConfig()
+  config = tunix_toy.RunConfig()
   kwargs = _grpo_kwargs()
   positional = ckpt_tunix.ResumableGRPOLearner(
-      toyrun.build_cluster(config, str(tmp_path / "a")), kwargs["algo_config"], kwargs["reward_fns"])
+      tunix_toy.build_cluster(config, str(tmp_path / "a")), kwargs["algo_config"], kwargs["reward_fns"])
   assert positional.rl_cluster.actor_trainer is not None
 
 
 def test_ppo_takes_the_config_name_this_tunix_takes(tmp_path):
-  config = toyrun.RunConfig(algorithm="ppo")
+  config = tunix_toy.RunConfig(algorithm="ppo")
   accepted = set(inspect.signature(ppo_learner.PPOLearner.__init__).parameters)
   name = "algo_config" if "algo_config" in accepted else "ppo_config"
   other = "ppo_config" if name == "algo_config" else "algo_config"
   ppo_config = ppo_learner.PPOConfig(num_iterations=2, beta=0.04)
   learner = ckpt_tunix.ResumablePPOLearner(
-      rl_cluster=toyrun.build_cluster(config, str(tmp_path / "a")),
+      rl_cluster=tunix_toy.build_cluster(config, str(tmp_path / "a")),
       reward_fns=toyrun.reward_fn, **{name: ppo_config})
   assert isinstance(learner, ppo_learner.PPOLearner)
   # The name this Tunix does not take fails as stock Tunix fails (TypeError).
   with pytest.raises(TypeError):
     ckpt_tunix.ResumablePPOLearner(
-        rl_cluster=toyrun.build_cluster(config, str(tmp_path / "b")),
+        rl_cluster=tunix_toy.build_cluster(config, str(tmp_path / "b")),
         reward_fns=toyrun.reward_fn, **{other: ppo_config})
 
 
@@ -88,7 +89,7 @@ def test_drgrpo_name_exists_exactly_when_tunix_has_the_class():
 
 
 def test_a_checkpoint_manager_of_neither_shape_is_named(tmp_path, monkeypatch):
-  cluster = toyrun.build_cluster(toyrun.RunConfig(), str(tmp_path / "ckpt"))
+  cluster = tunix_toy.build_cluster(tunix_toy.RunConfig(), str(tmp_path / "ckpt"))
 
   class Opaque:  # a Tunix CheckpointManager with neither internal
     def latest_step(self):
@@ -100,7 +101,7 @@ def test_a_checkpoint_manager_of_neither_shape_is_named(tmp_path, monkeypatch):
 
 
 def test_installed_tunix_has_one_known_checkpoint_shape(tmp_path):
-  cluster = toyrun.build_cluster(toyrun.RunConfig(), str(tmp_path / "ckpt"))
+  cluster = tunix_toy.build_cluster(tunix_toy.RunConfig(), str(tmp_path / "ckpt"))
   backend = api.checkpoint_backend(cluster.actor_trainer.checkpoint_manager)
   assert backend == (api.ORBAX_V1 if HAS_RL_ENGINE else api.ORBAX_V0)
 

@@ -22,6 +22,7 @@ from tunix.rl.queue import data_queue
 from ckpt_iter import errors
 from ckpt_iter import make_dataset
 from ckpt_iter.demo import toyrun
+import tunix_toy
 
 NUM_ITERATIONS = 2
 # What a trainer restored after training on A reports:
@@ -74,8 +75,8 @@ def record_read(record):
 
 
 def _train(learner_kind, root, max_steps, num_iterations=NUM_ITERATIONS):
-  config = toyrun.RunConfig(learner=learner_kind, num_iterations=num_iterations, max_steps=max_steps)
-  learner = toyrun.build_learner(config, root)
+  config = tunix_toy.RunConfig(learner=learner_kind, num_iterations=num_iterations, max_steps=max_steps)
+  learner = tunix_toy.build_learner(config, root)
   recorder = toyrun.TrainerInputRecorder(learner)
   dataset = make_dataset(
       toyrun.load_prompts(), batch_size=1, num_epochs=None, shard_index=0, shard_count=1,

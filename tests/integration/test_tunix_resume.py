@@ -97,7 +97,7 @@ def test_ppo_actor_and_critic_resume_together(tmp_path, jax_cache):
 
 @pytest.mark.slow
 def test_dapo_through_the_mixin(tmp_path, jax_cache):
-  # class ResumableDAPOLearner(Resumable, DAPOLearner), built in toyrun.
+  # class ResumableDAPOLearner(Resumable, DAPOLearner), built in tunix_toy.
   config = dict(algorithm="dapo", num_iterations=2, max_steps=4, data_shuffle_seed=6)
   harness.check_chain(config, [1], str(tmp_path), jax_cache)
 

@@ -6,6 +6,7 @@ cycle that only bites at call time is found too.
 
 import ast
 import os
+import re
 
 import ckpt_iter
 
@@ -228,8 +229,38 @@ def _unit_test_offences(markers):
 def test_unit_tests_run_no_tunix_training():
   """Real Tunix runs (toy trainings in processes of their own) live in tests/integration."""
   assert _unit_test_offences(('"ckpt_iter.demo.toyrun"', '"ckpt_iter.demo.agentic_toyrun"', "tunix_harness",
-                              "toyrun.run(", "tunix_sft_worker", "tunix_agentic_worker",
-                              "tunix_conformance_worker")) == []
+                              "toyrun.run(", "tunix_toy.run(", "tunix_toy.WORKER", "tunix_sft_worker",
+                              "tunix_agentic_worker", "tunix_conformance_worker")) == []
+
+
+_DEMO_RUN_BUILDERS = ("toyrun.RunConfig", "toyrun.build_learner", "toyrun.build_cluster", "toyrun.run(",
+                      "toyrun.toy_cluster", '"ckpt_iter.demo.toyrun"', '"ckpt_iter.demo.agentic_toyrun"',
+                      "agentic_toyrun.run(", "agentic_toyrun.main(")
+
+
+def _test_sources():
+  tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for folder, _, names in os.walk(tests_dir):
+    for name in sorted(names):
+      path = os.path.join(folder, name)
+      if name.endswith(".py") and path != os.path.abspath(__file__):
+        with open(path, encoding="utf-8") as f:
+          yield os.path.relpath(path, tests_dir), f.read()
+
+
+def test_tests_train_their_own_toy_workload_not_the_demos():
+  """The runs tests train are built in tests/workers (tunix_toy.py, tunix_agentic_worker.py).
+
+  The demo's modules ship only what `ckpt-iter demo` and the benchmarks run;
+  the tests' toy builds on their parts (cluster, recorder, record format).
+  """
+  builders = {"workers/tunix_toy.py": ("toyrun.RunConfig", "toyrun.toy_cluster"),
+              "workers/tunix_agentic_worker.py": ("agentic_toyrun.run(",)}
+  offences = [f"{path}: {marker}" for path, source in _test_sources() for marker in _DEMO_RUN_BUILDERS
+              if re.search(r"(?<!\w)" + re.escape(marker), source) and marker not in builders.get(path, ())]
+  assert offences == []
+  # Not blind: the tests' toy is built on the demo's cluster.
+  assert any(path == "workers/tunix_toy.py" and "toyrun.toy_cluster(" in source for path, source in _test_sources())
 
 
 def test_unit_tests_start_no_python_process():

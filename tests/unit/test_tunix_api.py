@@ -31,19 +31,19 @@ def test_a_changed_signature_is_reported(monkeypatch):
 
 
 def test_building_a_learner_fails_loudly_when_api_is_gone(monkeypatch, tmp_path):
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  import tunix_toy  # pylint: disable=g-import-not-at-top
 
   monkeypatch.delattr(rl_learner.RLLearner, "_process_accumulated_batches")
   with pytest.raises(errors.UnsupportedConfigError, match="_process_accumulated_batches is missing"):
-    toyrun.build_learner(toyrun.RunConfig(learner="ckpt_iter"), str(tmp_path / "ckpt"))
+    tunix_toy.build_learner(tunix_toy.RunConfig(learner="ckpt_iter"), str(tmp_path / "ckpt"))
 
 
 def test_sequence_packing_is_accepted_at_construction(tmp_path):
   # Packed runs resume exactly (tests/integration/test_tunix_packing.py).
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  import tunix_toy  # pylint: disable=g-import-not-at-top
 
-  learner = toyrun.build_learner(
-      toyrun.RunConfig(learner="ckpt_iter", max_seq_token_per_tpu=64), str(tmp_path / "ckpt"))
+  learner = tunix_toy.build_learner(
+      tunix_toy.RunConfig(learner="ckpt_iter", max_seq_token_per_tpu=64), str(tmp_path / "ckpt"))
   assert api.training_config(learner).max_seq_token_per_tpu == 64
 
 

@@ -36,6 +36,8 @@ TOY_MESH = {"shape": "(1,1)", "axis_names": "('fsdp','tp')"}
 
 def grpo_config(root: str, data: Any, **changes: Any) -> dict[str, Any]:
   """A complete GRPO pipeline config for the toy model; `changes` replace top-level keys."""
+  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+
   model = {"model_name": "toy", "model_id": "toy", "model_source": "internal", "mesh": dict(TOY_MESH),
            "model_display": False}
   config = {
@@ -59,7 +61,7 @@ def grpo_config(root: str, data: Any, **changes: Any) -> dict[str, Any]:
       "rollout_engine": "vanilla",
       "offload_to_cpu": False,
       "rollout_config": {"total_generation_steps": 4, "max_prompt_length": 8, "temperature": 0.9,
-                         "return_logprobs": _sampler_logprobs_needed()},
+                         "return_logprobs": toyrun.sampler_logprobs_needed()},
       "grpo_config": {"num_generations": 2, "num_iterations": 2, "beta": 0.04},
       "rl_training_config": {
           "actor_optimizer_config": {"opt_type": "sgd", "learning_rate": 0.01},
@@ -73,13 +75,6 @@ def grpo_config(root: str, data: Any, **changes: Any) -> dict[str, Any]:
   }
   config.update(changes)
   return config
-
-
-def _sampler_logprobs_needed() -> bool:
-  """Tunix main refuses num_iterations > 1 without the sampler's log-probs."""
-  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=g-import-not-at-top
-
-  return hasattr(rl_cluster_lib, "RLEngine")
 
 
 def _install_flat_mesh_allocator() -> None:

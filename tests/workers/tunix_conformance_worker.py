@@ -6,7 +6,7 @@ RUNS.json is a list of {"config": RunConfig fields, "root": dir, "out": npz}.
 The differential suite runs a configuration's stock and drop-in uninterrupted
 runs here, stock first (before ckpt_iter.tunix is imported): the two share one
 JAX start-up and compilation cache. Runs that are killed and resumed go
-through toyrun in processes of their own.
+through tunix_toy.py in processes of their own.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 import sys
 
-from ckpt_iter.demo import toyrun
+import tunix_toy
 
 
 def main(path: str) -> int:
   with open(path, encoding="utf-8") as f:
     runs = json.load(f)
   for run in runs:
-    toyrun.run(toyrun.RunConfig(**run["config"]), run["root"], run["out"])
+    tunix_toy.run(tunix_toy.RunConfig(**run["config"]), run["root"], run["out"])
   return 0
 
 

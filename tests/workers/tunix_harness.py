@@ -1,6 +1,6 @@
 """Runs toy Tunix trainings in fresh processes and compares their trainer inputs.
 
-Every run is a real process (`python -m ckpt_iter.demo.toyrun`): real RLCluster,
+Every run is a real process (`python tunix_toy.py`): real RLCluster,
 GRPO/PPO learner, Orbax checkpoints on disk, killed with os._exit right after
 checkpoint K when asked. Processes share a persistent JAX compilation cache
 (one per pytest session) so only the first of each configuration compiles.
@@ -20,6 +20,7 @@ import numpy as np
 from ckpt_iter import testing
 from ckpt_iter.demo import agentic_toyrun
 from ckpt_iter.demo import toyrun
+import tunix_toy
 
 _TIMEOUT_SECONDS = 900
 _AGENTIC_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_agentic_worker.py")
@@ -55,7 +56,7 @@ def run_toy(
     env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   command = [
-      sys.executable, "-m", "ckpt_iter.demo.toyrun", "--root", root, "--out", out,
+      sys.executable, tunix_toy.WORKER, "--root", root, "--out", out,
       "--config", json.dumps(config),
   ]
   if preempt_after is not None:

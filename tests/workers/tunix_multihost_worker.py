@@ -48,7 +48,7 @@ MOMENTUM = 0.9
 
 
 def build_learner(root: str, max_steps: int):
-  """toyrun.build_learner, with a mesh over all processes' devices and momentum."""
+  """tunix_toy.build_learner, with a mesh over all processes' devices and momentum."""
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -58,7 +58,7 @@ def build_learner(root: str, max_steps: int):
   from tunix.rl.rollout import base_rollout  # pylint: disable=g-import-not-at-top
   from tunix.tests import test_common as tc  # pylint: disable=g-import-not-at-top
 
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  import tunix_toy  # pylint: disable=g-import-not-at-top
 
   vocab = tc.MockVocab()
   model_config = tc.ModelConfig(vocab_size=vocab.GetPieceSize())
@@ -93,8 +93,8 @@ def build_learner(root: str, max_steps: int):
           ),
       ),
   )
-  config = toyrun.RunConfig(num_iterations=NUM_ITERATIONS, max_steps=max_steps)
-  return toyrun._make_learner(config, cluster)  # pylint: disable=protected-access
+  config = tunix_toy.RunConfig(num_iterations=NUM_ITERATIONS, max_steps=max_steps)
+  return tunix_toy.make_learner(config, cluster)
 
 
 def params_checksum(learner, opt: bool = False) -> str:
