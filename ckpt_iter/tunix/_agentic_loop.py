@@ -157,9 +157,7 @@ class ConsumerLoop:
 
   def skip_full_batches(self, count: int) -> None:
     """Stock Tunix's resume without a data state: drop `count` full batches."""
-    if count and not self.source.seek_full_batches(count):
-      for _ in range(count):
-        next(self.source)
+    self.source.skip_full_batches(count)
 
   # --- the run -------------------------------------------------------------------
 

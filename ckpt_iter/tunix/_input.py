@@ -53,12 +53,25 @@ class GrainSource:
     del position  # the checked apply step already holds it
     checked()
 
-  def seek_full_batches(self, count: int) -> bool:
-    """Moves to full batch `count` in O(1) when the position is an index."""
-    if set(self.position()) != {"next_index"}:
-      return False
-    self._move_to({"next_index": count})
-    return True
+  def skip_full_batches(self, count: int) -> None:
+    """Moves past the next `count` full batches (a legacy resume), as stock's `next()` loop does.
+
+    O(1) where the position counts this input's own elements: a MapDataset's
+    `next_index` does (its batches, if it batches). An IterDataset's counts
+    rows of the MapDataset it was made from, which differ from its elements
+    once it batches or filters (`to_iter_dataset().batch(n)`, Tunix's CLI
+    form), and a DataLoader's is per record: those are replayed, as stock does.
+    """
+    if isinstance(getattr(self._iterator, "dataset", None), grain.MapDataset) and (
+        set(self.position()) == {"next_index"}
+    ):
+      self._move_to({"next_index": self.position()["next_index"] + count})
+      return
+    for _ in range(count):
+      try:
+        next(self._iterator)
+      except StopIteration:
+        return  # the input ran out, as it would have for stock
 
   def row_boundary(self, stream_rows: int, last_rows: Mapping[str, Any] | None, *, origin: str) -> Any:
     """Where row `stream_rows` of this pipeline's stream starts, or why it cannot continue there.
@@ -223,9 +236,9 @@ class ReplaySource:
     self._read = count
     self._last_digest = digest
 
-  def seek_full_batches(self, count: int) -> bool:
+  def skip_full_batches(self, count: int) -> None:
+    """Moves past the first `count` full batches (a legacy resume): a replay."""
     self.apply(self.check(self.fingerprint, {"full_batches_read": count}, allow_drift=(), origin="the input"), {})
-    return True
 
   def row_boundary(self, stream_rows: int, last_rows: Any, *, origin: str) -> Any:
     del stream_rows, last_rows, origin
@@ -478,9 +491,7 @@ class MicroBatchInput:
   def seek_micro_batches(self, count: int, micro_per_full: int) -> None:
     """Moves past the first `count` micro-batches (legacy fast-forward)."""
     full, taken = divmod(count, micro_per_full)
-    if not self._source.seek_full_batches(full):
-      for _ in range(full):
-        next(self._source)
+    self._source.skip_full_batches(full)
     self._reset()
     self._start_rows = taken * (self._micro_batch_size or 0)
     self._stream_rows_base = None  # unknown with uneven batches; not needed again

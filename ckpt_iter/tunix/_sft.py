@@ -192,9 +192,7 @@ class ResumableSft:
       )
     # Stock semantics: train_ds starts at the beginning and the trainer skips
     # what it has trained. O(1) for a Grain MapDataset, a replay otherwise.
-    if iter_steps and not feed.source.seek_full_batches(iter_steps):
-      for _ in range(iter_steps):
-        next(feed.source)
+    feed.source.skip_full_batches(iter_steps)
     feed.examples_read = iter_steps
 
   def _ci_restore(

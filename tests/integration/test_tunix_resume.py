@@ -167,6 +167,23 @@ def test_legacy_checkpoint_is_refused_then_fast_forwarded(tmp_path, jax_cache):
   assert "cannot be recovered and are skipped" in resumed.stderr
 
 
+def test_fast_forward_of_tunixs_cli_form_skips_whole_batches(tmp_path, jax_cache):
+  """Issue 31, case 2: stock GRPO, num_iterations=2, on prompts batched after
+  `to_iter_dataset()` (Tunix's CLI form), preempted after step 2 (a global-step
+  boundary); the drop-in's fast-forward trains the second batch next, bit for bit as the
+  uninterrupted run does (an O(1) seek once moved Grain's row index: "BC" instead of "CD")."""
+  config = dict(learner="stock", num_iterations=2, max_steps=4, input_kind="iter_batched",
+                batch_size=2, num_prompts=8)
+  reference = harness.run_toy(config, str(tmp_path / "ref"), str(tmp_path / "ref.npz"), cache_dir=jax_cache)
+  assert reference.labels == ["AB", "AB", "CD", "CD"], reference.labels
+  root = str(tmp_path / "ckpt")
+  harness.run_toy(config, root, str(tmp_path / "a.npz"), preempt_after=2, cache_dir=jax_cache)
+  resumed = harness.run_toy(
+      dict(config, learner="ckpt_iter", on_legacy_checkpoint="fast_forward"), root,
+      str(tmp_path / "b.npz"), cache_dir=jax_cache)
+  harness.assert_same_inputs(resumed.inputs, reference.inputs[2:], "fast-forward of the CLI form")
+
+
 @pytest.mark.slow
 def test_forced_save_in_close_resumes_exactly_with_metadata(tmp_path, jax_cache):
   """With save_interval_steps=3, step 4 is written only by Trainer.close()."""

@@ -115,6 +115,26 @@ def test_resuming_a_stock_checkpoint_skips_as_stock_does(reference, workdir, cac
   assert resumed["meta"]["produced"] == len(resumed["fed"])
 
 
+def test_switching_a_stock_run_batched_after_to_iter_dataset_trains_what_stock_trains(workdir, cache_dir):
+  """Issue 31, case 1: a stock PeftTrainer run on rows batched after `to_iter_dataset()`,
+  preempted after step 2 and restarted with the drop-in, trains the batches stock's own
+  resume trains (it used to seek Grain's row index to a batch count: R02 R03 twice)."""
+  k, form = 2, {"input_form": "iter_batched"}
+  runs = {}
+  for restarted_with in ("stock", "resumable"):
+    root = workdir / f"switch_to_{restarted_with}"
+    _run(root, workdir / f"switch_kill_{restarted_with}.npz", cache_dir, trainer="stock",
+         preempt_after=k, expect_rc=_PREEMPT_EXIT_CODE, **form)
+    runs[restarted_with] = _run(root, workdir / f"switch_{restarted_with}.npz", cache_dir,
+                                trainer=restarted_with, **form)
+  stock, ours = runs["stock"], runs["resumable"]
+  assert len(set(_labels(stock["fed"]))) > 1, "the batches must be distinguishable"
+  assert _labels(ours["fed"]) == _labels(stock["fed"])
+  np.testing.assert_array_equal(ours["fed"], stock["fed"])
+  for got, want in zip(ours["params"], stock["params"]):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_resume_into_another_pipeline_names_the_field(workdir, cache_dir):
   root = workdir / "drift"
   _run(root, workdir / "drift.npz", cache_dir, preempt_after=1, expect_rc=_PREEMPT_EXIT_CODE)

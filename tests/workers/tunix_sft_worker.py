@@ -2,6 +2,7 @@
 
     python tunix_sft_worker.py --root DIR --out OUT.npz --trainer resumable|stock
         [--grad-acc G] [--max-steps M] [--seed S] [--epochs E] [--preempt-after K]
+        [--input-form map|iter_batched]
 
 Trains Tunix's ToyTransformer on a Grain MapDataset of token batches (shuffled,
 two epochs) with real Orbax checkpoints under DIR, and writes to OUT.npz the
@@ -50,6 +51,22 @@ def make_train_ds(seed: int, epochs: int = 2) -> grain.MapDataset:
   )
 
 
+def _make_row(index: int) -> dict[str, np.ndarray]:
+  _produced[0] += 1
+  width = BATCH_SHAPE[1]
+  tokens = ((index * 7 + np.arange(width)) % 200 + 1).astype(np.int32)
+  return {"input_tokens": tokens, "input_mask": np.ones(width, np.int32)}
+
+
+def make_iter_batched_ds(epochs: int = 2) -> grain.IterDataset:
+  """Tunix's CLI form: rows batched after `to_iter_dataset()` (Grain's `next_index` counts rows)."""
+  rows = NUM_DISTINCT_BATCHES * BATCH_SHAPE[0]
+  return (
+      grain.MapDataset.range(rows).map(_make_row).repeat(epochs).to_iter_dataset()
+      .batch(BATCH_SHAPE[0]).map(lambda batch: peft_trainer.TrainingInput(**batch))
+  )
+
+
 def _gen_model_input(x: peft_trainer.TrainingInput):
   return {
       "input_tokens": x.input_tokens,
@@ -82,6 +99,7 @@ def main() -> None:
   parser.add_argument("--seed", type=int, default=3)
   parser.add_argument("--preempt-after", type=int, default=None)
   parser.add_argument("--epochs", type=int, default=2, help="passes over the batches")
+  parser.add_argument("--input-form", choices=("map", "iter_batched"), default="map")
   args = parser.parse_args()
 
   base = ResumablePeftTrainer if args.trainer == "resumable" else peft_trainer.PeftTrainer
@@ -110,7 +128,11 @@ def main() -> None:
 
     tunix_manager.save = save_then_maybe_die
 
-  trainer.train(make_train_ds(args.seed, args.epochs))
+  if args.input_form == "iter_batched":
+    train_ds = make_iter_batched_ds(args.epochs)
+  else:
+    train_ds = make_train_ds(args.seed, args.epochs)
+  trainer.train(train_ds)
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   fed = trainer_cls.fed
   np.savez(

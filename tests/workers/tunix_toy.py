@@ -40,7 +40,8 @@ class RunConfig(toyrun.RunConfig):
   trainer_delay_seconds: float = 0.0
   # The same batches in several forms. "grain": make_dataset's MapDataset;
   # "map": a MapDataset built by hand with Grain's own methods; "iter": the
-  # make_dataset pipeline `.to_iter_dataset()`; "dataloader": a
+  # make_dataset pipeline `.to_iter_dataset()`; "iter_batched": "map" batched
+  # after `.to_iter_dataset()` (Tunix's CLI form); "dataloader": a
   # grain.DataLoader over it; "list": a list of the batches; "iterable": a
   # one-shot generator of them (the last two restored by replay).
   input_kind: str = "grain"
@@ -187,7 +188,7 @@ def make_train_dataset(config: RunConfig) -> Any:
     return _uneven_batches(config)
   if config.input_kind == "grain":
     return dataset
-  if config.input_kind == "map":
+  if config.input_kind in ("map", "iter_batched"):
     return _hand_built_dataset(config)
   if config.input_kind == "iter":
     return dataset.to_iter_dataset()
@@ -210,7 +211,8 @@ def make_train_dataset(config: RunConfig) -> Any:
       raise ValueError("input_kind='list' needs num_epochs (a finite list of batches).")
     return [dataset[index] for index in range(len(dataset))]
   raise ValueError(
-      f"input_kind={config.input_kind!r}: expected 'grain', 'map', 'iter', 'dataloader', 'list' or 'iterable'."
+      f"input_kind={config.input_kind!r}: expected 'grain', 'map', 'iter', 'iter_batched', "
+      "'dataloader', 'list' or 'iterable'."
   )
 
 
@@ -223,6 +225,9 @@ def _hand_built_dataset(config: RunConfig) -> Any:
   if config.dataset_seed is not None:
     dataset = dataset.shuffle(seed=config.dataset_seed)
   dataset = dataset.repeat(config.num_epochs)
+  if config.input_kind == "iter_batched":
+    # Tunix's CLI form: batched after to_iter_dataset (Grain's next_index counts rows).
+    return dataset.to_iter_dataset().batch(config.batch_size, drop_remainder=True)
   return dataset.batch(config.batch_size, drop_remainder=True)
 
 
