@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: test test-heavy test-full test-lowest lint demo bench clean
+.PHONY: test test-heavy test-full test-lowest lint demo bench clean clean-cache
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info
+
+# The tests' persistent JAX compilation cache (tests/conftest.py), kept between runs.
+clean-cache:
+	rm -rf $${XDG_CACHE_HOME:-$$HOME/.cache}/ckpt_iter/test_jax_compilation_cache
 
 # The suite on the lowest versions pyproject.toml allows (its floors), without
 # the optional integrations (Tunix, Hugging Face), whose tests then skip.

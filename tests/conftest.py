@@ -11,6 +11,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A worker that dies of a signal (a native crash in XLA or Tunix's threads)
 # prints every thread's Python stack: the test's stderr tail then says where.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# One persistent JAX compilation cache for the whole session and every process
+# it starts, kept between runs on this machine: a toy Tunix process spends more
+# than half its CPU compiling, and a warm cache gives bit-identical results.
+# No size bound: JAX's LRU eviction takes a file lock whose timeout fails a
+# compilation under load; `make clean-cache` empties it.
+JAX_CACHE_DIR = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                 "ckpt_iter", "test_jax_compilation_cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # JSONL line-index caches go to a throwaway directory, never to ~/.cache.
 os.environ.setdefault("CKPT_ITER_INDEX_CACHE_DIR", tempfile.mkdtemp(prefix="ckpt_iter_index_"))
 # Test modules import the shared helpers (support.py) and the worker scripts
@@ -72,6 +84,12 @@ def _tunix_has_rl_engine() -> bool:
 
 # ---------------------------------------------------------------------------
 # Shared fixtures.
+
+
+@pytest.fixture(scope="session")
+def jax_cache() -> str:
+  """The session's persistent JAX compilation cache (also in every child's environment)."""
+  return JAX_CACHE_DIR
 
 RECORD_COUNT = 40
 

@@ -23,11 +23,6 @@ import tunix_harness as harness
 CONFIG = {"num_iterations": 2, "max_steps": 5, "data_shuffle_seed": 3}
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_compilation_cache"))
-
-
 def _audit(capsys, *argv):
   code = cli.main(["audit", *argv])
   out, err = capsys.readouterr()

@@ -20,11 +20,6 @@ pytestmark = pytest.mark.heavy
 import tunix_harness as harness
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_compilation_cache"))
-
-
 def _steps_on_disk(root):
   actor = os.path.join(root, "actor")
   return sorted(int(name) for name in os.listdir(actor) if name.isdigit())

@@ -34,9 +34,9 @@ _RESUMABLE = "ckpt_iter.tunix.ResumableGRPOLearner"
 _MAX_STEPS = 6  # grad accumulation 2 (mini batch 2, micro 1): 12 trainer inputs
 
 
-def _env(cache_dir):
+def _env(jax_cache):
   return dict(
-      os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache_dir,
+      os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=jax_cache,
       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
       # The config names its reward module `tunix_cli_rewards` (in workers/).
       PYTHONPATH=os.pathsep.join([_WORKERS_DIR, os.environ.get("PYTHONPATH", "")]),
@@ -49,12 +49,12 @@ def _write_config(path, root, **changes):
   return str(path)
 
 
-def _train(config, out, cache_dir, *overrides, preempt_after=None, expect_rc=0):
+def _train(config, out, jax_cache, *overrides, preempt_after=None, expect_rc=0):
   command = [sys.executable, _WORKER, "--out", str(out)]
   if preempt_after is not None:
     command += ["--preempt-after", str(preempt_after)]
   command += ["--", "grpo", config, *overrides]
-  process = subprocess.run(command, env=_env(cache_dir), capture_output=True, text=True, timeout=900)
+  process = subprocess.run(command, env=_env(jax_cache), capture_output=True, text=True, timeout=900)
   assert process.returncode == expect_rc, (
       f"worker exited {process.returncode}, expected {expect_rc}:\n{process.stderr[-4000:]}"
   )
@@ -68,17 +68,12 @@ def _train(config, out, cache_dir, *overrides, preempt_after=None, expect_rc=0):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_cache"))
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cache_dir):
+def uninterrupted(tmp_path_factory, jax_cache):
   """One run of the pipeline to max_steps, with a Tunix override on the command line."""
   work = tmp_path_factory.mktemp("cli_uninterrupted")
   root = work / "ckpt"
   config = _write_config(work / "grpo.yaml", root)
-  inputs, meta = _train(config, work / "run.npz", cache_dir, "data_config.seed=1")
+  inputs, meta = _train(config, work / "run.npz", jax_cache, "data_config.seed=1")
   return root, inputs, meta
 
 
@@ -106,17 +101,17 @@ def test_the_pipeline_builds_the_resumable_learner_and_checkpoints_the_data(unin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("killed_after", [3, 4])
-def test_a_killed_run_resumes_exactly_through_the_entry_point(tmp_path, cache_dir, uninterrupted, killed_after):
+def test_a_killed_run_resumes_exactly_through_the_entry_point(tmp_path, jax_cache, uninterrupted, killed_after):
   # After 3 updates the kill falls between the two updates (num_iterations=2)
   # of one rollout: the resumed run must train the pending repeat from the
   # checkpoint. After 4 it falls at a rollout boundary.
   _, expected, _ = uninterrupted
   root = tmp_path / "ckpt"
   config = _write_config(tmp_path / "grpo.yaml", root)
-  killed, meta = _train(config, tmp_path / "killed.npz", cache_dir, "data_config.seed=1",
+  killed, meta = _train(config, tmp_path / "killed.npz", jax_cache, "data_config.seed=1",
                         preempt_after=killed_after, expect_rc=tunix_cli_worker.PREEMPT_EXIT_CODE)
   assert meta["preempted"] and meta["learners"] == [_RESUMABLE]
-  resumed, meta = _train(config, tmp_path / "resumed.npz", cache_dir, "data_config.seed=1")
+  resumed, meta = _train(config, tmp_path / "resumed.npz", jax_cache, "data_config.seed=1")
   assert meta["learners"] == [_RESUMABLE] and meta["restored_steps"] == [killed_after]
   consumed = 2 * killed_after
   assert len(killed) == consumed and len(resumed) == len(expected) - consumed
@@ -124,14 +119,14 @@ def test_a_killed_run_resumes_exactly_through_the_entry_point(tmp_path, cache_di
   testing.assert_trees_equal(resumed, expected[consumed:], path="after the resume")
 
 
-def test_a_resume_into_another_dataset_seed_is_refused_naming_it(tmp_path, cache_dir, uninterrupted):
+def test_a_resume_into_another_dataset_seed_is_refused_naming_it(tmp_path, jax_cache, uninterrupted):
   root, _, _ = uninterrupted
   copy = tmp_path / "ckpt"
   subprocess.run(["cp", "-r", str(root), str(copy)], check=True)
   config = _write_config(tmp_path / "grpo.yaml", copy, rl_training_config={
       **tunix_cli_worker.grpo_config(str(copy), "")["rl_training_config"], "max_steps": _MAX_STEPS + 2})
   command = [sys.executable, _WORKER, "--out", str(tmp_path / "r.npz"), "--", "grpo", config, "data_config.seed=2"]
-  process = subprocess.run(command, env=_env(cache_dir), capture_output=True, text=True, timeout=900)
+  process = subprocess.run(command, env=_env(jax_cache), capture_output=True, text=True, timeout=900)
   assert process.returncode == 1, process.stderr[-3000:]
   message = process.stderr.strip().splitlines()[-1]
   assert message.startswith("ckpt-iter train: ") and "seed=1 there" in message and "seed=2 here" in message, message

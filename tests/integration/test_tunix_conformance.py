@@ -212,8 +212,8 @@ def evals_a_chain_makes(uninterrupted: harness.Run, kills: list[int]) -> list[in
 
 
 @pytest.fixture(scope="module")
-def conformance_dirs(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("conformance")), str(tmp_path_factory.mktemp("jax_cache"))
+def conformance_dirs(tmp_path_factory, jax_cache):
+  return str(tmp_path_factory.mktemp("conformance")), jax_cache
 
 
 # The configurations where the suite found the drop-in wrong (both fixed).

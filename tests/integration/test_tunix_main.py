@@ -27,11 +27,6 @@ import tunix_toy
 HAS_RL_ENGINE = hasattr(rl_cluster_lib, "RLEngine")
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_compilation_cache"))
-
-
 def _grpo_kwargs():
   from tunix.rl.grpo import grpo_learner  # pylint: disable=g-import-not-at-top
 

@@ -47,14 +47,11 @@ RUN_TIMEOUT_SECONDS = 300
 GLOBAL_FIELDS = ("old_per_token_logps", "ref_per_token_logps")
 
 
-def _launch(directory: Path, name: str, root: Path, cache: Path, preempt_after: int | None) -> list[dict]:
+def _launch(directory: Path, name: str, root: Path, preempt_after: int | None) -> list[dict]:
   """Runs one 2-process job to its end (or its preemption); returns each process's record."""
   config = {"root": str(root), "preempt_after": preempt_after, "max_steps": MAX_STEPS}
   return process_group.run_group(
       WORKER, directory, name, [config] * NUM_PROCESSES, timeout_seconds=RUN_TIMEOUT_SECONDS,
-      # Shared by the jobs of this module: only the first job compiles.
-      extra_env={"JAX_COMPILATION_CACHE_DIR": str(cache),
-                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"},
   )
 
 
@@ -62,13 +59,11 @@ def _launch(directory: Path, name: str, root: Path, cache: Path, preempt_after: 
 def runs(tmp_path_factory) -> dict:
   steps = PREEMPT_STEPS
   directory = tmp_path_factory.mktemp("tunix_multihost")
-  cache = directory / "jax_cache"
-  cache.mkdir()
-  reference = _launch(directory, "reference", directory / "reference_root", cache, None)
+  reference = _launch(directory, "reference", directory / "reference_root", None)
   chain_root = directory / "chain_root"
   jobs = {}
   for start, preempt in zip((0,) + steps, steps + (None,)):
-    jobs[start] = _launch(directory, f"from{start}", chain_root, cache, preempt)
+    jobs[start] = _launch(directory, f"from{start}", chain_root, preempt)
   return {"reference": reference, "jobs": jobs, "chain_root": chain_root, "preempt_steps": steps}
 
 

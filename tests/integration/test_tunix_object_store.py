@@ -21,11 +21,6 @@ import tunix_harness as harness  # pylint: disable=g-import-not-at-top,wrong-imp
 import test_tunix_sft as sft  # pylint: disable=g-import-not-at-top,wrong-import-order
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_cache"))
-
-
 @pytest.mark.heavy  # run by make test-heavy (CI) on 0.1.7 and make test-tunix-main on main
 def test_grpo_on_gs_killed_inside_a_repeat_resumes_bit_for_bit(tmp_path, gcs_root, jax_cache):
   # num_iterations=2: update 3 is the first of the two on the second prompt,

@@ -41,11 +41,6 @@ PREEMPT = [1, 3] if _updates_per_pass() else [5, 6]
 
 
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_compilation_cache"))
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory, jax_cache):
   path = tmp_path_factory.mktemp("packing_reference")
   return harness.run_toy(dict(CONFIG, learner="ckpt_iter"), str(path / "ckpt"),

@@ -31,11 +31,6 @@ pytestmark = pytest.mark.heavy
 import tunix_harness as harness
 
 
-@pytest.fixture(scope="session")
-def jax_cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_compilation_cache"))
-
-
 REPRESENTATIVE = {
     # The default run's one Tunix chain (the others are in `make test-full`):
     # mu=2 with a shuffle seed (#2288), killed after every step in turn,

@@ -22,8 +22,8 @@ _GRAD_ACC = 2
 _MAX_STEPS = 8
 
 
-def _run(root, out, cache_dir, **kwargs):
-  return harness.run_sft(root, out, cache_dir, **kwargs)
+def _run(root, out, jax_cache, **kwargs):
+  return harness.run_sft(root, out, jax_cache, **kwargs)
 
 
 def _labels(fed):
@@ -37,14 +37,9 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax_cache"))
-
-
-@pytest.fixture(scope="module")
-def reference(workdir, cache_dir):
+def reference(workdir, jax_cache):
   """The uninterrupted ResumablePeftTrainer run."""
-  return _run(workdir / "reference", workdir / "reference.npz", cache_dir)
+  return _run(workdir / "reference", workdir / "reference.npz", jax_cache)
 
 
 def _assert_resumed_equals(resumed_fed, resumed_params, reference, k):
@@ -58,8 +53,8 @@ def _assert_resumed_equals(resumed_fed, resumed_params, reference, k):
     np.testing.assert_array_equal(got, want, err_msg=f"param leaf {index} after resume from {k}")
 
 
-def test_uninterrupted_matches_stock(reference, workdir, cache_dir):
-  stock = _run(workdir / "stock_reference", workdir / "stock_reference.npz", cache_dir, trainer="stock")
+def test_uninterrupted_matches_stock(reference, workdir, jax_cache):
+  stock = _run(workdir / "stock_reference", workdir / "stock_reference.npz", jax_cache, trainer="stock")
   assert reference["fed"].shape[0] == _MAX_STEPS * _GRAD_ACC
   np.testing.assert_array_equal(reference["fed"], stock["fed"])
   for got, want in zip(reference["params"], stock["params"]):
@@ -67,35 +62,35 @@ def test_uninterrupted_matches_stock(reference, workdir, cache_dir):
 
 
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3])
-def test_killed_after_checkpoint_k_resumes_exactly_in_o1(reference, workdir, cache_dir, k):
+def test_killed_after_checkpoint_k_resumes_exactly_in_o1(reference, workdir, jax_cache, k):
   root = workdir / f"kill_{k}"
-  _run(root, workdir / f"kill_{k}.npz", cache_dir, preempt_after=k, expect_rc=_PREEMPT_EXIT_CODE)
+  _run(root, workdir / f"kill_{k}.npz", jax_cache, preempt_after=k, expect_rc=_PREEMPT_EXIT_CODE)
   assert (root / str(k) / "data").is_dir(), "the data item is in the model's Orbax step"
-  resumed = _run(root, workdir / f"resumed_{k}.npz", cache_dir)
+  resumed = _run(root, workdir / f"resumed_{k}.npz", jax_cache)
   assert resumed["meta"]["restored_step"] == k
   _assert_resumed_equals(resumed["fed"], resumed["params"], reference, k)
   # O(1): the resumed pipeline produced only what it trained, nothing replayed.
   assert resumed["meta"]["produced"] == len(resumed["fed"])
 
 
-def test_chained_resumes(reference, workdir, cache_dir):
+def test_chained_resumes(reference, workdir, jax_cache):
   root = workdir / "chain"
-  _run(root, workdir / "chain_a.npz", cache_dir, preempt_after=2, expect_rc=_PREEMPT_EXIT_CODE)
+  _run(root, workdir / "chain_a.npz", jax_cache, preempt_after=2, expect_rc=_PREEMPT_EXIT_CODE)
   # The second process records what it trains before it is killed after step 5.
-  _run(root, workdir / "chain_b.npz", cache_dir, preempt_after=5, expect_rc=_PREEMPT_EXIT_CODE)
-  last = _run(root, workdir / "chain_c.npz", cache_dir)
+  _run(root, workdir / "chain_b.npz", jax_cache, preempt_after=5, expect_rc=_PREEMPT_EXIT_CODE)
+  last = _run(root, workdir / "chain_c.npz", jax_cache)
   assert last["meta"]["restored_step"] == 5
   _assert_resumed_equals(last["fed"], last["params"], reference, 5)
 
 
 @pytest.mark.slow
-def test_stock_resume_is_exact_but_replays_the_input(reference, workdir, cache_dir):
+def test_stock_resume_is_exact_but_replays_the_input(reference, workdir, jax_cache):
   """The same scenario with stock PeftTrainer: right examples, O(position) reads."""
   k = 3
   root = workdir / "stock_kill"
-  _run(root, workdir / "stock_kill.npz", cache_dir, trainer="stock", preempt_after=k,
+  _run(root, workdir / "stock_kill.npz", jax_cache, trainer="stock", preempt_after=k,
        expect_rc=_PREEMPT_EXIT_CODE)
-  resumed = _run(root, workdir / "stock_resumed.npz", cache_dir, trainer="stock")
+  resumed = _run(root, workdir / "stock_resumed.npz", jax_cache, trainer="stock")
   _assert_resumed_equals(resumed["fed"], resumed["params"], reference, k)
   # It re-reads the k * grad_acc micro-batches it skips (and, through Grain's
   # default prefetching iterator, reads ahead besides).
@@ -103,19 +98,19 @@ def test_stock_resume_is_exact_but_replays_the_input(reference, workdir, cache_d
 
 
 @pytest.mark.slow
-def test_resuming_a_stock_checkpoint_skips_as_stock_does(reference, workdir, cache_dir):
+def test_resuming_a_stock_checkpoint_skips_as_stock_does(reference, workdir, jax_cache):
   """A checkpoint without a data item (stock Tunix wrote it) is resumed the stock way."""
   k = 3
   root = workdir / "legacy"
-  _run(root, workdir / "legacy_kill.npz", cache_dir, trainer="stock", preempt_after=k,
+  _run(root, workdir / "legacy_kill.npz", jax_cache, trainer="stock", preempt_after=k,
        expect_rc=_PREEMPT_EXIT_CODE)
-  resumed = _run(root, workdir / "legacy_resumed.npz", cache_dir)
+  resumed = _run(root, workdir / "legacy_resumed.npz", jax_cache)
   _assert_resumed_equals(resumed["fed"], resumed["params"], reference, k)
   # Skipped in O(1) all the same: the input is a MapDataset.
   assert resumed["meta"]["produced"] == len(resumed["fed"])
 
 
-def test_switching_a_stock_run_batched_after_to_iter_dataset_trains_what_stock_trains(workdir, cache_dir):
+def test_switching_a_stock_run_batched_after_to_iter_dataset_trains_what_stock_trains(workdir, jax_cache):
   """Issue 31, case 1: a stock PeftTrainer run on rows batched after `to_iter_dataset()`,
   preempted after step 2 and restarted with the drop-in, trains the batches stock's own
   resume trains (it used to seek Grain's row index to a batch count: R02 R03 twice)."""
@@ -123,9 +118,9 @@ def test_switching_a_stock_run_batched_after_to_iter_dataset_trains_what_stock_t
   runs = {}
   for restarted_with in ("stock", "resumable"):
     root = workdir / f"switch_to_{restarted_with}"
-    _run(root, workdir / f"switch_kill_{restarted_with}.npz", cache_dir, trainer="stock",
+    _run(root, workdir / f"switch_kill_{restarted_with}.npz", jax_cache, trainer="stock",
          preempt_after=k, expect_rc=_PREEMPT_EXIT_CODE, **form)
-    runs[restarted_with] = _run(root, workdir / f"switch_{restarted_with}.npz", cache_dir,
+    runs[restarted_with] = _run(root, workdir / f"switch_{restarted_with}.npz", jax_cache,
                                 trainer=restarted_with, **form)
   stock, ours = runs["stock"], runs["resumable"]
   assert len(set(_labels(stock["fed"]))) > 1, "the batches must be distinguishable"
@@ -135,14 +130,14 @@ def test_switching_a_stock_run_batched_after_to_iter_dataset_trains_what_stock_t
     np.testing.assert_array_equal(got, want)
 
 
-def test_resume_into_another_pipeline_names_the_field(workdir, cache_dir):
+def test_resume_into_another_pipeline_names_the_field(workdir, jax_cache):
   root = workdir / "drift"
-  _run(root, workdir / "drift.npz", cache_dir, preempt_after=1, expect_rc=_PREEMPT_EXIT_CODE)
-  stderr = _run(root, workdir / "drift_resumed.npz", cache_dir, expect_rc=1, seed=4)
+  _run(root, workdir / "drift.npz", jax_cache, preempt_after=1, expect_rc=_PREEMPT_EXIT_CODE)
+  stderr = _run(root, workdir / "drift_resumed.npz", jax_cache, expect_rc=1, seed=4)
   assert "ConfigDriftError" in stderr and "seed" in stderr, stderr[-2000:]
 
 
-def test_one_more_epoch_after_the_data_ran_out_continues_like_stock(workdir, cache_dir):
+def test_one_more_epoch_after_the_data_ran_out_continues_like_stock(workdir, jax_cache):
   """A run that ended by exhausting repeat(1), restarted with repeat(2), trains epoch 2 as stock does.
 
   The trainer's own fields are compared strictly; the input's change is left
@@ -151,9 +146,9 @@ def test_one_more_epoch_after_the_data_ran_out_continues_like_stock(workdir, cac
   results = {}
   for trainer in ("resumable", "stock"):
     root = workdir / f"more_epochs_{trainer}"
-    first = _run(root, workdir / f"epoch1_{trainer}.npz", cache_dir, trainer=trainer, epochs=1, max_steps=100)
+    first = _run(root, workdir / f"epoch1_{trainer}.npz", jax_cache, trainer=trainer, epochs=1, max_steps=100)
     assert first["meta"]["train_steps"] == 5  # 10 batches, gradient accumulation 2: the data ran out
-    second = _run(root, workdir / f"epoch2_{trainer}.npz", cache_dir, trainer=trainer, epochs=2, max_steps=100)
+    second = _run(root, workdir / f"epoch2_{trainer}.npz", jax_cache, trainer=trainer, epochs=2, max_steps=100)
     assert second["meta"]["restored_step"] == 5 and second["meta"]["train_steps"] == 10
     results[trainer] = (first, second)
   (ours_1, ours_2), (stock_1, stock_2) = results["resumable"], results["stock"]

@@ -2,8 +2,9 @@
 
 Every run is a real process (`python tunix_toy.py`): real RLCluster,
 GRPO/PPO learner, Orbax checkpoints on disk, killed with os._exit right after
-checkpoint K when asked. Processes share a persistent JAX compilation cache
-(one per pytest session) so only the first of each configuration compiles.
+checkpoint K when asked. Processes share the persistent JAX compilation cache
+of the test session (tests/conftest.py), so only the first of each
+configuration compiles, once per machine.
 """
 
 from __future__ import annotations
