@@ -49,6 +49,7 @@ TITLES = {
     "object_store": "9. Object stores: requests per save and restore on gs://",
     "cli_cost": "10. Cost of a read-only `ckpt-iter` call",
     "content_check": "11. The content check: cost at save and at restore",
+    "rl_scale": "12. A Tunix step's data item at RL scale: rollout weights and producer work",
 }
 
 
@@ -718,6 +719,45 @@ hence the CRC.
 """
 
 
+def _rl_scale(rows: list[dict]) -> str:
+  summary = _summary(rows)
+  weights = _measurements(rows, part="rollout_weights")
+  producer = _measurements(rows, part="producer")
+  weight_table = _table(
+      ["run", "num_iterations", "mini-batches / global step", "global steps",
+       "mid-step checkpoints (all held the weights before)", "checkpoints with the weights now",
+       "copies / global step, before -> after", "bytes of one copy (toy)"],
+      [[f"`{r['run']}`", r["num_iterations"], r["mini_batches_per_global_step"], r["global_steps"],
+        r["mid_global_step_checkpoints"], r["checkpoints_with_rollout_weights"],
+        f"{r['copies_per_global_step_before']} -> {r['copies_per_global_step_after']}",
+        r["rollout_weights_bytes"]] for r in weights])
+  producer_table = _table(
+      ["prompt chars", "prompts", "bare Grain next(), ms", "one micro-batch now, ms",
+       "before (with its digest), ms", "digest removed from the step, ms", "digest once at a save, ms"],
+      [[r["prompt_chars"], r["prompts"], r["grain_ms"], r["read_ms"], r["before_ms"],
+        r["digest_removed_ms"], r["digest_at_save_ms"]] for r in producer])
+  return f"""## {TITLES['rl_scale']}
+
+`benchmarks/rl_scale.py`. **Rollout weights**: real toy GRPO runs with a separate rollout model
+(async rollout on a second CPU device), a checkpoint after every update. Every checkpoint inside
+a global step used to hold `rollout_params`, a full copy of the rollout model's weights (on an
+8B model in bf16, 16 GB); now only those after which a rollout (training or evaluation) runs on
+them before the next weight sync do (`_session.rollout_reads_before_sync`). The toy's copy is about
+80 KB; the count is what scales.
+
+{weight_table}
+
+**Producer work per micro-batch** against prompt length: full batches of 512 prompts read
+through the learner's input as the producer thread reads them. Before, every micro-batch paid a
+SHA-256 of its prompts' text (for the same-stream check of a resume into a changed pipeline);
+now the text is digested once, when a checkpoint takes the position. {producer[0]['repetitions']}
+interleaved repetitions, medians.
+
+{producer_table}
+{_checks(summary)}
+"""
+
+
 def _common_ratio(a: Any, b: Any) -> Any:
   return round(a / b, 3) if a and b else None
 
@@ -726,7 +766,7 @@ def _reproduce() -> str:
   return """## How to reproduce
 
 ```sh
-make bench                                  # all eleven, then this page (about 15 minutes on 2 cores)
+make bench                                  # all twelve, then this page (about 16 minutes on 2 cores)
 .venv/bin/python benchmarks/run_all.py --quick   # smoke pass (results and page in a temp dir)
 .venv/bin/python benchmarks/restore_latency.py   # one question; each script takes --quick
 .venv/bin/python benchmarks/run_all.py --docs-only   # re-render this page from results.jsonl
@@ -750,4 +790,5 @@ SECTIONS = [
     ("object_store", _object_store),
     ("cli_cost", _cli_cost),
     ("content_check", _content_check),
+    ("rl_scale", _rl_scale),
 ]

@@ -3,6 +3,7 @@
     python benchmarks/run_all.py            # full run (make bench), ~12 minutes on 2 cores
     python benchmarks/run_all.py --quick    # smoke pass; results and page go to a temp dir
     python benchmarks/run_all.py --docs-only  # re-render docs from benchmarks/results.jsonl
+    python benchmarks/run_all.py --only NAME  # re-run one script, replace its lines, re-render
 
 Results go to benchmarks/results.jsonl (one JSON object a line, the first one
 describing the machine) and docs/benchmarks.md.
@@ -26,7 +27,7 @@ import _common
 
 SCRIPTS = [
     "restore_latency", "state_size", "throughput", "save_blocking", "tunix_step_time", "resume_wall_time",
-    "pod_scale", "jsonl_index", "object_store", "cli_cost", "content_check",
+    "pod_scale", "jsonl_index", "object_store", "cli_cost", "content_check", "rl_scale",
 ]
 RESULTS_PATH = os.path.join(_common.BENCH_DIR, "results.jsonl")
 DOCS_PATH = os.path.join(_common.REPO_DIR, "docs", "benchmarks.md")
@@ -77,11 +78,22 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--docs-only", action="store_true")
+  parser.add_argument("--only", choices=SCRIPTS, help="re-run one script and keep the others' figures")
   args = parser.parse_args()
-  if args.docs_only:
+  if args.docs_only or args.only:
     with open(RESULTS_PATH) as f:
       records = [json.loads(line) for line in f if line.strip()]
-    write_docs(records)
+    if args.only:
+      cache_dir = tempfile.mkdtemp(prefix="bench_jax_cache_")
+      try:
+        fresh = run_script(args.only, args.quick, _common.child_env(BENCH_JAX_CACHE_DIR=cache_dir))
+      finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+      records = [r for r in records if r.get("benchmark") != args.only] + fresh
+      if not args.quick:
+        with open(RESULTS_PATH, "w") as f:
+          f.writelines(json.dumps(r) + "\n" for r in records)
+    write_docs(records, DOCS_PATH if not args.quick else os.path.join(tempfile.mkdtemp(), "benchmarks.md"))
     return
   started = time.perf_counter()
   header = machine()

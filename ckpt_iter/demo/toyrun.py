@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -58,6 +59,8 @@ class RunConfig:
   max_steps: int = 8
   num_prompts: int = 64
   save_interval_steps: int = 1
+  # A separate rollout model on a second CPU device (the benchmarks' RL-scale runs).
+  async_rollout: bool = False
 
 
 def load_prompts(limit: int | None = None) -> list[dict[str, str]]:
@@ -95,12 +98,13 @@ def build_learner(config: RunConfig, root: str) -> Any:
 
 def build_cluster(config: RunConfig, root: str) -> Any:
   """The RLCluster of `config` with its checkpoints in `root`."""
-  return toy_cluster(root, with_drop_ins=config.learner != "stock", training_options={
-      "max_steps": config.max_steps,
-      "mini_batch_size": config.mini_batch_size,
-      "train_micro_batch_size": config.train_micro_batch_size,
-      "checkpointing_options": explicit_checkpointing(config.save_interval_steps),
-  })
+  return toy_cluster(root, with_drop_ins=config.learner != "stock", async_rollout=config.async_rollout,
+                     training_options={
+                         "max_steps": config.max_steps,
+                         "mini_batch_size": config.mini_batch_size,
+                         "train_micro_batch_size": config.train_micro_batch_size,
+                         "checkpointing_options": explicit_checkpointing(config.save_interval_steps),
+                     })
 
 
 def explicit_checkpointing(save_interval_steps: int, max_to_keep: int = 1000) -> Any:
@@ -218,6 +222,9 @@ class TrainerInputRecorder:
   def __init__(self, learner: Any, delay_seconds: float = 0.0):
     self.inputs: list[dict[str, np.ndarray]] = []
     self.train_steps: list[int] = []
+    # Per update: a digest of the evaluation input Tunix passed with it (its
+    # rollout ran on the rollout model's weights), or None.
+    self.eval_digests: list[str | None] = []
     cluster = learner.rl_cluster
     original = cluster.update_actor
 
@@ -230,6 +237,7 @@ class TrainerInputRecorder:
           if getattr(example, name, None) is not None
       })
       self.train_steps.append(int(cluster.actor_trainer.train_steps))
+      self.eval_digests.append(None if not eval_ds else _digest_example(eval_ds[0]))
       if delay_seconds:
         time.sleep(delay_seconds)
       return original(train_ds, eval_ds, skip_jit)
@@ -259,9 +267,20 @@ class TrainerInputRecorder:
         for name, value in fields.items()
     }
     meta = dict(meta, num_inputs=len(self.inputs), train_steps=self.train_steps, eval_steps=self.eval_steps,
-                eval_after_update=self.eval_after_update)
+                eval_after_update=self.eval_after_update, eval_digests=self.eval_digests)
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     np.savez(path, **arrays)
+
+
+def _digest_example(example: Any) -> str:
+  digest = hashlib.sha256()
+  for name in RECORDED_FIELDS:
+    value = getattr(example, name, None)
+    if value is not None:
+      array = np.asarray(value)
+      digest.update(f"{name}{array.dtype}{array.shape}".encode())
+      digest.update(array.tobytes())
+  return digest.hexdigest()[:16]
 
 
 def load_record(path: str) -> tuple[list[dict[str, np.ndarray]], dict[str, Any]]:

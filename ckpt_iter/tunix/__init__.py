@@ -140,6 +140,7 @@ class Resumable:
       )
     # Set before the saving manager exists: every save it makes has a session.
     self._ci_session = session = _session.DataSession(self, train_ds)
+    session.evaluates = bool(eval_ds)  # as Tunix tests it before each evaluation
     _items.install_saving_manager(self)
     session.restore(on_legacy_checkpoint, frozenset(allow_drift))
     if session.finished():
@@ -207,7 +208,7 @@ class Resumable:
             service_target_batch_size, put, async_loading,
         )
     finally:
-      mini_batch.position_after = session.input.position()
+      mini_batch.position_after = session.input.unsettled_position()
       mini_batch.key_after = repeat_lib.key_to_ints(session.key)
       mini_batch.done.set()
       data_queue.put(None)

@@ -328,6 +328,25 @@ def prompts_digest(prompts: Iterable[Any]) -> str:
   return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+class _LastRows:
+  """The prompts of the micro-batch read last, digested only when a checkpoint asks.
+
+  Digesting reads every prompt's text: done per micro-batch on the producer's
+  path it grew with sequence length, so it waits for a save (once per
+  micro-batch at most, cached).
+  """
+
+  def __init__(self, prompts: Any = None, *, saved: Mapping[str, Any] | None = None):
+    self._prompts = prompts
+    self._json = saved
+
+  def to_json(self) -> dict[str, Any]:
+    if self._json is None:
+      self._json = {"count": len(self._prompts), "digest": prompts_digest(self._prompts)}
+      self._prompts = None
+    return dict(self._json)
+
+
 def _batch_rows(batch: Any) -> int:
   return len(batch["prompts"])
 
@@ -338,6 +357,19 @@ def _drop_rows(batch: Any, count: int) -> Any:
 
 
 _OPTIONAL_POSITION_KEYS = frozenset({"rows_taken", "stream_rows", "last_rows"})
+
+
+def settled(position: Mapping[str, Any]) -> dict[str, Any]:
+  """An `unsettled_position` as a checkpoint holds it (the last rows digested)."""
+  result = dict(position)
+  if isinstance(result.get("last_rows"), _LastRows):
+    result["last_rows"] = result["last_rows"].to_json()
+  return result
+
+
+def _saved_last_rows(position: Mapping[str, Any]) -> _LastRows | None:
+  saved = position.get("last_rows")
+  return None if saved is None else _LastRows(saved=saved)
 
 
 class MicroBatchInput:
@@ -366,7 +398,7 @@ class MicroBatchInput:
     self._rebatch = rebatch
     self._start_rows = 0  # rows of the first full batch read before the stream
     self._stream_rows_base: int | None = 0  # source rows before the stream (None: unknown)
-    self._last_rows: dict[str, Any] | None = None
+    self._last_rows: _LastRows | None = None
     self._reset()
 
   def _reset(self) -> None:
@@ -402,13 +434,13 @@ class MicroBatchInput:
     if self._micro_batch_size is None:
       micro_batch = next(self._source)
       self._rows_yielded += _batch_rows(micro_batch)
-      self._last_rows = {"count": _batch_rows(micro_batch), "digest": prompts_digest(micro_batch["prompts"])}
+      self._last_rows = _LastRows(micro_batch["prompts"])
       return micro_batch
     if self._stream is None:
       self._stream = iter(self._rebatch(self._full_batches(self._start_rows), self._micro_batch_size))
     micro_batch = next(self._stream)
     self._rows_yielded += _batch_rows(micro_batch)
-    self._last_rows = {"count": _batch_rows(micro_batch), "digest": prompts_digest(micro_batch["prompts"])}
+    self._last_rows = _LastRows(micro_batch["prompts"])
     # Keep only the full batches the next micro-batch can still start in.
     while len(self._read) > 1 and self._read[1][2] <= self._rows_yielded:
       self._read.pop(0)
@@ -422,11 +454,18 @@ class MicroBatchInput:
     before it; they let a resume continue in a changed pipeline whose stream
     holds the same rows (`GrainSource.row_boundary`).
     """
+    return settled(self.unsettled_position())
+
+  def unsettled_position(self) -> dict[str, Any]:
+    """`position()` with the last rows not digested yet: cheap, for the producer's path.
+
+    `settled` turns it into the position a checkpoint holds.
+    """
     result = self._source_position()
     if self._stream_rows_base is not None:
       result["stream_rows"] = self._stream_rows_base + self._rows_yielded
     if self._last_rows is not None:
-      result["last_rows"] = dict(self._last_rows)
+      result["last_rows"] = self._last_rows
     return result
 
   def _source_position(self) -> dict[str, Any]:
@@ -476,7 +515,7 @@ class MicroBatchInput:
       rows = position["micro_batches_taken"] * (self._micro_batch_size or 0)
     self._start_rows = rows
     self._stream_rows_base = position.get("stream_rows")
-    self._last_rows = position.get("last_rows")
+    self._last_rows = _saved_last_rows(position)
 
   def continue_at(self, full_batch_position: Mapping[str, Any], position: Mapping[str, Any]) -> None:
     """Moves to a full batch of a changed pipeline that starts at `position`'s row."""
@@ -486,7 +525,7 @@ class MicroBatchInput:
     self._reset()
     self._start_rows = 0
     self._stream_rows_base = position["stream_rows"]
-    self._last_rows = position.get("last_rows")
+    self._last_rows = _saved_last_rows(position)
 
   def seek_micro_batches(self, count: int, micro_per_full: int) -> None:
     """Moves past the first `count` micro-batches (legacy fast-forward)."""

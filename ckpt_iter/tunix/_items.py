@@ -1,7 +1,8 @@
 """The Orbax items of a Tunix learner's step: what an RL learner adds, and reading them back.
 
 `data` (the data state), `rollout_params` (the rollout model's weights, for a
-step inside a global step) and, for learners with a critic, `critic_params`
+step inside a global step after which a rollout reads them before the next
+weight sync) and, for learners with a critic, `critic_params`
 and `critic_optimizer_state`. `_saving` writes them into the same Orbax step
 as `model_params`; `read_step_state` is the one reader of a step's data item
 for RL, SFT and agentic learners.
@@ -236,8 +237,8 @@ def to_device(learner: Any, pytree: Any, origin: str) -> Any:
 class RlStepItems:
   """What an RL learner adds to each actor save (`_saving.StepItems`).
 
-  The data item, the rollout weights when the step falls inside a global
-  step (the rest of the step rolls out with them), and the metadata every
+  The data item, the rollout weights when a rollout reads them before the
+  next weight sync (`_session.rollout_reads_before_sync`), and the metadata every
   other save has for the forced save in `close()`. A critic's update K goes
   with actor step K (see `_saving._DataSaver`).
   """
@@ -247,9 +248,9 @@ class RlStepItems:
 
   def add_items(self, step: int, items: dict[str, Any], custom_metadata: Any) -> Any:
     learner = self._learner
-    value, mid_global_step = learner._ci_session.snapshot(step)  # pylint: disable=protected-access
+    value, rollout_weights = learner._ci_session.snapshot(step)  # pylint: disable=protected-access
     items[DATA_ITEM] = _saving.Snapshot(value)
-    if learner.should_sync_weights and mid_global_step:
+    if rollout_weights:
       items[ROLLOUT_ITEM] = _saving.Pytree(rollout_params(learner))
     if not custom_metadata:
       custom_metadata = learner.rl_cluster.actor_trainer.custom_checkpoint_metadata()

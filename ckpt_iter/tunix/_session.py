@@ -36,6 +36,40 @@ _CONTINUABLE_LEARNER_FIELDS = frozenset({
 })
 # The producer of a mini-batch never blocks, so this only trips on a hang.
 _PRODUCER_TIMEOUT_SECONDS = 600.0
+# Counter of a mid-global-step state: 1 when the step holds the rollout weights.
+ROLLOUT_WEIGHTS_COUNTER = "rollout_weights"
+
+
+def rollout_reads_before_sync(
+    *,
+    remaining_mini_batches: int,
+    pending_inputs: int,
+    has_eval_input: bool,
+    evaluates: bool,
+    eval_every_n_steps: int,
+    train_steps: int,
+    gradient_accumulation_steps: int,
+    packed: bool,
+) -> bool:
+  """Whether a rollout runs on the rollout model after this checkpoint, before the next weight sync.
+
+  Tunix syncs the rollout model from the actor at the end of a global step.
+  Before that, the rollout model is read by the rollouts of the global step's
+  remaining mini-batches and by an evaluation rollout, which Tunix runs at
+  the first trainer input of a mini-batch whose train step is a multiple of
+  `eval_every_n_steps` when the mini-batch has no evaluation input yet. The
+  pending inputs of the current mini-batch are restored, never rolled out
+  again. So a checkpoint needs the rollout weights only where one of those
+  rollouts follows it.
+  """
+  if remaining_mini_batches > 0:
+    return True
+  if not pending_inputs or not evaluates or has_eval_input:
+    return False
+  if packed:
+    return True  # packed trainer inputs: their train steps are not known here
+  updates = -(-pending_inputs // gradient_accumulation_steps)
+  return any((train_steps + update) % eval_every_n_steps == 0 for update in range(updates))
 
 
 @dataclasses.dataclass
@@ -66,6 +100,7 @@ class DataSession:
     self.key = learner._ci_initial_key  # pylint: disable=protected-access
     self.current: MiniBatch | None = None
     self.index_in_global_step = 0
+    self.evaluates = False  # whether train() was given an evaluation input (Tunix's truth test)
     self._restored_pending: list[Any] | None = None
     self._restored_eval: list[Any] | None = None
     self._first_global_step: int | None = None
@@ -204,7 +239,12 @@ class DataSession:
   # --- save side ------------------------------------------------------------
 
   def snapshot(self, step: int) -> tuple[state_lib.IteratorState, bool]:
-    """The data state matching actor checkpoint `step`, and whether it is mid-global-step."""
+    """The data state matching actor checkpoint `step`, and whether it needs the rollout weights.
+
+    With a separate rollout model, a step inside a global step holds its
+    weights only where a rollout reads them before the next weight sync
+    (`rollout_reads_before_sync`); its counter `rollout_weights` says which.
+    """
     learner = self.learner
     trainer = learner.rl_cluster.actor_trainer
     with self._lock:
@@ -228,7 +268,7 @@ class DataSession:
       pending_items = self._unconsumed(mini_batch, step)
       remaining = self.mini_batches_per_global_step - 1 - mini_batch.index_in_global_step
       global_steps = mini_batch.global_steps
-      position, key = mini_batch.position_after, mini_batch.key_after
+      position, key = _input.settled(mini_batch.position_after), mini_batch.key_after
     pending = None
     eval_input = () if mini_batch is None or mini_batch.eval_input is None else tuple(mini_batch.eval_input)
     if mini_batch is None and self._restored_eval is not None:
@@ -251,6 +291,17 @@ class DataSession:
     else:
       eval_input = ()  # at a mini-batch boundary the next one decides afresh
     mid_global_step = bool(pending_items) or remaining > 0
+    config = api.training_config(learner)
+    rollout_weights = mid_global_step and learner.should_sync_weights and rollout_reads_before_sync(
+        remaining_mini_batches=remaining,
+        pending_inputs=len(pending_items),
+        has_eval_input=bool(eval_input),
+        evaluates=self.evaluates,
+        eval_every_n_steps=int(config.eval_every_n_steps),
+        train_steps=int(trainer.train_steps),
+        gradient_accumulation_steps=int(config.get_with_default("gradient_accumulation_steps", 1)),
+        packed=self.packing is not None,
+    )
     value = state_lib.IteratorState(
         kind="tunix",
         fingerprint=self.fingerprint,
@@ -265,9 +316,11 @@ class DataSession:
             "remaining_mini_batches": int(remaining),
             "mini_batches_per_global_step": int(self.mini_batches_per_global_step),
             **({"eval_items": len(eval_input)} if eval_input else {}),
+            **({ROLLOUT_WEIGHTS_COUNTER: int(rollout_weights)}
+               if mid_global_step and learner.should_sync_weights else {}),
         },
     )
-    return value, mid_global_step
+    return value, rollout_weights
 
   def _unconsumed(self, mini_batch: MiniBatch, step: int) -> list[Any]:
     """What `mini_batch` queued that the trainer has not trained with yet."""
@@ -393,7 +446,8 @@ class DataSession:
     critic_state = items.read_critic_state(learner, step, origin)
     mid_global_step = value.pending is not None or counters["remaining_mini_batches"] > 0
     rollout_params = None
-    if learner.should_sync_weights and mid_global_step:
+    # States written before the counter existed always hold the weights mid-step.
+    if learner.should_sync_weights and mid_global_step and counters.get(ROLLOUT_WEIGHTS_COUNTER, 1):
       rollout_params = items.read_rollout_params(learner, step, origin)
     layouts = layouts_lib.read_saved_layouts(trainer, step)
     # Placed before anything is applied: a pending global array whose mesh
@@ -476,7 +530,10 @@ class DataSession:
       return  # the rollout model is the actor model
     if rollout_params is None:
       # At a global-step boundary the uninterrupted run syncs the restored
-      # actor weights right after the checkpoint: do that sync now.
+      # actor weights right after the checkpoint: do that sync now. Inside a
+      # global step whose checkpoint needed no rollout weights, nothing reads
+      # the rollout model before the next sync; the restored actor's weights
+      # are the closest it can hold meanwhile.
       self._sync_rollout_from_actor()
     else:
       learner.rl_cluster.rollout.update_params(rollout_params, items.weight_filter(learner))

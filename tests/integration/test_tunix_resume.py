@@ -130,6 +130,44 @@ def test_resume_with_evaluation(tmp_path, jax_cache):
   harness.check_chain(config, [1], str(tmp_path), jax_cache, compare_stock=False)
 
 
+def _rollout_weight_steps(root):
+  """The saved actor steps that hold the rollout model's weights."""
+  actor = os.path.join(root, "actor")
+  return sorted(int(step) for step in os.listdir(actor)
+                if step.isdigit() and "rollout_params" in os.listdir(os.path.join(actor, step)))
+
+
+@pytest.mark.parametrize("config, kills, weight_steps", [
+    # One mini-batch per global step (mu=2): checkpoints 1 and 3 fall between the two
+    # updates of one rollout; the rest of the global step trains on pending inputs.
+    pytest.param(dict(num_iterations=2, max_steps=4, data_shuffle_seed=5), [1, 3], [], id="one-mini-batch"),
+    # Two mini-batches (steps 1-2, 3-4): after 1 and 2 the second one still rolls out
+    # with these weights; after 3 (inside the last one) nothing rolls out before the sync.
+    pytest.param(dict(num_iterations=2, batch_size=2, mini_batch_size=1, max_steps=4), [1, 3], [1, 2],
+                 id="two-mini-batches"),
+    # Evaluation every 2 updates, mu=3 (global steps 1-3, 4-6): the update at train step 4
+    # evaluates with a rollout, so checkpoint 4 needs the weights; at 1, 2 and 5 the
+    # mini-batch already has its evaluation input.
+    pytest.param(dict(num_iterations=3, max_steps=6, with_eval=True, eval_every_n_steps=2), [4, 5], [4],
+                 id="evaluation"),
+])
+def test_rollout_weights_are_saved_only_where_a_rollout_reads_them(tmp_path, jax_cache, config, kills, weight_steps):
+  """Issue 27: with a separate rollout model, a checkpoint inside a global step holds the
+  rollout weights only when a rollout (training or evaluation) runs on them before the next
+  weight sync, and the chain still trains and evaluates on the same rollouts, bit for bit."""
+  config = dict(config, learner="ckpt_iter", async_rollout=True)
+  reference = harness.run_toy(config, str(tmp_path / "reference"), str(tmp_path / "reference.npz"),
+                              cache_dir=jax_cache)
+  segments, resumed = harness.chain(config, str(tmp_path), kills, jax_cache)
+  harness.assert_same_inputs(resumed, reference.inputs, f"resumed after {kills}")
+  assert _rollout_weight_steps(str(tmp_path / "chain")) == weight_steps
+  assert _rollout_weight_steps(str(tmp_path / "reference")) == weight_steps
+  # The evaluation input each update carried (rolled out on the rollout model).
+  chained_evals = [digest for run in segments for digest in run.meta["eval_digests"]]
+  assert chained_evals == reference.meta["eval_digests"]
+  assert any(chained_evals) == bool(config.get("with_eval"))
+
+
 @pytest.mark.slow
 def test_stock_tunix_skips_data_after_resume(tmp_path, jax_cache):
   """Documents the upstream bug (#2290): stock resumes after step 2 with C, not B."""

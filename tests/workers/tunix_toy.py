@@ -31,7 +31,6 @@ class RunConfig(toyrun.RunConfig):
 
   algorithm: str = "grpo"  # "grpo", "dapo", "drgrpo" or "ppo"
   dataset_seed: int | None = None
-  async_rollout: bool = False
   eval_every_n_steps: int = 1000
   with_eval: bool = False
   on_legacy_checkpoint: str = "raise"
