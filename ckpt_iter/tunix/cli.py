@@ -11,7 +11,12 @@ looking the class up on a module, so for the run only, that module attribute
 holds the Resumable subclass (`ResumableGRPOLearner`,
 `ResumableAgenticGRPOLearner`, `ResumablePPOLearner`, `ResumablePeftTrainer`);
 the originals are put back afterwards, also when the run fails. Which names
-are swapped is `ckpt_iter.tunix._api.CLI_PIPELINES`. See docs/tunix_cli.md.
+are swapped is `ckpt_iter.tunix._api.CLI_PIPELINES`.
+
+What `train()` takes beyond Tunix's arguments on a restart comes from a
+`ckpt_iter:` section of the config or `ckpt_iter.KEY=VALUE` arguments
+(`on_legacy_checkpoint`, `allow_drift`); Tunix never sees those arguments.
+See docs/tunix_cli.md.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ckpt_iter import errors
 from ckpt_iter import tunix as ckpt_tunix
@@ -29,6 +34,14 @@ PROG = "python -m ckpt_iter.tunix.cli"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 KINDS = tuple(api.CLI_PIPELINES)
 _BUNDLED_CONFIG = "base_config.yaml"  # the one bare name Tunix resolves inside its package
+OPTIONS_SECTION = "ckpt_iter"
+# A run started with Tunix's own command has stock checkpoints: continuing
+# them the way stock does (with #2290's skip fixed) is never worse than stock.
+DEFAULT_OPTIONS = {"on_legacy_checkpoint": "fast_forward", "allow_drift": ()}
+# The train() options each pipeline's learner takes.
+_PIPELINE_OPTIONS = {"grpo": ("on_legacy_checkpoint", "allow_drift"),
+                     "ppo": ("on_legacy_checkpoint", "allow_drift"),
+                     "sft": ("allow_drift",)}
 
 USAGE = """\
 usage: {prog} {{{kinds}}} CONFIG.yaml [key=value ...] [--absl_flag=value ...]
@@ -43,6 +56,13 @@ the data exactly from the latest checkpoint.
                 ckpt_iter.tunix.data reads JSONL/Parquet/ArrayRecord/HF data
   key=value     Tunix's overrides (OmegaConf dot-list: rl_training_config.max_steps=10);
                 a key must exist in CONFIG.yaml. Also override_config_file=FILE.yaml
+  ckpt_iter.on_legacy_checkpoint=fast_forward|raise
+                a checkpoint written by stock Tunix (e.g. `python -m
+                tunix.cli.grpo_main`): continue it as stock does, skipping
+                what it trained (default), or refuse it (grpo, ppo)
+  ckpt_iter.allow_drift=field[,field...]
+                fingerprint fields the checkpoint may differ in (as
+                train(allow_drift=...)); also a `ckpt_iter:` section in CONFIG.yaml
   --flag=value  absl flags of the Tunix pipeline (e.g. --pathways_bns=...)
 
 See docs/tunix_cli.md.
@@ -67,12 +87,26 @@ def _resumable_class(module: Any, attribute: str) -> type:
   return replacement
 
 
+def _with_train_options(cls: type, options: Mapping[str, Any]) -> type:
+  """`cls` whose `train()` takes `options` unless its caller (Tunix's pipeline) passes them."""
+  if not options:
+    return cls
+
+  def train(self, *args, **kwargs):
+    return cls.train(self, *args, **{**options, **kwargs})
+
+  return type(cls.__name__, (cls,), {"train": train, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+
+
 @contextlib.contextmanager
-def resumable_learners(kind: str) -> Iterator[Any]:
+def resumable_learners(kind: str, train_options: Mapping[str, Any] | None = None) -> Iterator[Any]:
   """Within the block, Tunix's `kind` pipeline builds ckpt_iter's Resumable classes.
 
   Yields Tunix's pipeline module. The swapped module attributes get their
-  original values back when the block exits, however it exits.
+  original values back when the block exits, however it exits. The learners
+  built take `train_options` (`on_legacy_checkpoint`, `allow_drift`) in
+  `train()`, which Tunix's pipeline calls without them.
 
   Raises:
     UnsupportedConfigError: this Tunix lacks the pipeline, a class, or the
@@ -81,7 +115,8 @@ def resumable_learners(kind: str) -> Iterator[Any]:
   if kind not in api.CLI_PIPELINES:
     raise errors.InvalidArgumentError(f"unknown pipeline {kind!r}; expected one of {list(KINDS)}.")
   pipeline, slots = api.cli_pipeline(kind)
-  swaps = [(module, attribute, _resumable_class(module, attribute)) for module, attribute in slots]
+  swaps = [(module, attribute, _with_train_options(_resumable_class(module, attribute), train_options or {}))
+           for module, attribute in slots]
   originals = [(module, attribute, getattr(module, attribute)) for module, attribute, _ in swaps]
   try:
     for module, attribute, replacement in swaps:
@@ -121,6 +156,66 @@ class _Usage(Exception):
   pass
 
 
+def train_options(kind: str, config: str, overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+  """ckpt_iter's restart options of a run, and the overrides left for Tunix.
+
+  From the config's `ckpt_iter:` section, then `ckpt_iter.KEY=VALUE`
+  arguments (taken out: Tunix accepts only keys its file has). Defaults:
+  `DEFAULT_OPTIONS`, for the options `kind`'s learner takes.
+
+  Raises:
+    _Usage: an unknown key, a value that is not allowed, or an option this
+      pipeline's learner does not take (the message names it).
+  """
+  section = _config_section(config)
+  rest = []
+  for argument in overrides:
+    if argument.startswith(OPTIONS_SECTION + "."):
+      key, _, value = argument[len(OPTIONS_SECTION) + 1:].partition("=")
+      section[key] = value
+    else:
+      rest.append(argument)
+  accepted = _PIPELINE_OPTIONS[kind]
+  unknown = sorted(set(section) - set(DEFAULT_OPTIONS))
+  if unknown:
+    raise _Usage(f"{OPTIONS_SECTION}.{unknown[0]} is not an option; expected one of "
+                 f"{', '.join(f'{OPTIONS_SECTION}.{k}' for k in DEFAULT_OPTIONS)}.")
+  refused = sorted(set(section) - set(accepted))
+  if refused:
+    raise _Usage(f"{OPTIONS_SECTION}.{refused[0]} does not apply to the {kind} pipeline: its learner "
+                 "continues a stock Tunix checkpoint as stock does. Remove it.")
+  options = {key: DEFAULT_OPTIONS[key] for key in accepted}
+  if "on_legacy_checkpoint" in section:
+    policy = section["on_legacy_checkpoint"]
+    if policy not in ckpt_tunix.LEGACY_POLICIES:
+      raise _Usage(f"{OPTIONS_SECTION}.on_legacy_checkpoint={policy!r}: expected one of "
+                   f"{', '.join(ckpt_tunix.LEGACY_POLICIES)}.")
+    options["on_legacy_checkpoint"] = policy
+  if "allow_drift" in section:
+    fields = section["allow_drift"]
+    if isinstance(fields, str):
+      fields = [f.strip() for f in fields.strip("[]").split(",") if f.strip()]
+    if not isinstance(fields, (list, tuple)) or not all(isinstance(f, str) for f in fields):
+      raise _Usage(f"{OPTIONS_SECTION}.allow_drift={fields!r}: expected a list of fingerprint field names.")
+    options["allow_drift"] = tuple(fields)
+  return options, rest
+
+
+def _config_section(config: str) -> dict[str, Any]:
+  """The config file's `ckpt_iter:` section, as plain values ({} without one)."""
+  if config == _BUNDLED_CONFIG:
+    return {}
+  import omegaconf  # pylint: disable=g-import-not-at-top  (Tunix's config loader reads YAML with it)
+
+  loaded = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(config), resolve=True)
+  section = loaded.get(OPTIONS_SECTION) if isinstance(loaded, dict) else None
+  if section is None:
+    return {}
+  if not isinstance(section, dict):
+    raise _Usage(f"{config}: the {OPTIONS_SECTION!r} section must be a mapping, got {section!r}.")
+  return dict(section)
+
+
 def _split(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
   """(kind, config, overrides, absl flag arguments) of the command line."""
   if not argv:
@@ -137,13 +232,16 @@ def _split(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
 
 
 def run(kind: str, config: str, overrides: Sequence[str] = (), flag_args: Sequence[str] = (),
-        *, prog: str = PROG) -> None:
+        *, prog: str = PROG, options: Mapping[str, Any] | None = None) -> None:
   """Runs Tunix's `kind` pipeline on `config` with the Resumable learner.
+
+  `options` are the learner's `train()` options (`train_options`); the
+  overrides must not hold `ckpt_iter.` arguments any more.
 
   Raises whatever the pipeline raises (Tunix's ValueError for a bad config,
   ckpt_iter's ConfigDriftError for a resume into another configuration, ...).
   """
-  with resumable_learners(kind) as pipeline:
+  with resumable_learners(kind, options) as pipeline:
     _parse_absl_flags(prog, list(flag_args))
     # argv[0] is Tunix's module name: its config check of perf metrics
     # accepts them only from an entry point named *grpo_main.
@@ -163,16 +261,27 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
       print(usage, end="")
       return EXIT_OK
     config = _config_path(config)
+    options, overrides = train_options(kind, config, overrides)
   except _Usage as e:
     print(usage.splitlines()[0], file=sys.stderr)
     print(f"{prog}: {e}", file=sys.stderr)
     return EXIT_USAGE
   try:
-    run(kind, config, overrides, flag_args, prog=prog)
+    run(kind, config, overrides, flag_args, prog=prog, options=options)
   except errors.CkptIterError as e:
-    print(f"{prog}: {e}", file=sys.stderr)
+    print(f"{prog}: {e}{_command_line_way(e)}", file=sys.stderr)
     return EXIT_FAILED
   return EXIT_OK
+
+
+def _command_line_way(error: errors.CkptIterError) -> str:
+  """The way through a refusal, said in this command line's words (its message says the API's)."""
+  if isinstance(error, errors.ConfigDriftError) and not isinstance(error, errors.ContentDriftError):
+    fields = ",".join(sorted(error.differences))
+    return f" On this command line: {OPTIONS_SECTION}.allow_drift={fields}"
+  if isinstance(error, errors.LegacyCheckpointError):
+    return f" On this command line: {OPTIONS_SECTION}.on_legacy_checkpoint=fast_forward"
+  return ""
 
 
 if __name__ == "__main__":

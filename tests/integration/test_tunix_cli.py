@@ -49,8 +49,8 @@ def _write_config(path, root, **changes):
   return str(path)
 
 
-def _train(config, out, jax_cache, *overrides, preempt_after=None, expect_rc=0):
-  command = [sys.executable, _WORKER, "--out", str(out)]
+def _train(config, out, jax_cache, *overrides, preempt_after=None, expect_rc=0, stock=False):
+  command = [sys.executable, _WORKER, "--out", str(out)] + (["--stock"] if stock else [])
   if preempt_after is not None:
     command += ["--preempt-after", str(preempt_after)]
   command += ["--", "grpo", config, *overrides]
@@ -117,6 +117,30 @@ def test_a_killed_run_resumes_exactly_through_the_entry_point(tmp_path, jax_cach
   assert len(killed) == consumed and len(resumed) == len(expected) - consumed
   testing.assert_trees_equal(killed, expected[:consumed], path="before the kill")
   testing.assert_trees_equal(resumed, expected[consumed:], path="after the resume")
+
+
+def test_a_run_started_with_tunixs_own_command_continues_with_ckpt_iter_train(tmp_path, jax_cache, uninterrupted):
+  """Issue 31, case 3: `python -m tunix.cli.grpo_main` killed after step 2 (a global-step
+  boundary), restarted with `ckpt-iter train`: it continues at the prompts stock left off
+  at (the default legacy policy), bit for bit, and writes data states from then on; with
+  the policy set to raise it refuses, naming the command-line way through."""
+  _, expected, _ = uninterrupted
+  root = tmp_path / "ckpt"
+  config = _write_config(tmp_path / "grpo.yaml", root)
+  _, meta = _train(config, tmp_path / "stock.npz", jax_cache, "data_config.seed=1", stock=True,
+                   preempt_after=2, expect_rc=tunix_cli_worker.PREEMPT_EXIT_CODE)
+  assert meta["learners"] == ["tunix.rl.grpo.grpo_learner.GRPOLearner"]
+  assert not (root / "actor" / "2" / "data").exists()  # a stock checkpoint
+  refused = subprocess.run(
+      [sys.executable, _WORKER, "--out", str(tmp_path / "refused.npz"), "--", "grpo", config,
+       "data_config.seed=1", "ckpt_iter.on_legacy_checkpoint=raise"],
+      env=_env(jax_cache), capture_output=True, text=True, timeout=900)
+  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert "On this command line: ckpt_iter.on_legacy_checkpoint=fast_forward" in refused.stderr, refused.stderr[-2000:]
+  resumed, meta = _train(config, tmp_path / "resumed.npz", jax_cache, "data_config.seed=1")
+  assert meta["learners"] == [_RESUMABLE] and meta["restored_steps"] == [2]
+  testing.assert_trees_equal(resumed, expected[2 * 2:], path="after switching to ckpt-iter train")
+  assert (root / "actor" / str(_MAX_STEPS) / "data").is_dir()
 
 
 def test_a_resume_into_another_dataset_seed_is_refused_naming_it(tmp_path, jax_cache, uninterrupted):

@@ -1,9 +1,10 @@
 """Runs `ckpt-iter train ...` (Tunix's own YAML pipeline) on the toy model, in this process.
 
-    python tunix_cli_worker.py --out OUT.npz [--preempt-after K] -- grpo CONFIG.yaml [key=value ...]
+    python tunix_cli_worker.py --out OUT.npz [--preempt-after K] [--stock] -- grpo CONFIG.yaml [key=value ...]
 
 Everything after `--` goes to the `ckpt-iter` command line unchanged
-(`ckpt_iter.__main__.main(["train", ...])`). Tunix's pipeline loads real
+(`ckpt_iter.__main__.main(["train", ...])`); with --stock to Tunix's own
+`python -m tunix.cli.grpo_main CONFIG.yaml ...` instead (stock classes). Tunix's pipeline loads real
 models and tokenizers by name; here `tunix.cli.utils.model.create_model` and
 `create_tokenizer`, which the pipeline calls to load them, return Tunix's toy
 transformer and vocabulary instead (the same ones as ckpt_iter.demo.toyrun).
@@ -196,10 +197,23 @@ def _swapped_names_restored() -> bool:
   )
 
 
+def _run_stock(command: list[str]) -> int:
+  """`python -m tunix.cli.<pipeline>_main CONFIG.yaml ...`, as a user runs it without ckpt_iter."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter.tunix import _api  # pylint: disable=g-import-not-at-top
+
+  pipeline, _ = _api.cli_pipeline(command[0])
+  flags.FLAGS([pipeline.__name__])  # what absl.app.run does before main
+  pipeline.main([pipeline.__name__, *command[1:]])
+  return 0
+
+
 def main() -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
   parser.add_argument("--preempt-after", type=int, default=None)
+  parser.add_argument("--stock", action="store_true", help="run Tunix's own command, not ckpt-iter train")
   parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the `ckpt-iter train` arguments")
   args = parser.parse_args()
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -209,9 +223,12 @@ def main() -> int:
   recorder = _Recorder()
   if args.preempt_after is not None:
     _preempt_after(args.preempt_after, lambda: recorder.save(args.out, {"preempted": True}))
-  from ckpt_iter import __main__ as entry  # pylint: disable=g-import-not-at-top
+  if args.stock:
+    code = _run_stock(command)
+  else:
+    from ckpt_iter import __main__ as entry  # pylint: disable=g-import-not-at-top
 
-  code = entry.main(["train", *command])
+    code = entry.main(["train", *command])
   recorder.save(args.out, {"preempted": False, "exit_code": code, "restored": _swapped_names_restored()})
   return code
 

@@ -1,0 +1,54 @@
+"""The restart options of `ckpt-iter train` (ckpt_iter.tunix.cli), without a Tunix run."""
+
+import pytest
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+import yaml
+
+from ckpt_iter.tunix import cli
+
+
+def _config(tmp_path, section=None):
+  body = {"batch_size": 2}
+  if section is not None:
+    body["ckpt_iter"] = section
+  path = tmp_path / "config.yaml"
+  path.write_text(yaml.safe_dump(body))
+  return str(path)
+
+
+@pytest.mark.parametrize("kind, section, arguments, expected", [
+    # A run started with Tunix's own command continues like stock by default.
+    ("grpo", None, [], {"on_legacy_checkpoint": "fast_forward", "allow_drift": ()}),
+    ("grpo", {"on_legacy_checkpoint": "raise"}, [], {"on_legacy_checkpoint": "raise", "allow_drift": ()}),
+    # The command line wins over the file; allow_drift as a comma list or a YAML list.
+    ("grpo", {"on_legacy_checkpoint": "raise"}, ["ckpt_iter.on_legacy_checkpoint=fast_forward"],
+     {"on_legacy_checkpoint": "fast_forward", "allow_drift": ()}),
+    ("ppo", None, ["ckpt_iter.allow_drift=train_micro_batch_size,seed"],
+     {"on_legacy_checkpoint": "fast_forward", "allow_drift": ("train_micro_batch_size", "seed")}),
+    ("sft", {"allow_drift": ["seed"]}, [], {"allow_drift": ("seed",)}),
+])
+def test_options_come_from_the_config_section_and_the_command_line(tmp_path, kind, section, arguments, expected):
+  options, rest = cli.train_options(kind, _config(tmp_path, section), [*arguments, "data_config.seed=1"])
+  assert options == expected
+  assert rest == ["data_config.seed=1"]  # only Tunix's own overrides reach Tunix
+
+
+@pytest.mark.parametrize("kind, arguments, message", [
+    ("grpo", ["ckpt_iter.on_legacy=raise"], "ckpt_iter.on_legacy is not an option"),
+    ("grpo", ["ckpt_iter.on_legacy_checkpoint=skip"], "on_legacy_checkpoint='skip': expected one of raise"),
+    ("sft", ["ckpt_iter.on_legacy_checkpoint=raise"], "does not apply to the sft pipeline"),
+])
+def test_bad_options_are_refused_naming_them(tmp_path, kind, arguments, message):
+  with pytest.raises(cli._Usage, match=message):  # pylint: disable=protected-access
+    cli.train_options(kind, _config(tmp_path), arguments)
+
+
+def test_the_learner_takes_the_options_unless_its_caller_passes_them():
+  class Learner:
+    def train(self, train_ds, eval_ds=None, *, on_legacy_checkpoint="raise", allow_drift=()):
+      return on_legacy_checkpoint, allow_drift
+
+  configured = cli._with_train_options(Learner, {"on_legacy_checkpoint": "fast_forward"})  # pylint: disable=protected-access
+  assert issubclass(configured, Learner) and configured.__qualname__ == Learner.__qualname__
+  assert configured().train([]) == ("fast_forward", ())
+  assert configured().train([], on_legacy_checkpoint="raise") == ("raise", ())
