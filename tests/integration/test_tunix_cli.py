@@ -131,9 +131,11 @@ def test_a_run_started_with_tunixs_own_command_continues_with_ckpt_iter_train(tm
                    preempt_after=2, expect_rc=tunix_cli_worker.PREEMPT_EXIT_CODE)
   assert meta["learners"] == ["tunix.rl.grpo.grpo_learner.GRPOLearner"]
   assert not (root / "actor" / "2" / "data").exists()  # a stock checkpoint
+  # The policy from a `ckpt_iter:` section of the file (Tunix's loader takes the file as it is).
+  strict = _write_config(tmp_path / "strict.yaml", root, ckpt_iter={"on_legacy_checkpoint": "raise"})
   refused = subprocess.run(
-      [sys.executable, _WORKER, "--out", str(tmp_path / "refused.npz"), "--", "grpo", config,
-       "data_config.seed=1", "ckpt_iter.on_legacy_checkpoint=raise"],
+      [sys.executable, _WORKER, "--out", str(tmp_path / "refused.npz"), "--", "grpo", strict,
+       "data_config.seed=1"],
       env=_env(jax_cache), capture_output=True, text=True, timeout=900)
   assert refused.returncode == 1, refused.stderr[-3000:]
   assert "On this command line: ckpt_iter.on_legacy_checkpoint=fast_forward" in refused.stderr, refused.stderr[-2000:]
