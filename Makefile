@@ -71,7 +71,7 @@ $(TUNIX_MAIN_VENV)/.installed: pyproject.toml
 	$(TUNIX_MAIN_VENV)/bin/pip install -q perfetto tenacity 'qwix>=0.1.6'
 	touch $@
 
-test-tunix-main: $(TUNIX_MAIN_VENV)/.installed
+test-tunix-main: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
 	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider --run-slow \
 	  tests/integration/test_tunix_main.py tests/integration/test_tunix_bugs.py \
 	  tests/integration/test_tunix_sft.py tests/integration/test_tunix_agentic.py \
@@ -86,7 +86,7 @@ test-tunix-main: $(TUNIX_MAIN_VENV)/.installed
 # test-heavy): the learners and orders where main differs from 0.1.7 (every
 # RL learner family, the agentic loop and its full-batch replay, packing) and
 # the differential suite's explicit examples. make test-tunix-main runs all.
-test-tunix-main-core: $(TUNIX_MAIN_VENV)/.installed
+test-tunix-main-core: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
 	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider --run-slow \
 	  tests/integration/test_tunix_main.py tests/integration/test_tunix_agentic.py \
 	  tests/integration/test_tunix_packing.py \

@@ -115,6 +115,35 @@ _DATACLASSES: dict[str, type] = {}
 _DATACLASS_NAMES: dict[type, str] = {}
 
 
+def _fields_for(cls: type, name: str, saved: Mapping[str, Any], origin: str) -> dict[str, Any]:
+  """The saved fields `cls` is built from: another version of its library may add or drop some.
+
+  A field the saved item lacks is left to its default in `cls`; a saved field
+  `cls` lacks is dropped when it holds None (an optional field left unset).
+  Anything else would change what the item means.
+
+  Raises:
+    PendingTypeError: a required field is missing, or a dropped one held a value.
+  """
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  missing = sorted(
+      n for n, f in fields.items() if n not in saved
+      and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+  holding = sorted(n for n in saved if n not in fields and saved[n] is not None)
+  if missing or holding:
+    problems = []
+    if holding:
+      problems.append(f"holds {holding}, which {cls.__module__}.{cls.__qualname__} here does not have")
+    if missing:
+      problems.append(f"lacks {missing}, which it requires here")
+    raise errors.PendingTypeError(
+        f"{origin}: pending {name} {' and '.join(problems)}: it was written with another "
+        f"version of the library that defines it (saved fields {sorted(saved)}, here "
+        f"{sorted(fields)})."
+    )
+  return {n: v for n, v in saved.items() if n in fields}
+
+
 def register_pytree_dataclass(name: str, cls: type) -> None:
   """Allows instances of dataclass `cls` in pending items, stored as `name`.
 
@@ -291,13 +320,8 @@ def decode_pytree(
             f"here (registered: {sorted(_DATACLASSES)}). Import the integration that "
             "wrote it (e.g. ckpt_iter.tunix) before restoring."
         )
-      names = {f.name for f in dataclasses.fields(cls)}
-      if set(node["fields"]) != names:
-        raise errors.InvalidStateError(
-            f"{origin}: pending {node['dataclass']} has fields "
-            f"{sorted(node['fields'])}, expected {sorted(names)}."
-        )
-      return cls(**{k: decode(v, depth + 1) for k, v in node["fields"].items()})
+      fields = _fields_for(cls, node["dataclass"], node["fields"], origin)
+      return cls(**{k: decode(v, depth + 1) for k, v in fields.items()})
     raise errors.InvalidStateError(f"{origin}: malformed pending node {_short(node)}.")
 
   return decode(structure, 0)

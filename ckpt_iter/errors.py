@@ -46,6 +46,16 @@ class ItemNotFoundError(InvalidStateError):
   """An item directory holds no data state file at all (e.g. a step written without one)."""
 
 
+class PendingTypeError(InvalidStateError):
+  """A pending item's type has fields here that it had not where it was written, or lacks some.
+
+  Not corruption: the item was written with another version of the library
+  that defines its type (e.g. another Tunix). Fields only one side has are
+  accepted when they hold their defaults (`_codec.decode_pytree`); this is
+  raised for the rest.
+  """
+
+
 class StateVersionError(CkptIterError):
   """A state was written in a format version this release cannot read."""
 

@@ -143,9 +143,7 @@ def require_api(learner: Any, problems: list[str] | None = None) -> None:
   if problems is None:
     problems = check_private_api() + check_instance_api(learner)
   if problems:
-    import tunix  # pylint: disable=g-import-not-at-top
-
-    version = getattr(tunix, "__version__", "unknown")
+    version = tunix_version()
     raise errors.UnsupportedConfigError(
         f"this Tunix ({version}) lacks what ckpt_iter's exact resume relies on: "
         f"{'; '.join(problems)}. ckpt_iter supports google-tunix 0.1.7 and "
@@ -340,10 +338,8 @@ def require_sft_api(trainer: Any) -> None:
   """Raises UnsupportedConfigError naming what a built PeftTrainer lacks."""
   missing = [name for name in REQUIRED_SFT_TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
   if missing:
-    import tunix  # pylint: disable=g-import-not-at-top
-
     raise errors.UnsupportedConfigError(
-        f"this Tunix ({getattr(tunix, '__version__', 'unknown')}) PeftTrainer "
+        f"this Tunix ({tunix_version()}) PeftTrainer "
         f"({type(trainer).__name__}) lacks {missing}, which ckpt_iter's SFT resume "
         "relies on. ckpt_iter supports google-tunix 0.1.7 and upstream main at 0.1.8."
     )
@@ -536,7 +532,8 @@ CLI_PIPELINES: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
 }
 
 
-def _tunix_version() -> str:
+def tunix_version() -> str:
+  """The installed Tunix's version string ("unknown" when it has none)."""
   import tunix  # pylint: disable=g-import-not-at-top
 
   return getattr(tunix, "__version__", "unknown")
@@ -556,7 +553,7 @@ def cli_pipeline(kind: str) -> tuple[Any, list[tuple[Any, str]]]:
     pipeline = importlib.import_module(module_name)
   except ImportError as e:
     raise errors.UnsupportedConfigError(
-        f"this Tunix ({_tunix_version()}) has no {module_name} ({e}), so "
+        f"this Tunix ({tunix_version()}) has no {module_name} ({e}), so "
         f"`train {kind}` cannot run here; upstream Tunix main has it."
     ) from None
   problems = []
@@ -577,7 +574,7 @@ def cli_pipeline(kind: str) -> tuple[Any, list[tuple[Any, str]]]:
       found.append((module, attribute))
   if problems:
     raise errors.UnsupportedConfigError(
-        f"this Tunix ({_tunix_version()}) does not build its `{kind}` learner where "
+        f"this Tunix ({tunix_version()}) does not build its `{kind}` learner where "
         f"ckpt_iter swaps in the Resumable class: {'; '.join(problems)}. ckpt_iter "
         "supports the pipelines of google-tunix 0.1.7 and upstream main at 0.1.8."
     )

@@ -20,6 +20,8 @@ from tunix.rl import rl_learner
 
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _saving
+from ckpt_iter.tunix import _settings as settings_lib
+from ckpt_iter import _files
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _storage
 from ckpt_iter import errors
@@ -57,20 +59,9 @@ def read_step_state(
   """
   origin = f"checkpoint step {step} ({data_dir})"
   try:
-    saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
-  except errors.ProcessCountError as e:
-    # Another process count: exact when every saved process holds the same
-    # state (Tunix's default, every process feeding the same batches).
-    try:
-      saved = item_lib.read_replicated_item(data_dir, e.saved_count)
-    except errors.UnsupportedConfigError as refusal:
-      # The generic advice (elastic=True) does not apply to a learner's state.
-      raise errors.ProcessCountError(
-          f"{origin}: written by {e.saved_count} JAX process(es); resuming with "
-          f"{e.process_count} is exact only when every saved process holds the "
-          f"same data state. {refusal}",
-          saved_count=e.saved_count, process_count=e.process_count,
-      ) from None
+    saved = _read_saved(data_dir, origin)
+  except errors.PendingTypeError as e:
+    raise _across_tunix_versions(e, data_dir) from None
   if saved is None:
     return None
   value = saved.resumed()  # this resume recorded in its lineage
@@ -86,6 +77,44 @@ def read_step_state(
         f"but the model was restored at step {step}; they must come from one step."
     )
   return value
+
+
+def _read_saved(data_dir: str, origin: str) -> Any:
+  """This process's saved state of the step (or the one all saved processes share)."""
+  try:
+    saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
+  except errors.ProcessCountError as e:
+    # Another process count: exact when every saved process holds the same
+    # state (Tunix's default, every process feeding the same batches).
+    try:
+      saved = item_lib.read_replicated_item(data_dir, e.saved_count)
+    except errors.UnsupportedConfigError as refusal:
+      # The generic advice (elastic=True) does not apply to a learner's state.
+      raise errors.ProcessCountError(
+          f"{origin}: written by {e.saved_count} JAX process(es); resuming with "
+          f"{e.process_count} is exact only when every saved process holds the "
+          f"same data state. {refusal}",
+          saved_count=e.saved_count, process_count=e.process_count,
+      ) from None
+  return saved
+
+
+def _across_tunix_versions(error: errors.PendingTypeError, data_dir: str) -> errors.PendingTypeError:
+  """`error` with the two Tunix versions named and the ways through."""
+  saved = None
+  try:
+    header = _files.read_header(_files.header_path(data_dir, 0, _files.saved_process_count(data_dir)))
+    saved = settings_lib.saved_tunix_version(header.get("fingerprint") or {})
+  except (OSError, errors.CkptIterError):
+    pass  # the version is only named when the header says it
+  written = f"google-tunix {saved}" if saved else "another google-tunix (not recorded)"
+  return errors.PendingTypeError(
+      f"{error} This process runs google-tunix {api.tunix_version()}; the checkpoint was "
+      f"written with {written}, and the pending repeat it holds is of that Tunix's trainer "
+      f"input type. Finish the repeat on {written}: resume there and stop at the next "
+      "global-step boundary (a checkpoint with no pending inputs), which any Tunix version "
+      "resumes; or resume here from an earlier checkpoint at a global-step boundary."
+  )
 
 
 def tunix_learner_name(learner: Any) -> str:

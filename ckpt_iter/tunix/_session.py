@@ -140,9 +140,9 @@ class DataSession:
       # Another budget packs the pending sequences into other trainer inputs.
       self.fingerprint["max_seq_token_per_tpu"] = int(self.packing)
     # Changeable on resume, with a warning (not compared as the fields above are).
-    settings = settings_lib.algorithm_settings(learner)
-    if settings:
-      self.fingerprint[settings_lib.FIELD] = settings_lib.encode(settings)
+    settings: dict[str, Any] = settings_lib.algorithm_settings(learner)
+    settings[settings_lib.TUNIX_VERSION] = api.tunix_version()
+    self.fingerprint[settings_lib.FIELD] = settings_lib.encode(settings)
 
   def tunix_input(self) -> list[Any]:
     """What Tunix's train() reads to size its batches (nothing else is read)."""

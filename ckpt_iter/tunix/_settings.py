@@ -21,6 +21,9 @@ from typing import Any, Mapping
 
 
 FIELD = "settings"
+# Also recorded there: the Tunix that wrote the state, named when a pending
+# example of another Tunix version cannot be restored, warned about otherwise.
+TUNIX_VERSION = "tunix_version"
 _LOG = logging.getLogger("ckpt_iter")
 # Fingerprinted in their own right (a change is refused): not repeated here.
 _REFUSED = frozenset({"num_generations", "num_iterations"})
@@ -49,7 +52,7 @@ def algorithm_settings(learner: Any) -> dict[str, int | float]:
   return settings
 
 
-def encode(settings: Mapping[str, int | float]) -> str:
+def encode(settings: Mapping[str, int | float | str]) -> str:
   return ",".join(f"{name}={value!r}" for name, value in sorted(settings.items()))
 
 
@@ -60,6 +63,12 @@ def split(fingerprint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str
   if not isinstance(text, str) or not text:
     return rest, {}
   return rest, dict(pair.split("=", 1) for pair in text.split(",") if "=" in pair)
+
+
+def saved_tunix_version(fingerprint: Mapping[str, Any]) -> str | None:
+  """The Tunix version a state's settings record, or None (written before it was recorded)."""
+  value = split(fingerprint)[1].get(TUNIX_VERSION)
+  return None if value is None else value.strip("'\"")
 
 
 def changes(saved: Mapping[str, str], current: Mapping[str, str]) -> dict[str, tuple[str, str]]:

@@ -10,6 +10,7 @@ deselected (see conftest.py), never skipped.
 import inspect
 import json
 import os
+import sys
 
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
@@ -145,3 +146,30 @@ def test_async_rollout_mid_global_step_resumes_exactly(tmp_path, jax_cache):
   actor = os.path.join(str(tmp_path), "chain", "actor")
   holding = [step for step in (1, 2, 3, 4) if "rollout_params" in os.listdir(os.path.join(actor, str(step)))]
   assert holding == [1, 2], holding
+
+
+# The project venv: google-tunix 0.1.7 as pinned (make test builds it; the
+# test-tunix-main targets depend on it).
+RELEASED_TUNIX_PYTHON = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, ".venv", "bin", "python")
+
+
+@pytest.mark.tunix_main
+@pytest.mark.parametrize("written_on", ["0.1.7", "main"])
+def test_a_pending_repeat_crosses_a_tunix_upgrade_in_either_direction(tmp_path, jax_cache, written_on):
+  """Issue 31, case 5: a checkpoint between the two updates of one rollout (mu=2, after
+  step 3), written on one Tunix and resumed on the other: the pending repeat is restored bit
+  for bit (TrainExample only gained optional fields, unset here), then training goes on."""
+  assert os.path.exists(RELEASED_TUNIX_PYTHON), f"{RELEASED_TUNIX_PYTHON}: run `make test` first"
+  released, upstream = os.path.abspath(RELEASED_TUNIX_PYTHON), sys.executable
+  first, then = (released, upstream) if written_on == "0.1.7" else (upstream, released)
+  config = dict(num_iterations=2, max_steps=4, learner="ckpt_iter")
+  reference = harness.run_toy(config, str(tmp_path / "ref"), str(tmp_path / "ref.npz"),
+                              cache_dir=jax_cache, python=first)
+  root = str(tmp_path / "ckpt")
+  harness.run_toy(config, root, str(tmp_path / "a.npz"), preempt_after=3, cache_dir=jax_cache, python=first)
+  resumed = harness.run_toy(dict(config, max_steps=6), root, str(tmp_path / "b.npz"),
+                            cache_dir=jax_cache, python=then)
+  assert resumed.meta["restored_step"] == 3
+  harness.assert_same_inputs(resumed.inputs[:1], reference.inputs[3:], "the restored pending repeat")
+  assert resumed.labels == ["B", "C", "C"], resumed.labels
+  assert "tunix_version" in resumed.stderr  # the settings warning names the upgrade

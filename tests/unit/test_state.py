@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 import struct
 
 import grain
@@ -521,3 +522,39 @@ def test_decode_state_validates_the_array_manifest_before_reading(header, fragme
     codec.decode_state(header, load_array, origin=ORIGIN)
   assert fragment in str(info.value)
   assert str(info.value).startswith(ORIGIN)
+
+
+@dataclasses.dataclass
+class _Versioned:
+  ids: object
+  logps: object
+  segment_ids: object = None
+
+
+codec.register_pytree_dataclass("test_state.Versioned", _Versioned)
+
+
+def _versioned(**fields):
+  return {"dataclass": "test_state.Versioned", "fields": fields}
+
+
+def test_a_pending_type_of_another_library_version_restores_when_the_difference_is_unset():
+  """Another Tunix may add optional fields to TrainExample (issue 31, case 5): a saved item
+  without one gets its default, and a saved field this version lacks is dropped when unset."""
+  one, two = {"list": [None]}, {"tuple": []}
+  older = codec.decode_pytree(_versioned(ids=one, logps=two), lambda name: None, origin="test")
+  assert older == _Versioned(ids=[None], logps=(), segment_ids=None)
+  newer = codec.decode_pytree(_versioned(ids=one, logps=two, segment_ids=one, is_update_step=None),
+                              lambda name: None, origin="test")
+  assert newer == _Versioned(ids=[None], logps=(), segment_ids=[None])
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(ids=None, logps=None, is_update_step={"list": []}), "holds ['is_update_step']"),
+    (dict(ids=None), "lacks ['logps']"),
+])
+def test_a_pending_type_that_would_change_meaning_is_refused_as_another_version(fields, named):
+  with pytest.raises(errors.PendingTypeError, match=re.escape(named)) as refused:
+    codec.decode_pytree(_versioned(**fields), lambda name: None, origin="test")
+  assert "another version of the library" in str(refused.value)
+  assert isinstance(refused.value, errors.InvalidStateError)

@@ -130,3 +130,31 @@ def test_a_legacy_skip_of_a_map_dataset_reads_nothing():
   source.skip_full_batches(3)
   assert list(next(source)["prompts"]) == ["P06", "P07"]
   assert produced == [6, 7]
+
+
+def test_a_pending_example_of_another_tunix_is_refused_naming_both_versions(tmp_path):
+  """Issue 31, case 5: when a field only the writing Tunix has holds a value, the refusal names
+  the Tunix that wrote the step (recorded in its settings) and this one, not corruption."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import _files, errors, state as state_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _api, _items  # pylint: disable=g-import-not-at-top
+  from tunix.rl import common  # pylint: disable=g-import-not-at-top
+
+  example = common.TrainExample(*[np.zeros((1, 2), np.float32)] * 7)
+  item = tmp_path / "data"
+  _write_state(item, state_lib.IteratorState(
+      kind="tunix", fingerprint={"learner": "GRPOLearner", "settings": "beta=0.04,tunix_version='9.9.9'"},
+      position={"next_index": 1}, pending=state_lib.Pending(items=(example,), schedule=(0,)),
+      counters={"train_steps": 3}))
+  header_path = _files.header_path(str(item), 0, 1)
+  with open(header_path) as f:
+    header = json.load(f)
+  header["pending"]["items"][0]["fields"]["future_field"] = {"list": []}  # set on the writer's side
+  with open(header_path, "w") as f:
+    json.dump(header, f)
+  with pytest.raises(errors.PendingTypeError) as refused:
+    _items.read_step_state(str(item), 3, learner_field="learner", writer="w")
+  message = str(refused.value)
+  assert "holds ['future_field']" in message and "google-tunix 9.9.9" in message
+  assert f"runs google-tunix {_api.tunix_version()}" in message and "global-step boundary" in message

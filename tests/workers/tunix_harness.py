@@ -48,8 +48,9 @@ def run_toy(
     preempt_after: int | None = None,
     cache_dir: str | None = None,
     expect_failure: bool = False,
+    python: str = sys.executable,
 ) -> Run:
-  """Runs one toy training process; returns what it trained."""
+  """Runs one toy training process (with the interpreter `python`); returns what it trained."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   if config.get("async_rollout"):
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -57,7 +58,7 @@ def run_toy(
     env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   command = [
-      sys.executable, tunix_toy.WORKER, "--root", root, "--out", out,
+      python, tunix_toy.WORKER, "--root", root, "--out", out,
       "--config", json.dumps(config),
   ]
   if preempt_after is not None:
