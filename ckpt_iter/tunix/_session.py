@@ -34,10 +34,36 @@ _CONTINUABLE_LEARNER_FIELDS = frozenset({
     "full_batch_size", "mini_batch_size", "train_micro_batch_size",
     "rollout_micro_batch_size", "compute_logps_micro_batch_size",
 })
+# How a mini-batch is cut into trainer inputs and rollout batches; a resume may
+# change them when the mini-batches stay the same (`_resplit_micro_batches`).
+_MICRO_BATCH_FIELDS = ("train_micro_batch_size", "rollout_micro_batch_size", "compute_logps_micro_batch_size")
+_SPLIT_FIELDS = ("full_batch_size", "mini_batch_size")
 # The producer of a mini-batch never blocks, so this only trips on a hang.
 _PRODUCER_TIMEOUT_SECONDS = 600.0
 # Counter of a mid-global-step state: 1 when the step holds the rollout weights.
 ROLLOUT_WEIGHTS_COUNTER = "rollout_weights"
+
+
+def _position_in_micro_batches(position: Any, saved_micro_batch: Any, micro_batch: int) -> Any:
+  """A saved input position re-counted in micro-batches of `micro_batch` prompts.
+
+  `micro_batches_taken` counts micro-batches of the size that saved it; the
+  rows they hold are what a resume with another size must skip. Malformed
+  positions are returned as they are, for the input's check to refuse.
+  """
+  if (
+      saved_micro_batch == micro_batch or not isinstance(position, dict)
+      or not state_lib.is_int(position.get("micro_batches_taken")) or not state_lib.is_int(saved_micro_batch)
+      or not state_lib.is_int(position.get("rows_taken", 0))
+  ):
+    return position
+  rows = position.get("rows_taken", position["micro_batches_taken"] * saved_micro_batch)
+  taken, rest = divmod(rows, micro_batch)
+  result = {key: value for key, value in position.items() if key != "rows_taken"}
+  result["micro_batches_taken"] = taken
+  if rest:
+    result["rows_taken"] = rows
+  return result
 
 
 def rollout_reads_before_sync(
@@ -434,10 +460,13 @@ class DataSession:
       )
     saved_fingerprint, saved_settings = settings_lib.split(value.fingerprint)
     current_fingerprint, current_settings = settings_lib.split(self.fingerprint)
+    resplit = self._resplit_micro_batches(value, saved_fingerprint, allow_drift, origin)
+    position = _position_in_micro_batches(
+        value.position, saved_fingerprint.get("train_micro_batch_size"), self.micro_batch_size)
     try:
       checked = _input.check_learner_state(
           saved_fingerprint, _input.learner_part(current_fingerprint, self.input.source),
-          self.input, value.position, allow_drift=allow_drift, origin=origin,
+          self.input, position, allow_drift=allow_drift | resplit, origin=origin,
           optional_learner_fields=("max_seq_token_per_tpu",),
       )
       continuation = None
@@ -456,7 +485,7 @@ class DataSession:
     on_device = [items.to_device(learner, item, origin) for item in saved_items]
     # All checks passed and everything is read: apply.
     if continuation is None:
-      self.input.apply(checked, value.position)
+      self.input.apply(checked, position)
     else:
       self.input.continue_at(continuation, value.position)
     self.key = repeat_lib.key_from_ints(value.shuffle_key)
@@ -487,6 +516,38 @@ class DataSession:
         "%d more mini-batches in this global step.",
         step, len(value.pending or ()), remaining,
     )
+
+  def _resplit_micro_batches(
+      self, value: state_lib.IteratorState, saved: dict[str, Any], allow_drift: frozenset[str], origin: str
+  ) -> frozenset[str]:
+    """The micro-batch sizes that changed where only how a mini-batch is split changes.
+
+    A smaller micro-batch (after an out-of-memory crash, say) with the same
+    full and mini-batch sizes cuts the same mini-batches into more pieces:
+    which prompts come next does not change, so the input continues at the
+    same prompt, as stock Tunix does. Pending inputs of a repeat in progress
+    are micro-batches of the old size, so such a checkpoint is refused unless
+    the change is allowed explicitly.
+
+    Raises:
+      ConfigDriftError: the checkpoint holds pending inputs of the old size.
+    """
+    changed = {name: (saved.get(name), self.fingerprint[name]) for name in _MICRO_BATCH_FIELDS
+               if name in saved and saved[name] != self.fingerprint[name]}
+    if not changed or any(saved.get(name) != self.fingerprint[name] for name in _SPLIT_FIELDS):
+      return frozenset()
+    if value.pending is not None and not set(changed) <= allow_drift:
+      old = saved.get("train_micro_batch_size")
+      raise errors.ConfigDriftError(changed, origin=(
+          f"{origin} (a repeat is in progress: its {len(value.pending.schedule)} pending trainer "
+          f"inputs are micro-batches of {old} prompts; resume with train_micro_batch_size={old} "
+          "until the next global step starts, or from a checkpoint at a global-step boundary)"))
+    _LOG.warning(
+        "ckpt_iter: %s: the micro-batch sizes changed (%s) with the same full and mini-batches; "
+        "the input continues at the same prompt, in micro-batches of the new size.",
+        origin, ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())),
+    )
+    return frozenset(changed)
 
   def _continuation(self, value: state_lib.IteratorState, drift: errors.ConfigDriftError, origin: str) -> Any:
     """Where a changed input continues from `value`, or `drift` re-raised with the reason.

@@ -145,6 +145,26 @@ def test_a_run_started_with_tunixs_own_command_continues_with_ckpt_iter_train(tm
   assert (root / "actor" / str(_MAX_STEPS) / "data").is_dir()
 
 
+def test_a_smaller_micro_batch_continues_at_the_same_prompt(tmp_path, jax_cache, uninterrupted):
+  """Issue 31, case 4: a run with micro-batches of 2 (mini-batch 2) killed after step 2,
+  restarted with train_micro_batch_size 1 (after an out-of-memory crash, say): the same
+  mini-batches are cut into more pieces, so it trains the prompts the uninterrupted run
+  with micro-batches of 1 trains from there (as stock does), no allow_drift needed."""
+  _, expected, _ = uninterrupted  # micro-batches of 1 throughout
+  root = tmp_path / "ckpt"
+  training = tunix_cli_worker.grpo_config(str(root), "")["rl_training_config"]
+  wide = _write_config(tmp_path / "wide.yaml", root, rl_training_config={**training, "train_micro_batch_size": 2})
+  killed, _ = _train(wide, tmp_path / "killed.npz", jax_cache, "data_config.seed=1",
+                     preempt_after=2, expect_rc=tunix_cli_worker.PREEMPT_EXIT_CODE)
+  assert len(killed) == 2  # one trainer input per update
+  narrow = _write_config(tmp_path / "narrow.yaml", root)
+  resumed, meta = _train(narrow, tmp_path / "resumed.npz", jax_cache, "data_config.seed=1")
+  assert meta["restored_steps"] == [2]
+  assert len(resumed) == len(expected) - 4
+  for index, (got, want) in enumerate(zip(resumed, expected[4:])):
+    np.testing.assert_array_equal(got["prompt_ids"], want["prompt_ids"], err_msg=f"trainer input {index}")
+
+
 def test_a_resume_into_another_dataset_seed_is_refused_naming_it(tmp_path, jax_cache, uninterrupted):
   root, _, _ = uninterrupted
   copy = tmp_path / "ckpt"

@@ -1,5 +1,7 @@
 """Rules of the RL learner's data session (ckpt_iter.tunix._session), without a Tunix run."""
 
+import types
+
 import hypothesis
 from hypothesis import strategies as st
 import pytest
@@ -59,3 +61,48 @@ def test_rollout_weight_cases(case, needed):
   defaults = dict(has_eval_input=False, eval_every_n_steps=2, train_steps=1,
                   gradient_accumulation_steps=1, packed=False)
   assert _session.rollout_reads_before_sync(**{**defaults, **case}) is needed
+
+
+@pytest.mark.parametrize("position, saved_micro, micro, expected", [
+    # At a mini-batch boundary nothing moves.
+    ({"full_batch": {"next_index": 3}, "micro_batches_taken": 0}, 2, 1,
+     {"full_batch": {"next_index": 3}, "micro_batches_taken": 0}),
+    # Two micro-batches of 2 taken: 4 rows, four micro-batches of 1.
+    ({"full_batch": {"next_index": 3}, "micro_batches_taken": 2}, 2, 1,
+     {"full_batch": {"next_index": 3}, "micro_batches_taken": 4}),
+    # Three rows taken (uneven) with a micro-batch of 2: one whole and a row over.
+    ({"full_batch": {}, "micro_batches_taken": 1, "rows_taken": 3}, 1, 2,
+     {"full_batch": {}, "micro_batches_taken": 1, "rows_taken": 3}),
+    # The same size, or a position the input's check must refuse: unchanged.
+    ({"full_batch": {}, "micro_batches_taken": 2}, 2, 2, {"full_batch": {}, "micro_batches_taken": 2}),
+    ({"full_batch": {}, "micro_batches_taken": "2"}, 2, 1, {"full_batch": {}, "micro_batches_taken": "2"}),
+])
+def test_a_saved_position_is_recounted_in_micro_batches_of_the_new_size(position, saved_micro, micro, expected):
+  assert _session._position_in_micro_batches(position, saved_micro, micro) == expected  # pylint: disable=protected-access
+
+
+def _fingerprint(micro, mini=2):
+  return {"full_batch_size": 2, "mini_batch_size": mini, "train_micro_batch_size": micro,
+          "rollout_micro_batch_size": micro, "compute_logps_micro_batch_size": micro}
+
+
+def _resplit(saved, current, pending=None, allow_drift=frozenset()):
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  value = state_lib.IteratorState(kind="tunix", fingerprint=saved, position={}, pending=pending)
+  session = types.SimpleNamespace(fingerprint=current)
+  return _session.DataSession._resplit_micro_batches(session, value, saved, allow_drift, "step 2")  # pylint: disable=protected-access
+
+
+def test_a_smaller_micro_batch_is_accepted_only_where_the_mini_batches_stay_and_no_repeat_is_pending():
+  from ckpt_iter import errors, state as state_lib  # pylint: disable=g-import-not-at-top
+
+  micro_fields = {"train_micro_batch_size", "rollout_micro_batch_size", "compute_logps_micro_batch_size"}
+  assert _resplit(_fingerprint(2), _fingerprint(1)) == micro_fields
+  assert _resplit(_fingerprint(2), _fingerprint(2)) == frozenset()
+  # Another mini-batch moves the stream: left to the continuation rule (not accepted here).
+  assert _resplit(_fingerprint(2, mini=2), _fingerprint(1, mini=1)) == frozenset()
+  pending = state_lib.Pending(items=({"a": None},), schedule=(0,))
+  with pytest.raises(errors.ConfigDriftError, match="a repeat is in progress.*train_micro_batch_size=2"):
+    _resplit(_fingerprint(2), _fingerprint(1), pending=pending)
+  assert _resplit(_fingerprint(2), _fingerprint(1), pending=pending, allow_drift=frozenset(micro_fields)) == micro_fields
