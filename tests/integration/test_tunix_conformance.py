@@ -16,7 +16,10 @@ processes killed with os._exit):
       `deliberate_difference` names and which have tests of their own;
   (b) killed after 1-2 checkpoints drawn among those the save interval writes,
       each segment a fresh process, the chain equals the uninterrupted drop-in
-      run, bit for bit, in the same three respects.
+      run, bit for bit, in the same three respects. Some draws switch a running
+      job: the first segment is stock Tunix, killed at a global-step boundary,
+      and the drop-in continues from its checkpoint (`on_legacy_checkpoint=
+      "fast_forward"`).
 
 Every example first asserts that its inputs are distinguishable: each trained
 row's prompt tokens identify one prompt, and a run that trains several
@@ -86,7 +89,18 @@ def rl_configs(draw) -> tuple[dict, list[int]]:
   config["max_steps"] = draw(st.integers(3, 6))
   saved = [s for s in range(1, config["max_steps"]) if s % config["save_interval_steps"] == 0]
   kills = sorted(draw(st.sets(st.sampled_from(saved), min_size=1, max_size=min(2, len(saved)))))
+  # Switching a running job: stock Tunix until the first kill, the drop-in after it. Exact
+  # when stock's checkpoint is at a global-step boundary with no repeat-order key to lose.
+  if (config["data_shuffle_seed"] is None and "max_seq_token_per_tpu" not in config
+      and kills[0] % updates_per_global_step(config) == 0 and draw(st.integers(0, 2)) == 0):
+    config["switch_from_stock"] = True
   return config, kills
+
+
+def updates_per_global_step(config: dict) -> int:
+  """Optimizer updates in one global step: num_iterations per mini-batch of the full batch."""
+  batch = config.get("batch_size", 1)
+  return config["num_iterations"] * (batch // (config.get("mini_batch_size") or batch))
 
 
 def deliberate_difference(config: dict) -> str | None:
@@ -166,6 +180,8 @@ def _assert_same_run(actual: harness.Run, expected: harness.Run, what: str) -> N
 
 
 def check_configuration(config: dict, kills: list[int], workdir: str, cache_dir: str) -> None:
+  config = dict(config)
+  switch_from_stock = config.pop("switch_from_stock", False)
   if os.path.exists(workdir):
     shutil.rmtree(workdir)
   os.makedirs(workdir)
@@ -183,7 +199,17 @@ def check_configuration(config: dict, kills: list[int], workdir: str, cache_dir:
     # The same prompts and evaluations, in another repeat order.
     assert sorted(drop_in.labels) == sorted(stock.labels), f"{difference}: {drop_in.labels} vs {stock.labels}"
     assert drop_in.meta["eval_steps"] == stock.meta["eval_steps"], difference
-  segments, _ = harness.chain(dict(config, learner="ckpt_iter"), workdir, kills, cache_dir)
+  first = None
+  if switch_from_stock:
+    # The job ran stock Tunix until its first preemption, then switched to the drop-in.
+    first = dict(config, learner="stock")
+    config["on_legacy_checkpoint"] = "fast_forward"
+  segments, _ = harness.chain(dict(config, learner="ckpt_iter"), workdir, kills, cache_dir, first_config=first)
+  if switch_from_stock:
+    # Stock's checkpoint has no data item; the drop-in's (from the first resume on) do.
+    actor = os.path.join(workdir, "chain", "actor")
+    assert not os.path.exists(os.path.join(actor, str(kills[0]), "data"))
+    assert os.path.isdir(os.path.join(actor, str(config["max_steps"]), "data"))
   chained = harness.Run(
       [x for run in segments for x in run.inputs],
       {"eval_steps": [s for run in segments for s in run.meta["eval_steps"]],
@@ -233,6 +259,11 @@ RL_HEAVY_EXAMPLES = [
     # (mid-mini-batch): the resumed run lost the evaluations at steps 3 and 4.
     ({"algorithm": "grpo", "num_iterations": 2, "input_kind": "iter", "with_eval": True,
       "eval_every_n_steps": 2, "save_interval_steps": 1, "max_steps": 5}, [3]),
+    # Switching a running job (issue 31): stock Tunix until its checkpoint 2 (a global-step
+    # boundary), then the drop-in on the stock checkpoint, killed again mid-repeat after 3.
+    ({"algorithm": "grpo", "num_iterations": 2, "batch_size": 2, "input_kind": "map",
+      "dataset_seed": None, "data_shuffle_seed": None, "save_interval_steps": 1, "max_steps": 6,
+      "switch_from_stock": True}, [2, 3]),
 ]
 SFT_MAKE_TEST_EXAMPLES = [
     # Gradient accumulation 2, the data runs out at step 5, killed after 2 and 3.

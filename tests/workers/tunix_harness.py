@@ -114,16 +114,20 @@ def chain(
     workdir: str,
     preempt_steps: list[int],
     cache_dir: str | None,
+    first_config: dict[str, Any] | None = None,
 ) -> tuple[list[Run], list[dict]]:
   """Preempts after each step in turn, resuming in a fresh process each time.
 
+  `first_config`, when given, runs the first segment (e.g. stock Tunix, for a
+  job switched to the drop-in after its first preemption).
   Returns the segment runs and the concatenation of their trainer inputs.
   """
   root = os.path.join(workdir, "chain")
   segments = []
   for index, step in enumerate(list(preempt_steps) + [None]):
     run = run_toy(
-        config, root, os.path.join(workdir, f"segment{index}.npz"),
+        first_config if index == 0 and first_config is not None else config, root,
+        os.path.join(workdir, f"segment{index}.npz"),
         preempt_after=step, cache_dir=cache_dir,
     )
     expected_restored = 0 if index == 0 else preempt_steps[index - 1]
