@@ -159,17 +159,11 @@ def check_restore_saved(
   return check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
 
 
-def restore_into(
-    item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
-) -> None:
-  """Restores `value` into a ckpt_iter iterator (check, then apply) or a Grain one."""
-  check_restore_into(item, value, allow_drift=allow_drift, origin=origin)()
-
-
 def check_restore_into(
     item: Any, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str
 ) -> Callable[[], None]:
-  """The check half of `restore_into`: raises or returns the apply step."""
+  """Checks `value` for a ckpt_iter iterator (check, then apply) or a Grain one: raises or
+  returns the apply step."""
   # What isinstance(item, state_lib.Restorable) decides, without typing's
   # protocol machinery, which walks the protocol's MRO on every call.
   check_restore = getattr(item, "check_restore", None)

@@ -32,6 +32,15 @@ from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
+__all__ = [
+    "ArrayRecordSource",
+    "HuggingFaceSource",
+    "JsonlSource",
+    "ParquetSource",
+    "SourceIdentity",
+    "resolve_source",
+]
+
 FILE_SUFFIXES = (".jsonl", ".parquet", ".array_record")
 INDEX_CACHE_ENV = "CKPT_ITER_INDEX_CACHE_DIR"
 _INDEX_CHUNK_BYTES = 16 * 2**20

@@ -39,7 +39,6 @@ RL_LEARNER_PRIVATE_API: tuple[PrivateName, ...] = (
     ("tunix.rl.rl_learner", "RLLearner", "_num_iterations", ()),
     ("tunix.rl.rl_learner", "RLLearner", "_num_generations", ()),
 )
-REQUIRED_PRIVATE_API = RL_LEARNER_PRIVATE_API  # the name earlier releases exported
 # Instance attributes set by the constructors, checked on a built object.
 REQUIRED_LEARNER_ATTRIBUTES = ("_data_shuffle_seed", "_iter_steps", "_training_config")
 REQUIRED_TRAINER_ATTRIBUTES = ("_train_steps", "_iter_steps", "checkpoint_manager")

@@ -534,7 +534,3 @@ class MicroBatchInput:
     self._reset()
     self._start_rows = taken * (self._micro_batch_size or 0)
     self._stream_rows_base = None  # unknown with uneven batches; not needed again
-
-  def peek_full_batch(self) -> Any:
-    """The full batch the next micro-batch comes from, without consuming it."""
-    return self._source.peek()
