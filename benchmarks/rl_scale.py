@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import _common
 
@@ -145,5 +144,4 @@ def main() -> None:
 
 if __name__ == "__main__":
   sys.path.insert(0, _common.REPO_DIR)
-  started = time.perf_counter()
   main()
