@@ -129,7 +129,29 @@ def weight_filter(learner: Any, model: Any = None) -> Any:
 
 
 def rollout_params(learner: Any) -> Any:
-  return nnx.state(learner.rl_cluster.rollout.model(), weight_filter(learner))
+  """The rollout model's weights, each leaf in a form Orbax can write."""
+  weights = nnx.state(learner.rl_cluster.rollout.model(), weight_filter(learner))
+  return jax.tree.map(_with_addressable_shards, weights)
+
+
+def _with_addressable_shards(leaf: Any) -> Any:
+  """`leaf`, or the same buffers re-assembled when it cannot list its shards.
+
+  Tunix moves weights to a rollout mesh with `jax.device_put`; across
+  processes, onto the same devices in another mesh shape, that can give an
+  array held as one multi-device piece, whose `addressable_shards` (which
+  Orbax's writer reads) raises. Re-assembling its per-device buffers makes
+  a plain global array of the same sharding, without copying data.
+  """
+  if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+    return leaf
+  try:
+    if leaf.addressable_shards:
+      return leaf
+  except ValueError:
+    pass
+  pieces = [leaf.addressable_data(i) for i in range(len(leaf.sharding.addressable_devices))]
+  return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces)
 
 
 def read_rollout_params(learner: Any, step: int, origin: str) -> Any:

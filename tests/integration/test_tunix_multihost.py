@@ -188,6 +188,52 @@ def test_a_one_process_job_resumes_the_two_process_checkpoint_exactly(runs, tmp_
   assert [(e["step"], e.get("resized", False)) for e in data.lineage["recent"]] == [(1, False), (3, True)]
 
 
+# A rollout model of its own, on the same two devices in another mesh shape
+# ((1, 2) where the actor's is (2, 1)), two mini-batches per global step: the
+# checkpoints inside a global step carry the rollout weights, which Tunix's
+# device_put between the two meshes leaves in a form Orbax's writer could not
+# list the shards of (the drop-in died saving checkpoint 1, where stock trains).
+ROLLOUT_MESH_STEPS = 8  # two global steps of 2 mini-batches x 2 iterations
+ROLLOUT_MESH_PREEMPTS = (1, 2)  # both inside the first global step
+
+
+@pytest.fixture(scope="module")
+def rollout_mesh_runs(tmp_path_factory) -> dict:
+  directory = tmp_path_factory.mktemp("tunix_multihost_rollout_mesh")
+  base = {"max_steps": ROLLOUT_MESH_STEPS, "rollout_mesh": [1, 2], "batch_size": 2, "mini_batch_size": 1}
+
+  def launch(name: str, root: Path, **config) -> list[dict]:
+    configs = [dict(base, root=str(root), **config)] * NUM_PROCESSES
+    return process_group.run_group(WORKER, directory, name, configs, timeout_seconds=RUN_TIMEOUT_SECONDS)
+
+  stock = launch("stock", directory / "stock_root", learner="stock", preempt_after=None)
+  chain_root = directory / "chain_root"
+  jobs = [
+      launch(f"from{start}", chain_root, preempt_after=preempt)
+      for start, preempt in zip((0,) + ROLLOUT_MESH_PREEMPTS, ROLLOUT_MESH_PREEMPTS + (None,))
+  ]
+  return {"stock": stock, "jobs": jobs, "chain_root": chain_root}
+
+
+@pytest.mark.heavy
+def test_a_rollout_mesh_of_another_shape_trains_and_resumes_as_stock_trains(rollout_mesh_runs):
+  runs = rollout_mesh_runs
+  for step in ROLLOUT_MESH_PREEMPTS:  # the weights a later rollout of the step reads
+    assert (runs["chain_root"] / "actor" / str(step) / "rollout_params").is_dir(), step
+  for index in range(NUM_PROCESSES):
+    want = _by_step(runs["stock"][index])
+    assert sorted(want) == list(range(ROLLOUT_MESH_STEPS))
+    trained: dict[int, dict] = {}
+    for job in runs["jobs"]:
+      trained.update(_by_step(job[index]))
+    assert [job[index]["restored_step"] for job in runs["jobs"]] == [0, *ROLLOUT_MESH_PREEMPTS]
+    assert sorted(trained) == sorted(want)
+    for train_step, record in trained.items():
+      where = f"process {index}, step {train_step}"
+      for field in ("prompt_ids", "fields", "layout", "params_before", "opt_before", "params_after"):
+        assert record[field] == want[train_step][field], (where, field)
+
+
 def test_processes_that_fed_different_data_are_refused_another_count(tmp_path):
   # Each process read its own shard: the saved states differ, and no state
   # fits a process of another count. Real files, the learner's one reader.

@@ -4,7 +4,11 @@
 
 CONFIG holds port, num_processes, process_id, root (absolute checkpoint
 root, shared by the processes), out, preempt_after (a step or null),
-max_steps and same_data (default true). The process joins a
+max_steps, same_data (default true), rollout_mesh (the rollout
+mesh's shape over the same devices, default the actor's [n, 1]), learner
+("ckpt_iter", the default, or "stock"), batch_size (prompts per batch,
+default 1) and mini_batch_size (default: the batch, one mini-batch per
+global step). The process joins a
 `jax.distributed` job on 127.0.0.1 (CPU backend) and trains
 `ResumableGRPOLearner` on the toy model of `ckpt_iter.demo.toyrun` with one mesh
 over all global devices for actor, reference and rollout,
@@ -47,7 +51,8 @@ LEARNING_RATE = 1e-2
 MOMENTUM = 0.9
 
 
-def build_learner(root: str, max_steps: int):
+def build_learner(root: str, max_steps: int, rollout_mesh=None, learner: str = "ckpt_iter",
+                  mini_batch_size=None):
   """tunix_toy.build_learner, with a mesh over all processes' devices and momentum."""
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -66,12 +71,15 @@ def build_learner(root: str, max_steps: int):
   reference = tc.ToyTransformer(config=model_config, rngs=nnx.Rngs(0))
   devices = jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices).reshape(len(devices), 1), ("fsdp", "tp"))
+  # Another shape over the same devices makes the rollout model a copy of its own.
+  rollout = mesh if rollout_mesh is None else jax.sharding.Mesh(
+      np.array(devices).reshape(tuple(rollout_mesh)), ("fsdp", "tp"))
   training = rl_cluster_lib.RLTrainingConfig(
       actor_optimizer=optax.sgd(LEARNING_RATE, momentum=MOMENTUM),
       eval_every_n_steps=1000,
       max_steps=max_steps,
-      mini_batch_size=None,
-      train_micro_batch_size=None,
+      mini_batch_size=mini_batch_size,
+      train_micro_batch_size=mini_batch_size,
       checkpoint_root_directory=root,
       checkpointing_options=ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=1000),
   )
@@ -83,7 +91,7 @@ def build_learner(root: str, max_steps: int):
           role_to_mesh={
               rl_cluster_lib.Role.ACTOR: mesh,
               rl_cluster_lib.Role.REFERENCE: mesh,
-              rl_cluster_lib.Role.ROLLOUT: mesh,
+              rl_cluster_lib.Role.ROLLOUT: rollout,
           },
           rollout_engine="vanilla",
           offload_to_cpu=False,
@@ -93,7 +101,7 @@ def build_learner(root: str, max_steps: int):
           ),
       ),
   )
-  config = tunix_toy.RunConfig(num_iterations=NUM_ITERATIONS, max_steps=max_steps)
+  config = tunix_toy.RunConfig(num_iterations=NUM_ITERATIONS, max_steps=max_steps, learner=learner)
   return tunix_toy.make_learner(config, cluster)
 
 
@@ -196,7 +204,9 @@ def main(config_path: str) -> int:
   index, count = jax.process_index(), jax.process_count()
   assert (index, count) == (config["process_id"], config["num_processes"]), (index, count)
   begin = time.perf_counter()
-  learner = build_learner(config["root"], config["max_steps"])  # restores the model
+  learner = build_learner(  # restores the model
+      config["root"], config["max_steps"], config.get("rollout_mesh"), config.get("learner", "ckpt_iter"),
+      config.get("mini_batch_size"))
   result = {
       "process_index": index,
       "process_count": count,
@@ -233,6 +243,10 @@ def main(config_path: str) -> int:
       # never returns: record its params here.
       recorder.inputs[-1]["params_after"] = params_checksum(learner)
       finish(True)
+      # Every process has written its record before any exits: the first to
+      # exit takes the coordination service down with it.
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("ckpt_iter_test_preempted")
 
     toyrun.preempt_after(learner, step, on_preempt)
   if config.get("same_data", True):
@@ -242,7 +256,7 @@ def main(config_path: str) -> int:
   else:
     shards = {}  # default sharding: shard jax.process_index() of jax.process_count()
   dataset = dataset_lib.make_dataset(
-      toyrun.load_prompts(64), batch_size=1, seed=None, num_epochs=None, **shards
+      toyrun.load_prompts(64), batch_size=config.get("batch_size", 1), seed=None, num_epochs=None, **shards
   )
   learner.train(dataset)  # closes the checkpoint manager: every write is done
   finish(False)
