@@ -146,8 +146,8 @@ def _with_addressable_shards(leaf: Any) -> Any:
   if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
     return leaf
   try:
-    if leaf.addressable_shards:
-      return leaf
+    _ = leaf.addressable_shards
+    return leaf
   except ValueError:
     pass
   pieces = [leaf.addressable_data(i) for i in range(len(leaf.sharding.addressable_devices))]
