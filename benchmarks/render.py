@@ -50,6 +50,7 @@ TITLES = {
     "cli_cost": "10. Cost of a read-only `ckpt-iter` call",
     "content_check": "11. The content check: cost at save and at restore",
     "rl_scale": "12. A Tunix step's data item at RL scale: rollout weights and producer work",
+    "pod_bytes": "13. A mid-repeat data item across a pod: bytes written, save blocking, memory, restore reads",
 }
 
 
@@ -758,6 +759,52 @@ interleaved repetitions, medians.
 """
 
 
+def _mib(value: Any) -> str:
+  return "" if value is None else f"{value / 2**20:,.1f}"
+
+
+def _pod_bytes(rows: list[dict]) -> str:
+  summary = _summary(rows)
+  jobs = _measurements(rows, part="job")
+  computed = _measurements(rows, part="computed")
+  job_table = _table(
+      ["job", "processes", "rows", "one copy, MiB", "pending written by the pod, MiB (x one copy)",
+       "headers, bytes", "item's save() part / host copy (fastest, ms)", "whole save(), ms (median)",
+       "peak extra memory / one copy, now (before)", "read per process N->N, MiB", "read by 1 process (N->1), MiB"],
+      [[f"`{r['job']}`", r["processes"], r["rows"], _mib(r["one_copy_bytes"]),
+        f"{_mib(r['pending_bytes_written'])} ({r['pending_written_over_one_copy']})", r["headers_bytes_written"],
+        f"{r['item_blocking_over_host_copy']} ({r['item_blocking_min_ms']} / {r['host_copy_min_ms']})",
+        r["save_blocking_ms"], f"{r['peak_over_one_copy']} ({r['before_peak_over_one_copy']})",
+        _mib(r["same_count_read_bytes_per_process"]), _mib(r.get("to_one_process_read_bytes"))] for r in jobs])
+  computed_table = _table(
+      ["processes (same rows)", "pending data item per checkpoint now, MiB", "before, MiB", "before / now"],
+      [[r["processes"], _mib(r["bytes_now"]), _mib(r["bytes_before"]), _common_ratio(r["bytes_before"], r["bytes_now"])]
+       for r in computed])
+  return f"""## {TITLES['pod_bytes']}
+
+`benchmarks/pod_bytes.py`. Real JAX jobs of 1 and 2 processes (CPU backend, `jax.distributed` on
+127.0.0.1) save one Orbax step whose data item holds a pending GRPO repeat at RL scale: 512 prompts
+x 8 generations = 4,096 rows of 512 prompt and 2,048 completion tokens (5·P + 13·T + 4 bytes a row).
+`two_same_rows`: every process holds the same rows (Tunix's default); `two_own_rows`: each its
+own. Before this change every process wrote its own npz (N identical copies), built in memory by
+`np.savez` first; now a process whose arrays' SHA-256 equals process 0's writes only its header
+(`_item.share_arrays`, in the background write), and the npz is streamed from the arrays' own
+buffers. The item's part of `save()` is its handler's `async_save` (one host copy of the arrays,
+then the write is handed to Orbax); a copy into freshly mapped pages costs about 15x one into
+mapped pages here and which call gets them varies, so that ratio compares the fastest of 9 saves
+and 9 copies, interleaved. "before" memory: one host copy plus `np.savez` into memory, measured
+in the same process.
+
+{job_table}
+
+Computed for larger pods from the measured layout (one npz for the pod plus a header per
+process now; an npz and a header per process before):
+
+{computed_table}
+{_checks(summary)}
+"""
+
+
 def _common_ratio(a: Any, b: Any) -> Any:
   return round(a / b, 3) if a and b else None
 
@@ -766,7 +813,7 @@ def _reproduce() -> str:
   return """## How to reproduce
 
 ```sh
-make bench                                  # all twelve, then this page (about 16 minutes on 2 cores)
+make bench                                  # all thirteen, then this page (about 17 minutes on 2 cores)
 .venv/bin/python benchmarks/run_all.py --quick   # smoke pass (results and page in a temp dir)
 .venv/bin/python benchmarks/restore_latency.py   # one question; each script takes --quick
 .venv/bin/python benchmarks/run_all.py --docs-only   # re-render this page from results.jsonl
@@ -791,4 +838,5 @@ SECTIONS = [
     ("cli_cost", _cli_cost),
     ("content_check", _content_check),
     ("rl_scale", _rl_scale),
+    ("pod_bytes", _pod_bytes),
 ]

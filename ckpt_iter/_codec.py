@@ -389,17 +389,23 @@ def state_parts(state: IteratorState) -> dict[str, str]:
   joins them into one digest, and comparing parts names what differs.
   """
   header, arrays = encode_state(state)
-  parts = {}
-  for name, value in header.items():
-    if name == "fingerprint":
-      for field, field_value in value.items():
-        parts[f"fingerprint.{field}"] = _json_digest(field_value)
-    else:
-      parts[name] = _json_digest(value)
+  parts = header_parts(header)
   for name, array in arrays.items():
     digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
     digest.update(np.ascontiguousarray(array).tobytes())
     parts[f"array {name}"] = digest.hexdigest()
+  return parts
+
+
+def header_parts(header: Mapping[str, Any]) -> dict[str, str]:
+  """A SHA-256 of each field of a state's header (each fingerprint field on its own)."""
+  parts = {}
+  for name, value in header.items():
+    if name == "fingerprint" and isinstance(value, Mapping):
+      for field, field_value in value.items():
+        parts[f"fingerprint.{field}"] = _json_digest(field_value)
+    else:
+      parts[name] = _json_digest(value)
   return parts
 
 

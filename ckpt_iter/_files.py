@@ -42,6 +42,11 @@ COUNT_FILE = "ckpt_iter.json"
 # directory, which holds every member's name, size and CRC-32 (zipfile checks
 # each member's CRC as it reads it). Headers written before it have none.
 ARRAYS_DIGEST = "arrays_digest"
+# Header fields of a process that shares another's arrays (`share_arrays`):
+# the process whose npz holds them, and the SHA-256 of the arrays
+# (`arrays_sha256`), which the reader checks what it loads against.
+ARRAYS_FROM = "arrays_from"
+ARRAYS_SHA256 = "arrays_sha256"
 # Far above any pod; a larger value is a garbled file, not a job.
 MAX_PROCESS_COUNT = 2**24
 # What an npz may hold beyond its arrays' data: per member, the .npy header
@@ -75,6 +80,9 @@ def write_files(
 ) -> None:
   """Writes one process's files: one object each (header, npz, count file).
 
+  The npz is streamed from the arrays themselves (no second copy of them in
+  memory). A header that shares another process's arrays (`ARRAYS_FROM`,
+  see `_item.share_arrays`) comes with no arrays, and no npz is written.
   With `count_file` (the checkpoint handler), process 0 also writes
   `COUNT_FILE`, the saved process count an elastic restore reads.
 
@@ -85,17 +93,96 @@ def write_files(
   directory = os.fspath(directory)
   stem = process_file_stem(process_index, process_count)
   if arrays:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    npz = buffer.getbuffer()
-    header = {**header, ARRAYS_DIGEST: _directory_digest(npz)}
-    _storage.write_bytes(os.path.join(directory, stem + ".npz"), npz)
+    tail = _TailKeeper(_directory_bytes_bound(arrays))
+
+    def produce(f: Any) -> None:
+      tail.target = f
+      _write_npz(tail, arrays)
+
+    _storage.write_stream(os.path.join(directory, stem + ".npz"), produce)
+    header = {**header, ARRAYS_DIGEST: tail.directory_digest()}
   # Compact: a state is read by programs (`ckpt-iter inspect` shows it to people).
   text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
   _storage.write_bytes(os.path.join(directory, stem + ".json"), text)
   if count_file and process_index == 0:
     count = json.dumps({"process_count": process_count}).encode()
     _storage.write_bytes(os.path.join(directory, COUNT_FILE), count)
+
+
+def _write_npz(out: Any, arrays: Mapping[str, np.ndarray]) -> None:
+  """Writes `arrays` as np.savez would (stored .npy members), from their own buffers.
+
+  np.savez copies each array in 16 MiB pieces and wants a seekable file;
+  here each array's memory goes to the zip writer as it is, and the zip is
+  written front to back (sizes in data descriptors), so it can be streamed.
+  """
+  with zipfile.ZipFile(out, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+    for name, array in arrays.items():
+      header = np.lib.format.header_data_from_array_1_0(array)
+      data = array.T if header["fortran_order"] else np.ascontiguousarray(array)
+      with archive.open(name + ".npy", mode="w", force_zip64=True) as member:
+        try:
+          np.lib.format.write_array_header_1_0(member, header)
+        except ValueError:  # a header over 64 KiB: numpy's next version
+          np.lib.format.write_array_header_2_0(member, header)
+        member.write(_bytes_of(data))
+
+
+def _directory_bytes_bound(arrays: Mapping[str, np.ndarray]) -> int:
+  """The most bytes an npz's zip directory and end records take (what `_TailKeeper` keeps)."""
+  return _ZIP_ARCHIVE_BYTES + sum(_ZIP_MEMBER_BYTES + 2 * len(name) for name in arrays)
+
+
+class _TailKeeper:
+  """A write-only, front-to-back file that forwards to `target` and keeps the last bytes.
+
+  Not seekable, so zipfile writes each member once, in order; the kept tail
+  holds the zip directory, whose digest binds the header to the npz.
+  """
+
+  def __init__(self, keep: int):
+    self.target: Any = None
+    self._keep = keep
+    self._tail = bytearray()
+    self._written = 0
+
+  def write(self, data: Any) -> int:
+    view = memoryview(data).cast("B")
+    self.target.write(view)
+    self._written += len(view)
+    self._tail += view[-self._keep:]
+    del self._tail[:-self._keep]
+    return len(view)
+
+  def tell(self) -> int:
+    return self._written
+
+  def flush(self) -> None:
+    self.target.flush()
+
+  def directory_digest(self) -> str:
+    """`_directory_digest` of the whole file written, from its kept tail."""
+    skipped = self._written - len(self._tail)
+    end = _end_record(self._tail, base=skipped)
+    if end is None:
+      return "none"
+    _, size, offset = end
+    return hashlib.sha256(memoryview(self._tail)[offset - skipped:offset - skipped + size]).hexdigest()[:32]
+
+
+def arrays_sha256(arrays: Mapping[str, np.ndarray]) -> str:
+  """SHA-256 of named arrays: each one's name, dtype, shape and bytes, in name order."""
+  digest = hashlib.sha256()
+  for name in sorted(arrays):
+    array = np.ascontiguousarray(arrays[name])
+    digest.update(f"{name}:{array.dtype.str}:{list(array.shape)};".encode())
+    digest.update(_bytes_of(array))
+  return digest.hexdigest()
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+  """The memory of a C-contiguous array, as bytes, without a copy (any dtype numpy can view)."""
+  return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def read_header(path: str) -> dict[str, Any]:
@@ -167,20 +254,67 @@ def read_state(
   directory = os.fspath(directory)
   stem = process_file_stem(process_index, process_count)
   json_path = os.path.join(directory, stem + ".json")
-  try:
-    header = read_header(json_path)
-  except FileNotFoundError:
-    if count_is_saved:
-      raise incomplete_set_error(directory, process_index, process_count) from None
-    raise _missing_process_file(directory, process_index, process_count) from None
+  header = _read_process_header(directory, process_index, process_count, count_is_saved)
   if not load_arrays or (isinstance(header, dict) and not header.get("arrays")):
     # No manifest, no array to load (a pending node naming one is refused by
     # decode_state first), so the npz is not looked for.
     return codec.decode_state(header, _stand_in, origin=json_path)
-  reader = _ArrayReader(os.path.join(directory, stem + ".npz"), header, origin=json_path)
+  shared_from = _shared_from(header, process_index, process_count, json_path)
+  npz_stem = stem if shared_from is None else process_file_stem(shared_from, process_count)
+  reader = _ArrayReader(os.path.join(directory, npz_stem + ".npz"), header, origin=json_path)
   value = codec.decode_state(header, reader.load, origin=json_path)
-  reader.check_same_save()
+  if shared_from is None:
+    reader.check_same_save()
+  else:
+    reader.check_content(header[ARRAYS_SHA256])
   return value
+
+
+def read_saved_header(
+    directory: str | os.PathLike[str], process_index: int, process_count: int
+) -> tuple[dict[str, Any], str | None]:
+  """A saved process's header, validated, without what binds it to its files; and its arrays' SHA-256.
+
+  The digest is the one a multi-process save records (`ARRAYS_SHA256`, see
+  `_item.share_arrays`): "" when the state has no arrays, None when it was
+  saved without the digest (one process, or an older ckpt_iter). Two
+  processes hold the same state exactly when both are equal.
+  `process_count` is the saved count.
+  """
+  directory = os.fspath(directory)
+  header = _read_process_header(directory, process_index, process_count, True)
+  codec.decode_state(header, _stand_in, origin=header_path(directory, process_index, process_count))
+  digest = header.get(ARRAYS_SHA256) if header.get("arrays") else ""
+  fields = {k: v for k, v in header.items() if k not in (ARRAYS_DIGEST, ARRAYS_FROM, ARRAYS_SHA256)}
+  return fields, digest if isinstance(digest, str) else None
+
+
+def _read_process_header(directory: str, process_index: int, process_count: int, count_is_saved: bool) -> Any:
+  try:
+    return read_header(header_path(directory, process_index, process_count))
+  except FileNotFoundError:
+    if count_is_saved:
+      raise incomplete_set_error(directory, process_index, process_count) from None
+    raise _missing_process_file(directory, process_index, process_count) from None
+
+
+def _shared_from(header: Mapping[str, Any], process_index: int, process_count: int, origin: str) -> int | None:
+  """The process whose npz holds this header's arrays, when not its own."""
+  source = header.get(ARRAYS_FROM) if isinstance(header, Mapping) else None  # decode_state refuses a non-dict
+  if source is None:
+    return None
+  if not (state_lib.is_int(source) and 0 <= source < process_count and source != process_index):
+    raise errors.InvalidStateError(
+        f"{origin}: field {ARRAYS_FROM!r} is {state_lib.short_repr(source)}; it must name another "
+        f"process of the {process_count}. The file is garbled: restore an earlier step."
+    )
+  digest = header.get(ARRAYS_SHA256)
+  if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+    raise errors.InvalidStateError(
+        f"{origin}: field {ARRAYS_SHA256!r} is {state_lib.short_repr(digest)}, not a SHA-256; "
+        "the file is garbled: restore an earlier step."
+    )
+  return int(source)
 
 
 def _stand_in(name: str, spec: codec.ArraySpec) -> np.ndarray:
@@ -211,6 +345,7 @@ class _ArrayReader:
     self._zip: zipfile.ZipFile | None = None
     self._size = 0
     self._digest: str | None = None
+    self._loaded: dict[str, np.ndarray] = {}
 
   def check_same_save(self) -> None:
     """Raises unless the npz read is the one its header was written with.
@@ -226,6 +361,20 @@ class _ArrayReader:
         f"{self._path}: belongs to another save than its header {os.path.basename(self._origin)} "
         f"({ARRAYS_DIGEST} {state_lib.short_repr(expected, 40)} there, {self._digest} here): a "
         "partial copy or two writers mixed the step's files. Restore an earlier step."
+    )
+
+  def check_content(self, expected: str) -> None:
+    """Raises unless the arrays loaded are the ones `expected` (their SHA-256) names.
+
+    For a header that shares another process's npz: that npz's own header
+    binds it by its zip directory, this one by content.
+    """
+    if self._loaded and arrays_sha256(self._loaded) == expected:
+      return
+    raise errors.InvalidStateError(
+        f"{self._origin}: shares the arrays of {self._path}, but they are not the ones it was "
+        f"saved with ({ARRAYS_SHA256} {expected[:16]}...): a partial copy or two writers mixed "
+        "the step's files. Restore an earlier step."
     )
 
   def _open(self, name: str) -> zipfile.ZipFile:
@@ -329,8 +478,9 @@ class _ArrayReader:
       raise errors.InvalidStateError(f"{self._path}: array {name!r} is truncated.")
     array = np.frombuffer(data, dtype=np.dtype(spec.dtype)).reshape(
         spec.shape, order="F" if fortran else "C"
-    )
-    return array.copy()
+    ).copy()
+    self._loaded[name] = array
+    return array
 
 
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
@@ -338,13 +488,16 @@ _ZIP64_LOCATOR = struct.Struct("<4sLQL")
 _ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
 
 
-def _end_record(data: bytes | memoryview) -> tuple[int, int, int] | None:
+def _end_record(data: bytes | bytearray | memoryview, base: int = 0) -> tuple[int, int, int] | None:
   """(member count, directory size, directory offset) from a zip's end records.
 
   Read before zipfile parses anything. np.savez writes no archive comment,
   so the end record is the last 22 bytes; None when it is not there
-  (truncated, or not a zip) or points outside the file.
+  (truncated, or not a zip) or points outside the file. `data` may be the
+  file's tail from offset `base` on (offsets stay the whole file's); then
+  the directory must lie in it.
   """
+  size_of_file = base + len(data)
   if len(data) < _EOCD.size:
     return None
   signature, _, _, _, total, size, offset, comment = _EOCD.unpack_from(data, len(data) - _EOCD.size)
@@ -355,13 +508,14 @@ def _end_record(data: bytes | memoryview) -> tuple[int, int, int] | None:
     if locator_at < 0:
       return None
     signature, _, record_at, _ = _ZIP64_LOCATOR.unpack_from(data, locator_at)
-    if signature != b"PK\x06\x07" or record_at + _ZIP64_EOCD.size > locator_at:
+    record_at -= base
+    if signature != b"PK\x06\x07" or record_at < 0 or record_at + _ZIP64_EOCD.size > locator_at:
       return None
     fields = _ZIP64_EOCD.unpack_from(data, record_at)
     if fields[0] != b"PK\x06\x06":
       return None
     total, size, offset = fields[7], fields[8], fields[9]
-  if offset + size > len(data):
+  if offset < base or offset + size > size_of_file:
     return None
   return total, size, offset
 

@@ -37,8 +37,73 @@ def process(process_index: int | None = None, process_count: int | None = None) 
 
 
 def write(directory: Any, header: dict[str, Any], arrays: dict[str, np.ndarray], index: int, count: int) -> None:
-  """Writes a snapshot as this process's files of the item (and the count file on process 0)."""
+  """Writes a snapshot as this process's files of the item (and the count file on process 0).
+
+  In the background (Orbax's write thread): arrays another process writes
+  identically are not written again (`share_arrays`).
+  """
+  header, arrays = share_arrays(os.fspath(directory), header, arrays, index, count)
   _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True)
+
+
+# How long a process waits for process 0's digest before writing its own copy.
+SHARE_WAIT_SECONDS = 120
+
+
+def share_arrays(
+    directory: str, header: dict[str, Any], arrays: dict[str, np.ndarray], index: int, count: int
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """A snapshot as this process writes it: arrays identical to process 0's are not written again.
+
+  In a JAX job of several processes that all feed the same data (Tunix's
+  default) every process holds the same pending arrays. Each hashes its own
+  (SHA-256, once per save, in the background write); process 0 publishes
+  its digest in the job's key-value store (the one Orbax's barriers use) and
+  writes its npz; a process holding the same arrays writes only its header,
+  which names process 0's npz and the digest the reader checks the loaded
+  arrays against. Arrays that differ (each process fed its own rows) are
+  written by their process, as before. So the pod writes each distinct array
+  set once, and `save()` does not wait for any of it.
+
+  Without a JAX job of `count` processes (one process, or a process index
+  given by hand) it changes nothing. If process 0's digest does not come
+  within SHARE_WAIT_SECONDS, this process writes its own copy (exact, only
+  larger).
+  """
+  if count < 2:
+    return header, arrays
+  client = _distributed_client(count)
+  if client is None:
+    return header, arrays
+  key = f"ckpt_iter/arrays_sha256/{directory}"
+  digest = _files.arrays_sha256(arrays) if arrays else ""
+  if index == 0:
+    client.key_value_set(key, digest or "none", allow_overwrite=True)
+  if not digest:
+    return header, arrays
+  header = {**header, _files.ARRAYS_SHA256: digest}
+  if index == 0:
+    return header, arrays
+  try:
+    leader = client.blocking_key_value_get(key, SHARE_WAIT_SECONDS * 1000)
+  except Exception as e:  # pylint: disable=broad-except
+    # The store's errors are not typed; a missing digest only costs bytes.
+    _log.warning("%s: process 0's arrays digest did not come (%s); this process writes its "
+                 "own copy of its pending arrays.", directory, e)
+    return header, arrays
+  if leader != digest:
+    return header, arrays
+  return {**header, _files.ARRAYS_FROM: 0}, {}
+
+
+def _distributed_client(count: int) -> Any:
+  """The JAX job's key-value client, when this is a JAX job of `count` processes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+
+  if jax.process_count() != count or not multihost.is_jax_distributed_client_initialized():
+    return None
+  return multihost.get_jax_distributed_client()
 
 
 def snapshot(item: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

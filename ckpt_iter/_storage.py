@@ -30,7 +30,7 @@ import os
 import re
 import stat
 import threading
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from ckpt_iter import errors
 
@@ -129,6 +129,51 @@ def write_bytes(path: str, data: bytes) -> None:
       except OSError:
         pass
     raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
+
+
+def write_stream(path: str, produce: Callable[[BinaryIO], None]) -> None:
+  """Writes a file as `produce(f)` writes it, in pieces, with no whole copy in memory.
+
+  For files too large to assemble first (a step's pending arrays): on an
+  object store one streamed upload, published only when `produce` returns.
+  Like `write_bytes`, a failed write removes (or never publishes) what it wrote.
+
+  Raises:
+    OSError: naming `path`.
+  """
+  if is_url(path):
+    fs, key = _filesystem(path)
+    f = fs.open(key, "wb")
+    try:
+      produce(f)
+      f.close()
+    except BaseException as e:
+      discard = getattr(f, "discard", None)
+      if discard is not None:  # cancels the upload: no partial object
+        try:
+          discard()
+        except Exception:  # pylint: disable=broad-except
+          pass
+      if isinstance(e, OSError):
+        raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
+      raise
+    return
+  regular = False
+  try:
+    with open(path, "wb") as f:
+      regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+      produce(f)
+      f.flush()
+      os.fsync(f.fileno())
+  except BaseException as e:
+    if regular:
+      try:
+        os.unlink(path)
+      except OSError:
+        pass
+    if isinstance(e, OSError):
+      raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
+    raise
 
 
 def list_entries(directory: str) -> list[tuple[str, bool]]:

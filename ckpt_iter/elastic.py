@@ -156,8 +156,10 @@ def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> stat
   mini-batch counters are shaped by the per-process batch), but in Tunix's
   default every process feeds the same batches and so saves the same state.
   Then that state is exactly what every process of another count would hold
-  too. Each saved file is read and digested (`_codec.state_digest`): N files
-  per process, read once at restore.
+  too. Every saved header is read and compared, with the SHA-256 of its
+  arrays each records (`_item.share_arrays`); then process 0's arrays, the
+  one copy the pod wrote. (Items saved before that digest was recorded have
+  every process's arrays read and digested.)
 
   Raises:
     UnsupportedConfigError: two saved processes hold different states (the
@@ -166,10 +168,16 @@ def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> stat
     InvalidStateError: a saved file is missing or corrupt.
   """
   directory = os.fspath(directory)
-  states = [_read(directory, index, saved_count, load_arrays=True) for index in range(saved_count)]
-  first = codec.state_parts(states[0])
-  for index, state in enumerate(states[1:], start=1):
-    parts = codec.state_parts(state)
+  saved = [_files.read_saved_header(directory, index, saved_count) for index in range(saved_count)]
+  if all(digest is not None for _, digest in saved):
+    # Each header records its arrays' SHA-256: the N headers and one npz are read.
+    parts_of = [{**codec.header_parts(header), "arrays": digest} for header, digest in saved]
+    states = None
+  else:  # saved before the digest was recorded: every process's arrays are read
+    states = [_read(directory, index, saved_count, load_arrays=True) for index in range(saved_count)]
+    parts_of = [codec.state_parts(state) for state in states]
+  first = parts_of[0]
+  for index, parts in enumerate(parts_of[1:], start=1):
     if parts == first:
       continue
     differ = sorted(k for k in set(parts) | set(first) if parts.get(k) != first.get(k))
@@ -179,7 +187,7 @@ def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> stat
         "the processes fed different data, so no saved state is the one a process of "
         f"another count would hold. Resume with {saved_count} processes."
     )
-  return states[0]
+  return states[0] if states is not None else _read(directory, 0, saved_count, load_arrays=True)
 
 
 def _read(directory: str, index: int, saved_count: int, *, load_arrays: bool) -> state_lib.IteratorState:

@@ -106,6 +106,12 @@ def test_checkpoint_keeps_the_global_pending_leaves_global(runs, step):
       assert fields[name]["fields"]["spec"] == {"tuple": []}
     for name in ("prompt_ids", "completion_ids", "advantages"):
       assert set(fields[name]) == {"array"}, name  # process-local: stored as before
+  # Both processes hold the same arrays: the pod writes them once, process 1's
+  # header names process 0's npz and the SHA-256 both computed.
+  headers = [json.loads((data_dir / f"process_{i}-of-{NUM_PROCESSES}.json").read_text()) for i in range(NUM_PROCESSES)]
+  assert sorted(p.name for p in data_dir.glob("*.npz")) == [f"process_0-of-{NUM_PROCESSES}.npz"]
+  assert "arrays_from" not in headers[0] and headers[1]["arrays_from"] == 0
+  assert headers[0]["arrays_sha256"] == headers[1]["arrays_sha256"]
 
 
 @_JOBS
@@ -168,19 +174,21 @@ def test_a_one_process_job_resumes_the_two_process_checkpoint_exactly(runs, tmp_
   # The restored update: every field bit for bit, as it was saved.
   assert trained[3]["fields"] == want[3]["fields"]
   # Every later input holds the same data: prompts, completions, advantages
-  # and the actor's log-probs (rolled out by the restored weights), bit for bit.
+  # (rolled out by the restored weights), bit for bit.
   data_fields = ("prompt_ids", "completion_ids", "advantages", "prompt_mask", "completion_mask")
   for train_step, record in trained.items():
     assert record["prompt_ids"] == want[train_step]["prompt_ids"], train_step
     for name in data_fields:
       assert record["fields"][name] == want[train_step]["fields"][name], (train_step, name)
-  assert trained[4]["fields"]["old_per_token_logps"] == want[4]["fields"]["old_per_token_logps"]
-  # The reference model's log-probs are recomputed by another XLA program on
-  # one process (the same mesh shape): equal to float32 rounding, not in
-  # every bit. That is the model's arithmetic on a new topology, not data.
+  # The log-probs of the rollouts after the resume (actor and reference) are
+  # computed by another XLA program on one process (the same mesh shape):
+  # equal to float32 rounding, not in every bit (with jax 0.10 on this CPU the
+  # actor's differ in the last bits too). That is the model's arithmetic on a
+  # new topology, not data; the restored update's own were compared above.
   for train_step, record in trained.items():
-    got, expected = (np.asarray(r["logps"]["ref_per_token_logps"]) for r in (record, want[train_step]))
-    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5, err_msg=f"step {train_step}")
+    for name in ("old_per_token_logps", "ref_per_token_logps"):
+      got, expected = (np.asarray(r["logps"][name]) for r in (record, want[train_step]))
+      np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5, err_msg=f"step {train_step}, {name}")
   # The resume is recorded as one with another process count.
   from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
 

@@ -1,0 +1,149 @@
+"""A data item's files: the streamed npz, and arrays one process writes for the pod.
+
+Real files in a temporary directory, read back by the one reader
+(`_files.read_state`, `elastic.read_replicated`). The 2-process Tunix runs of
+tests/integration/test_tunix_multihost.py check the same layout as real
+processes write it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hypothesis import given, settings, strategies as st
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckpt_iter import _codec as codec
+from ckpt_iter import _files
+from ckpt_iter import _item
+from ckpt_iter import _storage
+from ckpt_iter import elastic
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+
+
+def _state(arrays: dict, **fingerprint) -> state_lib.IteratorState:
+  return state_lib.IteratorState(
+      kind="tunix", fingerprint={"learner": "GRPOLearner", **fingerprint}, position={"next_index": 3},
+      pending=state_lib.Pending(items=(arrays,), schedule=(0,)), counters={"train_steps": 3})
+
+
+def _write(directory, value, index: int, count: int, *, shared_from: int | None = None) -> None:
+  """Writes process `index`'s files as `_item.share_arrays` leaves them."""
+  header, arrays = codec.encode_state(value)
+  if count > 1:
+    header[_files.ARRAYS_SHA256] = _files.arrays_sha256(arrays)
+  if shared_from is not None:
+    header[_files.ARRAYS_FROM] = shared_from
+    arrays = {}
+  _files.write_files(str(directory), header, arrays, process_index=index, process_count=count, count_file=True)
+
+
+def _arrays_equal(a: dict, b: dict) -> None:
+  assert a.keys() == b.keys()
+  for name in a:
+    assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+    assert a[name].tobytes() == b[name].tobytes(), name
+
+
+def test_a_large_npz_is_streamed_and_bound_to_its_header(tmp_path):
+  # Larger than the tail the writer keeps: the zip directory's digest comes
+  # from the tail, with the whole file's offsets.
+  rows = np.arange(3 * 2**20, dtype=np.int32).reshape(1024, -1)
+  value = _state({"ids": rows, "mask": rows % 3 == 0})
+  _write(tmp_path, value, 0, 1)
+  stream_digest = json.loads((tmp_path / "process_0-of-1.json").read_text())[_files.ARRAYS_DIGEST]
+  data = (tmp_path / "process_0-of-1.npz").read_bytes()
+  assert stream_digest == _files._directory_digest(data)  # pylint: disable=protected-access
+  with np.load(tmp_path / "process_0-of-1.npz") as npz:  # numpy reads it as its own
+    assert sorted(npz.files) == ["a0", "a1"] and npz["a0"].tobytes() == rows.tobytes()
+  _arrays_equal(_files.read_state(str(tmp_path), 0, 1).pending.items[0], value.pending.items[0])
+  # The npz of another save is refused: the header names its own.
+  other = tmp_path / "other"
+  other.mkdir()
+  _write(other, _state({"ids": rows + 1, "mask": rows % 3 == 0}), 0, 1)
+  (tmp_path / "process_0-of-1.npz").write_bytes((other / "process_0-of-1.npz").read_bytes())
+  with pytest.raises(errors.InvalidStateError, match="belongs to another save than its header"):
+    _files.read_state(str(tmp_path), 0, 1)
+
+
+_DTYPES = st.sampled_from([np.int32, np.bool_, np.float32, np.dtype(">i4"), np.uint8, np.float64,
+                           ml_dtypes.bfloat16, np.complex64])
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=_DTYPES, shape=st.lists(st.integers(0, 5), max_size=3), fortran=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_any_array_round_trips_bit_for_bit(tmp_path_factory, dtype, shape, fortran, seed):
+  directory = tmp_path_factory.mktemp("round_trip")
+  raw = np.random.default_rng(seed).integers(0, 256, (*shape, np.dtype(dtype).itemsize), dtype=np.uint8)
+  array = raw.view(dtype).reshape(shape)
+  if fortran:
+    array = np.asfortranarray(array)
+  value = _state({"x": array, "scalar": np.float32(1.5)})
+  _write(directory, value, 0, 1)
+  _arrays_equal(_files.read_state(str(directory), 0, 1).pending.items[0], value.pending.items[0])
+
+
+def test_a_process_sharing_process_0s_arrays_reads_them_and_checks_their_digest(tmp_path):
+  arrays = {"ids": np.arange(12, dtype=np.int32).reshape(3, 4), "logps": np.linspace(0, 1, 3, dtype=np.float32)}
+  value = _state(arrays)
+  _write(tmp_path, value, 0, 2)
+  _write(tmp_path, value, 1, 2, shared_from=0)
+  assert sorted(os.listdir(tmp_path)) == ["ckpt_iter.json", "process_0-of-2.json", "process_0-of-2.npz",
+                                          "process_1-of-2.json"]
+  _arrays_equal(_files.read_state(str(tmp_path), 1, 2).pending.items[0], arrays)
+  # Process 0's npz replaced by a sound one of other arrays (its header with it):
+  # process 1's digest no longer matches what it would load.
+  _write(tmp_path, _state({"ids": arrays["ids"] + 1, "logps": arrays["logps"]}), 0, 2)
+  with pytest.raises(errors.InvalidStateError, match=r"process_1-of-2.json: shares the arrays of .*process_0-of-2.npz"):
+    _files.read_state(str(tmp_path), 1, 2)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    (_files.ARRAYS_FROM, 1, "must name another process"),
+    (_files.ARRAYS_FROM, 7, "must name another process"),
+    (_files.ARRAYS_FROM, "0", "must name another process"),
+    (_files.ARRAYS_SHA256, "abc", "not a SHA-256"),
+])
+def test_a_garbled_sharing_field_is_refused_naming_it(tmp_path, field, value, says):
+  value_state = _state({"ids": np.arange(4, dtype=np.int32)})
+  _write(tmp_path, value_state, 0, 2)
+  _write(tmp_path, value_state, 1, 2, shared_from=0)
+  path = tmp_path / "process_1-of-2.json"
+  header = json.loads(path.read_text())
+  header[field] = value
+  path.write_text(json.dumps(header))
+  with pytest.raises(errors.InvalidStateError, match=f"field '{field}'.*{says}"):
+    _files.read_state(str(tmp_path), 1, 2)
+
+
+def test_another_count_reads_every_header_and_one_npz(tmp_path, monkeypatch):
+  arrays = {"ids": np.arange(4096, dtype=np.int32)}
+  value = _state(arrays)
+  for index in range(4):
+    _write(tmp_path, value, index, 4, shared_from=None if index == 0 else 0)
+  read = []
+  original = _storage.read_bytes
+  monkeypatch.setattr(_storage, "read_bytes", lambda path, **kw: read.append(os.path.basename(path)) or original(path, **kw))
+  restored = elastic.read_replicated(str(tmp_path), 4)
+  _arrays_equal(restored.pending.items[0], arrays)
+  assert sorted(read) == sorted(["process_0-of-4.json", "process_1-of-4.json", "process_2-of-4.json",
+                                 "process_3-of-4.json", "process_0-of-4.json", "process_0-of-4.npz"])
+
+
+def test_another_count_is_refused_when_a_process_saved_other_arrays(tmp_path):
+  _write(tmp_path, _state({"ids": np.arange(4, dtype=np.int32)}), 0, 2)
+  _write(tmp_path, _state({"ids": np.arange(4, dtype=np.int32) + 1}), 1, 2)
+  with pytest.raises(errors.UnsupportedConfigError, match=r"process 1 of 2 saved another data state .*differ in arrays"):
+    elastic.read_replicated(str(tmp_path), 2)
+
+
+def test_sharing_changes_nothing_outside_a_jax_job_of_that_count():
+  header, arrays = {"kind": "tunix"}, {"a0": np.arange(3)}
+  # One process, and a process index given by hand (this process is not in a 4-process job).
+  assert _item.share_arrays("/d", header, arrays, 0, 1) == (header, arrays)
+  assert _item.share_arrays("/d", header, arrays, 2, 4) == (header, arrays)
