@@ -18,10 +18,14 @@ from ckpt_iter.errors import ItemNotFoundError
 from ckpt_iter.errors import LegacyCheckpointError
 from ckpt_iter.errors import ProcessCountError
 from ckpt_iter.errors import StateVersionError
+from ckpt_iter.errors import StorageError
+from ckpt_iter.errors import StorageTimeoutError
 from ckpt_iter.errors import UnsupportedConfigError
 from ckpt_iter.state import FORMAT_VERSION
 from ckpt_iter.state import IteratorState
 from ckpt_iter.state import Pending
+from ckpt_iter._storage import StoreBounds
+from ckpt_iter._storage import set_object_store_bounds
 
 # The names that need JAX, Grain or Orbax are imported on first use, so that
 # `import ckpt_iter` (and the read-only `ckpt-iter inspect/verify/diff`,
@@ -88,7 +92,11 @@ __all__ = [
     "ProcessCountError",
     "RepeatIterator",
     "StateVersionError",
+    "StorageError",
+    "StorageTimeoutError",
+    "StoreBounds",
     "UnsupportedConfigError",
     "make_dataset",
     "register_pytree_dataclass",
+    "set_object_store_bounds",
 ]

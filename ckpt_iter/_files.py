@@ -194,8 +194,8 @@ def read_header(path: str) -> dict[str, Any]:
   """
   try:
     data = _storage.read_bytes(path, max_bytes=MAX_HEADER_BYTES)
-  except FileNotFoundError:
-    raise
+  except (FileNotFoundError, errors.StorageError):
+    raise  # a missing file or the store's own error: the caller / the message says it
   except _storage.TooLargeError as e:
     raise errors.InvalidStateError(
         f"{path}: state header is {e.shown_size} bytes, over the {MAX_HEADER_BYTES} limit; the "
@@ -383,6 +383,8 @@ class _ArrayReader:
     bound = npz_size_bound(self._specs)
     try:
       data = _storage.read_bytes(path, max_bytes=bound)
+    except errors.StorageError:
+      raise  # the store's error (permission, stall...), not a damaged file
     except FileNotFoundError:
       raise errors.InvalidStateError(
           f"{path}: missing; the state refers to array {name!r}. "
@@ -695,6 +697,8 @@ def saved_process_count(directory: str | os.PathLike[str]) -> int:
     return count
   try:
     present = list_process_files(directory)
+  except errors.StorageError:
+    raise
   except OSError as e:
     raise errors.InvalidStateError(
         f"{directory}: cannot list the data state files ({e.strerror})."

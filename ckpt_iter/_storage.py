@@ -50,6 +50,82 @@ def absolute(path: str | os.PathLike[str]) -> str:
   return path if is_url(path) else os.path.abspath(path)
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreBounds:
+  """How long ckpt_iter waits on an object store, in seconds.
+
+  Attributes:
+    request_seconds: one HTTP request, from connecting to the last byte of
+      its answer (the client retries a request that runs past it).
+    operation_seconds: one operation (a read, a write, a listing), retries
+      included; past it the call raises `StorageTimeoutError`.
+  """
+
+  request_seconds: float = 60.0
+  operation_seconds: float = 300.0
+
+
+# Where a process (e.g. a worker a launcher starts) takes its bounds from:
+# "request=SECONDS,operation=SECONDS", either part optional.
+BOUNDS_ENV = "CKPT_ITER_OBJECT_STORE_BOUNDS"
+
+
+def _positive_seconds(name: str, value: Any, where: str) -> float:
+  try:
+    seconds = float(value)
+  except (TypeError, ValueError):
+    seconds = float("nan")
+  if not (seconds > 0 and seconds != float("inf")):
+    raise errors.InvalidArgumentError(
+        f"{where}: {name} is {value!r}; it must be a positive number of seconds.")
+  return seconds
+
+
+def _bounds_from_env() -> StoreBounds:
+  text = os.environ.get(BOUNDS_ENV, "").strip()
+  fields: dict[str, float] = {}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    name, _, value = part.partition("=")
+    name = {"request": "request_seconds", "operation": "operation_seconds"}.get(name.strip())
+    if name is None:
+      raise errors.InvalidArgumentError(
+          f"{BOUNDS_ENV}={text!r}: expected 'request=SECONDS,operation=SECONDS', got part {part!r}.")
+    fields[name] = _positive_seconds(name, value, BOUNDS_ENV)
+  return StoreBounds(**fields)
+
+
+_bounds = _bounds_from_env()
+
+
+def set_object_store_bounds(
+    *, request_seconds: float | None = None, operation_seconds: float | None = None
+) -> StoreBounds:
+  """Sets how long ckpt_iter waits on an object store (gs://); returns the bounds now in force.
+
+  Every object-store call ckpt_iter makes (its data items, the CLI, gs://
+  sources) is bounded: a request by `request_seconds` (default 60), an
+  operation with its retries by `operation_seconds` (default 300). A call
+  past its bound raises `ckpt_iter.StorageTimeoutError` (an OSError) naming
+  the object and the operation: a stalled connection ends in an error, never
+  a hang. The defaults come from the environment variable
+  CKPT_ITER_OBJECT_STORE_BOUNDS ("request=60,operation=300") when set.
+  """
+  global _bounds
+  changes = {}
+  if request_seconds is not None:
+    changes["request_seconds"] = _positive_seconds("request_seconds", request_seconds, "set_object_store_bounds")
+  if operation_seconds is not None:
+    changes["operation_seconds"] = _positive_seconds(
+        "operation_seconds", operation_seconds, "set_object_store_bounds")
+  _bounds = dataclasses.replace(_bounds, **changes)
+  return _bounds
+
+
+def object_store_bounds() -> StoreBounds:
+  """The bounds in force (`set_object_store_bounds`)."""
+  return _bounds
+
+
 class TooLargeError(OSError):
   """A file holds more bytes than the reader allows.
 
@@ -76,7 +152,7 @@ def read_bytes(path: str, *, max_bytes: int) -> bytes:
   if is_url(path):
     fs, key = _filesystem(path)
     # One ranged request: a larger object shows itself by the extra byte.
-    data = fs.cat_file(key, start=0, end=max_bytes + 1)
+    data = _bounded(fs, path, "read", fs.cat_file, key, start=0, end=max_bytes + 1)
     if len(data) > max_bytes:
       raise TooLargeError(path, len(data), max_bytes, exact=False)
     return data
@@ -110,10 +186,7 @@ def write_bytes(path: str, data: bytes) -> None:
   """
   if is_url(path):
     fs, key = _filesystem(path)
-    try:
-      fs.pipe_file(key, data)
-    except OSError as e:
-      raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
+    _bounded(fs, path, "write", fs.pipe_file, key, data)
     return
   regular = False
   try:
@@ -143,7 +216,7 @@ def write_stream(path: str, produce: Callable[[BinaryIO], None]) -> None:
   """
   if is_url(path):
     fs, key = _filesystem(path)
-    f = fs.open(key, "wb")
+    f = _bounded(fs, path, "write", fs.open, key, "wb", **_file_bound(fs))
     try:
       produce(f)
       f.close()
@@ -154,8 +227,9 @@ def write_stream(path: str, produce: Callable[[BinaryIO], None]) -> None:
           discard()
         except Exception:  # pylint: disable=broad-except
           pass
-      if isinstance(e, OSError):
-        raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
+      translated = _store_error(path, "write", e) if isinstance(e, Exception) else None
+      if translated is not None:
+        raise translated from e
       raise
     return
   regular = False
@@ -189,7 +263,7 @@ def list_entries(directory: str) -> list[tuple[str, bool]]:
   fs, key = _filesystem(directory)
   fs.invalidate_cache(key)  # another client (Orbax's) may have written since
   found = []
-  for info in fs.ls(key, detail=True):
+  for info in _bounded(fs, directory, "list", fs.ls, key, detail=True):
     name = info["name"].rstrip("/").rsplit("/", 1)[-1]
     if info["name"].rstrip("/") != key.rstrip("/"):  # ls of a file lists the file
       found.append((name, info.get("type") == "directory"))
@@ -209,7 +283,7 @@ def is_dir(path: str) -> bool:
     return os.path.isdir(path)
   fs, key = _filesystem(path)
   fs.invalidate_cache(key)
-  return fs.isdir(key)
+  return _bounded(fs, path, "list", fs.isdir, key)
 
 
 def is_file(path: str) -> bool:
@@ -217,7 +291,7 @@ def is_file(path: str) -> bool:
   if not is_url(path):
     return os.path.isfile(path)
   fs, key = _filesystem(path)
-  return fs.isfile(key)
+  return _bounded(fs, path, "stat", fs.isfile, key)
 
 
 def glob(pattern: str) -> list[str]:
@@ -225,7 +299,7 @@ def glob(pattern: str) -> list[str]:
   if not is_url(pattern):
     return sorted(glob_lib.glob(pattern))
   fs, key = _filesystem(pattern)
-  return sorted(fs.unstrip_protocol(match) for match in fs.glob(key))
+  return sorted(fs.unstrip_protocol(match) for match in _bounded(fs, pattern, "list", fs.glob, key))
 
 
 def has_magic(pattern: str) -> bool:
@@ -237,7 +311,7 @@ def open_read(path: str) -> BinaryIO:
   if not is_url(path):
     return open(path, "rb")  # pylint: disable=consider-using-with
   fs, key = _filesystem(path)
-  return fs.open(key, "rb")
+  return _BoundedFile(_bounded(fs, path, "read", fs.open, key, "rb", **_file_bound(fs)), path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +345,7 @@ def identity(path: str) -> Identity:
     return Identity(info.st_size, f"ino={info.st_ino},mtime={info.st_mtime_ns},ctime={info.st_ctime_ns}")
   fs, key = _filesystem(path)
   fs.invalidate_cache(key)
-  info = fs.info(key)
+  info = _bounded(fs, path, "stat", fs.info, key)
   parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
   return Identity(int(info["size"]), ",".join(parts) or None)
 
@@ -309,7 +383,7 @@ class RangeReader:
   def read(self, start: int, end: int) -> bytes:
     if self._url:
       fs, key = _filesystem(self.path)
-      return fs.cat_file(key, start=start, end=end)
+      return _bounded(fs, self.path, "read", fs.cat_file, key, start=start, end=end)
     return os.pread(self._descriptor(), end - start, start)
 
   def _descriptor(self) -> int:
@@ -368,11 +442,16 @@ def _nonblocking(path: str, flags: int) -> int:
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
-  """The fsspec filesystem of a URL (fsspec caches instances, per process) and its key."""
+  """The fsspec filesystem of a URL (fsspec caches instances, per process) and its key.
+
+  On gs:// every HTTP request is bounded (`StoreBounds.request_seconds`).
+  """
   try:
     import fsspec  # pylint: disable=g-import-not-at-top
 
-    return fsspec.core.url_to_fs(url)
+    scheme = url.split("://", 1)[0]
+    options = {"requests_timeout": _bounds.request_seconds} if scheme in _GCS_SCHEMES else {}
+    return fsspec.core.url_to_fs(url, **options)
   except ImportError as e:
     scheme = url.split("://", 1)[0]
     package = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
@@ -380,3 +459,112 @@ def _filesystem(url: str) -> tuple[Any, str]:
         f"{url}: reading or writing {scheme}:// needs {package} ({e}). Install it with: "
         f"pip install {package}" + (" (or ckpt_iter[gcs])" if package == "gcsfs" else "")
     ) from None
+
+
+_GCS_SCHEMES = ("gs", "gcs")
+
+
+def _file_bound(fs: Any) -> dict[str, Any]:
+  """What bounds each request of a gcsfs file (its `timeout`); other stores take none."""
+  return {"timeout": _bounds.operation_seconds} if type(fs).__module__.startswith("gcsfs") else {}
+
+
+def _bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+  """`call(*args, **kwargs)` on `fs`, within the operation bound, its errors typed.
+
+  An asynchronous fsspec filesystem (gcsfs) runs each call on its own event
+  loop: given `timeout`, the call is cancelled there when the bound passes.
+  """
+  from fsspec import asyn  # pylint: disable=g-import-not-at-top
+
+  if isinstance(fs, asyn.AsyncFileSystem) and call != getattr(fs, "open", None):
+    kwargs["timeout"] = _bounds.operation_seconds
+  try:
+    return call(*args, **kwargs)
+  except FileNotFoundError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    translated = _store_error(path, operation, e)
+    if translated is None:
+      raise
+    raise translated from e
+
+
+class _BoundedFile:
+  """A store file for streaming reads whose errors are `StorageError`s naming it."""
+
+  def __init__(self, f: Any, path: str):
+    self._f = f
+    self._path = path
+
+  def _typed(self, call: Any, *args: Any) -> Any:
+    try:
+      return call(*args)
+    except FileNotFoundError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      translated = _store_error(self._path, "read", e)
+      if translated is None:
+        raise
+      raise translated from e
+
+  def read(self, *args: Any) -> bytes:
+    return self._typed(self._f.read, *args)
+
+  def readinto(self, buffer: Any) -> int:
+    return self._typed(self._f.readinto, buffer)
+
+  def seek(self, *args: Any) -> int:
+    return self._typed(self._f.seek, *args)
+
+  def __iter__(self) -> Any:
+    return iter(self.readline, b"")
+
+  def readline(self, *args: Any) -> bytes:
+    return self._typed(self._f.readline, *args)
+
+  def __enter__(self) -> "_BoundedFile":
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self._f.close()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._f, name)
+
+
+def _store_error(path: str, operation: str, error: Exception) -> errors.StorageError | None:
+  """`error` of an object-store call as the package's typed error; None if it is not the store's."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+
+  from fsspec import exceptions as fsspec_exceptions  # pylint: disable=g-import-not-at-top
+
+  if isinstance(error, errors.StorageError):
+    return error
+  if isinstance(error, (fsspec_exceptions.FSTimeoutError, asyncio.TimeoutError, TimeoutError)):
+    bounds = _bounds
+    return errors.StorageTimeoutError(
+        f"{path}: {operation} did not finish within its bound ({bounds.operation_seconds:g} s an "
+        f"operation, {bounds.request_seconds:g} s a request): the object store stalled or cannot be "
+        "reached. Retry; the checkpoint being restored, or the last committed one, is intact. For a "
+        f"slow store raise the bounds (ckpt_iter.set_object_store_bounds, or {BOUNDS_ENV}).",
+        path=path, operation=operation, cause="timeout")
+  code = getattr(error, "code", None) if type(error).__name__ == "HttpError" else None
+  text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+  if isinstance(error, PermissionError) or code in (401, 403) or text.startswith("Forbidden"):
+    cause, hint = "permission", (
+        f"the credentials in use may not {operation} it: grant them access to the bucket, or "
+        "use credentials that have it")
+  elif code == 429:
+    cause, hint = "throttled", "the store throttled the requests beyond the client's retries: retry later"
+  elif isinstance(code, int) and code >= 500 or type(error).__name__ == "ProxyError":
+    cause, hint = "server", "the store kept failing beyond the client's retries: retry later"
+  elif isinstance(code, int) or (isinstance(error, ValueError) and text.startswith("Bad Request")):
+    cause, hint = "request", "the store refused the request; check the path and the bucket"
+  elif isinstance(error, (ConnectionError, OSError)) or type(error).__module__.startswith(("aiohttp", "requests")):
+    cause, hint = "network", "the connection to the store failed beyond the client's retries: retry"
+  else:
+    return None
+  shown = f"HTTP {code}: {text}" if code else f"{type(error).__name__}: {text}"
+  return errors.StorageError(
+      f"{path}: cannot {operation} it ({shown}): {hint}.", path=path, operation=operation, cause=cause)

@@ -128,3 +128,28 @@ class InvalidArgumentError(CkptIterError, ValueError):
 
 class UnsupportedConfigError(CkptIterError, ValueError):
   """A configuration that cannot be resumed exactly, refused up front."""
+
+
+class StorageError(CkptIterError, OSError):
+  """An object-store operation failed: names the object, the operation and the cause.
+
+  Raised for every error of the store itself (permission, throttling, a
+  server error that outlasted the client's retries, a refused request, a
+  broken connection), never for a missing object, which stays
+  `FileNotFoundError`. `cause` is one of "permission", "throttled",
+  "server", "request", "network", "timeout".
+  """
+
+  def __init__(self, message: str, *, path: str, operation: str, cause: str):
+    super().__init__(message)
+    self.path = path
+    self.operation = operation
+    self.cause = cause
+
+  def __str__(self) -> str:
+    return self.args[0] if self.args else ""
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+  """An object-store operation ran past its bound (`ckpt_iter.set_object_store_bounds`)."""
+

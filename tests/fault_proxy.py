@@ -1,0 +1,140 @@
+"""An HTTP proxy on 127.0.0.1 that injects object-store faults in front of the GCS emulator.
+
+Forwards every request to the emulator (tests/gcs_emulator.py) unless a rule
+matches it (method and a substring of the request target, e.g. ".npz"):
+
+- "stall": reads the request and answers nothing until the proxy stops (at
+  most STALL_SECONDS), as a hung connection does;
+- "status": answers with an HTTP error status and a GCS-style JSON body;
+- "reset": closes the connection without an answer;
+- "truncate": forwards, then sends half of the answer's body and closes.
+
+A rule applies `times` times (None: always). Every wait is bounded, and
+`stop()` releases stalled handlers, so no test can hang on the proxy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import http.server
+import json
+import socket
+import struct
+import threading
+import urllib.parse
+
+STALL_SECONDS = 120
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade", "te"}
+
+
+@dataclasses.dataclass
+class Rule:
+  action: str  # "stall", "status", "reset" or "truncate"
+  contains: str
+  method: str | None = None
+  status: int = 503
+  times: int | None = None
+
+
+class FaultProxy:
+  """`FaultProxy(upstream_url).start()`; `add(...)` rules; `stop()`."""
+
+  def __init__(self, upstream: str):
+    parsed = urllib.parse.urlsplit(upstream)
+    self._upstream = (parsed.hostname, parsed.port)
+    self._rules: list[Rule] = []
+    self._lock = threading.Lock()
+    self._released = threading.Event()
+    self.hits: list[tuple[str, str, str]] = []  # (action, method, target) of each injected fault
+    proxy = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      protocol_version = "HTTP/1.1"
+
+      def log_message(self, *args):  # quiet
+        del args
+
+      def _handle(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        rule = proxy._match(self.command, self.path)  # pylint: disable=protected-access
+        if rule is None:
+          return self._forward(body)
+        proxy.hits.append((rule.action, self.command, self.path))
+        if rule.action == "stall":
+          proxy._released.wait(STALL_SECONDS)  # pylint: disable=protected-access
+          self.close_connection = True
+          return None
+        if rule.action == "reset":
+          # SO_LINGER 0: the close sends a TCP reset.
+          self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+          self.close_connection = True
+          return None
+        if rule.action == "status":
+          data = json.dumps({"error": {"code": rule.status, "message": "injected by the test proxy"}}).encode()
+          self.send_response(rule.status)
+          self.send_header("Content-Type", "application/json")
+          self.send_header("Content-Length", str(len(data)))
+          self.send_header("Connection", "close")
+          self.end_headers()
+          self.wfile.write(data)
+          self.close_connection = True
+          return None
+        return self._forward(body, truncate=True)
+
+      def _forward(self, body: bytes, truncate: bool = False):
+        upstream = http.client.HTTPConnection(*proxy._upstream, timeout=60)  # pylint: disable=protected-access
+        try:
+          headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+          upstream.request(self.command, self.path, body=body, headers=headers)
+          response = upstream.getresponse()
+          data = response.read()
+          self.send_response(response.status)
+          for key, value in response.getheaders():
+            if key.lower() not in _HOP_BY_HOP | {"content-length"}:
+              self.send_header(key, value)
+          self.send_header("Content-Length", str(len(data)))
+          self.send_header("Connection", "close")
+          self.end_headers()
+          if self.command != "HEAD":
+            self.wfile.write(data[: len(data) // 2] if truncate else data)
+          self.close_connection = True
+        finally:
+          upstream.close()
+
+      do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _handle
+
+    self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self._server.daemon_threads = True
+    self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+    self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+  def start(self) -> "FaultProxy":
+    self._thread.start()
+    return self
+
+  def add(self, action: str, contains: str, *, method: str | None = None, status: int = 503,
+          times: int | None = None) -> None:
+    with self._lock:
+      self._rules.append(Rule(action, contains, method, status, times))
+
+  def clear(self) -> None:
+    with self._lock:
+      self._rules.clear()
+
+  def _match(self, method: str, target: str) -> Rule | None:
+    with self._lock:
+      for rule in self._rules:
+        if rule.contains in target and rule.method in (None, method):
+          if rule.times is not None:
+            if rule.times <= 0:
+              continue
+            rule.times -= 1
+          return rule
+    return None
+
+  def stop(self) -> None:
+    self._released.set()
+    self._server.shutdown()
+    self._server.server_close()
