@@ -306,12 +306,42 @@ def has_magic(pattern: str) -> bool:
   return glob_lib.has_magic(pattern)
 
 
-def open_read(path: str) -> BinaryIO:
-  """A seekable binary file for streaming reads (line indexing, Parquet)."""
+def open_read(path: str, generation: str | None = None) -> BinaryIO:
+  """A seekable binary file for streaming reads (line indexing, Parquet).
+
+  `generation` (an object store's, from `pinned_generation`): every read is
+  of that generation of the object; a replaced object is refused
+  (`InvalidStateError`) instead of read as another version. Each request is
+  bounded and the store's errors typed.
+  """
   if not is_url(path):
     return open(path, "rb")  # pylint: disable=consider-using-with
+  fs, key = _filesystem(path, versioned=bool(generation))
+  target = f"{key}#{generation}" if generation else key
+  try:
+    f = _bounded(fs, path, "read", fs.open, target, "rb", **_file_bound(fs))
+  except FileNotFoundError:
+    if generation:
+      raise _replaced_error(path, generation) from None
+    raise
+  return _BoundedFile(f, path, generation)
+
+
+def pinned_generation(path: str) -> str | None:
+  """The generation of an object now (GCS), which later reads can pin; None locally or without one."""
+  if not is_url(path):
+    return None
   fs, key = _filesystem(path)
-  return _BoundedFile(_bounded(fs, path, "read", fs.open, key, "rb", **_file_bound(fs)), path)
+  fs.invalidate_cache(key)
+  generation = _bounded(fs, path, "stat", fs.info, key).get("generation")
+  return str(generation) if generation not in (None, "") and type(fs).__module__.startswith("gcsfs") else None
+
+
+def _replaced_error(path: str, generation: str) -> errors.InvalidStateError:
+  return errors.InvalidStateError(
+      f"{path}: replaced or rewritten since this source indexed it (generation {generation} is "
+      "gone); its records would mix two versions. Build the source again (make_dataset) to read "
+      "the new object.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,10 +401,12 @@ class RangeReader:
     self.path = path
     self._url = is_url(path)
     self._pinned = None if self._url else _file_key(os.stat(path))
+    # An object store's generation: reads fetch it, and a replaced object is refused.
+    self._generation = pinned_generation(path) if self._url else None
     self._local = threading.local()
 
   def __getstate__(self) -> dict[str, Any]:
-    return {"path": self.path, "_url": self._url, "_pinned": self._pinned}
+    return {"path": self.path, "_url": self._url, "_pinned": self._pinned, "_generation": self._generation}
 
   def __setstate__(self, state: dict[str, Any]) -> None:
     self.__dict__.update(state)
@@ -383,7 +415,13 @@ class RangeReader:
   def read(self, start: int, end: int) -> bytes:
     if self._url:
       fs, key = _filesystem(self.path)
-      return _bounded(fs, self.path, "read", fs.cat_file, key, start=start, end=end)
+      pinned = {"generation": self._generation} if self._generation else {}
+      try:
+        return _bounded(fs, self.path, "read", fs.cat_file, key, start=start, end=end, **pinned)
+      except FileNotFoundError:
+        if self._generation:
+          raise _replaced_error(self.path, self._generation) from None
+        raise
     return os.pread(self._descriptor(), end - start, start)
 
   def _descriptor(self) -> int:
@@ -441,16 +479,19 @@ def _nonblocking(path: str, flags: int) -> int:
   return os.open(path, flags | os.O_NONBLOCK)
 
 
-def _filesystem(url: str) -> tuple[Any, str]:
+def _filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:
   """The fsspec filesystem of a URL (fsspec caches instances, per process) and its key.
 
-  On gs:// every HTTP request is bounded (`StoreBounds.request_seconds`).
+  On gs:// every HTTP request is bounded (`StoreBounds.request_seconds`);
+  `versioned`: one that reads `key#generation` as that generation.
   """
   try:
     import fsspec  # pylint: disable=g-import-not-at-top
 
     scheme = url.split("://", 1)[0]
     options = {"requests_timeout": _bounds.request_seconds} if scheme in _GCS_SCHEMES else {}
+    if versioned and scheme in _GCS_SCHEMES:
+      options["version_aware"] = True
     return fsspec.core.url_to_fs(url, **options)
   except ImportError as e:
     scheme = url.split("://", 1)[0]
@@ -493,14 +534,17 @@ def _bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, **kwargs
 class _BoundedFile:
   """A store file for streaming reads whose errors are `StorageError`s naming it."""
 
-  def __init__(self, f: Any, path: str):
+  def __init__(self, f: Any, path: str, generation: str | None = None):
     self._f = f
     self._path = path
+    self._generation = generation
 
   def _typed(self, call: Any, *args: Any) -> Any:
     try:
       return call(*args)
     except FileNotFoundError:
+      if self._generation:
+        raise _replaced_error(self._path, self._generation) from None
       raise
     except Exception as e:  # pylint: disable=broad-except
       translated = _store_error(self._path, "read", e)

@@ -334,9 +334,11 @@ class ParquetSource(_FileReader):
   def __init__(self, paths: Sequence[str]):
     pq = _import_pyarrow_parquet()
     self._paths = [_storage.absolute(p) for p in paths]
+    # On an object store each file's generation now: every later read is of it.
+    self._generations = [_storage.pinned_generation(p) for p in self._paths]
     group_rows = []
-    for path in self._paths:
-      with _parquet_file(pq, path) as parquet:
+    for path, generation in zip(self._paths, self._generations):
+      with _parquet_file(pq, path, generation) as parquet:
         metadata = parquet.metadata
       group_rows.append(
           [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
@@ -356,7 +358,7 @@ class ParquetSource(_FileReader):
     if cached is None or cached[0] != group or getattr(self._local, "pid", None) != os.getpid():
       pq = _import_pyarrow_parquet()
       file_index, group_index = self._groups[group]
-      with _parquet_file(pq, self._paths[file_index]) as parquet:
+      with _parquet_file(pq, self._paths[file_index], self._generations[file_index]) as parquet:
         table = parquet.read_row_group(group_index)
       cached = self._local.cache = (group, table)
       self._local.pid = os.getpid()
@@ -365,12 +367,12 @@ class ParquetSource(_FileReader):
 
 
 @contextlib.contextmanager
-def _parquet_file(pq: Any, path: str) -> Any:
+def _parquet_file(pq: Any, path: str, generation: str | None = None) -> Any:
   """A pyarrow ParquetFile of a local path (read natively) or a URL (through `_storage`)."""
   if not _storage.is_url(path):
     yield pq.ParquetFile(path)
     return
-  with _storage.open_read(path) as f:
+  with _storage.open_read(path, generation) as f:
     yield pq.ParquetFile(f)
 
 
