@@ -26,7 +26,7 @@ from ckpt_iter import state as state_lib
 from ckpt_iter.state import IteratorState
 
 MAX_ARRAY_BYTES = 16 * 2**30
-MAX_NESTING = 64
+MAX_NESTING = state_lib.MAX_NESTING
 
 _RESERVED_ITEMS = "__ckpt_iter_items__"
 _RESERVED_TUPLE = "__ckpt_iter_tuple__"

@@ -448,7 +448,7 @@ def _file_key(info: os.stat_result) -> tuple[int, int, int, int]:
 
 
 class _open_regular:  # pylint: disable=invalid-name
-  """`with _open_regular(path) as (f, size)`: a local regular file, unbuffered.
+  """`with _open_regular(path) as (f, size)`: a local regular file (not a link to one), unbuffered.
 
   One non-blocking open and an fstat of the open file, no stat of the path
   first: the check holds for the very file that is read, and a FIFO is
@@ -476,7 +476,15 @@ class _open_regular:  # pylint: disable=invalid-name
 
 
 def _nonblocking(path: str, flags: int) -> int:
-  return os.open(path, flags | os.O_NONBLOCK)
+  try:
+    # O_NOFOLLOW: a symlink put in place of a checkpoint file would read
+    # whatever it points to, outside the item directory.
+    return os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise OSError(errno.ELOOP, "is a symbolic link; a checkpoint's files are read only as "
+                    "regular files inside their item directory, never through a link", path) from None
+    raise
 
 
 def _filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:

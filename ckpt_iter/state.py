@@ -34,6 +34,8 @@ MAX_PENDING_ITEMS = 1_000_000
 MAX_SCHEDULE_LENGTH = 10_000_000
 # The optional fields are small by construction; a larger one is corrupt.
 MAX_CONTENT_FIELDS = 64
+# How deep a state's JSON values may nest (a Grain position needs a few levels).
+MAX_NESTING = 64
 MAX_LINEAGE_RECENT = 64
 
 JsonScalar = None | bool | int | float | str
@@ -239,6 +241,7 @@ def _checked_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
         f"{origin}: field 'kind' is {_short(kind)}, expected one of {list(KINDS)}."
     )
   fingerprint = require(value, "fingerprint", Mapping, origin)
+  _checked_copy(fingerprint, "fingerprint", origin)  # keys and strings are valid Unicode
   for name, field_value in fingerprint.items():
     if not isinstance(name, str):
       raise errors.InvalidStateError(
@@ -275,7 +278,7 @@ def _checked_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
   return {
       "kind": kind,
       "fingerprint": FrozenDict(fingerprint),
-      "position": _frozen(position),
+      "position": FrozenDict(_checked_copy(position, "position", origin)),
       "shuffle_key": shuffle_key,
       "pending": pending,
       "counters": FrozenDict({k: int(v) for k, v in counters.items()}),
@@ -302,7 +305,7 @@ def _checked_content(content: Any, origin: str) -> FrozenDict | None:
         f"{origin}: field 'content' must be {{'check': str, 'digest': str, 'fields': "
         f"{{name: str}} (at most {MAX_CONTENT_FIELDS})}}, got {_short(content)}."
     )
-  return _frozen(content)
+  return FrozenDict(_checked_copy(content, "content", origin))
 
 
 def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
@@ -328,7 +331,7 @@ def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
         f"{origin}: field 'lineage' must be {{'resumes': int, 'digest': str, 'recent': "
         f"[at most {MAX_LINEAGE_RECENT} {{'step': int, 'state': str}}]}}, got {_short(lineage)}."
     )
-  return _frozen(lineage)
+  return FrozenDict(_checked_copy(lineage, "lineage", origin))
 
 
 class FrozenDict(dict):
@@ -355,9 +358,37 @@ class FrozenDict(dict):
     return _thawed(self)
 
 
-def _frozen(position: Mapping[str, Any]) -> FrozenDict:
-  """A read-only deep copy of a position (its nested dicts and lists are plain copies)."""
-  return FrozenDict(_thawed(position))
+def _checked_copy(value: Any, field: str, origin: str, depth: int = 0) -> Any:
+  """`_thawed(value)`, refusing what a state file could hold but a state cannot.
+
+  Nesting deeper than MAX_NESTING (a recursion bomb for every later walk)
+  and strings that are not valid Unicode (JSON's "\\ud800" escapes decode to
+  lone surrogates, which no file or terminal can encode).
+
+  Raises:
+    InvalidStateError: naming `field`.
+  """
+  if depth > MAX_NESTING:
+    raise errors.InvalidStateError(
+        f"{origin}: field {field!r} is nested deeper than {MAX_NESTING} levels; no iterator "
+        "state is. The state is corrupt or hostile: restore an earlier step.")
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError:
+      raise errors.InvalidStateError(
+          f"{origin}: field {field!r} holds a string that is not valid Unicode (a lone "
+          f"surrogate): {value.encode('utf-8', 'backslashreplace').decode('ascii', 'replace')[:80]!r}. "
+          "The state is corrupt or hostile: restore an earlier step.") from None
+    return value
+  if isinstance(value, Mapping):
+    return {_checked_copy(k, field, origin, depth + 1): _checked_copy(v, field, origin, depth + 1)
+            for k, v in value.items()}
+  if isinstance(value, list):
+    return [_checked_copy(v, field, origin, depth + 1) for v in value]
+  if isinstance(value, tuple):
+    return tuple(_checked_copy(v, field, origin, depth + 1) for v in value)
+  return value
 
 
 def _thawed(value: Any) -> Any:

@@ -15,8 +15,10 @@ items). Errors go to stderr as `ckpt-iter: <message>`; a closed pipe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -56,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.print_help(sys.stderr)
     return EXIT_USAGE
   try:
+    if args.verb in _READING_VERBS:
+      with _escaped_output():
+        return args.run(args)
     return args.run(args)
   except BrokenPipeError:
     # The reader (`| head`) has what it wanted: no traceback, no message, and
@@ -66,6 +71,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _fail(str(e), EXIT_USAGE)
   except (errors.CkptIterError, OSError) as e:
     return _fail(str(e), EXIT_PROBLEMS)
+
+
+# The verbs that print what checkpoint files hold: their output is escaped.
+_READING_VERBS = ("inspect", "verify", "diff", "audit")
+# What a checkpoint's string could use to rewrite what the operator sees:
+# control characters (escape sequences, carriage return, backspace...),
+# invisible and direction-changing format characters, lone surrogates.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
+                     "\u2060-\u2069\ufeff\ud800-\udfff]")
+_UNSAFE_OR_NEWLINE = re.compile(_UNSAFE.pattern[:-1] + "\n]")
+
+
+def terminal_safe(text: str, *, newlines: bool = True) -> str:
+  """`text` with every character that could rewrite a terminal shown as an escape (\\x1b).
+
+  `newlines=False` escapes line breaks too: for a value inside a line.
+  """
+  pattern = _UNSAFE if newlines else _UNSAFE_OR_NEWLINE
+  return pattern.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii")
+                     if ord(m.group()) < 0xd800 or ord(m.group()) > 0xdfff else f"\\u{ord(m.group()):04x}", text)
+
+
+class _EscapingStream:
+  """A text stream that writes `terminal_safe` text to `stream`."""
+
+  def __init__(self, stream: Any):
+    self._stream = stream
+
+  def write(self, text: str) -> int:
+    return self._stream.write(terminal_safe(text))
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _escaped_output() -> Any:
+  """stdout and stderr escaped while a reading verb runs (a crafted state cannot rewrite the screen)."""
+  saved = sys.stdout, sys.stderr
+  sys.stdout, sys.stderr = _EscapingStream(sys.stdout), _EscapingStream(sys.stderr)
+  try:
+    yield
+  finally:
+    sys.stdout, sys.stderr = saved
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -456,6 +505,8 @@ def _change(before: Any, after: Any, *, delta: bool = False) -> str:
 def _aligned(rows: list[tuple[str, str]], indent: int = 0) -> list[str]:
   if not rows:
     return []
+  # A value is one line: a newline inside one could forge the next row.
+  rows = [(terminal_safe(key, newlines=False), terminal_safe(value, newlines=False)) for key, value in rows]
   width = max(len(key) for key, _ in rows)
   return [f"{' ' * indent}{key.ljust(width)}  {value}" for key, value in rows]
 

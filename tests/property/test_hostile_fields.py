@@ -1,0 +1,148 @@
+"""Hostile checkpoint fields are refused by every entry point, and never reach the terminal raw.
+
+A real Orbax root (a RepeatIterator saved at steps 1 and 2); step 2's header
+is then replaced by a crafted one. Each case is tried through every way a
+user reads a state: an Orbax restore, `set_state` on the iterator, and the
+CLI verbs `inspect`, `verify`, `audit` and `diff`. A refusal is an
+`InvalidStateError` naming the field or the path; the CLI exits 1 with that
+message, never with a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import ckpt_iter
+from ckpt_iter import cli
+from ckpt_iter import errors
+
+RECORDS = [{"prompts": f"prompt {i}", "answer": i} for i in range(12)]
+HEADER = "process_0-of-1.json"
+
+
+def _iterator():
+  source = ckpt_iter.DataIterator(ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=0, num_epochs=2))
+  return ckpt_iter.RepeatIterator(
+      source, produce=lambda b: {"ids": np.asarray(b["answer"]) + 1}, num_repeats=2, group_size=2,
+      shuffle_seed=7)
+
+
+@pytest.fixture
+def root(tmp_path):
+  path = tmp_path / "root"
+  iterator = _iterator()
+  options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=False)
+  with ocp.CheckpointManager(str(path), options=options) as manager:
+    for step in (1, 2):
+      next(iterator)
+      manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+  return path
+
+
+def _nested(depth: int):
+  value = {"next_index": 0}
+  for _ in range(depth):
+    value = {"a": value}
+  return value
+
+
+def _with(field_path: tuple[str, ...], value):
+  def mutate(header: dict) -> dict:
+    node = header
+    for key in field_path[:-1]:
+      node = node.setdefault(key, {})
+    node[field_path[-1]] = value
+    return header
+  return mutate
+
+
+# name -> (how step 2's header is changed, what the refusal names)
+CASES = {
+    "surrogate_in_fingerprint": (_with(("fingerprint", "source"), "records\ud800"), "field 'fingerprint'"),
+    "surrogate_in_lineage_digest": (
+        _with(("lineage",), {"resumes": 1, "digest": "\udfff" * 16, "recent": [{"step": 1, "state": "x"}]}),
+        "field 'lineage'"),
+    "surrogate_in_position_key": (_with(("position", "\ud800"), 1), "position"),
+    "position_nested_500_deep": (_with(("position",), _nested(500)), "nested deeper than 64 levels"),
+}
+
+
+def _craft(root, mutate) -> str:
+  path = root / "2" / "data" / HEADER
+  header = json.loads(path.read_text())
+  # json.dumps escapes a lone surrogate as \\ud800, which the reader decodes back.
+  path.write_text(json.dumps(mutate(header)))
+  return str(path)
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_hostile_field_is_refused_by_an_orbax_restore(root, name):
+  mutate, names = CASES[name]
+  _craft(root, mutate)
+  with ocp.CheckpointManager(str(root)) as manager:
+    with pytest.raises(errors.InvalidStateError, match=names):
+      manager.restore(2, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(_iterator())))
+    manager.restore(1, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(_iterator())))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_hostile_field_is_refused_by_set_state(root, name):
+  mutate, names = CASES[name]
+  header = mutate(json.loads((root / "2" / "data" / HEADER).read_text()))
+  header = json.loads(json.dumps(header))  # the form a caller's dict would have
+  header.pop("arrays", None)
+  header.pop("arrays_digest", None)
+  header["pending"] = None
+  with pytest.raises(errors.InvalidStateError, match=names):
+    _iterator().set_state(header)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("verb", ["inspect", "verify", "audit"])
+def test_a_hostile_field_is_reported_by_the_cli_not_crashed_on(root, capsys, name, verb):
+  mutate, _ = CASES[name]
+  path = _craft(root, mutate)
+  argv = [verb, str(root)] + (["--step", "2"] if verb == "inspect" else [])
+  code, out, err = _cli(capsys, *argv)
+  assert code == cli.EXIT_PROBLEMS, (out, err)
+  assert "Traceback" not in out + err
+  assert path in out + err
+  assert "\ud800" not in out + err and "\udfff" not in out + err
+
+
+def test_a_symlinked_state_file_is_refused_everywhere_and_its_target_never_shown(root, tmp_path, capsys):
+  secret = tmp_path / "credentials.json"
+  secret.write_text(json.dumps({"client_secret": "hunter2-do-not-print", "next_index": 0}))
+  header = root / "2" / "data" / HEADER
+  header.unlink()
+  os.symlink(secret, header)
+  with ocp.CheckpointManager(str(root)) as manager:
+    with pytest.raises(errors.InvalidStateError, match=rf"{header}: cannot read the state file \(is a symbolic link"):
+      manager.restore(2, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(_iterator())))
+  for argv in (["inspect", str(root), "--step", "2"], ["verify", str(root)], ["audit", str(root)],
+               ["diff", str(root), "--step", "1", "--step", "2"]):
+    code, out, err = _cli(capsys, *argv)
+    assert code == cli.EXIT_PROBLEMS, (argv, out, err)
+    assert "hunter2" not in out + err and "symbolic link" in out + err, argv
+
+
+def test_control_characters_in_a_field_are_printed_escaped(root, capsys):
+  forged = "records\x1b[2J\rverdict: ok\nforged line\u202e"
+  _craft(root, _with(("fingerprint", "source"), forged))
+  for argv in (["inspect", str(root), "--step", "2"], ["diff", str(root), "--step", "1", "--step", "2"]):
+    code, out, err = _cli(capsys, *argv)
+    shown = out + err
+    assert "\x1b" not in shown and "\r" not in shown and "\u202e" not in shown, argv
+    assert "\\x1b[2J\\rverdict: ok" in shown, (argv, shown)
+    assert "\nforged line" not in shown, argv  # a value never starts a line of its own
