@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -99,7 +100,21 @@ def resumed(
 
 
 def step_of_item_directory(directory: str) -> int | None:
-  """The step of `<root>/<step>/<item>`, or None when the parent is not a step number."""
+  """The step of `<root>/<step dir>/<item>`, or None when the parent is not a step directory."""
   parent = directory.rstrip("/").rsplit("/", 2)
-  name = parent[-2] if len(parent) >= 2 else ""
-  return int(name) if name.isdigit() else None
+  return step_of_directory_name(parent[-2] if len(parent) >= 2 else "")
+
+
+# Orbax's step directory names: the step ("12"), zero-padded with
+# `step_format_fixed_length` ("00000012"), or after `step_prefix` ("ckpt_12").
+# The rule of orbax.checkpoint.path.step.step_from_checkpoint_name (without
+# importing Orbax, which the read-only CLI does not); a test holds them equal.
+_STEP_DIRECTORY = re.compile(r"^(?:.+_)?(\d+)$")
+
+
+def step_of_directory_name(name: str) -> int | None:
+  """The step an Orbax step directory's name stands for; None for any other name (a tmp directory)."""
+  match = _STEP_DIRECTORY.match(name)
+  return int(match.group(1)) if match and name.isascii() else None
+
+

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any, Mapping
 
 from ckpt_iter import _files
 from ckpt_iter import _storage
 from ckpt_iter import errors
+from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
 
@@ -34,7 +34,6 @@ TUNIX_ACTOR_DIR = "actor"
 ABSENT = state_lib.ABSENT
 # Orbax's marker of a committed step where there is no rename (object stores).
 COMMIT_FILE = "commit_success.txt"
-_STEP_NAME = re.compile(r"^\d+$")
 
 
 class UsageError(Exception):
@@ -46,17 +45,23 @@ class Layout:
   """Where the steps and the data item of a checkpoint are.
 
   Attributes:
-    root: the directory holding the integer-named step directories.
+    root: the directory holding the step directories.
     item: the name of the item directory holding ckpt_iter state files.
     steps: the step numbers, ascending.
+    names: each step's directory name (Orbax's `step_prefix` and
+      `step_format_fixed_length` make it other than the number).
   """
 
   root: str
   item: str
   steps: tuple[int, ...]
+  names: Mapping[int, str] = dataclasses.field(default_factory=dict)
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.root, self.names.get(step, str(step)))
 
   def item_dir(self, step: int) -> str:
-    return os.path.join(self.root, str(step), self.item)
+    return os.path.join(self.step_dir(step), self.item)
 
   def choose_step(self, step: int | None) -> int:
     """`step`, or the latest step when None; UsageError if there is none such."""
@@ -82,40 +87,50 @@ def find_layout(path: str, item: str | None = None, *, require_state: bool = Tru
   if not _storage.is_dir(path):
     raise UsageError(f"{path}: no such directory.")
   root = _steps_root(path)
-  steps = list_steps(root)
+  names = step_directories(root)
+  steps = sorted(names)
   if not steps:
     raise UsageError(
-        f"{path}: not a checkpoint: no step directories (integer names) here "
+        f"{path}: not a checkpoint: no step directories (Orbax's step names) here "
         f"or in {os.path.join(path, TUNIX_ACTOR_DIR)}. Pass an Orbax checkpoint "
         "root or a Tunix checkpoint root."
     )
-  items = _items_with_state(root, steps)
+  items = _items_with_state(root, names)
   if not require_state and (not items or item is not None and item not in items):
-    return Layout(root=root, item=item or DEFAULT_ITEM, steps=tuple(steps))
-  return Layout(root=root, item=_choose_item(root, steps, items, item), steps=tuple(steps))
+    return Layout(root=root, item=item or DEFAULT_ITEM, steps=tuple(steps), names=names)
+  return Layout(root=root, item=_choose_item(root, steps, items, item, names), steps=tuple(steps), names=names)
 
 
 def _steps_root(path: str) -> str:
   actor = os.path.join(path, TUNIX_ACTOR_DIR)
-  if TUNIX_ACTOR_DIR in subdirectories(path) and list_steps(actor):
+  if TUNIX_ACTOR_DIR in subdirectories(path) and step_directories(actor):
     return actor
   return path
 
 
-def list_steps(directory: str) -> list[int]:
-  """The committed integer-named subdirectories of `directory`, ascending."""
-  steps = sorted(int(name) for name in subdirectories(directory) if _STEP_NAME.match(name))
+def step_directories(directory: str) -> dict[int, str]:
+  """Step -> directory name of the committed step directories of `directory`.
+
+  Named as Orbax names them (`lineage.step_of_directory_name`: the number,
+  zero-padded, or after a `step_prefix`); Orbax's tmp directories are not steps.
+  """
+  names = {}
+  for name in subdirectories(directory):
+    step = lineage_lib.step_of_directory_name(name)
+    if step is not None:
+      names.setdefault(step, name)
   if _storage.is_url(directory):
-    steps = [step for step in steps if _storage.is_file(os.path.join(directory, str(step), COMMIT_FILE))]
-  return steps
+    names = {step: name for step, name in names.items()
+             if _storage.is_file(os.path.join(directory, name, COMMIT_FILE))}
+  return dict(sorted(names.items()))
 
 
-def _items_with_state(root: str, steps: list[int]) -> dict[str, list[int]]:
+def _items_with_state(root: str, names: Mapping[int, str]) -> dict[str, list[int]]:
   """Item name -> the steps in which that item holds process state files."""
   found: dict[str, list[int]] = {}
-  for step in steps:
-    for name in subdirectories(os.path.join(root, str(step))):
-      if _process_files_or_none(os.path.join(root, str(step), name)):
+  for step, step_name in names.items():
+    for name in subdirectories(os.path.join(root, step_name)):
+      if _process_files_or_none(os.path.join(root, step_name, name)):
         found.setdefault(name, []).append(step)
   return found
 
@@ -125,7 +140,8 @@ def subdirectories(directory: str) -> list[str]:
   return sorted(name for name, is_dir in _storage.list_entries(directory) if is_dir)
 
 
-def _choose_item(root: str, steps: list[int], items: Mapping[str, list[int]], item: str | None) -> str:
+def _choose_item(root: str, steps: list[int], items: Mapping[str, list[int]], item: str | None,
+                 names: Mapping[int, str]) -> str:
   if item is not None:
     if item not in items:
       raise UsageError(
@@ -134,7 +150,7 @@ def _choose_item(root: str, steps: list[int], items: Mapping[str, list[int]], it
       )
     return item
   if not items:
-    latest = os.path.join(root, str(steps[-1]))
+    latest = os.path.join(root, names[steps[-1]])
     raise UsageError(
         f"{root}: not a ckpt_iter checkpoint: no item of any step holds "
         f"process_<i>-of-<n>.json state files (step {steps[-1]} holds: "
