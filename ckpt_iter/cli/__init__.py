@@ -223,7 +223,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-  layout = inspection.find_layout(args.checkpoint, args.item)
+  layout = inspection.find_layout(args.checkpoint, args.item, step=args.step)
   step = layout.choose_step(args.step)
   processes = inspection.read_summaries(layout, step)
   if args.json:
@@ -356,7 +356,7 @@ def _shared_fields(fingerprints: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-  layout = inspection.find_layout(args.checkpoint, args.item)
+  layout = inspection.find_layout(args.checkpoint, args.item, step=args.step)
   steps = list(layout.steps) if args.step is None else [layout.choose_step(args.step)]
   checks = [verification.verify_step(layout, step) for step in steps]
   problems = [problem for check in checks for problem in check.problems]

@@ -74,11 +74,16 @@ class Layout:
     return step
 
 
-def find_layout(path: str, item: str | None = None, *, require_state: bool = True) -> Layout:
+def find_layout(
+    path: str, item: str | None = None, *, require_state: bool = True, step: int | None = None
+) -> Layout:
   """Finds the steps and the ckpt_iter item of the checkpoint at `path`.
 
   `require_state=False` (the audit) takes a root none of whose steps holds a
   data state, e.g. one written by stock Tunix, with `item` or "data".
+  `step` (`--step N`): only that step is opened, so the cost does not grow
+  with the kept steps (on an object store: two listings, one commit check,
+  then the step's own files); the other steps are as listed.
 
   Raises:
     UsageError: `path` is not a directory, has no steps, or no step holds
@@ -87,15 +92,19 @@ def find_layout(path: str, item: str | None = None, *, require_state: bool = Tru
   if not _storage.is_dir(path):
     raise UsageError(f"{path}: no such directory.")
   root = _steps_root(path)
-  names = step_directories(root)
+  names = step_directories(root, committed=step is None)
+  if step is not None and step in names and _storage.is_url(root) and not _committed(root, names[step]):
+    del names[step]  # an unfinished save: not a step
   steps = sorted(names)
+  if step is not None and steps and step not in names:
+    raise UsageError(f"no step {step} in {root} (steps: {format_steps(steps)}).")
   if not steps:
     raise UsageError(
         f"{path}: not a checkpoint: no step directories (Orbax's step names) here "
         f"or in {os.path.join(path, TUNIX_ACTOR_DIR)}. Pass an Orbax checkpoint "
         "root or a Tunix checkpoint root."
     )
-  items = _items_with_state(root, names)
+  items = _items_with_state(root, names if step is None or step not in names else {step: names[step]})
   if not require_state and (not items or item is not None and item not in items):
     return Layout(root=root, item=item or DEFAULT_ITEM, steps=tuple(steps), names=names)
   return Layout(root=root, item=_choose_item(root, steps, items, item, names), steps=tuple(steps), names=names)
@@ -103,25 +112,30 @@ def find_layout(path: str, item: str | None = None, *, require_state: bool = Tru
 
 def _steps_root(path: str) -> str:
   actor = os.path.join(path, TUNIX_ACTOR_DIR)
-  if TUNIX_ACTOR_DIR in subdirectories(path) and step_directories(actor):
+  if TUNIX_ACTOR_DIR in subdirectories(path) and step_directories(actor, committed=False):
     return actor
   return path
 
 
-def step_directories(directory: str) -> dict[int, str]:
-  """Step -> directory name of the committed step directories of `directory`.
+def _committed(root: str, name: str) -> bool:
+  return _storage.is_file(os.path.join(root, name, COMMIT_FILE))
+
+
+def step_directories(directory: str, *, committed: bool = True) -> dict[int, str]:
+  """Step -> directory name of the step directories of `directory`.
 
   Named as Orbax names them (`lineage.step_of_directory_name`: the number,
   zero-padded, or after a `step_prefix`); Orbax's tmp directories are not steps.
+  At a URL, `committed` keeps only those with Orbax's commit file (one
+  request each).
   """
   names = {}
   for name in subdirectories(directory):
     step = lineage_lib.step_of_directory_name(name)
     if step is not None:
       names.setdefault(step, name)
-  if _storage.is_url(directory):
-    names = {step: name for step, name in names.items()
-             if _storage.is_file(os.path.join(directory, name, COMMIT_FILE))}
+  if committed and _storage.is_url(directory):
+    names = {step: name for step, name in names.items() if _committed(directory, name)}
   return dict(sorted(names.items()))
 
 
