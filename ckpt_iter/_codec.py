@@ -11,6 +11,7 @@ Two codecs, both lossless and both refusing what they cannot store exactly:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -165,7 +166,7 @@ class ArraySpec:
   dtype: str
   shape: tuple[int, ...]
 
-  @property
+  @functools.cached_property
   def nbytes(self) -> int:
     return int(np.dtype(self.dtype).itemsize) * math.prod(self.shape)
 
@@ -425,14 +426,22 @@ def array_specs(header: Mapping[str, Any], *, origin: str) -> dict[str, ArraySpe
   if not isinstance(manifest, Mapping):
     raise errors.InvalidStateError(f"{origin}: field 'arrays' must be a dict, got {_short(manifest)}.")
   specs = {}
+  # A pending queue holds many arrays of a few kinds: each (dtype, shape)
+  # is validated once (the checks depend on nothing else).
+  checked: dict[tuple[Any, ...], ArraySpec] = {}
   for name, spec in manifest.items():
     if not isinstance(name, str) or not name.isidentifier():
       raise errors.InvalidStateError(
           f"{origin}: array name {_short(name)} is not a plain identifier "
           "(names may not be paths)."
       )
-    if not isinstance(spec, Mapping) or set(spec) != {"dtype", "shape"}:
+    if not isinstance(spec, Mapping) or len(spec) != 2 or "dtype" not in spec or "shape" not in spec:
       raise errors.InvalidStateError(f"{origin}: arrays[{name!r}] must be {{dtype, shape}}, got {_short(spec)}.")
+    key = _spec_key(spec)
+    known = checked.get(key) if key is not None else None
+    if known is not None:
+      specs[name] = known
+      continue
     try:
       # Only the dtype strings ckpt_iter writes: a dict or list spec would
       # build a structured dtype (and can overflow inside numpy).
@@ -458,7 +467,17 @@ def array_specs(header: Mapping[str, Any], *, origin: str) -> dict[str, ArraySpe
           "The state is corrupt."
       )
     specs[name] = result
+    if key is not None:
+      checked[key] = result
   return specs
+
+
+def _spec_key(spec: Mapping[str, Any]) -> tuple[Any, ...] | None:
+  """A hashable form of a manifest entry whose fields are plain (a str and a list of ints)."""
+  dtype, shape = spec["dtype"], spec["shape"]
+  if type(dtype) is not str or type(shape) is not list or not all(type(d) is int for d in shape):
+    return None
+  return (dtype, *shape)
 
 
 def decode_state(
