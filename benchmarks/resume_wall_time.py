@@ -92,7 +92,7 @@ def relabel(source_root: str, target_root: str, step: int) -> None:
   data_path = os.path.join(step_dir, "data", "process_0-of-1.json")
   with open(data_path) as f:
     header = json.load(f)
-  header["position"]["full_batch"]["next_index"] = global_steps + 1
+  header["position"]["input"]["position"]["next_index"] = global_steps + 1  # format 2: the input nested
   header["counters"].update(train_steps=step, actor_iter_steps=step, global_steps=global_steps)
   with open(data_path, "w") as f:
     json.dump(header, f, indent=1)

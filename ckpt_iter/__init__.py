@@ -40,6 +40,7 @@ _LAZY = {
     "DataIterator": "ckpt_iter.iterator",
     "DataLoaderIterator": "ckpt_iter._loader",
     "RepeatIterator": "ckpt_iter.repeat",
+    "ReplayIterator": "ckpt_iter.replay",
     "register_pytree_dataclass": "ckpt_iter._codec",
 }
 
@@ -54,6 +55,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselve
   from ckpt_iter.elastic import ELASTIC_FIELDS
   from ckpt_iter.iterator import DataIterator
   from ckpt_iter.repeat import RepeatIterator
+  from ckpt_iter.replay import ReplayIterator
 
 
 def __getattr__(name: str):
@@ -91,6 +93,7 @@ __all__ = [
     "Pending",
     "ProcessCountError",
     "RepeatIterator",
+    "ReplayIterator",
     "StateVersionError",
     "StorageError",
     "StorageTimeoutError",

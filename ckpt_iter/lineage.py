@@ -43,7 +43,21 @@ def state_digest(value: state_lib.IteratorState) -> str:
 
 def header_digest(header: Mapping[str, Any], *, origin: str) -> str:
   """`state_digest` of the state a header holds, without reading its arrays."""
-  value = state_lib.IteratorState.from_dict(header, origin=origin)
+  return _value_digest(state_lib.IteratorState.from_dict(header, origin=origin))
+
+
+def header_digests(header: Mapping[str, Any], *, origin: str) -> tuple[str, ...]:
+  """Every digest a restore of this header may have recorded: `header_digest`, and for a
+  header of an older format that migration reshapes (a format-1 Tunix state), the digest
+  of it as written, which a ckpt_iter of that format recorded when it resumed from it."""
+  digests = (header_digest(header, origin=origin),)
+  if header.get("format_version") == 1 and header.get("kind") == "tunix":
+    as_written = _value_digest(state_lib.validated(header, origin))
+    digests += () if as_written in digests else (as_written,)
+  return digests
+
+
+def _value_digest(value: state_lib.IteratorState) -> str:
   position = codec.position_to_json(codec.position_from_json(value.position))
   return _digest_of_fields(
       value.kind, value.fingerprint, position, value.shuffle_key,

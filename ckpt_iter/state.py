@@ -24,10 +24,25 @@ import typing
 from collections.abc import Mapping  # not typing's: its isinstance is ~3x slower
 from typing import Any, Callable, Collection
 
+from ckpt_iter import _learner_state
 from ckpt_iter import errors
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KINDS = ("data", "repeat", "tunix")
+# The version each kind is written in: the oldest that expresses it. Version 2
+# changed only the Tunix learners' states (their input's state nested,
+# `_learner_state`), so a data or repeat state stays readable by a ckpt_iter
+# that reads version 1.
+_WRITTEN_VERSION = {"data": 1, "repeat": 1, "tunix": 2}
+
+
+# What a value accepts as `format_version` (it then holds its kind's).
+_VALUE_VERSIONS = frozenset(_WRITTEN_VERSION.values()) | {FORMAT_VERSION}
+
+
+def written_version(kind: str) -> int:
+  """The format_version a state of `kind` is written with."""
+  return _WRITTEN_VERSION[kind]
 
 # Fail fast on absurd inputs instead of allocating for them.
 MAX_PENDING_ITEMS = 1_000_000
@@ -116,13 +131,14 @@ class IteratorState:
          "content": self.content, "lineage": self.lineage},
         "IteratorState",
     )
-    if self.format_version != FORMAT_VERSION:
+    if self.format_version not in _VALUE_VERSIONS:
       raise errors.InvalidStateError(
           f"IteratorState: format_version is {_short(self.format_version)}; a value is always of "
           f"the current format ({FORMAT_VERSION}): read older ones with IteratorState.from_dict."
       )
     for name, value in fields.items():
       object.__setattr__(self, name, value)
+    object.__setattr__(self, "format_version", written_version(fields["kind"]))
 
   @classmethod
   def _from_checked(cls, fields: Mapping[str, Any]) -> "IteratorState":
@@ -132,7 +148,7 @@ class IteratorState:
     object.__setattr__(value, "lineage", None)
     for name, field_value in fields.items():
       object.__setattr__(value, name, field_value)
-    object.__setattr__(value, "format_version", FORMAT_VERSION)
+    object.__setattr__(value, "format_version", written_version(fields["kind"]))
     return value
 
   def with_lineage(self, lineage: Mapping[str, Any]) -> "IteratorState":
@@ -221,6 +237,8 @@ def migrate(value: Any, *, origin: str = "the state") -> dict[str, Any]:
         f"{origin} has format_version {version}; versions start at 1 (a bare "
         "Grain state has no format_version field at all)."
     )
+  if version == 1 and isinstance(value.get("kind"), str) and value["kind"] == "tunix":
+    return _learner_state.migrate_v1(value)
   return dict(value)
 
 

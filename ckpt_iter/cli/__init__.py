@@ -290,8 +290,7 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
       ("kind", summary["kind"]),
       ("position", describe_position(summary)),
   ]
-  if "micro_batches_taken" in summary:
-    rows.append(("micro_batches_taken", _scalar(summary["micro_batches_taken"])))
+  rows.extend((name, _scalar(summary[name])) for name in inspection.LEARNER_POSITION_FIELDS if name in summary)
   rows.append(("shuffle_key", "none" if summary["shuffle_key"] is None else str(summary["shuffle_key"])))
   rows.append(("pending", describe_pending(summary["pending"])))
   if summary["pending"] is not None:
@@ -313,7 +312,7 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
 
 def describe_position(summary: Mapping[str, Any]) -> str:
   """`epoch 1, 5 of 64 batches read (next_index 69)`, or the raw Grain state."""
-  source = "full batches: " if summary["kind"] == "tunix" else ""
+  source = "input: " if summary["kind"] == "tunix" else ""
   if "epoch" in summary:
     return (
         f"{source}epoch {summary['epoch']}, {summary['batch_in_epoch']} of "
@@ -322,7 +321,7 @@ def describe_position(summary: Mapping[str, Any]) -> str:
   if "next_index" in summary:
     return f"{source}next_index {summary['next_index']}"
   if "full_batches_read" in summary:
-    return f"{source}{summary['full_batches_read']} full batches read (replayed on restore)"
+    return f"{source}{summary['full_batches_read']} elements read (replayed on restore)"
   return json.dumps(summary["position"], sort_keys=True)
 
 
@@ -481,8 +480,8 @@ def diff_rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, str
     rows.append(("kind", _change(a["kind"], b["kind"])))
   if "position" in differences:
     rows.append(("position", f"{describe_position(a)} -> {describe_position(b)}"))
-    if "micro_batches_taken" in differences["position"]:
-      rows.append(("micro_batches_taken", _change(*differences["position"]["micro_batches_taken"], delta=True)))
+    rows.extend((name, _change(*differences["position"][name], delta=True))
+                for name in inspection.LEARNER_POSITION_FIELDS if name in differences["position"])
   if "shuffle_key" in differences:
     rows.append(("shuffle_key", _change(a["shuffle_key"], b["shuffle_key"])))
   if "pending" in differences:

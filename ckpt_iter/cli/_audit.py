@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpt_iter import _files
+from ckpt_iter import _learner_state
 from ckpt_iter import errors
 from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import state as state_lib
@@ -39,7 +40,7 @@ class Saved:
   process_index: int
   process_count: int
   kind: str
-  digest: str
+  digests: tuple[str, ...]  # the first is the current format's (`lineage.header_digests`)
   progress: int | None  # elements (data), items yielded (repeat), prompts (Tunix)
   lineage: Mapping[str, Any]
   counters: Mapping[str, int]
@@ -143,7 +144,7 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
   value = state_lib.IteratorState.from_dict(header, origin=origin)
   return Saved(
       step=step, process_index=index, process_count=count, kind=value.kind,
-      digest=lineage_lib.header_digest(header, origin=origin),
+      digests=lineage_lib.header_digests(header, origin=origin),
       progress=_progress(value),
       lineage=value.lineage or lineage_lib.empty(),
       counters=value.counters, fingerprint=value.fingerprint,
@@ -155,13 +156,10 @@ def _progress(value: state_lib.IteratorState) -> int | None:
   """How far the state is into its stream, as one number (None when its position has none)."""
   if value.kind == "repeat":
     return value.counters.get("yielded")
-  position: Any = value.position
+  _, position, own = _learner_state.input_view(value.kind, value.fingerprint, value.position)
   for name in ("stream_rows", "prompt_index"):  # Tunix RL, agentic: prompts consumed
-    if state_lib.is_int(position.get(name)):
-      return position[name]
-  for name in ("full_batch", "source"):  # a Tunix learner's input position
-    if isinstance(position.get(name), Mapping):
-      position = position[name]
+    if state_lib.is_int(own.get(name)):
+      return own[name]
   next_index = position.get("next_index")
   return next_index if state_lib.is_int(next_index) else None
 
@@ -252,11 +250,11 @@ def _resume_finding(
   if origin is None:
     return Finding(UNPROVABLE, *where, f"step {source_step} has no state of process {saved.process_index}",
                    resumed_from=source_step)
-  if entry.get("state") != origin.digest:
+  if entry.get("state") not in origin.digests:
     return Finding(
         BROKEN, *where,
         f"restored a state (digest {entry.get('state')}) that is not the one step {source_step} "
-        f"holds ({origin.digest})", resumed_from=source_step,
+        f"holds ({origin.digests[0]})", resumed_from=source_step,
     )
   at = "" if origin.progress is None else f", position {origin.progress}"
   pending = f", {origin.remaining} pending" if origin.remaining else ""

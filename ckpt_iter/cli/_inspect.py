@@ -23,6 +23,7 @@ import os
 from typing import Any, Mapping
 
 from ckpt_iter import _files
+from ckpt_iter import _learner_state
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import lineage as lineage_lib
@@ -261,7 +262,7 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
       "shuffle_key": None if value.shuffle_key is None else list(value.shuffle_key),
       "pending": _pending_summary(header.get("pending"), value.pending, specs),
       "counters": dict(value.counters),
-      "fingerprint": dict(value.fingerprint),
+      "fingerprint": _learner_state.flat_fingerprint(value.kind, value.fingerprint, value.position),
       "content": None if value.content is None else value.content.get("check"),
       "resumes": 0 if value.lineage is None else value.lineage["resumes"],
       "last_resume_from": (value.lineage["recent"][-1]["step"]
@@ -269,13 +270,15 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
   }
 
 
+# A Tunix learner's own position fields worth a line: RL's micro-batches into
+# the full batch, the prompts consumed (RL), the next prompt (agentic).
+LEARNER_POSITION_FIELDS = ("micro_batches_taken", "stream_rows", "prompt_index")
+
+
 def position_fields(kind: str, position: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-  """next_index, epoch and batch_in_epoch (and Tunix's micro_batches_taken)."""
-  fields: dict[str, Any] = {}
-  source_position: Any = position
-  if kind == "tunix":
-    source_position = position.get("full_batch")
-    fields["micro_batches_taken"] = position.get("micro_batches_taken")
+  """next_index, epoch and batch_in_epoch of the input (and a learner's own counts)."""
+  fingerprint, source_position, own = _learner_state.input_view(kind, fingerprint, position)
+  fields: dict[str, Any] = {name: own[name] for name in LEARNER_POSITION_FIELDS if name in own}
   if not isinstance(source_position, Mapping):
     return fields
   next_index = source_position.get("next_index")
@@ -357,7 +360,8 @@ def changed_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, list
   }
 
 
-_POSITION_FIELDS = ("epoch", "batch_in_epoch", "next_index", "micro_batches_taken", "full_batches_read")
+_POSITION_FIELDS = (
+    "epoch", "batch_in_epoch", "next_index", "full_batches_read", *LEARNER_POSITION_FIELDS)
 
 
 def _position_view(summary: Mapping[str, Any]) -> dict[str, Any]:

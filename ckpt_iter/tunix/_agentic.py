@@ -141,20 +141,19 @@ class ResumableAgentic:
     self._ci_loop = loop
     trainer = api.agentic_cluster(self).actor_trainer
     _saving.install(trainer.checkpoint_manager, _saving.DataStateOnly(self._ci_snapshot))
-    restored, checked_source = self._ci_read_state(loop, frozenset(allow_drift), on_legacy_checkpoint)
-    loop.run(restored, checked_source)
+    loop.run(*self._ci_read_state(loop, frozenset(allow_drift), on_legacy_checkpoint))
 
   def _ci_snapshot(self) -> state_lib.IteratorState | None:
     loop = self._ci_loop
     return None if loop is None or not loop.started else loop.snapshot()
 
-  def _ci_read_state(self, loop: Any, allow_drift: frozenset[str], on_legacy: str) -> tuple[Any, Any]:
-    """The data state of the step Tunix restored the actor from and its input's checked
-    apply step, or (None, None) for a fresh run."""
+  def _ci_read_state(self, loop: Any, allow_drift: frozenset[str], on_legacy: str) -> tuple[Any, Any, Any]:
+    """The data state of the step Tunix restored the actor from, its input's checked
+    apply step and the loop's position, or (None, None, None) for a fresh run."""
     trainer = api.agentic_cluster(self).actor_trainer
     step = int(trainer.train_steps)
     if not step:
-      return None, None
+      return None, None, None
     data_dir = _saving.data_directory(trainer.checkpoint_manager, step)
     origin = f"checkpoint step {step} ({data_dir})"
     value = None
@@ -179,16 +178,14 @@ class ResumableAgentic:
             "or trained twice.", origin, skipped,
         )
       loop.skip_full_batches(skipped)
-      return None, None
-    position = value.position
-    if not isinstance(position, dict) or "source" not in position:
-      raise errors.InvalidStateError(f"{origin}: field 'position' has no 'source' entry: {position!r}.")
+      return None, None, None
+    input_fingerprint, position = _input.unnest(value, _agentic_loop.INPUT_KEY, origin=origin)
     checked = _input.check_learner_state(
-        value.fingerprint, loop.learner_fingerprint(), loop.source, position["source"],
+        value.fingerprint, loop.fingerprint, loop.source, input_fingerprint, position["source"],
         allow_drift=allow_drift, origin=origin,
         optional_learner_fields=("num_iterations_order",),
     )
-    return value, checked
+    return value, checked, position
 
 
 class ResumableAgenticGRPOLearner(ResumableAgentic, agentic_grpo_learner.GRPOLearner):

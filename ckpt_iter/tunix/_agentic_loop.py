@@ -38,6 +38,8 @@ from ckpt_iter.tunix import _input
 _LOG = logging.getLogger("ckpt_iter")
 _TRAIN = rl_cluster_lib.Mode.TRAIN
 _DONE = object()
+# Where the loop's working position keeps its input's (`_input.nest`).
+INPUT_KEY = "source"
 
 
 class ConsumerLoop:
@@ -78,9 +80,9 @@ class ConsumerLoop:
     # Only main's replay order adds a field: checkpoints of the other order
     # (and every num_iterations=1 one, the same in both) keep their fingerprint.
     order = {"num_iterations_order": api.AGENTIC_REPLAY_FULL_BATCH} if self.replays else {}
+    # The learner's own fields; the input's are nested with its position.
     return {
         **order,
-        **self.source.fingerprint,
         "agentic_learner": next(c.__name__ for c in type(self.learner).__mro__ if c.__module__.startswith("tunix.")),
         "num_generations": int(self.algo.num_generations),
         "num_iterations": int(self.algo.num_iterations),
@@ -114,16 +116,12 @@ class ConsumerLoop:
     self.schedule.set_sizes(full, micro, max(1, mini // micro), raw_groups=self.in_consumer)
     api.agentic_set_batch_sizes(self.learner, full, self.in_consumer)
 
-  def learner_fingerprint(self) -> dict[str, Any]:
-    """The fingerprint fields that are the learner's own (the rest are the input's)."""
-    return _input.learner_part(self.fingerprint, self.source)
-
-  def _restore(self, value: state_lib.IteratorState, checked_source: Any) -> list[Any]:
+  def _restore(self, value: state_lib.IteratorState, checked_source: Any, position: dict[str, Any]) -> list[Any]:
     """Applies a checkpoint's data state; returns the prompts to feed again first.
 
-    `checked_source` is the input's checked apply step (`_input.check_learner_state`).
+    `checked_source` is the input's checked apply step (`_input.check_learner_state`),
+    `position` the state's position with the input's under `INPUT_KEY` (`_input.unnest`).
     """
-    position = value.position
     counters = value.counters
     replay = self.schedule.check_replay(
         position, counters.get("micro_batches_in_step"), len(value.pending.schedule),
@@ -161,9 +159,11 @@ class ConsumerLoop:
 
   # --- the run -------------------------------------------------------------------
 
-  def run(self, restored: state_lib.IteratorState | None, checked_source: Any = None) -> None:
+  def run(
+      self, restored: state_lib.IteratorState | None, checked_source: Any = None, position: Any = None
+  ) -> None:
     if restored is not None:
-      refeed = self._restore(restored, checked_source)
+      refeed = self._restore(restored, checked_source, position)
       _LOG.info(
           "ckpt_iter: restored the agentic data state in O(1): %d pending update inputs, "
           "%d prompts to roll out again, next prompt %d.",
@@ -379,7 +379,7 @@ class ConsumerLoop:
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self.fingerprint,
-        position=saved.position,
+        position=_input.nest(self.source.fingerprint, saved.position, INPUT_KEY),
         pending=state_lib.Pending(
             items=tuple(jax.tree.map(np.asarray, item) for item in saved.items),
             schedule=saved.order),

@@ -9,40 +9,37 @@ in O(1); a plain iterable can only get there by replaying what was read.
 
 from __future__ import annotations
 
-import collections
 import hashlib
-import itertools
 import logging
 from typing import Any, Callable, Collection, Iterable, Mapping
 
 import grain
 
-from ckpt_iter import _drift
+from ckpt_iter import _learner_state
 from ckpt_iter import _loader as loader_lib
 from ckpt_iter import errors
 from ckpt_iter import iterator as iterator_lib
+from ckpt_iter import replay as replay_lib
 from ckpt_iter import state as state_lib
 
 _LOG = logging.getLogger("ckpt_iter")
 
 
-class GrainSource:
-  """Full batches from a Grain dataset or DataLoader; positions restored in O(1).
+class _RestorableSource:
+  """Full batches from an iterator that restores its own state (`state.Restorable`).
 
-  Wraps a `DataIterator` or a `DataLoaderIterator`: both restore an exact
-  position through their own `check_restore`.
+  A learner's checkpoint nests that state (`nest`); a restore hands it back
+  unchanged, to the iterator's own `check_restore`.
   """
 
-  def __init__(self, data_iterator: iterator_lib.DataIterator | loader_lib.DataLoaderIterator):
-    self._iterator = data_iterator
+  def __init__(self, iterator: Any):
+    self._iterator = iterator
 
   @property
   def fingerprint(self) -> dict[str, Any]:
     return self._iterator.fingerprint
 
   def position(self) -> dict[str, Any]:
-    if isinstance(self._iterator, loader_lib.DataLoaderIterator):
-      return dict(self._iterator.state().position)
     return dict(self._iterator.position())
 
   def check(self, fingerprint, position, *, allow_drift, origin) -> Callable[[], None]:
@@ -52,6 +49,25 @@ class GrainSource:
   def apply(self, checked: Callable[[], None], position: Mapping[str, Any]) -> None:
     del position  # the checked apply step already holds it
     checked()
+
+  def __next__(self) -> Any:
+    return next(self._iterator)
+
+
+class GrainSource(_RestorableSource):
+  """Full batches from a Grain dataset or DataLoader; positions restored in O(1).
+
+  Wraps a `DataIterator` or a `DataLoaderIterator`: both restore an exact
+  position through their own `check_restore`.
+  """
+
+  def __init__(self, data_iterator: iterator_lib.DataIterator | loader_lib.DataLoaderIterator):
+    super().__init__(data_iterator)
+
+  def position(self) -> dict[str, Any]:
+    if isinstance(self._iterator, loader_lib.DataLoaderIterator):
+      return dict(self._iterator.state().position)
+    return super().position()
 
   def skip_full_batches(self, count: int) -> None:
     """Moves past the next `count` full batches (a legacy resume), as stock's `next()` loop does.
@@ -116,9 +132,6 @@ class GrainSource:
         )
     return {"next_index": next_index}, None
 
-  def __next__(self) -> Any:
-    return next(self._iterator)
-
   def peek(self) -> Any:
     position = self.position()
     element = next(self._iterator)
@@ -129,141 +142,27 @@ class GrainSource:
     self.check(self.fingerprint, position, allow_drift=(), origin="the input")()
 
 
-class ReplaySource:
-  """Full batches from any iterable; a position is a count of batches read.
+class ReplaySource(_RestorableSource):
+  """Full batches from any iterable (`replay.ReplayIterator`); a position is a count of batches read.
 
-  The position also holds a digest of the last batch read
-  (`_drift.batch_digest`); a restore replays the iterable and refuses it when
-  the last replayed batch has another digest: it is not the saved stream.
+  The position also holds a digest of the last batch read; a restore replays
+  the iterable and refuses it when the last replayed batch has another
+  digest: it is not the saved stream.
   """
 
   def __init__(self, iterable: Iterable[Any]):
-    self._iterable = iterable
-    self._iterator = iter(iterable)
-    # A generator is its own iterator: it cannot be read again from the start.
-    self._one_shot = self._iterator is iterable
-    self._read = 0
-    self._last_digest: str | None = None
-    self._lookahead: collections.deque[Any] = collections.deque()
-    self._warned = False
-    self._spent = False  # a generator read by a refused restore
-
-  @property
-  def fingerprint(self) -> dict[str, Any]:
-    return {"source": f"iterable:{type(self._iterable).__qualname__}"}
-
-  def position(self) -> dict[str, Any]:
-    position: dict[str, Any] = {"full_batches_read": self._read}
-    if self._last_digest is not None:
-      position[_drift.REPLAY_DIGEST_FIELD] = self._last_digest
-    return position
-
-  def check(self, fingerprint, position, *, allow_drift, origin) -> Any:
-    """Validates, then replays: a re-iterable (a list) on a fresh iterator, a generator in place.
-
-    A re-iterable yields what it yielded before until `apply` runs, so a
-    refused restore changes nothing. A generator cannot be read twice and is
-    not buffered (that would hold O(position) batches): the replay reads it,
-    and after a refusal it raises on use rather than yield from the wrong place.
-    """
-    state_lib.check_fingerprint(fingerprint, self.fingerprint, allow_drift=allow_drift, origin=origin)
-    count = position.get("full_batches_read") if isinstance(position, Mapping) else None
-    digest = position.get(_drift.REPLAY_DIGEST_FIELD) if isinstance(position, Mapping) else None
-    if (
-        not isinstance(position, Mapping)
-        or not {"full_batches_read"} <= set(position) <= {"full_batches_read", _drift.REPLAY_DIGEST_FIELD}
-        or not isinstance(count, int) or isinstance(count, bool) or count < 0
-        or not (digest is None or isinstance(digest, str))
-    ):
-      raise errors.InvalidStateError(
-          f"{origin}: field 'position' is {position!r}; an iterable's position is "
-          f"{{'full_batches_read': N[, '{_drift.REPLAY_DIGEST_FIELD}': '<hex>']}}."
-      )
-    if self._read:
-      raise errors.CkptIterError(
-          f"cannot move an iterable input that already yielded {self._read} batches; "
-          "positions are restored before training starts."
-      )
-    if count and not self._warned:
-      _LOG.warning(
-          "ckpt_iter: the training input is a plain iterable, so its position is "
-          "restored by replaying %d full batches. Pass a Grain dataset "
-          "(ckpt_iter.make_dataset) to restore in O(1).", count,
-      )
-      self._warned = True
-    if count == 0:
-      return None, 0, None
-    fresh = None
-    if self._one_shot:
-      # A generator cannot be read twice: replay it here, keeping only the
-      # last batch (O(1) memory, not O(position)). A refused restore leaves
-      # it read, and says so.
-      available, last = 0, None
-      while available < count:
-        try:
-          last = self._lookahead.popleft() if self._lookahead else next(self._iterator)
-        except StopIteration:
-          break
-        available += 1
-    else:
-      fresh = iter(self._iterable)
-      available, last = 0, None
-      for batch in itertools.islice(fresh, count):
-        available, last = available + 1, batch
-    try:
-      if available < count:
-        error = errors.ConfigDriftError({"full_batches_read": (count, available)}, origin=origin)
-        error.args = (
-            f"{origin} was written after reading {count} batches of a plain iterable; this "
-            f"iterable has only {available}, so it is not the stream the checkpoint's run read. "
-            "Pass the same data in the same order.",
-        )
-        raise error
-      _drift.check_replayed(digest, last, count, origin=origin)
-    except errors.ConfigDriftError as refused:
-      if self._one_shot:
-        self._spent = True
-        refused.args = (f"{refused.args[0]} (This generator was read by the replay: pass a new one.)",)
-      raise
-    return fresh, count, _drift.batch_digest(last)
-
-  def apply(self, checked: Any, position: Mapping[str, Any]) -> None:
-    del position  # the checked value holds it
-    fresh, count, digest = checked
-    if fresh is not None:
-      self._iterator = fresh
-      self._lookahead.clear()
-    self._read = count
-    self._last_digest = digest
+    super().__init__(replay_lib.ReplayIterator(iterable))
 
   def skip_full_batches(self, count: int) -> None:
     """Moves past the first `count` full batches (a legacy resume): a replay."""
-    self.apply(self.check(self.fingerprint, {"full_batches_read": count}, allow_drift=(), origin="the input"), {})
+    self._iterator.skip(count)
 
   def row_boundary(self, stream_rows: int, last_rows: Any, *, origin: str) -> Any:
     del stream_rows, last_rows, origin
     return None, "the input is a plain iterable, whose rows can only be replayed"
 
-  def __next__(self) -> Any:
-    self._check_not_spent()
-    element = self._lookahead.popleft() if self._lookahead else next(self._iterator)
-    self._read += 1
-    # Hashed when read: the consumer may change the batch afterwards.
-    self._last_digest = _drift.batch_digest(element)
-    return element
-
   def peek(self) -> Any:
-    self._check_not_spent()
-    if not self._lookahead:
-      self._lookahead.append(next(self._iterator))
-    return self._lookahead[0]
-
-  def _check_not_spent(self) -> None:
-    if self._spent:
-      raise errors.CkptIterError(
-          "this generator input was read by a refused restore, so it no longer starts "
-          "where its position says; pass a new generator (or a Grain dataset)."
-      )
+    return self._iterator.peek()
 
 
 def make_source(train_ds: Any) -> GrainSource | ReplaySource:
@@ -282,15 +181,41 @@ def make_source(train_ds: Any) -> GrainSource | ReplaySource:
   return ReplaySource(train_ds)
 
 
-def learner_part(fingerprint: Mapping[str, Any], source: Any) -> dict[str, Any]:
-  """The fields of a learner's fingerprint that are the learner's own, not its input's."""
-  return {k: v for k, v in fingerprint.items() if k not in source.fingerprint}
+def nest(input_fingerprint: Mapping[str, Any], position: Mapping[str, Any], input_key: str | None) -> dict[str, Any]:
+  """A learner's position as its checkpoint holds it: the input's state nested (format 2).
+
+  `position` is the learner's working form, with the input's position under
+  `input_key` (or, with None, the input's position alone).
+  """
+  if input_key is None:
+    return _learner_state.nested(input_fingerprint, dict(position))
+  own = {k: v for k, v in position.items() if k != input_key}
+  return _learner_state.nested(input_fingerprint, position[input_key], **own)
+
+
+def unnest(value: state_lib.IteratorState, input_key: str | None, *, origin: str) -> tuple[Any, dict[str, Any]]:
+  """(the input's saved fingerprint, the learner's working position): `nest` undone, checked.
+
+  Raises:
+    InvalidStateError: the position does not nest an input state.
+  """
+  parts = _learner_state.split(value.position)
+  if parts is None or (input_key is None and parts[2]):
+    raise errors.InvalidStateError(
+        f"{origin}: field 'position' is {state_lib.short_repr(value.position)}; a learner's "
+        f"position is {_learner_state.expected_form()}."
+    )
+  fingerprint, position, own = parts
+  if input_key is None:
+    return fingerprint, dict(position)
+  return fingerprint, {input_key: position, **own}
 
 
 def check_learner_state(
     saved: Mapping[str, Any],
     learner_fingerprint: Mapping[str, Any],
     restorable: Any,
+    input_fingerprint: Mapping[str, Any],
     position: Any,
     *,
     allow_drift: frozenset[str],
@@ -299,26 +224,25 @@ def check_learner_state(
 ) -> Any:
   """The one fingerprint rule of every learner's restore; returns the checked apply value.
 
-  A learner's data state fingerprints two things: the learner's own fields
-  (`learner_fingerprint`: batch geometry, num_iterations, seeds...), compared
-  strictly, and the input's, left to the input's own `check` (for a Grain
-  dataset, `DataIterator.check_restore`, whose `_drift.reconcile` accepts what
-  keeps the stream, such as more epochs after the data ran out). So every
-  change `DataIterator` accepts is accepted by every learner.
-  `optional_learner_fields` are learner fields that a fingerprint holds only
-  in some configurations (set in one run, absent in the other).
+  A learner's state holds two fingerprints: the learner's own (`saved`:
+  batch geometry, num_iterations, seeds...), compared strictly with
+  `learner_fingerprint`, and its input's, nested in the position and left to
+  the input's own `check` (for a Grain dataset, `DataIterator.check_restore`,
+  whose `_drift.reconcile` accepts what keeps the stream, such as more epochs
+  after the data ran out). So every change `DataIterator` accepts is accepted
+  by every learner. `allow_drift` names fields of either; those of the
+  learner (`optional_learner_fields` too: fields it holds only in some
+  configurations) go to the learner's comparison, the rest to the input's.
 
   Raises:
     ConfigDriftError: a learner field differs, or the input refuses the change.
   """
-  learner_fields = frozenset(learner_fingerprint) | frozenset(optional_learner_fields)
+  learner_fields = frozenset(learner_fingerprint) | frozenset(saved) | frozenset(optional_learner_fields)
   state_lib.check_fingerprint(
-      {k: v for k, v in saved.items() if k in learner_fields}, learner_fingerprint,
-      allow_drift=allow_drift & learner_fields, origin=origin,
+      saved, learner_fingerprint, allow_drift=allow_drift & learner_fields, origin=origin,
   )
   return restorable.check(
-      {k: v for k, v in saved.items() if k not in learner_fields}, position,
-      allow_drift=allow_drift - learner_fields, origin=origin,
+      input_fingerprint, position, allow_drift=allow_drift - learner_fields, origin=origin,
   )
 
 

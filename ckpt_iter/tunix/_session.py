@@ -40,6 +40,8 @@ _MICRO_BATCH_FIELDS = ("train_micro_batch_size", "rollout_micro_batch_size", "co
 _SPLIT_FIELDS = ("full_batch_size", "mini_batch_size")
 # The producer of a mini-batch never blocks, so this only trips on a hang.
 _PRODUCER_TIMEOUT_SECONDS = 600.0
+# Where the learner's working position keeps its input's (`_input.nest`).
+_INPUT_KEY = "full_batch"
 # Counter of a mid-global-step state: 1 when the step holds the rollout weights.
 ROLLOUT_WEIGHTS_COUNTER = "rollout_weights"
 
@@ -148,8 +150,9 @@ class DataSession:
     # Sequence packing: the trainer takes packed inputs, not queue items.
     self.packing = api.packing_budget(learner)
     self.packing_per_pass = self.packing is not None and api.packing_updates_per_pass()
+    # The learner's own fields; the input's fingerprint is nested with its
+    # position (format 2, `_input.nest`).
     self.fingerprint = {
-        **self.input.source.fingerprint,
         "learner": items.tunix_learner_name(learner),
         "num_iterations": api.num_iterations(learner),
         "num_generations": api.num_generations(learner),
@@ -331,7 +334,7 @@ class DataSession:
     value = state_lib.IteratorState(
         kind="tunix",
         fingerprint=self.fingerprint,
-        position=position,
+        position=_input.nest(self.input.source.fingerprint, position, _INPUT_KEY),
         shuffle_key=key,
         pending=pending,
         lineage=self.lineage,
@@ -460,18 +463,19 @@ class DataSession:
       )
     saved_fingerprint, saved_settings = settings_lib.split(value.fingerprint)
     current_fingerprint, current_settings = settings_lib.split(self.fingerprint)
+    input_fingerprint, saved_position = _input.unnest(value, _INPUT_KEY, origin=origin)
     resplit = self._resplit_micro_batches(value, saved_fingerprint, allow_drift, origin)
     position = _position_in_micro_batches(
-        value.position, saved_fingerprint.get("train_micro_batch_size"), self.micro_batch_size)
+        saved_position, saved_fingerprint.get("train_micro_batch_size"), self.micro_batch_size)
     try:
       checked = _input.check_learner_state(
-          saved_fingerprint, _input.learner_part(current_fingerprint, self.input.source),
-          self.input, position, allow_drift=allow_drift | resplit, origin=origin,
+          saved_fingerprint, current_fingerprint, self.input, input_fingerprint, position,
+          allow_drift=allow_drift | resplit, origin=origin,
           optional_learner_fields=("max_seq_token_per_tpu",),
       )
       continuation = None
     except errors.ConfigDriftError as drift:
-      continuation = self._continuation(value, drift, origin)
+      continuation = self._continuation(value, saved_position, drift, origin)
     critic_state = items.read_critic_state(learner, step, origin)
     mid_global_step = value.pending is not None or counters["remaining_mini_batches"] > 0
     rollout_params = None
@@ -487,7 +491,7 @@ class DataSession:
     if continuation is None:
       self.input.apply(checked, position)
     else:
-      self.input.continue_at(continuation, value.position)
+      self.input.continue_at(continuation, saved_position)
     self.key = repeat_lib.key_from_ints(value.shuffle_key)
     self.lineage = value.lineage
     if value.pending is not None:
@@ -549,7 +553,9 @@ class DataSession:
     )
     return frozenset(changed)
 
-  def _continuation(self, value: state_lib.IteratorState, drift: errors.ConfigDriftError, origin: str) -> Any:
+  def _continuation(
+      self, value: state_lib.IteratorState, position: Any, drift: errors.ConfigDriftError, origin: str
+  ) -> Any:
     """Where a changed input continues from `value`, or `drift` re-raised with the reason.
 
     Tunix's own tests resume with another global batch size, or on a dataset
@@ -561,10 +567,9 @@ class DataSession:
     """
     if _drift.REPLAY_DIGEST_FIELD in drift.differences or "full_batches_read" in drift.differences:
       raise drift  # a replayed iterable that is not the saved stream: its message says why
-    learner_fields = set(_input.learner_part(self.fingerprint, self.input.source))
+    learner_fields = set(self.fingerprint)
     changed = set(drift.differences)
     blocking = (changed & learner_fields) - _CONTINUABLE_LEARNER_FIELDS
-    position = value.position if isinstance(value.position, dict) else {}
     reason = None
     if blocking:
       reason = f"{sorted(blocking)} change what the saved state means"

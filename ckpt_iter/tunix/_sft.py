@@ -151,8 +151,8 @@ class ResumableSft:
       # No input of ours to position: Tunix reads it (or an RL learner drives).
       return super().train(train_ds, eval_ds, skip_jit, **kwargs)
     feed = _Feed(self, _input.make_source(train_ds))
+    # The trainer's own fields; the input's are nested with its position.
     fingerprint = {
-        **feed.source.fingerprint,
         _TRAINER_FIELD: _tunix_trainer_name(self),
         "gradient_accumulation_steps": _grad_acc_steps(self),
     }
@@ -212,12 +212,13 @@ class ResumableSft:
           f"step {step} with gradient_accumulation_steps={grad_acc} needs "
           f"{step * grad_acc}..{(step + 1) * grad_acc - 1}."
       )
+    input_fingerprint, position = _input.unnest(value, None, origin=origin)
     checked = _input.check_learner_state(
-        value.fingerprint, _input.learner_part(self._ci_fingerprint, feed.source), feed.source,
-        value.position, allow_drift=allow_drift, origin=origin,
+        value.fingerprint, self._ci_fingerprint, feed.source, input_fingerprint,
+        position, allow_drift=allow_drift, origin=origin,
     )
     # All checks passed: apply.
-    feed.source.apply(checked, value.position)
+    feed.source.apply(checked, position)
     self._ci_lineage = value.lineage
     api.set_trainer_steps(self, step, counters["iter_steps"])
     feed.examples_read = counters["iter_steps"]
@@ -234,7 +235,7 @@ class ResumableSft:
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self._ci_fingerprint,
-        position=feed.position(),
+        position=_input.nest(feed.source.fingerprint, feed.position(), None),
         counters={"train_steps": int(self.train_steps), "iter_steps": int(self.iter_steps)},
         lineage=self._ci_lineage,
     )

@@ -107,7 +107,7 @@ def test_plain_iterable_input_is_replayed_with_a_warning(tmp_path, jax_cache):
   )
   segments, resumed = harness.chain(dict(config, learner="ckpt_iter"), str(tmp_path), [3], jax_cache)
   harness.assert_same_inputs(resumed, reference.inputs, "iterable input resumed after step 3")
-  assert "restored by replaying 2 full batches" in segments[1].stderr
+  assert "restored by replaying 2 elements" in segments[1].stderr
 
 
 def test_another_plain_iterable_is_refused_naming_the_last_batch_digest(tmp_path, jax_cache):

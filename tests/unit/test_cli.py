@@ -154,7 +154,8 @@ def test_inspect_step_and_json(capsys, data_ckpt):
   report = json.loads(out)
   assert (report["step"], report["steps"], report["item"]) == (3, [0, 3, 5], "data")
   (process,) = report["processes"]
-  assert process["format_version"] == ckpt_iter.FORMAT_VERSION
+  # Data states are still written in format 1 (format 2 changed only learner states).
+  assert process["format_version"] == ckpt_iter.state.written_version("data") == 1
   assert (process["kind"], process["next_index"], process["epoch"]) == ("data", 3, 0)
   assert process["fingerprint"] == ckpt_iter.DataIterator(_dataset()).fingerprint
   assert process["pending"] is None and process["shuffle_key"] is None
@@ -296,8 +297,8 @@ CORRUPTIONS = {
         lambda d: _rewrite_npz(d / "process_1-of-2.npz", lambda a: a.reshape(3, 2)),
         "process_1-of-2.npz", "array 'a0' is <i4[3, 2], but the state header says <i4[2, 3]"),
     "newer format_version": (
-        lambda d: _edit_json(d / "process_0-of-2.json", lambda h: h.update(format_version=2)),
-        "process_0-of-2.json", "has format_version 2"),
+        lambda d: _edit_json(d / "process_0-of-2.json", lambda h: h.update(format_version=3)),
+        "process_0-of-2.json", "has format_version 3"),
     "inconsistent fingerprints": (
         lambda d: _save_processes(d, [_advance(_repeat_iterator(0, 0, 2), 1),
                                       _advance(_repeat_iterator(1, 1, 2), 1)]),

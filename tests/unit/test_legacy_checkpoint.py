@@ -92,11 +92,19 @@ def test_v1_tunix_data_item_reads_with_its_pending_arrays(tmp_path):
   value = item_lib.read_item(directory, 0, 1).value
 
   assert value.kind == "tunix" == expected["kind"]
-  assert value.format_version == expected["format_version"]
-  assert value.position == expected["position"]
+  # Read as format 2: the input's fingerprint and position nested under
+  # "input", the learner's own fields left where they were.
+  assert expected["format_version"] == 1 and value.format_version == 2
+  flat_position = dict(expected["position"])
+  input_position = flat_position.pop("full_batch")
+  assert {k: v for k, v in value.position.items() if k != "input"} == flat_position
+  nested = value.position["input"]
+  assert (nested["kind"], nested["position"]) == ("data", input_position)
+  assert {**nested["fingerprint"], **value.fingerprint} == expected["fingerprint"]
+  assert "learner" in value.fingerprint and "source" in nested["fingerprint"]
+  assert not set(nested["fingerprint"]) & set(value.fingerprint)
   assert list(value.shuffle_key) == expected["shuffle_key"]
   assert dict(value.counters) == expected["counters"]
-  assert dict(value.fingerprint) == expected["fingerprint"]
   assert list(value.pending.schedule) == expected["schedule"]
   items = [
       {"type": f"{type(item).__module__}.{type(item).__qualname__}",
@@ -105,3 +113,69 @@ def test_v1_tunix_data_item_reads_with_its_pending_arrays(tmp_path):
   ]
   assert items == expected["items"]
   assert any(field is not None for field in items[0]["fields"].values())
+
+
+# --- format-1 Tunix learner roots (ckpt_iter e237c81, google-tunix 0.1.7) --------------
+
+_V1_ROOTS = os.path.join(_FIXTURES, "v1_tunix_roots")
+# (family, data item of the root's latest step, where format 1 kept the input's position)
+_V1_LEARNER_ITEMS = [
+    ("grpo", "root/actor/4/data", "full_batch"),
+    ("sft", "root/3/data", None),
+    ("agentic", "root/actor/1/data", "source"),
+]
+
+
+def _header(relative):
+  with open(os.path.join(_V1_ROOTS, relative, "process_0-of-1.json")) as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize("family, item, input_key", _V1_LEARNER_ITEMS)
+def test_a_format_1_learner_state_reads_with_its_input_state_nested(family, item, input_key):
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  header = _header(f"{family}/{item}")
+  value = state_lib.IteratorState.from_dict(header, origin=family)
+  assert header["format_version"] == 1 and value.format_version == 2
+  nested = value.position["input"]
+  own = {k: v for k, v in value.position.items() if k != "input"}
+  saved_position = dict(header["position"])
+  input_position = saved_position if input_key is None else saved_position.pop(input_key)
+  assert (nested["kind"], nested["position"]) == ("data", input_position)
+  assert own == ({} if input_key is None else saved_position)
+  # Every fingerprint field kept, each on its own side: the pipeline's fields
+  # with the input, the learner's (and only those) with the learner.
+  assert {**nested["fingerprint"], **value.fingerprint} == header["fingerprint"]
+  assert not set(nested["fingerprint"]) & set(value.fingerprint)
+  assert "dataset_length" in nested["fingerprint"]
+  assert {"num_iterations", "trainer"} & set(value.fingerprint)
+  assert not {"pipeline", "graph", "source", "seed"} & set(value.fingerprint)
+
+
+def test_a_resume_recorded_by_format_1_is_still_proven_by_the_audit(tmp_path):
+  from ckpt_iter import cli, lineage  # pylint: disable=g-import-not-at-top
+
+  resumed_at_4 = _header("grpo/root/actor/4/data")["lineage"]["recent"][-1]
+  step_3 = _header("grpo/root/actor/3/data")
+  assert resumed_at_4["step"] == 3
+  # The old code digested step 3 as it was written; today's reads it nested.
+  assert lineage.header_digest(step_3, origin="step 3") != resumed_at_4["state"]
+  assert resumed_at_4["state"] in lineage.header_digests(step_3, origin="step 3")
+  root = tmp_path / "grpo"
+  shutil.copytree(os.path.join(_V1_ROOTS, "grpo", "root"), root)
+  assert cli.main(["audit", str(root), "--json"]) == 0
+
+
+@pytest.mark.parametrize("family, item, shown", [
+    ("grpo", "root", "input: epoch 0, 2 of 64 batches read (next_index 2)"),
+    ("sft", "root", "input: next_index 6"),
+    ("agentic", "root", "input: next_index 1"),
+])
+def test_inspect_shows_every_learner_family_s_input_position(capsys, family, item, shown):
+  from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
+
+  assert cli.main(["inspect", os.path.join(_V1_ROOTS, family, item)]) == 0
+  out = capsys.readouterr().out
+  assert shown in out
+  assert '{"' not in out  # no position printed as raw JSON

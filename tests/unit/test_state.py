@@ -56,7 +56,7 @@ _BAD_STATES = [
     ("version_str", _with(format_version="1"), errors.InvalidStateError, ["format_version", "'1'"]),
     ("version_bool", _with(format_version=True), errors.InvalidStateError, ["format_version", "True"]),
     ("version_float", _with(format_version=1.0), errors.InvalidStateError, ["format_version", "1.0"]),
-    ("version_newer", _with(format_version=2), errors.StateVersionError, ["format_version 2", "Upgrade"]),
+    ("version_newer", _with(format_version=3), errors.StateVersionError, ["format_version 3", "Upgrade"]),
     ("version_zero", _with(format_version=0), errors.StateVersionError, ["format_version 0"]),
     ("version_negative", _with(format_version=-3), errors.StateVersionError, ["format_version -3"]),
     ("version_missing", _with(format_version=_MISSING), errors.InvalidStateError, ["'format_version'"]),
@@ -175,7 +175,7 @@ def test_bare_grain_state_migrates_from_version_0():
 
   value = state_lib.IteratorState.from_dict(bare)
 
-  assert value.format_version == state_lib.FORMAT_VERSION == 1
+  assert value.format_version == state_lib.written_version("data") == 1
   assert value.kind == "data"
   assert value.fingerprint == {}
   assert value.position == {"next_index": 4}

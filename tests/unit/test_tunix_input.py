@@ -51,15 +51,15 @@ def test_the_learner_rule_leaves_more_epochs_to_the_input():
   one = ckpt_iter.DataIterator(ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=1))
   for _ in one:
     pass
-  saved, position = dict(one.fingerprint, num_iterations=2), one.position()
+  saved, position = {"num_iterations": 2}, one.position()
   two = _input.make_source(ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=2))
   checked = _input.check_learner_state(
-      saved, {"num_iterations": 2}, two, dict(position), allow_drift=frozenset(), origin="test")
+      saved, {"num_iterations": 2}, two, one.fingerprint, dict(position), allow_drift=frozenset(), origin="test")
   two.apply(checked, position)
   assert two.position() == {"next_index": 4}
   with pytest.raises(ckpt_iter.ConfigDriftError, match="num_iterations"):
     _input.check_learner_state(
-        saved, {"num_iterations": 3}, two, dict(position), allow_drift=frozenset(), origin="test")
+        saved, {"num_iterations": 3}, two, one.fingerprint, dict(position), allow_drift=frozenset(), origin="test")
 
 
 def _write_state(directory, value):
