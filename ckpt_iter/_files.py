@@ -49,6 +49,10 @@ ARRAYS_DIGEST = "arrays_digest"
 # (`arrays_sha256`), which the reader checks what it loads against.
 ARRAYS_FROM = "arrays_from"
 ARRAYS_SHA256 = "arrays_sha256"
+# Header field: the Orbax step the state was saved in (when its directory
+# names one), which `ckpt-iter audit` compares with the step holding it.
+# Not part of the state: readers that predate it ignore it.
+SAVED_STEP = "saved_step"
 # Far above any pod; a larger value is a garbled file, not a job.
 MAX_PROCESS_COUNT = 2**24
 # What an npz may hold beyond its arrays' data: per member, the .npy header

@@ -42,6 +42,10 @@ def write(directory: Any, header: dict[str, Any], arrays: dict[str, np.ndarray],
   In the background (Orbax's write thread): arrays another process writes
   identically are not written again (`share_arrays`).
   """
+  step = lineage_lib.step_of_item_directory(os.fspath(directory))
+  if step is not None:
+    # Where the state belongs: `ckpt-iter audit` refuses it in another step's directory.
+    header = {**header, _files.SAVED_STEP: step}
   header, arrays = share_arrays(os.fspath(directory), header, arrays, index, count)
   _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True)
 

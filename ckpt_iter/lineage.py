@@ -114,9 +114,16 @@ def resumed(
 
 
 def step_of_item_directory(directory: str) -> int | None:
-  """The step of `<root>/<step dir>/<item>`, or None when the parent is not a step directory."""
+  """The step of `<root>/<step dir>/<item>`, or None when the parent is not a step directory.
+
+  Also while Orbax writes the step: its temporary names add a suffix to the
+  step's and the item's directories (`7.orbax-checkpoint-tmp/data.orbax-checkpoint-tmp`).
+  """
   parent = directory.rstrip("/").rsplit("/", 2)
-  return step_of_directory_name(parent[-2] if len(parent) >= 2 else "")
+  return step_of_directory_name(_ORBAX_TMP_SUFFIX.sub("", parent[-2]) if len(parent) >= 2 else "")
+
+
+_ORBAX_TMP_SUFFIX = re.compile(r"\.orbax-checkpoint-tmp(?:-\d+)?$")
 
 
 # Orbax's step directory names: the step ("12"), zero-padded with

@@ -29,6 +29,8 @@ from ckpt_iter.cli import _verify as verification
 
 PROG = "ckpt-iter"
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+# audit only: no check failed, but not every resume was proven / no data state to check.
+EXIT_UNPROVEN, EXIT_NOTHING = 3, 4
 _SCHEDULE_SHOWN = 16
 
 
@@ -182,8 +184,10 @@ def _add_audit(verbs: Any) -> None:
   summary = "prove from the kept steps that every resume continued exactly where its step stopped"
   parser = verbs.add_parser(
       "audit", help=summary, description=summary + " (docs/prove_your_run.md).",
-      epilog="exit codes: 0 an unbroken chain, 1 a break or a step that cannot be proven "
-      "(one line each), 2 usage error (or --plot without matplotlib)",
+      epilog="exit codes: 0 an unbroken chain (every resume the kept states record proven), "
+      "1 a break (one line each), 2 usage error (or --plot without matplotlib), 3 not proven "
+      "(nothing broken, but a resume before the earliest kept step, from a step not kept, or "
+      "a step without a data state), 4 nothing to prove (no data state in the kept steps)",
   )
   _add_checkpoint_argument(parser)
   _add_item_argument(parser)
@@ -401,7 +405,10 @@ def run_audit(args: argparse.Namespace) -> int:
       print(line)
     if args.plot:
       print(f"timeline: {args.plot}")
-  return EXIT_OK if report.verdict == auditing.OK else EXIT_PROBLEMS
+  return {
+      auditing.OK: EXIT_OK, auditing.BROKEN: EXIT_PROBLEMS,
+      auditing.UNPROVEN: EXIT_UNPROVEN, auditing.NOTHING: EXIT_NOTHING,
+  }[report.verdict]
 
 
 # ---------------------------------------------------------------------------

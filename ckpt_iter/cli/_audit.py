@@ -8,12 +8,22 @@ and checks the chain step by step, for each process:
     step saved before it, so no element is skipped or trained twice;
   * a state with no new resume: the same run as the step before (the same
     lineage), at a position no earlier than that step's;
-  * a Tunix learner's state was taken at the step it is stored in;
+  * a state was saved at the step it is stored in (its `saved_step`; a Tunix
+    learner's `train_steps` counter);
+  * a state with no new resume has the fingerprint of the step before: a
+    pipeline that changes without a resume is another job in the root;
   * a RepeatIterator's state consumed each produced item exactly
     num_repeats times (yielded = num_repeats x produced - pending).
 A step without a data state (written by stock Tunix, or without ckpt_iter)
 cannot be proven. Resumes recorded before the earliest kept step are outside
 what the root can prove and are counted, not judged.
+
+The verdict never claims more than was proven: `ok` (an unbroken chain)
+only when no check failed and every resume the kept states record was
+proven; `unproven` when nothing failed but some resume could not be judged
+(recorded before the earliest kept step, from a step not kept, or a step
+without a data state); `nothing` when the kept steps hold no data state
+at all; `broken` when a check failed.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from ckpt_iter import state as state_lib
 from ckpt_iter.cli import _inspect as inspection
 
 OK, BROKEN, UNPROVABLE = "ok", "broken", "unprovable"
+# The report's verdicts beyond a finding's: nothing was left to prove, or some resume was not proven.
+UNPROVEN, NOTHING = "unproven", "nothing"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +56,9 @@ class Saved:
   progress: int | None  # elements (data), items yielded (repeat), prompts (Tunix)
   lineage: Mapping[str, Any]
   counters: Mapping[str, int]
-  fingerprint: Mapping[str, Any]
+  fingerprint: Mapping[str, Any]  # every field, a learner's input's as `input.<name>`
   remaining: int  # pending items still to be yielded
+  saved_step: int | None  # the step it was written in, when the writer recorded it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +93,14 @@ class Report:
 
   @property
   def verdict(self) -> str:
+    """BROKEN, OK (every resume proven), UNPROVEN (some not) or NOTHING (no state to check)."""
     verdicts = {f.verdict for f in self.findings}
     if BROKEN in verdicts:
       return BROKEN
-    if UNPROVABLE in verdicts or not self.points:
-      return UNPROVABLE
+    if not self.points:
+      return NOTHING
+    if UNPROVABLE in verdicts or self.resumes_before_window:
+      return UNPROVEN
     return OK
 
 
@@ -92,8 +108,9 @@ def audit(layout: inspection.Layout) -> Report:
   """Audits every kept step of `layout` (see the module docstring)."""
   report = Report(root=layout.root, item=layout.item, steps=layout.steps)
   by_step: dict[int, dict[int, Saved]] = {}
+  unreadable: set[int] = set()
   for step in layout.steps:
-    by_step[step] = _read_step(layout, step, report)
+    by_step[step] = _read_step(layout, step, report, unreadable)
   processes = sorted({p for states in by_step.values() for p in states}) or [0]
   for process_index in processes:
     previous: Saved | None = None
@@ -101,7 +118,7 @@ def audit(layout: inspection.Layout) -> Report:
       saved = by_step[step].get(process_index)
       if saved is None:
         if not by_step[step]:  # the whole step has none (one finding per step, not per process)
-          if process_index == processes[0]:
+          if process_index == processes[0] and step not in unreadable:  # a garbled one is broken, said once
             report.findings.append(Finding(
                 UNPROVABLE, step, process_index,
                 f"no data state in item {layout.item!r} (written by stock Tunix, or without ckpt_iter)",
@@ -127,7 +144,7 @@ def audit(layout: inspection.Layout) -> Report:
   return report
 
 
-def _read_step(layout: inspection.Layout, step: int, report: Report) -> dict[int, Saved]:
+def _read_step(layout: inspection.Layout, step: int, report: Report, unreadable: set[int]) -> dict[int, Saved]:
   item_dir = layout.item_dir(step)
   result = {}
   for index, count in inspection._process_files_or_none(item_dir):  # pylint: disable=protected-access
@@ -136,6 +153,7 @@ def _read_step(layout: inspection.Layout, step: int, report: Report) -> dict[int
       header = _files.read_header(path)
       result[index] = _saved(step, index, count, header, path)
     except errors.CkptIterError as e:
+      unreadable.add(step)
       report.findings.append(Finding(BROKEN, step, index, f"unreadable state: {inspection.one_line(str(e))}"))
   return result
 
@@ -147,9 +165,19 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
       digests=lineage_lib.header_digests(header, origin=origin),
       progress=_progress(value),
       lineage=value.lineage or lineage_lib.empty(),
-      counters=value.counters, fingerprint=value.fingerprint,
+      counters=value.counters,
+      fingerprint=_learner_state.flat_fingerprint(value.kind, value.fingerprint, value.position),
       remaining=0 if value.pending is None else len(value.pending.schedule),
+      saved_step=_saved_step(header, origin),
   )
+
+
+def _saved_step(header: Mapping[str, Any], origin: str) -> int | None:
+  step = header.get(_files.SAVED_STEP)
+  if step is not None and not (state_lib.is_int(step) and step >= 0):
+    raise errors.InvalidStateError(
+        f"{origin}: field {_files.SAVED_STEP!r} is {state_lib.short_repr(step)}, expected a step number.")
+  return step
 
 
 def _progress(value: state_lib.IteratorState) -> int | None:
@@ -168,7 +196,13 @@ def _own_checks(saved: Saved) -> list[Finding]:
   """What one state must satisfy by itself."""
   findings = []
   counters = saved.counters
-  if saved.kind == "tunix" and "train_steps" in counters and counters["train_steps"] != saved.step:
+  if saved.saved_step is not None and saved.saved_step != saved.step:
+    findings.append(Finding(
+        BROKEN, saved.step, saved.process_index,
+        f"the data state was saved in step {saved.saved_step} but is stored in step {saved.step} "
+        "(a data item copied from another step?)",
+    ))
+  elif saved.kind == "tunix" and "train_steps" in counters and counters["train_steps"] != saved.step:
     findings.append(Finding(
         BROKEN, saved.step, saved.process_index,
         f"the data state was taken at train step {counters['train_steps']} but is stored in step "
@@ -203,6 +237,15 @@ def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[i
   if new == 0:
     if after["digest"] != before["digest"]:
       return [Finding(BROKEN, *where, f"another run than step {previous.step}'s (their lineages differ)")]
+    changed = state_lib.differing_fields(previous.fingerprint, saved.fingerprint)
+    if changed:
+      shown = ", ".join(f"{name}: {state_lib.short_repr(a, 24)} -> {state_lib.short_repr(b, 24)}"
+                        for name, (a, b) in sorted(changed.items())[:3])
+      return [Finding(
+          BROKEN, *where,
+          f"its pipeline differs from step {previous.step}'s ({shown}{', ...' if len(changed) > 3 else ''}) "
+          "with no resume between them: another job writing into this root?",
+      )]
     return _forward(previous, saved, "")
   if new > len(after["recent"]):
     return [Finding(
@@ -298,7 +341,11 @@ def report_lines(report: Report) -> list[str]:
   verdict = {
       OK: "unbroken chain",
       BROKEN: "broken chain",
-      UNPROVABLE: "not provable",
+      UNPROVEN: "not proven",
+      NOTHING: "nothing to prove",
   }[report.verdict]
-  lines.append(f"{verdict}: {len(report.points)} state(s), {len(resumes)} resume(s), {proven} proven exact")
+  before = sum(report.resumes_before_window.values())
+  beyond = f" ({before} before the earliest kept step)" if before else ""
+  lines.append(f"{verdict}: {len(report.points)} state(s), {len(resumes)} resume(s){beyond}, "
+               f"{proven} proven exact")
   return lines

@@ -82,7 +82,7 @@ def _draw(axes, report: auditing.Report) -> None:
                    label="no data state: unprovable" if first_unprovable else None)
       first_unprovable = False
   verdict = {auditing.OK: "unbroken chain", auditing.BROKEN: "BROKEN chain",
-             auditing.UNPROVABLE: "not provable"}[report.verdict]
+             auditing.UNPROVEN: "not proven", auditing.NOTHING: "nothing to prove"}[report.verdict]
   resumes = report.resumes
   proven = sum(f.verdict == auditing.OK for f in resumes)
   where = "/".join(report.root.rstrip("/").split("/")[-2:])

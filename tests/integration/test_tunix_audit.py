@@ -54,13 +54,13 @@ def test_audit_proves_a_preempted_grpo_chain_and_catches_a_swapped_item(tmp_path
   shutil.copytree(os.path.join(actor, "2", "data"), os.path.join(actor, "4", "data"))
   code, out = _audit(capsys, root)
   assert code == 1, out
-  assert "broken: process 0: step 4: the data state was taken at train step 2" in out
+  assert "broken: process 0: step 4: the data state was saved in step 2 but is stored in step 4" in out
   assert out.strip().splitlines()[-1].startswith("broken chain")
 
 
-def test_audit_cannot_prove_a_root_stock_tunix_resumed(tmp_path, jax_cache, capsys):
+def test_audit_has_nothing_to_prove_in_a_root_stock_tunix_resumed(tmp_path, jax_cache, capsys):
   harness.chain(dict(CONFIG, learner="stock", max_steps=3), str(tmp_path), [1], jax_cache)
   code, out = _audit(capsys, os.path.join(str(tmp_path), "chain"))
-  assert code == 1, out
+  assert code == 4, out  # nothing to prove: no step holds a data state
   assert "unprovable: process 0: step 1: no data state in item 'data'" in out
-  assert out.strip().splitlines()[-1].startswith("not provable: 0 state(s)")
+  assert out.strip().splitlines()[-1].startswith("nothing to prove: 0 state(s)")

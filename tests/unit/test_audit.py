@@ -95,12 +95,12 @@ def test_a_resume_from_an_older_step_than_the_latest_saved_is_a_break(tmp_path, 
   assert any("restored step 2 though step 3 was already saved" in f["message"] for f in report["findings"])
 
 
-def test_a_resume_whose_step_is_no_longer_kept_is_unprovable(tmp_path, capsys):
+def test_a_resume_whose_step_is_no_longer_kept_is_not_proven(tmp_path, capsys):
   _segment(tmp_path, [1, 2, 3])
   _segment(tmp_path, [4, 5])
   shutil.rmtree(tmp_path / "3")
   code, report, _ = _audit(capsys, tmp_path)
-  assert code == 1 and report["verdict"] == "unprovable"
+  assert code == 3 and report["verdict"] == "unproven"
   assert report["findings"][0]["message"] == "step 3 is not kept: its saved state cannot be compared"
 
 
@@ -111,7 +111,11 @@ def test_resumes_before_the_earliest_kept_step_are_counted_not_judged(tmp_path, 
   for step in (1, 2, 3, 4):
     shutil.rmtree(tmp_path / str(step))
   code, report, _ = _audit(capsys, tmp_path)
-  assert (code, report["verdict"], report["resumes_before_kept_steps"]) == (0, "ok", {"0": 2})
+  # Nothing failed, but the two resumes are not proven: not an "unbroken chain".
+  assert (code, report["verdict"], report["resumes_before_kept_steps"]) == (3, "unproven", {"0": 2})
+  assert cli.main(["audit", str(tmp_path)]) == 3
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      "not proven: 2 state(s), 0 resume(s) (2 before the earliest kept step), 0 proven exact")
 
 
 def test_a_tampered_lineage_or_a_state_other_than_the_one_saved_is_a_break(tmp_path, capsys):
@@ -143,11 +147,11 @@ def test_a_repeat_state_that_lost_pending_repeats_is_a_break(tmp_path, capsys):
   assert "1 items yielded, but 2 produced x num_repeats=3 - 4 pending = 2" in report["findings"][0]["message"]
 
 
-def test_a_root_without_data_states_is_unprovable_and_usage_errors_exit_2(tmp_path, capsys):
+def test_a_root_without_data_states_has_nothing_to_prove_and_usage_errors_exit_2(tmp_path, capsys):
   with ocp.CheckpointManager(str(tmp_path / "model"), item_names=("params",)) as manager:
     manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": np.ones(2)})))
   code, report, _ = _audit(capsys, tmp_path / "model")
-  assert code == 1 and report["verdict"] == "unprovable"
+  assert code == 4 and report["verdict"] == "nothing"
   assert report["findings"][0]["message"].startswith("no data state in item 'data'")
   assert _audit(capsys, tmp_path / "missing")[0] == 2
 
@@ -205,3 +209,64 @@ def test_a_process_missing_from_a_step_is_a_break(tmp_path, capsys):
   code, report, _ = _audit(capsys, tmp_path)
   assert code == 1
   assert [(f["step"], f["process_index"], f["verdict"]) for f in report["findings"]] == [(2, 1, "broken")]
+
+
+def test_a_data_item_copied_from_the_step_before_is_a_break(tmp_path, capsys):
+  """Steps 1-9, resumed at 3 and 5; step 7's item replaced by step 6's (issue 29's sabotage)."""
+  _segment(tmp_path, [1, 2, 3])
+  _segment(tmp_path, [4, 5])
+  _segment(tmp_path, [6, 7, 8, 9])
+  with open(_header(tmp_path, 4)) as f:
+    assert json.load(f)["saved_step"] == 4  # every header says where it was saved
+  shutil.rmtree(tmp_path / "7" / "data")
+  shutil.copytree(tmp_path / "6" / "data", tmp_path / "7" / "data")
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1 and report["verdict"] == "broken"
+  broken = [f for f in report["findings"] if f["verdict"] == "broken"]
+  assert [(f["step"], f["message"]) for f in broken] == [
+      (7, "the data state was saved in step 6 but is stored in step 7 (a data item copied from another step?)")]
+  assert sum(f["verdict"] == "ok" for f in report["findings"]) == 2  # both resumes still proven
+
+
+def test_a_second_job_started_into_the_same_root_is_a_break(tmp_path, capsys):
+  def job(seed, steps):
+    iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset(
+        [{"x": np.int64(i)} for i in range(40)], batch_size=1, seed=seed))
+    with ocp.CheckpointManager(str(tmp_path), item_names=("data",)) as manager:
+      for step in steps:
+        next(iterator)
+        manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+      manager.wait_until_finished()
+
+  job(0, [1, 2, 3])
+  job(1, [1, 2, 3, 4, 5, 6])  # from scratch: Orbax keeps job A's 1-3 and writes 4-6
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1 and report["verdict"] == "broken"
+  first = report["findings"][0]
+  assert first["step"] == 4 and "its pipeline differs from step 3's (seed: 0 -> 1)" in first["message"]
+  assert "another job writing into this root?" in first["message"]
+
+
+def test_a_garbled_step_is_broken_once_not_also_without_a_data_state(tmp_path, capsys):
+  _segment(tmp_path, [1, 2, 3])
+  with open(_header(tmp_path, 2), "w") as f:
+    f.write('{"format_version": 1, "kind"')
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1
+  assert [(f["step"], f["verdict"]) for f in report["findings"]] == [(2, "broken")]
+  assert "unreadable state" in report["findings"][0]["message"]
+
+
+@pytest.mark.parametrize("value", ["3", -1, [3], {"step": 3}, 2**70 + 0.5])
+def test_a_hostile_saved_step_is_refused_naming_the_field(tmp_path, capsys, value):
+  _segment(tmp_path, [1, 2])
+  _edit_header(tmp_path, 2, lambda header: header.update(saved_step=value))
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1
+  (finding,) = report["findings"]
+  assert finding["step"] == 2 and "field 'saved_step' is" in finding["message"]
+  # Restores ignore the field (it is the audit's): step 2 still restores.
+  restored = ckpt_iter.DataIterator(_dataset())
+  with ocp.CheckpointManager(str(tmp_path), item_names=("data",)) as manager:
+    manager.restore(2, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(restored)))
+  assert int(next(restored)["x"]) == 2

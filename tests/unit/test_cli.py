@@ -601,7 +601,7 @@ def test_version_and_exit_codes_in_every_verbs_help(capsys):
   for verb, codes in (("inspect", "0 shown, 1 a state file is unreadable, 2 usage error"),
                       ("verify", "0 sound, 1 problems (one line each), 2 usage error"),
                       ("diff", "0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error"),
-                      ("audit", "0 an unbroken chain, 1 a break or a step that cannot be proven")):
+                      ("audit", "0 an unbroken chain (every resume the kept states record proven), 1 a break")):
     code, out, _ = _run(capsys, verb, "--help")
     assert code == 0 and f"exit codes: {codes}" in " ".join(out.split()), verb
 
