@@ -17,6 +17,7 @@ from typing import Any, Callable, Collection
 import numpy as np
 
 from ckpt_iter import _codec as codec
+from ckpt_iter import _describe
 from ckpt_iter import _files
 from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
@@ -225,7 +226,19 @@ def check_restore_saved(
         "iterator itself) to have it checked.", saved.origin)
   # A ckpt_iter iterator carries the lineage on, with this resume in it.
   value = saved.resumed() if hasattr(item, "check_restore") else saved.value
-  return check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
+  apply = check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
+
+  def apply_and_log() -> None:
+    apply()
+    content = getattr(item, "restored_content_check", None)
+    _log.info(
+        "ckpt_iter: restored the %s state of step %s%s: %s%s (%s)",
+        value.kind, saved.step, " (another process count)" if saved.resized else "",
+        _describe.summary_line(value), "" if content is None else f"; content check: {content}",
+        saved.origin,
+    )
+
+  return apply_and_log
 
 
 def check_restore_into(

@@ -108,6 +108,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self._digested: tuple[Any, Any] = (_NOTHING, None)
     self._restored_content: Any = None
     self._lineage: Any = None
+    # What the last restore's content check found (its log line says it).
+    self.restored_content_check: str | None = None
 
   @property
   def dataset(self) -> grain.MapDataset | grain.IterDataset:
@@ -202,13 +204,19 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
             f"{origin}: field 'position' is {_short(position)}; this pipeline's "
             f"position is {{'next_index': 0..{self._length}}}."
         )
-      if (self._check_content and state.content is not None and position == state.position
-          and not state_lib.differing_fields(state.fingerprint, self._fingerprint)):
-        self._check_same_content(state.content, next_index, origin)
+      if state.content is None:
+        content_check = "none recorded"
+      elif not self._check_content:
+        content_check = "off (check_content=False)"
+      elif position != state.position or state_lib.differing_fields(state.fingerprint, self._fingerprint):
+        content_check = "not applicable (the pipeline changed; the stream was checked instead)"
+      else:
+        content_check = self._check_same_content(state.content, next_index, origin)
 
       def apply() -> None:
         self._inner.set_state(position)
         self._adopt(state)
+        self.restored_content_check = content_check
         resume.log()
 
       return apply
@@ -227,6 +235,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     def apply_fresh() -> None:
       self._replace_inner(fresh)
       self._adopt(state)
+      self.restored_content_check = "not applicable (no random access to the element before)"
       for line in workers.changes:
         _drift.LOGGER.info(line)
       resume.log()
@@ -235,28 +244,33 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
     return apply_fresh
 
-  def _check_same_content(self, saved: Any, next_index: int, origin: str) -> None:
+  def _check_same_content(self, saved: Any, next_index: int, origin: str) -> str:
     """Produces the element before `next_index` again and compares it with the saved digest.
 
     Only for a pipeline defined exactly as the saved one, at the saved
     position: then that element must be the one the checkpoint saw. Costs
     one element's production. Elements a filter dropped (None) are skipped,
     at most `_CONTENT_LOOKBACK` of them.
+
+    Returns:
+      What was checked, for the restore's log line.
     """
     if saved.get("check") != _content.BY_INDEX:
-      return  # the saving pipeline could not record it, or had the check off
+      # The saving pipeline could not record it, or had the check off.
+      return f"not recorded ({saved.get('check')})"
     for index in range(next_index - 1, max(-1, next_index - 1 - _CONTENT_LOOKBACK), -1):
       element = self._dataset[index]
       if element is not None:
         break
     else:
-      return
+      return "not applicable (no element before the position)"
     current = _content.digest(element)
     if current.get("check") != _content.BY_INDEX:
-      return
+      return f"not applicable ({current.get('check')})"
     difference = _content.first_difference(saved, current)
     if difference is not None:
       raise errors.ContentDriftError(*difference, index=index, origin=origin)
+    return f"same element at index {index}"
 
   def _adopt(self, state: state_lib.IteratorState) -> None:
     """Carries the restored state's content record and lineage on."""

@@ -127,6 +127,11 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
     self._lineage: Any = None
 
   @property
+  def restored_content_check(self) -> str | None:
+    """Its source's: the content a restore checks is the source's (the restore's log line)."""
+    return getattr(self._source, "restored_content_check", None)
+
+  @property
   def fingerprint(self) -> dict[str, Any]:
     return {
         **self._source.fingerprint,

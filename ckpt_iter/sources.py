@@ -329,6 +329,11 @@ class ParquetSource(_FileReader):
 
   Shuffled access decodes a whole row group per record it misses in the
   cache; write files with small row groups (e.g. 1k rows) for shuffled reads.
+  On gs:// each file is read at the generation it had when the source was
+  built: a file replaced later is refused, not read half old, half new.
+
+  Args:
+    paths: the Parquet files (local or gs://), in order.
   """
 
   def __init__(self, paths: Sequence[str]):
@@ -377,7 +382,12 @@ def _parquet_file(pq: Any, path: str, generation: str | None = None) -> Any:
 
 
 class ArrayRecordSource:
-  """Records of ArrayRecord files whose records are UTF-8 JSON objects."""
+  """Records of ArrayRecord files whose records are UTF-8 JSON objects.
+
+  Args:
+    paths: the ArrayRecord files (local or gs://, read by array_record's own
+      reader), in order.
+  """
 
   def __init__(self, paths: Sequence[str]):
     import grain  # pylint: disable=g-import-not-at-top

@@ -22,6 +22,7 @@ import re
 import sys
 from typing import Any, Mapping, Sequence
 
+from ckpt_iter import _describe
 from ckpt_iter import errors
 from ckpt_iter.cli import _audit as auditing
 from ckpt_iter.cli import _inspect as inspection
@@ -295,7 +296,8 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
       ("position", describe_position(summary)),
   ]
   rows.extend((name, _scalar(summary[name])) for name in inspection.LEARNER_POSITION_FIELDS if name in summary)
-  rows.append(("shuffle_key", "none" if summary["shuffle_key"] is None else str(summary["shuffle_key"])))
+  rows.append(("shuffle_key", _NO_SHUFFLE_KEY.get(summary["kind"], "none") if summary["shuffle_key"] is None
+               else str(summary["shuffle_key"])))
   rows.append(("pending", describe_pending(summary["pending"])))
   if summary["pending"] is not None:
     rows.append(("pending schedule", _schedule(summary["pending"]["schedule"])))
@@ -314,19 +316,17 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
   return rows
 
 
+# Why a state has no shuffle key: only the repeat order has one.
+_NO_SHUFFLE_KEY = {
+    "data": "none (the key of the repeat order; a data pipeline's order is its seed, in the fingerprint)",
+    "repeat": "none (shuffle_seed=None: repeats in the order produced)",
+    "tunix": "none (data_shuffle_seed=None: repeats in the order produced)",
+}
+
+
 def describe_position(summary: Mapping[str, Any]) -> str:
   """`epoch 1, 5 of 64 batches read (next_index 69)`, or the raw Grain state."""
-  source = "input: " if summary["kind"] == "tunix" else ""
-  if "epoch" in summary:
-    return (
-        f"{source}epoch {summary['epoch']}, {summary['batch_in_epoch']} of "
-        f"{summary['batches_per_epoch']} batches read (next_index {summary['next_index']})"
-    )
-  if "next_index" in summary:
-    return f"{source}next_index {summary['next_index']}"
-  if "full_batches_read" in summary:
-    return f"{source}{summary['full_batches_read']} elements read (replayed on restore)"
-  return json.dumps(summary["position"], sort_keys=True)
+  return _describe.position_text(summary["kind"], summary, summary["position"])
 
 
 def describe_pending(pending: Mapping[str, Any] | None) -> str:

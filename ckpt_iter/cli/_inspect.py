@@ -22,6 +22,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+from ckpt_iter import _describe
 from ckpt_iter import _files
 from ckpt_iter import _learner_state
 from ckpt_iter import _storage
@@ -270,27 +271,8 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
   }
 
 
-# A Tunix learner's own position fields worth a line: RL's micro-batches into
-# the full batch, the prompts consumed (RL), the next prompt (agentic).
-LEARNER_POSITION_FIELDS = ("micro_batches_taken", "stream_rows", "prompt_index")
-
-
-def position_fields(kind: str, position: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-  """next_index, epoch and batch_in_epoch of the input (and a learner's own counts)."""
-  fingerprint, source_position, own = _learner_state.input_view(kind, fingerprint, position)
-  fields: dict[str, Any] = {name: own[name] for name in LEARNER_POSITION_FIELDS if name in own}
-  if not isinstance(source_position, Mapping):
-    return fields
-  next_index = source_position.get("next_index")
-  if is_int(next_index):
-    fields["next_index"] = next_index
-    per_epoch = fingerprint.get("batches_per_epoch")
-    if is_int(per_epoch) and per_epoch > 0:
-      fields["epoch"], fields["batch_in_epoch"] = divmod(next_index, per_epoch)
-      fields["batches_per_epoch"] = per_epoch
-  elif is_int(source_position.get("full_batches_read")):
-    fields["full_batches_read"] = source_position["full_batches_read"]
-  return fields
+LEARNER_POSITION_FIELDS = _describe.LEARNER_POSITION_FIELDS
+position_fields = _describe.position_fields
 
 
 def _pending_summary(

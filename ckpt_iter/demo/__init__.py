@@ -6,8 +6,11 @@ real Tunix learners, Orbax checkpoints on disk):
   2. the same run, killed right after checkpoint K;
   3. stock Tunix resuming from a copy of that checkpoint (fast-forward);
   4. ckpt_iter resuming from another copy.
-Then a side-by-side table of what each trained after the resume, with a
-verdict per row, and the checkpoint's data state as `ckpt-iter inspect` shows.
+Then a side-by-side table of what each trained after the resume (one row per
+trainer input; the letters are the prompts it trains on), with a verdict per
+row, the updates each prompt got over the whole run, and whether the final
+weights equal the uninterrupted run's. `--show-state` also prints the
+checkpoint's data state as `ckpt-iter inspect` shows it.
 
 `--learner grpo` (the default) runs `tunix.rl.grpo`'s GRPOLearner against
 ResumableGRPOLearner (ckpt_iter.demo.toyrun); `--learner agentic` runs
@@ -20,11 +23,13 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from typing import Callable
 
@@ -65,6 +70,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                       help="optimizer steps (default: 8); agentic: global steps, batches (default: 2)")
   parser.add_argument("--data-shuffle-seed", type=int, default=None,
                       help="shuffle the repeats (Tunix data_shuffle_seed; grpo only)")
+  parser.add_argument("--show-state", action="store_true",
+                      help="also print the data state saved in the checkpoint (`ckpt-iter inspect`)")
   args = parser.parse_args(argv)
   if args.learner == "agentic" and args.data_shuffle_seed is not None:
     parser.error("--data-shuffle-seed: the agentic learner has no data_shuffle_seed")
@@ -80,7 +87,7 @@ class _Record:
 
   inputs: list[dict]
   preempted: bool
-  params: list | None = None
+  weights: str | None = None  # a digest of the final actor weights (a finished run)
 
 
 @dataclasses.dataclass
@@ -129,14 +136,16 @@ def main(argv: list[str] | None = None) -> int:
              f"{len(reference.inputs)} trainer inputs, one per update")
   else:
     where = f"a checkpoint {'between two updates of one rollout' if step % mu else 'at a rollout boundary'}"
-  print(f"Trainer inputs after the resume from checkpoint {step} ({where}):\n")
+  print(f"Trainer inputs after the resume from checkpoint {step} ({where}); each row is one "
+        "update's input, the letters the prompts it trains on:\n")
   _print_table(expected, stock.inputs, ours.inputs, workload.label)
   _print_updates(reference.inputs, before.inputs, stock.inputs, ours.inputs, workload.label)
-  if reference.params is not None:
-    _print_params(reference.params, stock.params, ours.params)
-  _print_inspect(preempted_root, step)
-  print(f"\nCheckpoints are in {workdir}: try `ckpt-iter inspect {preempted_root}` "
-        f"or `ckpt-iter verify {os.path.join(workdir, 'resumed_ckpt_iter')}`.")
+  _print_weights(reference.weights, stock.weights, ours.weights)
+  if args.show_state:
+    _print_inspect(preempted_root, step)
+  print(f"Checkpoints are in {workdir}: `ckpt-iter inspect {preempted_root} --step {step}` shows the "
+        f"data state ckpt_iter resumed from; `ckpt-iter audit {os.path.join(workdir, 'resumed_ckpt_iter')}` "
+        "proves its resume.")
   return 0
 
 
@@ -153,7 +162,7 @@ def _grpo_workload(args: argparse.Namespace) -> _Workload:
   def read(path: str, returncode: int) -> _Record:
     del returncode  # the record says whether the run was killed
     inputs, meta = toyrun.load_record(path)
-    return _Record(inputs, bool(meta.get("preempted")))
+    return _Record(inputs, bool(meta.get("preempted")), meta.get("actor_digest"))
 
   return _Workload("ckpt_iter.demo.toyrun", arguments, 0, read,
                    lambda x: "".join(toyrun.prompt_labels(x["prompt_ids"])))
@@ -169,7 +178,8 @@ def _agentic_workload(args: argparse.Namespace) -> _Workload:
 
   def read(path: str, returncode: int) -> _Record:
     record = agentic_toyrun.load_record(path)
-    return _Record(record["inputs"], returncode == agentic_toyrun.PREEMPT_EXIT_CODE, record["params"])
+    preempted = returncode == agentic_toyrun.PREEMPT_EXIT_CODE
+    return _Record(record["inputs"], preempted, None if preempted else _weights_digest(record["params"]))
 
   return _Workload("ckpt_iter.demo.agentic_toyrun", arguments, agentic_toyrun.PREEMPT_EXIT_CODE, read,
                    lambda x: "".join(agentic_toyrun.input_labels(x["prompt_ids"])))
@@ -222,11 +232,29 @@ def _same(a: dict, b: dict) -> bool:
   )
 
 
+def _weights_digest(params: list) -> str:
+  digest = hashlib.sha256()
+  for leaf in params:
+    digest.update(f"{leaf.dtype}:{leaf.shape}".encode())
+    digest.update(leaf.tobytes())
+  return digest.hexdigest()
+
+
+# What each verdict word of the table means (printed under it).
+_LEGEND = (
+    "exact (bit for bit): the uninterrupted run's input, every array identical; "
+    "same prompt, other values: the right prompt, other completions or log-probs; "
+    "wrong input: another prompt than the uninterrupted run trained there; "
+    "missing: the run ended before this input; "
+    "extra: the uninterrupted run trained nothing more here"
+)
+
+
 def _verdict(expected: dict | None, got: dict | None, label: Callable[[dict], str]) -> str:
   if expected is None and got is None:
     return ""
   if expected is None:
-    return "extra (beyond the reference)"
+    return "extra"
   if got is None:
     return "missing"
   if label(got) != label(expected):
@@ -246,6 +274,8 @@ def _print_table(expected: list, stock: list, ours: list, label: Callable[[dict]
     print(f"  {row + 1:>2}  {cell(want):13}  "
           f"{cell(got_stock) + '  ' + _verdict(want, got_stock, label):40}  "
           f"{cell(got_ours) + '  ' + _verdict(want, got_ours, label):30}")
+  print()
+  print("\n".join(textwrap.wrap(_LEGEND, width=100, initial_indent="  ", subsequent_indent="  ")))
   print()
 
 
@@ -268,11 +298,10 @@ def _print_updates(reference: list, before: list, stock: list, ours: list, label
   print()
 
 
-def _print_params(reference: list, stock: list | None, ours: list | None) -> None:
-  print("Final weights, compared with the uninterrupted run's:")
-  for name, params in (("stock Tunix", stock), ("ckpt_iter", ours)):
-    same = params is not None and len(params) == len(reference) and all(
-        _same({"p": a}, {"p": b}) for a, b in zip(params, reference))
+def _print_weights(reference: str | None, stock: str | None, ours: str | None) -> None:
+  print("Final actor weights, compared with the uninterrupted run's:")
+  for name, weights in (("stock Tunix", stock), ("ckpt_iter", ours)):
+    same = reference is not None and weights == reference
     print(f"  {name:12} {'bit for bit the same' if same else 'different'}")
   print()
 

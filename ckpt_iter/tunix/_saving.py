@@ -11,7 +11,9 @@ handlers and the critic's deferred write live here once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
 from typing import Any, Callable, Protocol
 
 from flax import nnx
@@ -26,6 +28,38 @@ DATA_ITEM = "data"
 ROLLOUT_ITEM = "rollout_params"
 CRITIC_PARAMS_ITEM = "critic_params"
 CRITIC_OPTIMIZER_ITEM = "critic_optimizer_state"
+_OWN_ITEMS = frozenset({DATA_ITEM, ROLLOUT_ITEM, CRITIC_PARAMS_ITEM, CRITIC_OPTIMIZER_ITEM})
+
+
+class _OwnItemsNotRestoredByTunix(logging.Filter):
+  """Drops Orbax's `Item "data" was found in the checkpoint, but could not be restored`
+  where it only means that Tunix's own restore left ckpt_iter's items alone.
+
+  Tunix's `CheckpointManager` restores the model and optimizer and names no
+  handler for the other items of the step (google-tunix 0.1.7 logs it twice
+  per resume); ckpt_iter reads its items itself and logs what it restored.
+  Only that warning, only for ckpt_iter's item names, and only from inside
+  Tunix's checkpoint manager: a user's own Orbax restore still warns.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not (isinstance(record.msg, str) and record.msg.startswith('Item "%s" was found in the checkpoint')):
+      return True
+    if not (record.args and record.args[0] in _OWN_ITEMS):
+      return True
+    frame = sys._getframe(1)  # pylint: disable=protected-access  (a warning: rare, once per item)
+    while frame is not None:
+      if frame.f_code.co_filename.endswith(os.path.join("tunix", "sft", "checkpoint_manager.py")):
+        return False
+      frame = frame.f_back
+    return True
+
+
+def silence_tunix_restore_warning() -> None:
+  """Installs the filter on absl's logger (which Orbax logs through), once."""
+  logger = logging.getLogger("absl")
+  if not any(isinstance(f, _OwnItemsNotRestoredByTunix) for f in logger.filters):
+    logger.addFilter(_OwnItemsNotRestoredByTunix())
 
 
 @dataclasses.dataclass(frozen=True)

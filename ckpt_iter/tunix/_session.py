@@ -22,6 +22,7 @@ from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
 from ckpt_iter.tunix import _layouts as layouts_lib
 from ckpt_iter.tunix import _settings as settings_lib
+from ckpt_iter import _describe
 from ckpt_iter import _drift
 from ckpt_iter import errors
 from ckpt_iter import repeat as repeat_lib
@@ -516,9 +517,12 @@ class DataSession:
     learner.rl_cluster.global_steps = global_steps
     settings_lib.warn(settings_lib.changes(saved_settings, current_settings), origin)
     _LOG.info(
-        "ckpt_iter: restored the data state of step %d: %d pending trainer inputs, "
-        "%d more mini-batches in this global step.",
-        step, len(value.pending or ()), remaining,
+        "ckpt_iter: restored the data state of step %d: %s; %d pending trainer inputs, "
+        "%d more mini-batches in this global step%s.",
+        step, _describe.position_text(value.kind, _describe.position_fields(
+            value.kind, value.position, value.fingerprint), value.position),
+        len(value.pending or ()), remaining,
+        "" if rollout_params is None else ", the rollout weights of the last sync",
     )
 
   def _resplit_micro_batches(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterable
 from tunix.sft import peft_trainer as _peft_trainer
 from tunix.sft.dpo import dpo_trainer as _dpo_trainer
 
+from ckpt_iter import _describe
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
@@ -223,8 +224,8 @@ class ResumableSft:
     api.set_trainer_steps(self, step, counters["iter_steps"])
     feed.examples_read = counters["iter_steps"]
     _LOG.info(
-        "ckpt_iter: restored the input position of step %d (iter_steps=%d) in O(1).",
-        step, counters["iter_steps"],
+        "ckpt_iter: restored the input position of step %d (iter_steps=%d) in O(1): %s.",
+        step, counters["iter_steps"], _describe.summary_line(value),
     )
 
   def _ci_snapshot(self) -> state_lib.IteratorState | None:

@@ -29,7 +29,7 @@ _REFERENCE = "A B A B C D C D" if _REPLAYS else "A A B B"
 def demo_output(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("demo_agentic") / "run"
   process = subprocess.run(
-      [sys.executable, "-m", "ckpt_iter", "demo", "--learner", "agentic", "--dir", str(workdir)],
+      [sys.executable, "-m", "ckpt_iter", "demo", "--learner", "agentic", "--dir", str(workdir), "--show-state"],
       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=900, check=False,
   )
   assert process.returncode == 0, process.stderr[-4000:]
@@ -78,11 +78,18 @@ def test_summary_and_final_weights(demo_output):
   stock = re.search(r"^  stock Tunix  (.*)$", demo_output, re.M).group(1)
   assert stock.startswith("A lost 1 update(s); B skipped")
   assert "  ckpt_iter    every prompt exactly as uninterrupted\n" in demo_output
-  weights = demo_output.split("Final weights, compared with the uninterrupted run's:\n", 1)[1]
+  weights = demo_output.split("Final actor weights, compared with the uninterrupted run's:\n", 1)[1]
   assert weights.startswith("  stock Tunix  different\n  ckpt_iter    bit for bit the same\n")
 
 
-def test_the_checkpoint_data_state_is_inspected(demo_output):
+def test_every_verdict_word_is_explained_under_the_table(demo_output):
+  legend = demo_output.split("each row is one update's input, the letters the prompts it trains on:", 1)[1]
+  legend = " ".join(legend.split())
+  for word in ("exact (bit for bit):", "same prompt, other values:", "wrong input:", "missing:", "extra:"):
+    assert word in legend, word
+
+
+def test_the_checkpoint_data_state_is_inspected_with_show_state(demo_output):
   assert re.search(r"^  kind +tunix$", demo_output, re.M)
   assert re.search(r"^  counter train_steps +1$", demo_output, re.M)
   assert re.search(r"^  agentic_learner +GRPOLearner$", demo_output, re.M)

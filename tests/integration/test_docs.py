@@ -2,10 +2,13 @@
 
 A block is marked by the line `<!-- runnable -->` right before it (run on
 its own) or `<!-- runnable: continues -->` (run after the file's previous
-runnable blocks, as a reader who typed them in order would). Each must check
-something: it holds an `assert` or calls `testing.assert_...`.
+runnable blocks, as a reader who typed them in order would), or
+`<!-- runnable: heavy -->` (on its own, in `make test-heavy`: a real Tunix
+training of a minute). Each must check something: it holds an `assert` or
+calls `testing.assert_...`.
 """
 
+import os
 import pathlib
 import re
 import subprocess
@@ -14,18 +17,23 @@ import sys
 import pytest
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
-_MARKED = re.compile(r"<!-- runnable(: continues)? -->\n```python\n(.*?)```", re.S)
+_MARKED = re.compile(r"<!-- runnable(: continues|: heavy)? -->\n```python\n(.*?)```", re.S)
 
 
 def _programs() -> list[tuple[str, str]]:
   """(id, program) per runnable block, continued blocks prefixed by what they continue."""
+  return [(name, program) for name, program, _ in _marked_blocks()]
+
+
+def _marked_blocks() -> list[tuple[str, str, bool]]:
+  """(id, program, heavy) per runnable block."""
   programs = []
   for path in [_REPO / "README.md", *sorted((_REPO / "docs").glob("*.md"))]:
     so_far = ""
     for index, match in enumerate(_MARKED.finditer(path.read_text())):
-      continues, code = match.group(1), match.group(2)
-      so_far = (so_far if continues else "") + code
-      programs.append((f"{path.relative_to(_REPO)}#{index}", so_far))
+      kind, code = match.group(1), match.group(2)
+      so_far = (so_far if kind == ": continues" else "") + code
+      programs.append((f"{path.relative_to(_REPO)}#{index}", so_far, kind == ": heavy"))
   return programs
 
 
@@ -34,11 +42,16 @@ def test_the_docs_mark_their_runnable_blocks():
   assert {"README.md#0", "README.md#1", "docs/guarantees.md#0"} <= set(ids), ids
 
 
-@pytest.mark.parametrize("name, program", _programs(), ids=[name for name, _ in _programs()])
+@pytest.mark.parametrize("name, program", [
+    pytest.param(name, program, marks=[pytest.mark.heavy] if heavy else [], id=name)
+    for name, program, heavy in _marked_blocks()
+])
 def test_a_runnable_block_runs_as_written(name, program):
   assert "assert" in program, f"{name} checks nothing"
+  env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+  if "tunix" in program:  # a real training: the session's compile cache (tests/conftest.py)
+    env.update({k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR",) if k in os.environ})
   process = subprocess.run(
-      [sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd="/",
-      env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+      [sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd="/", env=env,
   )
   assert process.returncode == 0, f"{name}:\n{process.stderr[-3000:]}"

@@ -56,10 +56,9 @@ def test_every_checkpoint_holds_what_the_trainer_consumed(slowed_run):
         testing.assert_trees_equal(
             getattr(saved, field), array, path=f"step {step}: pending item {index}.{field}")
     micro_batches_read = mini_batches_started * GRAD_ACC
-    assert {k: state.position[k] for k in ("full_batch", "micro_batches_taken")} == {
-        "full_batch": {"next_index": micro_batches_read // MICRO_PER_FULL},
-        "micro_batches_taken": micro_batches_read % MICRO_PER_FULL,
-    }, f"step {step}"
+    assert (state.position["input"]["position"], state.position["micro_batches_taken"]) == (
+        {"next_index": micro_batches_read // MICRO_PER_FULL}, micro_batches_read % MICRO_PER_FULL,
+    ), f"step {step}"
     assert state.position["stream_rows"] == micro_batches_read, f"step {step}"  # 1 prompt each
     assert state.counters["train_steps"] == step
     pending_seen += len(pending)

@@ -154,3 +154,24 @@ def test_an_async_save_of_a_nan_reward_commits_and_restores_bit_for_bit(ckpt_dir
   got, want = next(restored), next(iterator)
   assert np.array_equal(got["ids"], want["ids"])
   assert np.float64(got["reward"]).tobytes() == np.float64(want["reward"]).tobytes()
+
+
+def test_every_restore_logs_one_info_line_saying_what_it_restored(tmp_path, caplog):
+  def pipeline(check_content=True):
+    return ckpt_iter.DataIterator(
+        ckpt_iter.make_dataset([{"x": i} for i in range(20)], batch_size=2, seed=1, num_epochs=2),
+        check_content=check_content)
+
+  saving = pipeline()
+  next(saving), next(saving), next(saving)
+  with ocp.CheckpointManager(str(tmp_path)) as manager:
+    manager.save(7, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(saving)))
+    manager.wait_until_finished()
+    for check_content, result in ((True, "same element at index 2"), (False, "off (check_content=False)")):
+      caplog.clear()
+      with caplog.at_level("INFO", logger="ckpt_iter"):
+        manager.restore(7, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(pipeline(check_content))))
+      (line,) = [r.getMessage() for r in caplog.records if r.name.startswith("ckpt_iter")]
+      assert line == (
+          "ckpt_iter: restored the data state of step 7: epoch 0, 3 of 10 batches read (next_index 3); "
+          f"content check: {result} ({tmp_path / '7' / 'data' / 'process_0-of-1.json'})")

@@ -1,4 +1,4 @@
-"""The package's import graph: acyclic, and layered as docs/design.md says.
+"""The package's import graph: acyclic, and layered as docs/architecture.md says.
 
 Read from the source with `ast` (imports inside functions included), so a
 cycle that only bites at call time is found too.

@@ -42,3 +42,15 @@ def test_the_metadata_names_authors_classifiers_and_the_extras(sdist):
   for extra in ("gcs", "tunix", "hf", "files", "plot", "test", "test-core"):
     assert f"Provides-Extra: {extra}" in metadata, extra
   assert "Requires-Dist: grain>=0.2.17" in metadata and "Requires-Dist: jax>=0.8.3" in metadata
+
+
+def test_the_tunix_extra_keeps_every_supported_tunix_installed(sdist):
+  """pip keeps an installed requirement its specifier allows: main (0.1.8) must be allowed."""
+  from packaging.requirements import Requirement  # pylint: disable=g-import-not-at-top
+
+  _, metadata = sdist
+  (tunix,) = [Requirement(line.split(": ", 1)[1]) for line in metadata.splitlines()
+              if line.startswith("Requires-Dist: google-tunix") and 'extra == "tunix"' in line]
+  for version in ("0.1.7", "0.1.8"):  # the versions docs/tunix.md names as tested
+    assert tunix.specifier.contains(version), (str(tunix), version)
+  assert not tunix.specifier.contains("0.1.6")

@@ -1,0 +1,67 @@
+"""What a state says, in words: the one describer of states for the CLI and the logs.
+
+`ckpt-iter inspect`, `diff` and `audit` and the INFO line every restore logs
+describe a state's position the same way, for every kind and every learner
+family: the input's position (a learner's is nested, `_learner_state`) as
+epoch and batch when the fingerprint says how many batches an epoch has,
+and the learner's own counts beside it. Pure: no JAX, Grain or Orbax.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ckpt_iter import _learner_state
+from ckpt_iter import state as state_lib
+
+# A Tunix learner's own position fields worth a line: RL's micro-batches into
+# the full batch, the prompts consumed (RL), the next prompt (agentic).
+LEARNER_POSITION_FIELDS = ("micro_batches_taken", "stream_rows", "prompt_index")
+
+
+def position_fields(kind: str, position: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+  """next_index, epoch and batch_in_epoch of the input (and a learner's own counts)."""
+  fingerprint, source_position, own = _learner_state.input_view(kind, fingerprint, position)
+  fields: dict[str, Any] = {name: own[name] for name in LEARNER_POSITION_FIELDS if name in own}
+  if not isinstance(source_position, Mapping):
+    return fields
+  next_index = source_position.get("next_index")
+  if state_lib.is_int(next_index):
+    fields["next_index"] = next_index
+    per_epoch = fingerprint.get("batches_per_epoch")
+    if state_lib.is_int(per_epoch) and per_epoch > 0:
+      fields["epoch"], fields["batch_in_epoch"] = divmod(next_index, per_epoch)
+      fields["batches_per_epoch"] = per_epoch
+  elif state_lib.is_int(source_position.get("full_batches_read")):
+    fields["full_batches_read"] = source_position["full_batches_read"]
+  return fields
+
+
+def position_text(kind: str, fields: Mapping[str, Any], position: Any) -> str:
+  """`epoch 1, 5 of 64 batches read (next_index 69)`, or the raw Grain state.
+
+  `fields`: what `position_fields` found in `position`.
+  """
+  source = "input: " if kind == "tunix" else ""
+  if "epoch" in fields:
+    return (
+        f"{source}epoch {fields['epoch']}, {fields['batch_in_epoch']} of "
+        f"{fields['batches_per_epoch']} batches read (next_index {fields['next_index']})"
+    )
+  if "next_index" in fields:
+    return f"{source}next_index {fields['next_index']}"
+  if "full_batches_read" in fields:
+    return f"{source}{fields['full_batches_read']} elements read (replayed on restore)"
+  return json.dumps(position, sort_keys=True, default=repr)
+
+
+def summary_line(value: state_lib.IteratorState) -> str:
+  """One line: where the state continues, its learner counts and pending items."""
+  fields = position_fields(value.kind, value.position, value.fingerprint)
+  parts = [position_text(value.kind, fields, value.position)]
+  parts += [f"{name} {fields[name]}" for name in LEARNER_POSITION_FIELDS if name in fields]
+  if value.pending is not None:
+    parts.append(f"{len(value.pending.schedule)} pending")
+  return ", ".join(parts)

@@ -1,0 +1,35 @@
+"""`tunix/_saving.py` against stand-ins: Orbax's warning about ckpt_iter's items, dropped only where harmless."""
+
+import logging
+import os
+
+import pytest
+
+pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
+
+from ckpt_iter.tunix import _saving  # noqa: E402
+
+_WARNING = ('Item "%s" was found in the checkpoint, but could not be restored. Please provide a '
+            "`CheckpointHandlerRegistry`, or call `restore` with an appropriate `CheckpointArgs` subclass.")
+
+
+def _warn_from(filename, item):
+  """Logs Orbax's warning on absl's logger from code that claims to live in `filename`."""
+  code = compile(f"logging.getLogger('absl').warning({_WARNING!r}, {item!r})", filename, "exec")
+  exec(code, {"logging": logging})  # pylint: disable=exec-used
+
+
+@pytest.mark.parametrize("filename, item, shown", [
+    (os.path.join("site-packages", "tunix", "sft", "checkpoint_manager.py"), "data", False),
+    (os.path.join("site-packages", "tunix", "sft", "checkpoint_manager.py"), "rollout_params", False),
+    (os.path.join("site-packages", "tunix", "sft", "checkpoint_manager.py"), "model_extra", True),
+    (os.path.join("my_project", "train.py"), "data", True),  # a user's own restore still warns
+])
+def test_the_warning_is_dropped_only_for_own_items_inside_tunix_s_restore(caplog, filename, item, shown):
+  _saving.silence_tunix_restore_warning()
+  _saving.silence_tunix_restore_warning()  # idempotent: one filter
+  assert sum(isinstance(f, _saving._OwnItemsNotRestoredByTunix)  # pylint: disable=protected-access
+             for f in logging.getLogger("absl").filters) == 1
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    _warn_from(filename, item)
+  assert any(f'Item "{item}" was found' in r.getMessage() for r in caplog.records) == shown
