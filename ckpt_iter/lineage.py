@@ -46,11 +46,18 @@ def header_digest(header: Mapping[str, Any], *, origin: str) -> str:
   return _value_digest(state_lib.IteratorState.from_dict(header, origin=origin))
 
 
-def header_digests(header: Mapping[str, Any], *, origin: str) -> tuple[str, ...]:
+def header_digests(
+    header: Mapping[str, Any], *, origin: str, value: state_lib.IteratorState | None = None
+) -> tuple[str, ...]:
   """Every digest a restore of this header may have recorded: `header_digest`, and for a
   header of an older format that migration reshapes (a format-1 Tunix state), the digest
-  of it as written, which a ckpt_iter of that format recorded when it resumed from it."""
-  digests = (header_digest(header, origin=origin),)
+  of it as written, which a ckpt_iter of that format recorded when it resumed from it.
+
+  `value`: the header's state when the caller has read it already (not parsed again).
+  """
+  if value is None:
+    value = state_lib.IteratorState.from_dict(header, origin=origin)
+  digests = (_value_digest(value),)
   if header.get("format_version") == 1 and header.get("kind") == "tunix":
     as_written = _value_digest(state_lib.validated(header, origin))
     digests += () if as_written in digests else (as_written,)

@@ -101,6 +101,7 @@ class JsonlSource(_FileReader):
   """
 
   def __init__(self, paths: Sequence[str], *, index_cache_dir: str | None = None):
+    """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
     self._paths = [_storage.absolute(p) for p in paths]
     self._starts: list[np.ndarray] = []
     self._ends: list[np.ndarray] = []
@@ -337,6 +338,7 @@ class ParquetSource(_FileReader):
   """
 
   def __init__(self, paths: Sequence[str]):
+    """Opens `paths` (their footers, pinned to their current generation on gs://); see the class docstring."""
     pq = _import_pyarrow_parquet()
     self._paths = [_storage.absolute(p) for p in paths]
     # On an object store each file's generation now: every later read is of it.
@@ -390,6 +392,7 @@ class ArrayRecordSource:
   """
 
   def __init__(self, paths: Sequence[str]):
+    """Opens `paths` with array_record's reader; see the class docstring."""
     import grain  # pylint: disable=g-import-not-at-top
 
     try:
@@ -438,6 +441,7 @@ class HuggingFaceSource:
       self, path: str | None = None, *, split: str | None = None, name: str | None = None,
       data_files: Any = None, cache_dir: str | None = None, dataset: Any = None,
   ):
+    """Loads (or wraps) one split of a Hugging Face dataset; see the class docstring for the arguments."""
     if (path is None) == (dataset is None):
       raise errors.InvalidArgumentError("HuggingFaceSource needs exactly one of path= and dataset=.")
     datasets = _import_datasets()

@@ -162,7 +162,7 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
   value = state_lib.IteratorState.from_dict(header, origin=origin)
   return Saved(
       step=step, process_index=index, process_count=count, kind=value.kind,
-      digests=lineage_lib.header_digests(header, origin=origin),
+      digests=lineage_lib.header_digests(header, origin=origin, value=value),
       progress=_progress(value),
       lineage=value.lineage or lineage_lib.empty(),
       counters=value.counters,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import importlib.resources
 import sys
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -65,7 +66,10 @@ the data exactly from the latest checkpoint.
                 train(allow_drift=...)); also a `ckpt_iter:` section in CONFIG.yaml
   --flag=value  absl flags of the Tunix pipeline (e.g. --pathways_bns=...)
 
-See docs/tunix_cli.md.
+`{prog} --example-config` prints a complete GRPO config that reads its
+prompts through ckpt_iter.tunix.data, to start from (adapt model, tokenizer,
+mesh and data). Every key and option: docs/tunix_cli.md in the source
+distribution.
 """
 
 
@@ -144,7 +148,7 @@ def _config_path(config: str) -> str:
       raise _Usage(
           f"{config!r} means Tunix's bundled base config ({bundled}), which this "
           "Tunix wheel does not ship. Pass the path of a complete config file "
-          "(every section the pipeline reads; see docs/tunix_cli.md for one)."
+          "(every section the pipeline reads; `ckpt-iter train --example-config` prints one)."
       )
     return config
   if not os.path.isfile(config):
@@ -255,6 +259,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
   if argv[:1] in (["-h"], ["--help"]):
     print(usage, end="")
     return EXIT_OK
+  if argv[:1] == ["--example-config"]:
+    print(example_config(), end="")
+    return EXIT_OK
   try:
     kind, config, overrides, flag_args = _split(argv)
     if any(a in ("-h", "--help") for a in flag_args):
@@ -272,6 +279,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     print(f"{prog}: {e}{_command_line_way(e)}", file=sys.stderr)
     return EXIT_FAILED
   return EXIT_OK
+
+
+def example_config() -> str:
+  """The complete GRPO config the package ships (docs/tunix_cli.md shows the same)."""
+  return importlib.resources.files("ckpt_iter.tunix").joinpath("example_grpo.yaml").read_text(encoding="utf-8")
 
 
 def _command_line_way(error: errors.CkptIterError) -> str:

@@ -45,6 +45,7 @@ def _copied(family, tmp_path, drop_steps=()):
   return root
 
 
+@pytest.mark.heavy  # two real trainings; make test keeps the fixtures' fast read checks (test_legacy_checkpoint)
 def test_a_format_1_grpo_checkpoint_inside_a_repeat_resumes_bit_for_bit(tmp_path, jax_cache):
   before_kill = toyrun.load_record(os.path.join(_FIXTURES, "grpo", "segment0.npz"))[0]
   reference = harness.run_toy(_GRPO_CONFIG, str(tmp_path / "reference"), str(tmp_path / "reference.npz"),

@@ -52,3 +52,17 @@ def test_the_learner_takes_the_options_unless_its_caller_passes_them():
   assert issubclass(configured, Learner) and configured.__qualname__ == Learner.__qualname__
   assert configured().train([]) == ("fast_forward", ())
   assert configured().train([], on_legacy_checkpoint="raise") == ("raise", ())
+
+
+def test_the_example_config_a_wheel_user_can_print_is_the_one_the_docs_show(capsys):
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+
+  assert cli.main(["--example-config"]) == cli.EXIT_OK
+  printed = capsys.readouterr().out
+  config = yaml.safe_load(printed)
+  assert config["data_module"] == "ckpt_iter.tunix.data" and config["grpo_config"]["num_iterations"] == 2
+  docs = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "tunix_cli.md").read_text()
+  assert printed in re.findall(r"```yaml\n(.*?)```", docs, re.S)
+  assert cli.main(["--help"]) == cli.EXIT_OK
+  assert "--example-config` prints a complete GRPO config" in capsys.readouterr().out
