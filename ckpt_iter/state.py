@@ -305,8 +305,35 @@ def _checked_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
   }
 
 
+# Optional fields Grain's dict form (`RestorableIterator.get_state`) holds as
+# JSON text; the dict form holds them as objects. Both are read.
+_TEXT_FIELDS = ("content", "lineage")
+_MAX_TEXT_FIELD_BYTES = 2**20
+
+
+def grain_form(state: dict[str, Any]) -> dict[str, Any]:
+  """A state's dict form (`to_dict`) as Grain's form holds it: content and lineage as JSON text."""
+  for name in _TEXT_FIELDS:
+    state[name] = json.dumps(state.get(name), sort_keys=True, separators=(",", ":"))
+  return state
+
+
+def _decoded_text(value: Any, name: str, origin: str) -> Any:
+  """A field Grain's form holds as JSON text, decoded; any other value unchanged."""
+  if not isinstance(value, str):
+    return value
+  if len(value) > _MAX_TEXT_FIELD_BYTES:
+    raise errors.InvalidStateError(f"{origin}: field {name!r} is {len(value)} characters of text; "
+                                   f"at most {_MAX_TEXT_FIELD_BYTES} are read.")
+  try:
+    return json.loads(value)
+  except ValueError:
+    raise errors.InvalidStateError(f"{origin}: field {name!r} is text that is not JSON: {_short(value)}.") from None
+
+
 def _checked_content(content: Any, origin: str) -> FrozenDict | None:
   """`content`: {"check": str, "digest": str, "fields": {name: str}} (digest and fields optional)."""
+  content = _decoded_text(content, "content", origin)
   if content is None:
     return None
   fields = content.get("fields", {}) if isinstance(content, Mapping) else None
@@ -328,6 +355,7 @@ def _checked_content(content: Any, origin: str) -> FrozenDict | None:
 
 def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
   """`lineage`: {"resumes": int, "digest": str, "recent": [{"step": int|None, "state": str, ...}]}."""
+  lineage = _decoded_text(lineage, "lineage", origin)
   if lineage is None:
     return None
   recent = lineage.get("recent") if isinstance(lineage, Mapping) else None
@@ -619,13 +647,16 @@ class RestorableIterator:
     raise NotImplementedError
 
   def get_state(self) -> dict[str, Any]:
-    # Grain's form keeps one structure over a run (Grain's own checkpoint
-    # tests require it): where the stream continues, without the content
-    # record and the lineage, which ckpt_iter's checkpoint items write.
-    result = self.state().to_dict()
-    result.pop("content", None)
-    result.pop("lineage", None)
-    return result
+    """Grain's dict form: `to_dict()` with the content record and the lineage as JSON text.
+
+    Grain's handler and MaxText's save this. One string each (`"null"` when
+    there is none yet) keeps the structure the same from the first call on,
+    as Grain's own checkpoint helpers require, and carries both through:
+    `set_state` checks the content as `IteratorRestore` does and carries the
+    lineage on unchanged (Grain's protocol: after `set_state(s)`,
+    `get_state()` is `s`; with no step number a resume could not be proven).
+    """
+    return grain_form(self.state().to_dict())
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     self.restore_state(IteratorState.from_dict(state))

@@ -173,9 +173,10 @@ def stored_round_trip(state: Any) -> Any:
     header, arrays = codec.encode_state(value)
     header = json.loads(json.dumps(header, allow_nan=False))
     stored = _npz_round_trip(arrays)
-    return codec.decode_state(
-        header, lambda name, spec: _checked(stored[name], name, spec)
-    ).to_dict()
+    result = codec.decode_state(header, lambda name, spec: _checked(stored[name], name, spec)).to_dict()
+    if any(isinstance(state.get(name), str) for name in ("content", "lineage")):
+      result = state_lib.grain_form(result)  # it came as get_state() gives it
+    return result
   return json.loads(json.dumps(state))
 
 

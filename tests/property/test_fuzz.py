@@ -220,7 +220,9 @@ def _mutated(draw, value: Any, max_mutations: int = 4) -> Any:
 def _state_inputs(draw) -> tuple[int, Any]:
   """(config index, a state dict for its iterator): mutated, foreign or random."""
   config_index, base = draw(st.sampled_from(_BASE))
-  source = draw(st.sampled_from(["mutated", "mutated", "mutated", "foreign", "random"]))
+  source = draw(st.sampled_from(["mutated", "mutated", "mutated", "foreign", "random", "own"]))
+  if source == "own":  # its own valid state, as saved: a restore must accept it
+    return config_index, base
   if source == "random":
     return config_index, draw(st.one_of(_junk, st.dictionaries(st.text(max_size=12), _junk, max_size=8)))
   if source == "foreign":  # a valid state of another config, mutated or not

@@ -190,11 +190,21 @@ def test_lineage_stays_bounded_and_its_running_digest_covers_every_resume():
   assert lineage.step_of_item_directory("/x/ckpt/data") is None
 
 
-def test_grain_form_leaves_out_content_and_lineage(tmp_path):
+def test_grain_form_carries_content_and_lineage_as_text_in_one_structure(tmp_path):
+  fresh = ckpt_iter.DataIterator(_dataset())
+  first = fresh.get_state()  # before any element: the same keys, "null" text
+  assert (first["content"], first["lineage"]) == ("null", "null")
   iterator = _segment(tmp_path, [1])
   restored = _segment(tmp_path, [2])
   assert restored.state().lineage["resumes"] == 1
-  assert set(restored.get_state()) == set(iterator.get_state()) and "lineage" not in restored.get_state()
+  state = restored.get_state()
+  assert set(state) == set(iterator.get_state()) == set(first)
+  assert all(isinstance(state[name], str) for name in ("content", "lineage"))
+  assert json.loads(state["lineage"]) == dict(restored.state().lineage)
+  # Through Grain's protocol the lineage is carried on: its resumes stay provable.
+  twin = ckpt_iter.DataIterator(_dataset())
+  twin.set_state(json.loads(json.dumps(state)))
+  assert twin.state().lineage == restored.state().lineage and twin.get_state() == state
 
 
 def test_a_process_missing_from_a_step_is_a_break(tmp_path, capsys):

@@ -213,3 +213,28 @@ def test_content_and_lineage_fields_are_validated():
   state = ckpt_iter.IteratorState(**good, content={"check": "index", "digest": "ab", "fields": {}})
   assert state == ckpt_iter.IteratorState(**good)  # how it came about is not where it continues
   assert "content" in state.to_dict() and "content" not in ckpt_iter.IteratorState(**good).to_dict()
+
+
+def test_grains_own_handler_carries_the_content_record_so_a_changed_vocabulary_is_refused(tmp_path):
+  """The path of grain.checkpoint and MaxText's PyGrainCheckpointSave/Restore: get_state / set_state."""
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+  iterator = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
+  for _ in range(3):
+    next(iterator)
+  with ocp.CheckpointManager(str(tmp_path / "ckpt"), item_names=("data",)) as manager:
+    manager.save(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(iterator)))
+    manager.wait_until_finished()
+
+  def restore_with_grains_handler(fresh):
+    with ocp.CheckpointManager(str(tmp_path / "ckpt"), item_names=("data",)) as manager:
+      manager.restore(1, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+    return fresh
+
+  same = restore_with_grains_handler(ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary))))
+  testing.assert_trees_equal([next(same)], [next(iterator)])
+  vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
+  changed = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
+  with pytest.raises(errors.ContentDriftError, match="field 'tokens'"):
+    restore_with_grains_handler(changed)
+  assert changed.state().position == {"next_index": 0}

@@ -171,10 +171,11 @@ def test_set_state_replays_nothing(checkpoint):
   dataset, source, transform = build()
   reader = ckpt_iter.DataIterator(dataset)
   reader.set_state(state)
-  # Replaying `checkpoint` batches would read and transform 2 * checkpoint records.
-  assert (source.reads, transform.calls) == (0, 0)
-  testing.assert_trees_equal([next(reader)], [full[checkpoint]])
+  # Replaying `checkpoint` batches would read and transform 2 * checkpoint
+  # records; the content check produces the one batch before the position.
   assert (source.reads, transform.calls) == (2, 2)
+  testing.assert_trees_equal([next(reader)], [full[checkpoint]])
+  assert (source.reads, transform.calls) == (4, 4)
 
 
 # ---------------------------------------------------------------------------
@@ -307,7 +308,8 @@ def test_invalid_state_raises_and_leaves_the_iterator(state, error, fragments):
 
 def test_position_at_the_end_is_valid_and_exhausted():
   iterator = ckpt_iter.DataIterator(_pipeline(_BASE))
-  iterator.set_state(_bad(_GOOD, position={"next_index": _LENGTH}))
+  # A position edited by hand: the content record (of another position) goes too.
+  iterator.set_state(_bad(_GOOD, position={"next_index": _LENGTH}, content="null"))
   assert list(iterator) == []
 
 
