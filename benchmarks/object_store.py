@@ -16,8 +16,13 @@ requests and deletes:
   step level   a CheckpointManager step holding only that item (Orbax's own
                step requests included: the same for both handlers).
 
+  cli          `ckpt-iter inspect ROOT --step N` and `verify ROOT --step N` on a
+               root of 8 kept steps and on one of 1,000: the same count
+               whatever the number of kept steps.
+
 Targets (per process): a same-count restore at most 3 object reads and 0
-listings; a save at most 3 object writes.
+listings; a save at most 3 object writes; `--step` costs equal for 8 and
+1,000 kept steps.
 
 It also measures the choice for pending arrays: the same pending pytree as
 the item's npz (one object) or as an Orbax PyTree item (tensorstore OCDBT),
@@ -208,6 +213,47 @@ def pending_storage(counter: Counter, base: str, report: _common.Reporter, repet
   return result
 
 
+def cli_step(counter: Counter, base: str, report: _common.Reporter, kept: tuple[int, ...]) -> dict[str, dict]:
+  """Object operations of `inspect --step 3` and `verify --step 3` against the number of kept steps."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
+
+  def run(verb: str, root: str) -> None:
+    with contextlib.redirect_stdout(io.StringIO()):
+      assert cli.main([verb, root, "--step", "3"]) == cli.EXIT_OK
+
+  figures = {}
+  _kept_steps(f"{base}/cli/warm", 3)
+  run("verify", f"{base}/cli/warm")  # the client's one-time bucket lookup, not a command's cost
+  for count in kept:
+    root = f"{base}/cli/kept{count}"
+    _kept_steps(root, count)
+    for verb in ("inspect", "verify"):
+      figures[f"{verb} --step 3, {count:,} kept steps"] = counts = counter.count(lambda: run(verb, root), under=root)
+      report.measurement(level="cli", case=f"{verb} --step 3", kept_steps=count, **counts)
+  return figures
+
+
+def _kept_steps(root: str, count: int) -> None:
+  """`count` committed steps of a repeat item with pending arrays, as the handler writes them."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  for step in range(1, count + 1):
+    value = state_lib.IteratorState(
+        kind="repeat", fingerprint={"source": "records"}, position={"next_index": step},
+        pending=state_lib.Pending(items=({"ids": np.arange(4, dtype=np.int32) + step},), schedule=(0,)))
+    header, arrays = codec.encode_state(value)
+    _files.write_files(f"{root}/{step}/data", header, arrays, process_index=0, process_count=1, count_file=True)
+    _storage.write_bytes(f"{root}/{step}/commit_success.txt", b"Checkpoint commit was successful.")
+
+
 def main() -> None:
   args = _common.parse_args(__doc__.splitlines()[0])
   report = _common.Reporter("object_store", args.quick)
@@ -217,6 +263,8 @@ def main() -> None:
     items = item_level(counter, base, report)
     steps = step_level(counter, base, report)
     pending = pending_storage(counter, base, report, 3 if args.quick else 7)
+    kept = (8, 64) if args.quick else (8, 1000)
+    per_step = cli_step(counter, base, report, kept)
   restore = [items["ckpt_iter data_iterator restore"], items["ckpt_iter repeat_pending restore"]]
   save = [items["ckpt_iter data_iterator save"], items["ckpt_iter repeat_pending save"]]
   checks = [
@@ -227,6 +275,10 @@ def main() -> None:
       _common.check("save: object writes per process", max(c["write"] for c in save), "<= 3",
                     max(c["write"] for c in save) <= 3),
   ]
+  for verb in ("inspect", "verify"):
+    few, many = (sum(per_step[f"{verb} --step 3, {count:,} kept steps"].values()) for count in kept)
+    checks.append(_common.check(f"`{verb} --step 3`: object operations, {kept[1]:,} kept steps / {kept[0]}",
+                                _common.rounded(many / few), "== 1", many == few, also=f"{few} and {many}"))
   report.summary(checks, steps=steps, pending=pending)
 
 

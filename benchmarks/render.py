@@ -652,6 +652,12 @@ the step (its metadata, the item directory, `commit_success.txt`) are the same f
 handlers and dominate.
 
 {table("step")}
+**The CLI on one step**: `ckpt-iter inspect ROOT --step 3` and `verify ROOT --step 3` on roots of
+a repeat item with pending arrays: they open that step only, so the count does not grow with the
+number of kept steps (before, about 3 requests per kept step: 103 with 32 kept).
+
+{_table(["command", "kept steps"] + [f"{k}s" if k != "metadata" else k for k in kinds],
+        [[r["case"], f"{r['kept_steps']:,}"] + [r[k] for k in kinds] for r in _measurements(rows, level="cli")])}
 **Pending arrays: npz or an Orbax PyTree item.** The pending rollout of one process
 ({_fmt(npz_save['pending_bytes'] / 2**20, 3)} MiB: 8 prompts x 64 generations x 1,024 tokens) saved in a
 step as ckpt_iter writes it (an npz next to the header, one object) or as a separate Orbax
@@ -808,26 +814,35 @@ process now; an npz and a header per process before):
 
 def _pending_queue(rows: list[dict]) -> str:
   summary = _summary(rows)
-  (r,) = _measurements(rows)
+  cases = {r["case"]: r for r in _measurements(rows)}
+  now, before, big, floor = cases["by_structure"], cases["per_item"], cases["large_items"], cases["objects_floor"]
+  names = {"by_structure": "format 3 (by structure: one stacked array per leaf)",
+           "per_item": "formats 1-2 (one tree and one npz member per leaf, per item), still read",
+           "large_items": f"format 3, items of {big['tokens']:,} tokens"}
   table = _table(
-      ["pending items", "item's files, MiB", "write, s", "restore, s (median of 3)", "extra memory, MiB",
-       "extra memory / the files' bytes"],
-      [[f"{r['items']:,}", _mib(r["file_bytes"]), r["write_seconds"], r["read_seconds"],
-        _mib(r["extra_rss_bytes"]), r["extra_over_file_bytes"]]])
+      ["layout", "pending items", "item's files, MiB", "write, s", "restore, s (median of 3)",
+       "extra memory, MiB", "extra memory / the files' bytes"],
+      [[names[r["case"]], f"{r['items']:,}", _mib(r["file_bytes"]), r["write_seconds"], r["read_seconds"],
+        _mib(r["extra_rss_bytes"]), r["extra_over_file_bytes"]] for r in (now, before, big)])
   return f"""## {TITLES['pending_queue']}
 
-`benchmarks/pending_queue.py`. A repeat state with {r['items']:,} pending items (32 int32 token ids
+`benchmarks/pending_queue.py`. A repeat state with {now['items']:,} pending items (32 int32 token ids
 and a float32 log-prob each: two arrays an item), written as the handler writes it and read by
-`_files.read_state` in a fresh process (peak resident memory over the process's baseline). The
-reader now takes each array straight from the npz's bytes when its member is as ckpt_iter writes
-it (stored, CRC-32 checked, the exact .npy header numpy writes for the manifest's dtype and shape)
-and validates each distinct (dtype, shape) of the manifest once; before, every array was a zip
-member opened and an .npy header parsed (with `ast`): on the same files the old reader took 13.0 s
-and 503 MiB. What remains is JSON decoding of the header, zipfile's parse of the 200,000-member
-directory and the Python objects of the queue itself (a dict and two numpy arrays an item), which
-is also why the memory stays about 5x the files' bytes.
+`_files.read_state` in a fresh process (peak resident memory over the process's baseline), in the
+layout written now and in the one formats 1-2 wrote (which ckpt_iter still reads); and
+{big['items']:,} items of {big['tokens']:,} tokens, where the bytes dominate. Format 3 stores the items
+that share a structure as one group, each leaf one array stacked along a new first axis
+([state_format.md](state_format.md#pending-items-pytrees-as-json--arrays)): a few npz members and a
+header of about the schedule's size, where formats 1-2 had 200,000 members under a 16 MB header. The
+npz writer puts every array's bytes at a 64-byte aligned offset and the reader reads the file once
+into a buffer of its own, so the restored arrays are views of it: no second copy.
 
 {table}
+The floor no layout avoids is the restored queue's own Python objects (a dict, an array view and a
+numpy scalar per item), built in a fresh process from arrays already in memory:
+{_mib(floor['extra_rss_bytes'])} MiB for {floor['items']:,} items, more than twice the {_mib(now['file_bytes'])} MiB
+of their files. The memory check below counts what the restore needs beyond it.
+
 {_checks(summary)}
 """
 

@@ -4,26 +4,25 @@ Two codecs, both lossless and both refusing what they cannot store exactly:
   * Grain positions <-> JSON. Grain states may hold int dict keys and tuples
     (interleave's `future_states`), which plain JSON turns into strings and
     lists; numpy scalars, which Grain's own handler rejects.
-  * Pending pytrees <-> a JSON structure plus arrays for npz. Only registered
-    dataclasses are ever built back, so a file cannot name an arbitrary type.
+  * Pending pytrees <-> a JSON structure plus arrays for npz (`_pytree`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import hashlib
 import json
-import math
-import struct
-import sys
 from collections.abc import Mapping  # not typing's: its isinstance is ~3x slower
 from typing import Any, Callable
 
 import numpy as np
 
+from ckpt_iter import _pytree
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
+from ckpt_iter._pytree import ArraySpec
+from ckpt_iter._pytree import decode_pytree
+from ckpt_iter._pytree import encode_pytree  # noqa: F401  (re-exported, as decode_pytree)
+from ckpt_iter._pytree import register_pytree_dataclass  # noqa: F401  (re-exported: ckpt_iter.register_pytree_dataclass)
 from ckpt_iter.state import IteratorState
 
 MAX_ARRAY_BYTES = 16 * 2**30
@@ -109,258 +108,6 @@ def position_from_json(value: Any, _depth: int = 0) -> Any:
   return value
 
 
-# ---------------------------------------------------------------------------
-# Pytrees of arrays (the pending items): JSON structure + named arrays.
-
-_DATACLASSES: dict[str, type] = {}
-_DATACLASS_NAMES: dict[type, str] = {}
-
-
-def _fields_for(cls: type, name: str, saved: Mapping[str, Any], origin: str) -> dict[str, Any]:
-  """The saved fields `cls` is built from: another version of its library may add or drop some.
-
-  A field the saved item lacks is left to its default in `cls`; a saved field
-  `cls` lacks is dropped when it holds None (an optional field left unset).
-  Anything else would change what the item means.
-
-  Raises:
-    PendingTypeError: a required field is missing, or a dropped one held a value.
-  """
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  missing = sorted(
-      n for n, f in fields.items() if n not in saved
-      and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-  holding = sorted(n for n in saved if n not in fields and saved[n] is not None)
-  if missing or holding:
-    problems = []
-    if holding:
-      problems.append(f"holds {holding}, which {cls.__module__}.{cls.__qualname__} here does not have")
-    if missing:
-      problems.append(f"lacks {missing}, which it requires here")
-    raise errors.PendingTypeError(
-        f"{origin}: pending {name} {' and '.join(problems)}: it was written with another "
-        f"version of the library that defines it (saved fields {sorted(saved)}, here "
-        f"{sorted(fields)})."
-    )
-  return {n: v for n, v in saved.items() if n in fields}
-
-
-def register_pytree_dataclass(name: str, cls: type) -> None:
-  """Allows instances of dataclass `cls` in pending items, stored as `name`.
-
-  Only registered classes are ever constructed when a state is read, so a
-  checkpoint file cannot make ckpt_iter build an arbitrary type.
-  """
-  if not dataclasses.is_dataclass(cls):
-    raise TypeError(f"{cls!r} is not a dataclass; only dataclasses can be registered.")
-  if _DATACLASSES.get(name, cls) is not cls:
-    raise ValueError(f"pytree dataclass name {name!r} is already taken by {_DATACLASSES[name]!r}.")
-  _DATACLASSES[name] = cls
-  _DATACLASS_NAMES[cls] = name
-
-
-@dataclasses.dataclass(frozen=True)
-class ArraySpec:
-  """Dtype and shape an array file must have."""
-
-  dtype: str
-  shape: tuple[int, ...]
-
-  @functools.cached_property
-  def nbytes(self) -> int:
-    return int(np.dtype(self.dtype).itemsize) * math.prod(self.shape)
-
-
-def encode_pytree(value: Any, arrays: dict[str, np.ndarray], prefix: str) -> Any:
-  """Returns the JSON structure of `value`; its arrays go into `arrays`.
-
-  Each array leaf is copied to host memory exactly once (`_host_copy`), so
-  the caller may reuse or donate its buffers as soon as this returns; the
-  device-to-host transfers of JAX leaves are all started before the first
-  one is waited for.
-  """
-  leaves: list[tuple[str, Any, dict[str, Any]]] = []
-
-  def encode(node: Any, depth: int) -> Any:
-    if depth > MAX_NESTING:
-      raise errors.InvalidStateError("a pending item is nested deeper than 64 levels.")
-    if node is None:
-      return None
-    if isinstance(node, float) and not isinstance(node, np.generic) and not math.isfinite(node):
-      # JSON has no NaN or infinity: the float's 8 bytes, so every bit (sign,
-      # NaN payload) comes back. A NaN reward must not make a step unsavable.
-      return {"float": struct.pack("<d", node).hex()}
-    if isinstance(node, (bool, int, float, str)) and not isinstance(node, np.generic):
-      return {"value": node}
-    if isinstance(node, np.generic):
-      name = f"{prefix}{len(arrays)}"
-      arrays[name], extra = _storable(np.asarray(node))
-      return {"array": name, "scalar": True, **extra}
-    if isinstance(node, Mapping):
-      if not all(isinstance(k, str) for k in node):
-        raise errors.InvalidStateError(
-            f"pending items may hold dicts with string keys only, got keys {list(node)[:5]}."
-        )
-      return {"dict": {k: encode(v, depth + 1) for k, v in node.items()}}
-    if isinstance(node, list):
-      return {"list": [encode(v, depth + 1) for v in node]}
-    if isinstance(node, tuple) and not hasattr(node, "_fields"):
-      return {"tuple": [encode(v, depth + 1) for v in node]}
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-      name = _DATACLASS_NAMES.get(type(node))
-      if name is None:
-        raise errors.InvalidStateError(
-            f"pending item of type {type(node).__qualname__} is not registered. "
-            "Call ckpt_iter.register_pytree_dataclass(name, cls) for it."
-        )
-      return {
-          "dataclass": name,
-          "fields": {
-              f.name: encode(getattr(node, f.name), depth + 1)
-              for f in dataclasses.fields(node)
-          },
-      }
-    if hasattr(node, "__array__") and hasattr(node, "dtype"):
-      if not (isinstance(node, np.ndarray) or _is_jax_array(node)):
-        node = np.asarray(node)  # another array type: numpy decides the dtype
-      if np.dtype(node.dtype).hasobject:
-        raise errors.InvalidStateError(
-            "pending items may not hold object arrays (they would need pickling)."
-        )
-      name = f"{prefix}{len(arrays)}"
-      arrays[name] = None  # the name is taken; the copy is made below
-      entry = {"array": name}
-      leaves.append((name, node, entry))
-      return entry
-    raise errors.InvalidStateError(
-        f"pending items must be pytrees of arrays (dict, list, tuple, registered "
-        f"dataclass, numpy or JAX arrays), got {type(node).__qualname__}."
-    )
-
-  structure = encode(value, 0)
-  for _, node, _ in leaves:
-    if _is_jax_array(node) and not _aliases_host(node):
-      node.copy_to_host_async()
-  for name, node, entry in leaves:
-    arrays[name], extra = _storable(_host_copy(node))
-    entry.update(extra)
-  return structure
-
-
-def _is_jax_array(node: Any) -> bool:
-  jax = sys.modules.get("jax")  # not imported: no leaf can be a jax.Array
-  return jax is not None and isinstance(node, jax.Array)
-
-
-def _aliases_host(node: Any) -> bool:
-  """Whether np.asarray(node) may be a view of the JAX array's own buffer.
-
-  On the CPU backend (or host memory kinds) it is: the buffer can be donated
-  and overwritten after the snapshot. On an accelerator it is a fresh host
-  buffer, which JAX caches read-only (a jax.Array is immutable).
-  """
-  memory_kind = getattr(node.sharding, "memory_kind", None)
-  return memory_kind not in (None, "device") or any(d.platform == "cpu" for d in node.devices())
-
-
-def _host_copy(node: Any) -> np.ndarray:
-  """One host copy of an array leaf, which later writes to `node` cannot reach.
-
-  numpy arrays are copied (the caller may reuse the buffer after the
-  snapshot); JAX arrays on an accelerator are transferred, and the transfer is
-  the copy (no second, defensive one).
-  """
-  if _is_jax_array(node) and not _aliases_host(node):
-    return np.asarray(node)
-  return np.array(node, copy=True)
-
-
-def decode_pytree(
-    structure: Any,
-    load_array: Callable[[str], np.ndarray],
-    *,
-    origin: str,
-) -> Any:
-  """Rebuilds a pytree from `encode_pytree` output; arrays via `load_array`."""
-
-  def decode(node: Any, depth: int) -> Any:
-    if depth > MAX_NESTING:
-      raise errors.InvalidStateError(f"{origin}: a pending item is nested too deeply.")
-    if node is None:
-      return None
-    if not isinstance(node, Mapping) or len(node) == 0:
-      raise errors.InvalidStateError(f"{origin}: malformed pending node {_short(node)}.")
-    if "value" in node and len(node) == 1:
-      if not _is_json_scalar(node["value"]):
-        raise errors.InvalidStateError(f"{origin}: malformed scalar {_short(node)}.")
-      return node["value"]
-    if set(node) == {"float"}:
-      bits = node["float"]
-      if not (isinstance(bits, str) and len(bits) == 16 and all(c in "0123456789abcdef" for c in bits)):
-        raise errors.InvalidStateError(
-            f"{origin}: malformed float {_short(node)}; expected 16 hex digits (its 8 bytes).")
-      return struct.unpack("<d", bytes.fromhex(bits))[0]
-    if "array" in node and set(node) <= {"array", "scalar", "dtype"}:
-      if not isinstance(node["array"], str):
-        raise errors.InvalidStateError(f"{origin}: array name must be a string, got {_short(node)}.")
-      array = load_array(node["array"])
-      if "dtype" in node:
-        array = _from_storable(array, node["dtype"], origin)
-      return array[()] if node.get("scalar") else array
-    if set(node) == {"dict"} and isinstance(node["dict"], Mapping):
-      return {str(k): decode(v, depth + 1) for k, v in node["dict"].items()}
-    if set(node) == {"list"} and isinstance(node["list"], list):
-      return [decode(v, depth + 1) for v in node["list"]]
-    if set(node) == {"tuple"} and isinstance(node["tuple"], list):
-      return tuple(decode(v, depth + 1) for v in node["tuple"])
-    if set(node) == {"dataclass", "fields"} and isinstance(node["fields"], Mapping):
-      cls = _DATACLASSES.get(node["dataclass"]) if isinstance(node["dataclass"], str) else None
-      if cls is None:
-        raise errors.InvalidStateError(
-            f"{origin}: pending item type {_short(node['dataclass'])} is not registered "
-            f"here (registered: {sorted(_DATACLASSES)}). Import the integration that "
-            "wrote it (e.g. ckpt_iter.tunix) before restoring."
-        )
-      fields = _fields_for(cls, node["dataclass"], node["fields"], origin)
-      return cls(**{k: decode(v, depth + 1) for k, v in fields.items()})
-    raise errors.InvalidStateError(f"{origin}: malformed pending node {_short(node)}.")
-
-  return decode(structure, 0)
-
-
-def _storable(array: np.ndarray) -> tuple[np.ndarray, dict[str, str]]:
-  """The array as npz can hold it, and the node fields needed to undo that.
-
-  npz writes ml_dtypes arrays (bfloat16, float8, int4 ...) as void bytes that
-  read back as void, which is refused; so their bits are stored as unsigned
-  ints and the dtype by name.
-  """
-  if array.dtype.type.__module__.split(".")[0] != "ml_dtypes":
-    return array, {}
-  return array.view(f"u{array.dtype.itemsize}"), {"dtype": array.dtype.name}
-
-
-def _from_storable(array: np.ndarray, name: Any, origin: str) -> np.ndarray:
-  """Inverse of `_storable` for a node with a "dtype" field."""
-  try:
-    import ml_dtypes  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    raise errors.InvalidStateError(
-        f"{origin}: a pending array has dtype {_short(name)}; reading it needs "
-        "ml_dtypes (pip install ml_dtypes)."
-    ) from None
-  scalar_type = getattr(ml_dtypes, name, None) if isinstance(name, str) else None
-  if not (isinstance(scalar_type, type) and issubclass(scalar_type, np.generic)):
-    raise errors.InvalidStateError(
-        f"{origin}: pending array dtype {_short(name)} is not an ml_dtypes type."
-    )
-  dtype = np.dtype(scalar_type)
-  if array.dtype != np.dtype(f"u{dtype.itemsize}"):
-    raise errors.InvalidStateError(
-        f"{origin}: a pending {name} array must be stored as u{dtype.itemsize}, "
-        f"got {array.dtype}."
-    )
-  return array.view(dtype)
 
 
 def encode_state(state: IteratorState) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -369,11 +116,11 @@ def encode_state(state: IteratorState) -> tuple[dict[str, Any], dict[str, np.nda
   header = state.to_dict()
   header["position"] = position_to_json(state.position)
   if state.pending is not None:
+    # The items by structure, which version 3 introduced: a state holding
+    # them is written as version 3 (one without is written as before).
+    header["format_version"] = _pytree.BY_STRUCTURE_VERSION
     header["pending"] = {
-        "items": [
-            encode_pytree(item, arrays, prefix="a")
-            for item in state.pending.items
-        ],
+        "groups": _pytree.encode_items(state.pending.items, arrays, prefix="a"),
         "schedule": list(state.pending.schedule),
     }
   header["arrays"] = {
@@ -493,24 +240,45 @@ def decode_state(
   body["position"] = position_from_json(state_lib.require(body, "position", Mapping, origin))
   pending = body.get("pending")
   if pending is not None:
-    state_lib.validated_pending(pending, origin)  # shape of the lists before decoding
-    used: set[str] = set()
 
     def load(name: str) -> np.ndarray:
-      if name not in specs:
+      if not isinstance(name, str) or name not in specs:
         raise errors.InvalidStateError(
-            f"{origin}: pending refers to array {name!r}, which is not in the manifest."
+            f"{origin}: pending refers to array {_short(name)}, which is not in the manifest."
         )
-      used.add(name)
       return load_array(name, specs[name])
 
-    body["pending"] = {
-        "items": [
-            decode_pytree(item, load, origin=origin) for item in pending["items"]
-        ],
-        "schedule": pending["schedule"],
-    }
+    if _by_structure(body, origin):
+      items = _pytree.decode_items(pending, load, origin=origin)
+    else:
+      state_lib.validated_pending(pending, origin)  # shape of the lists before decoding
+      items = [decode_pytree(item, load, origin=origin) for item in pending["items"]]
+    body["pending"] = {"items": items, "schedule": pending["schedule"]}
   return state_lib.validated(body, origin)
 
 
-# ---------------------------------------------------------------------------
+def header_state(header: Mapping[str, Any], *, origin: str) -> IteratorState:
+  """The state a header holds, its arrays not read: for positions, schedules and lineage.
+
+  Pending items are left as stored (by structure: each None), their count and
+  schedule checked.
+  """
+  body = state_lib.migrate(header, origin=origin)
+  pending = body.get("pending")
+  if pending is not None and _by_structure(body, origin):
+    count = _pytree.item_count(pending, origin=origin)
+    body["pending"] = {"items": [None] * count, "schedule": pending["schedule"]}
+  return state_lib.validated(body, origin)
+
+
+def _by_structure(body: Mapping[str, Any], origin: str) -> bool:
+  """Whether a migrated header's pending items are stored by structure (its shape checked)."""
+  if body["format_version"] < _pytree.BY_STRUCTURE_VERSION:
+    return False
+  pending = body["pending"]
+  if not isinstance(pending, Mapping) or set(pending) != {"groups", "schedule"}:
+    raise errors.InvalidStateError(
+        f"{origin}: field 'pending' must be a dict with 'groups' and 'schedule' "
+        f"(format_version {body['format_version']}), got {_short(pending)}."
+    )
+  return True

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import struct
+import time
 import zipfile
 import zlib
 from typing import Any, Mapping, Sequence
@@ -59,7 +60,7 @@ MAX_PROCESS_COUNT = 2**24
 # (numpy pads it to at most 4096 bytes) and the zip local and central entries
 # with their zip64 extras; per archive, the end records.
 _NPY_HEADER_BYTES = 4096
-_ZIP_MEMBER_BYTES = 256
+_ZIP_MEMBER_BYTES = 384  # a member's local and central entries, zip64 fields and alignment padding
 _ZIP_ARCHIVE_BYTES = 1024
 _PROCESS_FILE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
 _PROCESS_FILES_IN_LISTING = re.compile(r"^process_(\d+)-of-(\d+)\.json$", re.MULTILINE)
@@ -126,12 +127,36 @@ def _write_npz(out: Any, arrays: Mapping[str, np.ndarray]) -> None:
     for name, array in arrays.items():
       header = np.lib.format.header_data_from_array_1_0(array)
       data = array.T if header["fortran_order"] else np.ascontiguousarray(array)
-      with archive.open(name + ".npy", mode="w", force_zip64=True) as member:
-        try:
-          np.lib.format.write_array_header_1_0(member, header)
-        except ValueError:  # a header over 64 KiB: numpy's next version
-          np.lib.format.write_array_header_2_0(member, header)
+      npy_header = io.BytesIO()
+      try:
+        np.lib.format.write_array_header_1_0(npy_header, header)
+      except ValueError:  # a header over 64 KiB: numpy's next version
+        np.lib.format.write_array_header_2_0(npy_header, header)
+      info = zipfile.ZipInfo(name + ".npy", date_time=time.localtime(time.time())[:6])  # as zipfile dates it
+      info.extra = _padding_extra(out.tell(), len(info.filename.encode()), len(npy_header.getvalue()))
+      with archive.open(info, mode="w", force_zip64=True) as member:
+        member.write(npy_header.getvalue())
         member.write(_bytes_of(data))
+
+
+# The array bytes of each member start at a multiple of _ALIGN in the file, so a reader can use them
+# in place (`_ArrayReader._load_plain`): a zip extra field of this id pads the
+# local header, as Android's zipalign does (readers skip unknown ids).
+_ALIGN = 64
+_PADDING_EXTRA_ID = 0xD935
+_LOCAL_HEADER_BYTES = 30
+_LOCAL_ZIP64_EXTRA_BYTES = 20  # force_zip64: sizes in an extra field of the local header
+
+
+def _padding_extra(offset: int, name_bytes: int, npy_header_bytes: int) -> bytes:
+  """The extra field that puts a member's array bytes, written at `offset`, at a multiple of _ALIGN."""
+  start = offset + _LOCAL_HEADER_BYTES + name_bytes + _LOCAL_ZIP64_EXTRA_BYTES + npy_header_bytes
+  pad = -start % _ALIGN
+  if pad == 0:
+    return b""
+  if pad < 4:  # an extra field is at least its 4-byte id and length
+    pad += _ALIGN
+  return struct.pack("<HH", _PADDING_EXTRA_ID, pad - 4) + bytes(pad - 4)
 
 
 def _directory_bytes_bound(arrays: Mapping[str, np.ndarray]) -> int:
@@ -390,7 +415,8 @@ class _ArrayReader:
     self._specs = codec.array_specs(self._header, origin=self._origin)
     bound = npz_size_bound(self._specs)
     try:
-      data = _storage.read_bytes(path, max_bytes=bound)
+      # Writable: arrays are then views of it, not copies (`_load_plain`).
+      data = _storage.read_bytes(path, max_bytes=bound, writable=True)
     except errors.StorageError:
       raise  # the store's error (permission, stall...), not a damaged file
     except FileNotFoundError:
@@ -422,7 +448,7 @@ class _ArrayReader:
     try:
       self._size = len(data)
       self._data = data
-      archive = zipfile.ZipFile(io.BytesIO(data))
+      archive = zipfile.ZipFile(_BufferFile(data))
       self._members = {info.filename: info for info in archive.infolist()}
       return archive
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
@@ -455,7 +481,10 @@ class _ArrayReader:
     expected = _npy_header(spec.dtype, spec.shape)
     if payload[:len(expected)] != expected or len(payload) - len(expected) != spec.nbytes:
       return None
-    return np.frombuffer(payload[len(expected):], dtype=np.dtype(spec.dtype)).reshape(spec.shape).copy()
+    array = np.frombuffer(payload[len(expected):], dtype=np.dtype(spec.dtype)).reshape(spec.shape)
+    # In place when the file put it at an aligned offset (ckpt_iter's writer
+    # does); the buffer is this reader's own, writable copy of the file.
+    return array if array.flags.aligned and array.flags.writeable else array.copy()
 
   def load(self, name: str, spec: codec.ArraySpec) -> np.ndarray:
     if self._zip is None:
@@ -524,6 +553,46 @@ class _ArrayReader:
     ).copy()
     self._loaded[name] = array
     return array
+
+
+class _BufferFile(io.RawIOBase):
+  """A read-only file over a buffer, without copying it (io.BytesIO copies a bytearray)."""
+
+  def __init__(self, data: bytes | bytearray):
+    super().__init__()
+    self._view = memoryview(data)
+    self._position = 0
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def tell(self) -> int:
+    return self._position
+
+  def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+    base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+    if base + offset < 0:
+      raise ValueError("negative seek position")
+    self._position = base + offset
+    return self._position
+
+  def read(self, size: int | None = -1) -> bytes:
+    end = len(self._view) if size is None or size < 0 else min(len(self._view), self._position + size)
+    data = bytes(self._view[self._position:end])
+    self._position = max(self._position, end)
+    return data
+
+  def readinto(self, buffer: Any) -> int:
+    data = self.read(len(buffer))
+    buffer[:len(data)] = data
+    return len(data)
+
+  def close(self) -> None:
+    self._view.release()
+    super().close()
 
 
 _LOCAL_HEADER = struct.Struct("<HH")  # a zip local header's name and extra lengths (at byte 26)

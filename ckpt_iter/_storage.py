@@ -141,8 +141,11 @@ class TooLargeError(OSError):
     self.exact = exact
 
 
-def read_bytes(path: str, *, max_bytes: int) -> bytes:
+def read_bytes(path: str, *, max_bytes: int, writable: bool = False) -> bytes | bytearray:
   """The whole content of a file of at most `max_bytes`, in one read (one GET).
+
+  `writable`: as a bytearray (read into it in place from a local file), for
+  arrays that are views of it.
 
   Raises:
     FileNotFoundError: there is no such file.
@@ -155,10 +158,12 @@ def read_bytes(path: str, *, max_bytes: int) -> bytes:
     data = _bounded(fs, path, "read", fs.cat_file, key, start=0, end=max_bytes + 1)
     if len(data) > max_bytes:
       raise TooLargeError(path, len(data), max_bytes, exact=False)
-    return data
+    return bytearray(data) if writable else data
   with _open_regular(path) as (f, size):
     if size > max_bytes:
       raise TooLargeError(path, size, max_bytes, exact=True)
+    if writable:
+      return _read_into_bytearray(f, path, size)
     # Bounded by the measured size (read(n) allocates n bytes up front); a
     # raw read may return less than asked (FUSE, NFS), so read to the end.
     chunks, left = [], size + 1
@@ -171,6 +176,22 @@ def read_bytes(path: str, *, max_bytes: int) -> bytes:
   data = b"".join(chunks)
   if len(data) > size:  # it grew while being read
     raise TooLargeError(path, len(data), size, exact=False)
+  return data
+
+
+def _read_into_bytearray(f: Any, path: str, size: int) -> bytearray:
+  """The rest of open file `f`, of `size` bytes when measured, read in place into one bytearray."""
+  data = bytearray(size)
+  with memoryview(data) as view:
+    filled = 0
+    while filled < size:
+      count = f.readinto(view[filled:])
+      if not count:
+        break
+      filled += count
+  if filled == size and f.read(1):  # it grew while being read
+    raise TooLargeError(path, size + 1, size, exact=False)
+  del data[filled:]  # it shrank while being read: what there was
   return data
 
 

@@ -43,7 +43,7 @@ def state_digest(value: state_lib.IteratorState) -> str:
 
 def header_digest(header: Mapping[str, Any], *, origin: str) -> str:
   """`state_digest` of the state a header holds, without reading its arrays."""
-  return _value_digest(state_lib.IteratorState.from_dict(header, origin=origin))
+  return _value_digest(codec.header_state(header, origin=origin))
 
 
 def header_digests(
@@ -56,7 +56,7 @@ def header_digests(
   `value`: the header's state when the caller has read it already (not parsed again).
   """
   if value is None:
-    value = state_lib.IteratorState.from_dict(header, origin=origin)
+    value = codec.header_state(header, origin=origin)
   digests = (_value_digest(value),)
   if header.get("format_version") == 1 and header.get("kind") == "tunix":
     as_written = _value_digest(state_lib.validated(header, origin))

@@ -12,6 +12,11 @@ Format version history:
      fingerprint, which means "defining fields unknown, not checked".
   1  `{format_version, kind, fingerprint, position, shuffle_key, pending,
      counters}` (see docs/state_format.md).
+  2  A Tunix learner's state nests its input's (`_learner_state`).
+  3  Pending items stored by structure (`_pytree.encode_items`): written for
+     every state that holds pending items; one without is written as its
+     kind's version, so a ckpt_iter that reads only 1 (data, repeat) or 2
+     (tunix) still reads it.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from typing import Any, Callable, Collection
 from ckpt_iter import _learner_state
 from ckpt_iter import errors
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 KINDS = ("data", "repeat", "tunix")
 # The version each kind is written in: the oldest that expresses it. Version 2
 # changed only the Tunix learners' states (their input's state nested,
 # `_learner_state`), so a data or repeat state stays readable by a ckpt_iter
-# that reads version 1.
+# that reads version 1. A state holding pending items is stored as version 3
+# (`_codec.encode_state`): its items' layout is what changed there.
 _WRITTEN_VERSION = {"data": 1, "repeat": 1, "tunix": 2}
 
 

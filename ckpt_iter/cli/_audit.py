@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpt_iter import _files
+from ckpt_iter import _codec as codec
 from ckpt_iter import _learner_state
 from ckpt_iter import errors
 from ckpt_iter import lineage as lineage_lib
@@ -159,7 +160,7 @@ def _read_step(layout: inspection.Layout, step: int, report: Report, unreadable:
 
 
 def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved:
-  value = state_lib.IteratorState.from_dict(header, origin=origin)
+  value = codec.header_state(header, origin=origin)
   return Saved(
       step=step, process_index=index, process_count=count, kind=value.kind,
       digests=lineage_lib.header_digests(header, origin=origin, value=value),

@@ -253,7 +253,7 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
   Raises:
     CkptIterError: the header is not a valid state of a readable version.
   """
-  value = state_lib.IteratorState.from_dict(header, origin=origin)
+  value = codec.header_state(header, origin=origin)
   specs = codec.array_specs(header, origin=origin)
   return {
       "format_version": header.get("format_version", 0),

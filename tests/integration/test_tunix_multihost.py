@@ -98,11 +98,12 @@ def test_checkpoint_keeps_the_global_pending_leaves_global(runs, step):
   for index in range(NUM_PROCESSES):
     header = json.loads((data_dir / f"process_{index}-of-{NUM_PROCESSES}.json").read_text())
     assert header["pending"]["schedule"] == [0]  # the rollout's second update
-    (item,) = header["pending"]["items"]
-    fields = item["fields"]
+    (group,) = header["pending"]["groups"]
+    assert group["members"] == [[0, 1]]
+    fields = group["structure"]["fields"]
     for name in GLOBAL_FIELDS:
       assert fields[name]["dataclass"] == "ckpt_iter.tunix.GlobalArray", name
-      assert fields[name]["fields"]["mesh_role"] == {"value": "actor"}
+      assert group["columns"][fields[name]["fields"]["mesh_role"]["column"]] == ["actor"]
       assert fields[name]["fields"]["spec"] == {"tuple": []}
     for name in ("prompt_ids", "completion_ids", "advantages"):
       assert set(fields[name]) == {"array"}, name  # process-local: stored as before

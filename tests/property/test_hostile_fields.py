@@ -2,7 +2,7 @@
 
 A real Orbax root (a RepeatIterator saved at steps 1 and 2); step 2's header
 is then replaced by a crafted one. Each case is tried through every way a
-user reads a state: an Orbax restore, `set_state` on the iterator, and the
+user reads a state: an Orbax restore (the v0 and the v1 API), `set_state` on the iterator, and the
 CLI verbs `inspect`, `verify`, `audit` and `diff`. A refusal is an
 `InvalidStateError` naming the field or the path; the CLI exits 1 with that
 message, never with a traceback.
@@ -71,9 +71,24 @@ CASES = {
     "position_nested_500_deep": (_with(("position",), _nested(500)), "nested deeper than 64 levels"),
 }
 
+# Cases of the pending items' stored form (a header's groups; `set_state` takes items, not groups).
+STORED_CASES = {
+    **CASES,
+    "pending_item_in_two_groups": (
+        lambda h: {**h, "pending": {**h["pending"], "groups": h["pending"]["groups"] * 2}}, "is twice"),
+    "pending_column_holding_a_tree": (lambda h: {**h, "pending": {**h["pending"], "groups": [
+        _tree_in_a_column(group) for group in h["pending"]["groups"]]}}, "a column holds JSON scalars"),
+}
 
-def _craft(root, mutate) -> str:
-  path = root / "2" / "data" / HEADER
+
+def _tree_in_a_column(group: dict) -> dict:
+  """The group with its items made one Python scalar leaf, whose column holds trees instead."""
+  size = sum(stop - start for start, stop in group["members"])
+  return {**group, "structure": {"column": 0}, "columns": [[{"dict": {}}] * size]}
+
+
+def _craft(root, mutate, step_dir: str = "2") -> str:
+  path = root / step_dir / "data" / HEADER
   header = json.loads(path.read_text())
   # json.dumps escapes a lone surrogate as \\ud800, which the reader decodes back.
   path.write_text(json.dumps(mutate(header)))
@@ -86,14 +101,35 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
   return code, out, err
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(STORED_CASES))
 def test_a_hostile_field_is_refused_by_an_orbax_restore(root, name):
-  mutate, names = CASES[name]
+  mutate, names = STORED_CASES[name]
   _craft(root, mutate)
   with ocp.CheckpointManager(str(root)) as manager:
     with pytest.raises(errors.InvalidStateError, match=names):
       manager.restore(2, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(_iterator())))
     manager.restore(1, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(_iterator())))
+
+
+@pytest.mark.parametrize("name", sorted(STORED_CASES))
+def test_a_hostile_field_is_refused_by_an_orbax_v1_restore(tmp_path, name):
+  """Orbax's v1 API restores an iterator as a checkpointable: the same refusal, the good step still restores."""
+  import orbax.checkpoint.experimental.v1 as ocp1  # pylint: disable=g-import-not-at-top
+
+  mutate, names = STORED_CASES[name]
+  iterator = _iterator()
+  for step in (1, 2):
+    next(iterator)
+    ocp1.save_checkpointables(str(tmp_path / f"step_{step}"), {"data": iterator})
+  assert json.loads((tmp_path / "step_2" / "data" / HEADER).read_text())["pending"] is not None
+  _craft(tmp_path / "step_2", mutate, step_dir="")
+  with pytest.raises(errors.InvalidStateError, match=names):
+    ocp1.load_checkpointables(str(tmp_path / "step_2"), {"data": _iterator()})
+  resumed = _iterator()
+  ocp1.load_checkpointables(str(tmp_path / "step_1"), {"data": resumed})
+  expected = _iterator()
+  next(expected)
+  assert [next(resumed)["ids"].tolist() for _ in range(3)] == [next(expected)["ids"].tolist() for _ in range(3)]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -171,11 +171,11 @@ def test_inspect_repeat_state_reports_pending_from_the_header(capsys, repeat_ckp
   assert pending["schedule"] == list(state.pending.schedule)
   assert pending["remaining"] == len(state.pending.schedule) == 3
   expected_bytes = sum(a.nbytes for item in state.pending.items for a in item.values())
-  assert (pending["arrays"], pending["array_bytes"]) == (4, expected_bytes)
+  assert (pending["arrays"], pending["array_bytes"]) == (2, expected_bytes)  # one stacked array per leaf
   assert process["shuffle_key"] == list(state.shuffle_key)
   assert process["fingerprint"]["num_repeats"] == 2
   code, text, _ = _run(capsys, "inspect", root)
-  assert _row("pending", f"2 items, 3 still to yield; 4 arrays, {expected_bytes} B").search(text)
+  assert _row("pending", f"2 items, 3 still to yield; 2 arrays, {expected_bytes} B").search(text)
   assert _row("pending schedule", "[" + " ".join(map(str, state.pending.schedule)) + "]").search(text)
 
 
@@ -224,7 +224,7 @@ def test_verify_sound_checkpoints_exit_0_with_one_summary_line(capsys, data_ckpt
       f"ok: {data_ckpt}: 3 steps (0, 3, 5), item 'data', 3 state files, 0 pending arrays checked"
   ]
   code, out, _ = _run(capsys, "verify", repeat_ckpt[0], "--step", "1")
-  assert code == 0 and out.startswith("ok: ") and "4 pending arrays checked" in out
+  assert code == 0 and out.startswith("ok: ") and "2 pending arrays checked" in out
 
 
 def test_verify_ignores_orbax_tmp_dirs_and_chooses_the_data_item(capsys, tmp_path):
@@ -292,13 +292,13 @@ CORRUPTIONS = {
         "process_1-of-2.npz", "not a readable npz"),
     "wrong dtype": (
         lambda d: _rewrite_npz(d / "process_0-of-2.npz", lambda a: a.astype(np.int64)),
-        "process_0-of-2.npz", "array 'a0' is <i8[2, 3], but the state header says <i4[2, 3]"),
+        "process_0-of-2.npz", "array 'a0' is <i8[2, 2, 3], but the state header says <i4[2, 2, 3]"),
     "wrong shape": (
-        lambda d: _rewrite_npz(d / "process_1-of-2.npz", lambda a: a.reshape(3, 2)),
-        "process_1-of-2.npz", "array 'a0' is <i4[3, 2], but the state header says <i4[2, 3]"),
+        lambda d: _rewrite_npz(d / "process_1-of-2.npz", lambda a: a.reshape(2, 3, 2)),
+        "process_1-of-2.npz", "array 'a0' is <i4[2, 3, 2], but the state header says <i4[2, 2, 3]"),
     "newer format_version": (
-        lambda d: _edit_json(d / "process_0-of-2.json", lambda h: h.update(format_version=3)),
-        "process_0-of-2.json", "has format_version 3"),
+        lambda d: _edit_json(d / "process_0-of-2.json", lambda h: h.update(format_version=ckpt_iter.FORMAT_VERSION + 1)),
+        "process_0-of-2.json", f"has format_version {ckpt_iter.FORMAT_VERSION + 1}"),
     "inconsistent fingerprints": (
         lambda d: _save_processes(d, [_advance(_repeat_iterator(0, 0, 2), 1),
                                       _advance(_repeat_iterator(1, 1, 2), 1)]),

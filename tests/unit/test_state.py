@@ -56,7 +56,8 @@ _BAD_STATES = [
     ("version_str", _with(format_version="1"), errors.InvalidStateError, ["format_version", "'1'"]),
     ("version_bool", _with(format_version=True), errors.InvalidStateError, ["format_version", "True"]),
     ("version_float", _with(format_version=1.0), errors.InvalidStateError, ["format_version", "1.0"]),
-    ("version_newer", _with(format_version=3), errors.StateVersionError, ["format_version 3", "Upgrade"]),
+    ("version_newer", _with(format_version=state_lib.FORMAT_VERSION + 1), errors.StateVersionError,
+     [f"format_version {state_lib.FORMAT_VERSION + 1}", "Upgrade"]),
     ("version_zero", _with(format_version=0), errors.StateVersionError, ["format_version 0"]),
     ("version_negative", _with(format_version=-3), errors.StateVersionError, ["format_version -3"]),
     ("version_missing", _with(format_version=_MISSING), errors.InvalidStateError, ["'format_version'"]),
@@ -443,8 +444,8 @@ def test_encode_state_copies_arrays_so_later_writes_do_not_leak():
   )
   header, arrays = codec.encode_state(value)
   array[:] = -1  # e.g. a rollout buffer reused after the checkpoint
-  np.testing.assert_array_equal(arrays["a0"], np.arange(4, dtype=np.float32))
-  assert header["arrays"] == {"a0": {"dtype": "<f4", "shape": [4]}}
+  np.testing.assert_array_equal(arrays["a0"], np.arange(4, dtype=np.float32)[np.newaxis])
+  assert header["arrays"] == {"a0": {"dtype": "<f4", "shape": [1, 4]}}  # the leaf of a group of one item
 
 
 @dataclasses.dataclass

@@ -150,7 +150,7 @@ def test_a_pending_example_of_another_tunix_is_refused_naming_both_versions(tmp_
   header_path = _files.header_path(str(item), 0, 1)
   with open(header_path) as f:
     header = json.load(f)
-  header["pending"]["items"][0]["fields"]["future_field"] = {"list": []}  # set on the writer's side
+  header["pending"]["groups"][0]["structure"]["fields"]["future_field"] = {"list": []}  # set on the writer's side
   with open(header_path, "w") as f:
     json.dump(header, f)
   with pytest.raises(errors.PendingTypeError) as refused:
