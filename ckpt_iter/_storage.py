@@ -225,11 +225,43 @@ def write_bytes(path: str, data: bytes) -> None:
     raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
 
 
+# A streamed object of at most this many bytes is sent as one simple upload
+# (one request) from memory; a larger one as a resumable upload (two requests
+# at least), its first bytes sent from this buffer.
+SMALL_UPLOAD_BYTES = 16 * 2**20
+
+
+class _Spool:
+  """A write-only stream that keeps its first SMALL_UPLOAD_BYTES; past them it opens `open_stream()`."""
+
+  def __init__(self, open_stream: Callable[[], Any]):
+    self._open_stream = open_stream
+    self.buffer = bytearray()
+    self.stream: Any = None
+
+  def write(self, data: Any) -> int:
+    view = memoryview(data).cast("B")
+    if self.stream is None:
+      if len(self.buffer) + len(view) <= SMALL_UPLOAD_BYTES:
+        self.buffer += view
+        return len(view)
+      self.stream = self._open_stream()
+      self.stream.write(bytes(self.buffer))
+      self.buffer = bytearray()
+    self.stream.write(view)
+    return len(view)
+
+  def flush(self) -> None:
+    if self.stream is not None:
+      self.stream.flush()
+
+
 def write_stream(path: str, produce: Callable[[BinaryIO], None]) -> None:
   """Writes a file as `produce(f)` writes it, in pieces, with no whole copy in memory.
 
   For files too large to assemble first (a step's pending arrays): on an
-  object store one streamed upload, published only when `produce` returns.
+  object store one streamed upload, published only when `produce` returns
+  (one simple upload from memory when it is at most SMALL_UPLOAD_BYTES).
   Like `write_bytes`, a failed write removes (or never publishes) what it wrote.
 
   Raises:
@@ -237,12 +269,15 @@ def write_stream(path: str, produce: Callable[[BinaryIO], None]) -> None:
   """
   if is_url(path):
     fs, key = _filesystem(path)
-    f = _bounded(fs, path, "write", fs.open, key, "wb", **_file_bound(fs))
+    f = _Spool(lambda: _bounded(fs, path, "write", fs.open, key, "wb", **_file_bound(fs)))
     try:
       produce(f)
-      f.close()
+      if f.stream is None:  # small: one simple upload, as write_bytes makes
+        _bounded(fs, path, "write", fs.pipe_file, key, bytes(f.buffer))
+      else:
+        f.stream.close()
     except BaseException as e:
-      discard = getattr(f, "discard", None)
+      discard = getattr(f.stream, "discard", None)
       if discard is not None:  # cancels the upload: no partial object
         try:
           discard()

@@ -148,8 +148,13 @@ class GcsEmulator:
   def requests(self, since: int = 0, *, under: str | None = None) -> list[Request]:
     """The requests logged after `since`; with `under`, those on objects below that prefix.
 
+    `under` is an object name prefix, or a gs:// URL of this emulator's bucket.
     Waits briefly for the server to flush its log (it logs after replying).
     """
+    if under is not None and under.startswith("gs://"):
+      bucket, _, under = under[len("gs://"):].partition("/")
+      if bucket != BUCKET:
+        raise ValueError(f"{bucket!r} is not the emulator's bucket {BUCKET!r}")
     time.sleep(0.05)
     with open(self.log_path, "rb") as f:
       f.seek(since)

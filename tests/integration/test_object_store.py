@@ -115,6 +115,31 @@ def _kept_steps(root: str, count: int) -> None:
     _storage.write_bytes(f"{root}/{step}/commit_success.txt", b"Checkpoint commit was successful.")
 
 
+@pytest.mark.parametrize("small_upload_bytes, npz_writes", [(_storage.SMALL_UPLOAD_BYTES, 1), (1024, 2)])
+def test_an_npz_up_to_the_small_upload_size_is_one_upload_and_a_larger_one_streamed(
+    gcs_emulator, gcs_root, monkeypatch, small_upload_bytes, npz_writes):
+  from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(_storage, "SMALL_UPLOAD_BYTES", small_upload_bytes)
+  value = state_lib.IteratorState(
+      kind="repeat", fingerprint={}, position={"next_index": 1},
+      pending=state_lib.Pending(items=tuple({"ids": np.arange(1024, dtype=np.int32) * i} for i in range(3)),
+                                schedule=(2, 0, 1)))
+  header, arrays = codec.encode_state(value)
+  since = os.path.getsize(gcs_emulator.log_path)
+  _files.write_files(f"{gcs_root}/1/data", header, arrays, process_index=0, process_count=1)
+  # A simple upload names its object in its body, a streamed one in its URL: counted as the
+  # root's uploads, the npz's being all but the header's one.
+  writes = [r for r in gcs_emulator.requests(since) if r.kind == "write"]
+  assert len(writes) == npz_writes + 1, writes
+  read = _files.read_state(f"{gcs_root}/1/data", 0, 1)
+  for before, after in zip(value.pending.items, read.pending.items):
+    assert before["ids"].tobytes() == after["ids"].tobytes()
+  assert read.pending.schedule == (2, 0, 1)
+
+
 @pytest.mark.parametrize("verb", ["inspect", "verify"])
 def test_one_step_costs_the_same_object_operations_however_many_steps_are_kept(gcs_emulator, gcs_root, verb, capsys):
   import gcs_emulator as emulator_lib  # pylint: disable=g-import-not-at-top
@@ -134,6 +159,7 @@ def test_one_step_costs_the_same_object_operations_however_many_steps_are_kept(g
     # the client's bucket lookup, is not this command's cost.
     counts[kept] = emulator_lib.count_by_kind(gcs_emulator.requests(since, under=root))
   assert counts[4] == counts[32], counts
+  assert counts[32]["read"] >= 1 and counts[32]["list"] >= 1, counts[32]  # the command's own requests, counted
   assert sum(counts[32].values()) <= 16, counts[32]  # verify: 4 reads, 3 metadata, 8 listings here
 
 
