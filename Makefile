@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# In-process tiers (unit, property) on two workers; the integration tests, which
+# start processes of their own (real Tunix runs, kills), one at a time.
+FAST_TIERS := tests/unit tests/property
+WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(FAST_TIERS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/integration
 
 # The real Tunix runs beyond make test's representative ones (CI runs these too).
 test-heavy: $(STAMP)
@@ -55,7 +61,8 @@ $(LOWEST_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-lowest: $(LOWEST_VENV)/.installed
-	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests
+	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs -n $(WORKERS) $(FAST_TIERS)
+	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/integration
 
 # The Tunix integration tests against upstream Tunix main (0.1.8), from the wheel
 # in ../shared/peer/wheels (the same venv ../shared/peer/run main builds).

@@ -21,7 +21,7 @@ from ckpt_iter import state as state_lib
 LEARNER_POSITION_FIELDS = ("micro_batches_taken", "stream_rows", "prompt_index")
 
 
-def position_fields(kind: str, position: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+def position_fields(kind: str, fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> dict[str, Any]:
   """next_index, epoch and batch_in_epoch of the input (and a learner's own counts)."""
   fingerprint, source_position, own = _learner_state.input_view(kind, fingerprint, position)
   fields: dict[str, Any] = {name: own[name] for name in LEARNER_POSITION_FIELDS if name in own}
@@ -59,7 +59,7 @@ def position_text(kind: str, fields: Mapping[str, Any], position: Any) -> str:
 
 def summary_line(value: state_lib.IteratorState) -> str:
   """One line: where the state continues, its learner counts and pending items."""
-  fields = position_fields(value.kind, value.position, value.fingerprint)
+  fields = position_fields(value.kind, value.fingerprint, value.position)
   parts = [position_text(value.kind, fields, value.position)]
   parts += [f"{name} {fields[name]}" for name in LEARNER_POSITION_FIELDS if name in fields]
   if value.pending is not None:

@@ -259,7 +259,7 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
       "format_version": header.get("format_version", 0),
       "kind": value.kind,
       "position": dict(value.position),
-      **position_fields(value.kind, value.position, value.fingerprint),
+      **position_fields(value.kind, value.fingerprint, value.position),
       "shuffle_key": None if value.shuffle_key is None else list(value.shuffle_key),
       "pending": _pending_summary(header.get("pending"), value.pending, specs),
       "counters": dict(value.counters),

@@ -520,7 +520,7 @@ class DataSession:
         "ckpt_iter: restored the data state of step %d: %s; %d pending trainer inputs, "
         "%d more mini-batches in this global step%s.",
         step, _describe.position_text(value.kind, _describe.position_fields(
-            value.kind, value.position, value.fingerprint), value.position),
+            value.kind, value.fingerprint, value.position), value.position),
         len(value.pending or ()), remaining,
         "" if rollout_params is None else ", the rollout weights of the last sync",
     )
