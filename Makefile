@@ -25,9 +25,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(FAST_TIERS)
 	$(PY) -m pytest -q -p no:cacheprovider tests/integration
 
-# The real Tunix runs beyond make test's representative ones (CI runs these too).
+# The real Tunix runs beyond make test's representative ones (CI runs these too),
+# two at a time: a toy Tunix process is mostly one thread of Python and XLA
+# compilation (14 minutes here, about 20 one at a time).
 test-heavy: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests --run-heavy -m heavy
+	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) tests --run-heavy -m heavy
 
 test-full: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests --run-slow
@@ -94,7 +96,7 @@ test-tunix-main: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
 # RL learner family, the agentic loop and its full-batch replay, packing) and
 # the differential suite's explicit examples. make test-tunix-main runs all.
 test-tunix-main-core: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
-	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider --run-slow \
+	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --run-slow \
 	  tests/integration/test_tunix_main.py tests/integration/test_tunix_agentic.py \
 	  tests/integration/test_tunix_packing.py \
 	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py
