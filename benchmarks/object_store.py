@@ -233,11 +233,11 @@ def cli_step(counter: Counter, base: str, report: _common.Reporter, kept: tuple[
       assert cli.main([verb, root, "--step", "3"]) == cli.EXIT_OK
 
   figures = {}
-  _kept_steps(f"{base}/cli/warm", 3)
+  gcs_emulator.write_repeat_steps(f"{base}/cli/warm", 3)
   run("verify", f"{base}/cli/warm")  # the client's one-time bucket lookup, not a command's cost
   for count in kept:
     root = f"{base}/cli/kept{count}"
-    _kept_steps(root, count)
+    gcs_emulator.write_repeat_steps(root, count)
     for verb in ("inspect", "verify"):
       # gcsfs sometimes adds one metadata request (its caches): the fewest of 3 runs is the
       # command's cost, the most is reported beside it.
@@ -246,24 +246,6 @@ def cli_step(counter: Counter, base: str, report: _common.Reporter, kept: tuple[
       report.measurement(level="cli", case=f"{verb} --step 3", kept_steps=count,
                          most=max(sum(c.values()) for c in runs), **counts)
   return figures
-
-
-def _kept_steps(root: str, count: int) -> None:
-  """`count` committed steps of a repeat item with pending arrays, as the handler writes them."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
-  from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
-
-  for step in range(1, count + 1):
-    value = state_lib.IteratorState(
-        kind="repeat", fingerprint={"source": "records"}, position={"next_index": step},
-        pending=state_lib.Pending(items=({"ids": np.arange(4, dtype=np.int32) + step},), schedule=(0,)))
-    header, arrays = codec.encode_state(value)
-    _files.write_files(f"{root}/{step}/data", header, arrays, process_index=0, process_count=1, count_file=True)
-    _storage.write_bytes(f"{root}/{step}/commit_success.txt", b"Checkpoint commit was successful.")
 
 
 def main() -> None:

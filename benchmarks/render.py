@@ -837,7 +837,9 @@ that share a structure as one group, each leaf one array stacked along a new fir
 ([state_format.md](state_format.md#pending-items-pytrees-as-json--arrays)): a few npz members and a
 header of about the schedule's size, where formats 1-2 had 200,000 members under a 16 MB header. The
 npz writer puts every array's bytes at a 64-byte aligned offset and the reader reads the file once
-into a buffer of its own, so the restored arrays are views of it: no second copy.
+into a buffer of its own, so the restored arrays are views of it: no second copy. The per-item row's
+files come from today's writer (aligned, so larger than format 2's 78.9 MiB, on which the reader
+before format 3 took 4.0 s and 439 MiB).
 
 {table}
 The floor no layout avoids is the restored queue's own Python objects (a dict, an array view and a

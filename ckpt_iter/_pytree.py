@@ -239,18 +239,24 @@ def decode_pytree(
     if set(node) == {"tuple"} and isinstance(node["tuple"], list):
       return tuple(decode(v, depth + 1) for v in node["tuple"])
     if set(node) == {"dataclass", "fields"} and isinstance(node["fields"], Mapping):
-      cls = _DATACLASSES.get(node["dataclass"]) if isinstance(node["dataclass"], str) else None
-      if cls is None:
-        raise errors.InvalidStateError(
-            f"{origin}: pending item type {_short(node['dataclass'])} is not registered "
-            f"here (registered: {sorted(_DATACLASSES)}). Import the integration that "
-            "wrote it (e.g. ckpt_iter.tunix) before restoring."
-        )
+      cls = _registered(node["dataclass"], origin)
       fields = _fields_for(cls, node["dataclass"], node["fields"], origin)
       return cls(**{k: decode(v, depth + 1) for k, v in fields.items()})
     raise errors.InvalidStateError(f"{origin}: malformed pending node {_short(node)}.")
 
   return decode(structure, 0)
+
+
+def _registered(name: Any, origin: str) -> type:
+  """The dataclass registered as `name`: the only types a stored item can build."""
+  cls = _DATACLASSES.get(name) if isinstance(name, str) else None
+  if cls is None:
+    raise errors.InvalidStateError(
+        f"{origin}: pending item type {_short(name)} is not registered "
+        f"here (registered: {sorted(_DATACLASSES)}). Import the integration that "
+        "wrote it (e.g. ckpt_iter.tunix) before restoring."
+    )
+  return cls
 
 
 def _storable(array: np.ndarray) -> tuple[np.ndarray, dict[str, str]]:
@@ -555,13 +561,7 @@ class _Builder:
       parts = [self._node(v, depth + 1) for v in node["tuple"]]
       return lambda row: tuple(build(row) for build in parts)
     if set(node) == {"dataclass", "fields"} and isinstance(node["fields"], Mapping):
-      cls = _DATACLASSES.get(node["dataclass"]) if isinstance(node["dataclass"], str) else None
-      if cls is None:
-        raise errors.InvalidStateError(
-            f"{self._where}: pending item type {_short(node['dataclass'])} is not registered "
-            f"here (registered: {sorted(_DATACLASSES)}). Import the integration that "
-            "wrote it (e.g. ckpt_iter.tunix) before restoring."
-        )
+      cls = _registered(node["dataclass"], self._where)
       fields = [(k, self._node(v, depth + 1))
                 for k, v in _fields_for(cls, node["dataclass"], node["fields"], self._where).items()]
       return lambda row: cls(**{k: build(row) for k, build in fields})

@@ -183,3 +183,21 @@ def _free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def write_repeat_steps(root: str, count: int) -> None:
+  """`count` committed steps 1..count of a repeat item with pending arrays at `root`, as the handler writes them."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  for step in range(1, count + 1):
+    value = state_lib.IteratorState(
+        kind="repeat", fingerprint={"source": "records"}, position={"next_index": step},
+        pending=state_lib.Pending(items=({"ids": np.arange(4, dtype=np.int32) + step},), schedule=(0,)))
+    header, arrays = codec.encode_state(value)
+    _files.write_files(f"{root}/{step}/data", header, arrays, process_index=0, process_count=1, count_file=True)
+    _storage.write_bytes(f"{root}/{step}/commit_success.txt", b"Checkpoint commit was successful.")

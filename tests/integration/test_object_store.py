@@ -100,21 +100,6 @@ def test_an_overwritten_object_gets_a_new_identity_and_a_new_jsonl_index(gcs_roo
   assert len(built) == 2 and source[1] == {"id": 4}
 
 
-def _kept_steps(root: str, count: int) -> None:
-  """`count` committed steps of a data item at `root`, written as the handler writes them."""
-  from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
-
-  for step in range(1, count + 1):
-    value = state_lib.IteratorState(
-        kind="repeat", fingerprint={"source": "records"}, position={"next_index": step},
-        pending=state_lib.Pending(items=({"ids": np.arange(4, dtype=np.int32) + step},), schedule=(0,)))
-    header, arrays = codec.encode_state(value)
-    _files.write_files(f"{root}/{step}/data", header, arrays, process_index=0, process_count=1, count_file=True)
-    _storage.write_bytes(f"{root}/{step}/commit_success.txt", b"Checkpoint commit was successful.")
-
-
 @pytest.mark.parametrize("small_upload_bytes, npz_writes", [(_storage.SMALL_UPLOAD_BYTES, 1), (1024, 2)])
 def test_an_npz_up_to_the_small_upload_size_is_one_upload_and_a_larger_one_streamed(
     gcs_emulator, gcs_root, monkeypatch, small_upload_bytes, npz_writes):
@@ -147,11 +132,11 @@ def test_one_step_costs_the_same_object_operations_however_many_steps_are_kept(g
   from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
 
   counts = {}
-  _kept_steps(f"{gcs_root}/warm", 3)
+  emulator_lib.write_repeat_steps(f"{gcs_root}/warm", 3)
   cli.main([verb, f"{gcs_root}/warm", "--step", "3"])  # the client's one-time bucket lookup
   for kept in (4, 32):
     root = f"{gcs_root}/kept{kept}"
-    _kept_steps(root, kept)
+    emulator_lib.write_repeat_steps(root, kept)
     since = os.path.getsize(gcs_emulator.log_path)
     assert cli.main([verb, root, "--step", "3"]) == cli.EXIT_OK
     capsys.readouterr()
