@@ -132,12 +132,7 @@ def encode_pytree(value: Any, arrays: dict[str, np.ndarray], prefix: str) -> Any
     if isinstance(node, tuple) and not hasattr(node, "_fields"):
       return {"tuple": [encode(v, depth + 1) for v in node]}
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-      name = _DATACLASS_NAMES.get(type(node))
-      if name is None:
-        raise errors.InvalidStateError(
-            f"pending item of type {type(node).__qualname__} is not registered. "
-            "Call ckpt_iter.register_pytree_dataclass(name, cls) for it."
-        )
+      name = _registered_name(node)
       return {
           "dataclass": name,
           "fields": {
@@ -245,6 +240,17 @@ def decode_pytree(
     raise errors.InvalidStateError(f"{origin}: malformed pending node {_short(node)}.")
 
   return decode(structure, 0)
+
+
+def _registered_name(node: Any) -> str:
+  """The name dataclass instance `node`'s type is registered as (what a stored item names)."""
+  name = _DATACLASS_NAMES.get(type(node))
+  if name is None:
+    raise errors.InvalidStateError(
+        f"pending item of type {type(node).__qualname__} is not registered. "
+        "Call ckpt_iter.register_pytree_dataclass(name, cls) for it."
+    )
+  return name
 
 
 def _registered(name: Any, origin: str) -> type:
@@ -375,12 +381,7 @@ def _template(node: Any, leaves: list[Any], values: list[Any], depth: int) -> An
   if isinstance(node, tuple) and not hasattr(node, "_fields"):
     return {"tuple": [_template(v, leaves, values, depth + 1) for v in node]}
   if dataclasses.is_dataclass(node) and not isinstance(node, type):
-    name = _DATACLASS_NAMES.get(type(node))
-    if name is None:
-      raise errors.InvalidStateError(
-          f"pending item of type {type(node).__qualname__} is not registered. "
-          "Call ckpt_iter.register_pytree_dataclass(name, cls) for it."
-      )
+    name = _registered_name(node)
     return {"dataclass": name,
             "fields": {f.name: _template(getattr(node, f.name), leaves, values, depth + 1)
                        for f in dataclasses.fields(node)}}
