@@ -42,6 +42,8 @@ def _items(count: int, tokens: int) -> tuple:
 
 
 def _write(directory: str, count: int, tokens: int, layout: str) -> None:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
   from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
   from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
@@ -53,8 +55,13 @@ def _write(directory: str, count: int, tokens: int, layout: str) -> None:
   if layout == "per_item":  # formats 1-2: one tree per item, one array per leaf
     arrays = {}
     header["format_version"] = state_lib.written_version("repeat")
-    header["pending"] = {"items": [codec.encode_pytree(item, arrays, prefix="a") for item in items],
-                         "schedule": list(range(count))}
+    nodes = []
+    for item in items:  # this queue's items as formats 1-2 stored them: a tree and an array per leaf
+      arrays[f"a{len(arrays)}"] = item["ids"]
+      arrays[f"a{len(arrays)}"] = np.asarray(item["logp"])
+      nodes.append({"dict": {"ids": {"array": f"a{len(arrays) - 2}"},
+                             "logp": {"array": f"a{len(arrays) - 1}", "scalar": True}}})
+    header["pending"] = {"items": nodes, "schedule": list(range(count))}
     header["arrays"] = {name: {"dtype": a.dtype.str, "shape": list(a.shape)} for name, a in arrays.items()}
   _files.write_files(directory, header, arrays, process_index=0, process_count=1)
 

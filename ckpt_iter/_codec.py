@@ -21,7 +21,6 @@ from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter._pytree import ArraySpec
 from ckpt_iter._pytree import decode_pytree
-from ckpt_iter._pytree import encode_pytree  # noqa: F401  (re-exported, as decode_pytree)
 from ckpt_iter._pytree import register_pytree_dataclass  # noqa: F401  (re-exported: ckpt_iter.register_pytree_dataclass)
 from ckpt_iter.state import IteratorState
 

@@ -114,9 +114,10 @@ def _distributed_client(count: int) -> Any:
 def snapshot(item: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """Takes the state of `item` now: a JSON header and copies of its arrays.
 
-  The only copy of the pending arrays a save makes: one host copy per leaf
-  (`_codec.encode_pytree`; a JAX array on an accelerator is transferred, and
-  that transfer is the copy). The handler writes these very arrays in Orbax's
+  The only copy of the pending arrays a save makes: each leaf copied once to
+  host, into its group's stacked array (`_pytree.encode_items`; a JAX array
+  on an accelerator is transferred first, and in a group of one item that
+  transfer is the copy). The handler writes these very arrays in Orbax's
   background thread, with no further defensive copy.
   """
   if hasattr(item, "state"):

@@ -1,8 +1,8 @@
 """Pending items <-> their stored form: a JSON structure plus named numpy arrays.
 
 Two layouts, both lossless and both refusing what they cannot store exactly:
-  * per item (format versions 1 and 2; still read): each item's structure,
-    one array per leaf (`encode_pytree` / `decode_pytree`).
+  * per item (format versions 1 and 2; read, no longer written): each item's
+    structure, one array per leaf (`decode_pytree`).
   * by structure (version 3, written: `encode_items` / `decode_items`): the
     items that share a structure (the same tree, leaf dtypes and shapes) are
     one group; each array leaf of a group is one array stacked along a new
@@ -96,77 +96,6 @@ class ArraySpec:
     return int(np.dtype(self.dtype).itemsize) * math.prod(self.shape)
 
 
-def encode_pytree(value: Any, arrays: dict[str, np.ndarray], prefix: str) -> Any:
-  """Returns the JSON structure of `value`; its arrays go into `arrays`.
-
-  Each array leaf is copied to host memory exactly once (`_host_copy`), so
-  the caller may reuse or donate its buffers as soon as this returns; the
-  device-to-host transfers of JAX leaves are all started before the first
-  one is waited for.
-  """
-  leaves: list[tuple[str, Any, dict[str, Any]]] = []
-
-  def encode(node: Any, depth: int) -> Any:
-    if depth > MAX_NESTING:
-      raise errors.InvalidStateError("a pending item is nested deeper than 64 levels.")
-    if node is None:
-      return None
-    if isinstance(node, float) and not isinstance(node, np.generic) and not math.isfinite(node):
-      # JSON has no NaN or infinity: the float's 8 bytes, so every bit (sign,
-      # NaN payload) comes back. A NaN reward must not make a step unsavable.
-      return {"float": struct.pack("<d", node).hex()}
-    if isinstance(node, (bool, int, float, str)) and not isinstance(node, np.generic):
-      return {"value": node}
-    if isinstance(node, np.generic):
-      name = f"{prefix}{len(arrays)}"
-      arrays[name], extra = _storable(np.asarray(node))
-      return {"array": name, "scalar": True, **extra}
-    if isinstance(node, Mapping):
-      if not all(isinstance(k, str) for k in node):
-        raise errors.InvalidStateError(
-            f"pending items may hold dicts with string keys only, got keys {list(node)[:5]}."
-        )
-      return {"dict": {k: encode(v, depth + 1) for k, v in node.items()}}
-    if isinstance(node, list):
-      return {"list": [encode(v, depth + 1) for v in node]}
-    if isinstance(node, tuple) and not hasattr(node, "_fields"):
-      return {"tuple": [encode(v, depth + 1) for v in node]}
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-      name = _registered_name(node)
-      return {
-          "dataclass": name,
-          "fields": {
-              f.name: encode(getattr(node, f.name), depth + 1)
-              for f in dataclasses.fields(node)
-          },
-      }
-    if hasattr(node, "__array__") and hasattr(node, "dtype"):
-      if not (isinstance(node, np.ndarray) or _is_jax_array(node)):
-        node = np.asarray(node)  # another array type: numpy decides the dtype
-      if np.dtype(node.dtype).hasobject:
-        raise errors.InvalidStateError(
-            "pending items may not hold object arrays (they would need pickling)."
-        )
-      name = f"{prefix}{len(arrays)}"
-      arrays[name] = None  # the name is taken; the copy is made below
-      entry = {"array": name}
-      leaves.append((name, node, entry))
-      return entry
-    raise errors.InvalidStateError(
-        f"pending items must be pytrees of arrays (dict, list, tuple, registered "
-        f"dataclass, numpy or JAX arrays), got {type(node).__qualname__}."
-    )
-
-  structure = encode(value, 0)
-  for _, node, _ in leaves:
-    if _is_jax_array(node) and not _aliases_host(node):
-      node.copy_to_host_async()
-  for name, node, entry in leaves:
-    arrays[name], extra = _storable(_host_copy(node))
-    entry.update(extra)
-  return structure
-
-
 def _is_jax_array(node: Any) -> bool:
   jax = sys.modules.get("jax")  # not imported: no leaf can be a jax.Array
   return jax is not None and isinstance(node, jax.Array)
@@ -201,7 +130,7 @@ def decode_pytree(
     *,
     origin: str,
 ) -> Any:
-  """Rebuilds a pytree from `encode_pytree` output; arrays via `load_array`."""
+  """Rebuilds a pytree stored per item (formats 1-2); arrays via `load_array`."""
 
   def decode(node: Any, depth: int) -> Any:
     if depth > MAX_NESTING:
@@ -308,7 +237,7 @@ def _from_storable(array: np.ndarray, name: Any, origin: str) -> np.ndarray:
 #    "structure": template,             one item's tree, leaves by reference
 #    "arrays": [name, ...],             leaf j's stacked array (first axis: member)
 #    "columns": [[value, ...], ...]}    a Python scalar leaf's value per member
-# A template is encode_pytree's grammar, with {"array": j} (plus "scalar" and
+# A template is the per-item grammar (docs/state_format.md), with {"array": j} (plus "scalar" and
 # "dtype" as there) naming arrays[j] and {"column": j} naming columns[j]; a
 # column holds JSON scalars, and {"float": hex} for a non-finite float.
 
