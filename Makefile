@@ -16,14 +16,17 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# In-process tiers (unit, property) on two workers; the integration tests, which
-# start processes of their own (real Tunix runs, kills), one at a time.
-FAST_TIERS := tests/unit tests/property
+# In-process tiers (unit, property, robustness) on two workers, tests spread
+# one by one; then the integration tests, which start processes of their own
+# (real Tunix runs, kills, an object-store emulator per worker), on two
+# workers a file at a time, so a file's module fixtures are built once.
+FAST_TIERS := tests/unit tests/property tests/robustness
 WORKERS ?= 2
+BY_FILE := -n $(WORKERS) --dist loadfile
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(FAST_TIERS)
-	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+	$(PY) -m pytest -q -p no:cacheprovider $(BY_FILE) tests/integration
 
 # The real Tunix runs beyond make test's representative ones (CI runs these too),
 # two at a time: a toy Tunix process is mostly one thread of Python and XLA
@@ -64,7 +67,7 @@ $(LOWEST_VENV)/.installed: pyproject.toml
 
 test-lowest: $(LOWEST_VENV)/.installed
 	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs -n $(WORKERS) $(FAST_TIERS)
-	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/integration
+	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs $(BY_FILE) tests/integration
 
 # The Tunix integration tests against upstream Tunix main (0.1.8), from the wheel
 # in ../shared/peer/wheels (the same venv ../shared/peer/run main builds).

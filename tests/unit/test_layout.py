@@ -215,15 +215,26 @@ def test_subpackages_import_only_the_layers_architecture_md_declares():
              for n in _imported_names(modules["ckpt_iter.cli._verify"], "ckpt_iter.cli._verify", modules))
 
 
-def _unit_test_offences(markers):
-  unit_dir = os.path.dirname(os.path.abspath(__file__))
-  offenders = []
-  for name in sorted(os.listdir(unit_dir)):
-    if name.endswith(".py") and name != os.path.basename(__file__):
-      with open(os.path.join(unit_dir, name), encoding="utf-8") as f:
-        source = f.read()
-      offenders += [f"{name}: {marker}" for marker in markers if marker in source]
-  return offenders
+_TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tiers whose tests run in the test's own process (robustness/ isolates one
+# reader that must not hang the run in a process of its own).
+_IN_PROCESS_TIERS = ("unit", "property")
+
+
+def _tier_sources(tiers):
+  """(tier/file name, source) of every test file of `tiers` but this one."""
+  for tier in tiers:
+    folder = os.path.join(_TESTS_DIR, tier)
+    for name in sorted(os.listdir(folder)):
+      path = os.path.join(folder, name)
+      if name.endswith(".py") and path != os.path.abspath(__file__):
+        with open(path, encoding="utf-8") as f:
+          yield f"{tier}/{name}", f.read()
+
+
+def _unit_test_offences(markers, tiers=("unit",)):
+  return [f"{name}: {marker}" for name, source in _tier_sources(tiers) for marker in markers
+          if marker in source]
 
 
 def test_unit_tests_run_no_tunix_training():
@@ -263,6 +274,17 @@ def test_tests_train_their_own_toy_workload_not_the_demos():
   assert any(path == "workers/tunix_toy.py" and "toyrun.toy_cluster(" in source for path, source in _test_sources())
 
 
-def test_unit_tests_start_no_python_process():
+def test_in_process_tiers_start_no_python_process():
   """Fresh-process tests (restores, the installed command, imports) live in tests/integration."""
-  assert _unit_test_offences(("sys.executable", "process_group", "multiprocessing")) == []
+  markers = ("sys.executable", "process_group", "multiprocessing")
+  assert _unit_test_offences(markers, _IN_PROCESS_TIERS) == []
+  # Not blind: the integration tier does start them.
+  assert any(marker in source for _, source in _tier_sources(("integration",)) for marker in markers)
+
+
+def test_every_property_file_draws_with_hypothesis():
+  """tests/property holds Hypothesis properties; adversarial tables and soaks are robustness/."""
+  sources = dict(_tier_sources(("property",)))
+  assert sources
+  assert [name for name, source in sources.items() if "@hypothesis.given" not in source
+          and "@given" not in source] == []
