@@ -57,14 +57,27 @@ def family(fingerprint: Mapping[str, Any]) -> str | None:
   return None
 
 
-def input_state(fingerprint: Mapping[str, Any], position: Any) -> dict[str, Any]:
-  """The input's own state, as a learner's position nests it."""
-  return {"kind": INPUT_KIND, "fingerprint": dict(fingerprint), "position": position}
+CONTENT = "content"
 
 
-def nested(input_fingerprint: Mapping[str, Any], input_position: Any, **learner_position: Any) -> dict[str, Any]:
+def input_state(fingerprint: Mapping[str, Any], position: Any, content: Any = None) -> dict[str, Any]:
+  """The input's own state, as a learner's position nests it.
+
+  `content`: the input's content record of the element before `position`
+  (a state's `content` field), when the learner took one.
+  """
+  state = {"kind": INPUT_KIND, "fingerprint": dict(fingerprint), "position": position}
+  if content is not None:
+    state[CONTENT] = content
+  return state
+
+
+def nested(
+    input_fingerprint: Mapping[str, Any], input_position: Any, *, input_content: Any = None,
+    **learner_position: Any,
+) -> dict[str, Any]:
   """A learner's position: its input's state first, then the learner's own fields."""
-  return {INPUT: input_state(input_fingerprint, input_position), **learner_position}
+  return {INPUT: input_state(input_fingerprint, input_position, input_content), **learner_position}
 
 
 def split(position: Any) -> tuple[Mapping[str, Any], Any, dict[str, Any]] | None:
@@ -77,7 +90,7 @@ def split(position: Any) -> tuple[Mapping[str, Any], Any, dict[str, Any]] | None
     return None
   state = position.get(INPUT)
   if (
-      not isinstance(state, Mapping) or set(state) != {"kind", "fingerprint", "position"}
+      not isinstance(state, Mapping) or set(state) - {CONTENT} != {"kind", "fingerprint", "position"}
       or state["kind"] != INPUT_KIND or not isinstance(state["fingerprint"], Mapping)
       or not isinstance(state["position"], Mapping)
   ):
@@ -85,9 +98,19 @@ def split(position: Any) -> tuple[Mapping[str, Any], Any, dict[str, Any]] | None
   return state["fingerprint"], state["position"], {k: v for k, v in position.items() if k != INPUT}
 
 
+def input_content(position: Mapping[str, Any]) -> Any:
+  """The content record a learner's position holds for its input (None: none taken).
+
+  Only for a position `split` accepts; the record is checked where it is
+  used, as a state's `content` field.
+  """
+  return position[INPUT].get(CONTENT)
+
+
 def expected_form(learner_fields: str = "...the learner's fields") -> str:
   """The nested position's shape, for error messages."""
-  return (f"{{'{INPUT}': {{'kind': '{INPUT_KIND}', 'fingerprint': {{...}}, 'position': {{...}}}}, "
+  return (f"{{'{INPUT}': {{'kind': '{INPUT_KIND}', 'fingerprint': {{...}}, 'position': {{...}}"
+          f"[, '{CONTENT}': {{...}}]}}, "
           f"{learner_fields}}}")
 
 

@@ -148,15 +148,25 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
   def content(self) -> dict[str, Any] | None:
     """The content record a state taken now holds (`_content.digest` of the last element)."""
+    if not self._records_last:
+      return self.content_of(None)
+    if self._last is _NOTHING:
+      return self._restored_content  # nothing produced since the restore
+    if self._digested[0] is not self._last:
+      self._digested = (self._last, self.content_of(self._last))
+    return self._digested[1]
+
+  def content_of(self, element: Any) -> dict[str, Any]:
+    """The content record of a state taken right after this iterator produced `element`.
+
+    For a reader that keeps the elements it consumed: a Tunix learner reads
+    ahead of what it trained, so its checkpoint records an earlier element.
+    """
     if self._length is None:
       return {"check": _content.ITER_DATASET}
     if not self._check_content:
       return {"check": _CONTENT_OFF}
-    if self._last is _NOTHING:
-      return self._restored_content  # nothing produced since the restore
-    if self._digested[0] is not self._last:
-      self._digested = (self._last, _content.digest(self._last))
-    return self._digested[1]
+    return _content.digest(element)
 
   def check_restore(
       self,

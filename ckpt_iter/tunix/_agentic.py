@@ -180,11 +180,13 @@ class ResumableAgentic:
       loop.skip_full_batches(skipped)
       return None, None, None
     input_fingerprint, position = _input.unnest(value, _agentic_loop.INPUT_KEY, origin=origin)
+    position, content = _input.split_content(position)
     checked = _input.check_learner_state(
         value.fingerprint, loop.fingerprint, loop.source, input_fingerprint, position["source"],
         allow_drift=allow_drift, origin=origin,
-        optional_learner_fields=("num_iterations_order",),
+        optional_learner_fields=("num_iterations_order",), content=content,
     )
+    loop.restored_content = content
     return value, checked, position
 
 

@@ -18,6 +18,7 @@ fed rollouts, then only reads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import logging
 import queue
@@ -40,6 +41,9 @@ _TRAIN = rl_cluster_lib.Mode.TRAIN
 _DONE = object()
 # Where the loop's working position keeps its input's (`_input.nest`).
 INPUT_KEY = "source"
+# Fed batches whose content record is kept: more than a schedule holds unfinished
+# (off_policy_steps + 1 ahead, and the one in training).
+_FED_CONTENT_KEPT = 64
 
 
 class ConsumerLoop:
@@ -74,6 +78,10 @@ class ConsumerLoop:
     self.step_start_time = time.time()
     self.prompt_queue: queue.Queue = queue.Queue()
     self.results: queue.Queue = queue.Queue()
+    # (position, content record of the full batch before it) of the batches
+    # fed last: a checkpoint's input position is one of them, or the current.
+    self._fed_content: collections.deque = collections.deque(maxlen=_FED_CONTENT_KEPT)
+    self.restored_content: Any = None  # the restored state's input record (`_agentic.py`)
 
   @property
   def fingerprint(self) -> dict[str, Any]:
@@ -126,13 +134,14 @@ class ConsumerLoop:
     replay = self.schedule.check_replay(
         position, counters.get("micro_batches_in_step"), len(value.pending.schedule),
         origin="the agentic data state")
-    self.source.apply(checked_source, position["source"])
+    self.source.apply(checked_source, position["source"], self.restored_content)
     self.lineage = value.lineage
     refeed: list[Any] = []
     fed_positions = []
     offset = int(position["prompt_offset"])
     for index in range(int(position["batches_fed"])):
       fed_positions.append(self.source.position())
+      self._fed_content.append((fed_positions[-1], self.source.content_before()))
       batch = next(self.source)
       if index == 0:
         self._set_sizes(_batch_size(batch))
@@ -166,8 +175,9 @@ class ConsumerLoop:
       refeed = self._restore(restored, checked_source, position)
       _LOG.info(
           "ckpt_iter: restored the agentic data state in O(1): %d pending update inputs, "
-          "%d prompts to roll out again, next prompt %d.",
+          "%d prompts to roll out again, next prompt %d; content check: %s.",
           len(self.schedule.updates), len(refeed), self.schedule.next_prompt,
+          self.source.restored_content_check(),
       )
       if self.learner.should_sync_weights:
         # A separate rollout model starts from its initial weights; the killed
@@ -189,8 +199,13 @@ class ConsumerLoop:
         for _ in range(self.algo.off_policy_steps + 1):
           if not self._feed_next_batch():
             break
-      elif self.schedule.step_complete:
-        self.schedule.finish_global_step(self)  # the killed run saved, then would have done this
+      else:
+        if self.feeding_done:
+          # The saved run had ended its input: its end marker went to that
+          # process's producer, so this one gets it after the prompts refed.
+          self.prompt_queue.put(None)
+        if self.schedule.step_complete:
+          self.schedule.finish_global_step(self)  # the killed run saved, then would have done this
       self.schedule.consume(self)
     finally:
       self.prompt_queue.put(None)
@@ -202,15 +217,23 @@ class ConsumerLoop:
     """Hands the next full batch to the rollout, as stock does at a step boundary."""
     if self.feeding_done:
       return False
-    position = self.source.position()
+    if self.max_steps_reached():
+      # Checked before reading, so a saved position does not point past a
+      # batch that was never fed (a run continued with a larger max_steps
+      # feeds it).
+      self.feeding_done = True
+      self.prompt_queue.put(None)
+      return False
+    position, before = self.source.position(), self.source.content_before()
     try:
       batch = next(self.source)
     except StopIteration:
       batch = None
+    self._fed_content.append((position, before))
     if batch is not None and not self.schedule.full_batch_size:
       self._set_sizes(_batch_size(batch))
     full = self.schedule.full_batch_size
-    if batch is None or self.max_steps_reached() or _batch_size(batch) != full:
+    if batch is None or _batch_size(batch) != full:
       self.feeding_done = True
       self.prompt_queue.put(None)
       return False
@@ -379,7 +402,8 @@ class ConsumerLoop:
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self.fingerprint,
-        position=_input.nest(self.source.fingerprint, saved.position, INPUT_KEY),
+        position=_input.nest(self.source.fingerprint, {
+            **saved.position, _input.INPUT_CONTENT: self._content_before(saved.position[INPUT_KEY])}, INPUT_KEY),
         pending=state_lib.Pending(
             items=tuple(jax.tree.map(np.asarray, item) for item in saved.items),
             schedule=saved.order),
@@ -395,6 +419,16 @@ class ConsumerLoop:
             "micro_batch_size": schedule.micro_batch_size,
         },
     )
+
+
+  def _content_before(self, position: Any) -> Any:
+    """The content record of the full batch before `position` (None: not known here)."""
+    if position == self.source.position():
+      return self.source.content_before()
+    for fed, before in reversed(self._fed_content):
+      if fed == position:
+        return before
+    return None
 
 
 def _batch_size(batch: Any) -> int:

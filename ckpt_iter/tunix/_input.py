@@ -25,15 +25,39 @@ from ckpt_iter import state as state_lib
 _LOG = logging.getLogger("ckpt_iter")
 
 
+class _ContentBefore:
+  """The content record of the element read before a position, digested only when a checkpoint asks.
+
+  Holds the element (or a restored record): the producer's path only keeps
+  a reference; the digest runs once, at the save that holds the position.
+  """
+
+  def __init__(self, make_record: Callable[[Any], Any] | None = None, element: Any = None,
+               *, saved: Mapping[str, Any] | None = None):
+    self._make_record = make_record
+    self._element = element
+    self._record = saved
+
+  def to_json(self) -> dict[str, Any]:
+    if self._record is None:
+      self._record = self._make_record(self._element)
+      self._element = self._make_record = None
+    return dict(self._record)
+
+
 class _RestorableSource:
   """Full batches from an iterator that restores its own state (`state.Restorable`).
 
   A learner's checkpoint nests that state (`nest`); a restore hands it back
-  unchanged, to the iterator's own `check_restore`.
+  unchanged, to the iterator's own `check_restore`. An iterator that records
+  content (`DataIterator.content_of`) has it recorded for the element before
+  each position a learner saves, and checked by its restore.
   """
 
   def __init__(self, iterator: Any):
     self._iterator = iterator
+    self._content_of = getattr(iterator, "content_of", None)
+    self._last_content: _ContentBefore | None = None
 
   @property
   def fingerprint(self) -> dict[str, Any]:
@@ -42,16 +66,30 @@ class _RestorableSource:
   def position(self) -> dict[str, Any]:
     return dict(self._iterator.position())
 
-  def check(self, fingerprint, position, *, allow_drift, origin) -> Callable[[], None]:
-    value = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position=position)
+  def restored_content_check(self) -> str:
+    """What the last restore's content check found, for its log line."""
+    return getattr(self._iterator, "restored_content_check", None) or "not applicable"
+
+  def content_before(self) -> _ContentBefore | None:
+    """The content record of the element read last (None: none read since the start)."""
+    return self._last_content
+
+  def check(self, fingerprint, position, *, allow_drift, origin, content=None) -> Callable[[], None]:
+    value = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position=position, content=content)
     return self._iterator.check_restore(value, allow_drift=allow_drift, origin=origin)
 
-  def apply(self, checked: Callable[[], None], position: Mapping[str, Any]) -> None:
+  def apply(self, checked: Callable[[], None], position: Mapping[str, Any], content: Any = None) -> None:
     del position  # the checked apply step already holds it
     checked()
+    self._last_content = None if content is None else _ContentBefore(saved=content)
 
   def __next__(self) -> Any:
-    return next(self._iterator)
+    element = next(self._iterator)
+    if self._content_of is not None:
+      # A reference only (its dict copied: a consumer adding keys does not change it).
+      kept = dict(element) if type(element) is dict else element
+      self._last_content = _ContentBefore(self._content_of, kept)
+    return element
 
 
 class GrainSource(_RestorableSource):
@@ -85,7 +123,7 @@ class GrainSource(_RestorableSource):
       return
     for _ in range(count):
       try:
-        next(self._iterator)
+        next(self)
       except StopIteration:
         return  # the input ran out, as it would have for stock
 
@@ -133,13 +171,15 @@ class GrainSource(_RestorableSource):
     return {"next_index": next_index}, None
 
   def peek(self) -> Any:
-    position = self.position()
+    position, last_content = self.position(), self._last_content
     element = next(self._iterator)
     self._move_to(position)
+    self._last_content = last_content
     return element
 
   def _move_to(self, position: Mapping[str, Any]) -> None:
     self.check(self.fingerprint, position, allow_drift=(), origin="the input")()
+    self._last_content = None  # what was read before `position` is not known here
 
 
 class ReplaySource(_RestorableSource):
@@ -181,16 +221,31 @@ def make_source(train_ds: Any) -> GrainSource | ReplaySource:
   return ReplaySource(train_ds)
 
 
+# Where a learner's working position keeps the content record of its input's
+# element before the position: moved into the nested input state by `nest`.
+INPUT_CONTENT = "input_content"
+
+
 def nest(input_fingerprint: Mapping[str, Any], position: Mapping[str, Any], input_key: str | None) -> dict[str, Any]:
   """A learner's position as its checkpoint holds it: the input's state nested (format 2).
 
   `position` is the learner's working form, with the input's position under
   `input_key` (or, with None, the input's position alone).
   """
+  position = dict(position)
+  content = position.pop(INPUT_CONTENT, None)
+  if isinstance(content, _ContentBefore):
+    content = content.to_json()
   if input_key is None:
-    return _learner_state.nested(input_fingerprint, dict(position))
+    return _learner_state.nested(input_fingerprint, position, input_content=content)
   own = {k: v for k, v in position.items() if k != input_key}
-  return _learner_state.nested(input_fingerprint, position[input_key], **own)
+  return _learner_state.nested(input_fingerprint, position[input_key], input_content=content, **own)
+
+
+def split_content(position: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+  """(the working position without its input's content record, that record or None)."""
+  position = dict(position)
+  return position, position.pop(INPUT_CONTENT, None)
 
 
 def unnest(value: state_lib.IteratorState, input_key: str | None, *, origin: str) -> tuple[Any, dict[str, Any]]:
@@ -206,8 +261,18 @@ def unnest(value: state_lib.IteratorState, input_key: str | None, *, origin: str
         f"position is {_learner_state.expected_form()}."
     )
   fingerprint, position, own = parts
+  content = _learner_state.input_content(value.position)
+  if content is not None:
+    try:
+      content = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position=position,
+                                        content=content).content
+    except errors.InvalidStateError as e:
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position.{_learner_state.INPUT}.{_learner_state.CONTENT}' is "
+          f"{state_lib.short_repr(content)}; {e}") from None
+    own = {**own, INPUT_CONTENT: content}
   if input_key is None:
-    return fingerprint, dict(position)
+    return fingerprint, {**position, **own}
   return fingerprint, {input_key: position, **own}
 
 
@@ -221,6 +286,7 @@ def check_learner_state(
     allow_drift: frozenset[str],
     origin: str,
     optional_learner_fields: Collection[str] = (),
+    content: Any = None,
 ) -> Any:
   """The one fingerprint rule of every learner's restore; returns the checked apply value.
 
@@ -233,6 +299,8 @@ def check_learner_state(
   by every learner. `allow_drift` names fields of either; those of the
   learner (`optional_learner_fields` too: fields it holds only in some
   configurations) go to the learner's comparison, the rest to the input's.
+  `content`: the input's content record the state holds (`split_content`),
+  checked by the input's own restore.
 
   Raises:
     ConfigDriftError: a learner field differs, or the input refuses the change.
@@ -242,7 +310,7 @@ def check_learner_state(
       saved, learner_fingerprint, allow_drift=allow_drift & learner_fields, origin=origin,
   )
   return restorable.check(
-      input_fingerprint, position, allow_drift=allow_drift - learner_fields, origin=origin,
+      input_fingerprint, position, allow_drift=allow_drift - learner_fields, origin=origin, content=content,
   )
 
 
@@ -284,10 +352,12 @@ _OPTIONAL_POSITION_KEYS = frozenset({"rows_taken", "stream_rows", "last_rows"})
 
 
 def settled(position: Mapping[str, Any]) -> dict[str, Any]:
-  """An `unsettled_position` as a checkpoint holds it (the last rows digested)."""
+  """An `unsettled_position` as a checkpoint holds it (the last rows and the content digested)."""
   result = dict(position)
   if isinstance(result.get("last_rows"), _LastRows):
     result["last_rows"] = result["last_rows"].to_json()
+  if isinstance(result.get(INPUT_CONTENT), _ContentBefore):
+    result[INPUT_CONTENT] = result[INPUT_CONTENT].to_json()
   return result
 
 
@@ -326,9 +396,10 @@ class MicroBatchInput:
     self._reset()
 
   def _reset(self) -> None:
-    # Full batches read into the current stream: (source position, rows), and
-    # the stream-relative index of their first row.
-    self._read: list[tuple[dict[str, Any], int, int]] = []
+    # Full batches read into the current stream: (source position, rows, the
+    # stream-relative index of their first row, the content record of the
+    # full batch before them).
+    self._read: list[tuple[dict[str, Any], int, int, _ContentBefore | None]] = []
     self._rows_read = 0
     self._rows_yielded = 0
     self._stream: Any = None
@@ -340,13 +411,13 @@ class MicroBatchInput:
   def _full_batches(self, skip_rows: int) -> Any:
     first = True
     while True:
-      position = self._source.position()
+      position, before = self._source.position(), self._source.content_before()
       try:
         batch = next(self._source)
       except StopIteration:
         return
       rows = _batch_rows(batch)
-      self._read.append((position, rows, self._rows_read - (skip_rows if first else 0)))
+      self._read.append((position, rows, self._rows_read - (skip_rows if first else 0), before))
       if first and skip_rows:
         batch = _drop_rows(batch, skip_rows)
         rows -= skip_rows
@@ -393,27 +464,40 @@ class MicroBatchInput:
     return result
 
   def _source_position(self) -> dict[str, Any]:
+    result = self._buffered_position()
+    if result.get(INPUT_CONTENT, "") is None:
+      del result[INPUT_CONTENT]
+    return result
+
+  def _buffered_position(self) -> dict[str, Any]:
+    # Each with the content record of the full batch before it (`INPUT_CONTENT`).
     if self._micro_batch_size is not None and not self._read and self._start_rows:
       # Restored inside a full batch and nothing read since: still there (a
       # checkpoint before the next read, e.g. after the restored repeats,
       # must not lose the offset).
       taken, rest = divmod(self._start_rows, self._micro_batch_size)
-      result = {"full_batch": self._source.position(), "micro_batches_taken": taken}
+      result = {"full_batch": self._source.position(), "micro_batches_taken": taken,
+                INPUT_CONTENT: self._source.content_before()}
       if rest:
         result["rows_taken"] = self._start_rows
       return result
     if self._micro_batch_size is None or not self._read or self._rows_yielded >= self._rows_read:
       # Nothing buffered: the next micro-batch starts at the next full batch.
-      return {"full_batch": self._source.position(), "micro_batches_taken": 0}
-    position, _, first_row = self._read[0]
+      return {"full_batch": self._source.position(), "micro_batches_taken": 0,
+              INPUT_CONTENT: self._source.content_before()}
+    position, _, first_row, before = self._read[0]
     rows_taken = self._rows_yielded - first_row
     taken, rest = divmod(rows_taken, self._micro_batch_size)
-    result = {"full_batch": dict(position), "micro_batches_taken": taken}
+    result = {"full_batch": dict(position), "micro_batches_taken": taken, INPUT_CONTENT: before}
     if rest:
       result["rows_taken"] = rows_taken
     return result
 
-  def check(self, fingerprint, position, *, allow_drift, origin) -> Any:
+  def check(self, fingerprint, position, *, allow_drift, origin, content=None) -> Any:
+    """Checks a position (`position()`'s form: its content record inside, or given as `content`)."""
+    if isinstance(position, Mapping):
+      position, inline = split_content(position)
+      content = inline if content is None else content
     taken = position.get("micro_batches_taken") if isinstance(position, Mapping) else None
     rows = position.get("rows_taken", 0) if isinstance(position, Mapping) else None
     if (
@@ -428,11 +512,12 @@ class MicroBatchInput:
           "{'full_batch': <source position>, 'micro_batches_taken': N[, 'rows_taken': R]}."
       )
     return self._source.check(
-        fingerprint, position["full_batch"], allow_drift=allow_drift, origin=origin
+        fingerprint, position["full_batch"], allow_drift=allow_drift, origin=origin, content=content
     )
 
-  def apply(self, checked: Any, position: Mapping[str, Any]) -> None:
-    self._source.apply(checked, position["full_batch"])
+  def apply(self, checked: Any, position: Mapping[str, Any], content: Any = None) -> None:
+    position, inline = split_content(position)
+    self._source.apply(checked, position["full_batch"], inline if content is None else content)
     self._reset()
     rows = position.get("rows_taken")
     if rows is None:

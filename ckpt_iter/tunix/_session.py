@@ -465,6 +465,7 @@ class DataSession:
     saved_fingerprint, saved_settings = settings_lib.split(value.fingerprint)
     current_fingerprint, current_settings = settings_lib.split(self.fingerprint)
     input_fingerprint, saved_position = _input.unnest(value, _INPUT_KEY, origin=origin)
+    saved_position, input_content = _input.split_content(saved_position)
     resplit = self._resplit_micro_batches(value, saved_fingerprint, allow_drift, origin)
     position = _position_in_micro_batches(
         saved_position, saved_fingerprint.get("train_micro_batch_size"), self.micro_batch_size)
@@ -472,7 +473,7 @@ class DataSession:
       checked = _input.check_learner_state(
           saved_fingerprint, current_fingerprint, self.input, input_fingerprint, position,
           allow_drift=allow_drift | resplit, origin=origin,
-          optional_learner_fields=("max_seq_token_per_tpu",),
+          optional_learner_fields=("max_seq_token_per_tpu",), content=input_content,
       )
       continuation = None
     except errors.ConfigDriftError as drift:
@@ -490,7 +491,7 @@ class DataSession:
     on_device = [items.to_device(learner, item, origin) for item in saved_items]
     # All checks passed and everything is read: apply.
     if continuation is None:
-      self.input.apply(checked, position)
+      self.input.apply(checked, position, input_content)
     else:
       self.input.continue_at(continuation, saved_position)
     self.key = repeat_lib.key_from_ints(value.shuffle_key)
@@ -518,11 +519,13 @@ class DataSession:
     settings_lib.warn(settings_lib.changes(saved_settings, current_settings), origin)
     _LOG.info(
         "ckpt_iter: restored the data state of step %d: %s; %d pending trainer inputs, "
-        "%d more mini-batches in this global step%s.",
+        "%d more mini-batches in this global step%s; content check: %s.",
         step, _describe.position_text(value.kind, _describe.position_fields(
             value.kind, value.fingerprint, value.position), value.position),
         len(value.pending or ()), remaining,
         "" if rollout_params is None else ", the rollout weights of the last sync",
+        "not applicable (a changed pipeline continues at the same prompt)" if continuation is not None
+        else self.input.source.restored_content_check(),
     )
 
   def _resplit_micro_batches(
@@ -569,6 +572,9 @@ class DataSession:
     geometry), and this input holds, just before a batch boundary at the
     same prompt count, the prompts the checkpoint's run trained last.
     """
+    if isinstance(drift, errors.ContentDriftError):
+      # The same pipeline produced other data: no prompt count makes that the saved stream.
+      raise drift
     if _drift.REPLAY_DIGEST_FIELD in drift.differences or "full_batches_read" in drift.differences:
       raise drift  # a replayed iterable that is not the saved stream: its message says why
     learner_fields = set(self.fingerprint)

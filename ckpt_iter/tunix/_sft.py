@@ -214,18 +214,19 @@ class ResumableSft:
           f"{step * grad_acc}..{(step + 1) * grad_acc - 1}."
       )
     input_fingerprint, position = _input.unnest(value, None, origin=origin)
+    position, content = _input.split_content(position)
     checked = _input.check_learner_state(
         value.fingerprint, self._ci_fingerprint, feed.source, input_fingerprint,
-        position, allow_drift=allow_drift, origin=origin,
+        position, allow_drift=allow_drift, origin=origin, content=content,
     )
     # All checks passed: apply.
-    feed.source.apply(checked, position)
+    feed.source.apply(checked, position, content)
     self._ci_lineage = value.lineage
     api.set_trainer_steps(self, step, counters["iter_steps"])
     feed.examples_read = counters["iter_steps"]
     _LOG.info(
-        "ckpt_iter: restored the input position of step %d (iter_steps=%d) in O(1): %s.",
-        step, counters["iter_steps"], _describe.summary_line(value),
+        "ckpt_iter: restored the input position of step %d (iter_steps=%d) in O(1): %s; content check: %s.",
+        step, counters["iter_steps"], _describe.summary_line(value), feed.source.restored_content_check(),
     )
 
   def _ci_snapshot(self) -> state_lib.IteratorState | None:
@@ -236,7 +237,11 @@ class ResumableSft:
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self._ci_fingerprint,
-        position=_input.nest(feed.source.fingerprint, feed.position(), None),
+        # The input reads no further than the trainer: the content record is
+        # of the example it trained last.
+        position=_input.nest(
+            feed.source.fingerprint,
+            {**feed.position(), _input.INPUT_CONTENT: feed.source.content_before()}, None),
         counters={"train_steps": int(self.train_steps), "iter_steps": int(self.iter_steps)},
         lineage=self._ci_lineage,
     )

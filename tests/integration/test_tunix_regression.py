@@ -106,9 +106,10 @@ def resumable_copy(trained_on_a, tmp_path):
 def test_resumable_continues_from_next_micro_batch_without_replay(resumable_copy):
   labels, read = _train("ckpt_iter", resumable_copy, 4)
   assert labels == ["B", "B"]
-  # A is read once, to size the batches as Tunix does (the first batch), then
+  # A is read to size the batches as Tunix does (the first batch), then once
+  # more by the content check (the element before the saved position), and
   # the position is set directly: no next() over the consumed input.
-  assert read == ["A", "B"]
+  assert read == ["A", "A", "B"]
 
 
 def test_data_state_of_another_step_is_refused(resumable_copy):
@@ -131,3 +132,40 @@ def test_resumable_refuses_to_resume_a_stock_checkpoint(tmp_path):
   assert labels == ["A", "A"]
   with pytest.raises(errors.LegacyCheckpointError, match="has no 'data' item"):
     _train("ckpt_iter", root, 4)
+
+
+def _train_with_answer_key(root, max_steps, answer_key_file):
+  """The toy GRPO run whose answers go through an answer-key file (a transform reads it)."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  def answer_from_key(record):
+    with open(answer_key_file) as f:
+      key = json.load(f)
+    return {**record, "answer": key.get(record["answer"], record["answer"])}
+
+  config = tunix_toy.RunConfig(learner="ckpt_iter", num_iterations=NUM_ITERATIONS, max_steps=max_steps)
+  learner = tunix_toy.build_learner(config, root)
+  recorder = toyrun.TrainerInputRecorder(learner)
+  learner.train(make_dataset(toyrun.load_prompts(), batch_size=1, num_epochs=None, shard_index=0,
+                             shard_count=1, transform=answer_from_key))
+  return ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in recorder.inputs]
+
+
+def test_a_changed_answer_key_behind_an_unchanged_pipeline_is_refused_for_a_grpo_resume(tmp_path, caplog):
+  """The content check of an RL learner: the checkpoint records the digest of the batch
+  before its input position (A), and the resume produces A again and compares."""
+  import json  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+
+  root, answer_key = str(tmp_path / "ckpt"), tmp_path / "answers.json"
+  first_answer = toyrun.load_prompts()[0]["answer"]
+  answer_key.write_text(json.dumps({}))
+  assert _train_with_answer_key(root, 2, str(answer_key)) == ["A", "A"]
+  with caplog.at_level(logging.INFO, logger="ckpt_iter"):
+    copy = str(tmp_path / "copy")
+    shutil.copytree(root, copy)
+    assert _train_with_answer_key(copy, 4, str(answer_key)) == ["B", "B"]
+  assert "content check: same element at index 0" in caplog.text
+  answer_key.write_text(json.dumps({first_answer: f"{first_answer}-edited"}))
+  with pytest.raises(errors.ContentDriftError, match="field 'answer'"):
+    _train_with_answer_key(root, 4, str(answer_key))

@@ -20,6 +20,9 @@ import tunix_harness as harness  # noqa: E402
 _PREEMPT_EXIT_CODE = harness.SFT_PREEMPT_EXIT_CODE
 _GRAD_ACC = 2
 _MAX_STEPS = 8
+# A resume's content check produces the example before the saved position once
+# more (O(1), whatever the position), to compare it with the saved digest.
+CONTENT_CHECK_READS = 1
 
 
 def _run(root, out, jax_cache, **kwargs):
@@ -69,8 +72,9 @@ def test_killed_after_checkpoint_k_resumes_exactly_in_o1(reference, workdir, jax
   resumed = _run(root, workdir / f"resumed_{k}.npz", jax_cache)
   assert resumed["meta"]["restored_step"] == k
   _assert_resumed_equals(resumed["fed"], resumed["params"], reference, k)
-  # O(1): the resumed pipeline produced only what it trained, nothing replayed.
-  assert resumed["meta"]["produced"] == len(resumed["fed"])
+  # O(1): the resumed pipeline produced what it trained and the content check's
+  # one element, nothing replayed.
+  assert resumed["meta"]["produced"] == len(resumed["fed"]) + CONTENT_CHECK_READS
 
 
 def test_chained_resumes(reference, workdir, jax_cache):
@@ -135,6 +139,21 @@ def test_resume_into_another_pipeline_names_the_field(workdir, jax_cache):
   _run(root, workdir / "drift.npz", jax_cache, preempt_after=1, expect_rc=_PREEMPT_EXIT_CODE)
   stderr = _run(root, workdir / "drift_resumed.npz", jax_cache, expect_rc=1, seed=4)
   assert "ConfigDriftError" in stderr and "seed" in stderr, stderr[-2000:]
+
+
+def test_a_changed_vocabulary_behind_an_unchanged_pipeline_is_refused_naming_the_field(workdir, jax_cache):
+  """The SFT content check: the state records the digest of the example trained last,
+  which the resume produces again; a tokenizer file that changed since is refused."""
+  root, vocabulary = workdir / "vocabulary", workdir / "vocabulary.json"
+  vocabulary.write_text("0")
+  _run(root, workdir / "vocabulary.npz", jax_cache, preempt_after=2, expect_rc=_PREEMPT_EXIT_CODE,
+       vocabulary_file=vocabulary)
+  vocabulary.write_text("5")
+  stderr = _run(root, workdir / "vocabulary_resumed.npz", jax_cache, expect_rc=1, vocabulary_file=vocabulary)
+  assert "ContentDriftError" in stderr and "field 'input_tokens'" in stderr, stderr[-2000:]
+  vocabulary.write_text("0")  # put back: the same run resumes, its check passing
+  resumed = _run(root, workdir / "vocabulary_back.npz", jax_cache, vocabulary_file=vocabulary)
+  assert resumed["meta"]["restored_step"] == 2
 
 
 def test_one_more_epoch_after_the_data_ran_out_continues_like_stock(workdir, jax_cache):

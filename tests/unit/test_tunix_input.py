@@ -1,11 +1,15 @@
 """The learners' input positions (ckpt_iter/tunix/_input.py), without a Tunix run."""
 
+import json
+
 import grain
 import numpy as np
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 import ckpt_iter
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _input
 
 RECORDS = [{"prompts": f"prompt {i}", "answer": str(i)} for i in range(8)]
@@ -158,3 +162,119 @@ def test_a_pending_example_of_another_tunix_is_refused_naming_both_versions(tmp_
   message = str(refused.value)
   assert "holds ['future_field']" in message and "google-tunix 9.9.9" in message
   assert f"runs google-tunix {_api.tunix_version()}" in message and "global-step boundary" in message
+
+
+# --- the content check of a learner's input -------------------------------------
+
+
+def _vocabulary_input(vocabulary_file, micro_batch_size=1):
+  """Prompts tokenized with a vocabulary file, in full batches of 2, read as a learner reads them."""
+  def tokenize(record):
+    with open(vocabulary_file) as f:
+      vocabulary = json.load(f)
+    return {"prompts": record["prompts"],
+            "tokens": np.array([vocabulary[w] for w in record["prompts"].split()], np.int32)}
+
+  records = [{"prompts": "a b" if i % 2 else "b a"} for i in range(12)]
+  dataset = ckpt_iter.make_dataset(records, batch_size=2, seed=0, num_epochs=1, transform=tokenize)
+  return _input.MicroBatchInput(_input.make_source(dataset), micro_batch_size, _rebatch)
+
+
+def _saved_learner_state(micro, position):
+  """A working position as an RL learner's checkpoint holds it, read back as its restore reads it."""
+  value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "GRPOLearner"},
+                                  position=_input.nest(micro.source.fingerprint, position, "full_batch"))
+  read = state_lib.IteratorState.from_dict(json.loads(json.dumps(value.to_dict())), origin="test")
+  fingerprint, working = _input.unnest(read, "full_batch", origin="test")
+  working, content = _input.split_content(working)
+  return fingerprint, working, content
+
+
+def test_a_learner_records_the_full_batch_before_a_position_it_saves_after_reading_ahead(tmp_path):
+  """The producer reads ahead of what was trained: the record is of the full batch
+  before the saved position, not of the batch read last (a wrong one would be refused
+  below, by the same pipeline)."""
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+  micro = _vocabulary_input(str(vocabulary))
+  for _ in range(3):  # one micro-batch into full batch 1
+    micro.next_micro_batch()
+  trained = micro.unsettled_position()
+  for _ in range(3):  # the producer reads on, into full batch 3
+    micro.next_micro_batch()
+  position = _input.settled(trained)
+  assert position["full_batch"] == {"next_index": 1} and position["micro_batches_taken"] == 1
+  assert position[_input.INPUT_CONTENT]["check"] == "index"
+  fingerprint, working, content = _saved_learner_state(micro, position)
+  assert content == position[_input.INPUT_CONTENT]
+  assert _input.INPUT_CONTENT not in working and working["full_batch"] == {"next_index": 1}
+
+  resumed = _vocabulary_input(str(vocabulary))
+  resumed.apply(resumed.check(fingerprint, working, allow_drift=frozenset(), origin="t", content=content),
+                working, content)
+  assert resumed.source._iterator.restored_content_check == "same element at index 0"  # pylint: disable=protected-access
+  expected = _vocabulary_input(str(vocabulary))
+  for _ in range(3):
+    expected.next_micro_batch()
+  np.testing.assert_array_equal(resumed.next_micro_batch()["tokens"], expected.next_micro_batch()["tokens"])
+
+
+def test_a_changed_vocabulary_behind_a_learners_unchanged_input_is_refused_naming_the_field(tmp_path):
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+  micro = _vocabulary_input(str(vocabulary))
+  for _ in range(5):
+    micro.next_micro_batch()
+  position = micro.position()
+  vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
+  changed = _vocabulary_input(str(vocabulary))
+  assert changed.source.fingerprint == micro.source.fingerprint  # the definition did not change
+  with pytest.raises(errors.ContentDriftError) as raised:
+    changed.check(micro.source.fingerprint, position, allow_drift=frozenset(), origin="checkpoint step 3")
+  assert "field 'tokens'" in str(raised.value) and "checkpoint step 3" in str(raised.value)
+  assert changed.position()["full_batch"] == {"next_index": 0}  # refused before anything moved
+
+
+def test_a_restored_learner_input_carries_its_record_to_the_next_save(tmp_path):
+  """Saved again before reading anything (the restored repeats fill the step), the
+  state holds the restored record, which a second restore still checks."""
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+  micro = _vocabulary_input(str(vocabulary))
+  for _ in range(4):
+    micro.next_micro_batch()
+  position = micro.position()
+  resumed = _vocabulary_input(str(vocabulary))
+  resumed.apply(resumed.check(micro.source.fingerprint, position, allow_drift=frozenset(), origin="t"), position)
+  assert resumed.position() == position
+  vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
+  with pytest.raises(errors.ContentDriftError):
+    _vocabulary_input(str(vocabulary)).check(
+        micro.source.fingerprint, resumed.position(), allow_drift=frozenset(), origin="t")
+
+
+def test_a_hostile_input_content_record_is_refused_naming_the_nested_field():
+  fingerprint = {"source": "x"}
+  for bad in (5, {"check": 3}, {"check": "index", "digest": "d", "fields": {"a": 1}}, {"extra": "x"}):
+    value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "GRPOLearner"}, position={
+        "input": {"kind": "data", "fingerprint": fingerprint, "position": {"next_index": 1}, "content": bad},
+        "micro_batches_taken": 0})
+    with pytest.raises(errors.InvalidStateError, match=r"position\.input\.content"):
+      _input.unnest(value, "full_batch", origin="checkpoint step 2")
+
+
+def test_an_sft_trainers_input_records_the_example_it_trained_last(tmp_path):
+  """The SFT feed reads no further than the trainer: the record is of its last element."""
+  vocabulary = tmp_path / "vocab.json"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
+  source = _vocabulary_input(str(vocabulary)).source
+  for _ in range(3):
+    next(source)
+  nested = _input.nest(source.fingerprint, {**source.position(), _input.INPUT_CONTENT: source.content_before()}, None)
+  value = state_lib.IteratorState(kind="tunix", fingerprint={"trainer": "PeftTrainer"}, position=nested)
+  fingerprint, position = _input.unnest(value, None, origin="t")
+  position, content = _input.split_content(position)
+  assert position == {"next_index": 3} and content["check"] == "index"
+  vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
+  with pytest.raises(errors.ContentDriftError, match="index 2"):
+    _vocabulary_input(str(vocabulary)).source.check(fingerprint, position, allow_drift=(), origin="t", content=content)

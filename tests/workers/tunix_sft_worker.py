@@ -2,7 +2,7 @@
 
     python tunix_sft_worker.py --root DIR --out OUT.npz --trainer resumable|stock
         [--grad-acc G] [--max-steps M] [--seed S] [--epochs E] [--preempt-after K]
-        [--input-form map|iter_batched]
+        [--input-form map|iter_batched] [--vocabulary-file F]
 
 Trains Tunix's ToyTransformer on a Grain MapDataset of token batches (shuffled,
 two epochs) with real Orbax checkpoints under DIR, and writes to OUT.npz the
@@ -36,12 +36,23 @@ PREEMPT_EXIT_CODE = 42
 NUM_DISTINCT_BATCHES = 10
 BATCH_SHAPE = (2, 16)
 _produced = [0]  # elements the pipeline produced, skipped ones included
+# A file the tokenization reads (a stand-in for a tokenizer's vocabulary): its
+# integer shifts every token id. Changing it changes what the unchanged
+# pipeline produces.
+_vocabulary_file: list[str | None] = [None]
+
+
+def _vocabulary_shift() -> int:
+  if _vocabulary_file[0] is None:
+    return 0
+  with open(_vocabulary_file[0]) as f:
+    return int(json.load(f))
 
 
 def _make_batch(index: int) -> peft_trainer.TrainingInput:
   _produced[0] += 1
   size = int(np.prod(BATCH_SHAPE))
-  tokens = ((index * 7 + np.arange(size)) % 200 + 1).reshape(BATCH_SHAPE).astype(np.int32)
+  tokens = ((index * 7 + np.arange(size) + _vocabulary_shift()) % 200 + 1).reshape(BATCH_SHAPE).astype(np.int32)
   return peft_trainer.TrainingInput(input_tokens=tokens, input_mask=np.ones(BATCH_SHAPE, np.int32))
 
 
@@ -100,7 +111,9 @@ def main() -> None:
   parser.add_argument("--preempt-after", type=int, default=None)
   parser.add_argument("--epochs", type=int, default=2, help="passes over the batches")
   parser.add_argument("--input-form", choices=("map", "iter_batched"), default="map")
+  parser.add_argument("--vocabulary-file", default=None, help="JSON integer: shifts every token id")
   args = parser.parse_args()
+  _vocabulary_file[0] = args.vocabulary_file
 
   base = ResumablePeftTrainer if args.trainer == "resumable" else peft_trainer.PeftTrainer
   trainer_cls = _recording(base)
