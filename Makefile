@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml | $(PY)
 FAST_TIERS := tests/unit tests/property tests/robustness
 WORKERS ?= 2
 BY_FILE := -n $(WORKERS) --dist loadfile
+# JAX_CACHE_STATS=DIR: every test process counts its compilation-cache lookups
+# and hits into DIR; `python tests/cache_stats/summary.py DIR` gives the hit rate.
+ifdef JAX_CACHE_STATS
+export CKPT_ITER_JAX_CACHE_STATS := $(abspath $(JAX_CACHE_STATS))
+endif
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(FAST_TIERS)
@@ -103,5 +108,5 @@ test-tunix-main-core: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
 	  tests/integration/test_tunix_main.py tests/integration/test_tunix_agentic.py \
 	  tests/integration/test_tunix_packing.py \
 	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py
-	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider --run-heavy -s \
+	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --run-heavy \
 	  tests/integration/test_tunix_conformance.py

@@ -760,8 +760,10 @@ them before the next weight sync do (`_session.rollout_reads_before_sync`). The 
 **Producer work per micro-batch** against prompt length: full batches of 512 prompts read
 through the learner's input as the producer thread reads them. Before, every micro-batch paid a
 SHA-256 of its prompts' text (for the same-stream check of a resume into a changed pipeline);
-now the text is digested once, when a checkpoint takes the position. {producer[0]['repetitions']}
-interleaved repetitions, medians.
+now the text is digested once, when a checkpoint takes the position. The producer only keeps a
+reference to each full batch it reads; the content check's record (the CRC digest of the full
+batch before the saved position, every field) is taken at that same save, and is part of the
+last column. {producer[0]['repetitions']} interleaved repetitions, medians.
 
 {producer_table}
 {_checks(summary)}

@@ -15,8 +15,9 @@ Two questions of issue 27, each measured in one run:
    (`_input.MicroBatchInput`, as the producer thread reads it). Each repetition
    times a bare Grain `next()` of the same dataset (what any reader pays), one
    `next_micro_batch()` (now: no digest), the digest of its prompts
-   that every micro-batch used to pay (`prompts_digest`), and the digest a save
-   now pays once (`settled`). Medians over interleaved repetitions.
+   that every micro-batch used to pay (`prompts_digest`), and the digests a save
+   now pays once (`settled`: the prompts' and the content check's record of the
+   full batch before the position). Medians over interleaved repetitions.
 """
 
 from __future__ import annotations

@@ -23,6 +23,15 @@ JAX_CACHE_DIR = os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# `make test JAX_CACHE_STATS=DIR`: every process counts its cache lookups and
+# hits into DIR (tests/cache_stats), for the suite's hit rate.
+if os.environ.get("CKPT_ITER_JAX_CACHE_STATS"):
+  _STATS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_stats")
+  os.environ["PYTHONPATH"] = os.pathsep.join(
+      p for p in (_STATS_PATH, os.environ.get("PYTHONPATH")) if p)
+  _spec = importlib.util.spec_from_file_location("_cache_stats", os.path.join(_STATS_PATH, "sitecustomize.py"))
+  _cache_stats = importlib.util.module_from_spec(_spec)
+  _spec.loader.exec_module(_cache_stats)  # this process too (xdist workers import conftest)
 # JSONL line-index caches go to a throwaway directory, never to ~/.cache.
 os.environ.setdefault("CKPT_ITER_INDEX_CACHE_DIR", tempfile.mkdtemp(prefix="ckpt_iter_index_"))
 # Test modules import the shared helpers (support.py) and the worker scripts

@@ -48,6 +48,11 @@ def timeline(report: auditing.Report, path: str) -> None:
 def _draw(axes, report: auditing.Report) -> None:
   processes = sorted({p.process_index for p in report.points})
   kinds = sorted({p.kind for p in report.points})
+  _shade_runs(axes, report)
+  if not any(p.progress is not None for p in report.points):
+    _no_positions(axes, report)
+    return
+  _epoch_lines(axes, report)
   for process_index in processes:
     points = [p for p in report.points if p.process_index == process_index and p.progress is not None]
     if points:
@@ -81,14 +86,7 @@ def _draw(axes, report: auditing.Report) -> None:
       axes.axvspan(finding.step - 0.4, finding.step + 0.4, color="#f0b429", alpha=0.3,
                    label="no data state: unprovable" if first_unprovable else None)
       first_unprovable = False
-  verdict = {auditing.OK: "unbroken chain", auditing.BROKEN: "BROKEN chain",
-             auditing.UNPROVEN: "not proven", auditing.NOTHING: "nothing to prove"}[report.verdict]
-  resumes = report.resumes
-  proven = sum(f.verdict == auditing.OK for f in resumes)
-  where = "/".join(report.root.rstrip("/").split("/")[-2:])
-  axes.set_title(f"{verdict}: {len(resumes)} resume(s), {proven} proven exact  (.../{where})",
-                 fontsize=9, color="#d62728" if report.verdict == auditing.BROKEN else "black")
-  axes.set_xlabel("checkpoint step")
+  _title(axes, report)
   axes.set_ylabel(" / ".join(_PROGRESS_LABEL.get(kind, "position") for kind in kinds) or "position")
   axes.grid(alpha=0.25)
   axes.margins(y=0.12)  # room for the pending labels
@@ -97,4 +95,67 @@ def _draw(axes, report: auditing.Report) -> None:
   axes.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   axes.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   if axes.get_legend_handles_labels()[0]:
+    axes.legend(loc="lower right", fontsize=8)
+
+
+def _title(axes, report: auditing.Report) -> None:
+  verdict = {auditing.OK: "unbroken chain", auditing.BROKEN: "BROKEN chain",
+             auditing.UNPROVEN: "not proven", auditing.NOTHING: "nothing to prove"}[report.verdict]
+  resumes = report.resumes
+  proven = sum(f.verdict == auditing.OK for f in resumes)
+  where = "/".join(report.root.rstrip("/").split("/")[-2:])
+  axes.set_title(f"{verdict}: {len(resumes)} resume(s), {proven} proven exact  (.../{where})",
+                 fontsize=9, color="#d62728" if report.verdict == auditing.BROKEN else "black")
+  axes.set_xlabel("checkpoint step")
+
+
+def _shade_runs(axes, report: auditing.Report) -> None:
+  """Each run between two preemptions (a process lifetime) shaded, alternately.
+
+  A run that resumed from step r trains the steps after r: those the killed
+  run trained after saving r are trained again there.
+  """
+  if not report.steps or not report.resumes:
+    return
+  restored = sorted({f.resumed_from for f in report.resumes})
+  edges = [min(report.steps) - 1] + restored + [max(report.steps)]
+  for number, (start, end) in enumerate(zip(edges, edges[1:])):
+    if number % 2 and end > start:
+      axes.axvspan(start + 0.5, end + 0.5, color="#dde7f3", alpha=0.6, zorder=0,
+                   label="runs between preemptions (alternating shade)" if number == 1 else None)
+
+
+def _epoch_lines(axes, report: auditing.Report) -> None:
+  """Epoch boundaries, where the progress counts batches and the pipeline says how many an epoch has."""
+  points = [p for p in report.points if p.kind == "data" and p.progress is not None]
+  per_epoch = {p.fingerprint.get("batches_per_epoch") for p in points}
+  if len(per_epoch) != 1:
+    return
+  (per_epoch,) = per_epoch
+  if not isinstance(per_epoch, int) or isinstance(per_epoch, bool) or per_epoch <= 0:
+    return
+  top = max(p.progress for p in points)
+  for epoch in range(1, top // per_epoch + 1):
+    axes.axhline(epoch * per_epoch, color="#9a9a9a", linestyle="--", linewidth=0.8, zorder=0,
+                 label="epoch boundary" if epoch == 1 else None)
+    axes.annotate(f"epoch {epoch + 1}", (0, epoch * per_epoch), xycoords=("axes fraction", "data"),
+                  xytext=(3, 2), textcoords="offset points", fontsize=7, color="#777777")
+
+
+def _no_positions(axes, report: auditing.Report) -> None:
+  """A root with no data state: the steps, and why there is no position to draw."""
+  unprovable = [f for f in report.findings if f.verdict == auditing.UNPROVABLE]
+  for number, finding in enumerate(unprovable):
+    axes.axvspan(finding.step - 0.4, finding.step + 0.4, color="#f0b429", alpha=0.3,
+                 label="no data state: unprovable" if not number else None)
+  axes.set_yticks([])
+  axes.set_ylim(0, 1)
+  axes.text(0.5, 0.5, "no data state in any step: no input position to draw\n"
+            "(written by stock Tunix, or without ckpt_iter)", transform=axes.transAxes,
+            ha="center", va="center", fontsize=9, color="#555555")
+  _title(axes, report)
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+
+  axes.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  if unprovable:
     axes.legend(loc="lower right", fontsize=8)
