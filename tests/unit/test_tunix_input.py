@@ -194,11 +194,7 @@ def test_a_learner_records_the_full_batch_before_a_position_it_saves_after_readi
   """The producer reads ahead of what was trained: the record is of the full batch
   before the saved position, not of the batch read last (a wrong one would be refused
   below, by the same pipeline)."""
-  vocabulary = tmp_path / "vocab.json"
-  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
-  micro = _vocabulary_input(str(vocabulary))
-  for _ in range(3):  # one micro-batch into full batch 1
-    micro.next_micro_batch()
+  vocabulary, micro = _read_micro_batches(tmp_path, 3)  # one micro-batch into full batch 1
   trained = micro.unsettled_position()
   for _ in range(3):  # the producer reads on, into full batch 3
     micro.next_micro_batch()
@@ -219,12 +215,18 @@ def test_a_learner_records_the_full_batch_before_a_position_it_saves_after_readi
   np.testing.assert_array_equal(resumed.next_micro_batch()["tokens"], expected.next_micro_batch()["tokens"])
 
 
-def test_a_changed_vocabulary_behind_a_learners_unchanged_input_is_refused_naming_the_field(tmp_path):
+def _read_micro_batches(tmp_path, count):
+  """(the vocabulary file, an input that read `count` micro-batches tokenized with it)."""
   vocabulary = tmp_path / "vocab.json"
   vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
   micro = _vocabulary_input(str(vocabulary))
-  for _ in range(5):
+  for _ in range(count):
     micro.next_micro_batch()
+  return vocabulary, micro
+
+
+def test_a_changed_vocabulary_behind_a_learners_unchanged_input_is_refused_naming_the_field(tmp_path):
+  vocabulary, micro = _read_micro_batches(tmp_path, 5)
   position = micro.position()
   vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
   changed = _vocabulary_input(str(vocabulary))
@@ -238,11 +240,7 @@ def test_a_changed_vocabulary_behind_a_learners_unchanged_input_is_refused_namin
 def test_a_restored_learner_input_carries_its_record_to_the_next_save(tmp_path):
   """Saved again before reading anything (the restored repeats fill the step), the
   state holds the restored record, which a second restore still checks."""
-  vocabulary = tmp_path / "vocab.json"
-  vocabulary.write_text(json.dumps({"a": 1, "b": 2}))
-  micro = _vocabulary_input(str(vocabulary))
-  for _ in range(4):
-    micro.next_micro_batch()
+  vocabulary, micro = _read_micro_batches(tmp_path, 4)
   position = micro.position()
   resumed = _vocabulary_input(str(vocabulary))
   resumed.apply(resumed.check(micro.source.fingerprint, position, allow_drift=frozenset(), origin="t"), position)
