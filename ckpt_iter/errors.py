@@ -100,8 +100,9 @@ class ContentDriftError(ConfigDriftError):
         f"the one the checkpoint saw: field {shown_value(field)} has digest {saved} there, "
         f"{current} here. The pipeline is defined as before, but what it produces changed "
         "(a vocabulary or data file, a record, a map function or a library). Resume with "
-        "the data the run was saved with, or pass check_content=False to the iterator to "
-        "continue with the new output.",
+        "the data the run was saved with, or continue with the new output: pass "
+        f"allow_drift={{{shown_value('content.' + field)}}} to this restore, or check_content=False "
+        "to the iterator.",
     )
 
 

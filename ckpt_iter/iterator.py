@@ -39,7 +39,11 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     read_options: Grain read options for a MapDataset; defaults to reading in
       the calling thread.
     allow_drift: fingerprint fields a restored state may differ in. Use
-      `ckpt_iter.ELASTIC_FIELDS` to resume with another process count.
+      `ckpt_iter.ELASTIC_FIELDS` to resume with another process count;
+      `"content"` (or a ContentDriftError's `content.<field>`) accepts what
+      the pipeline produces now where the content check would refuse it
+      (the way through for a caller that cannot pass `check_content=False`,
+      such as a Tunix learner's `allow_drift`).
     check_content: for a MapDataset, record a digest of the element produced
       last in each state, and on restore produce that element again and
       compare (ContentDriftError names the first differing field). Off, the
@@ -183,6 +187,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     """
     state_lib.check_kind(state, "data", "DataIterator", origin)
     allowed = self._allow_drift | frozenset(allow_drift)
+    # Content names accept the content check's refusal; they are no fingerprint field.
+    content_allowed = {name for name in allowed if name == "content" or name.startswith("content.")}
+    allowed -= content_allowed
     # Before the general check, and whatever allow_drift says: another
     # mp_prefetch worker count is translated to this one, or refused with the
     # reason (_graph.resume_workers, docs/guarantees.md "Worker processes").
@@ -218,6 +225,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
         content_check = "none recorded"
       elif not self._check_content:
         content_check = "off (check_content=False)"
+      elif content_allowed:
+        content_check = "not checked (allow_drift names the content)"
       elif position != state.position or state_lib.differing_fields(state.fingerprint, self._fingerprint):
         content_check = "not applicable (the pipeline changed; the stream was checked instead)"
       else:

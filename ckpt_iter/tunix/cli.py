@@ -288,8 +288,8 @@ def example_config() -> str:
 
 def _command_line_way(error: errors.CkptIterError) -> str:
   """The way through a refusal, said in this command line's words (its message says the API's)."""
-  if isinstance(error, errors.ConfigDriftError) and not isinstance(error, errors.ContentDriftError):
-    fields = ",".join(sorted(error.differences))
+  if isinstance(error, errors.ConfigDriftError):
+    fields = ",".join(sorted(error.differences))  # a content change's are content.<field>
     return f" On this command line: {OPTIONS_SECTION}.allow_drift={fields}"
   if isinstance(error, errors.LegacyCheckpointError):
     return f" On this command line: {OPTIONS_SECTION}.on_legacy_checkpoint=fast_forward"

@@ -87,6 +87,19 @@ def test_check_content_false_continues_with_the_new_output_and_says_so_in_the_st
   assert fresh.state().content == {"check": "off: check_content=False"}
 
 
+def test_allow_drift_naming_the_content_continues_with_the_new_output_as_the_refusal_says(tmp_path):
+  vocabulary, _ = _saved_vocabulary_run(tmp_path, batches=1)
+  vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
+  with pytest.raises(errors.ContentDriftError, match=r"allow_drift=\{'content.tokens'\}"):
+    _restore(tmp_path / "ckpt", ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary))))
+  for allowed in ({"content.tokens"}, {"content"}):
+    fresh = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)), allow_drift=allowed)
+    _restore(tmp_path / "ckpt", fresh)
+    assert fresh.restored_content_check == "not checked (allow_drift names the content)"
+    assert next(fresh)["tokens"].tolist() == [[7, 1], [1, 7]]
+    assert fresh.state().content["check"] == "index"  # still recorded from here on
+
+
 def test_a_changed_record_outside_the_sampled_source_digest_is_refused(tmp_path):
   path = tmp_path / "prompts.jsonl"
   records = [{"id": i, "text": f"prompt {i:04d}"} for i in range(400)]
