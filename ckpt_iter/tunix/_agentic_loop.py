@@ -219,8 +219,7 @@ class ConsumerLoop:
       return False
     if self.max_steps_reached():
       # Checked before reading, so a saved position does not point past a
-      # batch that was never fed (a run continued with a larger max_steps
-      # feeds it).
+      # batch that was never fed.
       self.feeding_done = True
       self.prompt_queue.put(None)
       return False
