@@ -37,13 +37,18 @@ def process(process_index: int | None = None, process_count: int | None = None) 
   return process_index, process_count
 
 
+def step_of(directory: Any) -> int | None:
+  """The checkpoint step of an item directory (also while Orbax writes it), or None."""
+  return lineage_lib.step_of_item_directory(os.fspath(directory))
+
+
 def write(directory: Any, header: dict[str, Any], arrays: dict[str, np.ndarray], index: int, count: int) -> None:
   """Writes a snapshot as this process's files of the item (and the count file on process 0).
 
   In the background (Orbax's write thread): arrays another process writes
   identically are not written again (`share_arrays`).
   """
-  step = lineage_lib.step_of_item_directory(os.fspath(directory))
+  step = step_of(directory)
   if step is not None:
     # Where the state belongs: `ckpt-iter audit` refuses it in another step's directory.
     header = {**header, _files.SAVED_STEP: step}
@@ -111,8 +116,11 @@ def _distributed_client(count: int) -> Any:
   return multihost.get_jax_distributed_client()
 
 
-def snapshot(item: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  """Takes the state of `item` now: a JSON header and copies of its arrays.
+def snapshot(item: Any, step: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """Takes the state of `item` now, saved in checkpoint `step`: a JSON header and copies of its arrays.
+
+  A ckpt_iter iterator's first save names its run after `step`
+  (`lineage.started`); the iterator keeps that lineage for later saves.
 
   The only copy of the pending arrays a save makes: each leaf copied once to
   host, into its group's stacked array (`_pytree.encode_items`; a JAX array
@@ -122,6 +130,11 @@ def snapshot(item: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """
   if hasattr(item, "state"):
     value = item.state()
+    keep_lineage = getattr(item, "keep_lineage", None)
+    lineage = lineage_lib.started(value.lineage, step) if keep_lineage is not None else value.lineage
+    if lineage is not value.lineage:
+      value = value.with_lineage(lineage)
+      keep_lineage(value.lineage)
   else:
     value = state_lib.IteratorState.from_dict(_grain_state_dict(item.get_state()))
   return codec.encode_state(value)
@@ -274,7 +287,9 @@ def check_restore_into(
 
 async def v1_save(item: Any, directory: Any, index: int | None = None, count: int | None = None) -> Any:
   """Takes the state now; returns the background write (after Orbax created the directory)."""
-  header, arrays = snapshot(item)
+  # The step directory's name is known before Orbax creates it.
+  path = getattr(directory, "path", directory)
+  header, arrays = snapshot(item, step_of(path) if isinstance(path, (str, os.PathLike)) else None)
   index, count = process(index, count)
 
   async def write_in_background() -> None:

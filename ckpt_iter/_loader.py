@@ -81,7 +81,7 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
         # A DataLoader is read through worker processes, in its sampler's order:
         # an element cannot be produced again by index here.
         content={"check": _NO_CONTENT_CHECK},
-        lineage=getattr(self, "_lineage", None),
+        lineage=self._lineage,
     )
 
   def set_state(self, state: Mapping[str, Any] | bytes) -> None:

@@ -46,7 +46,7 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     return _item.process(self._process_index, self._process_count)
 
   async def async_save(self, directory: epath.Path, args: "IteratorSave") -> list[Any]:
-    header, arrays = _item.snapshot(args.item)
+    header, arrays = _item.snapshot(args.item, _item.step_of(directory))
     index, count = self._process()
 
     async def write() -> None:
@@ -55,7 +55,7 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="ckpt_iter_save")]
 
   def save(self, directory: epath.Path, args: "IteratorSave") -> None:
-    header, arrays = _item.snapshot(args.item)
+    header, arrays = _item.snapshot(args.item, _item.step_of(directory))
     _item.write(directory, header, arrays, *self._process())
 
   def restore(self, directory: epath.Path, args: "IteratorRestore | None" = None) -> Any:

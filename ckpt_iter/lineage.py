@@ -10,6 +10,12 @@ started exactly where the step it came from had stopped (`cli._audit`).
 
 Entries are added where the step is known: the Orbax handlers and the
 Tunix learners. `set_state` (Grain's protocol) carries a lineage unchanged.
+
+A lineage also names its run: `run` is the step of the run's first save
+(`started`), taken where the step is known and carried through every
+resume. It is the same on every process of a pod with no coordination, and
+a second job started from scratch into the same root gets another one, so
+the audit tells the two apart even with the same pipeline and seed.
 Pure: no JAX, Grain or Orbax.
 """
 
@@ -25,6 +31,7 @@ from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
 
 MAX_RECENT = state_lib.MAX_LINEAGE_RECENT
+RUN = state_lib.LINEAGE_RUN
 _START = "0" * 16  # the running digest of a run never resumed
 
 
@@ -95,15 +102,35 @@ def extended(lineage: Mapping[str, Any] | None, entry: Mapping[str, Any]) -> dic
   """`lineage` with one more resume."""
   lineage = lineage or empty()
   recent = [dict(e) for e in lineage["recent"]] + [dict(entry)]
-  return {
+  result = {
       "resumes": lineage["resumes"] + 1,
       "digest": fold(lineage["digest"], entry),
       "recent": recent[-MAX_RECENT:],
   }
+  if RUN in lineage:
+    result[RUN] = lineage[RUN]  # the same run, resumed
+  return result
 
 
 def empty() -> dict[str, Any]:
   return {"resumes": 0, "digest": _START, "recent": []}
+
+
+def run_of(lineage: Mapping[str, Any] | None) -> int | None:
+  """The step the run that holds `lineage` first saved at; None before its first save (or
+  for a state written before ckpt_iter recorded runs)."""
+  return None if lineage is None else lineage.get(RUN)
+
+
+def started(lineage: Mapping[str, Any] | None, step: int | None) -> Mapping[str, Any] | None:
+  """`lineage` as saved at `step`: a run's first save names the run after that step.
+
+  Unchanged once the run is named (after its first save, or restored from a
+  state that had one), or where the step is not known.
+  """
+  if step is None or run_of(lineage) is not None:
+    return lineage
+  return {**(lineage or empty()), RUN: step}
 
 
 def fold(digest: str, entry: Mapping[str, Any]) -> str:

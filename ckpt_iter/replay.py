@@ -60,7 +60,8 @@ class ReplayIterator(state_lib.RestorableIterator):
     return position
 
   def state(self) -> state_lib.IteratorState:
-    return state_lib.IteratorState(kind="data", fingerprint=self.fingerprint, position=self.position())
+    return state_lib.IteratorState(
+        kind="data", fingerprint=self.fingerprint, position=self.position(), lineage=self._lineage)
 
   def check_restore(
       self, state: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str = "the state"
@@ -74,7 +75,12 @@ class ReplayIterator(state_lib.RestorableIterator):
     """
     state_lib.check_kind(state, "data", "ReplayIterator", origin)
     checked = self._check(state.fingerprint, state.position, allow_drift=allow_drift, origin=origin)
-    return lambda: self._apply(checked)
+
+    def apply() -> None:
+      self._apply(checked)
+      self._lineage = state.lineage
+
+    return apply
 
   def skip(self, count: int) -> None:
     """Moves past the first `count` elements (a replay), as a stock resume's `next()` loop does."""

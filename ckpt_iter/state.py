@@ -58,6 +58,7 @@ MAX_CONTENT_FIELDS = 64
 # How deep a state's JSON values may nest (a Grain position needs a few levels).
 MAX_NESTING = 64
 MAX_LINEAGE_RECENT = 64
+LINEAGE_RUN = "run"  # a lineage's optional field: the step of its run's first save
 
 JsonScalar = None | bool | int | float | str
 
@@ -360,14 +361,16 @@ def _checked_content(content: Any, origin: str) -> FrozenDict | None:
 
 
 def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
-  """`lineage`: {"resumes": int, "digest": str, "recent": [{"step": int|None, "state": str, ...}]}."""
+  """`lineage`: {"resumes": int, "digest": str, "recent": [{"step": int|None, "state": str, ...}],
+  "run": int (optional: the step of the run's first save)}."""
   lineage = _decoded_text(lineage, "lineage", origin)
   if lineage is None:
     return None
   recent = lineage.get("recent") if isinstance(lineage, Mapping) else None
   if (
       not isinstance(lineage, Mapping)
-      or set(lineage) != {"resumes", "digest", "recent"}
+      or set(lineage) - {LINEAGE_RUN} != {"resumes", "digest", "recent"}
+      or not (LINEAGE_RUN not in lineage or (_is_int(lineage[LINEAGE_RUN]) and lineage[LINEAGE_RUN] >= 0))
       or not _is_int(lineage["resumes"]) or lineage["resumes"] < 0
       or not isinstance(lineage["digest"], str)
       or not isinstance(recent, (list, tuple))
@@ -381,7 +384,8 @@ def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
   ):
     raise errors.InvalidStateError(
         f"{origin}: field 'lineage' must be {{'resumes': int, 'digest': str, 'recent': "
-        f"[at most {MAX_LINEAGE_RECENT} {{'step': int, 'state': str}}]}}, got {_short(lineage)}."
+        f"[at most {MAX_LINEAGE_RECENT} {{'step': int, 'state': str}}], 'run': step (optional)}}, "
+        f"got {_short(lineage)}."
     )
   return FrozenDict(_checked_copy(lineage, "lineage", origin))
 
@@ -644,8 +648,17 @@ class RestorableIterator:
   leaves the iterator as it was.
   """
 
+  # The lineage its states carry: the restored state's (with the resume),
+  # or the one its run's first save named (`keep_lineage`).
+  _lineage: Any = None
+
   def state(self) -> IteratorState:
     raise NotImplementedError
+
+  def keep_lineage(self, lineage: Mapping[str, Any] | None) -> None:
+    """Called by the save handlers after a save named this run (`lineage.started`):
+    the iterator's later states carry that lineage."""
+    self._lineage = lineage
 
   def check_restore(
       self, state: IteratorState, *, allow_drift: Collection[str] = (), origin: str = "the state"

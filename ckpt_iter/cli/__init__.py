@@ -308,8 +308,10 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
     rows.append(("content check", "by index (checked on restore)" if summary["content"] == "index"
                  else summary["content"]))
   resumes = summary["resumes"]
-  rows.append(("resumes", "none" if not resumes else
-               f"{resumes} (last from step {_scalar(summary['last_resume_from'])}); ckpt-iter audit checks them"))
+  run = summary["run_first_saved_at"]
+  rows.append(("resumes", ("none" if not resumes else
+               f"{resumes} (last from step {_scalar(summary['last_resume_from'])}); ckpt-iter audit checks them")
+               + ("" if run is None else f"; the run first saved at step {_scalar(run)}")))
   rows.extend(
       (f"fingerprint {k}", _scalar(v)) for k, v in summary["fingerprint"].items() if k not in shared
   )

@@ -7,7 +7,9 @@ and checks the chain step by step, for each process:
     the restore equals the digest of the state kept there), from the latest
     step saved before it, so no element is skipped or trained twice;
   * a state with no new resume: the same run as the step before (the same
-    lineage), at a position no earlier than that step's;
+    lineage and run identity: the step the run first saved at), at a
+    position no earlier than that step's, and not the very state that step
+    holds unless both say they were saved where they are stored;
   * a state was saved at the step it is stored in (its `saved_step`; a Tunix
     learner's `train_steps` counter);
   * a state with no new resume has the fingerprint of the step before: a
@@ -60,6 +62,7 @@ class Saved:
   fingerprint: Mapping[str, Any]  # every field, a learner's input's as `input.<name>`
   remaining: int  # pending items still to be yielded
   saved_step: int | None  # the step it was written in, when the writer recorded it
+  run: int | None  # the step its run first saved at (`lineage.run_of`), when recorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +173,7 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
       fingerprint=_learner_state.flat_fingerprint(value.kind, value.fingerprint, value.position),
       remaining=0 if value.pending is None else len(value.pending.schedule),
       saved_step=_saved_step(header, origin),
+      run=lineage_lib.run_of(value.lineage),
   )
 
 
@@ -247,7 +251,16 @@ def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[i
           f"its pipeline differs from step {previous.step}'s ({shown}{', ...' if len(changed) > 3 else ''}) "
           "with no resume between them: another job writing into this root?",
       )]
-    return _forward(previous, saved, "")
+    if saved.run != previous.run:
+      behind = (f"; its position {saved.progress} is behind step {previous.step}'s {previous.progress}"
+                if _forward(previous, saved, "") else "")
+      return [Finding(
+          BROKEN, *where,
+          f"another run than step {previous.step}'s (this state's {_run_name(saved.run)}, step "
+          f"{previous.step}'s {_run_name(previous.run)}) with no resume between them{behind}: a second "
+          "job started into this root?",
+      )]
+    return _forward(previous, saved, "") or _repeated(previous, saved)
   if new > len(after["recent"]):
     return [Finding(
         UNPROVABLE, *where,
@@ -300,6 +313,12 @@ def _resume_finding(
         f"restored a state (digest {entry.get('state')}) that is not the one step {source_step} "
         f"holds ({origin.digests[0]})", resumed_from=source_step,
     )
+  if origin.run is not None and saved.run != origin.run:
+    return Finding(
+        BROKEN, *where,
+        f"restored step {source_step}'s state, but its {_run_name(saved.run)} is not step "
+        f"{source_step}'s ({_run_name(origin.run)})", resumed_from=source_step,
+    )
   at = "" if origin.progress is None else f", position {origin.progress}"
   pending = f", {origin.remaining} pending" if origin.remaining else ""
   return Finding(OK, *where, f"resumed exactly at step {source_step}'s saved state{at}{pending}",
@@ -316,6 +335,27 @@ def _forward(previous: Saved, saved: Saved, context: str) -> list[Finding]:
   return []
 
 
+def _repeated(previous: Saved, saved: Saved) -> list[Finding]:
+  """The very state of the step before, with no resume between: nothing was consumed, or the
+  item was copied. Two states that each say they were saved where they are stored are not
+  copies (a save with no data consumed since the last one)."""
+  if saved.digests[0] != previous.digests[0]:
+    return []
+  if saved.saved_step is not None and saved.saved_step != saved.step:
+    return []  # a copy, reported by its own check
+  if saved.saved_step == saved.step and previous.saved_step == previous.step:
+    return []
+  return [Finding(
+      BROKEN, saved.step, saved.process_index,
+      f"the same state as step {previous.step} (position {saved.progress}) with no resume between: "
+      f"step {previous.step}'s data item copied here, or a save with nothing consumed since",
+  )]
+
+
+def _run_name(run: int | None) -> str:
+  return "run recorded no identity" if run is None else f"run first saved at step {run}"
+
+
 def report_json(report: Report) -> dict[str, Any]:
   return {
       "checkpoint": report.root, "item": report.item, "steps": list(report.steps),
@@ -324,7 +364,7 @@ def report_json(report: Report) -> dict[str, Any]:
       "findings": [dataclasses.asdict(f) for f in report.findings],
       "points": [
           {"step": p.step, "process_index": p.process_index, "kind": p.kind, "progress": p.progress,
-           "resumes": p.lineage["resumes"], "pending": p.remaining}
+           "resumes": p.lineage["resumes"], "pending": p.remaining, "run": p.run}
           for p in report.points
       ],
   }

@@ -268,6 +268,7 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
       "resumes": 0 if value.lineage is None else value.lineage["resumes"],
       "last_resume_from": (value.lineage["recent"][-1]["step"]
                            if value.lineage is not None and value.lineage["recent"] else None),
+      "run_first_saved_at": lineage_lib.run_of(value.lineage),
   }
 
 

@@ -143,9 +143,9 @@ class ResumableAgentic:
     _saving.install(trainer.checkpoint_manager, _saving.DataStateOnly(self._ci_snapshot))
     loop.run(*self._ci_read_state(loop, frozenset(allow_drift), on_legacy_checkpoint))
 
-  def _ci_snapshot(self) -> state_lib.IteratorState | None:
+  def _ci_snapshot(self, step: int) -> state_lib.IteratorState | None:
     loop = self._ci_loop
-    return None if loop is None or not loop.started else loop.snapshot()
+    return None if loop is None or not loop.started else loop.snapshot(step)
 
   def _ci_read_state(self, loop: Any, allow_drift: frozenset[str], on_legacy: str) -> tuple[Any, Any, Any]:
     """The data state of the step Tunix restored the actor from, its input's checked

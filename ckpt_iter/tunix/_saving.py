@@ -92,12 +92,11 @@ class StepItems(Protocol):
 class DataStateOnly:
   """Adds the data item only: SFT trainers and the agentic learner's actor trainer."""
 
-  def __init__(self, snapshot: Callable[[], state_lib.IteratorState | None]):
+  def __init__(self, snapshot: Callable[[int], state_lib.IteratorState | None]):
     self._snapshot = snapshot
 
   def add_items(self, step: int, items: dict[str, Any], custom_metadata: Any) -> Any:
-    del step
-    value = self._snapshot()
+    value = self._snapshot(step)
     if value is not None:  # no feed: a save outside ckpt_iter's train()
       items[DATA_ITEM] = Snapshot(value)
     return custom_metadata

@@ -25,6 +25,7 @@ from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter import _describe
 from ckpt_iter import _drift
 from ckpt_iter import errors
+from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import repeat as repeat_lib
 from ckpt_iter import state as state_lib
 
@@ -277,6 +278,7 @@ class DataSession:
     """
     learner = self.learner
     trainer = learner.rl_cluster.actor_trainer
+    self.lineage = lineage_lib.started(self.lineage, step)
     with self._lock:
       mini_batch = self.current
     if mini_batch is None:

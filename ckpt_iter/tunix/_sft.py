@@ -23,6 +23,7 @@ from tunix.sft.dpo import dpo_trainer as _dpo_trainer
 
 from ckpt_iter import _describe
 from ckpt_iter import errors
+from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
@@ -229,11 +230,12 @@ class ResumableSft:
         step, counters["iter_steps"], _describe.summary_line(value), feed.source.restored_content_check(),
     )
 
-  def _ci_snapshot(self) -> state_lib.IteratorState | None:
-    """The data state matching the model now, or None when there is no feed."""
+  def _ci_snapshot(self, step: int) -> state_lib.IteratorState | None:
+    """The data state matching the model now, saved in `step`, or None when there is no feed."""
     feed = self._ci_feed
     if feed is None:
       return None
+    self._ci_lineage = lineage_lib.started(self._ci_lineage, step)
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self._ci_fingerprint,

@@ -46,6 +46,8 @@ def test_audit_proves_a_preempted_grpo_chain_and_catches_a_swapped_item(tmp_path
   assert "pending" in resumes[1]["message"]  # step 3 is inside a repeat
   progress = [p["progress"] for p in report["points"]]
   assert progress == sorted(progress) and progress[-1] > progress[0]
+  # One run from the first save (step 1) on, across both resumes.
+  assert [p["run"] for p in report["points"]] == [1] * len(report["points"])
   assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
   # Step 4's data item replaced by step 2's (a bad copy): the audit names step 4.

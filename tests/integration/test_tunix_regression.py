@@ -8,6 +8,7 @@ same scenario (num_iterations=2, one prompt per micro-batch, checkpoint after
 A's two updates) through a real toy GRPO learner and Orbax on CPU.
 """
 
+import json
 import os
 import shutil
 from unittest import mock
@@ -110,6 +111,13 @@ def test_resumable_continues_from_next_micro_batch_without_replay(resumable_copy
   # more by the content check (the element before the saved position), and
   # the position is set directly: no next() over the consumed input.
   assert read == ["A", "A", "B"]
+  # Every step names the run after its first save, the resumed ones too (`ckpt-iter audit`).
+  data = os.path.join(resumable_copy, "actor", "{}", "data", "process_0-of-1.json")
+  runs = {}
+  for step in sorted(int(s) for s in os.listdir(os.path.join(resumable_copy, "actor")) if s.isdigit()):
+    with open(data.format(step)) as f:
+      runs[step] = json.load(f)["lineage"]["run"]
+  assert runs == {step: 1 for step in (1, 2, 3, 4)}
 
 
 def test_data_state_of_another_step_is_refused(resumable_copy):
@@ -136,7 +144,6 @@ def test_resumable_refuses_to_resume_a_stock_checkpoint(tmp_path):
 
 def _train_with_answer_key(root, max_steps, answer_key_file, allow_drift=()):
   """The toy GRPO run whose answers go through an answer-key file (a transform reads it)."""
-  import json  # pylint: disable=g-import-not-at-top
 
   def answer_from_key(record):
     with open(answer_key_file) as f:
@@ -154,7 +161,6 @@ def _train_with_answer_key(root, max_steps, answer_key_file, allow_drift=()):
 def test_a_changed_answer_key_behind_an_unchanged_pipeline_is_refused_for_a_grpo_resume(tmp_path, caplog):
   """The content check of an RL learner: the checkpoint records the digest of the batch
   before its input position (A), and the resume produces A again and compares."""
-  import json  # pylint: disable=g-import-not-at-top
   import logging  # pylint: disable=g-import-not-at-top
 
   root, answer_key = str(tmp_path / "ckpt"), tmp_path / "answers.json"

@@ -9,6 +9,8 @@ with bit-identical params, without re-reading any input element.
 """
 
 
+import json
+
 import numpy as np
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
@@ -16,6 +18,8 @@ pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 
 pytestmark = pytest.mark.heavy
 
 import tunix_harness as harness  # noqa: E402
+
+from ckpt_iter import cli  # noqa: E402
 
 _PREEMPT_EXIT_CODE = harness.SFT_PREEMPT_EXIT_CODE
 _GRAD_ACC = 2
@@ -77,7 +81,7 @@ def test_killed_after_checkpoint_k_resumes_exactly_in_o1(reference, workdir, jax
   assert resumed["meta"]["produced"] == len(resumed["fed"]) + CONTENT_CHECK_READS
 
 
-def test_chained_resumes(reference, workdir, jax_cache):
+def test_chained_resumes(reference, workdir, jax_cache, capsys):
   root = workdir / "chain"
   _run(root, workdir / "chain_a.npz", jax_cache, preempt_after=2, expect_rc=_PREEMPT_EXIT_CODE)
   # The second process records what it trains before it is killed after step 5.
@@ -85,6 +89,11 @@ def test_chained_resumes(reference, workdir, jax_cache):
   last = _run(root, workdir / "chain_c.npz", jax_cache)
   assert last["meta"]["restored_step"] == 5
   _assert_resumed_equals(last["fed"], last["params"], reference, 5)
+  # The audit proves both resumes, all in the one run named by its first save.
+  assert cli.main(["audit", str(root), "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert [(f["resumed_from"], f["verdict"]) for f in report["findings"]] == [(2, "ok"), (5, "ok")]
+  assert {p["run"] for p in report["points"]} == {1}
 
 
 @pytest.mark.slow

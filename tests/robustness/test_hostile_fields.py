@@ -67,6 +67,7 @@ CASES = {
     "surrogate_in_lineage_digest": (
         _with(("lineage",), {"resumes": 1, "digest": "\udfff" * 16, "recent": [{"step": 1, "state": "x"}]}),
         "field 'lineage'"),
+    "lineage_run_not_a_step": (_with(("lineage", "run"), [2**70]), "field 'lineage'"),
     "surrogate_in_position_key": (_with(("position", "\ud800"), 1), "position"),
     "position_nested_500_deep": (_with(("position",), _nested(500)), "nested deeper than 64 levels"),
 }

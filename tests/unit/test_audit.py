@@ -73,6 +73,7 @@ def test_an_unbroken_chain_is_proven_resume_by_resume(tmp_path, capsys, repeat):
   assert [(f["resumed_from"], f["step"], f["verdict"]) for f in report["findings"]] == [(3, 4, "ok"), (5, 6, "ok")]
   assert last.state().lineage["resumes"] == 2
   assert [p["resumes"] for p in report["points"]] == [0, 0, 0, 1, 1, 2, 2, 2]
+  assert {p["run"] for p in report["points"]} == {1}  # named by its first save, carried through resumes
   if repeat:  # three repeats of each produced item, pending ones included
     assert [p["pending"] for p in report["points"]][:3] == [5, 4, 3]
 
@@ -84,7 +85,10 @@ def test_a_run_restarted_from_scratch_into_the_same_root_is_a_break(tmp_path, ca
   assert code == 1 and report["verdict"] == "broken"
   # Both states of the second run are behind the last sound one (step 3).
   assert [(f["step"], f["verdict"]) for f in report["findings"]] == [(4, "broken"), (5, "broken")]
-  assert "position 1, behind step 3's 3" in report["findings"][0]["message"]
+  assert report["findings"][0]["message"] == (
+      "another run than step 3's (this state's run first saved at step 4, step 3's run first saved at "
+      "step 1) with no resume between them; its position 1 is behind step 3's 3: a second job started "
+      "into this root?")
 
 
 def test_a_resume_from_an_older_step_than_the_latest_saved_is_a_break(tmp_path, capsys):
@@ -238,7 +242,8 @@ def test_a_data_item_copied_from_the_step_before_is_a_break(tmp_path, capsys):
   assert sum(f["verdict"] == "ok" for f in report["findings"]) == 2  # both resumes still proven
 
 
-def test_a_second_job_started_into_the_same_root_is_a_break(tmp_path, capsys):
+@pytest.mark.parametrize("seed", [1, 0], ids=["another_seed", "same_config"])
+def test_a_second_job_started_into_the_same_root_is_a_break(tmp_path, capsys, seed):
   def job(seed, steps):
     iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset(
         [{"x": np.int64(i)} for i in range(40)], batch_size=1, seed=seed))
@@ -249,12 +254,55 @@ def test_a_second_job_started_into_the_same_root_is_a_break(tmp_path, capsys):
       manager.wait_until_finished()
 
   job(0, [1, 2, 3])
-  job(1, [1, 2, 3, 4, 5, 6])  # from scratch: Orbax keeps job A's 1-3 and writes 4-6
+  job(seed, [1, 2, 3, 4, 5, 6])  # from scratch: Orbax keeps job A's 1-3 and writes 4-6
   code, report, _ = _audit(capsys, tmp_path)
   assert code == 1 and report["verdict"] == "broken"
-  first = report["findings"][0]
-  assert first["step"] == 4 and "its pipeline differs from step 3's (seed: 0 -> 1)" in first["message"]
-  assert "another job writing into this root?" in first["message"]
+  # Each of job B's states is compared with job A's last (the last sound one).
+  assert [(f["step"], f["verdict"]) for f in report["findings"]] == [(4, "broken"), (5, "broken"), (6, "broken")]
+  message = report["findings"][0]["message"]
+  if seed:
+    assert "its pipeline differs from step 3's (seed: 0 -> 1)" in message
+    assert "another job writing into this root?" in message
+  else:  # the same pipeline at a later position: only the run identity tells the jobs apart
+    assert message == (
+        "another run than step 3's (this state's run first saved at step 4, step 3's run first saved "
+        "at step 1) with no resume between them: a second job started into this root?")
+
+
+def test_a_resumed_state_carrying_another_run_is_a_break(tmp_path, capsys):
+  _segment(tmp_path, [1, 2, 3])
+  _segment(tmp_path, [4, 5])
+  _edit_header(tmp_path, 4, lambda header: header["lineage"].update(run=4))  # as if step 3's were another run's
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1
+  assert [(f["step"], f["verdict"], f["resumed_from"]) for f in report["findings"]] == [
+      (4, "broken", 3), (5, "ok", 3)]  # step 5 is judged against step 3, the last sound state
+  assert report["findings"][0]["message"] == (
+      "restored step 3's state, but its run first saved at step 4 is not step 3's (run first saved at step 1)")
+
+
+def test_inspect_shows_the_step_the_run_first_saved_at(tmp_path, capsys):
+  _segment(tmp_path, [2, 3])
+  assert cli.main(["inspect", str(tmp_path)]) == 0
+  assert "none; the run first saved at step 2" in capsys.readouterr().out
+
+
+def test_the_same_state_saved_twice_through_grains_handler_is_a_break(tmp_path, capsys):
+  """Grain's handler writes no saved step: a copied item shows as a state that did not move."""
+  iterator = ckpt_iter.DataIterator(_dataset())
+  with ocp.CheckpointManager(str(tmp_path), item_names=("data",)) as manager:
+    for step in (1, 2, 3, 4):
+      next(iterator)
+      manager.save(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(iterator)))
+    manager.wait_until_finished()
+  assert _audit(capsys, tmp_path)[0] == 0
+  shutil.rmtree(tmp_path / "3" / "data")
+  shutil.copytree(tmp_path / "2" / "data", tmp_path / "3" / "data")
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1
+  assert [(f["step"], f["message"]) for f in report["findings"]] == [(3, (
+      "the same state as step 2 (position 2) with no resume between: step 2's data item copied here, "
+      "or a save with nothing consumed since"))]
 
 
 def test_a_garbled_step_is_broken_once_not_also_without_a_data_state(tmp_path, capsys):

@@ -220,7 +220,10 @@ def test_content_and_lineage_fields_are_validated():
       ckpt_iter.IteratorState(**good, content=bad)
   for bad in ({"resumes": 1, "digest": "0", "recent": [{"step": "x", "state": "a"}]},
               {"resumes": 0, "digest": "0", "recent": [{"step": 1, "state": "a"}]},
-              {"resumes": -1, "digest": "0", "recent": []}):
+              {"resumes": -1, "digest": "0", "recent": []},
+              {"resumes": 0, "digest": "0", "recent": [], "run": "3"},
+              {"resumes": 0, "digest": "0", "recent": [], "run": -1},
+              {"resumes": 0, "digest": "0", "recent": [], "runs": 3}):
     with pytest.raises(errors.InvalidStateError, match="'lineage'"):
       ckpt_iter.IteratorState(**good, lineage=bad)
   state = ckpt_iter.IteratorState(**good, content={"check": "index", "digest": "ab", "fields": {}})

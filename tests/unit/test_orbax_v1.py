@@ -69,6 +69,16 @@ def test_training_checkpointer_saves_and_restores_the_data_item(tmp_path):
   # The resume is recorded with its step, as through the v0 handler (ckpt-iter audit reads it).
   (entry,) = resumed.state().lineage["recent"]
   assert entry["step"] == 3 and resumed.state().lineage["resumes"] == 1
+  # The run is named by its first save (step 1) and carried through the resume, also when the
+  # iterator itself is the checkpointable.
+  checkpointer = training.Checkpointer(str(tmp_path / "run"))
+  checkpointer.save_checkpointables(4, {"data": resumed})
+  checkpointer.close()
+  runs = []
+  for step in range(1, 5):
+    with open(os.path.join(str(tmp_path / "run"), str(step), "data", "process_0-of-1.json")) as f:
+      runs.append(json.load(f)["lineage"]["run"])
+  assert runs == [1, 1, 1, 1]
 
 
 def test_a_load_into_another_pipeline_is_refused_naming_the_field_and_changes_nothing(tmp_path):

@@ -40,6 +40,11 @@ EVAL = rl_cluster_lib.Mode.EVAL
 # --- trainer inputs and batches ----------------------------------------------------------
 
 
+
+def _snapshot(loop):
+  """The state Tunix's save of the actor's current step takes."""
+  return loop.snapshot(int(loop.cluster.actor_trainer.train_steps))
+
 def _example(*values):
   """A trainer input with one row per value (as Tunix makes one per trajectory)."""
   ids = np.asarray(values, dtype=np.int32).reshape(-1, 1)
@@ -307,7 +312,7 @@ def _save_and_stop_at(loop, chunk):
 
   def on_save():
     if len(loop.cluster.chunks) - 1 == chunk:
-      saved.append(loop.snapshot())
+      saved.append(_snapshot(loop))
       raise _Killed
 
   loop.cluster.on_save = on_save
@@ -729,7 +734,7 @@ def test_a_snapshot_waits_for_every_fed_prompt_to_be_rolled_out(monkeypatch):
   loop.results = _InlineRollout(loop)
   loop._feed_next_batch()  # pylint: disable=protected-access
   loop._feed_next_batch()  # pylint: disable=protected-access
-  value = loop.snapshot()
+  value = _snapshot(loop)
   assert loop.prompt_queue.empty()
   assert [_rows(value.pending.items[i]) for i in value.pending.schedule] == [(0, 1), (10, 11), (20, 21), (30, 31)]
   assert (value.position["prompt_index"], value.position["batches_fed"]) == (4, 0)
@@ -747,7 +752,7 @@ def test_a_restored_loop_takes_the_snapshots_counters_sizes_and_pending_inputs(m
   learner.cluster.global_steps, learner.policy_version, learner._iter_steps = 3, 2, 9
   learner.cluster.actor_trainer.train_steps = 7
   loop.feeding_done = feeding_done
-  value = loop.snapshot()
+  value = _snapshot(loop)
 
   fresh_learner = GRPOLearnerStandIn(**config)
   fresh = _loop(monkeypatch, fresh_learner, _batches(2, 2, 2))
@@ -763,6 +768,8 @@ def test_a_restored_loop_takes_the_snapshots_counters_sizes_and_pending_inputs(m
       ((0, 1), True), ((0, 1), True), ((10, 11), True), ((10, 11), True)]
   assert fresh.source.position() == loop.source.position()
   assert fresh.schedule.next_prompt == fresh.schedule.fed_prompts == 2
+  # The run is named by its first save (step 7) and carried on (`ckpt-iter audit`).
+  assert value.lineage["run"] == 7 and _snapshot(fresh).lineage["run"] == 7
   # Feeding goes on at the next batch, unless the saved run had ended it.
   assert fresh._feed_next_batch() is (not feeding_done)  # pylint: disable=protected-access
   if not feeding_done:
@@ -781,7 +788,7 @@ def test_a_state_written_before_the_wait_rule_rolls_out_its_unfinished_prompts_a
   loop._feed_next_batch()  # pylint: disable=protected-access
   loop._feed_next_batch()  # pylint: disable=protected-access
   loop.results.put((0, api.agentic_to_train_examples(loop.learner, _group(0, 2), TRAIN)))  # prompt 0 only
-  value = loop.snapshot()
+  value = _snapshot(loop)
   assert {k: value.position[k] for k in ("prompt_index", "prompt_offset", "batches_fed")} == {
       "prompt_index": 1, "prompt_offset": 1, "batches_fed": 2}
   assert value.position["input"]["position"]["full_batches_read"] == 0  # where prompt 1's batch is read
@@ -855,7 +862,7 @@ def test_a_restart_from_the_state_saved_after_the_input_ran_out_finishes(monkeyp
 
   first = new_loop()
   saved = []
-  first.cluster.close = lambda: saved.append(first.snapshot())  # Tunix saves the last step in close()
+  first.cluster.close = lambda: saved.append(_snapshot(first))  # Tunix saves the last step in close()
   assert _finishes(lambda: first.run(None))
   assert [chunk[0] for chunk in first.cluster.chunks] == [(0, 1, 10, 11), (20, 21, 30, 31)]
   value = _stored(saved[0])
@@ -874,7 +881,7 @@ def test_reaching_max_steps_reads_no_batch_it_does_not_feed(monkeypatch):
   max_steps starts at the first batch never trained."""
   loop = _loop(monkeypatch, GRPOLearnerStandIn(train_micro_batch_size=2, max_steps=1), _batches(2, 2, 2))
   _start(loop)
-  value = loop.snapshot()
+  value = _snapshot(loop)
   assert [chunk[0] for chunk in loop.cluster.chunks] == [(0, 1, 10, 11)]
   assert value.counters["feeding_done"] == 1
   assert value.position["input"]["position"]["full_batches_read"] == 1
