@@ -160,7 +160,11 @@ class ConsumerLoop:
     self.cluster.global_steps = int(counters["global_steps"])
     self.learner.policy_version = int(counters["policy_version"])
     api.set_learner_iter_steps(self.learner, int(counters["learner_iter_steps"]))
-    self.feeding_done = bool(counters["feeding_done"])
+    # Feeding stays ended only where it would end again now: a run stopped by
+    # max_steps and continued with a larger one feeds on from the first batch
+    # it never read, as stock does; an input that ran out is found out again
+    # at the next read.
+    self.feeding_done = bool(counters["feeding_done"]) and self.max_steps_reached()
     return refeed
 
   def skip_full_batches(self, count: int) -> None:
@@ -197,9 +201,7 @@ class ConsumerLoop:
       for prompt in refeed:
         self.prompt_queue.put(prompt)
       if restored is None:
-        for _ in range(self.algo.off_policy_steps + 1):
-          if not self._feed_next_batch():
-            break
+        self._feed_ahead()
       else:
         if self.feeding_done:
           # The saved run had ended its input: its end marker went to that
@@ -207,12 +209,23 @@ class ConsumerLoop:
           self.prompt_queue.put(None)
         if self.schedule.step_complete:
           self.schedule.finish_global_step(self)  # the killed run saved, then would have done this
+        if restored.counters["feeding_done"] and not self.feeding_done:
+          self._feed_ahead()  # feeding had ended, not for this run: it starts again as a run starts
       self.schedule.consume(self)
     finally:
       self.prompt_queue.put(None)
       self.feeding_done = True
     producer.result()
     self.cluster.close()
+
+  def _feed_ahead(self) -> None:
+    """Feeds full batches until as many are in flight as a run keeps (off_policy_steps + 1)."""
+    schedule = self.schedule
+    unabsorbed = schedule.fed_prompts - schedule.next_prompt
+    in_flight = -(-unabsorbed // schedule.full_batch_size) if schedule.full_batch_size else 0
+    for _ in range(self.algo.off_policy_steps + 1 - in_flight):
+      if not self._feed_next_batch():
+        break
 
   def _feed_next_batch(self) -> bool:
     """Hands the next full batch to the rollout, as stock does at a step boundary."""

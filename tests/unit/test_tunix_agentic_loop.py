@@ -743,7 +743,9 @@ def test_a_snapshot_waits_for_every_fed_prompt_to_be_rolled_out(monkeypatch):
 
 @pytest.mark.parametrize("feeding_done", [False, True])
 def test_a_restored_loop_takes_the_snapshots_counters_sizes_and_pending_inputs(monkeypatch, feeding_done):
-  config = dict(num_iterations=2, mini_batch_size=2, train_micro_batch_size=1, should_sync_weights=True)
+  # A saved run that ended feeding did so at max_steps (global step 3), which the restored run keeps.
+  config = dict(num_iterations=2, mini_batch_size=2, train_micro_batch_size=1, should_sync_weights=True,
+                max_steps=3 if feeding_done else None)
   learner = GRPOLearnerStandIn(**config)
   loop = _loop(monkeypatch, learner, _batches(2, 2, 2))
   loop.results = _InlineRollout(loop)
@@ -874,6 +876,33 @@ def test_a_restart_from_the_state_saved_after_the_input_ran_out_finishes(monkeyp
                                        position["source"], allow_drift=frozenset(), origin="test")
   assert _finishes(lambda: second.run(value, checked, position))
   assert second.cluster.chunks == []  # everything was trained before the save
+
+
+@pytest.mark.parametrize("max_steps", [1, 2, 3])
+def test_a_finished_run_continued_with_a_larger_max_steps_trains_on_as_stock_does(
+    monkeypatch, event_loop, max_steps):
+  """A run that stopped at max_steps=1, restarted with max_steps=2 (or 3, past the end of its
+  3 batches), trains the batches it never fed; with the same max_steps it trains nothing."""
+  def new_loop(max_steps):
+    learner = _ProducingLearner(train_micro_batch_size=2, max_steps=max_steps)
+    learner.loop = event_loop
+    return _loop(monkeypatch, learner, _batches(2, 2, 2))
+
+  first = new_loop(1)
+  saved = []
+  first.cluster.close = lambda: saved.append(_snapshot(first))
+  assert _finishes(lambda: first.run(None))
+  assert [chunk[0] for chunk in first.cluster.chunks] == [(0, 1, 10, 11)]
+  value = _stored(saved[0])
+  assert value.counters["feeding_done"] == 1
+
+  second = new_loop(max_steps)
+  input_fingerprint, position = _input.unnest(value, _agentic_loop.INPUT_KEY, origin="test")
+  checked = _input.check_learner_state(value.fingerprint, second.fingerprint, second.source, input_fingerprint,
+                                       position["source"], allow_drift=frozenset(), origin="test")
+  assert _finishes(lambda: second.run(value, checked, position))
+  assert [chunk[0] for chunk in second.cluster.chunks] == [
+      (20, 21, 30, 31), (40, 41, 50, 51)][:max_steps - 1]
 
 
 def test_reaching_max_steps_reads_no_batch_it_does_not_feed(monkeypatch):
