@@ -49,12 +49,26 @@ def read_saved_layouts(trainer: Any, step: int) -> dict[str, dict[tuple[str, ...
       continue
     specs = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(metadata[item]):
-      sharding = getattr(leaf, "sharding", None)
-      spec = getattr(sharding, "partition_spec", None)
-      if spec is not None:
-        specs[_path_key(path)] = (tuple(sharding.axis_names), tuple(spec))
+      layout = _saved_layout(leaf)
+      if layout is not None:
+        specs[_path_key(path)] = layout
     layouts[item] = specs
   return layouts
+
+
+def _saved_layout(leaf: Any) -> tuple[tuple[str, ...], tuple[Any, ...]] | None:
+  """(mesh axis names, partition spec) of a leaf of Orbax's item metadata, or None.
+
+  Orbax v0's metadata leaf holds the sharding as Orbax's own record
+  (`.sharding`); v1's (what Tunix main saves through) holds it as
+  `.sharding_metadata`, and its `.sharding` builds a JAX sharding on this
+  process's devices, which is not needed to read the spec.
+  """
+  sharding = getattr(leaf, "sharding_metadata", None) or getattr(leaf, "sharding", None)
+  spec = getattr(sharding, "partition_spec", None)
+  if spec is None:
+    return None
+  return tuple(sharding.axis_names), tuple(spec)
 
 
 def apply_saved_layouts(trainer: Any, layouts: dict[str, dict[tuple[str, ...], Any]]) -> int:

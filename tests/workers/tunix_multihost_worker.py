@@ -28,7 +28,9 @@ Recorded per trainer input (the TrainExample handed to the actor update):
 a SHA-256 of this process's view of each array field (dtype, shape, bytes),
 which fields are global arrays (not fully addressable) and with what
 partition spec, and checksums of this process's view of the actor params
-(before and after the update) and optimizer state (before). With
+(before and after the update, with each param's partition spec) and
+optimizer state (before). On Tunix main the rollout returns the sampler's
+log-probs (`return_logprobs`), which main requires for num_iterations > 1. With
 preempt_after=K the process dies with os._exit right after checkpoint K is
 on disk, as a scheduler kills a job.
 """
@@ -64,6 +66,7 @@ def build_learner(root: str, max_steps: int, rollout_mesh=None, learner: str = "
   from tunix.tests import test_common as tc  # pylint: disable=g-import-not-at-top
 
   import tunix_toy  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
 
   vocab = tc.MockVocab()
   model_config = tc.ModelConfig(vocab_size=vocab.GetPieceSize())
@@ -97,7 +100,9 @@ def build_learner(root: str, max_steps: int, rollout_mesh=None, learner: str = "
           offload_to_cpu=False,
           training_config=training,
           rollout_config=base_rollout.RolloutConfig(
-              max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=64
+              max_tokens_to_generate=4, max_prompt_length=8, kv_cache_size=64,
+              # Tunix main takes num_iterations > 1's old log-probs from the sampler.
+              return_logprobs=toyrun.sampler_logprobs_needed(),
           ),
       ),
   )
@@ -129,6 +134,19 @@ def params_checksum(learner, opt: bool = False) -> str:
       digest.update(f"{value.dtype}{value.shape}".encode())
       digest.update(np.ascontiguousarray(value).tobytes())
   return digest.hexdigest()
+
+
+def params_specs(learner) -> dict:
+  """Each actor param's partition spec ("local" off the mesh): where a checksum differs, says
+  whether the layout did."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  state = nnx.state(learner.rl_cluster.actor_trainer.model, nnx.Param)
+  return {
+      jax.tree_util.keystr(path): repr(getattr(leaf.sharding, "spec", "local"))
+      for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+  }
 
 
 def field_layout(value) -> dict:
@@ -180,11 +198,13 @@ class Recorder:
               for name, value in arrays.items() if name.endswith("per_token_logps")
           },
           "params_before": params_checksum(learner),
+          "specs_before": params_specs(learner),
           "opt_before": params_checksum(learner, opt=True),
       }
       self.inputs.append(record)
       result = original(train_ds, eval_ds, skip_jit)
       record["params_after"] = params_checksum(learner)
+      record["specs_after"] = params_specs(learner)
       return result
 
     cluster.update_actor = update_actor
@@ -242,6 +262,7 @@ def main(config_path: str) -> int:
       # The update of step K happened inside update_actor, whose wrapper
       # never returns: record its params here.
       recorder.inputs[-1]["params_after"] = params_checksum(learner)
+      recorder.inputs[-1]["specs_after"] = params_specs(learner)
       finish(True)
       # Every process has written its record before any exits: the first to
       # exit takes the coordination service down with it.
