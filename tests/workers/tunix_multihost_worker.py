@@ -7,8 +7,10 @@ root, shared by the processes), out, preempt_after (a step or null),
 max_steps, same_data (default true), rollout_mesh (the rollout
 mesh's shape over the same devices, default the actor's [n, 1]), learner
 ("ckpt_iter", the default, or "stock"), batch_size (prompts per batch,
-default 1) and mini_batch_size (default: the batch, one mini-batch per
-global step). The process joins a
+default 1), mini_batch_size (default: the batch, one mini-batch per
+global step) and shard_reference_logps (default false: hand the trainer
+the reference log-probs sharded across the processes, a stand-in for a
+batch axis that spans them). The process joins a
 `jax.distributed` job on 127.0.0.1 (CPU backend) and trains
 `ResumableGRPOLearner` on the toy model of `ckpt_iter.demo.toyrun` with one mesh
 over all global devices for actor, reference and rollout,
@@ -110,11 +112,13 @@ def build_learner(root: str, max_steps: int, rollout_mesh=None, learner: str = "
   return tunix_toy.make_learner(config, cluster)
 
 
-def params_checksum(learner, opt: bool = False) -> str:
+def params_checksum(learner, opt: bool = False, replicated_only: bool = False) -> str:
   """SHA-256 of this process's view of the actor params (or optimizer state).
 
   A replicated leaf contributes this process's copy, a sharded one the shards
-  this process holds: no collective, so it can run at any point.
+  this process holds: no collective, so it can run at any point. With
+  replicated_only, only the leaves every process holds whole: their
+  checksums must agree across processes in a consistent run.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -124,6 +128,8 @@ def params_checksum(learner, opt: bool = False) -> str:
   trainer = learner.rl_cluster.actor_trainer
   state = nnx.state(trainer.optimizer, nnx.optimizer.OptState) if opt else nnx.state(trainer.model, nnx.Param)
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    if replicated_only and not leaf.is_fully_replicated:
+      continue
     digest.update(jax.tree_util.keystr(path).encode())
     if leaf.is_fully_addressable or leaf.is_fully_replicated:
       values = [np.asarray(leaf)]
@@ -147,6 +153,41 @@ def params_specs(learner) -> dict:
       jax.tree_util.keystr(path): repr(getattr(leaf.sharding, "spec", "local"))
       for path, leaf in jax.tree_util.tree_leaves_with_path(state)
   }
+
+
+def local_view(value):
+  """This process's view of a trainer-input field: the whole array, or its shards' rows."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  if value.is_fully_addressable or value.is_fully_replicated:
+    return np.asarray(value)
+  shards = sorted(value.addressable_shards, key=lambda shard: shard.device.id)
+  return np.concatenate([np.asarray(shard.data) for shard in shards])
+
+
+def shard_reference_logps(learner) -> None:
+  """Hands the trainer reference log-probs sharded across processes (rows on "fsdp").
+
+  Tunix makes them a replicated global array; this stand-in reshards them
+  as a batch axis spanning the processes would, so a mid-repeat checkpoint
+  holds a pending leaf of which each process has only its own rows.
+  """
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  original = learner._process_accumulated_batches  # pylint: disable=protected-access
+
+  def process(*args, **kwargs):
+    produced = original(*args, **kwargs)
+    out = []
+    for example in produced:
+      logps = example.ref_per_token_logps
+      sharding = jax.sharding.NamedSharding(logps.sharding.mesh, jax.sharding.PartitionSpec("fsdp"))
+      out.append(dataclasses.replace(example, ref_per_token_logps=jax.device_put(logps, sharding)))
+    return out
+
+  learner._process_accumulated_batches = process  # pylint: disable=protected-access
 
 
 def field_layout(value) -> dict:
@@ -186,15 +227,15 @@ class Recorder:
           # Bit for bit: dtype, shape and bytes of this process's view.
           "fields": {
               name: hashlib.sha256(
-                  f"{np.asarray(value).dtype}{np.asarray(value).shape}".encode()
-                  + np.ascontiguousarray(np.asarray(value)).tobytes()
+                  f"{local_view(value).dtype}{local_view(value).shape}".encode()
+                  + np.ascontiguousarray(local_view(value)).tobytes()
               ).hexdigest()
               for name, value in arrays.items()
           },
           "layout": {name: field_layout(value) for name, value in arrays.items()},
           # The log-prob values themselves, to say how far two topologies differ.
           "logps": {
-              name: np.asarray(value, dtype=np.float64).ravel().tolist()
+              name: np.asarray(local_view(value), dtype=np.float64).ravel().tolist()
               for name, value in arrays.items() if name.endswith("per_token_logps")
           },
           "params_before": params_checksum(learner),
@@ -204,6 +245,7 @@ class Recorder:
       self.inputs.append(record)
       result = original(train_ds, eval_ds, skip_jit)
       record["params_after"] = params_checksum(learner)
+      record["replicated_after"] = params_checksum(learner, replicated_only=True)
       record["specs_after"] = params_specs(learner)
       return result
 
@@ -246,6 +288,8 @@ def main(config_path: str) -> int:
       result["restored_pending"] = 0 if pending is None else len(pending)
 
   _tunix_session.DataSession.restore = timed_restore
+  if config.get("shard_reference_logps"):
+    shard_reference_logps(learner)
   recorder = Recorder(learner)
 
   def finish(preempted: bool) -> None:
@@ -262,6 +306,7 @@ def main(config_path: str) -> int:
       # The update of step K happened inside update_actor, whose wrapper
       # never returns: record its params here.
       recorder.inputs[-1]["params_after"] = params_checksum(learner)
+      recorder.inputs[-1]["replicated_after"] = params_checksum(learner, replicated_only=True)
       recorder.inputs[-1]["specs_after"] = params_specs(learner)
       finish(True)
       # Every process has written its record before any exits: the first to
