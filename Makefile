@@ -37,7 +37,7 @@ test: $(STAMP)
 # two at a time: a toy Tunix process is mostly one thread of Python and XLA
 # compilation (14 minutes here, about 20 one at a time).
 test-heavy: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup tests --run-heavy -m heavy
+	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) tests --run-heavy -m heavy
 
 test-full: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests --run-slow
@@ -105,9 +105,9 @@ test-tunix-main: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
 # RL learner family, the agentic loop and its full-batch replay, packing) and
 # the differential suite's explicit examples. make test-tunix-main runs all.
 test-tunix-main-core: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
-	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup --run-slow \
+	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --run-slow \
 	  tests/integration/test_tunix_main.py tests/integration/test_tunix_agentic.py \
 	  tests/integration/test_tunix_packing.py \
 	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py tests/unit/test_tunix_layouts.py
-	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup --run-heavy \
+	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --run-heavy \
 	  tests/integration/test_tunix_conformance.py

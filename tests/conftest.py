@@ -83,31 +83,6 @@ def pytest_collection_modifyitems(config, items):
   if out:
     config.hook.pytest_deselected(items=[item for item in items if id(item) in out])
     items[:] = [item for item in items if id(item) not in out]
-  _group_by_module_fixtures(items)
-
-
-# Module-scoped fixtures that only name a directory: no reason to group.
-_DIRECTORY_FIXTURES = frozenset({"workdir", "conformance_dirs"})
-
-
-def _group_by_module_fixtures(items) -> None:
-  """Puts the tests that share a module-scoped run on one pytest-xdist worker.
-
-  Such a fixture is a real training run or several; spread test by test
-  (`-n 2`), each worker would build it again. With `--dist loadgroup` the
-  tests of one such fixture go to one worker, and every other test is
-  spread one by one as before.
-  """
-  for item in items:
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-      continue
-    shared = sorted(
-        name for name, definitions in info.name2fixturedefs.items()
-        if name not in _DIRECTORY_FIXTURES and any(d.scope == "module" for d in definitions)
-    )
-    if shared:
-      item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{'+'.join(shared)}"))
 
 
 def _tunix_has_rl_engine() -> bool:

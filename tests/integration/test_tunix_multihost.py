@@ -341,7 +341,7 @@ def rollout_mesh_runs(tmp_path_factory) -> dict:
   return {"stock": stock, "jobs": jobs, "chain_root": chain_root}
 
 
-@pytest.mark.heavy
+@_JOBS  # four 2-process jobs (about 2.5 minutes): make test-full and make test-tunix-main
 def test_a_rollout_mesh_of_another_shape_trains_and_resumes_as_stock_trains(rollout_mesh_runs):
   runs = rollout_mesh_runs
   for step in ROLLOUT_MESH_PREEMPTS:  # the weights a later rollout of the step reads
