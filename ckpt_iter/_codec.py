@@ -113,11 +113,8 @@ def encode_state(state: IteratorState) -> tuple[dict[str, Any], dict[str, np.nda
   """Splits a state into a JSON header and named numpy arrays."""
   arrays: dict[str, np.ndarray] = {}
   header = state.to_dict()
-  header["position"] = position_to_json(state.position)
+  header["position"] = position_to_json(header["position"])
   if state.pending is not None:
-    # The items by structure, which version 3 introduced: a state holding
-    # them is written as version 3 (one without is written as before).
-    header["format_version"] = _pytree.BY_STRUCTURE_VERSION
     header["pending"] = {
         "groups": _pytree.encode_items(state.pending.items, arrays, prefix="a"),
         "schedule": list(state.pending.schedule),

@@ -43,6 +43,7 @@ from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
+from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -125,6 +126,24 @@ def reconcile(
   unchanged = Reconciled(position=dict(position))
   if not saved:
     return unchanged
+  if _records.NEXT_RECORD in position:
+    return _reconcile_records(saved, current, position, allow_drift=allow_drift, origin=origin)
+  _refuse_index_mixture_change(saved, current, origin)
+  mixed = _iter_mixture_changes(saved, current, allow_drift, origin)
+  if mixed.accepted:
+    allow_drift = set(allow_drift) | mixed.accepted
+    resumed = _reconcile_index(saved, current, position, allow_drift, origin, parent_length)
+    return dataclasses.replace(resumed, accepted=resumed.accepted | mixed.accepted,
+                               changes=mixed.changes + resumed.changes)
+  return _reconcile_index(saved, current, position, allow_drift, origin, parent_length)
+
+
+def _reconcile_index(
+    saved: Mapping[str, Any], current: Mapping[str, Any], position: Mapping[str, Any],
+    allow_drift: Collection[str], origin: str, parent_length: Callable[[int], int | None],
+) -> Reconciled:
+  """`reconcile` for positions that are Grain's own (a batch index, or an IterDataset's state)."""
+  unchanged = Reconciled(position=dict(position))
   differing = set(state_lib.differing_fields(saved, current, allow_drift=allow_drift))
   next_index = position.get("next_index")
   if not differing or set(position) != {"next_index"} or not state_lib.is_int(next_index):
@@ -144,6 +163,168 @@ def reconcile(
   if not plan.changes or ("pipeline" in differing and not graph_fields):
     return unchanged  # e.g. only dataset_length differs: no known stream change explains it
   return plan.finish(accepted=frozenset(differing))
+
+
+# ---------------------------------------------------------------------------
+# make_dataset pipelines: positions that count stream records.
+
+_WEIGHT_FIELD = re.compile(r"^weight\[(.+)\]$")
+_SOURCE_FIELD = re.compile(r"^source(?:_length|_digest)?\[(.+)\]$")
+# Declared in allow_drift to change a mixture's weights / its set of sources.
+WEIGHTS = "weights"
+SOURCES = "sources"
+
+
+def _shares(fingerprint: Mapping[str, Any]) -> dict[str, Any] | None:
+  """A mixture's name -> share from its fingerprint, in order; None for a single source."""
+  shares = {}
+  for name, value in fingerprint.items():
+    match = _WEIGHT_FIELD.match(name)
+    if match:
+      shares[match.group(1)] = value
+  return shares or None
+
+
+def _reconcile_records(
+    saved: Mapping[str, Any], current: Mapping[str, Any], position: Mapping[str, Any], *,
+    allow_drift: Collection[str], origin: str,
+) -> Reconciled:
+  """The same-stream rule where the position counts stream records (make_dataset).
+
+  Batches are cut from the record stream, so another batch size (or, with
+  elastic, process count) never moves the position: the next batch starts at
+  the saved record. More or fewer epochs keep the stream's prefix. A mixture
+  whose weights or sources changed continues each source from its own next
+  record under the new weights, when the change is declared (`WEIGHTS`,
+  `SOURCES` in allow_drift): undeclared, it is refused naming what changed.
+  Whatever allow_drift says, a changed mixture is never continued with the old
+  ledger under new weights (that would skip and repeat records).
+  """
+  next_record = position.get(_records.NEXT_RECORD)
+  if not state_lib.is_int(next_record) or next_record < 0:
+    raise errors.InvalidStateError(
+        f"{origin}: position field {_records.NEXT_RECORD!r} must be an integer >= 0, "
+        f"got {state_lib.short_repr(next_record)}.")
+  differing = state_lib.differing_fields(saved, current, allow_drift=allow_drift)
+  accepted: set[str] = {n for n in differing if n in _SPEC_BATCH or n == "dataset_length"}
+  changes: list[str] = []
+  if accepted & _SPEC_BATCH:
+    changes.append(
+        f"batch_size {saved.get('batch_size')} -> {current.get('batch_size')} (global "
+        f"{saved.get('global_batch_size')} -> {current.get('global_batch_size')})")
+  if "num_epochs" in differing:
+    accepted.add("num_epochs")
+    changes.append(f"num_epochs {saved.get('num_epochs')} -> {current.get('num_epochs')}")
+  result = {_records.NEXT_RECORD: int(next_record)}
+  saved_shares, current_shares = _shares(saved), _shares(current)
+  if saved_shares is not None and current_shares is not None:
+    mixture = _records.Mixture.from_json(position.get(_records.MIXTURE), saved_shares, next_record, origin=origin)
+    changed, fields, lines = _mixture_change(saved, current, saved_shares, current_shares, allow_drift, origin)
+    if changed:
+      mixture = mixture.restarted(next_record, current_shares)
+      accepted |= fields
+      changes.extend(lines)
+    result[_records.MIXTURE] = mixture.to_json()
+  elif _records.MIXTURE in position:
+    raise errors.InvalidStateError(
+        f"{origin}: the position holds a mixture's ledger ({_records.MIXTURE!r}) but the fingerprint "
+        "names no weights: the state is corrupt or edited.")
+  where = f"resuming at stream record {next_record}"
+  lines = tuple(f"{origin}: accepted stream change: {c}; {where}." for c in changes)
+  return Reconciled(position=result, accepted=frozenset(accepted), changes=lines)
+
+
+def _mixture_change(
+    saved: Mapping[str, Any], current: Mapping[str, Any], saved_shares: Mapping[str, Any],
+    current_shares: Mapping[str, Any], allow_drift: Collection[str], origin: str,
+) -> tuple[bool, set[str], list[str]]:
+  """(changed, the fields it accepts, its log lines) of a mixture's weights and sources.
+
+  Raises:
+    ConfigDriftError: the change is not declared; the message says how to.
+  """
+  added = [n for n in current_shares if n not in saved_shares]
+  removed = [n for n in saved_shares if n not in current_shares]
+  reweighted = [n for n in current_shares if n in saved_shares and saved_shares[n] != current_shares[n]]
+  if not (added or removed or reweighted):
+    return False, set(), []
+  fields = {f"weight[{n}]" for n in set(added) | set(removed) | set(reweighted)} | {"source"}
+  fields |= {name for name in set(saved) | set(current)
+             if (m := _SOURCE_FIELD.match(name)) and m.group(1) in set(added) | set(removed)}
+  needed = []
+  if reweighted and WEIGHTS not in allow_drift and not {f"weight[{n}]" for n in reweighted} <= set(allow_drift):
+    needed.append(WEIGHTS)
+  if (added or removed) and SOURCES not in allow_drift:
+    needed.append(SOURCES)
+  lines = []
+  if reweighted:
+    lines.append("weights " + ", ".join(f"{n} {saved_shares[n]} -> {current_shares[n]}" for n in reweighted))
+  if added:
+    lines.append("sources added: " + ", ".join(added) + " (each from its first record, or where it was left)")
+  if removed:
+    lines.append("sources removed: " + ", ".join(removed) + " (their ledger kept: mixing one again continues it)")
+  if needed:
+    differences = {f: (saved.get(f, _ABSENT), current.get(f, _ABSENT)) for f in sorted(fields)
+                   if not state_lib.same_field_value(saved.get(f, _ABSENT), current.get(f, _ABSENT))}
+    error = errors.ConfigDriftError(differences, origin=origin)
+    error.args = (
+        f"{origin}: the mixture changed ({'; '.join(lines)}). Declare it with allow_drift={set(needed)!r} "
+        "to continue each source from its own next record, the new weights taking effect from this "
+        "restart: no record of any source is repeated or skipped. Or rebuild the pipeline with the "
+        "saved weights and sources.",)
+    raise error
+  return True, fields, lines
+
+
+def _iter_mixture_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], allow_drift: Collection[str], origin: str
+) -> Reconciled:
+  """New weights of a Grain IterDataset.mix, accepted when declared (`WEIGHTS`).
+
+  Its state holds each source's own iterator state, so under new weights
+  every source continues from its own next element; only the choice of which
+  source gives the next element follows the new weights.
+  """
+  fields = set()
+  for name in sorted(set(saved) & set(current)):
+    match = _NODE_FIELD.match(name)
+    if (match and match.group(2) == "MixedIterDataset" and match.group(3) == "weights"
+        and not state_lib.same_field_value(saved[name], current[name])):
+      fields.add(name)
+  if not fields or WEIGHTS not in allow_drift:
+    return Reconciled(position={})
+  lines = tuple(f"{origin}: accepted stream change: {n} {saved[n]} -> {current[n]}; every source continues "
+                "from its own next element." for n in sorted(fields))
+  return Reconciled(position={}, accepted=frozenset(fields), changes=lines)
+
+
+# Grain's MapDataset.mix maps a global index to (source, index) by its weights.
+_INDEX_MIXES = frozenset({"MixedMapDataset"})
+
+
+def _refuse_index_mixture_change(saved: Mapping[str, Any], current: Mapping[str, Any], origin: str) -> None:
+  """Refuses new weights of a Grain MapDataset.mix, whatever allow_drift says.
+
+  Its position is a global index; under other weights that index maps to
+  other records of every source, so continuing there would skip some and
+  repeat others (measured: records 10-15 of a source never trained).
+  """
+  for name in sorted(set(saved) | set(current)):
+    match = _NODE_FIELD.match(name)
+    if match is None or match.group(2) not in _INDEX_MIXES or match.group(3) != "weights":
+      continue
+    before, after = saved.get(name, _ABSENT), current.get(name, _ABSENT)
+    if before is _ABSENT or after is _ABSENT or state_lib.same_field_value(before, after):
+      continue
+    error = errors.ConfigDriftError({name: (before, after)}, origin=origin)
+    error.args = (
+        f"{origin}: the weights of a grain MapDataset.mix changed ({name}: {before} -> {after}). Its "
+        "position is one global index, which new weights map to other records of every source: "
+        "continuing there would skip some and repeat others, so this is refused even with allow_drift. "
+        "Restore with the saved weights; to reweight between restarts build the mixture with "
+        "ckpt_iter.make_dataset({name: source, ...}, weights={...}) or grain.IterDataset.mix over "
+        "named datasets, whose states keep each source's own position (docs/changing_the_run.md).",)
+    raise error
 
 
 class _Plan:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 import numbers
 import types
 from typing import Any, Callable, Iterator, Mapping
@@ -446,6 +447,28 @@ def _range(node: Any) -> dict[str, Any]:
   return {"start": int(node.start), "stop": int(node.stop), "step": int(node.step)}
 
 
+def _mix_weights(shares: Any) -> str:
+  """Integer proportions as "a:b:...", in lowest terms (Grain scales them; the ratio is what mixes)."""
+  ints = [int(p) for p in shares]
+  divisor = math.gcd(*ints) or 1
+  return ":".join(str(p // divisor) for p in ints)
+
+
+def _mixed_map(node: Any) -> dict[str, Any]:
+  shares = getattr(node._selection_map, "_proportions", None)  # pylint: disable=protected-access
+  if shares is None:  # a custom selection map (select_from_datasets): its class names it
+    return {"selection": qualified_name(type(node._selection_map))}  # pylint: disable=protected-access
+  return {"weights": _mix_weights(shares)}
+
+
+def _mixed_iter(node: Any) -> dict[str, Any]:
+  params = {"weights": _mix_weights(node._proportions)}  # pylint: disable=protected-access
+  structure = node._parents_structure  # pylint: disable=protected-access
+  if isinstance(structure, Mapping):
+    params["names"] = ",".join(sorted(structure))
+  return params
+
+
 def _source(node: Any) -> dict[str, Any]:
   return _source_params(node._source, prefix="")  # pylint: disable=protected-access
 
@@ -469,6 +492,8 @@ _DESCRIBERS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "FilterIterDataset": _filter,
     "RangeMapDataset": _range,
     "SourceMapDataset": _source,
+    "MixedMapDataset": _mixed_map,
+    "MixedIterDataset": _mixed_iter,
 }
 
 

@@ -1,42 +1,58 @@
-"""make_dataset: the Grain MapDataset that training configs build.
+"""make_dataset: the Grain dataset that training configs build.
 
-The pipeline is defined over *global* batches so that its position means the
-same thing on every process and for every process count:
+The pipeline reads one global stream of records (`_records`: one source's
+epochs, or a weighted mixture of named sources) and cuts it into *global*
+batches, of which each process takes its rows:
 
-  epoch e, global batch t, process i, row j  ->  record perm_e(t*G + i*B + j)
+  global batch k = stream records [s_k, s_k + G), process i holds rows [i*B, (i+1)*B)
 
-where B is the per-process batch size, G = B * shard_count the global batch
-size and perm_e the epoch's permutation (the identity without a seed). Element
-k of the dataset is the k-th local batch of this process; all processes agree
-on k, so a checkpoint's `next_index` is a global position and a run can resume
-with another process count as long as G is the same (see docs/multihost.md).
+where B is the per-process batch size and G = B * shard_count the global one.
+Element k of the dataset is this process's part of global batch k. A
+checkpoint's position counts stream records (`next_record`), not batches, so
+it means the same for every batch size and every process count: a restart
+with another batch size or process count continues at the very next record
+(docs/changing_the_run.md).
+
+With `filter` or `pack` the records are filtered and packed in fixed chunks
+dealt to a fixed number of lanes (`_lanes`), so that the filtered and packed
+stream is also the same for every process count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import numbers
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import grain
 import jax
 import numpy as np
 
 from ckpt_iter import _graph
+from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
+from ckpt_iter import state as state_lib
 
 # A fingerprint field saying the position means the same on every process
 # (set for Grain's ElasticIterator; make_dataset says it by global_batch_size).
 POSITION_SCOPE_FIELD = "position_scope"
+NEXT_RECORD = _records.NEXT_RECORD
+MIXTURE = _records.MIXTURE
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
-  """The defining fields of a make_dataset pipeline."""
+  """The defining fields of a make_dataset pipeline.
 
-  source: sources_lib.SourceIdentity
+  `source` is the one source, or None for a mixture, whose named sources
+  and integer shares are `sources` and `shares` (same order).
+  """
+
+  source: sources_lib.SourceIdentity | None
   batch_size: int
   seed: int | None
   num_epochs: int | None
@@ -44,21 +60,67 @@ class DatasetSpec:
   shard_index: int
   shard_count: int
   transform: str | None
+  sources: tuple[tuple[str, sources_lib.SourceIdentity], ...] = ()
+  shares: tuple[tuple[str, int], ...] = ()
 
   @property
   def global_batch_size(self) -> int:
     return self.batch_size * self.shard_count
 
   @property
-  def batches_per_epoch(self) -> int:
-    full, rest = divmod(self.source.length, self.global_batch_size)
-    return full + (1 if rest and not self.drop_remainder else 0)
+  def is_mixture(self) -> bool:
+    return self.source is None
+
+  def stream_length(self) -> int:
+    """Records in the stream of a single source (INFINITE without num_epochs)."""
+    if self.num_epochs is None:
+      return _records.INFINITE
+    return self.source.length * self.num_epochs
+
+  def source_limits(self) -> dict[str, int]:
+    """name -> records of its own stream a mixture may read (num_epochs of its epochs)."""
+    return {name: _records.INFINITE if self.num_epochs is None else identity.length * self.num_epochs
+            for name, identity in self.sources}
+
+  def initial_plan(self) -> _records.BatchPlan:
+    return self.plan_at(0, None)
+
+  def plan_at(self, next_record: int, mixture: _records.Mixture | None) -> _records.BatchPlan:
+    """The batches of this pipeline that start at stream record `next_record`."""
+    if self.is_mixture:
+      stream_length = (mixture or self.initial_mixture()).length(self.source_limits())
+      epoch_length = None
+    else:
+      stream_length, epoch_length = self.stream_length(), self.source.length
+    return _records.BatchPlan.at(
+        next_record, batch_size=self.global_batch_size, drop_remainder=self.drop_remainder,
+        epoch_length=epoch_length, stream_length=stream_length)
+
+  def initial_mixture(self) -> _records.Mixture:
+    return _records.Mixture(shares=dict(self.shares))
+
+  @property
+  def batches_per_epoch(self) -> int | None:
+    """Global batches per epoch of a single source (None for a mixture: its sources have no common epoch)."""
+    return None if self.is_mixture else self.initial_plan().batches_per_epoch
 
   def fingerprint(self) -> dict[str, Any]:
-    return {
-        "source": self.source.description,
-        "source_length": self.source.length,
-        "source_digest": self.source.digest,
+    fields: dict[str, Any] = {}
+    if self.is_mixture:
+      fields["source"] = "mixture[" + ",".join(name for name, _ in self.sources) + "]"
+      for name, identity in self.sources:
+        fields[f"source[{name}]"] = identity.description
+        fields[f"source_length[{name}]"] = identity.length
+        fields[f"source_digest[{name}]"] = identity.digest
+      for name, share in self.shares:
+        fields[f"weight[{name}]"] = share
+    else:
+      fields.update({
+          "source": self.source.description,
+          "source_length": self.source.length,
+          "source_digest": self.source.digest,
+      })
+    fields.update({
         "seed": self.seed,
         "num_epochs": self.num_epochs,
         "drop_remainder": self.drop_remainder,
@@ -68,7 +130,8 @@ class DatasetSpec:
         "shard_index": self.shard_index,
         "shard_count": self.shard_count,
         "transform": self.transform,
-    }
+    })
+    return fields
 
 
 def make_dataset(
@@ -81,26 +144,52 @@ def make_dataset(
     shard_index: int | None = None,
     shard_count: int | None = None,
     transform: Callable[[Any], Any] | None = None,
-) -> grain.MapDataset:
+    weights: Mapping[str, float] | None = None,
+    filter: Callable[[Any], bool] | None = None,  # pylint: disable=redefined-builtin
+    pack: Callable[[Any], Any] | None = None,
+    chunk_size: int = 256,
+    num_lanes: int | None = None,
+) -> grain.MapDataset | grain.IterDataset:
   """Builds the batched Grain dataset of a training config.
 
   Args:
     source: a list of records (dicts); a path, glob or list of paths to
       `.jsonl`, `.parquet` or `.array_record` files (read lazily, never loaded
-      whole); or any random-access data source (`__len__`, `__getitem__`).
-    batch_size: records per batch on this process.
-    seed: shuffle seed; every epoch is a different permutation. None: no shuffle.
-    num_epochs: passes over the source; None repeats forever.
-    drop_remainder: drop the last short batch of each epoch. Must be True when
-      shard_count > 1, so that every process takes the same number of steps.
+      whole); any random-access data source (`__len__`, `__getitem__`); or,
+      with `weights`, a dict of such sources by name (a mixture).
+    batch_size: records (rows) per batch on this process.
+    seed: shuffle seed; every epoch is a different permutation (each source
+      of a mixture has its own, derived from the seed and its name). None: no
+      shuffle.
+    num_epochs: passes over the source; None repeats forever. A mixture ends
+      when its first source would start epoch num_epochs + 1.
+    drop_remainder: drop a batch shorter than the global batch (a single
+      source's last batch of each epoch; a mixture's last batch). Must be True
+      when shard_count > 1, so that every process takes the same number of steps.
     shard_index: this process's shard; defaults to `jax.process_index()`.
     shard_count: number of shards; defaults to `jax.process_count()`.
     transform: a per-record function (e.g. tokenization), applied lazily.
+    weights: name -> relative weight of each source in `source` (a dict):
+      records are interleaved in these proportions, and the state keeps how
+      far each source has been read, so a restart may reweight, add or remove
+      sources (declared with allow_drift={"weights"} / {"sources"};
+      docs/changing_the_run.md).
+    filter: a per-record predicate (after `transform`); False drops the record.
+    pack: a function from a `grain.IterDataset` of one chunk's records (after
+      `filter`) to an iterable of rows, e.g. one of Grain's packing
+      transforms (`lambda ds: grain.experimental.FirstFitPackIterDataset(ds, ...)`).
+    chunk_size: with `filter` or `pack`, the stream records filtered and
+      packed as one unit.
+    num_lanes: with `filter` or `pack`, how many lanes share the chunks
+      (chunk c goes to lane c % num_lanes); each global batch takes
+      global_batch_size / num_lanes rows from every lane. A restart may use
+      any process count dividing num_lanes. Defaults to shard_count.
 
   Returns:
     A `grain.MapDataset` of dict batches of numpy arrays with a leading batch
     dimension (`{"prompts": array([...]), ...}`), the input format of a Tunix
-    RL learner. Iterate it with `ckpt_iter.DataIterator` to checkpoint it.
+    RL learner; with `filter` or `pack`, a `grain.IterDataset` of such batches.
+    Iterate it with `ckpt_iter.DataIterator` to checkpoint it.
 
   Raises:
     InvalidArgumentError: an argument is invalid; the message names it.
@@ -120,56 +209,122 @@ def make_dataset(
         f"drop_remainder=False with shard_count={shard_count}: the last short "
         "batch would give processes different step counts. Pass drop_remainder=True."
     )
-  if transform is not None and not callable(transform):
-    raise errors.InvalidArgumentError(
-        f"transform={transform!r} is not callable; pass a function record -> record."
+  for name, fn in (("transform", transform), ("filter", filter), ("pack", pack)):
+    if fn is not None and not callable(fn):
+      raise errors.InvalidArgumentError(
+          f"{name}={fn!r} is not callable; pass a function (see make_dataset's docstring)."
+      )
+  named = _resolve_sources(source, weights)
+  if weights is None:
+    (_, (records, identity)), = named.items()
+    spec = DatasetSpec(
+        source=identity, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
+        drop_remainder=drop_remainder, shard_index=shard_index, shard_count=shard_count,
+        transform=None if transform is None else _qualified_name(transform),
     )
-  records, identity = sources_lib.resolve_source(source)
-  spec = DatasetSpec(
-      source=identity,
-      batch_size=batch_size,
-      seed=seed,
-      num_epochs=num_epochs,
-      drop_remainder=drop_remainder,
-      shard_index=shard_index,
-      shard_count=shard_count,
-      transform=None if transform is None else _qualified_name(transform),
-  )
-  if spec.batches_per_epoch == 0:
+    parents = [_record_dataset(records, seed, transform)]
+  else:
+    shares = _records.proportions(weights)
+    spec = DatasetSpec(
+        source=None, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
+        drop_remainder=drop_remainder, shard_index=shard_index, shard_count=shard_count,
+        transform=None if transform is None else _qualified_name(transform),
+        sources=tuple((name, identity) for name, (_, identity) in named.items()),
+        shares=tuple(shares.items()),
+    )
+    parents = [_record_dataset(records, None if seed is None else source_seed(seed, name), transform)
+               for name, (records, _) in named.items()]
+  if filter is not None or pack is not None:
+    from ckpt_iter import _lanes  # pylint: disable=g-import-not-at-top  (it imports this module)
+    return _lanes.LaneDataset(parents, spec, _lanes.LaneSpec.of(
+        spec, filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes))
+  if len(spec.initial_plan()) == 0:
     raise errors.InvalidArgumentError(
-        f"source has {identity.length} records, fewer than one global batch of "
+        f"source has {_describe_length(spec)} records, fewer than one global batch of "
         f"{spec.global_batch_size} (batch_size={batch_size} x shard_count={shard_count}); "
         "the dataset would be empty. Use a smaller batch_size or drop_remainder=False."
     )
-  # Index e*L + p of `records_ds` is record perm_e(p): Grain's shuffle gives
-  # each epoch its own permutation for indices past the first epoch.
-  records_ds = grain.MapDataset.source(records)
+  return GlobalBatchDataset(parents, spec)
+
+
+_short = state_lib.short_repr
+
+
+def _describe_length(spec: DatasetSpec) -> str:
+  if not spec.is_mixture:
+    return str(spec.source.length)
+  return " + ".join(f"{identity.length} ({name})" for name, identity in spec.sources)
+
+
+def source_seed(seed: int, name: str) -> int:
+  """The shuffle seed of a mixture's source `name`: its own, derived from the run's seed."""
+  digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
+  return int.from_bytes(digest, "little")
+
+
+def _resolve_sources(source: Any, weights: Any) -> dict[str, tuple[Any, sources_lib.SourceIdentity]]:
+  """name -> (records, identity); the one source of a single-source dataset is named ""."""
+  if weights is None:
+    if isinstance(source, Mapping) and source and all(isinstance(k, str) for k in source) and not any(
+        isinstance(v, (str, int, float, bool)) or v is None for v in source.values()):
+      raise errors.InvalidArgumentError(
+          f"source={_short(source)} is a dict of sources: a mixture needs weights={{name: weight, ...}} "
+          f"(e.g. weights={{{', '.join(repr(k) + ': 1.0' for k in list(source)[:3])}}}).")
+    return {"": sources_lib.resolve_source(source)}
+  if not isinstance(weights, Mapping):
+    raise errors.InvalidArgumentError(
+        f"weights={_short(weights)} must be a dict {{source name: weight}} matching source's names.")
+  if not isinstance(source, Mapping):
+    raise errors.InvalidArgumentError(
+        f"weights={_short(weights)} is given, so source must be a dict {{name: source}}; got {_short(source)}.")
+  bad = [k for k in source if not isinstance(k, str) or not k or not k.isidentifier()]
+  if bad:
+    raise errors.InvalidArgumentError(
+        f"source names {bad!r} must be non-empty identifiers (they name fingerprint fields and ledger entries).")
+  if set(source) != set(weights):
+    raise errors.InvalidArgumentError(
+        f"source names {sorted(source)} and weights names {sorted(weights)} differ; give every source a weight.")
+  return {name: sources_lib.resolve_source(source[name]) for name in weights}
+
+
+def _record_dataset(records: Any, seed: int | None, transform: Callable[[Any], Any] | None) -> grain.MapDataset:
+  # Index e*L + p is record perm_e(p): Grain's shuffle gives each epoch its
+  # own permutation for indices past the first epoch (a source wraps around).
+  dataset = grain.MapDataset.source(records)
   if seed is not None:
-    records_ds = records_ds.shuffle(seed=seed)
+    dataset = dataset.shuffle(seed=seed)
   if transform is not None:
-    records_ds = records_ds.map(transform)
-  return GlobalBatchDataset(records_ds, spec)
+    dataset = dataset.map(transform)
+  return dataset
 
 
 class GlobalBatchDataset(grain.MapDataset):
   """This process's rows of each global batch, stacked into one batch.
 
-  Element k is local batch k: epoch k // batches_per_epoch, global batch
-  k % batches_per_epoch within it. Carries the DatasetSpec that fingerprints it.
+  Element k is this process's rows of global batch k of its `BatchPlan`.
+  A fresh dataset's plan starts at stream record 0; a `DataIterator`
+  restoring a position moves it (`restart_at`), so that the next element
+  starts at exactly the restored record whatever the batch size. Carries the
+  DatasetSpec that fingerprints it.
   """
 
-  def __init__(self, parent: grain.MapDataset, spec: DatasetSpec):
-    super().__init__(parent)
+  def __init__(self, parents: list[grain.MapDataset], spec: DatasetSpec):
+    super().__init__(parents)
     self.spec = spec
-    self._epoch_length = spec.source.length
-    self._batches_per_epoch = spec.batches_per_epoch
-    if spec.num_epochs is None:
-      self._length = sys.maxsize
-    else:
-      self._length = spec.batches_per_epoch * spec.num_epochs
+    self._names = [name for name, _ in spec.sources]
+    self._plan = spec.initial_plan()
+    self._mixture = spec.initial_mixture() if spec.is_mixture else None
+
+  @property
+  def plan(self) -> _records.BatchPlan:
+    return self._plan
+
+  @property
+  def mixture(self) -> _records.Mixture | None:
+    return self._mixture
 
   def __len__(self) -> int:
-    return self._length
+    return len(self._plan)
 
   def __str__(self) -> str:
     shard = f"{self.spec.shard_index}/{self.spec.shard_count}"
@@ -183,12 +338,75 @@ class GlobalBatchDataset(grain.MapDataset):
     # each with its own permutation, as Grain's shuffle does.
     if index < 0:
       raise IndexError(f"batch index {index} is negative")
-    epoch, batch = divmod(index, self._batches_per_epoch)
-    first = batch * self.spec.global_batch_size + self.spec.shard_index * self.spec.batch_size
-    last = min(first + self.spec.batch_size, self._epoch_length)
-    base = epoch * self._epoch_length
-    records = [self._parent[base + p] for p in range(first, last)]
-    return stack_records(records)
+    start, stop = self._plan.span(index)
+    first = start + self.spec.shard_index * self.spec.batch_size
+    last = min(first + self.spec.batch_size, stop)
+    return stack_records([self.record(g) for g in range(first, last)])
+
+  def record(self, stream_record: int) -> Any:
+    """Record `stream_record` of the global stream."""
+    if self._mixture is None:
+      return self._parent[stream_record]
+    name, index = self._mixture.source_of(stream_record)
+    return self.parents[self._names.index(name)][index]
+
+  def locate(self, stream_record: int) -> tuple[str, int]:
+    """(source name, index in that source's own stream) of a stream record ("" for a single source)."""
+    if self._mixture is None:
+      return "", stream_record
+    return self._mixture.source_of(stream_record)
+
+  # -- the position a state holds
+
+  def position(self, next_index: int) -> dict[str, Any]:
+    """The state position of batch `next_index`: the stream record it starts at (and the mixture's ledger)."""
+    position: dict[str, Any] = {NEXT_RECORD: self._plan.next_record(next_index)}
+    if self._mixture is not None:
+      position[MIXTURE] = self._mixture.to_json()
+    return position
+
+  def position_of_index(self, next_index: int) -> dict[str, Any]:
+    """The position of batch `next_index` of this pipeline as built (plan and mixture from the start)."""
+    position: dict[str, Any] = {NEXT_RECORD: self.spec.initial_plan().next_record(next_index)}
+    if self.spec.is_mixture:
+      position[MIXTURE] = self.spec.initial_mixture().to_json()
+    return position
+
+  def spec_mixture(self, position: Mapping[str, Any], *, origin: str) -> _records.Mixture | None:
+    """The mixture a reconciled position continues (None for a single source)."""
+    if not self.spec.is_mixture:
+      return None
+    return _records.Mixture.from_json(position.get(MIXTURE), dict(self.spec.shares), position[NEXT_RECORD],
+                                      origin=origin)
+
+  def restart_at(self, plan: _records.BatchPlan, mixture: _records.Mixture | None) -> None:
+    """Moves the batches to `plan` (and the mixture to `mixture`): a restore's apply step."""
+    self._plan, self._mixture = plan, mixture
+
+  @contextlib.contextmanager
+  def planned(self, plan: _records.BatchPlan, mixture: _records.Mixture | None) -> Iterator[None]:
+    """Reads under `plan` for the duration (a restore's content check), then as before."""
+    before = self._plan, self._mixture
+    self.restart_at(plan, mixture)
+    try:
+      yield
+    finally:
+      self.restart_at(*before)
+
+
+def record_node(dataset: Any) -> "GlobalBatchDataset | None":
+  """make_dataset's node, when a position of `dataset` can count its stream records.
+
+  That holds when every node above it maps one batch index to the same index
+  (`_records.RECORD_ADDRESSED_ABOVE`), so batch k of the pipeline is batch k
+  of make_dataset's plan.
+  """
+  if not isinstance(dataset, grain.MapDataset):
+    return None
+  node, above = _find_spec_node(dataset)
+  if node is None or any(kind not in _records.RECORD_ADDRESSED_ABOVE for kind in above):
+    return None
+  return node
 
 
 def stack_records(records: list[Any]) -> Any:

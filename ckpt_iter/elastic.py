@@ -89,6 +89,18 @@ def resize_refusal(kind: str, fingerprint: Mapping[str, Any]) -> str | None:
   return None
 
 
+def data_part(state: state_lib.IteratorState) -> state_lib.IteratorState:
+  """The data state a state's position rests on: itself, or a repeat state's parent."""
+  return state.part if state.kind == "repeat" and state.part is not None else state
+
+
+def state_refusal(state: state_lib.IteratorState) -> str | None:
+  """`resize_refusal` of a saved state (a repeat state's by its parent's pipeline)."""
+  if state.kind == "tunix":
+    return resize_refusal("tunix", state.fingerprint)
+  return resize_refusal("data", data_part(state).fingerprint)
+
+
 def read_for_process(
     directory: str | os.PathLike[str],
     process_index: int,
@@ -269,7 +281,7 @@ def _resliced(
 def _check_resizable(
     directory: str, state: state_lib.IteratorState, saved_count: int, process_count: int
 ) -> None:
-  reason = resize_refusal(state.kind, state.fingerprint)
+  reason = state_refusal(state)
   if reason is not None:
     raise errors.UnsupportedConfigError(
         f"{directory}: elastic resume from {saved_count} to {process_count} "
@@ -291,7 +303,7 @@ def _check_agree(
 ) -> None:
   """`check_agree` for some of the `count` states, keyed by process index (0 included)."""
   first = states[0]
-  global_position = resize_refusal(first.kind, first.fingerprint) is None
+  global_position = state_refusal(first) is None
   reference = _files.process_file_stem(0, count) + ".json"
   for index, state in sorted(states.items()):
     name = _files.process_file_stem(index, count) + ".json"
@@ -303,7 +315,7 @@ def _check_agree(
           "The files come from different runs or steps: restore an earlier step."
       )
 
-    fingerprint = state.fingerprint
+    fingerprint = data_part(state).fingerprint
     if "shard_count" in fingerprint and (
         fingerprint.get("shard_index") != index or fingerprint.get("shard_count") != count
     ):
@@ -316,16 +328,19 @@ def _check_agree(
       continue
     fields = ("kind", "format_version")
     if global_position:
-      fields += ("position", "shuffle_key", "counters")
+      fields += ("shuffle_key", "counters")
     for field in fields:
       if getattr(state, field) != getattr(first, field):
         raise disagree(field, getattr(state, field), getattr(first, field))
-    for field in sorted(set(fingerprint) | set(first.fingerprint)):
-      if field in PER_PROCESS_FIELDS:
-        continue
-      here, there = fingerprint.get(field, state_lib.ABSENT), first.fingerprint.get(field, state_lib.ABSENT)
-      if type(here) is not type(there) or here != there:
-        raise disagree(f"fingerprint.{field}", here, there)
+    if global_position and data_part(state).position != data_part(first).position:
+      raise disagree("position", data_part(state).position, data_part(first).position)
+    for prefix, here_fields, there_fields in _fingerprints(state, first):
+      for field in sorted(set(here_fields) | set(there_fields)):
+        if field in PER_PROCESS_FIELDS:
+          continue
+        here, there = here_fields.get(field, state_lib.ABSENT), there_fields.get(field, state_lib.ABSENT)
+        if type(here) is not type(there) or here != there:
+          raise disagree(f"{prefix}fingerprint.{field}", here, there)
     if not global_position:
       continue
     if (state.pending is None) != (first.pending is None):
@@ -338,6 +353,14 @@ def _check_agree(
         raise disagree("pending.schedule", state.pending.schedule, first.pending.schedule)
       if len(state.pending.items) != len(first.pending.items):
         raise disagree("len(pending.items)", len(state.pending.items), len(first.pending.items))
+
+
+def _fingerprints(state: state_lib.IteratorState, first: state_lib.IteratorState) -> list[tuple[str, Any, Any]]:
+  """(field prefix, this state's fingerprint, process 0's) for a state and the data state it nests."""
+  pairs = [("", state.fingerprint, first.fingerprint)]
+  if state.kind == "repeat" and state.part is not None and first.part is not None:
+    pairs.append((f"position.{state_lib.NESTED['repeat']}.", state.part.fingerprint, first.part.fingerprint))
+  return pairs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,6 +103,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     super().__init__(self._inner)
     self._fingerprint = dataset_lib.describe_pipeline(dataset)
     self._spec, _ = dataset_lib.find_spec(dataset)
+    # make_dataset's node when the position can count its stream records.
+    self._records = dataset_lib.record_node(dataset)
     self._allow_drift = frozenset(allow_drift)
     self._check_content = bool(check_content)
     self._records_last = self._length is not None and self._check_content
@@ -136,9 +138,17 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     return element
 
   def position(self) -> Any:
-    """The Grain position of the next unread element, as a state holds it."""
+    """The position of the next unread element, as a state holds it.
+
+    For a make_dataset pipeline (with only per-batch maps after it), the
+    stream record the next batch starts at (`{"next_record": R}`, and a
+    mixture's ledger); otherwise Grain's own iterator state.
+    """
+    grain_position = self._inner.get_state()
+    if self._records is not None:
+      return self._records.position(grain_position["next_index"])
     # Through JSON and back: the state holds what a checkpoint would.
-    return codec.position_from_json(codec.position_to_json(self._inner.get_state()))
+    return codec.position_from_json(codec.position_to_json(grain_position))
 
   def state(self) -> state_lib.IteratorState:
     """The current state as an immutable value."""
@@ -190,6 +200,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     # Content names accept the content check's refusal; they are no fingerprint field.
     content_allowed = {name for name in allowed if name == "content" or name.startswith("content.")}
     allowed -= content_allowed
+    # Declared changes of a mixture (`_drift.WEIGHTS`, `_drift.SOURCES`): no fingerprint field either.
+    declared = allowed & _DECLARED_CHANGES
     # Before the general check, and whatever allow_drift says: another
     # mp_prefetch worker count is translated to this one, or refused with the
     # reason (_graph.resume_workers, docs/guarantees.md "Worker processes").
@@ -206,9 +218,11 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
         allow_drift=allowed, origin=origin, parent_length=self._parent_length,
     )
     state_lib.check_fingerprint(
-        state.fingerprint, self._fingerprint, allow_drift=allowed | resume.accepted, origin=origin
+        state.fingerprint, self._fingerprint, allow_drift=(allowed - declared) | resume.accepted, origin=origin
     )
     position = resume.position
+    if self._records is not None:
+      return self._check_record_position(state, position, resume, content_allowed, origin)
     if self._length is not None:
       next_index = position.get("next_index")
       if (
@@ -263,6 +277,55 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
     return apply_fresh
 
+  def _check_record_position(
+      self, state: state_lib.IteratorState, position: Mapping[str, Any], resume: _drift.Reconciled,
+      content_allowed: Collection[str], origin: str,
+  ) -> Callable[[], None]:
+    """The rest of `check_restore` for a position that counts stream records (make_dataset)."""
+    if set(position) == {"next_index"} and state_lib.is_int(position["next_index"]):
+      # A bare Grain state (format 0): batch k of this pipeline as built.
+      position = self._records.position_of_index(position["next_index"])
+    if dataset_lib.NEXT_RECORD not in position:
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position' is {_short(state.position)}; this make_dataset pipeline's "
+          f"position is {{'{dataset_lib.NEXT_RECORD}': <stream records passed>}}.")
+    node = self._records
+    next_record = position[dataset_lib.NEXT_RECORD]
+    mixture = node.spec_mixture(position, origin=origin)
+    plan = node.spec.plan_at(next_record, mixture)
+    next_index = plan.index_of(next_record)
+    if next_index is None or next_record > plan.stream_length:
+      raise errors.InvalidStateError(
+          f"{origin}: the saved position (stream record {next_record}) is past the end of this "
+          f"pipeline's stream ({plan.stream_length} records). Restore it into the pipeline that wrote "
+          "it, or one with more epochs.")
+    if state.content is None:
+      content_check = "none recorded"
+    elif not self._check_content:
+      content_check = "off (check_content=False)"
+    elif content_allowed:
+      content_check = "not checked (allow_drift names the content)"
+    elif resume.changes or state_lib.differing_fields(state.fingerprint, self._fingerprint):
+      content_check = "not applicable (the pipeline changed; the stream was checked instead)"
+    else:
+      with node.planned(plan, mixture):
+        content_check = self._check_same_content(state.content, next_index, origin)
+    # A restore under another batch plan holds no element of this plan before it.
+    changed = bool(resume.changes)
+
+    def apply() -> None:
+      node.restart_at(plan, mixture)
+      # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
+      self._length = len(self._dataset)
+      fresh = self._new_inner()
+      fresh.set_state({"next_index": next_index})
+      self._replace_inner(fresh)
+      self._adopt(state, content_carried=not changed)
+      self.restored_content_check = content_check
+      resume.log()
+
+    return apply
+
   def _check_same_content(self, saved: Any, next_index: int, origin: str) -> str:
     """Produces the element before `next_index` again and compares it with the saved digest.
 
@@ -291,11 +354,16 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       raise errors.ContentDriftError(*difference, index=index, origin=origin)
     return f"same element at index {index}"
 
-  def _adopt(self, state: state_lib.IteratorState) -> None:
-    """Carries the restored state's content record and lineage on."""
+  def _adopt(self, state: state_lib.IteratorState, *, content_carried: bool = True) -> None:
+    """Carries the restored state's content record and lineage on.
+
+    A restore that re-cut the batches (another batch size) carries no
+    content record: the element it describes is no element of this pipeline.
+    """
     self._last = _NOTHING
     self._digested = (_NOTHING, None)
-    self._restored_content = state.content if self._records_last else None
+    restored = state.content if content_carried else {"check": _CONTENT_RECUT}
+    self._restored_content = restored if self._records_last else None
     self._lineage = state.lineage
 
   @property
@@ -344,7 +412,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           f"{sorted(allowed & elastic.ELASTIC_FIELDS)}) {reason} Resume with the "
           "same shard_count."
       )
-    if fingerprint.get("global_batch_size") != self._fingerprint.get("global_batch_size"):
+    if self._records is None and fingerprint.get("global_batch_size") != self._fingerprint.get("global_batch_size"):
       saved = fingerprint.get("global_batch_size")
       here = self._fingerprint.get("global_batch_size")
       raise errors.ConfigDriftError(
@@ -371,4 +439,6 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 _short = state_lib.short_repr
 _NOTHING = object()
 _CONTENT_OFF = "off: check_content=False"
+_CONTENT_RECUT = "unavailable: restored under another batch plan, no batch read since"
+_DECLARED_CHANGES = frozenset({_drift.WEIGHTS, _drift.SOURCES})
 _CONTENT_LOOKBACK = 64

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpt_iter import _codec as codec
+from ckpt_iter import _learner_state
+from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
 MAX_RECENT = state_lib.MAX_LINEAGE_RECENT
@@ -43,7 +45,7 @@ def state_digest(value: state_lib.IteratorState) -> str:
   the restore compute the same value.
   """
   return _digest_of_fields(
-      value.kind, value.fingerprint, codec.position_to_json(value.position),
+      value.kind, value.fingerprint, codec.position_to_json(value.to_dict()["position"]),
       value.shuffle_key, None if value.pending is None else value.pending.schedule, value.counters,
   )
 
@@ -65,14 +67,33 @@ def header_digests(
   if value is None:
     value = codec.header_state(header, origin=origin)
   digests = (_value_digest(value),)
-  if header.get("format_version") == 1 and header.get("kind") == "tunix":
-    as_written = _value_digest(state_lib.validated(header, origin))
-    digests += () if as_written in digests else (as_written,)
+  version = header.get("format_version")
+  if state_lib.is_int(version) and version < state_lib.FORMAT_VERSION:
+    # A ckpt_iter of that format recorded the digest of the state as it read it:
+    # as written, and a format-1 learner state nested as formats 2-3 read it.
+    forms = [header]
+    if version == 1 and header.get("kind") == "tunix":
+      forms.append(_learner_state.migrate_v1(header))
+    for form in forms:
+      digest = _written_digest(form)
+      digests += () if digest is None or digest in digests else (digest,)
   return digests
 
 
+def _written_digest(header: Mapping[str, Any]) -> str | None:
+  """`state_digest` of a header of an older format as that format read it (no reshaping), or None."""
+  pending = header.get("pending")
+  schedule = pending.get("schedule") if isinstance(pending, Mapping) else None
+  try:
+    position = codec.position_to_json(codec.position_from_json(header.get("position")))
+    return _digest_of_fields(header.get("kind"), header.get("fingerprint"), position, header.get("shuffle_key"),
+                             schedule, header.get("counters") or {})
+  except (errors.CkptIterError, TypeError, ValueError):
+    return None
+
+
 def _value_digest(value: state_lib.IteratorState) -> str:
-  position = codec.position_to_json(codec.position_from_json(value.position))
+  position = codec.position_to_json(codec.position_from_json(value.to_dict()["position"]))
   return _digest_of_fields(
       value.kind, value.fingerprint, position, value.shuffle_key,
       None if value.pending is None else value.pending.schedule, value.counters,

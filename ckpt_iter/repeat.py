@@ -20,7 +20,8 @@ from ckpt_iter import _item as item_lib
 from ckpt_iter import iterator as iterator_lib
 from ckpt_iter import state as state_lib
 
-REPEAT_FIELDS = ("num_repeats", "group_size", "shuffle_seed")
+REPEAT_FIELDS = state_lib.REPEAT_FIELDS
+PARENT = state_lib.NESTED["repeat"]
 
 
 def initial_key(seed: int) -> np.ndarray:
@@ -133,8 +134,8 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
 
   @property
   def fingerprint(self) -> dict[str, Any]:
+    """Its own defining fields; its source's are in the source's state (`position.parent`)."""
     return {
-        **self._source.fingerprint,
         "num_repeats": self._num_repeats,
         "group_size": self._group_size,
         "shuffle_seed": self._shuffle_seed,
@@ -177,12 +178,11 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
     return state_lib.IteratorState(
         kind="repeat",
         fingerprint=self.fingerprint,
-        position=self._source.position(),
+        position={PARENT: self._source.state_part()},
         shuffle_key=key_to_ints(self._key),
         pending=pending,
         # Not counted on from a state written without them (an older ckpt_iter).
         counters={"yielded": self._yielded, "produced": self._produced} if self._counted else {},
-        content=self._source.content(),
         lineage=self._lineage,
     )
 
@@ -196,9 +196,8 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
     """The check half of `state_lib.Restorable`; returns the apply half."""
     state_lib.check_kind(state, "repeat", "RepeatIterator", origin)
     allowed = self._allow_drift | frozenset(allow_drift)
-    # One check over all fields, so a drift error names every differing field.
     state_lib.check_fingerprint(
-        state.fingerprint, self.fingerprint, allow_drift=allowed, origin=origin
+        state.fingerprint, self.fingerprint, allow_drift=allowed & set(REPEAT_FIELDS), origin=origin
     )
     if (state.shuffle_key is None) != (self._shuffle_seed is None):
       raise errors.InvalidStateError(
@@ -213,15 +212,13 @@ class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
           f"but a PRNG key here has {np.asarray(self._key).size}. The state is "
           "corrupt, or was written with another jax PRNG implementation."
       )
-    # The source owns its part of the state: the position, under its fields.
-    source_state = state_lib.IteratorState(
-        kind="data",
-        fingerprint={k: v for k, v in state.fingerprint.items() if k not in REPEAT_FIELDS},
-        position=state.position,
-        content=state.content,
-    )
+    # The source owns its part of the state, handed to it unchanged.
+    if state.part is None or set(state.position) != {PARENT}:
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position' is {state_lib.short_repr(state.position)}; a repeat state's "
+          f"position is {{'{PARENT}': <its source's state>}}.")
     apply_source = self._source.check_restore(
-        source_state, allow_drift=allowed - set(REPEAT_FIELDS), origin=origin
+        state.part, allow_drift=allowed - set(REPEAT_FIELDS), origin=origin
     )
 
     def apply() -> None:

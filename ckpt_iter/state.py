@@ -13,10 +13,14 @@ Format version history:
   1  `{format_version, kind, fingerprint, position, shuffle_key, pending,
      counters}` (see docs/state_format.md).
   2  A Tunix learner's state nests its input's (`_learner_state`).
-  3  Pending items stored by structure (`_pytree.encode_items`): written for
-     every state that holds pending items; one without is written as its
-     kind's version, so a ckpt_iter that reads only 1 (data, repeat) or 2
-     (tunix) still reads it.
+  3  Pending items stored by structure (`_pytree.encode_items`).
+  4  One state all the way down: a composite state holds its part's whole
+     state where Grain nests a parent's (a RepeatIterator's under
+     `position.parent`, a Tunix learner's under `position.input`), and a
+     make_dataset position counts stream records (`{"next_record": R}`), so
+     a restart may change the batch size, the process count or a mixture's
+     weights (docs/changing_the_run.md). Every kind is written as 4; 0-3
+     migrate on read (`migrate`).
 """
 
 from __future__ import annotations
@@ -30,25 +34,22 @@ from collections.abc import Mapping  # not typing's: its isinstance is ~3x slowe
 from typing import Any, Callable, Collection
 
 from ckpt_iter import _learner_state
+from ckpt_iter import _records
 from ckpt_iter import errors
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 KINDS = ("data", "repeat", "tunix")
-# The version each kind is written in: the oldest that expresses it. Version 2
-# changed only the Tunix learners' states (their input's state nested,
-# `_learner_state`), so a data or repeat state stays readable by a ckpt_iter
-# that reads version 1. A state holding pending items is stored as version 3
-# (`_codec.encode_state`): its items' layout is what changed there.
-_WRITTEN_VERSION = {"data": 1, "repeat": 1, "tunix": 2}
-
-
-# What a value accepts as `format_version` (it then holds its kind's).
-_VALUE_VERSIONS = frozenset(_WRITTEN_VERSION.values()) | {FORMAT_VERSION}
+# Where a composite kind holds its part's state (in memory an IteratorState,
+# on disk its dict form without format_version), as Grain nests `parent`.
+NESTED = {"repeat": "parent", "tunix": "input"}
+# A RepeatIterator's own fingerprint fields (format 1-3 kept them beside its source's).
+REPEAT_FIELDS = ("num_repeats", "group_size", "shuffle_seed")
 
 
 def written_version(kind: str) -> int:
-  """The format_version a state of `kind` is written with."""
-  return _WRITTEN_VERSION[kind]
+  """The format_version a state of `kind` is written with: the one place that decides it."""
+  del kind  # every kind is written in the current format
+  return FORMAT_VERSION
 
 # Fail fast on absurd inputs instead of allocating for them.
 MAX_PENDING_ITEMS = 1_000_000
@@ -138,7 +139,7 @@ class IteratorState:
          "content": self.content, "lineage": self.lineage},
         "IteratorState",
     )
-    if self.format_version not in _VALUE_VERSIONS:
+    if self.format_version != FORMAT_VERSION:
       raise errors.InvalidStateError(
           f"IteratorState: format_version is {_short(self.format_version)}; a value is always of "
           f"the current format ({FORMAT_VERSION}): read older ones with IteratorState.from_dict."
@@ -170,6 +171,26 @@ class IteratorState:
     return hash((self.kind, _canonical_json(self.fingerprint), _canonical_json(self.position),
                  self.shuffle_key, _canonical_json(self.counters),
                  None if self.pending is None else self.pending.schedule))
+
+  def nested_dict(self, *, content: bool = True) -> dict[str, Any]:
+    """The dict form a composite state holds this one in: no format_version or lineage of its own."""
+    result: dict[str, Any] = {
+        "kind": self.kind, "fingerprint": dict(self.fingerprint), "position": _thawed(self.position, content=content),
+    }
+    if self.shuffle_key is not None:
+      result["shuffle_key"] = list(self.shuffle_key)
+    if self.counters:
+      result["counters"] = dict(self.counters)
+    if content and self.content is not None:
+      result["content"] = _thawed(self.content)
+    return result
+
+  @property
+  def part(self) -> "IteratorState | None":
+    """The state of the part a composite state nests (a repeat's parent, a learner's input), or None."""
+    key = NESTED.get(self.kind)
+    part = None if key is None else self.position.get(key)
+    return part if isinstance(part, IteratorState) else None
 
   def to_dict(self) -> dict[str, Any]:
     """Returns the Grain-protocol dict form (format_version first), as new mutable dicts."""
@@ -245,8 +266,42 @@ def migrate(value: Any, *, origin: str = "the state") -> dict[str, Any]:
         "Grain state has no format_version field at all)."
     )
   if version == 1 and isinstance(value.get("kind"), str) and value["kind"] == "tunix":
-    return _learner_state.migrate_v1(value)
+    value = _learner_state.migrate_v1(value)
+  if version < 4:
+    return _to_v4(value)
   return dict(value)
+
+
+def _to_v4(value: Mapping[str, Any]) -> dict[str, Any]:
+  """A state of format 1-3 (a learner's already nested) reshaped as format 4.
+
+  A repeat state nests its source's (the fingerprint fields that are not its
+  own, the position, the content record); the make_dataset position of the
+  data state inside becomes the stream record it stands for
+  (`_records.next_record_of_index`). Anything malformed is left as it is, for
+  validation to refuse naming the field.
+  """
+  result = dict(value)
+  kind, fingerprint, position = value.get("kind"), value.get("fingerprint"), value.get("position")
+  if not isinstance(fingerprint, Mapping) or not isinstance(position, Mapping):
+    return result
+  if kind == "data":
+    result["position"] = _records.next_record_of_index(fingerprint, position)
+  elif kind == "repeat" and NESTED["repeat"] not in position:
+    parent = {"kind": "data", "fingerprint": {k: v for k, v in fingerprint.items() if k not in REPEAT_FIELDS},
+              "position": position}
+    parent["position"] = _records.next_record_of_index(parent["fingerprint"], position)
+    if value.get("content") is not None:
+      parent["content"] = value["content"]
+    result["fingerprint"] = {k: v for k, v in fingerprint.items() if k in REPEAT_FIELDS}
+    result["position"] = {NESTED["repeat"]: parent}
+    result.pop("content", None)
+  elif kind == "tunix" and isinstance(position.get(NESTED["tunix"]), Mapping):
+    part = dict(position[NESTED["tunix"]])
+    if isinstance(part.get("fingerprint"), Mapping) and isinstance(part.get("position"), Mapping):
+      part["position"] = _records.next_record_of_index(part["fingerprint"], part["position"])
+    result["position"] = {**position, NESTED["tunix"]: part}
+  return result
 
 
 def validated(value: Mapping[str, Any], origin: str) -> IteratorState:
@@ -254,7 +309,7 @@ def validated(value: Mapping[str, Any], origin: str) -> IteratorState:
   return IteratorState._from_checked(_checked_fields(value, origin))  # pylint: disable=protected-access
 
 
-def _checked_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
+def _checked_fields(value: Mapping[str, Any], origin: str, depth: int = 0) -> dict[str, Any]:
   """The fields of a state, checked and copied into read-only form.
 
   The one validation of a state's fields: for a dict read from a file
@@ -300,16 +355,36 @@ def _checked_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
     raise errors.InvalidStateError(
         f"{origin}: field 'counters' must map names to integers, got {_short(counters)}."
     )
+  position = _checked_copy(position, "position", origin)
+  key = NESTED.get(kind)
+  if key is not None and isinstance(position.get(key), Mapping):
+    position[key] = _nested_state(position[key], f"{origin} (position.{key})", depth)
   return {
       "kind": kind,
       "fingerprint": FrozenDict(fingerprint),
-      "position": FrozenDict(_checked_copy(position, "position", origin)),
+      "position": FrozenDict(position),
       "shuffle_key": shuffle_key,
       "pending": pending,
       "counters": FrozenDict({k: int(v) for k, v in counters.items()}),
       "content": _checked_content(value.get("content"), origin),
       "lineage": _checked_lineage(value.get("lineage"), origin),
   }
+
+
+_NESTED_FIELDS = frozenset({"kind", "fingerprint", "position", "content", "shuffle_key", "counters"})
+_MAX_NESTED_STATES = 4
+
+
+def _nested_state(value: Mapping[str, Any], origin: str, depth: int) -> "IteratorState":
+  """The state a composite's position nests, validated as a top-level one (no lineage or pending)."""
+  if depth >= _MAX_NESTED_STATES:
+    raise errors.InvalidStateError(f"{origin}: states nested more than {_MAX_NESTED_STATES} deep; none is.")
+  extra = set(value) - _NESTED_FIELDS
+  if extra:
+    raise errors.InvalidStateError(
+        f"{origin}: a nested state holds {sorted(extra)}; it may hold only {sorted(_NESTED_FIELDS)} "
+        "(pending items and the lineage belong to the outermost state).")
+  return IteratorState._from_checked(_checked_fields(value, origin, depth + 1))  # pylint: disable=protected-access
 
 
 # Optional fields Grain's dict form (`RestorableIterator.get_state`) holds as
@@ -447,20 +522,23 @@ def _checked_copy(value: Any, field: str, origin: str, depth: int = 0) -> Any:
   return value
 
 
-def _thawed(value: Any) -> Any:
+def _thawed(value: Any, *, content: bool = True) -> Any:
   """A deep copy of a JSON-like value as plain dicts and lists (tuples stay tuples:
-  a Grain position tells them apart)."""
+  a Grain position tells them apart); a nested state as its dict form."""
+  if isinstance(value, IteratorState):
+    return value.nested_dict(content=content)
   if isinstance(value, Mapping):
-    return {k: _thawed(v) for k, v in value.items()}
+    return {k: _thawed(v, content=content) for k, v in value.items()}
   if isinstance(value, list):
-    return [_thawed(v) for v in value]
+    return [_thawed(v, content=content) for v in value]
   if isinstance(value, tuple):
-    return tuple(_thawed(v) for v in value)
+    return tuple(_thawed(v, content=content) for v in value)
   return value
 
 
 def _canonical_json(value: Any) -> str:
-  return json.dumps(_thawed(value), sort_keys=True, default=repr)
+  # Without nested content records: equality leaves them out, so hashing does too.
+  return json.dumps(_thawed(value, content=False), sort_keys=True, default=repr)
 
 
 def validated_pending(pending: Any, origin: str) -> Pending:
@@ -654,6 +732,10 @@ class RestorableIterator:
 
   def state(self) -> IteratorState:
     raise NotImplementedError
+
+  def state_part(self) -> IteratorState:
+    """`state()` as a composite nests it: without a lineage (the outermost state holds the run's)."""
+    return self.state().with_lineage(None)
 
   def keep_lineage(self, lineage: Mapping[str, Any] | None) -> None:
     """Called by the save handlers after a save named this run (`lineage.started`):

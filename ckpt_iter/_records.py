@@ -1,0 +1,335 @@
+"""The global record stream of make_dataset and where its batches fall.
+
+A make_dataset pipeline reads one stream of records, the same for every
+process count and every batch size:
+
+  * one source: epoch e is the epoch's permutation of the source, record r
+    of the stream is record perm_{r // L}(r % L);
+  * a weighted mixture of named sources: each source runs through its own
+    epochs (its own permutation each), and record g of the stream comes from
+    the source a deterministic interleave of the weights picks (`Mixture`).
+
+A position is a count of the stream's records already passed (`next_record`),
+so it means the same thing for any batch size and any process count. Batches
+are cut from the stream by a `BatchPlan`: a single source's batches keep to
+its epochs (the epoch's last batch holds what is left of it, dropped when
+short with drop_remainder), a mixture's batches run on across the sources'
+epoch ends (its sources have no common epoch). Restoring a position under
+another batch size only changes where batches start (the plan's phase); no
+record is skipped or read twice.
+
+Pure integer arithmetic: no Grain, JAX or files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import math
+import numbers
+import sys
+from typing import Any, Mapping, Sequence
+
+from ckpt_iter import errors
+
+INFINITE = sys.maxsize
+# A make_dataset position: the stream records already passed ...
+NEXT_RECORD = "next_record"
+# ... and for a mixture, where its shares took effect and what each source had given then.
+MIXTURE = "mixture"
+# Nodes above make_dataset's that keep a batch index a batch index (one output
+# per input, by index): a position there can count records of the stream.
+RECORD_ADDRESSED_ABOVE = frozenset({
+    "MapMapDataset", "MapWithIndexMapDataset", "RandomMapMapDataset", "FilterMapDataset",
+})
+# A mixture's integer proportions stay small enough to multiply by any record index.
+MAX_PROPORTION_TOTAL = 10**6
+MAX_SOURCES = 64
+_WEIGHT_DENOMINATOR = 1000
+
+
+def next_record_of_index(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> Mapping[str, Any]:
+  """A make_dataset position of format 1-3 (`{"next_index": k}`, a batch index) as format 4 counts it.
+
+  Until format 4 a make_dataset pipeline had one batch size for its whole run
+  and every epoch's batches started at its first record, so batch k is
+  global batch k % B of epoch k // B (B batches per epoch): its first record
+  is the stream record the position stands for. Any other position (a
+  hand-built pipeline's, Grain's) is returned as it is.
+  """
+  next_index = position.get("next_index")
+  per_epoch, length = fingerprint.get("batches_per_epoch"), fingerprint.get("source_length")
+  batch = fingerprint.get("global_batch_size")
+  above = [kind for kind in str(fingerprint.get("pipeline") or "").split("<") if kind]
+  if (set(position) != {"next_index"} or not all(_is_count(v) for v in (next_index, per_epoch, length, batch))
+      or per_epoch == 0 or any(kind not in RECORD_ADDRESSED_ABOVE for kind in above)):
+    return position
+  epoch, index = divmod(int(next_index), int(per_epoch))
+  return {NEXT_RECORD: epoch * int(length) + index * int(batch)}
+
+
+# ---------------------------------------------------------------------------
+# Mixture: which source holds record g.
+
+
+def proportions(weights: Mapping[str, Any]) -> dict[str, int]:
+  """Integer proportions of positive weights, in lowest terms, same order.
+
+  0.7 and 0.3 give 7 and 3; weights are read to three significant decimals
+  of their ratio (1/3 and 2/3 give 1 and 2).
+
+  Raises:
+    InvalidArgumentError: a weight is not a positive finite number, or the
+      proportions need more than MAX_PROPORTION_TOTAL in total.
+  """
+  if not weights:
+    raise errors.InvalidArgumentError("weights is empty; a mixture needs at least one source.")
+  if len(weights) > MAX_SOURCES:
+    raise errors.InvalidArgumentError(f"a mixture has {len(weights)} sources; at most {MAX_SOURCES} are supported.")
+  for name, weight in weights.items():
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) or weight <= 0:
+      raise errors.InvalidArgumentError(
+          f"weights[{name!r}]={weight!r} must be a positive finite number (a relative weight).")
+  smallest = min(float(w) for w in weights.values())
+  ratios = {name: fractions.Fraction(float(w) / smallest).limit_denominator(_WEIGHT_DENOMINATOR)
+            for name, w in weights.items()}
+  denominator = math.lcm(*(r.denominator for r in ratios.values()))
+  ints = {name: int(r * denominator) for name, r in ratios.items()}
+  divisor = math.gcd(*ints.values())
+  ints = {name: value // divisor for name, value in ints.items()}
+  if sum(ints.values()) > MAX_PROPORTION_TOTAL:
+    raise errors.InvalidArgumentError(
+        f"weights {dict(weights)} need integer proportions {ints}, more than {MAX_PROPORTION_TOTAL} "
+        "in total; round them (e.g. to two decimals).")
+  return ints
+
+
+def counts(records: int, shares: Sequence[int]) -> list[int]:
+  """How many of the first `records` records of an interleave each source gives.
+
+  The interleave: of the first n records, source 0 gives n - floor(n * W1 / W0)
+  where W_i is the sum of the shares from source i on, and the rest are shared
+  the same way among sources 1, 2, ... So every prefix holds each source's
+  share up to rounding, the counts sum to n, and each is non-decreasing in n.
+  """
+  remaining_records, remaining_share = records, sum(shares)
+  result = []
+  for share in shares:
+    rest = remaining_records * (remaining_share - share) // remaining_share if remaining_share else 0
+    result.append(remaining_records - rest)
+    remaining_records, remaining_share = rest, remaining_share - share
+  return result
+
+
+def pick(record: int, shares: Sequence[int]) -> tuple[int, int]:
+  """(source number, how many records that source gave before) for record `record`."""
+  before, after = counts(record, shares), counts(record + 1, shares)
+  for number, (a, b) in enumerate(zip(before, after)):
+    if b != a:
+      return number, a
+  raise AssertionError(f"no source holds record {record} of shares {list(shares)}")  # unreachable
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+  """Named sources interleaved by integer shares from record `since_record` on.
+
+  Attributes:
+    shares: name -> integer proportion of the sources read now, in order.
+    since_record: the stream record where these shares took effect (0, or
+      the restart that changed them).
+    since: name -> the source's records read before `since_record`, for
+      every source the run ever read (a source no longer mixed keeps its
+      entry, so mixing it again continues it).
+  """
+
+  shares: Mapping[str, int]
+  since_record: int = 0
+  since: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+  def source_of(self, record: int) -> tuple[str, int]:
+    """(source name, index in that source's own stream) of stream record `record`."""
+    names = list(self.shares)
+    number, before = pick(record - self.since_record, [self.shares[n] for n in names])
+    name = names[number]
+    return name, self.since.get(name, 0) + before
+
+  def read(self, next_record: int) -> dict[str, int]:
+    """The ledger: name -> records of that source read before stream record `next_record`."""
+    ledger = dict(self.since)
+    names = list(self.shares)
+    for name, count in zip(names, counts(next_record - self.since_record, [self.shares[n] for n in names])):
+      ledger[name] = self.since.get(name, 0) + count
+    return ledger
+
+  def restarted(self, next_record: int, shares: Mapping[str, int]) -> "Mixture":
+    """These records' continuation under new shares: each source from its own next record."""
+    return Mixture(shares=dict(shares), since_record=next_record, since=self.read(next_record))
+
+  def length(self, limits: Mapping[str, int]) -> int:
+    """Stream records before the first source would pass its limit (records of its own stream)."""
+    if all(limits[name] >= INFINITE for name in self.shares):
+      return INFINITE
+    shares = [self.shares[n] for n in self.shares]
+    room = [limits[n] - self.since.get(n, 0) for n in self.shares]
+    if min(room) < 0:
+      return self.since_record
+    fits = lambda n: all(c <= r for c, r in zip(counts(n, shares), room))
+    # A source's count is within len(shares) of its exact share n * share / total,
+    # so past this many records the tightest finite source has overflowed.
+    total = sum(shares)
+    low, high = 0, min((r + len(shares) + 1) * total // s + 2
+                       for r, s, name in zip(room, shares, self.shares) if limits[name] < INFINITE)
+    while high - low > 1:
+      middle = (low + high) // 2
+      low, high = (middle, high) if fits(middle) else (low, middle)
+    return self.since_record + low
+
+  def to_json(self) -> dict[str, Any]:
+    return {"since_record": self.since_record, "since": dict(self.since)}
+
+  @classmethod
+  def from_json(cls, value: Any, shares: Mapping[str, int], next_record: int, *, origin: str) -> "Mixture":
+    """The mixture a state's `mixture` position field holds, with the shares it was saved under.
+
+    Raises:
+      InvalidStateError: the field is malformed or does not fit `next_record`.
+    """
+    since = value.get("since") if isinstance(value, Mapping) else None
+    since_record = value.get("since_record") if isinstance(value, Mapping) else None
+    if (
+        not isinstance(value, Mapping) or set(value) != {"since_record", "since"}
+        or not _is_count(since_record) or since_record > next_record
+        or not isinstance(since, Mapping) or len(since) > MAX_SOURCES
+        or not all(isinstance(k, str) and _is_count(v) for k, v in since.items())
+    ):
+      raise errors.InvalidStateError(
+          f"{origin}: position field {MIXTURE!r} must be {{'since_record': int <= next_record "
+          f"({next_record}), 'since': {{source name: int >= 0}} (at most {MAX_SOURCES})}}, got "
+          f"{_short(value)}.")
+    return cls(shares=dict(shares), since_record=int(since_record), since={k: int(v) for k, v in since.items()})
+
+
+def _is_count(value: Any) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 120 else text[:117] + "..."
+
+
+# ---------------------------------------------------------------------------
+# Batches over the stream.
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  """Where each batch of a pipeline starts in the record stream.
+
+  Batch k holds stream records [start(k), start(k) + batch_size), cut short
+  at the end of its epoch (`epoch_length`, a single source) or of the stream
+  (`stream_length`). With `epoch_length`, every epoch's batches start at its
+  first record, except in epoch `phase_epoch`, where they start at offset
+  `phase` (a restore under another batch size mid-epoch). Without it
+  (a mixture) batches start at `phase`, `phase` + batch_size, ...
+
+  Attributes:
+    batch_size: global batch size, records.
+    drop_remainder: drop a batch shorter than `batch_size`.
+    epoch_length: records per epoch of a single source, or None (a mixture).
+    stream_length: records in the whole stream (INFINITE without an end).
+    phase_epoch, phase: see above; (0, 0) for a pipeline never restored
+      under another batch size.
+  """
+
+  batch_size: int
+  drop_remainder: bool
+  epoch_length: int | None
+  stream_length: int
+  phase_epoch: int = 0
+  phase: int = 0
+
+  @classmethod
+  def at(cls, next_record: int, *, batch_size: int, drop_remainder: bool, epoch_length: int | None,
+         stream_length: int) -> "BatchPlan":
+    """The plan whose batches start at stream record `next_record` (the one with the least phase)."""
+    if epoch_length is None:
+      return cls(batch_size, drop_remainder, None, stream_length, 0, next_record % batch_size)
+    epoch, offset = divmod(next_record, epoch_length)
+    return cls(batch_size, drop_remainder, epoch_length, stream_length, epoch, offset % batch_size)
+
+  def _in_epoch(self, phase: int) -> int:
+    """Batches of one epoch whose first batch starts at `phase`."""
+    full, rest = divmod(self.epoch_length - phase, self.batch_size)
+    return full + (1 if rest and not self.drop_remainder else 0)
+
+  @property
+  def batches_per_epoch(self) -> int:
+    return self._in_epoch(0)
+
+  def __len__(self) -> int:
+    if self.epoch_length is None:
+      if self.stream_length >= INFINITE:
+        return INFINITE
+      full, rest = divmod(max(self.stream_length - self.phase, 0), self.batch_size)
+      return full + (1 if rest and not self.drop_remainder else 0)
+    if self.stream_length >= INFINITE:
+      return INFINITE
+    epochs = self.stream_length // self.epoch_length
+    if self.phase_epoch >= epochs:
+      return epochs * self.batches_per_epoch
+    return (epochs - 1) * self.batches_per_epoch + self._in_epoch(self.phase)
+
+  def span(self, index: int) -> tuple[int, int]:
+    """Stream records [start, stop) of batch `index` (past the length: as if the stream went on)."""
+    if self.epoch_length is None:
+      start = self.phase + index * self.batch_size
+      stop = start + self.batch_size
+      return start, (min(stop, self.stream_length) if not self.drop_remainder else stop)
+    epoch, offset = self._epoch_offset(index)
+    start = epoch * self.epoch_length + offset
+    return start, epoch * self.epoch_length + min(offset + self.batch_size, self.epoch_length)
+
+  def _epoch_offset(self, index: int) -> tuple[int, int]:
+    per_epoch = self.batches_per_epoch
+    before = self.phase_epoch * per_epoch
+    if index < before:
+      epoch, batch = divmod(index, per_epoch)
+      return epoch, batch * self.batch_size
+    in_phase = self._in_epoch(self.phase)
+    if index < before + in_phase:
+      return self.phase_epoch, self.phase + (index - before) * self.batch_size
+    epoch, batch = divmod(index - before - in_phase, per_epoch)
+    return self.phase_epoch + 1 + epoch, batch * self.batch_size
+
+  def next_record(self, next_index: int) -> int:
+    """The stream position at batch `next_index`: where it starts, or the stream's end past the last.
+
+    Reading an epoch's last batch passes the epoch's dropped rest too: the
+    next batch starts at the next epoch's first record.
+    """
+    if next_index >= len(self):
+      return self.stream_length
+    return self.span(next_index)[0]
+
+  def index_of(self, next_record: int) -> int | None:
+    """The batch index that starts at `next_record` (an epoch's or the stream's end included), or None."""
+    if self.epoch_length is None:
+      index, rest = divmod(next_record - self.phase, self.batch_size)
+      if next_record >= self.stream_length and self.stream_length < INFINITE:
+        return len(self)
+      return index if rest == 0 and index >= 0 else None
+    epoch, offset = divmod(next_record, self.epoch_length)
+    per_epoch = self.batches_per_epoch
+    in_phase = self._in_epoch(self.phase)
+    if epoch < self.phase_epoch:
+      first, phase = epoch * per_epoch, 0
+    elif epoch == self.phase_epoch:
+      first, phase = epoch * per_epoch, self.phase
+      if offset == 0 and self.phase:  # the epoch's start, before its first (phased) batch
+        return None
+    else:
+      first, phase = self.phase_epoch * per_epoch + in_phase + (epoch - self.phase_epoch - 1) * per_epoch, 0
+    batch, rest = divmod(offset - phase, self.batch_size)
+    return first + batch if rest == 0 else None
