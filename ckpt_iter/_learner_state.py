@@ -89,6 +89,10 @@ def split(position: Any) -> tuple[Mapping[str, Any], Any, dict[str, Any]] | None
   if not isinstance(position, Mapping):
     return None
   state = position.get(INPUT)
+  if _is_state(state):  # a validated state: the input's is an IteratorState
+    if state.kind != INPUT_KIND:
+      return None
+    return state.fingerprint, state.position, {k: v for k, v in position.items() if k != INPUT}
   if (
       not isinstance(state, Mapping) or set(state) - {CONTENT} != {"kind", "fingerprint", "position"}
       or state["kind"] != INPUT_KIND or not isinstance(state["fingerprint"], Mapping)
@@ -104,7 +108,13 @@ def input_content(position: Mapping[str, Any]) -> Any:
   Only for a position `split` accepts; the record is checked where it is
   used, as a state's `content` field.
   """
-  return position[INPUT].get(CONTENT)
+  state = position[INPUT]
+  return state.content if _is_state(state) else state.get(CONTENT)
+
+
+def _is_state(value: Any) -> bool:
+  # An IteratorState, without importing `state` (which imports this module).
+  return type(value).__name__ == "IteratorState" and hasattr(value, "nested_dict")
 
 
 def expected_form(learner_fields: str = "...the learner's fields") -> str:
@@ -154,6 +164,9 @@ def input_view(
     parts = split(position)
     if parts is not None:
       return parts
+  if kind == "repeat" and isinstance(position, Mapping) and _is_state(position.get("parent")):
+    part = position["parent"]
+    return part.fingerprint, part.position, {}
   return fingerprint, position, {}
 
 

@@ -137,6 +137,21 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       self._last = dict(element) if type(element) is dict else element
     return element
 
+  def skip(self, count: int) -> None:
+    """Moves past the next `count` elements of a MapDataset pipeline in O(1) (indices, not produced).
+
+    For a caller that must pass over elements it knows were consumed (a
+    legacy resume). An IterDataset pipeline raises UnsupportedConfigError:
+    its elements can only be passed by reading them.
+    """
+    if self._length is None:
+      raise errors.UnsupportedConfigError(
+          f"{self}: skip() needs a MapDataset pipeline; an IterDataset's elements can only be read past.")
+    next_index = self._inner.get_state()["next_index"]
+    self._inner.set_state({"next_index": min(next_index + int(count), self._length)})
+    self._last = _NOTHING  # what was read before the new position is not known
+    self._restored_content = {"check": _CONTENT_SKIPPED} if self._records_last else None
+
   def position(self) -> Any:
     """The position of the next unread element, as a state holds it.
 
@@ -439,6 +454,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 _short = state_lib.short_repr
 _NOTHING = object()
 _CONTENT_OFF = "off: check_content=False"
+_CONTENT_SKIPPED = "unavailable: elements skipped, none read since"
 _CONTENT_RECUT = "unavailable: restored under another batch plan, no batch read since"
 _DECLARED_CHANGES = frozenset({_drift.WEIGHTS, _drift.SOURCES})
 _CONTENT_LOOKBACK = 64
