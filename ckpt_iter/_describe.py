@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpt_iter import _learner_state
+from ckpt_iter import _records
 from ckpt_iter import state as state_lib
 
 # A Tunix learner's own position fields worth a line: RL's micro-batches into
@@ -22,10 +23,24 @@ LEARNER_POSITION_FIELDS = ("micro_batches_taken", "stream_rows", "prompt_index")
 
 
 def position_fields(kind: str, fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> dict[str, Any]:
-  """next_index, epoch and batch_in_epoch of the input (and a learner's own counts)."""
+  """Where the input is: next_record with epoch and record in it, and a mixture's ledger (per source:
+  records read, epoch, record in it); or a hand-built pipeline's next_index (with epoch and batch in
+  it when its fingerprint says how many batches an epoch has). And a learner's own counts."""
   fingerprint, source_position, own = _learner_state.input_view(kind, fingerprint, position)
   fields: dict[str, Any] = {name: own[name] for name in LEARNER_POSITION_FIELDS if name in own}
   if not isinstance(source_position, Mapping):
+    return fields
+  next_record = source_position.get(_records.NEXT_RECORD)
+  if state_lib.is_int(next_record):
+    fields[_records.NEXT_RECORD] = next_record
+    length = fingerprint.get("source_length")
+    if state_lib.is_int(length) and length > 0:
+      fields["epoch"], fields["record_in_epoch"] = divmod(next_record, length)
+      fields["source_length"] = length
+    ledger = _records.ledger(fingerprint, source_position)
+    if ledger is not None:
+      fields["ledger"] = {name: _source_reading(count, fingerprint.get(f"source_length[{name}]"))
+                          for name, count in ledger.items()}
     return fields
   next_index = source_position.get("next_index")
   if state_lib.is_int(next_index):
@@ -39,12 +54,37 @@ def position_fields(kind: str, fingerprint: Mapping[str, Any], position: Mapping
   return fields
 
 
+def _source_reading(count: int, length: Any) -> dict[str, int]:
+  """One ledger entry: records read, and as epoch and record in it when the source's length is known."""
+  entry = {"read": count}
+  if state_lib.is_int(length) and length > 0:
+    entry["epoch"], entry["record_in_epoch"] = divmod(count, length)
+    entry["source_length"] = length
+  return entry
+
+
+def _ledger_text(ledger: Mapping[str, Mapping[str, int]]) -> str:
+  parts = []
+  for name, entry in ledger.items():
+    where = (f" (epoch {entry['epoch']}, {entry['record_in_epoch']} of {entry['source_length']})"
+             if "epoch" in entry else "")
+    parts.append(f"{name} {entry['read']}{where}")
+  return "read " + ", ".join(parts)
+
+
 def position_text(kind: str, fields: Mapping[str, Any], position: Any) -> str:
-  """`epoch 1, 5 of 64 batches read (next_index 69)`, or the raw Grain state.
+  """`epoch 1, 5 of 64 records read (next_record 69)`, a mixture's ledger, or the raw Grain state.
 
   `fields`: what `position_fields` found in `position`.
   """
   source = "input: " if kind == "tunix" else ""
+  if _records.NEXT_RECORD in fields:
+    if "ledger" in fields:
+      return f"{source}stream record {fields[_records.NEXT_RECORD]}; {_ledger_text(fields['ledger'])}"
+    if "epoch" in fields:
+      return (f"{source}epoch {fields['epoch']}, {fields['record_in_epoch']} of {fields['source_length']} "
+              f"records read (next_record {fields[_records.NEXT_RECORD]})")
+    return f"{source}next_record {fields[_records.NEXT_RECORD]}"
   if "epoch" in fields:
     return (
         f"{source}epoch {fields['epoch']}, {fields['batch_in_epoch']} of "

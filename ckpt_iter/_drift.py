@@ -168,21 +168,10 @@ def _reconcile_index(
 # ---------------------------------------------------------------------------
 # make_dataset pipelines: positions that count stream records.
 
-_WEIGHT_FIELD = re.compile(r"^weight\[(.+)\]$")
 _SOURCE_FIELD = re.compile(r"^source(?:_length|_digest)?\[(.+)\]$")
 # Declared in allow_drift to change a mixture's weights / its set of sources.
 WEIGHTS = "weights"
 SOURCES = "sources"
-
-
-def _shares(fingerprint: Mapping[str, Any]) -> dict[str, Any] | None:
-  """A mixture's name -> share from its fingerprint, in order; None for a single source."""
-  shares = {}
-  for name, value in fingerprint.items():
-    match = _WEIGHT_FIELD.match(name)
-    if match:
-      shares[match.group(1)] = value
-  return shares or None
 
 
 def _reconcile_records(
@@ -200,6 +189,11 @@ def _reconcile_records(
   Whatever allow_drift says, a changed mixture is never continued with the old
   ledger under new weights (that would skip and repeat records).
   """
+  extra = set(position) - {_records.NEXT_RECORD, _records.MIXTURE}
+  if extra:
+    raise errors.InvalidStateError(
+        f"{origin}: field 'position' holds {sorted(extra)}; a make_dataset position is "
+        f"{{'{_records.NEXT_RECORD}': <stream records passed>[, '{_records.MIXTURE}': <ledger>]}}.")
   next_record = position.get(_records.NEXT_RECORD)
   if not state_lib.is_int(next_record) or next_record < 0:
     raise errors.InvalidStateError(
@@ -216,7 +210,7 @@ def _reconcile_records(
     accepted.add("num_epochs")
     changes.append(f"num_epochs {saved.get('num_epochs')} -> {current.get('num_epochs')}")
   result = {_records.NEXT_RECORD: int(next_record)}
-  saved_shares, current_shares = _shares(saved), _shares(current)
+  saved_shares, current_shares = _records.shares_of(saved), _records.shares_of(current)
   if saved_shares is not None and current_shares is not None:
     mixture = _records.Mixture.from_json(position.get(_records.MIXTURE), saved_shares, next_record, origin=origin)
     changed, fields, lines = _mixture_change(saved, current, saved_shares, current_shares, allow_drift, origin)

@@ -48,6 +48,31 @@ MAX_SOURCES = 64
 _WEIGHT_DENOMINATOR = 1000
 
 
+def shares_of(fingerprint: Mapping[str, Any]) -> dict[str, int] | None:
+  """A mixture's name -> share from its make_dataset fingerprint (`weight[name]` fields), or None."""
+  shares = {}
+  for name, value in fingerprint.items():
+    if name.startswith("weight[") and name.endswith("]"):
+      shares[name[len("weight["):-1]] = value
+  return shares or None
+
+
+def ledger(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> dict[str, int] | None:
+  """name -> records each source of a mixture has given before the position, or None (not a mixture).
+
+  Computed from the state alone: the shares in the fingerprint, where they took
+  effect and each source's count then in the position.
+  """
+  shares, next_record = shares_of(fingerprint), position.get(NEXT_RECORD)
+  if shares is None or not _is_count(next_record) or not all(_is_count(v) and v > 0 for v in shares.values()):
+    return None
+  try:
+    mixture = Mixture.from_json(position.get(MIXTURE), shares, next_record, origin="the state")
+  except errors.InvalidStateError:
+    return None
+  return mixture.read(next_record)
+
+
 def next_record_of_index(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> Mapping[str, Any]:
   """A make_dataset position of format 1-3 (`{"next_index": k}`, a batch index) as format 4 counts it.
 
@@ -195,6 +220,11 @@ class Mixture:
     Raises:
       InvalidStateError: the field is malformed or does not fit `next_record`.
     """
+    if not shares or len(shares) > MAX_SOURCES or not all(
+        _is_count(v) and v > 0 for v in shares.values()) or sum(shares.values()) > MAX_PROPORTION_TOTAL:
+      raise errors.InvalidStateError(
+          f"{origin}: the fingerprint's weight[...] fields {_short(dict(shares))} must be positive "
+          f"integers (at most {MAX_SOURCES} sources, {MAX_PROPORTION_TOTAL} in total).")
     since = value.get("since") if isinstance(value, Mapping) else None
     since_record = value.get("since_record") if isinstance(value, Mapping) else None
     if (
@@ -304,14 +334,15 @@ class BatchPlan:
     return self.phase_epoch + 1 + epoch, batch * self.batch_size
 
   def next_record(self, next_index: int) -> int:
-    """The stream position at batch `next_index`: where it starts, or the stream's end past the last.
+    """The stream position after reading batches 0..next_index-1 of this plan: the end of the last.
 
-    Reading an epoch's last batch passes the epoch's dropped rest too: the
-    next batch starts at the next epoch's first record.
+    An epoch's dropped rest is not passed yet: a restore under another batch
+    size may still fit it into a batch (`index_of` of a position inside it is
+    the next epoch's first batch when it does not).
     """
-    if next_index >= len(self):
-      return self.stream_length
-    return self.span(next_index)[0]
+    if next_index == 0:
+      return 0
+    return self.span(next_index - 1)[1]
 
   def index_of(self, next_record: int) -> int | None:
     """The batch index that starts at `next_record` (an epoch's or the stream's end included), or None."""

@@ -314,6 +314,8 @@ class GlobalBatchDataset(grain.MapDataset):
     self._names = [name for name, _ in spec.sources]
     self._plan = spec.initial_plan()
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
+    # (batch index, stream record) of the last restart: the position until a batch is read.
+    self._origin = (0, 0)
 
   @property
   def plan(self) -> _records.BatchPlan:
@@ -360,7 +362,9 @@ class GlobalBatchDataset(grain.MapDataset):
 
   def position(self, next_index: int) -> dict[str, Any]:
     """The state position of batch `next_index`: the stream record it starts at (and the mixture's ledger)."""
-    position: dict[str, Any] = {NEXT_RECORD: self._plan.next_record(next_index)}
+    origin_index, origin_record = self._origin
+    next_record = origin_record if next_index == origin_index else self._plan.next_record(next_index)
+    position: dict[str, Any] = {NEXT_RECORD: next_record}
     if self._mixture is not None:
       position[MIXTURE] = self._mixture.to_json()
     return position
@@ -379,19 +383,25 @@ class GlobalBatchDataset(grain.MapDataset):
     return _records.Mixture.from_json(position.get(MIXTURE), dict(self.spec.shares), position[NEXT_RECORD],
                                       origin=origin)
 
-  def restart_at(self, plan: _records.BatchPlan, mixture: _records.Mixture | None) -> None:
-    """Moves the batches to `plan` (and the mixture to `mixture`): a restore's apply step."""
-    self._plan, self._mixture = plan, mixture
+  def restart_at(self, plan: _records.BatchPlan, mixture: _records.Mixture | None, next_record: int) -> int:
+    """Moves the batches to `plan` (and the mixture to `mixture`) at `next_record`: a restore's apply step.
+
+    Returns:
+      The batch index that starts there.
+    """
+    next_index = plan.index_of(next_record)
+    self._plan, self._mixture, self._origin = plan, mixture, (next_index, next_record)
+    return next_index
 
   @contextlib.contextmanager
   def planned(self, plan: _records.BatchPlan, mixture: _records.Mixture | None) -> Iterator[None]:
     """Reads under `plan` for the duration (a restore's content check), then as before."""
-    before = self._plan, self._mixture
-    self.restart_at(plan, mixture)
+    before = self._plan, self._mixture, self._origin
+    self._plan, self._mixture = plan, mixture
     try:
       yield
     finally:
-      self.restart_at(*before)
+      self._plan, self._mixture, self._origin = before
 
 
 def record_node(dataset: Any) -> "GlobalBatchDataset | None":

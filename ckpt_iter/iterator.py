@@ -297,23 +297,22 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       content_allowed: Collection[str], origin: str,
   ) -> Callable[[], None]:
     """The rest of `check_restore` for a position that counts stream records (make_dataset)."""
-    if set(position) == {"next_index"} and state_lib.is_int(position["next_index"]):
+    node = self._records
+    expected = {dataset_lib.NEXT_RECORD} | ({dataset_lib.MIXTURE} if node.spec.is_mixture else set())
+    if not state.fingerprint and set(position) == {"next_index"}:
       # A bare Grain state (format 0): batch k of this pipeline as built.
-      position = self._records.position_of_index(position["next_index"])
-    if dataset_lib.NEXT_RECORD not in position:
+      position = node.position_of_index(self._bare_index(position["next_index"], origin))
+    if set(position) != expected:
       raise errors.InvalidStateError(
           f"{origin}: field 'position' is {_short(state.position)}; this make_dataset pipeline's "
-          f"position is {{'{dataset_lib.NEXT_RECORD}': <stream records passed>}}.")
-    node = self._records
+          f"position is {{'{dataset_lib.NEXT_RECORD}': <stream records passed>"
+          + (f", '{dataset_lib.MIXTURE}': <ledger>" if node.spec.is_mixture else "") + "}.")
     next_record = position[dataset_lib.NEXT_RECORD]
     mixture = node.spec_mixture(position, origin=origin)
     plan = node.spec.plan_at(next_record, mixture)
     next_index = plan.index_of(next_record)
     if next_index is None or next_record > plan.stream_length:
-      raise errors.InvalidStateError(
-          f"{origin}: the saved position (stream record {next_record}) is past the end of this "
-          f"pipeline's stream ({plan.stream_length} records). Restore it into the pipeline that wrote "
-          "it, or one with more epochs.")
+      self._refuse_past_the_end(state, next_record, plan.stream_length, origin)
     if state.content is None:
       content_check = "none recorded"
     elif not self._check_content:
@@ -329,7 +328,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     changed = bool(resume.changes)
 
     def apply() -> None:
-      node.restart_at(plan, mixture)
+      node.restart_at(plan, mixture, next_record)
       # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
       self._length = len(self._dataset)
       fresh = self._new_inner()
@@ -340,6 +339,28 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       resume.log()
 
     return apply
+
+  def _bare_index(self, next_index: Any, origin: str) -> int:
+    """A bare Grain state's batch index, checked against this pipeline as built."""
+    length = len(self._records.spec.initial_plan())
+    if not state_lib.is_int(next_index) or not 0 <= next_index <= length:
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position' is {{'next_index': {_short(next_index)}}}; this pipeline's "
+          f"position is {{'next_index': 0..{length}}}.")
+    return int(next_index)
+
+  def _refuse_past_the_end(
+      self, state: state_lib.IteratorState, next_record: int, stream_length: int, origin: str
+  ) -> None:
+    message = (f"the saved position (stream record {next_record}) is past the end of this pipeline's "
+               f"stream ({stream_length} records)")
+    differences = state_lib.differing_fields(state.fingerprint, self._fingerprint)
+    if differences:
+      error = errors.ConfigDriftError(differences, origin=origin)
+      error.args = (f"{error} Not a stream-preserving change: {message}.",)
+      raise error
+    raise errors.InvalidStateError(
+        f"{origin}: {message}. Restore it into the pipeline that wrote it, or one with more epochs.")
 
   def _check_same_content(self, saved: Any, next_index: int, origin: str) -> str:
     """Produces the element before `next_index` again and compares it with the saved digest.

@@ -92,7 +92,7 @@ def test_a_checkpoint_written_by_grain_restores_into_a_data_iterator(ckpt_dir):
 
   iterator = ckpt_iter.DataIterator(_grain_pipeline())
   support.orbax_restore(directory, 2, data=ckpt_iter.IteratorRestore(iterator))
-  assert iterator.get_state()["position"] == {"next_index": 5}
+  assert iterator.get_state()["position"] == {"next_record": 15}  # batch 5 of 3 records
   testing.assert_trees_equal(list(iterator), list(grain_iterator))
 
 
@@ -113,7 +113,7 @@ def test_restoring_into_another_pipeline_names_the_file_and_field(ckpt_dir):
 
   allowed = ckpt_iter.DataIterator(other)
   support.orbax_restore(directory, 4, data=ckpt_iter.IteratorRestore(allowed, allow_drift={"seed"}))
-  assert allowed.get_state()["position"] == {"next_index": 1}
+  assert allowed.get_state()["position"] == {"next_record": 3}
 
 
 def test_a_corrupt_state_file_is_refused_naming_the_file(ckpt_dir):
@@ -127,7 +127,7 @@ def test_a_corrupt_state_file_is_refused_naming_the_file(ckpt_dir):
   with pytest.raises(ckpt_iter.InvalidStateError) as info:
     support.orbax_restore(directory, 1, data=ckpt_iter.IteratorRestore(fresh))
   assert str(path) in str(info.value) and "not valid JSON" in str(info.value)
-  assert fresh.get_state()["position"] == {"next_index": 1}
+  assert fresh.get_state()["position"] == {"next_record": 3}
 
 
 def test_an_async_save_of_a_nan_reward_commits_and_restores_bit_for_bit(ckpt_dir):
@@ -173,5 +173,5 @@ def test_every_restore_logs_one_info_line_saying_what_it_restored(tmp_path, capl
         manager.restore(7, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(pipeline(check_content))))
       (line,) = [r.getMessage() for r in caplog.records if r.name.startswith("ckpt_iter")]
       assert line == (
-          "ckpt_iter: restored the data state of step 7: epoch 0, 3 of 10 batches read (next_index 3); "
+          "ckpt_iter: restored the data state of step 7: epoch 0, 6 of 20 records read (next_record 6); "
           f"content check: {result} ({tmp_path / '7' / 'data' / 'process_0-of-1.json'})")

@@ -191,7 +191,7 @@ def test_num_epochs_none_repeats_forever():
     epochs.append(_ids(itertools.islice(iterator, per_epoch)))
   assert all(sorted(ids) == list(range(count)) for ids in epochs)
   assert len({tuple(ids) for ids in epochs}) > 1
-  assert iterator.get_state()["position"] == {"next_index": 6 * per_epoch}
+  assert iterator.get_state()["position"] == {"next_record": 6 * count}  # six whole epochs
 
 
 @hypothesis.given(

@@ -197,7 +197,6 @@ _DRIFTS = [
     ("seed_to_none", {}, {"seed": None}, "seed"),
     ("source_records", {}, {"records": _records(20, offset=100)}, "source_digest"),
     ("source_length", {}, {"count": 21}, "source_length"),
-    ("batch_size", {}, {"batch_size": 4}, "batch_size"),
     # Fewer epochs than the position needs (more epochs continue the stream:
     # tests/property/test_stream_changes.py).
     ("num_epochs_before_position", {"count": 4}, {"count": 4, "num_epochs": 1}, "num_epochs"),
@@ -255,7 +254,7 @@ def test_allow_drift_accepts_a_named_field_and_keeps_the_position():
   # Per call, through restore_state, as IteratorRestore(allow_drift=...) does.
   iterator = ckpt_iter.DataIterator(_pipeline(reseeded))
   iterator.restore_state(ckpt_iter.IteratorState.from_dict(state), allow_drift={"seed"})
-  assert iterator.get_state()["position"] == {"next_index": 3}
+  assert iterator.get_state()["position"] == {"next_record": 6}  # 3 batches of 2 records
 
 
 def test_allow_drift_still_names_the_fields_it_does_not_allow():
@@ -275,16 +274,18 @@ def _bad(state, **changes):
 
 
 _GOOD = _state_of(_BASE, 3)
-_LENGTH = 20
+_RECORDS = 40  # 20 records x 2 epochs
 
 # (case id, state, exception, message fragments).
 _INVALID = [
-    ("past_the_end", _bad(_GOOD, position={"next_index": _LENGTH + 1}), ckpt_iter.InvalidStateError,
-     ["'position'", f"{_LENGTH + 1}", f"0..{_LENGTH}"]),
-    ("negative", _bad(_GOOD, position={"next_index": -1}), ckpt_iter.InvalidStateError, ["-1"]),
-    ("str_index", _bad(_GOOD, position={"next_index": "3"}), ckpt_iter.InvalidStateError, ["'3'"]),
-    ("bool_index", _bad(_GOOD, position={"next_index": True}), ckpt_iter.InvalidStateError, ["True"]),
-    ("extra_key", _bad(_GOOD, position={"next_index": 3, "epoch": 0}), ckpt_iter.InvalidStateError, ["'epoch'"]),
+    ("past_the_end", _bad(_GOOD, position={"next_record": _RECORDS + 1}), ckpt_iter.InvalidStateError,
+     ["stream record 41", f"stream ({_RECORDS} records)"]),
+    ("negative", _bad(_GOOD, position={"next_record": -1}), ckpt_iter.InvalidStateError, ["-1"]),
+    ("str_index", _bad(_GOOD, position={"next_record": "3"}), ckpt_iter.InvalidStateError, ["'3'"]),
+    ("bool_index", _bad(_GOOD, position={"next_record": True}), ckpt_iter.InvalidStateError, ["True"]),
+    ("extra_key", _bad(_GOOD, position={"next_record": 6, "epoch": 0}), ckpt_iter.InvalidStateError, ["'epoch'"]),
+    ("batch_index", _bad(_GOOD, position={"next_index": 3}), ckpt_iter.InvalidStateError,
+     ["{'next_index': 3}", "'next_record'"]),
     ("other_kind", _bad(_GOOD, kind="repeat"), ckpt_iter.InvalidStateError, ["'repeat'", "DataIterator"]),
     ("newer_version", _bad(_GOOD, format_version=99), ckpt_iter.StateVersionError, ["99"]),
     ("bad_fingerprint", _bad(_GOOD, fingerprint={"seed": [0]}), ckpt_iter.InvalidStateError, ["'seed'"]),
@@ -309,8 +310,21 @@ def test_invalid_state_raises_and_leaves_the_iterator(state, error, fragments):
 def test_position_at_the_end_is_valid_and_exhausted():
   iterator = ckpt_iter.DataIterator(_pipeline(_BASE))
   # A position edited by hand: the content record (of another position) goes too.
-  iterator.set_state(_bad(_GOOD, position={"next_index": _LENGTH}, content="null"))
+  iterator.set_state(_bad(_GOOD, position={"next_record": _RECORDS}, content="null"))
   assert list(iterator) == []
+
+
+def test_another_batch_size_continues_at_the_next_record():
+  # 3 batches of 2 read (records 0-5); batches of 3 from record 6 on, then of 2 again.
+  full = [int(i) for b in ckpt_iter.DataIterator(_pipeline(_BASE, batch_size=1)) for i in b["id"]]
+  iterator = ckpt_iter.DataIterator(_pipeline(_BASE, batch_size=3))
+  iterator.set_state(_GOOD)
+  read = [int(i) for _ in range(4) for i in next(iterator)["id"]]
+  assert read == full[6:18]
+  again = ckpt_iter.DataIterator(_pipeline(_BASE))
+  again.set_state(_saved(iterator))
+  # Epoch 0 ends at record 20 (records 18-19: one batch of 2), epoch 1 is 10 batches of 2.
+  assert [int(i) for b in again for i in b["id"]] == full[18:40]
 
 
 def test_bare_grain_state_restores_without_fingerprint_check():

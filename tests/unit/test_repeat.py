@@ -225,7 +225,10 @@ def test_state_has_pending_only_mid_group():
   assert iterator.state().pending is None
   next(iterator)
   value = iterator.state()
-  assert value.position == {"next_index": 1}
+  # Its source's whole state nested, at the group read (one batch of 2 records).
+  assert set(value.position) == {"parent"} and value.part.position == {"next_record": 2}
+  assert value.part.kind == "data" and value.part.fingerprint["batch_size"] == 2
+  assert value.fingerprint == {"num_repeats": 2, "group_size": 1, "shuffle_seed": 1}
   assert len(value.pending.items) == 1 and value.pending.schedule == (0,)
   next(iterator)
   assert iterator.state().pending is None

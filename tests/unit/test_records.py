@@ -1,0 +1,188 @@
+"""Tests for ckpt_iter._records: the record stream's arithmetic (mixtures, batch plans)."""
+
+import hypothesis
+from hypothesis import strategies as st
+import pytest
+
+from ckpt_iter import _records
+from ckpt_iter import errors
+
+
+# ---------------------------------------------------------------------------
+# Mixture interleave
+
+
+@hypothesis.given(shares=st.lists(st.integers(1, 9), min_size=1, max_size=5), records=st.integers(0, 400))
+def test_counts_sum_to_the_records_and_pick_walks_them(shares, records):
+  counts = _records.counts(records, shares)
+  assert sum(counts) == records
+  seen = [0] * len(shares)
+  for record in range(records):
+    number, before = _records.pick(record, shares)
+    assert before == seen[number]
+    seen[number] += 1
+  assert seen == counts
+
+
+@hypothesis.given(shares=st.lists(st.integers(1, 9), min_size=1, max_size=5), records=st.integers(0, 2000))
+def test_every_prefix_holds_each_share_up_to_rounding(shares, records):
+  total = sum(shares)
+  for count, share in zip(_records.counts(records, shares), shares):
+    assert abs(count - records * share / total) <= len(shares)
+
+
+@pytest.mark.parametrize("weights, shares", [
+    ({"a": 0.7, "b": 0.3}, {"a": 7, "b": 3}),
+    ({"a": 1, "b": 1}, {"a": 1, "b": 1}),
+    ({"a": 1 / 3, "b": 2 / 3}, {"a": 1, "b": 2}),
+    ({"a": 0.5, "b": 0.25, "c": 0.25}, {"a": 2, "b": 1, "c": 1}),
+    ({"x": 3}, {"x": 1}),
+])
+def test_proportions_are_integer_ratios_in_lowest_terms(weights, shares):
+  assert _records.proportions(weights) == shares
+
+
+@pytest.mark.parametrize("weights, fragment", [
+    ({}, "weights is empty"),
+    ({"a": 0}, "weights['a']=0"),
+    ({"a": -1.0}, "weights['a']=-1.0"),
+    ({"a": float("nan")}, "weights['a']=nan"),
+    ({"a": True}, "weights['a']=True"),
+    ({"a": "1"}, "weights['a']='1'"),
+    ({"a": 1, "b": 1e-9}, "more than"),
+])
+def test_bad_weights_are_refused_naming_them(weights, fragment):
+  with pytest.raises(errors.InvalidArgumentError) as info:
+    _records.proportions(weights)
+  assert fragment in str(info.value)
+
+
+_NAMES = "abcd"
+
+
+@st.composite
+def _mixture_runs(draw):
+  """Segments of (shares, records read) of one run whose mixture changes at each restart."""
+  segments = []
+  for _ in range(draw(st.integers(1, 5))):
+    names = draw(st.lists(st.sampled_from(_NAMES), min_size=1, max_size=4, unique=True))
+    shares = {name: draw(st.integers(1, 6)) for name in names}
+    segments.append((shares, draw(st.integers(0, 40))))
+  limits = {name: draw(st.integers(1, 60)) for name in _NAMES}
+  return segments, limits
+
+
+@hypothesis.given(_mixture_runs())
+def test_a_changed_mixture_continues_every_source_at_its_own_next_record(run):
+  segments, limits = run
+  mixture, record = _records.Mixture(segments[0][0]), 0
+  read = {name: [] for name in _NAMES}
+  for number, (shares, count) in enumerate(segments):
+    if number:
+      mixture = mixture.restarted(record, shares)
+    end = mixture.length(limits)
+    for _ in range(count):
+      if record >= end:
+        break
+      name, index = mixture.source_of(record)
+      assert index < limits[name]
+      read[name].append(index)
+      record += 1
+    assert mixture.read(record) == {**mixture.since, **{n: len(read[n]) for n in shares}}
+  for name, indices in read.items():
+    assert indices == list(range(len(indices)))  # nothing skipped, nothing twice, in order
+
+
+@hypothesis.given(_mixture_runs())
+def test_a_mixture_ends_where_its_first_source_would_pass_its_limit(run):
+  segments, limits = run
+  mixture = _records.Mixture(segments[0][0], since_record=3, since={n: 1 for n in segments[0][0]})
+  end = mixture.length(limits)
+  for record in range(3, end):
+    name, index = mixture.source_of(record)
+    assert index < limits[name]
+  if end >= 3:
+    name, index = mixture.source_of(end)
+    assert index >= limits[name]
+
+
+def test_mixture_from_json_refuses_malformed_ledgers():
+  for value in [None, {}, {"since_record": -1, "since": {}}, {"since_record": 9, "since": {}},
+                {"since_record": 0, "since": {"a": -2}}, {"since_record": 0, "since": {"a": 1}, "x": 1},
+                {"since_record": True, "since": {}}]:
+    with pytest.raises(errors.InvalidStateError, match="position field 'mixture'"):
+      _records.Mixture.from_json(value, {"a": 1}, 5, origin="s")
+
+
+# ---------------------------------------------------------------------------
+# Batch plans over one source's epochs
+
+
+@st.composite
+def _runs(draw):
+  """One source's stream and the global batch sizes of a run's segments, with batches read in each."""
+  length, epochs = draw(st.integers(1, 30)), draw(st.integers(1, 4))
+  drop = draw(st.booleans())
+  segments = draw(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 6)), min_size=1, max_size=6))
+  return length, epochs, drop, segments
+
+
+@hypothesis.given(_runs())
+@hypothesis.settings(max_examples=300)
+def test_a_run_restarted_with_any_batch_sizes_reads_each_record_once_per_epoch(run):
+  """Chained restarts with drawn global batch sizes: every record once, but each epoch's dropped rest.
+
+  The documented rule: an epoch's batches keep to the epoch; its last batch
+  holds what is left of it and, with drop_remainder, is dropped when shorter
+  than the batch size in effect then.
+  """
+  length, epochs, drop, segments = run
+  stream = length * epochs
+  read, next_record = [], 0
+  for batch_size, batches in segments:
+    plan = _records.BatchPlan.at(next_record, batch_size=batch_size, drop_remainder=drop,
+                                 epoch_length=length, stream_length=stream)
+    index = plan.index_of(next_record)
+    assert index is not None
+    for _ in range(batches):
+      if index >= len(plan):
+        break
+      start, stop = plan.span(index)
+      assert stop - start == batch_size or not drop
+      assert start // length == (stop - 1) // length  # within one epoch
+      read.extend(range(start, stop))
+      index += 1
+      next_record = stop
+  assert read == sorted(set(read))  # each stream record at most once, in order
+  for epoch in range(epochs):
+    missing = sorted(set(range(epoch * length, (epoch + 1) * length)) - set(read))
+    if not missing or not read or read[-1] < (epoch + 1) * length:
+      continue  # complete, or the run did not read past this epoch
+    # What an epoch misses is a rest at its end, shorter than some batch size of the run.
+    assert drop and missing == list(range(missing[0], (epoch + 1) * length))
+    assert len(missing) < max(size for size, _ in segments)
+
+
+def test_the_index_of_a_record_in_a_dropped_rest_is_the_next_epochs_first_batch():
+  plan = _records.BatchPlan.at(18, batch_size=3, drop_remainder=True, epoch_length=20, stream_length=40)
+  assert plan.index_of(18) == 6 and plan.span(6) == (20, 23)
+  assert _records.BatchPlan.at(18, batch_size=2, drop_remainder=True, epoch_length=20,
+                               stream_length=40).span(9) == (18, 20)
+
+
+def test_a_plan_restarted_mid_epoch_starts_its_batches_at_the_record():
+  plan = _records.BatchPlan.at(27, batch_size=5, drop_remainder=True, epoch_length=24, stream_length=96)
+  index = plan.index_of(27)
+  assert plan.span(index) == (27, 32) and plan.span(index + 4) == (48, 53)  # epoch 2 from its start
+  assert len(plan) == 4 + 4 + 4 + 4  # epoch 1 from its record 3 on (27 - 24) holds four batches of 5
+
+
+@hypothesis.given(phase=st.integers(0, 8), batch_size=st.integers(1, 9), stream=st.integers(0, 60),
+                  drop=st.booleans())
+def test_a_mixtures_batches_run_on_across_epochs(phase, batch_size, stream, drop):
+  plan = _records.BatchPlan(batch_size, drop, None, stream, 0, phase % batch_size)
+  covered = [r for index in range(len(plan)) for r in range(*plan.span(index))]
+  assert covered == list(range(phase % batch_size, len(covered) + phase % batch_size))
+  assert len(covered) <= max(stream - phase % batch_size, 0)
+  rest = max(stream - phase % batch_size, 0) - len(covered)
+  assert rest == 0 or (drop and rest < batch_size)
