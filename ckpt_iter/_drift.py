@@ -128,6 +128,8 @@ def reconcile(
     return unchanged
   if _records.NEXT_RECORD in position:
     return _reconcile_records(saved, current, position, allow_drift=allow_drift, origin=origin)
+  if _records.LANES in position:
+    return _reconcile_lanes(saved, current, position, allow_drift=allow_drift, origin=origin)
   _refuse_index_mixture_change(saved, current, origin)
   mixed = _iter_mixture_changes(saved, current, allow_drift, origin)
   if mixed.accepted:
@@ -226,6 +228,32 @@ def _reconcile_records(
   where = f"resuming at stream record {next_record}"
   lines = tuple(f"{origin}: accepted stream change: {c}; {where}." for c in changes)
   return Reconciled(position=result, accepted=frozenset(accepted), changes=lines)
+
+
+def _reconcile_lanes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], position: Mapping[str, Any], *,
+    allow_drift: Collection[str], origin: str,
+) -> Reconciled:
+  """The same-stream rule of a filtered or packed make_dataset (`_lanes`): lanes keep their rows.
+
+  Another global batch only changes how many rows a batch takes from each
+  lane; every lane continues at its own next row. A mixture's weights
+  cannot change here: the lanes read chunks at different stream records,
+  so there is no one record from which new weights could take effect.
+  """
+  differing = state_lib.differing_fields(saved, current, allow_drift=allow_drift)
+  accepted = {n for n in differing if n in _SPEC_BATCH}
+  changes = []
+  if accepted:
+    changes.append(
+        f"batch_size {saved.get('batch_size')} -> {current.get('batch_size')} (global "
+        f"{saved.get('global_batch_size')} -> {current.get('global_batch_size')}): "
+        f"{current.get('global_batch_size', 0) // max(current.get('num_lanes') or 1, 1)} rows per lane and batch")
+  if "num_epochs" in differing:
+    accepted.add("num_epochs")
+    changes.append(f"num_epochs {saved.get('num_epochs')} -> {current.get('num_epochs')}")
+  lines = tuple(f"{origin}: accepted stream change: {c}; every lane continues at its own next row." for c in changes)
+  return Reconciled(position=dict(position), accepted=frozenset(accepted), changes=lines)
 
 
 def _mixture_change(

@@ -318,7 +318,7 @@ def _describe_node(node: Any, described_spec_node: Any) -> tuple[str, dict[str, 
     # Grain's ElasticIterator keeps its input as `_ds`, not as a parent. Its
     # sharding is in the top-level fields (`dataset.describe_pipeline`).
     return kind, _elastic_params(node), [node._ds]  # pylint: disable=protected-access
-  if kind == "GlobalBatchDataset":
+  if kind in ("GlobalBatchDataset", "LaneDataset"):
     # make_dataset's node: its spec defines everything below it.
     return kind, _spec_params(node, described_spec_node), []
   describe = _DESCRIBERS.get(kind)
@@ -391,6 +391,8 @@ def _spec_params(node: Any, described_spec_node: Any) -> dict[str, Any]:
   params: dict[str, Any] = {}
   if node is not described_spec_node:
     params.update(node.spec.fingerprint())
+    if hasattr(node, "lanes"):
+      params.update(node.lanes.fingerprint())
   parents = getattr(node, "parents", ())
   if node.spec.transform is not None and parents and type(parents[0]).__name__ == "MapMapDataset":
     params["transform_code"] = code_digest(parents[0]._map_fn)  # pylint: disable=protected-access

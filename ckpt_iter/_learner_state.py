@@ -171,8 +171,11 @@ def input_view(
 
 
 def flat_fingerprint(kind: str, fingerprint: Mapping[str, Any], position: Any) -> dict[str, Any]:
-  """Every fingerprint field of a state in one dict, the input's as `input.<name>` in a learner's."""
+  """Every fingerprint field of a state in one dict: the input's as `input.<name>` in a learner's, a
+  repeat state's source's beside its own."""
   input_fingerprint, _, _ = input_view(kind, fingerprint, position)
   if input_fingerprint is fingerprint:
     return dict(fingerprint)
+  if kind == "repeat":  # its own three fields never collide with its source's
+    return {**input_fingerprint, **fingerprint}
   return {**{f"{INPUT}.{k}": v for k, v in input_fingerprint.items()}, **fingerprint}

@@ -28,7 +28,7 @@ import fractions
 import math
 import numbers
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ckpt_iter import errors
 
@@ -37,6 +37,9 @@ INFINITE = sys.maxsize
 NEXT_RECORD = "next_record"
 # ... and for a mixture, where its shares took effect and what each source had given then.
 MIXTURE = "mixture"
+# A filtered or packed make_dataset position (`_lanes`): each lane's [chunk in lane, rows taken].
+LANES = "lanes"
+FIRST_LANE = "first_lane"
 # Nodes above make_dataset's that keep a batch index a batch index (one output
 # per input, by index): a position there can count records of the stream.
 RECORD_ADDRESSED_ABOVE = frozenset({
@@ -364,3 +367,49 @@ class BatchPlan:
       first, phase = self.phase_epoch * per_epoch + in_phase + (epoch - self.phase_epoch - 1) * per_epoch, 0
     batch, rest = divmod(offset - phase, self.batch_size)
     return first + batch if rest == 0 else None
+
+
+# ---------------------------------------------------------------------------
+# Lanes (`_lanes`): a filtered or packed stream's positions.
+
+
+def gathered(positions: Mapping[int, Mapping[str, Any]], saved_count: int, process_index: int,
+             process_count: int, *, origin: str) -> dict[str, Any]:
+  """Process j of M's lane position from the saved positions of the processes that held its lanes.
+
+  Saved process i held lanes [i*V/N, (i+1)*V/N): the lanes are laid out like
+  rows, so `positions` holds the saved processes overlapping j's lanes.
+
+  Raises:
+    UnsupportedConfigError: M does not divide the number of lanes.
+    InvalidStateError: a saved position is malformed.
+  """
+  first = next(iter(positions.values()))
+  per_saved = len(first.get(LANES) or ())
+  num_lanes = per_saved * saved_count
+  if num_lanes == 0 or num_lanes % process_count:
+    raise errors.UnsupportedConfigError(
+        f"{origin}: the run has {num_lanes} lanes, which {process_count} processes cannot share equally. "
+        f"Resume with a process count dividing {num_lanes}.")
+  per_process = num_lanes // process_count
+  wanted = range(process_index * per_process, (process_index + 1) * per_process)
+  by_lane: dict[int, Any] = {}
+  for index, position in positions.items():
+    lanes = position.get(LANES)
+    if not isinstance(lanes, list) or len(lanes) != per_saved or position.get(FIRST_LANE) != index * per_saved:
+      raise errors.InvalidStateError(
+          f"{origin}: process {index}'s lane position {_short(position)} is not its "
+          f"{per_saved} lanes from lane {index * per_saved}.")
+    for offset, lane_position in enumerate(lanes):
+      by_lane[index * per_saved + offset] = lane_position
+  missing = [lane for lane in wanted if lane not in by_lane]
+  if missing:
+    raise errors.InvalidStateError(f"{origin}: no saved position holds lanes {missing}.")
+  return {FIRST_LANE: wanted.start, LANES: [list(by_lane[lane]) for lane in wanted]}
+
+
+def lanes_of(position: Any) -> Iterator[tuple[int, int, int]]:
+  """(lane, chunk in lane, rows taken) of a lane position (for the CLI)."""
+  for offset, (chunk, rows) in enumerate(position.get(LANES) or ()):
+    yield position.get(FIRST_LANE, 0) + offset, chunk, rows
+

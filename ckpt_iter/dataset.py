@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import hashlib
 import numbers
-import sys
 from typing import Any, Callable, Iterator, Mapping
 
 import grain
@@ -32,6 +31,7 @@ import jax
 import numpy as np
 
 from ckpt_iter import _graph
+from ckpt_iter import _lanes
 from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
@@ -235,9 +235,8 @@ def make_dataset(
     parents = [_record_dataset(records, None if seed is None else source_seed(seed, name), transform)
                for name, (records, _) in named.items()]
   if filter is not None or pack is not None:
-    from ckpt_iter import _lanes  # pylint: disable=g-import-not-at-top  (it imports this module)
-    return _lanes.LaneDataset(parents, spec, _lanes.LaneSpec.of(
-        spec, filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes))
+    lanes = _lanes.LaneSpec.of(spec, filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes)
+    return _lanes.LaneDataset(parents, spec, lanes, stack_records)
   if len(spec.initial_plan()) == 0:
     raise errors.InvalidArgumentError(
         f"source has {_describe_length(spec)} records, fewer than one global batch of "
@@ -414,7 +413,7 @@ def record_node(dataset: Any) -> "GlobalBatchDataset | None":
   if not isinstance(dataset, grain.MapDataset):
     return None
   node, above = _find_spec_node(dataset)
-  if node is None or any(kind not in _records.RECORD_ADDRESSED_ABOVE for kind in above):
+  if not isinstance(node, GlobalBatchDataset) or any(kind not in _records.RECORD_ADDRESSED_ABOVE for kind in above):
     return None
   return node
 
@@ -442,13 +441,13 @@ def find_spec(dataset: Any) -> tuple[DatasetSpec | None, list[str]]:
   return (None if node is None else node.spec), above
 
 
-def _find_spec_node(dataset: Any) -> tuple["GlobalBatchDataset | None", list[str]]:
+def _find_spec_node(dataset: Any) -> tuple["GlobalBatchDataset | _lanes.LaneDataset | None", list[str]]:
   # Follows single parents only: `pipeline` (elastic.resize_refusal parses
   # it) keeps the meaning it had when older states were written.
   above: list[str] = []
   node = dataset
   while node is not None:
-    if isinstance(node, GlobalBatchDataset):
+    if isinstance(node, (GlobalBatchDataset, _lanes.LaneDataset)):
       return node, above
     above.append(type(node).__name__)
     parents = getattr(node, "parents", ())
@@ -504,6 +503,8 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
   fields: dict[str, Any] = {}
   if spec_node is not None:
     fields.update(spec_node.spec.fingerprint())
+    if isinstance(spec_node, _lanes.LaneDataset):
+      fields.update(spec_node.lanes.fingerprint())
   if type(dataset).__name__ == "ElasticIterator":
     # Its state ({"global_next_index"}) is the same on every process and for
     # every process count: the position is global (elastic.resize_refusal).

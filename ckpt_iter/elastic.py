@@ -40,6 +40,7 @@ import numpy as np
 
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
+from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -264,6 +265,10 @@ def _resliced(
   have only dtype and shape (they take part in the checks, not the data).
   """
   first = states[0]
+  if _records.LANES in data_part(first).position:
+    first = _with_data_position(first, _records.gathered(
+        {i: data_part(states[i]).position for i in rows_from}, saved_count, process_index, process_count,
+        origin=origin))
   pending = None
   if first.pending is not None:
     items = []
@@ -332,7 +337,9 @@ def _check_agree(
     for field in fields:
       if getattr(state, field) != getattr(first, field):
         raise disagree(field, getattr(state, field), getattr(first, field))
-    if global_position and data_part(state).position != data_part(first).position:
+    # Lanes are per process by design (`_lanes`): each process saved its own.
+    lanes = _records.LANES in data_part(first).position
+    if global_position and not lanes and data_part(state).position != data_part(first).position:
       raise disagree("position", data_part(state).position, data_part(first).position)
     for prefix, here_fields, there_fields in _fingerprints(state, first):
       for field in sorted(set(here_fields) | set(there_fields)):
@@ -353,6 +360,14 @@ def _check_agree(
         raise disagree("pending.schedule", state.pending.schedule, first.pending.schedule)
       if len(state.pending.items) != len(first.pending.items):
         raise disagree("len(pending.items)", len(state.pending.items), len(first.pending.items))
+
+
+def _with_data_position(state: state_lib.IteratorState, position: Mapping[str, Any]) -> state_lib.IteratorState:
+  """`state` whose data state (itself, or a repeat's parent) has `position`."""
+  if state.kind == "repeat" and state.part is not None:
+    part = dataclasses.replace(state.part, position=position)
+    return dataclasses.replace(state, position={**state.position, state_lib.NESTED["repeat"]: part})
+  return dataclasses.replace(state, position=position)
 
 
 def _fingerprints(state: state_lib.IteratorState, first: state_lib.IteratorState) -> list[tuple[str, Any, Any]]:

@@ -448,7 +448,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           f"{sorted(allowed & elastic.ELASTIC_FIELDS)}) {reason} Resume with the "
           "same shard_count."
       )
-    if self._records is None and fingerprint.get("global_batch_size") != self._fingerprint.get("global_batch_size"):
+    # Only Grain's ElasticIterator counts its position in global batches of a fixed size.
+    if (fingerprint.get(dataset_lib.POSITION_SCOPE_FIELD) == "global"
+        and fingerprint.get("global_batch_size") != self._fingerprint.get("global_batch_size")):
       saved = fingerprint.get("global_batch_size")
       here = self._fingerprint.get("global_batch_size")
       raise errors.ConfigDriftError(

@@ -37,6 +37,7 @@ from typing import Any
 from ckpt_iter import _files
 from ckpt_iter import _codec as codec
 from ckpt_iter import _learner_state
+from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import state as state_lib
@@ -193,8 +194,10 @@ def _progress(value: state_lib.IteratorState) -> int | None:
   for name in ("stream_rows", "prompt_index"):  # Tunix RL, agentic: prompts consumed
     if state_lib.is_int(own.get(name)):
       return own[name]
-  next_index = position.get("next_index")
-  return next_index if state_lib.is_int(next_index) else None
+  for name in (_records.NEXT_RECORD, "next_index"):  # make_dataset's records, or a Grain index
+    if state_lib.is_int(position.get(name)):
+      return position[name]
+  return None
 
 
 def _own_checks(saved: Saved) -> list[Finding]:

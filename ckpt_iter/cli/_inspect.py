@@ -258,7 +258,7 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
   return {
       "format_version": header.get("format_version", 0),
       "kind": value.kind,
-      "position": dict(value.position),
+      "position": value.to_dict()["position"],
       **position_fields(value.kind, value.fingerprint, value.position),
       "shuffle_key": None if value.shuffle_key is None else list(value.shuffle_key),
       "pending": _pending_summary(header.get("pending"), value.pending, specs),
@@ -344,12 +344,13 @@ def changed_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, list
 
 
 _POSITION_FIELDS = (
-    "epoch", "batch_in_epoch", "next_index", "full_batches_read", *LEARNER_POSITION_FIELDS)
+    "epoch", "record_in_epoch", "next_record", "ledger", "batch_in_epoch", "next_index", "full_batches_read",
+    *LEARNER_POSITION_FIELDS)
 
 
 def _position_view(summary: Mapping[str, Any]) -> dict[str, Any]:
   view = {name: summary[name] for name in _POSITION_FIELDS if name in summary}
-  if "next_index" not in view and "full_batches_read" not in view:
+  if not {"next_record", "next_index", "full_batches_read"} & set(view):
     view["position"] = summary["position"]  # a Grain state with no index
   return view
 

@@ -17,7 +17,7 @@ class MissingMatplotlib(Exception):
 
 
 _PROGRESS_LABEL = {
-    "data": "elements read (next_index)",
+    "data": "records read (next_record) or elements read (next_index)",
     "repeat": "items yielded to the trainer",
     "tunix": "prompts consumed",
 }
@@ -126,9 +126,9 @@ def _shade_runs(axes, report: auditing.Report) -> None:
 
 
 def _epoch_lines(axes, report: auditing.Report) -> None:
-  """Epoch boundaries, where the progress counts batches and the pipeline says how many an epoch has."""
+  """Epoch boundaries, where the progress counts a single source's records (make_dataset)."""
   points = [p for p in report.points if p.kind == "data" and p.progress is not None]
-  per_epoch = {p.fingerprint.get("batches_per_epoch") for p in points}
+  per_epoch = {p.fingerprint.get("source_length") for p in points}
   if len(per_epoch) != 1:
     return
   (per_epoch,) = per_epoch

@@ -428,6 +428,6 @@ def test_bare_grain_state_migrates(pristine, tmp_path, how):
     next(reference)
   _restore(how, root, restored)
   assert restored.state().fingerprint == reference.state().fingerprint
-  assert restored.state().position == {"next_index": 7}
+  assert restored.state().position == reference.state().position  # batch 7, as the stream record it starts
   testing.assert_trees_equal(_next_elements(restored, 5), _next_elements(reference, 5))
   assert _tree_digest(root) == before_disk

@@ -364,7 +364,7 @@ def test_a_plain_chains_picture_shows_its_epochs_and_each_run_between_preemption
   labels = [handle.get_label() for handle in axes.get_legend_handles_labels()[0]]
   assert "epoch boundary" in labels and "runs between preemptions (alternating shade)" in labels
   epoch_lines = [line for line in axes.get_lines() if line.get_linestyle() == "--"]
-  assert sorted(line.get_ydata()[0] for line in epoch_lines) == [3, 6]  # next_index reached 8
+  assert sorted(line.get_ydata()[0] for line in epoch_lines) == [12, 24]  # 12 records an epoch; 32 read
   # The second run (after the resume from step 3) is shaded: steps 4-6.
   shaded = [patch.get_x() for patch in axes.patches]
   assert shaded == [3.5], shaded

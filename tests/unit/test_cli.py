@@ -142,7 +142,7 @@ def test_inspect_shows_latest_step_position_as_epoch_and_batch(capsys, data_ckpt
   assert _row("step", "5 (latest); steps: 0, 3, 5").search(out)
   assert _row("item", "data, 1 process").search(out)
   assert _row("kind", "data").search(out)
-  assert _row("position", "epoch 0, 5 of 6 batches read (next_index 5)").search(out)
+  assert _row("position", "epoch 0, 10 of 12 records read (next_record 10)").search(out)
   assert _row("pending", "none").search(out)
   assert _row("seed", "0").search(out)
   assert _row("batches_per_epoch", str(BATCHES_PER_EPOCH)).search(out)
@@ -154,9 +154,8 @@ def test_inspect_step_and_json(capsys, data_ckpt):
   report = json.loads(out)
   assert (report["step"], report["steps"], report["item"]) == (3, [0, 3, 5], "data")
   (process,) = report["processes"]
-  # Data states are still written in format 1 (format 2 changed only learner states).
-  assert process["format_version"] == ckpt_iter.state.written_version("data") == 1
-  assert (process["kind"], process["next_index"], process["epoch"]) == ("data", 3, 0)
+  assert process["format_version"] == ckpt_iter.state.written_version("data") == ckpt_iter.FORMAT_VERSION
+  assert (process["kind"], process["next_record"], process["epoch"]) == ("data", 6, 0)
   assert process["fingerprint"] == ckpt_iter.DataIterator(_dataset()).fingerprint
   assert process["pending"] is None and process["shuffle_key"] is None
 
@@ -376,7 +375,7 @@ def test_diff_two_steps_of_one_checkpoint(capsys, data_ckpt):
   assert code == 0
   fields = len(ckpt_iter.DataIterator(_dataset()).fingerprint)
   assert _row("fingerprint", f"same ({fields} fields)").search(out)
-  assert _row("position", "epoch 0, 0 of 6 batches read (next_index 0) -> epoch 0, 5 of 6 batches read (next_index 5)").search(out)
+  assert _row("position", "epoch 0, 0 of 12 records read (next_record 0) -> epoch 0, 10 of 12 records read (next_record 10)").search(out)
   code, out, _ = _run(capsys, "diff", data_ckpt, "--step", "5", "--step", "5")
   assert code == 0 and _row("state", "identical").search(out)
 
@@ -390,11 +389,11 @@ def test_diff_two_checkpoints_names_fingerprint_fields(capsys, tmp_path, data_ck
   assert (report["a"]["step"], report["b"]["step"]) == (5, 9)
   (process,) = report["processes"]
   assert process["fingerprint"] == {"seed": [0, 1]}
-  assert process["position"]["next_index"] == [5, 8]
+  assert process["position"]["next_record"] == [10, 16]
   assert process["position"]["epoch"] == [0, 1]
   code, text, _ = _run(capsys, "diff", data_ckpt, str(other))
   assert _row("fingerprint seed", "0 -> 1").search(text)
-  assert _row("position", "epoch 0, 5 of 6 batches read (next_index 5) -> epoch 1, 2 of 6 batches read (next_index 8)").search(text)
+  assert _row("position", "epoch 0, 10 of 12 records read (next_record 10) -> epoch 1, 4 of 12 records read (next_record 16)").search(text)
 
 
 # ---------------------------------------------------------------------------

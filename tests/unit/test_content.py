@@ -68,7 +68,7 @@ def test_a_changed_vocabulary_file_behind_the_same_pipeline_is_refused_naming_th
   assert list(raised.value.differences) == ["content.tokens"]
   assert isinstance(raised.value, errors.ConfigDriftError)
   # Refused before anything was applied: the iterator is still at the start.
-  assert fresh.state().position == {"next_index": 0}
+  assert fresh.state().position == {"next_record": 0}
 
 
 def test_nothing_changed_restores_silently_and_continues_exactly(tmp_path):
@@ -178,7 +178,7 @@ def test_repeat_iterator_checks_its_source_element(tmp_path):
   for _ in range(3):
     next(iterator)
   _save(tmp_path / "ckpt", iterator)
-  assert iterator.state().content["check"] == _content.BY_INDEX
+  assert iterator.state().part.content["check"] == _content.BY_INDEX
   vocabulary.write_text(json.dumps({"a": 5, "b": 2}))
   with pytest.raises(errors.ContentDriftError, match="field 'tokens'"):
     _restore(tmp_path / "ckpt", repeat())
@@ -253,4 +253,4 @@ def test_grains_own_handler_carries_the_content_record_so_a_changed_vocabulary_i
   changed = ckpt_iter.DataIterator(_vocabulary_pipeline(str(vocabulary)))
   with pytest.raises(errors.ContentDriftError, match="field 'tokens'"):
     restore_with_grains_handler(changed)
-  assert changed.state().position == {"next_index": 0}
+  assert changed.state().position == {"next_record": 0}

@@ -125,7 +125,7 @@ def test_the_saved_process_count_returns_each_process_its_own_state(tmp_path):
   save(tmp_path, saved)
   for index in range(2):
     state = elastic.read_for_process(tmp_path, index, 2)
-    assert state.fingerprint["shard_index"] == index
+    assert state.part.fingerprint["shard_index"] == index
     assert np.array_equal(state.pending.items[0]["id"], saved[index].state().pending.items[0]["id"])
 
 
@@ -145,10 +145,22 @@ def test_elastic_restore_with_the_saved_count_is_exact_and_allows_a_filter(tmp_p
     assert [x["id"].tolist() for x in a] == [x["id"].tolist() for x in b]
 
 
-def test_elastic_restore_keeps_the_global_batch_size(tmp_path):
-  save(tmp_path, [repeat_iterator(i, 2, 4) for i in range(2)])
-  with pytest.raises(ckpt_iter.ConfigDriftError, match="global_batch_size=4 there, global_batch_size=8 here"):
-    restore(tmp_path, [repeat_iterator(0, 1, 8)])
+def test_elastic_restore_may_change_the_global_batch_too(tmp_path):
+  # 2 processes x 2 rows read 3 global batches of 4 (records 0-11 of the stream);
+  # 1 process with a global batch of 8 continues at record 12.
+  def build(index, count, batch_size):
+    return ckpt_iter.DataIterator(ckpt_iter.make_dataset(
+        RECORDS, batch_size=batch_size, seed=1, num_epochs=2, shard_index=index, shard_count=count))
+
+  stream = [int(i) for b in build(0, 1, 1) for i in b["id"]]
+  saved = [build(i, 2, 2) for i in range(2)]
+  for it in saved:
+    for _ in range(3):
+      next(it)
+  save(tmp_path, saved)
+  resumed = build(0, 1, 8)
+  restore(tmp_path, [resumed])
+  assert [int(i) for i in next(resumed)["id"]] == stream[12:20]
 
 
 # ---------------------------------------------------------------------------
@@ -177,6 +189,12 @@ def _with_pending(value, transform):
   return dataclasses.replace(value, pending=state_lib.Pending(items, value.pending.schedule))
 
 
+def _with_part(value, **changes):
+  """A repeat state whose nested source state has `changes`."""
+  part = dataclasses.replace(value.part, **changes)
+  return dataclasses.replace(value, position={**value.position, "parent": part})
+
+
 def _tweak_second(change):
   def build():
     first, second = _states()
@@ -187,12 +205,12 @@ def _tweak_second(change):
 BAD_FILE_SETS = [
     ("missing file", lambda: [_states()[0], None],
      ckpt_iter.InvalidStateError, r"process_1-of-2\.json: missing: process 1 of 2"),
-    ("position differs", _tweak_second(lambda s: dataclasses.replace(s, position={"next_index": 0})),
-     ckpt_iter.InvalidStateError, r"process_1-of-2\.json has position=\{'next_index': 0\}, but process_0-of-2\.json"),
+    ("position differs", _tweak_second(lambda s: _with_part(s, position={"next_record": 0})),
+     ckpt_iter.InvalidStateError, r"process_1-of-2\.json has position=\{'next_record': 0\}, but process_0-of-2\.json"),
     ("key differs", _tweak_second(lambda s: dataclasses.replace(s, shuffle_key=(1, 2))),
      ckpt_iter.InvalidStateError, r"process_1-of-2\.json has shuffle_key=\(1, 2\)"),
-    ("seed differs", _tweak_second(lambda s: dataclasses.replace(s, fingerprint={**s.fingerprint, "seed": 5})),
-     ckpt_iter.InvalidStateError, r"fingerprint\.seed=5, but process_0-of-2\.json has 1"),
+    ("seed differs", _tweak_second(lambda s: _with_part(s, fingerprint={**s.part.fingerprint, "seed": 5})),
+     ckpt_iter.InvalidStateError, r"position\.parent\.fingerprint\.seed=5, but process_0-of-2\.json has 1"),
     ("schedule differs", _tweak_second(lambda s: dataclasses.replace(
         s, pending=state_lib.Pending(s.pending.items, s.pending.schedule[:-1]))),
      ckpt_iter.InvalidStateError, r"pending\.schedule"),
@@ -205,7 +223,7 @@ BAD_FILE_SETS = [
      ckpt_iter.UnsupportedConfigError, r"pending item 0\['id'\]: its arrays differ across processes"),
     ("tunix state", lambda: [dataclasses.replace(s, kind="tunix") for s in _states()],
      ckpt_iter.UnsupportedConfigError, r"Tunix learner's data state.*Restore with 2 processes"),
-    ("hand-built", lambda: [dataclasses.replace(s, fingerprint={"pipeline": "", "dataset_length": 6}) for s in _states()],
+    ("hand-built", lambda: [_with_part(s, fingerprint={"pipeline": "", "dataset_length": 6}) for s in _states()],
      ckpt_iter.UnsupportedConfigError, r"hand-built and its position is per process"),
 ]
 

@@ -18,6 +18,8 @@ import conftest
 
 import ckpt_iter
 from ckpt_iter import _item as item_lib
+from ckpt_iter import _records
+from ckpt_iter import state as state_lib
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 _V1_CHECKPOINT = os.path.join(_FIXTURES, "v1_checkpoint")
@@ -70,7 +72,7 @@ def test_v1_checkpoint_refuses_another_pipeline_naming_the_field(ckpt_manager, m
   with pytest.raises(ckpt_iter.ConfigDriftError) as info:
     ckpt_manager.restore(_STEP, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(data)))
   assert "seed=7 there, seed=8 here" in str(info.value)
-  assert data.get_state()["position"] == {"next_index": 0}
+  assert data.get_state()["position"] == {"next_record": 0}
 
 
 def _array_record(value):
@@ -92,17 +94,19 @@ def test_v1_tunix_data_item_reads_with_its_pending_arrays(tmp_path):
   value = item_lib.read_item(directory, 0, 1).value
 
   assert value.kind == "tunix" == expected["kind"]
-  # Read as format 2: the input's fingerprint and position nested under
-  # "input", the learner's own fields left where they were.
-  assert expected["format_version"] == 1 and value.format_version == 2
+  # Read as format 4: the input's whole state nested under "input" (its
+  # make_dataset position as the stream record it stands for), the learner's
+  # own fields left where they were.
+  assert expected["format_version"] == 1 and value.format_version == state_lib.FORMAT_VERSION
   flat_position = dict(expected["position"])
   input_position = flat_position.pop("full_batch")
   assert {k: v for k, v in value.position.items() if k != "input"} == flat_position
-  nested = value.position["input"]
-  assert (nested["kind"], nested["position"]) == ("data", input_position)
-  assert {**nested["fingerprint"], **value.fingerprint} == expected["fingerprint"]
-  assert "learner" in value.fingerprint and "source" in nested["fingerprint"]
-  assert not set(nested["fingerprint"]) & set(value.fingerprint)
+  nested = value.part
+  assert {**nested.fingerprint, **value.fingerprint} == expected["fingerprint"]
+  assert (nested.kind, nested.position) == (
+      "data", _records.next_record_of_index(nested.fingerprint, input_position))
+  assert "learner" in value.fingerprint and "source" in nested.fingerprint
+  assert not set(nested.fingerprint) & set(value.fingerprint)
   assert list(value.shuffle_key) == expected["shuffle_key"]
   assert dict(value.counters) == expected["counters"]
   assert list(value.pending.schedule) == expected["schedule"]
@@ -137,18 +141,19 @@ def test_a_format_1_learner_state_reads_with_its_input_state_nested(family, item
 
   header = _header(f"{family}/{item}")
   value = state_lib.IteratorState.from_dict(header, origin=family)
-  assert header["format_version"] == 1 and value.format_version == 2
-  nested = value.position["input"]
+  assert header["format_version"] == 1 and value.format_version == state_lib.FORMAT_VERSION
+  nested = value.part
   own = {k: v for k, v in value.position.items() if k != "input"}
   saved_position = dict(header["position"])
   input_position = saved_position if input_key is None else saved_position.pop(input_key)
-  assert (nested["kind"], nested["position"]) == ("data", input_position)
+  assert (nested.kind, nested.position) == (
+      "data", _records.next_record_of_index(nested.fingerprint, input_position))
   assert own == ({} if input_key is None else saved_position)
   # Every fingerprint field kept, each on its own side: the pipeline's fields
   # with the input, the learner's (and only those) with the learner.
-  assert {**nested["fingerprint"], **value.fingerprint} == header["fingerprint"]
-  assert not set(nested["fingerprint"]) & set(value.fingerprint)
-  assert "dataset_length" in nested["fingerprint"]
+  assert {**nested.fingerprint, **value.fingerprint} == header["fingerprint"]
+  assert not set(nested.fingerprint) & set(value.fingerprint)
+  assert "dataset_length" in nested.fingerprint
   assert {"num_iterations", "trainer"} & set(value.fingerprint)
   assert not {"pipeline", "graph", "source", "seed"} & set(value.fingerprint)
 
@@ -168,7 +173,7 @@ def test_a_resume_recorded_by_format_1_is_still_proven_by_the_audit(tmp_path):
 
 
 @pytest.mark.parametrize("family, item, shown", [
-    ("grpo", "root", "input: epoch 0, 2 of 64 batches read (next_index 2)"),
+    ("grpo", "root", "input: epoch 0, 2 of 64 records read (next_record 2)"),
     ("sft", "root", "input: next_index 6"),
     ("agentic", "root", "input: next_index 1"),
 ])

@@ -143,7 +143,7 @@ def test_same_count_restore_opens_one_header_and_at_most_one_npz(tmp_path, pendi
     with counted_io() as calls:
       value = item_lib.read_item(tmp_path, index, 8).value
     assert (calls.opened, calls.stat, calls.listings) == (own(index), [], 0)
-    assert value.fingerprint["shard_index"] == index
+    assert elastic.data_part(value).fingerprint["shard_index"] == index
     # elastic=True with the saved count: the count file, then the same files;
     # the rest of its window is only stat'ed (an incomplete set is refused).
     with counted_io() as calls:
@@ -151,7 +151,7 @@ def test_same_count_restore_opens_one_header_and_at_most_one_npz(tmp_path, pendi
     assert calls.opened == [(None, "count")] + own(index)
     assert sorted(calls.stat) == [(i, "json") for i in elastic.checked_files(8, index, 8) if i != index]
     assert calls.listings == 0
-    assert value.fingerprint["shard_index"] == index
+    assert elastic.data_part(value).fingerprint["shard_index"] == index
 
 
 @pytest.mark.parametrize("saved,restored", [(16, 4), (4, 16), (6, 4), (3, 2), (2, 3), (8, 1), (1, 8)])

@@ -79,7 +79,7 @@ class _OffByOne(_Wrapper):
 
   def set_state(self, state):
     state = copy.deepcopy(state)
-    state["position"]["next_index"] += 1
+    state["position"]["next_record"] += 4  # one batch of 4 records further
     self.inner.set_state(state)
 
 
@@ -120,7 +120,7 @@ class _StaleState(_Wrapper):
 
   def get_state(self):
     state = self.inner.get_state()
-    return {**state, "position": {"next_index": 0}} if self.restored else state
+    return {**state, "position": {"next_record": 0}} if self.restored else state
 
 
 def test_fails_an_off_by_one_restore_naming_checkpoint_and_element(make_data):
@@ -150,7 +150,7 @@ def test_fails_a_restored_iterator_that_reports_another_state(make_data):
   with pytest.raises(AssertionError) as info:
     testing.assert_exact_resume(lambda: _StaleState(make_data()), checkpoint_at=[4])
   assert "checkpoint at element 4: right after set_state" in str(info.value)
-  assert "state['position']['next_index']: 0 != expected 4" in str(info.value)
+  assert "state['position']['next_record']: 0 != expected 16" in str(info.value)
 
 
 def test_a_state_taken_past_the_end_of_the_stream_is_a_usage_error(make_data):

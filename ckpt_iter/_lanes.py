@@ -1,0 +1,217 @@
+"""Filtered and packed make_dataset streams that are the same for every process count.
+
+Filtering and packing turn records into a number of rows that only running
+them tells: a position in rows cannot be computed from a position in records.
+So the work is cut into units fixed by the run, not by its processes:
+
+  * chunk c is stream records [c*C, (c+1)*C) (C = chunk_size), filtered and
+    packed as one unit, always the same rows whoever computes it;
+  * lane v (of V = num_lanes) takes chunks v, v+V, v+2V, ... and emits their
+    rows in order;
+  * every global batch takes G/V rows from each lane, lane after lane; process
+    i of N holds lanes [i*V/N, (i+1)*V/N), so its local batch is its lanes' rows.
+
+The global stream of rows and batches depends on C, V and the source, never
+on N: a restart with another process count M (dividing V) or another global
+batch (a multiple of V) continues every lane at its own next row. A lane's
+position is (chunk number in the lane, rows taken from it): O(1) to restore
+(one chunk per lane is filtered and packed again), V/N pairs per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import grain
+
+from ckpt_iter import _graph
+from ckpt_iter import _records
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+
+LANES = _records.LANES  # the position field: [[chunk in lane, rows taken], ...] of this process's lanes
+FIRST_LANE = _records.FIRST_LANE
+# A filter that drops every record of this many chunks in a row is taken for a
+# mistake (it would read the whole stream for nothing), not waited out.
+MAX_EMPTY_CHUNKS = 10_000
+_NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneSpec:
+  """How records become rows: the filter, the packer, and the fixed units of work."""
+
+  filter: Callable[[Any], bool] | None
+  pack: Callable[[Any], Any] | None
+  chunk_size: int
+  num_lanes: int
+
+  @classmethod
+  def of(cls, spec: Any, *, filter: Any, pack: Any, chunk_size: Any,  # pylint: disable=redefined-builtin
+         num_lanes: Any) -> "LaneSpec":
+    """Validates the lane arguments of make_dataset against its spec (a `dataset.DatasetSpec`)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+      raise errors.InvalidArgumentError(f"chunk_size={chunk_size!r} must be a positive integer (records).")
+    if num_lanes is None:
+      num_lanes = spec.shard_count
+    if isinstance(num_lanes, bool) or not isinstance(num_lanes, int) or num_lanes < 1:
+      raise errors.InvalidArgumentError(f"num_lanes={num_lanes!r} must be a positive integer.")
+    if num_lanes % spec.shard_count:
+      raise errors.InvalidArgumentError(
+          f"num_lanes={num_lanes} is not a multiple of shard_count={spec.shard_count}: each process holds "
+          f"num_lanes / shard_count lanes. Use a process count dividing {num_lanes}.")
+    if spec.global_batch_size % num_lanes:
+      raise errors.InvalidArgumentError(
+          f"the global batch of {spec.global_batch_size} rows (batch_size={spec.batch_size} x "
+          f"shard_count={spec.shard_count}) is not a multiple of num_lanes={num_lanes}: every global batch "
+          "takes the same number of rows from each lane. Use a global batch that is a multiple of it.")
+    if not spec.drop_remainder:
+      raise errors.InvalidArgumentError(
+          "drop_remainder=False with filter or pack: lanes end at different points, so the last batch "
+          "cannot be short on every process alike. Pass drop_remainder=True.")
+    return cls(filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes)
+
+  def fingerprint(self) -> dict[str, Any]:
+    fields: dict[str, Any] = {"chunk_size": self.chunk_size, "num_lanes": self.num_lanes}
+    for name, fn in (("filter", self.filter), ("pack", self.pack)):
+      fields[name] = None if fn is None else _graph.qualified_name(fn)
+      fields[f"{name}_code"] = None if fn is None else _graph.code_digest(fn)
+    fields["position_scope"] = LANES
+    return fields
+
+
+class LaneDataset(grain.IterDataset):
+  """make_dataset with `filter` or `pack`: this process's lanes, a batch of their rows at a time.
+
+  Carries the DatasetSpec (`spec`) and the LaneSpec (`lanes`) that
+  fingerprint it.
+  """
+
+  def __init__(self, parents: Sequence[grain.MapDataset], spec: Any, lanes: LaneSpec,
+               stack: Callable[[list[Any]], Any]):
+    super().__init__(list(parents))
+    self.spec = spec
+    self.lanes = lanes
+    self.stack = stack  # rows -> one batch (make_dataset's `stack_records`)
+    self._names = [name for name, _ in spec.sources]
+    self._mixture = spec.initial_mixture() if spec.is_mixture else None
+    self.stream_length = (self._mixture.length(spec.source_limits()) if self._mixture is not None
+                          else spec.stream_length())
+
+  def __str__(self) -> str:
+    return (f"LaneDataset(batch_size={self.spec.batch_size}, lanes={self.lanes.num_lanes}, "
+            f"chunk_size={self.lanes.chunk_size}, shard={self.spec.shard_index}/{self.spec.shard_count})")
+
+  @property
+  def own_lanes(self) -> range:
+    per_process = self.lanes.num_lanes // self.spec.shard_count
+    return range(self.spec.shard_index * per_process, (self.spec.shard_index + 1) * per_process)
+
+  @property
+  def rows_per_lane(self) -> int:
+    return self.spec.global_batch_size // self.lanes.num_lanes
+
+  def record(self, stream_record: int) -> Any:
+    if self._mixture is None:
+      return self.parents[0][stream_record]
+    name, index = self._mixture.source_of(stream_record)
+    return self.parents[self._names.index(name)][index]
+
+  def chunk_records(self, chunk: int) -> range:
+    """The stream records of chunk `chunk` (empty past the stream's end)."""
+    start = chunk * self.lanes.chunk_size
+    return range(min(start, self.stream_length), min(start + self.lanes.chunk_size, self.stream_length))
+
+  def chunk_rows(self, chunk: int) -> list[Any]:
+    """Chunk `chunk` filtered and packed: the same rows whoever computes them, whenever."""
+    records = [self.record(g) for g in self.chunk_records(chunk)]
+    if self.lanes.filter is not None:
+      records = [r for r in records if self.lanes.filter(r)]
+    if self.lanes.pack is None or not records:
+      return records
+    return list(self.lanes.pack(grain.MapDataset.source(records).to_iter_dataset(_NO_THREADS)))
+
+  def __iter__(self) -> "LaneIterator":
+    return LaneIterator(self)
+
+
+class _Lane:
+  """One lane's place: the chunk (numbered within the lane) it takes rows from, and how many it took."""
+
+  def __init__(self, dataset: LaneDataset, lane: int, chunk_in_lane: int = 0, rows_taken: int = 0):
+    self._dataset, self.lane = dataset, lane
+    self.chunk_in_lane, self.rows_taken = chunk_in_lane, rows_taken
+    self._rows: list[Any] | None = None  # the current chunk's rows, computed when first needed
+
+  @property
+  def chunk(self) -> int:
+    return self.chunk_in_lane * self._dataset.lanes.num_lanes + self.lane
+
+  def take(self, count: int) -> list[Any] | None:
+    """The lane's next `count` rows, or None when the stream ends first (the lane is left as it was)."""
+    rows, place = [], (self.chunk_in_lane, self.rows_taken, self._rows)
+    empty = 0
+    while len(rows) < count:
+      if self._rows is None:
+        if not self._dataset.chunk_records(self.chunk):
+          self.chunk_in_lane, self.rows_taken, self._rows = place
+          return None
+        self._rows = self._dataset.chunk_rows(self.chunk)
+        if self.rows_taken > len(self._rows):
+          raise errors.InvalidStateError(
+              f"lane {self.lane}: the position takes {self.rows_taken} rows of chunk {self.chunk}, which "
+              f"has {len(self._rows)}: the filter or packer gives other rows than when it was saved.")
+      available = self._rows[self.rows_taken:self.rows_taken + count - len(rows)]
+      rows.extend(available)
+      self.rows_taken += len(available)
+      if self.rows_taken == len(self._rows):
+        empty = empty + 1 if not self._rows else 0
+        if empty > MAX_EMPTY_CHUNKS:
+          raise errors.InvalidArgumentError(
+              f"filter dropped every record of {MAX_EMPTY_CHUNKS} chunks in a row (lane {self.lane}, up to "
+              f"chunk {self.chunk}); check the filter.")
+        self.chunk_in_lane, self.rows_taken, self._rows = self.chunk_in_lane + 1, 0, None
+    return rows
+
+  def position(self) -> list[int]:
+    return [self.chunk_in_lane, self.rows_taken]
+
+
+class LaneIterator(grain.DatasetIterator):
+  """Batches of this process's lanes; its state is each lane's (chunk in lane, rows taken)."""
+
+  def __init__(self, dataset: LaneDataset):
+    super().__init__()
+    self._dataset = dataset
+    self._lanes = [_Lane(dataset, lane) for lane in dataset.own_lanes]
+
+  def __next__(self) -> Any:
+    count = self._dataset.rows_per_lane
+    taken = []
+    for lane in self._lanes:
+      rows = lane.take(count)
+      if rows is None:  # the stream ended: no lane gives a short batch (drop_remainder)
+        raise StopIteration
+      taken.append(rows)
+    return self._dataset.stack([row for rows in taken for row in rows])
+
+  def get_state(self) -> dict[str, Any]:
+    return {FIRST_LANE: self._lanes[0].lane, LANES: [lane.position() for lane in self._lanes]}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    own = self._dataset.own_lanes
+    lanes = state.get(LANES) if isinstance(state, Mapping) else None
+    if (
+        not isinstance(state, Mapping) or set(state) != {FIRST_LANE, LANES}
+        or state[FIRST_LANE] != own.start or not isinstance(lanes, list) or len(lanes) != len(own)
+        or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(_is_count(v) for v in p) for p in lanes)
+    ):
+      raise errors.InvalidStateError(
+          f"position {state_lib.short_repr(state)} does not fit this process's lanes {own.start}..{own.stop - 1}: "
+          f"expected {{'{FIRST_LANE}': {own.start}, '{LANES}': [[chunk in lane, rows taken] x {len(own)}]}}.")
+    self._lanes = [_Lane(self._dataset, lane, int(m), int(o)) for lane, (m, o) in zip(own, lanes)]
+
+
+def _is_count(value: Any) -> bool:
+  return state_lib.is_int(value) and value >= 0
