@@ -84,8 +84,9 @@ def resize_refusal(kind: str, fingerprint: Mapping[str, Any]) -> str | None:
     return (
         f"is refused because the pipeline applies {per_process} after "
         "make_dataset, per process: with another process count those steps would "
-        "see other rows and the data would change (a per-record step belongs in "
-        "make_dataset(transform=...))."
+        "see other rows and the data would change. A per-record step belongs in "
+        "make_dataset(transform=...); filtering and packing in make_dataset(filter=..., "
+        "pack=...), whose stream is the same for every process count (docs/changing_the_run.md)."
     )
   return None
 

@@ -16,6 +16,7 @@ import pytest
 import conftest
 
 import ckpt_iter
+from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import testing
 from ckpt_iter import sources as sources_lib
 import support
@@ -480,3 +481,138 @@ def test_large_jsonl_is_indexed_not_loaded(tmp_path):
     assert peak_bytes < file_bytes / 2, (peak_bytes, file_bytes)
   finally:
     path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------
+# Weighted mixtures of named sources (docs/changing_the_run.md)
+
+
+def _sources(**lengths):
+  return {name: [{"id": 1000 * (ord(name[0]) - 96) + i} for i in range(length)] for name, length in lengths.items()}
+
+
+def _mix(weights, lengths=None, **kwargs):
+  lengths = lengths or {name: 30 for name in weights}
+  kwargs.setdefault("batch_size", 4)
+  kwargs.setdefault("seed", 1)
+  kwargs.setdefault("num_epochs", None)
+  return _make(_sources(**lengths), weights=weights, **kwargs)
+
+
+_BAD_MIXTURES = [
+    ("dict_without_weights", dict(source=_sources(a=3, b=3)), ["source=", "weights={name: weight"]),
+    ("weights_without_dict", dict(source=_records(4), weights={"a": 1}), ["weights={'a': 1}", "must be a dict"]),
+    ("names_differ", dict(source=_sources(a=3, b=3), weights={"a": 1, "c": 1}), ["['a', 'b']", "['a', 'c']"]),
+    ("bad_name", dict(source={"a b": _records(3)}, weights={"a b": 1}), ["'a b'", "identifiers"]),
+    ("zero_weight", dict(source=_sources(a=3), weights={"a": 0}), ["weights['a']=0"]),
+    ("weights_not_dict", dict(source=_sources(a=3), weights=[1]), ["weights=[1]"]),
+]
+
+
+@pytest.mark.parametrize("arguments, fragments", [c[1:] for c in _BAD_MIXTURES], ids=[c[0] for c in _BAD_MIXTURES])
+def test_a_bad_mixture_is_refused_naming_the_argument(arguments, fragments):
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    _make(arguments.pop("source"), batch_size=2, **arguments)
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_a_mixture_interleaves_its_sources_by_weight_each_in_its_own_shuffled_epochs():
+  dataset = _mix({"a": 3, "b": 1}, lengths={"a": 12, "b": 5})
+  ids = _ids(itertools.islice(ckpt_iter.DataIterator(dataset), 8))  # 32 records
+  a, b = [i for i in ids if i < 2000], [i for i in ids if i >= 2000]
+  assert (len(a), len(b)) == (24, 8)
+  assert sorted(a[:12]) == sorted(a[12:24]) == [1000 + i for i in range(12)] and a[:12] != a[12:24]
+  assert sorted(b[:5]) == [2000 + i for i in range(5)]
+  assert dataset.spec.fingerprint()["weight[a]"] == 3 and dataset.spec.fingerprint()["batches_per_epoch"] is None
+
+
+def _read(iterator, batches):
+  return _ids(itertools.islice(iterator, batches))
+
+
+def test_a_reweighted_mixture_is_refused_undeclared_and_continues_each_source_when_declared(caplog):
+  saved = ckpt_iter.DataIterator(_mix({"a": 1, "b": 1}))
+  first = _read(saved, 5)  # 20 records: 10 of each
+  state = saved.get_state()
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    ckpt_iter.DataIterator(_mix({"a": 4, "b": 1})).set_state(state)
+  assert "weights a 1 -> 4" in str(info.value) and "allow_drift={'weights'}" in str(info.value)
+  resumed = ckpt_iter.DataIterator(_mix({"a": 4, "b": 1}), allow_drift={"weights"})
+  with caplog.at_level("INFO", logger="ckpt_iter"):
+    resumed.set_state(state)
+  assert any("weights a 1 -> 4" in r.getMessage() for r in caplog.records)
+  later = _read(resumed, 5)  # 20 records: 16 of a, 4 of b
+  assert (sum(i < 2000 for i in later), sum(i >= 2000 for i in later)) == (16, 4)
+  # Each source goes on from its own next record: its own stream, uninterrupted.
+  for name, low in (("a", 1000), ("b", 2000)):
+    alone = ckpt_iter.DataIterator(_make(_sources(**{name: 30})[name], batch_size=1, num_epochs=None,
+                                         seed=dataset_lib.source_seed(1, name)))
+    got = [i for i in first + later if low <= i < low + 1000]
+    assert got == _read(alone, len(got))
+  assert resumed.get_state()["position"]["mixture"] == {"since_record": 20, "since": {"a": 10, "b": 10}}
+
+
+def test_a_source_added_or_removed_must_be_declared_and_keeps_its_ledger():
+  saved = ckpt_iter.DataIterator(_mix({"a": 1, "b": 1}))
+  _read(saved, 3)
+  with pytest.raises(ckpt_iter.ConfigDriftError, match=r"sources added: c.*allow_drift=\{'sources'\}"):
+    ckpt_iter.DataIterator(_mix({"a": 1, "b": 1, "c": 1})).set_state(saved.get_state())
+  only_a = ckpt_iter.DataIterator(_mix({"a": 1}), allow_drift={"sources"})
+  only_a.set_state(saved.get_state())
+  assert all(i < 2000 for i in _read(only_a, 2))
+  back = ckpt_iter.DataIterator(_mix({"a": 1, "b": 1}), allow_drift={"sources"})
+  back.set_state(only_a.get_state())
+  ledger = back.get_state()["position"]["mixture"]["since"]
+  assert ledger == {"a": 14, "b": 6}  # b kept its 6 records while it was out
+
+
+def test_inspect_shows_a_mixtures_ledger():
+  from ckpt_iter import _describe  # pylint: disable=g-import-not-at-top
+  iterator = ckpt_iter.DataIterator(_mix({"a": 3, "b": 1}, lengths={"a": 12, "b": 5}))
+  _read(iterator, 5)
+  value = iterator.state()
+  text = _describe.summary_line(value)
+  assert text == "stream record 20; read a 15 (epoch 1, 3 of 12), b 5 (epoch 1, 0 of 5)"
+
+
+# ---------------------------------------------------------------------------
+# Filter and pack in lanes (docs/changing_the_run.md)
+
+
+_BAD_LANES = [
+    ("lanes_not_multiple_of_shards", dict(shard_count=4, shard_index=0, num_lanes=6), ["num_lanes=6", "shard_count=4"]),
+    ("batch_not_multiple_of_lanes", dict(batch_size=3, num_lanes=2), ["global batch of 3", "num_lanes=2"]),
+    ("short_batches", dict(drop_remainder=False), ["drop_remainder=False with filter or pack"]),
+    ("chunk_zero", dict(chunk_size=0), ["chunk_size=0"]),
+    ("lanes_zero", dict(num_lanes=0), ["num_lanes=0"]),
+    ("filter_not_callable", dict(filter=3), ["filter=3", "not callable"]),
+]
+
+
+@pytest.mark.parametrize("arguments, fragments", [c[1:] for c in _BAD_LANES], ids=[c[0] for c in _BAD_LANES])
+def test_bad_lane_arguments_are_refused_naming_them(arguments, fragments):
+  kwargs = {"batch_size": 4, "filter": lambda r: True, "num_lanes": 2, **arguments}
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    _make(_records(20), **kwargs)
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_a_filter_that_drops_everything_is_named_not_waited_out(monkeypatch):
+  from ckpt_iter import _lanes  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_lanes, "MAX_EMPTY_CHUNKS", 5)
+  dataset = _make(_records(200), batch_size=2, num_epochs=None, filter=lambda r: False, chunk_size=2, num_lanes=1)
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match="filter dropped every record of 5 chunks"):
+    next(ckpt_iter.DataIterator(dataset))
+
+
+def test_a_lane_states_position_is_small_and_per_process():
+  dataset = _make(_records(400), batch_size=8, num_epochs=None, filter=lambda r: r["id"] % 2 == 0,
+                  chunk_size=16, num_lanes=8, shard_index=1, shard_count=2)
+  iterator = ckpt_iter.DataIterator(dataset)
+  for _ in range(50):
+    next(iterator)
+  state = iterator.get_state()
+  assert state["position"]["first_lane"] == 4 and len(state["position"]["lanes"]) == 4
+  assert len(json.dumps(state["position"])) < 100

@@ -443,3 +443,49 @@ def test_check_replayed_refuses_another_last_batch_naming_the_field_and_both_dig
   message = str(info.value)
   assert f"{field}={saved!r}" in message and f"{field}={here!r}" in message
   assert "batch 2" in message and "the same batches in the same order" in message
+
+
+# ---------------------------------------------------------------------------
+# Grain's own mixtures: a reweight never continues silently at the wrong records
+
+
+def _grain_mix(weights):
+  a, b = grain.MapDataset.range(0, 40), grain.MapDataset.range(1000, 1040)
+  return grain.MapDataset.mix([a, b], weights=weights).batch(4)
+
+
+def test_a_reweighted_grain_map_mix_is_refused_even_with_allow_drift():
+  # Measured before: with allow_drift={'dataset_length'} (what the refusal then
+  # recommended) it continued at the old global index and never trained
+  # records 10-15 of the first source.
+  saved = ckpt_iter.DataIterator(_grain_mix([0.5, 0.5]))
+  for _ in range(5):
+    next(saved)
+  state = saved.get_state()
+  field = next(name for name in saved.fingerprint if name.endswith("MixedMapDataset.weights"))
+  for allow in ((), {"dataset_length"}, {"dataset_length", field}):
+    with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+      ckpt_iter.DataIterator(_grain_mix([0.8, 0.2]), allow_drift=allow).set_state(state)
+    assert f"{field}: 1:1 -> 4:1" in str(info.value)
+    assert "ckpt_iter.make_dataset({name: source, ...}, weights=" in str(info.value)
+
+
+def _grain_iter_mix(weights):
+  a = grain.MapDataset.range(0, 40).to_iter_dataset(_NO_THREADS)
+  b = grain.MapDataset.range(1000, 1040).to_iter_dataset(_NO_THREADS)
+  return grain.IterDataset.mix({"a": a, "b": b}, weights=weights).batch(4)
+
+
+def test_a_reweighted_grain_iter_mix_continues_each_source_when_declared():
+  saved = ckpt_iter.DataIterator(_grain_iter_mix({"a": 1, "b": 1}))
+  first = [int(i) for _ in range(5) for i in next(saved)]
+  state = saved.get_state()
+  with pytest.raises(ckpt_iter.ConfigDriftError, match="MixedIterDataset.weights"):
+    ckpt_iter.DataIterator(_grain_iter_mix({"a": 3, "b": 1})).set_state(state)
+  resumed = ckpt_iter.DataIterator(_grain_iter_mix({"a": 3, "b": 1}), allow_drift={"weights"})
+  resumed.set_state(state)
+  later = [int(i) for _ in range(4) for i in next(resumed)]
+  for low in (0, 1000):  # each source on from its own next element, nothing twice or skipped
+    got = [i for i in first + later if low <= i < low + 1000]
+    assert got == list(range(low, low + len(got)))
+  assert sum(i < 1000 for i in later) > sum(i >= 1000 for i in later)
