@@ -66,6 +66,12 @@ class LaneSpec:
           f"the global batch of {spec.global_batch_size} rows (batch_size={spec.batch_size} x "
           f"shard_count={spec.shard_count}) is not a multiple of num_lanes={num_lanes}: every global batch "
           "takes the same number of rows from each lane. Use a global batch that is a multiple of it.")
+    if spec.num_epochs is not None:
+      raise errors.InvalidArgumentError(
+          f"num_epochs={spec.num_epochs} with filter or pack: a filtered or packed stream has no end every "
+          "process can see (each knows only its own lanes' rows), so processes would stop at different "
+          "steps. Pass num_epochs=None and stop at the trainer's step count; every epoch of the source "
+          "is still read exactly once per pass.")
     if not spec.drop_remainder:
       raise errors.InvalidArgumentError(
           "drop_remainder=False with filter or pack: lanes end at different points, so the last batch "
@@ -96,8 +102,6 @@ class LaneDataset(grain.IterDataset):
     self.stack = stack  # rows -> one batch (make_dataset's `stack_records`)
     self._names = [name for name, _ in spec.sources]
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
-    self.stream_length = (self._mixture.length(spec.source_limits()) if self._mixture is not None
-                          else spec.stream_length())
 
   def __str__(self) -> str:
     return (f"LaneDataset(batch_size={self.spec.batch_size}, lanes={self.lanes.num_lanes}, "
@@ -119,9 +123,8 @@ class LaneDataset(grain.IterDataset):
     return self.parents[self._names.index(name)][index]
 
   def chunk_records(self, chunk: int) -> range:
-    """The stream records of chunk `chunk` (empty past the stream's end)."""
-    start = chunk * self.lanes.chunk_size
-    return range(min(start, self.stream_length), min(start + self.lanes.chunk_size, self.stream_length))
+    """The stream records of chunk `chunk` (the stream has no end: num_epochs is None)."""
+    return range(chunk * self.lanes.chunk_size, (chunk + 1) * self.lanes.chunk_size)
 
   def chunk_rows(self, chunk: int) -> list[Any]:
     """Chunk `chunk` filtered and packed: the same rows whoever computes them, whenever."""
@@ -148,15 +151,12 @@ class _Lane:
   def chunk(self) -> int:
     return self.chunk_in_lane * self._dataset.lanes.num_lanes + self.lane
 
-  def take(self, count: int) -> list[Any] | None:
-    """The lane's next `count` rows, or None when the stream ends first (the lane is left as it was)."""
-    rows, place = [], (self.chunk_in_lane, self.rows_taken, self._rows)
+  def take(self, count: int) -> list[Any]:
+    """The lane's next `count` rows."""
+    rows: list[Any] = []
     empty = 0
     while len(rows) < count:
       if self._rows is None:
-        if not self._dataset.chunk_records(self.chunk):
-          self.chunk_in_lane, self.rows_taken, self._rows = place
-          return None
         self._rows = self._dataset.chunk_rows(self.chunk)
         if self.rows_taken > len(self._rows):
           raise errors.InvalidStateError(
@@ -188,13 +188,7 @@ class LaneIterator(grain.DatasetIterator):
 
   def __next__(self) -> Any:
     count = self._dataset.rows_per_lane
-    taken = []
-    for lane in self._lanes:
-      rows = lane.take(count)
-      if rows is None:  # the stream ended: no lane gives a short batch (drop_remainder)
-        raise StopIteration
-      taken.append(rows)
-    return self._dataset.stack([row for rows in taken for row in rows])
+    return self._dataset.stack([row for lane in self._lanes for row in lane.take(count)])
 
   def get_state(self) -> dict[str, Any]:
     return {FIRST_LANE: self._lanes[0].lane, LANES: [lane.position() for lane in self._lanes]}

@@ -198,7 +198,7 @@ def test_elastic_resume_refuses_a_per_process_filter(runs, n, m):
     assert "FilterMapDataset" in error["message"]
     assert f"Restore with {n} processes" in error["message"]
     # Refused before anything moved: no silent restart, no partial restore.
-    assert result["filtered_position_after_error"] == {"next_index": 0}
+    assert result["filtered_position_after_error"] == {"next_record": 0}
 
 
 @pytest.mark.parametrize("n,m", ELASTIC)
@@ -209,3 +209,32 @@ def test_plain_restore_with_another_process_count_raises(runs, n, m):
     assert f"written by {n} process(es)" in error["message"]
     assert f"this run has {m}" in error["message"]
     assert "elastic=True" in error["message"]
+
+
+def _lane_oracle(segments):
+  """The global batches of the lanes pipeline: each lane's rows from an uninterrupted
+  single-process run (one row per lane and batch), G / num_lanes rows per lane and batch."""
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  lanes = [[] for _ in range(worker.NUM_LANES)]
+  iterator = ckpt_iter.DataIterator(worker.lanes_dataset(worker.NUM_LANES, 0, 1))
+  for _ in range(sum(g // worker.NUM_LANES * count for g, count in segments)):
+    for lane, row in enumerate(next(iterator)["ids"].tolist()):
+      lanes[lane].append(row)
+  batches, taken = [], 0
+  for global_batch, count in segments:
+    rows = global_batch // worker.NUM_LANES
+    for _ in range(count):
+      batches.append([row for lane in lanes for row in lane[taken:taken + rows]])
+      taken += rows
+  return batches
+
+
+@pytest.mark.parametrize("n,m", ELASTIC)
+def test_filtered_and_packed_lanes_resume_with_another_process_count_and_global_batch(runs, n, m):
+  saved, restored = runs.save(n), runs.restore(n, m)
+  before = [step["ids"] for step in _global(saved, "lanes_before")]
+  uninterrupted = before + [step["ids"] for step in _global(saved, "lanes_after")]
+  assert uninterrupted == _lane_oracle([(worker.GLOBAL_BATCH_SIZE, len(uninterrupted))])
+  after = [step["ids"] for step in _global(restored, "lanes_after")]
+  assert before + after == _lane_oracle(
+      [(worker.GLOBAL_BATCH_SIZE, worker.SAVE_AFTER["lanes"]), (worker.LANES_RESTORE_BATCH, worker.LANES_AFTER)])

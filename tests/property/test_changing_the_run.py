@@ -76,9 +76,10 @@ def _pipeline(kind, index, count, global_batch, mixture=None):
   if kind == "plain":
     return ckpt_iter.make_dataset(_RECORDS, num_epochs=2, **common)
   if kind == "filter":
-    return ckpt_iter.make_dataset(_RECORDS, num_epochs=2, filter=keep, chunk_size=5, num_lanes=LANES, **common)
+    return ckpt_iter.make_dataset(_RECORDS, num_epochs=None, filter=keep, chunk_size=5, num_lanes=LANES, **common)
   if kind == "pack":
-    return ckpt_iter.make_dataset(_RECORDS, num_epochs=2, pack=grain_pack, chunk_size=6, num_lanes=LANES, **common)
+    return ckpt_iter.make_dataset(_RECORDS, num_epochs=None, pack=grain_pack, chunk_size=6, num_lanes=LANES,
+                                  **common)
   sources = {name: _SOURCES[name] for name in mixture}
   return ckpt_iter.make_dataset(sources, weights=mixture, num_epochs=None, **common)
 
@@ -136,13 +137,15 @@ def _stream(kind):
   if kind == "plain":
     return [row for b in ckpt_iter.DataIterator(_pipeline("plain", 0, 1, 1)) for row in _rows(b)]
   lanes = [[] for _ in range(LANES)]
-  for batch in ckpt_iter.DataIterator(_pipeline(kind, 0, 1, LANES)):  # one row per lane and batch
-    for lane, row in enumerate(_rows(batch)):
+  iterator = ckpt_iter.DataIterator(_pipeline(kind, 0, 1, LANES))
+  for _ in range(_MAX_LANE_ROWS):  # one row per lane and batch; the stream has no end
+    for lane, row in enumerate(_rows(next(iterator))):
       lanes[lane].append(row)
   return lanes
 
 
 _STREAMS = {}
+_MAX_LANE_ROWS = 4 * 5 * 2 * BASE_BATCH // LANES  # rows per lane a run can take: 4 segments x 5 batches of 2G
 
 
 def _lane_streams(kind):
@@ -158,8 +161,6 @@ def _oracle(kind, segments):
   for _, global_batch, count, _ in segments:
     rows = global_batch // LANES
     for _ in range(count):
-      if any(taken[lane] + rows > len(stream[lane]) for lane in range(LANES)):
-        return batches  # the stream ended: no short batch
       batches.append([row for lane in range(LANES) for row in stream[lane][taken[lane]:taken[lane] + rows]])
       taken = [t + rows for t in taken]
   return batches

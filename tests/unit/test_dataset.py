@@ -583,7 +583,8 @@ def test_inspect_shows_a_mixtures_ledger():
 _BAD_LANES = [
     ("lanes_not_multiple_of_shards", dict(shard_count=4, shard_index=0, num_lanes=6), ["num_lanes=6", "shard_count=4"]),
     ("batch_not_multiple_of_lanes", dict(batch_size=3, num_lanes=2), ["global batch of 3", "num_lanes=2"]),
-    ("short_batches", dict(drop_remainder=False), ["drop_remainder=False with filter or pack"]),
+    ("short_batches", dict(drop_remainder=False, num_epochs=None), ["drop_remainder=False with filter or pack"]),
+    ("finite", dict(num_epochs=2), ["num_epochs=2 with filter or pack", "num_epochs=None"]),
     ("chunk_zero", dict(chunk_size=0), ["chunk_size=0"]),
     ("lanes_zero", dict(num_lanes=0), ["num_lanes=0"]),
     ("filter_not_callable", dict(filter=3), ["filter=3", "not callable"]),

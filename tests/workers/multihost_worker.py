@@ -12,7 +12,10 @@ batch of GLOBAL_BATCH_SIZE rows:
   repeat    RepeatIterator (group_size 2, num_repeats 2, shuffled repeats)
             whose `produce` returns batch-major arrays tagged with the run;
   filtered  DataIterator over make_dataset(...).filter(...): a per-process,
-            non-elementwise step that cannot be resumed elastically.
+            non-elementwise step that cannot be resumed elastically;
+  lanes     DataIterator over make_dataset(filter=..., pack=..., num_lanes=4):
+            filtered and packed the same for every process count, and
+            restored with another global batch too (LANES_RESTORE_BATCH).
 
 mode "save": reads each iterator up to its checkpoint point, saves ONE
 CheckpointManager step holding sharded params and the three iterators, then
@@ -38,7 +41,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 NUM_RECORDS = 24
 GLOBAL_BATCH_SIZE = 4
 NUM_EPOCHS = 2
-SAVE_AFTER = {"data": 4, "repeat": 5, "filtered": 2}
+SAVE_AFTER = {"data": 4, "repeat": 5, "filtered": 2, "lanes": 3}
+LANES_AFTER = 6  # lanes batches read after the save or restore (its stream has no end)
+NUM_LANES = 4
+LANES_CHUNK = 3
+LANES_RESTORE_BATCH = 8  # the restored runs double the lanes pipeline's global batch
 GROUP_SIZE = 2
 NUM_REPEATS = 2
 SAVE_TAG, RESTORE_TAG = 1, 2
@@ -47,6 +54,25 @@ STEP = 1
 
 def records() -> list[dict[str, int]]:
   return [{"id": i} for i in range(NUM_RECORDS)]
+
+
+def keep(record) -> bool:
+  return record["id"] % 4 != 1
+
+
+def pack_pairs(dataset) -> list:
+  """Two records per row, the last one padded with -1."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  ids = [int(r["id"]) for r in dataset]
+  return [{"ids": np.array((ids[i:i + 2] + [-1])[:2], dtype=np.int32)} for i in range(0, len(ids), 2)]
+
+
+def lanes_dataset(global_batch: int, shard_index: int | None = None, shard_count: int | None = None):
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  count = shard_count or __import__("jax").process_count()
+  return ckpt_iter.make_dataset(
+      records(), batch_size=global_batch // count, seed=13, num_epochs=None, filter=keep, pack=pack_pairs,
+      chunk_size=LANES_CHUNK, num_lanes=NUM_LANES, shard_index=shard_index, shard_count=shard_count)
 
 
 def build(process_count: int, tag: int):
@@ -78,12 +104,15 @@ def build(process_count: int, tag: int):
       ckpt_iter.make_dataset(records(), batch_size=batch_size, seed=3)
       .filter(lambda batch: int(batch["id"].sum()) % 3 != 0)
   )
-  return {"data": data, "repeat": repeat, "filtered": filtered}
+  lanes = ckpt_iter.DataIterator(lanes_dataset(GLOBAL_BATCH_SIZE if tag == SAVE_TAG else LANES_RESTORE_BATCH))
+  return {"data": data, "repeat": repeat, "filtered": filtered, "lanes": lanes}
 
 
 def as_json(name: str, element) -> dict:
   if name == "repeat":
     return {k: v.tolist() for k, v in element.items()}
+  if name == "lanes":
+    return {"ids": element["ids"].tolist()}
   return {"id": element["id"].tolist()}
 
 
@@ -143,7 +172,7 @@ def main(config_path: str) -> int:
     else:
       restore(config, manager, iterators, values, sharding, result)
     for name, iterator in iterators.items():
-      result[f"{name}_after"] = take(name, iterator, None)
+      result[f"{name}_after"] = take(name, iterator, LANES_AFTER if name == "lanes" else None)
     manager.wait_until_finished()
   finally:
     manager.close()
@@ -185,6 +214,7 @@ def restore(config, manager, iterators, values, sharding, result) -> None:
     manager.restore(STEP, args=ocp.args.Composite(
         data=ckpt_iter.IteratorRestore(iterators["data"], elastic=elastic),
         repeat=ckpt_iter.IteratorRestore(iterators["repeat"], elastic=elastic),
+        lanes=ckpt_iter.IteratorRestore(iterators["lanes"], elastic=True),
     ))
   finally:
     ckpt_iter.IteratorCheckpointHandler.restore = original
