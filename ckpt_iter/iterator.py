@@ -311,7 +311,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     mixture = node.spec_mixture(position, origin=origin)
     plan = node.spec.plan_at(next_record, mixture)
     next_index = plan.index_of(next_record)
-    if next_index is None or next_record > plan.stream_length:
+    if next_index is None or next_record > plan.stream_length or next_index > len(plan):
       self._refuse_past_the_end(state, next_record, plan.stream_length, origin)
     if state.content is None:
       content_check = "none recorded"

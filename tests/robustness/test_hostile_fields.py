@@ -70,6 +70,12 @@ CASES = {
     "lineage_run_not_a_step": (_with(("lineage", "run"), [2**70]), "field 'lineage'"),
     "surrogate_in_position_key": (_with(("position", "\ud800"), 1), "position"),
     "position_nested_500_deep": (_with(("position",), _nested(500)), "nested deeper than 64 levels"),
+    "nested_state_holding_a_lineage": (
+        _with(("position", "parent", "lineage"), {"resumes": 0, "digest": "0" * 16, "recent": []}),
+        r"nested state holds \['lineage'\]"),
+    "nested_state_holding_pending": (
+        _with(("position", "parent", "pending"), {"items": [], "schedule": []}), r"nested state holds \['pending'\]"),
+    "nested_state_of_an_unknown_kind": (_with(("position", "parent", "kind"), "model"), "field 'kind'"),
 }
 
 # Cases of the pending items' stored form (a header's groups; `set_state` takes items, not groups).
