@@ -180,7 +180,8 @@ def state_sizes(report) -> list[dict]:
       os.makedirs(step)
       for index, iterator in enumerate(iterators):
         checkpoint_lib.IteratorCheckpointHandler(index, len(iterators)).save(step, ckpt_iter.IteratorSave(iterator))
-      sizes = [os.path.getsize(os.path.join(step, f"process_{i}-of-{len(iterators)}.json")) for i in range(len(iterators))]
+      count = len(iterators)
+      sizes = [os.path.getsize(os.path.join(step, f"process_{i}-of-{count}.json")) for i in range(count)]
       with open(os.path.join(step, f"process_0-of-{len(iterators)}.json")) as f:
         position = json.load(f)["position"]
       report.measurement(question="state_size", pipeline=name, max_bytes_per_process=max(sizes),

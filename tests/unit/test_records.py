@@ -89,7 +89,7 @@ def test_a_changed_mixture_continues_every_source_at_its_own_next_record(run):
       read[name].append(index)
       record += 1
     assert mixture.read(record) == {**mixture.since, **{n: len(read[n]) for n in shares}}
-  for name, indices in read.items():
+  for indices in read.values():
     assert indices == list(range(len(indices)))  # nothing skipped, nothing twice, in order
 
 
