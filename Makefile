@@ -45,8 +45,9 @@ test-full: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check ckpt_iter tests benchmarks
 
+# The demo lives in demo/, outside the installed package; DEMO_ARGS, e.g. '--learner agentic'.
 demo: $(STAMP)
-	$(PY) -m ckpt_iter demo
+	$(PY) -m demo $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,bench]'

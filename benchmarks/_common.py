@@ -20,6 +20,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(BENCH_DIR)
+# The demo's toy runs (demo/) are the benchmarks' workload; they are not installed.
+if REPO_DIR not in sys.path:
+  sys.path.append(REPO_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), REPO_DIR) if p)
 
 
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):

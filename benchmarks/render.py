@@ -343,7 +343,7 @@ def _tunix_step_time(rows: list[dict]) -> str:
   )
   return f"""## {TITLES['tunix_step_time']}
 
-`benchmarks/tunix_step_time.py`. The toy GRPO run of `ckpt_iter.demo.toyrun` (Tunix's
+`benchmarks/tunix_step_time.py`. The toy GRPO run of `demo.toyrun` (Tunix's
 ToyTransformer, one prompt per global step, num_iterations 2, num_generations 2) with stock
 `GRPOLearner` and with `ResumableGRPOLearner`, same config, each run a fresh process, alternating in
 pairs. Start-up, JIT (global steps 0–1) and the final forced save are excluded: each global step

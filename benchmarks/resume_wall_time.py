@@ -38,7 +38,7 @@ DEMO_STEP = 3
 
 def worker(learner_kind: str, root: str, max_steps: int, spawned_at: float) -> None:
   started = time.time()
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
 
   config = toyrun.RunConfig(learner=learner_kind, max_steps=max_steps)
   learner = toyrun.build_learner(config, root)
@@ -115,7 +115,7 @@ def main() -> None:
   env = _common.child_env(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   preempted = os.path.join(workdir, "preempted")
   process = subprocess.run(
-      [_common.python(), "-m", "ckpt_iter.demo.toyrun", "--root", preempted, "--out", preempted + ".npz",
+      [_common.python(), "-m", "demo.toyrun", "--root", preempted, "--out", preempted + ".npz",
        "--config", json.dumps({"learner": "ckpt_iter", "max_steps": 8, "num_iterations": 2}),
        "--preempt-after", str(DEMO_STEP)],
       env=env, capture_output=True, text=True, timeout=900,

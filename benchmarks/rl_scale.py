@@ -2,7 +2,7 @@
 
 Two questions of issue 27, each measured in one run:
 
-1. Rollout weights per global step. Real toy GRPO runs (`ckpt_iter.demo.toyrun`,
+1. Rollout weights per global step. Real toy GRPO runs (`demo.toyrun`,
    `ResumableGRPOLearner`) with a separate rollout model (async rollout, two CPU
    devices), a checkpoint after every update. For each saved step the data
    state's counters say whether it falls inside a global step (where every such
@@ -53,7 +53,7 @@ def _toy_run(name: str, fields: dict, workdir: str) -> dict:
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   config = dict(fields, async_rollout=True)
   subprocess.run(
-      [_common.python(), "-m", "ckpt_iter.demo.toyrun", "--root", root,
+      [_common.python(), "-m", "demo.toyrun", "--root", root,
        "--out", os.path.join(workdir, f"{name}.npz"), "--config", json.dumps(config)],
       env=env, check=True, capture_output=True, text=True, timeout=900, cwd=_common.REPO_DIR,
   )

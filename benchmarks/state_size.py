@@ -96,7 +96,7 @@ def tunix_state(workdir: str) -> dict[str, object] | None:
   root = os.path.join(workdir, "tunix")
   config = {"learner": "ckpt_iter", "max_steps": 2, "num_iterations": 2}
   process = subprocess.run(
-      [_common.python(), "-m", "ckpt_iter.demo.toyrun", "--root", root,
+      [_common.python(), "-m", "demo.toyrun", "--root", root,
        "--out", os.path.join(workdir, "tunix.npz"), "--config", json.dumps(config)],
       env=_common.child_env(), capture_output=True, text=True, timeout=600,
   )

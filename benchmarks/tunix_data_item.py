@@ -6,7 +6,7 @@ in .venv-tunix-main), so the two versions are measured by running it twice:
   .venv/bin/python benchmarks/tunix_data_item.py
   .venv-tunix-main/bin/python benchmarks/tunix_data_item.py
 
-Scenario: the toy GRPO run of `ckpt_iter.demo.toyrun` with num_iterations=2,
+Scenario: the toy GRPO run of `demo.toyrun` with num_iterations=2,
 2 prompts per global step and mini-batches of 1 prompt, a checkpoint at every
 optimizer update (so half the checkpoints hold pending repeats).
 
@@ -53,14 +53,14 @@ def _timed(log: list[float], fn):
 
 
 def _config(max_steps: int):
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
 
   return toyrun.RunConfig(num_iterations=2, batch_size=2, mini_batch_size=1, max_steps=max_steps)
 
 
 def save_worker(root: str) -> dict:
   from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import _session  # pylint: disable=g-import-not-at-top
 
   picks, encodes, saves = [], [], []
@@ -80,7 +80,7 @@ def save_worker(root: str) -> dict:
 
 def restore_worker(root: str) -> dict:
   from tunix.sft import checkpoint_manager as tunix_checkpoint  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import _api as api  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import _session  # pylint: disable=g-import-not-at-top

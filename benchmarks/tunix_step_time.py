@@ -1,6 +1,6 @@
 """Q5: toy GRPO step time — ResumableGRPOLearner vs stock GRPOLearner.
 
-The toy run of `ckpt_iter.demo.toyrun` (Tunix's ToyTransformer on CPU, one prompt
+The toy run of `demo.toyrun` (Tunix's ToyTransformer on CPU, one prompt
 per global step, num_iterations 2, num_generations 2), same config for both
 learners, each run in a fresh process; runs alternate between the learners
 (ABBA) in pairs. Process start-up, JIT and the final forced save are excluded:
@@ -42,7 +42,7 @@ LEARNERS = ("stock", "ckpt_iter")
 def train_once(learner_kind: str, root: str, max_steps: int, save_interval_steps: int) -> dict:
   """Trains one toy run in this process and returns its timings in the window."""
   from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
 
   config = toyrun.RunConfig(learner=learner_kind, max_steps=max_steps, save_interval_steps=save_interval_steps)
   learner = toyrun.build_learner(config, root)

@@ -40,6 +40,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 for _path in (_HERE, os.path.join(_HERE, "workers")):
   if _path not in sys.path:
     sys.path.insert(0, _path)
+# The demo (demo/, the toy Tunix runs the tests' toy builds on) is not installed:
+# this process and every process it starts import it from the repository.
+_REPO = os.path.dirname(_HERE)
+if _REPO not in sys.path:
+  sys.path.append(_REPO)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _REPO) if p)
 
 import hypothesis  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top

@@ -125,11 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
       prog=PROG,
       description="Inspect, verify and compare the data state that ckpt_iter "
       "writes into Orbax and Tunix checkpoints.",
-      epilog="`ckpt-iter demo` runs the preempt-and-resume GRPO demo "
-      "(stock Tunix vs ckpt_iter); `ckpt-iter demo --help` for its options. "
-      "`ckpt-iter train grpo|ppo|sft CONFIG.yaml [key=value ...]` runs Tunix's "
+      epilog="`ckpt-iter train grpo|ppo|sft CONFIG.yaml [key=value ...]` runs Tunix's "
       "YAML pipeline with the Resumable learners; `ckpt-iter train --help`. "
-      "Both need Tunix (pip install 'ckpt_iter[tunix]').",
+      "It needs Tunix (pip install 'ckpt_iter[tunix]'). The preempt-and-resume "
+      "demo runs from a clone of the repository: `make demo`.",
   )
   from ckpt_iter import __version__  # pylint: disable=g-import-not-at-top
 

@@ -1,4 +1,4 @@
-"""`ckpt-iter demo --learner agentic`, run as a user runs it (four real processes, ~30 s).
+"""`make demo DEMO_ARGS='--learner agentic'` (`python -m demo`), run as a user runs it (four real processes, ~30 s).
 
 The default scenario: batches of 2 prompts (A B, then C D), num_iterations=2,
 one group per update, 2 global steps, killed after checkpoint 1 (A's first
@@ -29,8 +29,9 @@ _REFERENCE = "A B A B C D C D" if _REPLAYS else "A A B B"
 def demo_output(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("demo_agentic") / "run"
   process = subprocess.run(
-      [sys.executable, "-m", "ckpt_iter", "demo", "--learner", "agentic", "--dir", str(workdir), "--show-state"],
+      [sys.executable, "-m", "demo", "--learner", "agentic", "--dir", str(workdir), "--show-state"],
       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=900, check=False,
+      cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
   )
   assert process.returncode == 0, process.stderr[-4000:]
   return process.stdout

@@ -33,8 +33,8 @@ pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 
 import tunix_harness as harness  # noqa: E402
 
 from ckpt_iter import testing  # noqa: E402
-from ckpt_iter.demo import agentic_toyrun  # noqa: E402
-from ckpt_iter.demo import toyrun  # noqa: E402
+from demo import agentic_toyrun  # noqa: E402
+from demo import toyrun  # noqa: E402
 from ckpt_iter.tunix import _api  # noqa: E402
 
 _FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "v1_tunix_roots")

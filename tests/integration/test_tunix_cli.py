@@ -25,7 +25,7 @@ import yaml
 from ckpt_iter import _item as item_lib
 from ckpt_iter import testing
 import ckpt_iter.tunix  # noqa: F401  (registers the TrainExample types read_item decodes)
-from ckpt_iter.demo import toyrun
+from demo import toyrun
 import tunix_cli_worker
 
 _WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "workers", "tunix_cli_worker.py")

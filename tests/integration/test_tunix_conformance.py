@@ -51,8 +51,8 @@ pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 
 
 import tunix_harness as harness  # noqa: E402
 
-from ckpt_iter.demo import agentic_toyrun  # noqa: E402
-from ckpt_iter.demo import toyrun  # noqa: E402
+from demo import agentic_toyrun  # noqa: E402
+from demo import toyrun  # noqa: E402
 
 _FULL_EXAMPLES = int(os.environ.get("CKPT_ITER_CONFORMANCE_EXAMPLES", "12"))
 # An agentic example is 4-5 processes of ~40 s: fewer are drawn.

@@ -20,7 +20,7 @@ from tunix.rl.ppo import ppo_learner
 from ckpt_iter import _item as item_lib
 from ckpt_iter import errors
 from ckpt_iter import tunix as ckpt_tunix
-from ckpt_iter.demo import toyrun
+from demo import toyrun
 from ckpt_iter.tunix import _api as api
 import tunix_harness as harness
 import tunix_toy

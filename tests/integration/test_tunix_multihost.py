@@ -36,7 +36,7 @@ pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 
 
 import ckpt_iter
 from ckpt_iter import testing
-from ckpt_iter.demo import toyrun
+from demo import toyrun
 import process_group  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 WORKER = Path(__file__).resolve().parent.parent / "workers" / "tunix_multihost_worker.py"

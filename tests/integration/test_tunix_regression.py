@@ -22,7 +22,7 @@ from tunix.rl.queue import data_queue
 
 from ckpt_iter import errors
 from ckpt_iter import make_dataset
-from ckpt_iter.demo import toyrun
+from demo import toyrun
 import tunix_toy
 
 NUM_ITERATIONS = 2

@@ -12,7 +12,7 @@ import ckpt_iter
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(ckpt_iter.__file__))
 _FRAMEWORKS = ("jax", "grain", "orbax")
-_OUTER_LAYERS = ("ckpt_iter.tunix", "ckpt_iter.cli", "ckpt_iter.demo")
+_OUTER_LAYERS = ("ckpt_iter.tunix", "ckpt_iter.cli")
 
 
 def _module_name(path):
@@ -186,7 +186,6 @@ def test_core_modules_import_no_outer_layer():
 _DECLARED_OUTER_IMPORTS = {
     "ckpt_iter.tunix": (),
     "ckpt_iter.cli": ("ckpt_iter.tunix",),  # cli/_verify only, see below
-    "ckpt_iter.demo": ("ckpt_iter.tunix", "ckpt_iter.cli"),
 }
 
 
@@ -239,13 +238,13 @@ def _unit_test_offences(markers, tiers=("unit",)):
 
 def test_unit_tests_run_no_tunix_training():
   """Real Tunix runs (toy trainings in processes of their own) live in tests/integration."""
-  assert _unit_test_offences(('"ckpt_iter.demo.toyrun"', '"ckpt_iter.demo.agentic_toyrun"', "tunix_harness",
+  assert _unit_test_offences(('"demo.toyrun"', '"demo.agentic_toyrun"', "tunix_harness",
                               "toyrun.run(", "tunix_toy.run(", "tunix_toy.WORKER", "tunix_sft_worker",
                               "tunix_agentic_worker", "tunix_conformance_worker")) == []
 
 
 _DEMO_RUN_BUILDERS = ("toyrun.RunConfig", "toyrun.build_learner", "toyrun.build_cluster", "toyrun.run(",
-                      "toyrun.toy_cluster", '"ckpt_iter.demo.toyrun"', '"ckpt_iter.demo.agentic_toyrun"',
+                      "toyrun.toy_cluster", '"demo.toyrun"', '"demo.agentic_toyrun"',
                       "agentic_toyrun.run(", "agentic_toyrun.main(")
 
 
@@ -262,7 +261,7 @@ def _test_sources():
 def test_tests_train_their_own_toy_workload_not_the_demos():
   """The runs tests train are built in tests/workers (tunix_toy.py, tunix_agentic_worker.py).
 
-  The demo's modules ship only what `ckpt-iter demo` and the benchmarks run;
+  The demo's modules (demo/) hold only what `make demo` and the benchmarks run;
   the tests' toy builds on their parts (cluster, recorder, record format).
   """
   builders = {"workers/tunix_toy.py": ("toyrun.RunConfig", "toyrun.toy_cluster"),
@@ -288,3 +287,12 @@ def test_every_property_file_draws_with_hypothesis():
   assert sources
   assert [name for name, source in sources.items() if "@hypothesis.given" not in source
           and "@given" not in source] == []
+
+
+def test_the_package_never_imports_the_demo():
+  """demo/ lives outside the installed package (the wheel holds the library): nothing in it may need demo."""
+  modules = _package_modules()
+  offences = [f"{module} imports {name}" for module, path in modules.items()
+              for name in _imported_names(path, module, modules) if name == "demo" or name.startswith("demo.")]
+  assert offences == []
+  assert "ckpt_iter.demo" not in modules and not os.path.exists(os.path.join(_PACKAGE_DIR, "demo"))

@@ -1,7 +1,9 @@
-"""The sdist: what it ships and the metadata an index page shows."""
+"""The sdist and the wheel: what each ships and the metadata an index page shows."""
 
 import os
+import shutil
 import tarfile
+import zipfile
 
 import pytest
 
@@ -29,7 +31,7 @@ def test_the_sdist_ships_tests_docs_benchmarks_and_the_changelog(sdist):
   members, _ = sdist
   for path in ("tests/conftest.py", "tests/unit/test_packaging.py", "tests/workers/crash_worker.py",
                "tests/fixtures/README.md", "docs/storage.md", "docs/guarantees.md", "benchmarks/run_all.py",
-               "CHANGELOG.md", "LICENSE", "Makefile", "ckpt_iter/py.typed", "ckpt_iter/demo/prompts.jsonl"):
+               "CHANGELOG.md", "LICENSE", "Makefile", "ckpt_iter/py.typed", "demo/prompts.jsonl", "demo/__main__.py"):
     assert path in members, path
   assert not any("__pycache__" in m or m.endswith(".pyc") for m in members)
 
@@ -54,3 +56,30 @@ def test_the_tunix_extra_keeps_every_supported_tunix_installed(sdist):
   for version in ("0.1.7", "0.1.8"):  # the versions docs/tunix.md names as tested
     assert tunix.specifier.contains(version), (str(tunix), version)
   assert not tunix.specifier.contains("0.1.6")
+
+
+def test_the_wheel_holds_the_library_only(tmp_path):
+  """No demo, tests or benchmarks in the wheel: the library and what it reads at run time."""
+  from setuptools import build_meta  # pylint: disable=g-import-not-at-top
+
+  project = tmp_path / "project"  # a copy: the backend writes build/ into the project it builds
+  for name in ("ckpt_iter", "demo", "tests/fixtures/README.md", "pyproject.toml", "README.md", "LICENSE",
+               "MANIFEST.in"):
+    source, target = os.path.join(_REPO, name), project / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.isdir(source):
+      shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+      shutil.copy(source, target)
+  cwd = os.getcwd()
+  os.chdir(project)
+  try:
+    name = build_meta.build_wheel(str(tmp_path / "dist"))
+  finally:
+    os.chdir(cwd)
+  with zipfile.ZipFile(tmp_path / "dist" / name) as wheel:
+    tops = {member.split("/", 1)[0] for member in wheel.namelist()}
+    members = set(wheel.namelist())
+  assert tops == {"ckpt_iter", name.split("-")[0] + "-" + name.split("-")[1] + ".dist-info"}, tops
+  assert "ckpt_iter/__init__.py" in members and "ckpt_iter/tunix/example_grpo.yaml" in members
+  assert not any(m.startswith(("demo/", "tests/", "benchmarks/")) or "/demo/" in m for m in members)

@@ -5,7 +5,7 @@
         [--max-concurrency C] [--async-rollout] [--slow-prompt TEXT]
         [--max-seq-token-per-tpu N] [--critic]
 
-The demo's run (`ckpt_iter.demo.agentic_toyrun`) with the settings only the
+The demo's run (`demo.agentic_toyrun`) with the settings only the
 tests vary. It exits with PREEMPT_EXIT_CODE when killed after checkpoint K.
 """
 
@@ -16,8 +16,8 @@ import os
 import sys
 import threading
 
-from ckpt_iter.demo import agentic_toyrun
-from ckpt_iter.demo.agentic_toyrun import PREEMPT_EXIT_CODE  # noqa: F401  # pylint: disable=unused-import
+from demo import agentic_toyrun
+from demo.agentic_toyrun import PREEMPT_EXIT_CODE  # noqa: F401  # pylint: disable=unused-import
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -4,7 +4,7 @@ Tunix's pipeline takes every public function defined in this module as a
 reward function, so it defines exactly one.
 """
 
-from ckpt_iter.demo import toyrun
+from demo import toyrun
 
 
 def answer_word_reward(prompts, completions, answer, **kwargs):

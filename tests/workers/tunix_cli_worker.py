@@ -7,7 +7,7 @@ Everything after `--` goes to the `ckpt-iter` command line unchanged
 `python -m tunix.cli.grpo_main CONFIG.yaml ...` instead (stock classes). Tunix's pipeline loads real
 models and tokenizers by name; here `tunix.cli.utils.model.create_model` and
 `create_tokenizer`, which the pipeline calls to load them, return Tunix's toy
-transformer and vocabulary instead (the same ones as ckpt_iter.demo.toyrun).
+transformer and vocabulary instead (the same ones as demo.toyrun).
 Everything else is the pipeline's: config loading and overrides, meshes,
 rollout and training configs, the data_module dataset, reward functions, the
 learner it builds, Orbax checkpoints on disk.
@@ -37,7 +37,7 @@ TOY_MESH = {"shape": "(1,1)", "axis_names": "('fsdp','tp')"}
 
 def grpo_config(root: str, data: Any, **changes: Any) -> dict[str, Any]:
   """A complete GRPO pipeline config for the toy model; `changes` replace top-level keys."""
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
 
   model = {"model_name": "toy", "model_id": "toy", "model_source": "internal", "mesh": dict(TOY_MESH),
            "model_display": False}
@@ -128,7 +128,7 @@ class _Recorder:
   """Trainer inputs and the learner class, observed at Tunix's class level."""
 
   def __init__(self):
-    from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+    from demo import toyrun  # pylint: disable=g-import-not-at-top
     from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=g-import-not-at-top
     from tunix.rl import rl_learner  # pylint: disable=g-import-not-at-top
 

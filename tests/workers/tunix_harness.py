@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ckpt_iter import testing
-from ckpt_iter.demo import agentic_toyrun
-from ckpt_iter.demo import toyrun
+from demo import agentic_toyrun
+from demo import toyrun
 import tunix_toy
 
 _TIMEOUT_SECONDS = 900

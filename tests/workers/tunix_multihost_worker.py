@@ -12,7 +12,7 @@ global step) and shard_reference_logps (default false: hand the trainer
 the reference log-probs sharded across the processes, a stand-in for a
 batch axis that spans them). The process joins a
 `jax.distributed` job on 127.0.0.1 (CPU backend) and trains
-`ResumableGRPOLearner` on the toy model of `ckpt_iter.demo.toyrun` with one mesh
+`ResumableGRPOLearner` on the toy model of `demo.toyrun` with one mesh
 over all global devices for actor, reference and rollout,
 `optax.sgd(lr, momentum=0.9)` (with plain sgd stock Tunix itself cannot
 restore on several processes, see docs/multihost.md), num_iterations=2 and
@@ -68,7 +68,7 @@ def build_learner(root: str, max_steps: int, rollout_mesh=None, learner: str = "
   from tunix.tests import test_common as tc  # pylint: disable=g-import-not-at-top
 
   import tunix_toy  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
 
   vocab = tc.MockVocab()
   model_config = tc.ModelConfig(vocab_size=vocab.GetPieceSize())
@@ -261,7 +261,7 @@ def main(config_path: str) -> int:
   process_group.initialize_distributed(config)
   from ckpt_iter.tunix import _session as _tunix_session  # pylint: disable=g-import-not-at-top
   from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
 
   index, count = jax.process_index(), jax.process_count()
   assert (index, count) == (config["process_id"], config["num_processes"]), (index, count)

@@ -1,4 +1,4 @@
-"""The tests' toy Tunix RL run: the demo's toy (ckpt_iter.demo.toyrun) and every setting the tests vary.
+"""The tests' toy Tunix RL run: the demo's toy (demo.toyrun) and every setting the tests vary.
 
 On top of the demo's GRPO run it adds the learners (GRPO, DAPO, DrGRPO, PPO
 with a critic), the pipeline forms a user passes to `train()`, uneven
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_iter.demo import toyrun
+from demo import toyrun
 
 
 WORKER = __file__

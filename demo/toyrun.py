@@ -12,7 +12,7 @@ adds what only the tests vary: other algorithms, pipeline forms, packing,
 evaluation, checkpoint policies.
 
 Run one in a process of its own:
-    python -m ckpt_iter.demo.toyrun --root /abs/dir --out run.npz --config '{"learner": "stock"}'
+    python -m demo.toyrun --root /abs/dir --out run.npz --config '{"learner": "stock"}'
 """
 
 from __future__ import annotations

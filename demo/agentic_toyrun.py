@@ -10,7 +10,7 @@ rollout it made. With --preempt-after K it writes the same right after
 checkpoint K is on disk (the async save finished) and dies with os._exit, the
 way a scheduler kills a job.
 
-    python -m ckpt_iter.demo.agentic_toyrun --root DIR --out OUT.npz --learner resumable|stock
+    python -m demo.agentic_toyrun --root DIR --out OUT.npz --learner resumable|stock
         [--max-steps M] [--mu MU] [--batch B] [--mini M] [--micro M] [--preempt-after K]
 
 The tests' worker (tests/workers/tunix_agentic_worker.py) runs it with an
@@ -109,7 +109,7 @@ def load_record(path: str) -> dict[str, Any]:
 
 def input_labels(prompt_ids: np.ndarray) -> list[str]:
   """The prompts ("A", "B", ...) of a trainer input's rows, consecutive repeats merged."""
-  from ckpt_iter.demo import toyrun  # pylint: disable=g-import-not-at-top
+  from demo import toyrun  # pylint: disable=g-import-not-at-top
 
   return toyrun.label_rows(prompt_ids, {prompt_text(i): prompt_label(i) for i in range(NUM_PROMPTS)})
 
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, extension: Extension | None = None) -> None:
   from flax import nnx
   from tunix.rl.agentic import agentic_grpo_learner
 
-  from ckpt_iter.demo import toyrun
+  from demo import toyrun
   from ckpt_iter.tunix import _api
   # pylint: enable=g-import-not-at-top
 

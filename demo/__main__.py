@@ -1,6 +1,6 @@
-"""`ckpt-iter demo`: a Tunix RL run preempted between two num_iterations updates.
+"""`make demo` (`python -m demo`): a Tunix RL run preempted between two num_iterations updates.
 
-Four real processes on CPU (toy model, a prompt set shipped in the package,
+Four real processes on CPU (toy model, the prompt set in demo/prompts.jsonl,
 real Tunix learners, Orbax checkpoints on disk):
   1. the uninterrupted reference run;
   2. the same run, killed right after checkpoint K;
@@ -13,9 +13,9 @@ weights equal the uninterrupted run's. `--show-state` also prints the
 checkpoint's data state as `ckpt-iter inspect` shows it.
 
 `--learner grpo` (the default) runs `tunix.rl.grpo`'s GRPOLearner against
-ResumableGRPOLearner (ckpt_iter.demo.toyrun); `--learner agentic` runs
+ResumableGRPOLearner (demo.toyrun); `--learner agentic` runs
 `tunix.rl.agentic`'s GRPOLearner against ResumableAgenticGRPOLearner
-(ckpt_iter.demo.agentic_toyrun).
+(demo.agentic_toyrun).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 from typing import Callable
 
 from ckpt_iter import cli
-from ckpt_iter.demo import agentic_toyrun
-from ckpt_iter.demo import toyrun
+from demo import agentic_toyrun
+from demo import toyrun
 
 _TIMEOUT_SECONDS = 600
 # Per learner: --preempt-after, --num-iterations, --max-steps when not given.
@@ -53,7 +53,7 @@ _AGENTIC_MICRO_BATCH = 1
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="ckpt-iter demo",
+      prog="python -m demo",
       description="Preempt a toy GRPO run between two num_iterations updates and "
       "resume it with stock Tunix and with ckpt_iter, side by side.",
   )
@@ -164,7 +164,7 @@ def _grpo_workload(args: argparse.Namespace) -> _Workload:
     inputs, meta = toyrun.load_record(path)
     return _Record(inputs, bool(meta.get("preempted")), meta.get("actor_digest"))
 
-  return _Workload("ckpt_iter.demo.toyrun", arguments, 0, read,
+  return _Workload("demo.toyrun", arguments, 0, read,
                    lambda x: "".join(toyrun.prompt_labels(x["prompt_ids"])))
 
 
@@ -181,7 +181,7 @@ def _agentic_workload(args: argparse.Namespace) -> _Workload:
     preempted = returncode == agentic_toyrun.PREEMPT_EXIT_CODE
     return _Record(record["inputs"], preempted, None if preempted else _weights_digest(record["params"]))
 
-  return _Workload("ckpt_iter.demo.agentic_toyrun", arguments, agentic_toyrun.PREEMPT_EXIT_CODE, read,
+  return _Workload("demo.agentic_toyrun", arguments, agentic_toyrun.PREEMPT_EXIT_CODE, read,
                    lambda x: "".join(agentic_toyrun.input_labels(x["prompt_ids"])))
 
 
@@ -200,7 +200,9 @@ def _phase(title: str, workdir: str, workload: _Workload, stock: bool, name: str
            preempt_after: int | None = None) -> _Record:
   print(f"[{title}] ...", end="", flush=True)
   started = time.perf_counter()
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  # The demo is not installed: its runs import it from the repository.
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
              JAX_COMPILATION_CACHE_DIR=os.path.join(workdir, "jax_cache"),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   out = os.path.join(workdir, f"{name}.npz")
