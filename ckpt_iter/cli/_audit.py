@@ -415,6 +415,12 @@ def report_lines(report: Report) -> list[str]:
   }[report.verdict]
   before = sum(report.resumes_before_window.values())
   beyond = f" ({before} before the earliest kept step)" if before else ""
+  if report.verdict == UNPROVEN and (before or any(
+      f.verdict == UNPROVABLE and f.resumed_from is not None for f in report.findings)):
+    # The usual cause: max_to_keep deleted the steps the run resumed from.
+    lines.append("  steps a resume came from are not kept: to keep them, save with ocp.CheckpointManagerOptions("
+                 "preservation_policy=ckpt_iter.KeepResumedSteps(ROOT, max_to_keep=N)) in place of "
+                 "max_to_keep=N (docs/prove_your_run.md)")
   lines.append(f"{verdict}: {len(report.points)} state(s), {len(resumes)} resume(s){beyond}, "
                f"{proven} proven exact")
   return lines
