@@ -37,6 +37,7 @@ _LAZY = {
     "IteratorSave": "ckpt_iter.checkpoint",
     "make_dataset": "ckpt_iter.dataset",
     "ELASTIC_FIELDS": "ckpt_iter.elastic",
+    "KeepResumedSteps": "ckpt_iter.keep",
     "DataIterator": "ckpt_iter.iterator",
     "DataLoaderIterator": "ckpt_iter._loader",
     "RepeatIterator": "ckpt_iter.repeat",
@@ -54,6 +55,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselve
   from ckpt_iter.dataset import make_dataset
   from ckpt_iter.elastic import ELASTIC_FIELDS
   from ckpt_iter.iterator import DataIterator
+  from ckpt_iter.keep import KeepResumedSteps
   from ckpt_iter.repeat import RepeatIterator
   from ckpt_iter.replay import ReplayIterator
 
@@ -89,6 +91,7 @@ __all__ = [
     "IteratorRestore",
     "IteratorSave",
     "IteratorState",
+    "KeepResumedSteps",
     "LegacyCheckpointError",
     "Pending",
     "ProcessCountError",

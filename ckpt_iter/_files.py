@@ -661,6 +661,11 @@ def list_process_files(directory: str | os.PathLike[str]) -> list[tuple[int, int
   return _process_files_named(_storage.list_names(os.fspath(directory)))
 
 
+def process_files_in(names: Sequence[str]) -> list[tuple[int, int]]:
+  """The (process_index, process_count) pairs of the state files among a directory's `names`."""
+  return _process_files_named(names)
+
+
 def _process_files_named(names: Sequence[str]) -> list[tuple[int, int]]:
   listing = "\n".join(names)
   if listing.count("\n") == max(len(names) - 1, 0):

@@ -4,7 +4,8 @@
 (depth first, parents in order) and records, per node, the parameters that
 decide which element comes next: shuffle seeds, batch size and
 drop_remainder, slice bounds, repeat counts, map/filter function identity, the
-source's length and sampled digest, and the worker count of `mp_prefetch`.
+source's length and sampled digest, and the worker count of `mp_prefetch`
+(whose workers it also makes exit with their parent: `exit_workers_with_parent`).
 Fields are flat, so a mismatch names the node and the parameter:
 
     graph                             "BatchMapDataset<ShuffleMapDataset<SourceMapDataset"
@@ -23,6 +24,9 @@ import functools
 import hashlib
 import math
 import numbers
+import os
+import threading
+import time
 import types
 from typing import Any, Callable, Iterator, Mapping
 
@@ -346,6 +350,87 @@ def _worker_shards(node: Any) -> list[Any]:
   if all(type(d).__name__ == "ProcessPrefetchIterDataset" for d in datasets):
     return list(datasets)
   return []
+
+
+# ---------------------------------------------------------------------------
+# Worker processes that outlive their process.
+#
+# Grain's mp_prefetch workers are spawned processes that block on their
+# queues: after a SIGKILL of the process that started them they live on
+# (20 minutes at 220 MB each were seen), holding memory and the resource
+# tracker. PR_SET_PDEATHSIG would signal them when the *thread* that started
+# them exits, and Grain starts them from whichever thread first reads the
+# shard (the interleave's threads): it could kill live workers. So each worker
+# runs a thread that polls its parent pid and exits once it changes (the
+# parent died and the worker was re-parented), whichever thread started it.
+
+# How often a worker checks that the process that started it is alive.
+PARENT_CHECK_SECONDS = 0.5
+_ORPHAN_EXIT_CODE = 70
+# When a Grain release's mp_prefetch shards no longer hold the init function the watch wraps.
+WORKERS_NOT_WATCHED = (
+    "this Grain's mp_prefetch workers cannot be made to exit with their parent (its shards have no "
+    "worker_init_fn): if this process is killed they outlive it until killed themselves "
+    "(docs/failure_modes.md, \"Worker processes after a kill\").")
+
+
+def exit_workers_with_parent(dataset: Any) -> bool:
+  """Makes every `mp_prefetch` worker of `dataset` exit when the process that started it dies.
+
+  Wraps each worker's init function (Grain's, holding the user's
+  `worker_init_fn`, which still runs right after the watch starts) in
+  `_ExitWithParent`, once. Returns whether every worker is
+  now watched: False when Grain's shards no longer hold that function (a
+  Grain release renamed it), for the caller to say so.
+  """
+  for node in walk_nodes(dataset):
+    for shard in _worker_shards(node):
+      init = getattr(shard, "_worker_init_fn", _MISSING)
+      if init is _MISSING:
+        return False
+      if not isinstance(init, _ExitWithParent):
+        shard._worker_init_fn = _ExitWithParent(init)  # pylint: disable=protected-access
+  return True
+
+
+def exit_loader_workers_with_parent(loader: Any) -> bool:
+  """`exit_workers_with_parent` for a `grain.DataLoader` (its workers are an mp_prefetch inside it)."""
+  dataset = getattr(loader, "_dataset", None)  # the pipeline the DataLoader builds once and iterates
+  return dataset is not None and exit_workers_with_parent(dataset)
+
+
+_MISSING = object()
+
+
+class _ExitWithParent:
+  """A worker init function that first starts the worker's parent watch, then calls `init`.
+
+  Grain pickles it in the process that starts the worker, so the pid taken
+  there is the worker's parent's (`__getstate__`).
+  """
+
+  def __init__(self, init: Callable[..., Any] | None):
+    self._init = init
+    self._parent_pid: int | None = None
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"init": self._init, "parent_pid": os.getpid()}
+
+  def __setstate__(self, state: Mapping[str, Any]) -> None:
+    self._init, self._parent_pid = state["init"], state["parent_pid"]
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self._parent_pid is not None:  # a copy unpickled in a worker; the object made here has none
+      threading.Thread(target=_exit_when_orphaned, args=(self._parent_pid,), daemon=True,
+                       name="ckpt_iter-parent-watch").start()
+    return None if self._init is None else self._init(*args, **kwargs)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+  """Ends this process once its parent is no longer `parent_pid` (it died; this one was re-parented)."""
+  while os.getppid() == parent_pid:
+    time.sleep(PARENT_CHECK_SECONDS)
+  os._exit(_ORPHAN_EXIT_CODE)  # pylint: disable=protected-access  (no cleanup is owed to a dead parent)
 
 
 def _unwrap_worker(shard: Any) -> Any:

@@ -11,6 +11,7 @@ field (`_graph.describe_loader`).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Callable, Collection, Mapping
 
 import grain
@@ -50,6 +51,9 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
     self._loader = loader
     self._fingerprint = _graph.describe_loader(loader)
     self._allow_drift = frozenset(allow_drift)
+    # Before any iterator takes the workers' init function.
+    if self._fingerprint["loader.worker_count"] > 0 and not _graph.exit_loader_workers_with_parent(loader):
+      logging.getLogger("ckpt_iter").warning(_graph.WORKERS_NOT_WATCHED)
     self._inner = iter(loader)
 
   @property

@@ -369,22 +369,104 @@ def decode_items(
     *,
     origin: str,
 ) -> list[Any]:
-  """The items of an `encode_items` form, in order. `load_array` returns a checked array by name."""
+  """The items of an `encode_items` form, in order. `load_array` returns a checked array by name.
+
+  Raises:
+    InvalidStateError: the form is malformed, or would build more nodes than
+      its data pays for (`check_decode_budget`), refused before any is built.
+  """
   count = item_count(pending, origin=origin)
   groups = pending["groups"]
   members = [_members(group, number, origin) for number, group in enumerate(groups)]
+  sizes = [sum(stop - start for start, stop in runs) for runs in members]
+  loaded: dict[str, np.ndarray] = {}
+
+  def load(name: str) -> np.ndarray:  # each array read once: by the budget, then by its leaf
+    if name not in loaded:
+      loaded[name] = load_array(name)
+    return loaded[name]
+
+  check_decode_budget(groups, sizes, load, origin=origin)
   items: list[Any] = [None] * count
   taken: set[str] = set()
-  for number, (group, runs) in enumerate(zip(groups, members)):
+  for number, (group, runs, size) in enumerate(zip(groups, members, sizes)):
     where = f"{origin}: pending.groups[{number}]"
-    size = sum(stop - start for start, stop in runs)
-    build = _Builder(group, size, load_array, taken, where).compiled()
+    build = _Builder(group, size, load, taken, where).compiled()
     row = 0
     for start, stop in runs:
       for index in range(start, stop):
         items[index] = build(row)
         row += 1
   return items
+
+
+# How many nodes (containers, None, leaves) a decode may build beyond one per
+# byte or value its data holds. A node costs about 130 bytes of Python objects
+# (docs/benchmarks.md, section 14), so this is about 140 MB at most.
+FREE_DECODED_NODES = 2**20
+
+
+def check_decode_budget(
+    groups: Sequence[Any], sizes: Sequence[int], load_array: Callable[[str], np.ndarray], *, origin: str
+) -> None:
+  """Refuses groups whose items would build more nodes than the state's data pays for.
+
+  A group builds its member count times its structure's nodes, and a header
+  states both in a few bytes: `[[0, 1000000]]` over a structure of 100,000
+  nulls asks for 10^11 objects. So the nodes of all groups may number at most
+  `FREE_DECODED_NODES` plus one per byte the groups' arrays hold (as loaded:
+  a stand-in broadcast from one value holds one value's bytes) and one per
+  column value. Honest items pay for themselves: each leaf row is bytes or a
+  value. Cost: one walk of each structure, no item built.
+
+  Raises:
+    InvalidStateError: naming the group with the most nodes, its member and
+      node counts, and the limit.
+  """
+  held = 0
+  counted: set[str] = set()
+  nodes_of = []
+  for group, size in zip(groups, sizes):
+    nodes_of.append(size * _template_nodes(group["structure"], 0))
+    columns, names = group["columns"], group["arrays"]
+    if isinstance(columns, list):
+      held += size * sum(isinstance(c, list) and len(c) == size for c in columns)
+    if isinstance(names, list):
+      for name in names:
+        if isinstance(name, str) and name not in counted:  # an array named twice pays once
+          counted.add(name)
+          held += _held_bytes(load_array(name))
+  total = sum(nodes_of)
+  if total <= FREE_DECODED_NODES + held:
+    return
+  number = max(range(len(nodes_of)), key=nodes_of.__getitem__)
+  raise errors.InvalidStateError(
+      f"{origin}: pending.groups[{number}] would build {sizes[number]:,} items of "
+      f"{nodes_of[number] // sizes[number]:,} nodes each ({total:,} nodes in all groups), but the "
+      f"pending arrays and columns hold {held:,} bytes and values: a state may build at most "
+      f"{FREE_DECODED_NODES:,} nodes plus one per byte or value its data holds. Its 'members' or "
+      "'structure' is corrupt or crafted: restore an earlier step.")
+
+
+def _template_nodes(node: Any, depth: int) -> int:
+  """The nodes one item of a structure builds; a malformed node counts one (its builder refuses it)."""
+  if depth > MAX_NESTING or not isinstance(node, Mapping):
+    return 1
+  children: Any = ()
+  if isinstance(node.get("dict"), Mapping):
+    children = node["dict"].values()
+  elif isinstance(node.get("fields"), Mapping):
+    children = node["fields"].values()
+  elif isinstance(node.get("list", node.get("tuple")), list):
+    children = node.get("list", node.get("tuple"))
+  return 1 + sum(_template_nodes(child, depth + 1) for child in children)
+
+
+def _held_bytes(array: np.ndarray) -> int:
+  """The bytes of data `array` holds: a dimension of stride 0 repeats the same bytes."""
+  if array.size == 0:
+    return 0
+  return array.itemsize * math.prod(n for n, stride in zip(array.shape, array.strides) if stride != 0)
 
 
 def item_count(pending: Mapping[str, Any], *, origin: str) -> int:

@@ -7,10 +7,15 @@ catch one class to handle every expected problem with a data checkpoint.
 
 from __future__ import annotations
 
+import heapq
 from typing import Any, Mapping
 
 # How much of one value a message shows; longer ones are cut, their length shown.
 SHOWN_VALUE_CHARS = 200
+# A ConfigDriftError names this many differing fields (the first by name), each value cut to
+# SHOWN_DRIFT_VALUE_CHARS, and counts the rest: its message stays a few KB whatever the count.
+SHOWN_DIFFERENCES = 8
+SHOWN_DRIFT_VALUE_CHARS = 80
 
 
 def shown_value(value: Any, limit: int = SHOWN_VALUE_CHARS) -> str:
@@ -25,6 +30,11 @@ def shown_value(value: Any, limit: int = SHOWN_VALUE_CHARS) -> str:
   except RecursionError:  # a hostile value nested thousands deep
     return f"<{type(value).__name__} nested too deeply to show>"
   return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} chars)"
+
+
+def shown_name(name: str) -> str:
+  """A field's name as a message shows it: as it is, unless it is long (then cut, like a value)."""
+  return name if isinstance(name, str) and len(name) <= SHOWN_VALUE_CHARS else shown_value(name)
 
 
 class CkptIterError(Exception):
@@ -63,23 +73,41 @@ class StateVersionError(CkptIterError):
 class ConfigDriftError(CkptIterError):
   """A state was written by a pipeline whose defining fields differ.
 
+  The message names the first `SHOWN_DIFFERENCES` fields (by name) with both
+  values, each cut to `SHOWN_DRIFT_VALUE_CHARS`, and counts the rest: a big
+  pipeline's graph can differ in 200,000 fields, which named in full made a
+  14 MB message. Programs read them all from `differences`.
+
   Attributes:
-    differences: field name -> (value in the checkpoint, value in this run).
+    differences: field name -> (value in the checkpoint, value in this run),
+      every differing field.
   """
 
   def __init__(self, differences: Mapping[str, tuple[Any, Any]], origin: str = "the state"):
     self.differences = dict(differences)
-    shown = sorted(self.differences.items())
+    shown = heapq.nsmallest(SHOWN_DIFFERENCES, self.differences.items(), key=lambda item: item[0])
     parts = [
-        f"{name}={shown_value(saved)} there, {name}={shown_value(current)} here"
+        f"{shown_name(name)}={shown_value(saved, SHOWN_DRIFT_VALUE_CHARS)} there, "
+        f"{shown_name(name)}={shown_value(current, SHOWN_DRIFT_VALUE_CHARS)} here"
         for name, (saved, current) in shown
     ]
-    rebuild = ", ".join(f"{name}={shown_value(saved)}" for name, (saved, _) in shown)
-    names = ", ".join(shown_value(n) for n in sorted(self.differences))
+    names = ", ".join(shown_value(name) for name, _ in shown)
+    hidden = len(self.differences) - len(shown)
+    if not hidden:
+      rebuild = ", ".join(
+          f"{shown_name(name)}={shown_value(saved, SHOWN_DRIFT_VALUE_CHARS)}" for name, (saved, _) in shown)
+      super().__init__(
+          f"{origin} was written by a different pipeline: {'; '.join(parts)}. "
+          f"Rebuild the pipeline with {rebuild}, or pass allow_drift={{{names}}} "
+          "to accept the change."
+      )
+      return
     super().__init__(
-        f"{origin} was written by a different pipeline: {'; '.join(parts)}. "
-        f"Rebuild the pipeline with {rebuild}, or pass allow_drift={{{names}}} "
-        "to accept the change."
+        f"{origin} was written by a different pipeline: {len(self.differences):,} fields differ, the "
+        f"first {len(shown)} by name: {'; '.join(parts)}; and {hidden:,} more (every one, with both "
+        "values, is in the error's `differences`). Rebuild the pipeline with the checkpoint's values, "
+        "or accept the changes you made on purpose: allow_drift=set(error.differences) accepts all "
+        f"{len(self.differences):,} (from the caught error), allow_drift={{{names}}} the {len(shown)} shown."
     )
 
 

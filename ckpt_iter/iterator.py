@@ -99,9 +99,12 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           "or grain.MapDataset.source(...)."
       )
     self._dataset = dataset
+    self._fingerprint = dataset_lib.describe_pipeline(dataset)
+    # Before any iterator takes the workers' init function.
+    if self._has_workers and not _graph.exit_workers_with_parent(self._iter_dataset):
+      _drift.LOGGER.warning(_graph.WORKERS_NOT_WATCHED)
     self._inner = self._new_inner()
     super().__init__(self._inner)
-    self._fingerprint = dataset_lib.describe_pipeline(dataset)
     self._spec, _ = dataset_lib.find_spec(dataset)
     # make_dataset's node when the position can count its stream records.
     self._records = dataset_lib.record_node(dataset)

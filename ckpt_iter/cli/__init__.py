@@ -30,7 +30,8 @@ from ckpt_iter.cli import _verify as verification
 
 PROG = "ckpt-iter"
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
-# audit only: no check failed, but not every resume was proven / no data state to check.
+# audit: no check failed, but not every resume was proven; audit and verify: nothing to check (no
+# data state; for verify, every step was deleted while being read).
 EXIT_UNPROVEN, EXIT_NOTHING = 3, 4
 _SCHEDULE_SHOWN = 16
 
@@ -155,7 +156,8 @@ def _add_inspect(verbs: Any) -> None:
 def _add_verify(verbs: Any) -> None:
   summary = "check every step (or one): exit 0 if sound, 1 with one line per problem"
   parser = verbs.add_parser("verify", help=summary, description=summary + ".",
-                            epilog="exit codes: 0 sound, 1 problems (one line each), 2 usage error")
+                            epilog="exit codes: 0 sound, 1 problems (one line each), 2 usage error, 4 nothing checked "
+                            "(every step asked for was deleted while being read, e.g. by max_to_keep)")
   _add_checkpoint_argument(parser)
   parser.add_argument("--step", type=_step_number, help="check only this step")
   _add_item_argument(parser)
@@ -361,28 +363,37 @@ def _shared_fields(fingerprints: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 def run_verify(args: argparse.Namespace) -> int:
   layout = inspection.find_layout(args.checkpoint, args.item, step=args.step)
-  steps = list(layout.steps) if args.step is None else [layout.choose_step(args.step)]
-  checks = [verification.verify_step(layout, step) for step in steps]
+  listed = list(layout.steps) if args.step is None else [layout.choose_step(args.step)]
+  checks = [verification.verify_step(layout, step) for step in listed]
+  removed = [check.step for check in checks if check.removed]
+  steps = [check.step for check in checks if not check.removed]
   problems = [problem for check in checks for problem in check.problems]
   files = sum(check.files_read for check in checks)
   arrays = sum(check.arrays_read for check in checks)
+  code = EXIT_PROBLEMS if problems else EXIT_NOTHING if not steps else EXIT_OK
   if args.json:
     print(json.dumps({
-        "checkpoint": layout.root, "item": layout.item, "steps": steps, "ok": not problems,
-        "state_files": files, "pending_arrays": arrays,
+        "checkpoint": layout.root, "item": layout.item, "steps": steps, "ok": code == EXIT_OK,
+        "removed_while_reading": removed, "state_files": files, "pending_arrays": arrays,
         "problems": [{"step": p.step, "path": p.path, "message": p.message} for p in problems],
     }, indent=1))
-    return EXIT_PROBLEMS if problems else EXIT_OK
+    return code
   for problem in problems:
     print(problem.line())
+  gone = (f"; {_plural(len(removed), 'step')} ({inspection.format_steps(removed)}) removed while reading "
+          "(deleted by the writer's retention, e.g. Orbax's max_to_keep), not checked") if removed else ""
   if problems:
-    print(f"{PROG}: {_plural(len(problems), 'problem')} in {layout.root}", file=sys.stderr)
-    return EXIT_PROBLEMS
-  print(
-      f"ok: {layout.root}: {_plural(len(steps), 'step')} ({inspection.format_steps(steps)}), "
-      f"item {layout.item!r}, {_plural(files, 'state file')}, {_plural(arrays, 'pending array')} checked"
-  )
-  return EXIT_OK
+    print(f"{PROG}: {_plural(len(problems), 'problem')} in {layout.root}{gone}", file=sys.stderr)
+  elif not steps:
+    print(f"{PROG}: nothing checked in {layout.root}: {_plural(len(removed), 'step')} "
+          f"({inspection.format_steps(removed)}) removed while reading (deleted by the writer's retention, "
+          "e.g. Orbax's max_to_keep); verify the steps kept now", file=sys.stderr)
+  else:
+    print(
+        f"ok: {layout.root}: {_plural(len(steps), 'step')} ({inspection.format_steps(steps)}), "
+        f"item {layout.item!r}, {_plural(files, 'state file')}, {_plural(arrays, 'pending array')} checked{gone}"
+    )
+  return code
 
 
 # ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from typing import Any
 
 from ckpt_iter import _files
 from ckpt_iter import _codec as codec
+from ckpt_iter import _storage
 from ckpt_iter import _learner_state
 from ckpt_iter import _records
 from ckpt_iter import errors
@@ -91,6 +92,8 @@ class Report:
   points: list[Saved] = dataclasses.field(default_factory=list)
   findings: list[Finding] = dataclasses.field(default_factory=list)
   resumes_before_window: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> count
+  # Listed, then deleted while being read (a writer's retention): not kept, so not audited.
+  removed: list[int] = dataclasses.field(default_factory=list)
 
   @property
   def resumes(self) -> list[Finding]:
@@ -115,11 +118,16 @@ def audit(layout: inspection.Layout) -> Report:
   by_step: dict[int, dict[int, Saved]] = {}
   unreadable: set[int] = set()
   for step in layout.steps:
-    by_step[step] = _read_step(layout, step, report, unreadable)
+    states = _read_step(layout, step, report, unreadable)
+    if states is None:
+      report.removed.append(step)
+    else:
+      by_step[step] = states
+  report.steps = tuple(by_step)
   processes = sorted({p for states in by_step.values() for p in states}) or [0]
   for process_index in processes:
     previous: Saved | None = None
-    for step in layout.steps:
+    for step in report.steps:
       saved = by_step[step].get(process_index)
       if saved is None:
         if not by_step[step]:  # the whole step has none (one finding per step, not per process)
@@ -149,17 +157,33 @@ def audit(layout: inspection.Layout) -> Report:
   return report
 
 
-def _read_step(layout: inspection.Layout, step: int, report: Report, unreadable: set[int]) -> dict[int, Saved]:
+def _read_step(
+    layout: inspection.Layout, step: int, report: Report, unreadable: set[int]
+) -> dict[int, Saved] | None:
+  """Each process's state of `step`; None when the step was deleted while it was read.
+
+  Unreadable states are reported broken, unless the step was deleted under the
+  read (`inspection.removed_while_read`): then what the read ran into is no fault.
+  """
   item_dir = layout.item_dir(step)
-  result = {}
-  for index, count in inspection._process_files_or_none(item_dir):  # pylint: disable=protected-access
+  try:
+    names = _storage.list_names(item_dir)
+  except (FileNotFoundError, NotADirectoryError):
+    names = []
+  result, findings = {}, []
+  for index, count in _files.process_files_in(names):
     path = _files.header_path(item_dir, index, count)
     try:
       header = _files.read_header(path)
       result[index] = _saved(step, index, count, header, path)
-    except errors.CkptIterError as e:
-      unreadable.add(step)
-      report.findings.append(Finding(BROKEN, step, index, f"unreadable state: {inspection.one_line(str(e))}"))
+    except (errors.CkptIterError, OSError) as e:
+      message = str(e) if isinstance(e, errors.CkptIterError) else f"{path}: cannot read it ({e.strerror or e})"
+      findings.append(Finding(BROKEN, step, index, f"unreadable state: {inspection.one_line(message)}"))
+  if (findings or not result) and inspection.removed_while_read(layout, step, names):
+    return None
+  if findings:
+    unreadable.add(step)
+    report.findings.extend(findings)
   return result
 
 
@@ -364,6 +388,7 @@ def report_json(report: Report) -> dict[str, Any]:
       "checkpoint": report.root, "item": report.item, "steps": list(report.steps),
       "verdict": report.verdict,
       "resumes_before_kept_steps": report.resumes_before_window,
+      "removed_while_reading": report.removed,
       "findings": [dataclasses.asdict(f) for f in report.findings],
       "points": [
           {"step": p.step, "process_index": p.process_index, "kind": p.kind, "progress": p.progress,
@@ -376,6 +401,9 @@ def report_json(report: Report) -> dict[str, Any]:
 def report_lines(report: Report) -> list[str]:
   lines = [f"audit of {report.root}: item {report.item!r}, "
            f"steps {inspection.format_steps(report.steps) or 'none'}"]
+  if report.removed:
+    lines.append(f"  step(s) {inspection.format_steps(report.removed)}: removed while reading (deleted by the "
+                 "writer's retention, e.g. Orbax's max_to_keep): not kept, not audited")
   for count in sorted(set(report.resumes_before_window.values())):
     lines.append(f"  {count} resume(s) before the earliest kept step: not provable from this root")
   for finding in report.findings:
@@ -390,6 +418,12 @@ def report_lines(report: Report) -> list[str]:
   }[report.verdict]
   before = sum(report.resumes_before_window.values())
   beyond = f" ({before} before the earliest kept step)" if before else ""
+  if report.verdict == UNPROVEN and (before or any(
+      f.verdict == UNPROVABLE and f.resumed_from is not None for f in report.findings)):
+    # The usual cause: max_to_keep deleted the steps the run resumed from.
+    lines.append("  steps a resume came from are not kept: to keep them, save with ocp.CheckpointManagerOptions("
+                 "preservation_policy=ckpt_iter.KeepResumedSteps(ROOT, max_to_keep=N)) in place of "
+                 "max_to_keep=N (docs/prove_your_run.md)")
   lines.append(f"{verdict}: {len(report.points)} state(s), {len(resumes)} resume(s){beyond}, "
                f"{proven} proven exact")
   return lines

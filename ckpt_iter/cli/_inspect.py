@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+import time
+from typing import Any, Collection, Mapping
 
 from ckpt_iter import _describe
 from ckpt_iter import _files
@@ -52,12 +53,17 @@ class Layout:
     steps: the step numbers, ascending.
     names: each step's directory name (Orbax's `step_prefix` and
       `step_format_fixed_length` make it other than the number).
+    held_state: the steps whose item held state files when listed, and
+    step_entries: each step directory's names when listed (a step that has
+      lost some is being deleted, or was: `removed_while_read`).
   """
 
   root: str
   item: str
   steps: tuple[int, ...]
   names: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  held_state: frozenset[int] = frozenset()
+  step_entries: Mapping[int, frozenset[str]] = dataclasses.field(default_factory=dict)
 
   def step_dir(self, step: int) -> str:
     return os.path.join(self.root, self.names.get(step, str(step)))
@@ -106,10 +112,14 @@ def find_layout(
         f"or in {os.path.join(path, TUNIX_ACTOR_DIR)}. Pass an Orbax checkpoint "
         "root or a Tunix checkpoint root."
     )
-  items = _items_with_state(root, names if step is None or step not in names else {step: names[step]})
+  entries: dict[int, frozenset[str]] = {}
+  items = _items_with_state(root, names if step is None or step not in names else {step: names[step]}, entries)
   if not require_state and (not items or item is not None and item not in items):
-    return Layout(root=root, item=item or DEFAULT_ITEM, steps=tuple(steps), names=names)
-  return Layout(root=root, item=_choose_item(root, steps, items, item, names), steps=tuple(steps), names=names)
+    chosen = item or DEFAULT_ITEM
+  else:
+    chosen = _choose_item(root, steps, items, item, names)
+  return Layout(root=root, item=chosen, steps=tuple(steps), names=names,
+                held_state=frozenset(items.get(chosen, ())), step_entries=entries)
 
 
 def _steps_root(path: str) -> str:
@@ -141,11 +151,18 @@ def step_directories(directory: str, *, committed: bool = True) -> dict[int, str
   return dict(sorted(names.items()))
 
 
-def _items_with_state(root: str, names: Mapping[int, str]) -> dict[str, list[int]]:
-  """Item name -> the steps in which that item holds process state files."""
+def _items_with_state(
+    root: str, names: Mapping[int, str], entries: dict[int, frozenset[str]]
+) -> dict[str, list[int]]:
+  """Item name -> the steps in which that item holds process state files; each step's names into `entries`."""
   found: dict[str, list[int]] = {}
   for step, step_name in names.items():
-    for name in subdirectories(os.path.join(root, step_name)):
+    try:
+      listed = _storage.list_entries(os.path.join(root, step_name))
+    except (FileNotFoundError, NotADirectoryError):
+      continue  # deleted since the root was listed (a writer's retention): its reader says so
+    entries[step] = frozenset(name for name, _ in listed)
+    for name in sorted(name for name, is_dir in listed if is_dir):
       if _process_files_or_none(os.path.join(root, step_name, name)):
         found.setdefault(name, []).append(step)
   return found
@@ -154,6 +171,89 @@ def _items_with_state(root: str, names: Mapping[int, str]) -> dict[str, list[int
 def subdirectories(directory: str) -> list[str]:
   """The names of the directories in `directory`, sorted (one listing)."""
   return sorted(name for name, is_dir in _storage.list_entries(directory) if is_dir)
+
+
+def subdirectories_or_none(directory: str) -> list[str] | None:
+  """`subdirectories`, or None when `directory` is gone (deleted since it was listed)."""
+  try:
+    return subdirectories(directory)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+
+
+# A step being deleted (Orbax deletes a step's files first, then its directories) is
+# awaited this long; one that may be, this long without a change first (`removed_while_read`).
+REMOVAL_WAIT_SECONDS = 10.0
+REMOVAL_QUIET_SECONDS = 0.5
+_REMOVAL_POLL_SECONDS = 0.05
+
+
+def removed_while_read(layout: Layout, step: int, seen: Collection[str] = ()) -> bool:
+  """Whether `step` was deleted while it was read, by a writer's retention (Orbax's max_to_keep).
+
+  Asked after reading the step failed or found no state; `seen`: the names
+  the read listed in its item. A step is removed once its directory is
+  gone. Orbax deletes a committed step whole (files first, in a thread of
+  the writer that can stall for tens of ms) and changes it in no other way:
+    * a step that has lost something since it was seen (an entry of its
+      directory when the layout was listed, a name in `seen`, the state files
+      its item held then), or is empty, is being deleted: it is awaited, at
+      most `REMOVAL_WAIT_SECONDS`;
+    * a step with no state seen, in a root whose other steps have one, may
+      have lost it before it was first listed: it is watched
+      `REMOVAL_QUIET_SECONDS`, and awaited if it changes;
+    * any other (its state files as they were, or a root without state) is
+      not being deleted: what its read found stands (present but unreadable
+      is damaged).
+  A step that outlives the wait was not removed either.
+  """
+  if not seen and not layout.held_state:  # a root without state (stock Tunix): only whether it is gone
+    return not _storage.is_dir(layout.step_dir(step))
+  snapshot = _step_snapshot(layout, step)
+  if snapshot is None:
+    return True
+  entries, names = snapshot
+  before = layout.step_entries.get(step)
+  holds_state = bool(_files.process_files_in(sorted(names)))
+  if (not entries or (before is not None and not before <= entries) or not set(seen) <= names
+      or (step in layout.held_state and not holds_state)):
+    return _gone_within(layout, step, REMOVAL_WAIT_SECONDS)
+  if holds_state or not _changes_within(layout, step, snapshot, REMOVAL_QUIET_SECONDS):
+    return False
+  return _gone_within(layout, step, REMOVAL_WAIT_SECONDS)
+
+
+def _step_snapshot(layout: Layout, step: int) -> tuple[frozenset[str], frozenset[str]] | None:
+  """The names in a step's directory and in its item (empty when it has none); None when the step is gone."""
+  try:
+    entries = frozenset(_storage.list_names(layout.step_dir(step)))
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+  try:
+    names = frozenset(_storage.list_names(layout.item_dir(step)))
+  except (FileNotFoundError, NotADirectoryError):
+    names = frozenset()
+  return entries, names
+
+
+def _changes_within(layout: Layout, step: int, snapshot: Any, seconds: float) -> bool:
+  """Whether the step changes (or goes) within `seconds`, polled."""
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline:
+    time.sleep(_REMOVAL_POLL_SECONDS)
+    if _step_snapshot(layout, step) != snapshot:
+      return True
+  return False
+
+
+def _gone_within(layout: Layout, step: int, seconds: float) -> bool:
+  """Whether the step's directory is gone within `seconds`, polled."""
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline:
+    time.sleep(_REMOVAL_POLL_SECONDS)
+    if not _storage.is_dir(layout.step_dir(step)):
+      return True
+  return False
 
 
 def _choose_item(root: str, steps: list[int], items: Mapping[str, list[int]], item: str | None,
@@ -170,7 +270,7 @@ def _choose_item(root: str, steps: list[int], items: Mapping[str, list[int]], it
     raise UsageError(
         f"{root}: not a ckpt_iter checkpoint: no item of any step holds "
         f"process_<i>-of-<n>.json state files (step {steps[-1]} holds: "
-        f"{', '.join(subdirectories(latest)) or 'nothing'}). A checkpoint "
+        f"{', '.join(subdirectories_or_none(latest) or ['nothing'])}). A checkpoint "
         "written by stock Tunix has no data state."
     )
   if len(items) == 1:

@@ -36,25 +36,44 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class StepCheck:
-  """What verifying one step found."""
+  """What verifying one step found.
+
+  `removed`: the step was deleted while it was read (a writer's retention,
+  `inspection.removed_while_read`), so nothing of it was checked and what
+  the read ran into is no problem of the checkpoint.
+  """
 
   step: int
   files_read: int
   arrays_read: int
   problems: tuple[Problem, ...]
+  removed: bool = False
 
 
 def verify_step(layout: inspection.Layout, step: int) -> StepCheck:
   """Checks one step: files present, states readable, fingerprints consistent."""
   item_dir = layout.item_dir(step)
-  if not _storage.is_dir(item_dir):
+  try:
+    names = _storage.list_names(item_dir)
+  except (FileNotFoundError, NotADirectoryError):
+    names = None
+  if names is None:
+    if inspection.removed_while_read(layout, step):
+      return StepCheck(step, 0, 0, (), removed=True)
     step_dir = os.path.dirname(item_dir)
     return StepCheck(step, 0, 0, (Problem(
         step, item_dir,
         f"missing: the step holds no {layout.item!r} item (it holds: "
-        f"{', '.join(inspection.subdirectories(step_dir)) or 'nothing'}).",
+        f"{', '.join(inspection.subdirectories_or_none(step_dir) or ['nothing'])}).",
     ),))
-  files = _files.list_process_files(item_dir)
+  check = _check_files(step, item_dir, _files.process_files_in(names))
+  if check.problems and inspection.removed_while_read(layout, step, names):
+    return StepCheck(step, 0, 0, (), removed=True)
+  return check
+
+
+def _check_files(step: int, item_dir: str, files: list[tuple[int, int]]) -> StepCheck:
+  """Checks the process files `files` of one step's item directory."""
   problems = [Problem(step, path, message) for path, message in _files.process_set_problems(item_dir, files)]
   if not problems:  # the count file is judged against a sound set only
     problems = [Problem(step, path, message) for path, message in _files.count_file_problems(item_dir, files)]

@@ -289,8 +289,13 @@ def example_config() -> str:
 def _command_line_way(error: errors.CkptIterError) -> str:
   """The way through a refusal, said in this command line's words (its message says the API's)."""
   if isinstance(error, errors.ConfigDriftError):
-    fields = ",".join(sorted(error.differences))  # a content change's are content.<field>
-    return f" On this command line: {OPTIONS_SECTION}.allow_drift={fields}"
+    fields = sorted(error.differences)  # a content change's are content.<field>
+    if len(fields) <= errors.SHOWN_DIFFERENCES:
+      return f" On this command line: {OPTIONS_SECTION}.allow_drift={','.join(fields)}"
+    # As bounded as the message: naming thousands of fields here would be the megabytes it avoids.
+    return (f" On this command line: {OPTIONS_SECTION}.allow_drift=FIELD,FIELD,... names the fields "
+            f"to accept, all {len(fields):,} of them to accept every change (the first: "
+            f"{','.join(map(errors.shown_name, fields[:errors.SHOWN_DIFFERENCES]))})")
   if isinstance(error, errors.LegacyCheckpointError):
     return f" On this command line: {OPTIONS_SECTION}.on_legacy_checkpoint=fast_forward"
   return ""

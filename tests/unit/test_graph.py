@@ -3,8 +3,11 @@
 import functools
 import importlib.metadata
 import json
+import os
+import pickle
 
 import absl.flags
+import cloudpickle
 import grain
 import numpy as np
 import orbax.checkpoint as ocp
@@ -406,3 +409,20 @@ def test_a_restore_with_workers_starts_prefetch_at_once_and_resumes_exactly():
   # give); the resume above is exact either way.
   if tuple(int(p) for p in importlib.metadata.version("grain").split(".")[:3]) >= (0, 2, 18):
     assert started
+
+
+def test_mp_prefetch_workers_are_watched_once_around_their_own_init_function():
+  """`exit_workers_with_parent` wraps each worker's init function once (it is still called, in the
+  worker: tests/integration/test_worker_exit.py); a copy unpickled, as in a worker, knows the pid
+  that pickled it, its parent."""
+  dataset = grain.MapDataset.range(8).to_iter_dataset().mp_prefetch(
+      grain.MultiprocessingOptions(num_workers=2), worker_init_fn=lambda i, n: None)
+  shards = [s for node in _graph.walk_nodes(dataset) for s in _graph._worker_shards(node)]  # pylint: disable=protected-access
+  originals = [shard._worker_init_fn for shard in shards]  # pylint: disable=protected-access
+  assert len(shards) == 2 and all(callable(init) for init in originals)
+  assert _graph.exit_workers_with_parent(dataset) and _graph.exit_workers_with_parent(dataset)
+  wrapped = [shard._worker_init_fn for shard in shards]  # pylint: disable=protected-access
+  assert all(type(w) is _graph._ExitWithParent for w in wrapped)  # pylint: disable=protected-access
+  assert all(w._init is init for w, init in zip(wrapped, originals))  # pylint: disable=protected-access
+  assert wrapped[0]._parent_pid is None  # pylint: disable=protected-access
+  assert pickle.loads(cloudpickle.dumps(wrapped[0]))._parent_pid == os.getpid()  # pylint: disable=protected-access

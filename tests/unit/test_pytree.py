@@ -225,3 +225,47 @@ def test_a_non_finite_python_float_keeps_its_bits():
   header, arrays = codec.encode_state(_state([{"r": v} for v in values]))
   restored = [item["r"] for item in _decoded(header, arrays).pending.items]
   assert [struct.pack("<d", v) for v in restored] == [struct.pack("<d", v) for v in values]
+
+
+# ---------------------------------------------------------------------------
+# The decode budget: a header cannot ask for more nodes than its data pays for.
+
+_MEMBERS, _ROW_BYTES = 16, 1_000
+# (the leaf paying for each item, the values its group holds, the one leaf's row)
+_PAYERS = {
+    "array_row": ({"array": 0}, ["a0"], [], _MEMBERS * _ROW_BYTES),
+    "column_value": ({"column": 0}, [], [[7] * _MEMBERS], _MEMBERS),
+}
+
+
+def _budget_group(payer: str, nulls: int) -> dict:
+  """One group of _MEMBERS items, each a list of `nulls` Nones and one leaf that holds data."""
+  leaf, names, columns, _ = _PAYERS[payer]
+  return {"groups": [{"members": [[0, _MEMBERS]], "structure": {"list": [None] * nulls + [leaf]},
+                      "arrays": names, "columns": columns}], "schedule": []}
+
+
+@pytest.mark.parametrize("payer", sorted(_PAYERS))
+def test_a_decode_builds_the_free_nodes_plus_one_per_value_held_and_not_one_more(payer):
+  held = _PAYERS[payer][3]
+  nulls = (_pytree.FREE_DECODED_NODES + held) // _MEMBERS - 2  # an item: its list, its nulls, its leaf
+  assert _MEMBERS * (nulls + 2) == _pytree.FREE_DECODED_NODES + held
+  load = {"a0": np.zeros((_MEMBERS, _ROW_BYTES), np.uint8)}.__getitem__
+  items = _pytree.decode_items(_budget_group(payer, nulls), load, origin=ORIGIN)
+  assert len(items) == _MEMBERS and len(items[-1]) == nulls + 1
+  with pytest.raises(errors.InvalidStateError) as refused:
+    _pytree.decode_items(_budget_group(payer, nulls + 1), load, origin=ORIGIN)
+  assert str(refused.value).startswith(
+      f"{ORIGIN}: pending.groups[0] would build {_MEMBERS} items of {nulls + 3:,} nodes each "
+      f"({_MEMBERS * (nulls + 3):,} nodes in all groups), but the pending arrays and columns hold "
+      f"{held:,} bytes and values: a state may build at most {_pytree.FREE_DECODED_NODES:,} nodes"), refused.value
+
+
+def test_an_array_that_holds_no_data_pays_for_nothing():
+  """A stand-in (`_files.read_saved_header`: the shape claimed, no bytes read) holds one value, and an
+  array with a zero dimension none, whatever their shapes say."""
+  nulls = (_pytree.FREE_DECODED_NODES + _MEMBERS * _ROW_BYTES) // _MEMBERS - 2
+  for array in (np.broadcast_to(np.zeros((), np.uint8), (_MEMBERS, _ROW_BYTES)),
+                np.zeros((_MEMBERS, _ROW_BYTES, 0), np.uint8)):
+    with pytest.raises(errors.InvalidStateError, match=r"hold [01] bytes and values"):
+      _pytree.decode_items(_budget_group("array_row", nulls), {"a0": array}.__getitem__, origin=ORIGIN)

@@ -4,6 +4,7 @@ import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 import yaml
 
+from ckpt_iter import errors
 from ckpt_iter.tunix import cli
 
 
@@ -66,3 +67,12 @@ def test_the_example_config_a_wheel_user_can_print_is_the_one_the_docs_show(caps
   assert printed in re.findall(r"```yaml\n(.*?)```", docs, re.S)
   assert cli.main(["--help"]) == cli.EXIT_OK
   assert "--example-config` prints a complete GRPO config" in capsys.readouterr().out
+
+
+def test_the_command_line_allow_drift_hint_is_bounded_however_many_fields_differ():
+  few = errors.ConfigDriftError({"seed": (0, 1), "content.tokens": ("a", "b")})
+  assert cli._command_line_way(few) == " On this command line: ckpt_iter.allow_drift=content.tokens,seed"  # pylint: disable=protected-access
+  many = errors.ConfigDriftError({f"input.node[{i}].MapDataset.fn_code": (i, -i) for i in range(200_000)})
+  way = cli._command_line_way(many)  # pylint: disable=protected-access
+  assert len(way) < 1024, len(way)
+  assert "all 200,000 of them" in way and "input.node[0].MapDataset.fn_code," in way, way
