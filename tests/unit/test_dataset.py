@@ -308,6 +308,54 @@ def test_globs_and_lists_of_paths_read_files_in_order(tmp_path, kind):
   assert _ids(_all_batches(reordered))[:3] == [10, 11, 12]
 
 
+_SOURCE_CLASSES = {
+    "jsonl": sources_lib.JsonlSource, "parquet": sources_lib.ParquetSource,
+    "array_record": sources_lib.ArrayRecordSource,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_WRITERS))
+def test_file_source_classes_take_a_path_a_pathlike_a_glob_or_a_list(tmp_path, kind):
+  records = _records(11)
+  paths = [tmp_path / f"part-{i}.{kind}" for i in range(2)]
+  _WRITERS[kind](paths[0], records[:5])
+  _WRITERS[kind](paths[1], records[5:])
+  source_class = _SOURCE_CLASSES[kind]
+  # A single string is one file, not a sequence of one-character paths.
+  assert [source_class(str(paths[0]))[i] for i in range(5)] == records[:5]
+  assert [source_class(paths[1])[i] for i in range(6)] == records[5:]
+  for whole in (str(tmp_path / f"part-*.{kind}"), [str(p) for p in paths], tuple(paths)):
+    source = source_class(whole)
+    assert source.paths == [str(p) for p in paths]
+    assert [source[i] for i in range(len(source))] == records
+
+
+@pytest.mark.parametrize("kind", sorted(_WRITERS))
+def test_file_source_classes_refuse_what_names_no_file(tmp_path, kind):
+  source_class = _SOURCE_CLASSES[kind]
+  cases = [
+      (str(tmp_path / f"missing.{kind}"), [f"{source_class.__name__} file", f"missing.{kind}", "does not exist"]),
+      (str(tmp_path / f"none-*.{kind}"), [f"{source_class.__name__} glob", "matches no file"]),
+      ([], [source_class.__name__, "paths=[]", "names no file", "glob"]),
+      (42, [source_class.__name__, "paths=42", "(int)", "os.PathLike"]),
+  ]
+  for paths, fragments in cases:
+    with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+      source_class(paths)
+    for fragment in fragments:
+      assert fragment in str(info.value), (paths, fragment, str(info.value))
+
+
+def test_a_file_named_like_a_glob_is_not_globbed_twice(tmp_path):
+  # make_dataset expands the glob once; the source reads the match as named.
+  records = _records(6)
+  path = tmp_path / "part[1].jsonl"
+  _write_jsonl(path, records)
+  (tmp_path / "part1.jsonl").write_text(json.dumps({"id": -1}) + "\n")
+  dataset = _make(str(tmp_path / "part?1?.jsonl"), batch_size=2)
+  assert _ids(_all_batches(dataset)) == list(range(6))
+
+
 def test_jsonl_blank_lines_and_crlf_are_ignored(tmp_path):
   records = _records(13)
   path = tmp_path / "blank.jsonl"
