@@ -175,3 +175,56 @@ def test_every_restore_logs_one_info_line_saying_what_it_restored(tmp_path, capl
       assert line == (
           "ckpt_iter: restored the data state of step 7: epoch 0, 3 of 10 batches read (next_index 3); "
           f"content check: {result} ({tmp_path / '7' / 'data' / 'process_0-of-1.json'})")
+
+
+# ---------------------------------------------------------------------------
+# The args refuse a bad argument when they are built, not inside Orbax's save.
+
+
+def _receiver():
+  return ckpt_iter.DataIterator(grain.MapDataset.source([1, 2, 3]))
+
+
+# (case id, how the args are built, substrings the message must hold).
+_BAD_ARGS = [
+    ("save_a_list", lambda: ckpt_iter.IteratorSave([1, 2, 3]),
+     ["IteratorSave(item=[1, 2, 3])", "type list", "no state to save", "ckpt_iter.DataIterator(dataset)",
+      "ReplayIterator(iterable)"]),
+    ("save_none", lambda: ckpt_iter.IteratorSave(None), ["IteratorSave(item=None)", "NoneType"]),
+    ("save_a_dataset", lambda: ckpt_iter.IteratorSave(grain.MapDataset.source([1])),
+     ["IteratorSave(item=", "SourceMapDataset", "wrap it, ckpt_iter.DataIterator(dataset)"]),
+    ("save_the_class", lambda: ckpt_iter.IteratorSave(ckpt_iter.DataIterator),
+     ["class DataIterator", "no state to save"]),
+    ("restore_a_dataset", lambda: ckpt_iter.IteratorRestore(grain.MapDataset.source([1]).to_iter_dataset()),
+     ["IteratorRestore(item=", "no state to restore into", "ckpt_iter.DataIterator(dataset)"]),
+    ("restore_a_dict", lambda: ckpt_iter.IteratorRestore({"next_index": 3}),
+     ["IteratorRestore(item={'next_index': 3})", "type dict"]),
+    ("restore_allow_drift_str", lambda: ckpt_iter.IteratorRestore(_receiver(), allow_drift="seed"),
+     ["allow_drift='seed'", "type str", "allow_drift={'seed'}"]),
+    ("restore_allow_drift_ints", lambda: ckpt_iter.IteratorRestore(_receiver(), allow_drift=[1]),
+     ["allow_drift=[1]", "field names"]),
+    ("restore_elastic_int", lambda: ckpt_iter.IteratorRestore(_receiver(), elastic=1),
+     ["elastic=1", "type int", "True or False"]),
+    ("v1_a_list", lambda: ckpt_iter.IteratorCheckpointable([1, 2, 3]),
+     ["IteratorCheckpointable(item=[1, 2, 3])", "no state to save or restore"]),
+    ("v1_allow_drift_str", lambda: ckpt_iter.IteratorCheckpointable(_receiver(), allow_drift="seed"),
+     ["IteratorCheckpointable(allow_drift='seed')"]),
+    ("v1_elastic_str", lambda: ckpt_iter.IteratorCheckpointable(_receiver(), elastic="yes"),
+     ["IteratorCheckpointable(elastic='yes')"]),
+]
+
+
+@pytest.mark.parametrize("build, fragments", [case[1:] for case in _BAD_ARGS], ids=[case[0] for case in _BAD_ARGS])
+def test_bad_args_are_refused_when_built_naming_the_argument(build, fragments):
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    build()
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_args_take_every_kind_of_iterator_they_save_and_restore():
+  grain_iterator = iter(grain.MapDataset.source([1, 2, 3]).to_iter_dataset())
+  for item in (_receiver(), grain_iterator):
+    assert ckpt_iter.IteratorSave(item).item is item
+    assert ckpt_iter.IteratorRestore(item, allow_drift=("seed",), elastic=False).item is item
+    assert ckpt_iter.IteratorCheckpointable(item, allow_drift=frozenset()).item is item
