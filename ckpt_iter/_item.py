@@ -266,12 +266,22 @@ def check_restore_into(
   check_restore = getattr(item, "check_restore", None)
   if check_restore is not None:
     return check_restore(value, allow_drift=allow_drift, origin=origin)
+  if value.fingerprint:
+    # Grain's set_state would take the position and check nothing of the pipeline.
+    raise errors.InvalidArgumentError(
+        f"{origin} was written by a ckpt_iter {value.kind!r} iterator (it records its pipeline's "
+        f"fingerprint), but the iterator to restore into is a plain {type(item).__qualname__}, which "
+        "would take the position without checking that it comes from this pipeline. Wrap the "
+        "dataset, iterator = ckpt_iter.DataIterator(dataset) (a grain.DataLoader: "
+        "ckpt_iter.DataLoaderIterator(loader)), read batches from it, and restore into that."
+    )
   if allow_drift:
     raise errors.InvalidArgumentError(
         f"allow_drift/elastic need a ckpt_iter iterator; {type(item).__qualname__} "
         "has only set_state."
     )
-  # A plain Grain iterator: its own state is the position, in the form its
+  # A bare Grain state (Grain's handler, or IteratorSave of a plain Grain
+  # iterator) into a plain Grain iterator: the position, in the form its
   # get_state gives (a DataLoader's iterator takes JSON bytes). Grain checks
   # it only when it is set.
   position = dict(value.position)
