@@ -485,6 +485,8 @@ def diff_rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, str
   if not fingerprint:
     rows.append(("fingerprint", f"same ({_plural(len(a['fingerprint']), 'field')})"))
   rows.extend((f"fingerprint {k}", _change(x, y)) for k, (x, y) in fingerprint.items())
+  rows.extend((f"fingerprint {k}", f"{_change(x, y)} (the same code: the same function, no pipeline change)")
+              for k, (x, y) in differences.get("fingerprint_same_function", {}).items())
   if "kind" in differences:
     rows.append(("kind", _change(a["kind"], b["kind"])))
   if "position" in differences:

@@ -397,6 +397,35 @@ def test_diff_two_checkpoints_names_fingerprint_fields(capsys, tmp_path, data_ck
   assert _row("position", "epoch 0, 5 of 6 batches read (next_index 5) -> epoch 1, 2 of 6 batches read (next_index 8)").search(text)
 
 
+def _tokenize_in_module(tmp_path, module_name):
+  """A `tokenize` defined in a module `module_name` (the same code in every module)."""
+  path = tmp_path / f"{module_name}.py"
+  path.write_text("def tokenize(record):\n  return {**record, 'length': len(str(record))}\n")
+  spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.tokenize
+
+
+def test_diff_shows_a_function_moved_to_another_module_as_no_pipeline_change(capsys, tmp_path):
+  roots = {}
+  for module_name in ("ci_cli_script", "ci_cli_package"):
+    dataset = ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=0, num_epochs=2, shard_index=0, shard_count=1,
+                                     transform=_tokenize_in_module(tmp_path, module_name))
+    roots[module_name] = tmp_path / module_name
+    _save_processes(str(roots[module_name] / "2" / "data"), [_advance(ckpt_iter.DataIterator(dataset), 2)])
+  a, b = (str(roots[name]) for name in ("ci_cli_script", "ci_cli_package"))
+  code, out, _ = _run(capsys, "diff", a, b, "--json")
+  assert code == 0
+  (process,) = json.loads(out)["processes"]
+  assert process == {"process_index": 0, "fingerprint_same_function": {
+      "transform": ["ci_cli_script.tokenize", "ci_cli_package.tokenize"]}}
+  code, text, _ = _run(capsys, "diff", a, b)
+  assert _row("fingerprint", f"same ({len(ckpt_iter.DataIterator(dataset).fingerprint)} fields)").search(text)
+  assert _row("fingerprint transform", "ci_cli_script.tokenize -> ci_cli_package.tokenize (the same code: "
+              "the same function, no pipeline change)").search(text)
+
+
 # ---------------------------------------------------------------------------
 # usage errors: exit 2, one `ckpt-iter: ` message, no traceback
 
