@@ -447,6 +447,26 @@ def test_module_is_not_exported_and_needs_no_tunix():
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+def test_importing_ckpt_iter_tunix_without_tunix_says_what_to_install():
+  script = (
+      "import sys\n"
+      "sys.modules['tunix'] = None  # any import of Tunix now fails\n"
+      "for statement in ('import ckpt_iter.tunix', 'from ckpt_iter.tunix import ResumableGRPOLearner',\n"
+      "                  'from ckpt_iter.tunix import cli'):\n"
+      "  try:\n"
+      "    exec(statement)\n"
+      "  except ImportError as e:\n"
+      "    print(type(e).__name__, e.name, '|', e)\n"
+  )
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.strip().splitlines()
+  assert len(lines) == 3, result.stdout
+  for line in lines:
+    assert line.startswith("ModuleNotFoundError tunix | ckpt_iter.tunix needs Tunix, which is not installed"), line
+    assert line.endswith("Install it with: pip install 'ckpt_iter[tunix]'"), line
+
+
 def test_importing_ckpt_iter_does_not_import_tunix():
   code = "import sys, ckpt_iter; print('tunix' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
