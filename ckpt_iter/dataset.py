@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from ckpt_iter import _graph
+from ckpt_iter import _stacking
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
 
@@ -188,19 +189,27 @@ class GlobalBatchDataset(grain.MapDataset):
     last = min(first + self.spec.batch_size, self._epoch_length)
     base = epoch * self._epoch_length
     records = [self._parent[base + p] for p in range(first, last)]
-    return stack_records(records)
+    return stack_records(records, batch_index=index)
 
 
-def stack_records(records: list[Any]) -> Any:
-  """Stacks records into one batch: leaves gain a leading batch dimension."""
+def stack_records(records: list[Any], *, batch_index: int | None = None) -> Any:
+  """Stacks records into one batch: leaves gain a leading batch dimension.
+
+  Raises:
+    InvalidArgumentError: the records' fields differ in shape or keys; names
+      the field, the rows and their shapes (`_stacking`).
+  """
   if not records:
     raise ValueError("cannot stack an empty list of records")
   # A list in a record is data (a JSON array, a Parquet list), not structure:
   # it becomes one array with the batch dimension in front.
-  return jax.tree.map(
-      lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *records,
-      is_leaf=lambda x: isinstance(x, list),
-  )
+  try:
+    return jax.tree.map(
+        lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *records,
+        is_leaf=lambda x: isinstance(x, list),
+    )
+  except (ValueError, TypeError) as e:  # diagnosed only now: the happy path pays nothing
+    raise _stacking.unstackable_error(records, batch_index, e) from None
 
 
 def find_spec(dataset: Any) -> tuple[DatasetSpec | None, list[str]]:

@@ -356,6 +356,36 @@ def test_a_file_named_like_a_glob_is_not_globbed_twice(tmp_path):
   assert _ids(_all_batches(dataset)) == list(range(6))
 
 
+# (case id, records of one batch of 4, substrings the message must hold).
+_UNSTACKABLE = [
+    ("ragged_tokens", [{"id": i, "tokens": list(range(3 if i != 2 else 2))} for i in range(4)],
+     ["batch 1", "field 'tokens'", "rows [0, 1, 3] have shape (3,)", "row 2 has shape (2,)", "`transform`", "pad"]),
+    ("ragged_nested_field", [{"id": i, "meta": {"ids": [i] * (1 + i % 2)}} for i in range(4)],
+     ["batch 1", "field 'meta.ids'", "rows [0, 2] have shape (1,)", "rows [1, 3] have shape (2,)"]),
+    ("ragged_inside_a_row", [{"t": [[1, 2], [3]] if i == 3 else [[1], [2]]} for i in range(4)],
+     ["field 't'", "row 3 is ragged", "rows [0, 1, 2] have shape (2, 1)"]),
+    ("missing_key", [{"id": i, **({"tokens": [1]} if i != 1 else {})} for i in range(4)],
+     ["batch 1", "different fields", "row 1 lacks ['tokens']", "row 0's keys ['id', 'tokens']"]),
+    ("extra_key", [{"id": i, **({"extra": 1} if i == 3 else {})} for i in range(4)],
+     ["row 3 has ['extra'] too"]),
+]
+
+
+@pytest.mark.parametrize("records, fragments", [c[1:] for c in _UNSTACKABLE], ids=[c[0] for c in _UNSTACKABLE])
+def test_records_that_do_not_stack_are_refused_naming_the_field_rows_and_shapes(records, fragments):
+  # Batch 0 stacks; batch 1 holds the four records given.
+  uniform = [{**records[0]} for _ in range(4)]
+  dataset = _make(uniform + records, batch_size=4)
+  dataset[0]
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    dataset[1]
+  assert isinstance(info.value, ValueError)  # what numpy raised before
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match="batch 1"):
+    list(ckpt_iter.DataIterator(dataset))
+
+
 def test_jsonl_blank_lines_and_crlf_are_ignored(tmp_path):
   records = _records(13)
   path = tmp_path / "blank.jsonl"
