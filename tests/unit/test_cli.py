@@ -381,6 +381,25 @@ def test_diff_two_steps_of_one_checkpoint(capsys, data_ckpt):
   assert code == 0 and _row("state", "identical").search(out)
 
 
+def test_diff_takes_the_steps_after_the_directories(capsys, tmp_path, data_ckpt):
+  expected = _run(capsys, "diff", data_ckpt, "--step", "0", "--step", "5", "--json")
+  assert _run(capsys, "diff", data_ckpt, "0", "5", "--json") == expected
+  assert _run(capsys, "diff", data_ckpt, "00000000", "5", "--json") == expected
+  text = _run(capsys, "diff", data_ckpt, "0", "5")
+  assert text[0] == 0 and _row("position", "epoch 0, 0 of 6 batches read (next_index 0) -> epoch 0, 5 of 6 "
+                               "batches read (next_index 5)").search(text[1])
+  other = tmp_path / "other"
+  shutil.copytree(data_ckpt, other)
+  two = _run(capsys, "diff", data_ckpt, str(other), "3", "5", "--json")
+  assert two == _run(capsys, "diff", data_ckpt, str(other), "--step", "3", "--step", "5", "--json")
+  assert (json.loads(two[1])["a"]["step"], json.loads(two[1])["b"]["step"]) == (3, 5)
+  # Two arguments are two directories, also when named like steps.
+  os.makedirs(tmp_path / "8")
+  shutil.copytree(data_ckpt, tmp_path / "12")
+  code, _, err = _run(capsys, "diff", str(tmp_path / "8"), str(tmp_path / "12"))
+  assert code == 2 and "not a checkpoint" in err and str(tmp_path / "8") in err
+
+
 def test_diff_two_checkpoints_names_fingerprint_fields(capsys, tmp_path, data_ckpt):
   other = tmp_path / "other"
   _save_processes(str(other / "9" / "data"), [_advance(ckpt_iter.DataIterator(_dataset(seed=1)), 8)])
@@ -443,6 +462,9 @@ def test_usage_errors_exit_2(capsys, tmp_path, data_ckpt):
       (["inspect", data_ckpt, "--step", "x"], "step must be a non-negative integer"),
       (["diff", data_ckpt, "--step", "3"], "diff compares two states"),
       (["diff", data_ckpt, data_ckpt, "--step", "3"], "diff compares two states"),
+      (["diff", data_ckpt, "3", "5", "--step", "3", "--step", "5"], "give the two steps one way"),
+      (["diff", data_ckpt, "3", "5", "0", "1"], "diff compares two states"),
+      (["diff", data_ckpt, "3", "4"], "no step 4 in"),
       (["frobnicate"], "invalid choice"),
   ]
   for argv, message in cases:
