@@ -156,8 +156,7 @@ def _check_item(item: Any, args_name: str, *, save: bool = False, restore: bool 
 
 
 def _type_name(item: Any) -> str:
-  kind = item if isinstance(item, type) else type(item)
-  return f"class {kind.__qualname__}" if isinstance(item, type) else kind.__qualname__
+  return f"class {item.__qualname__}" if isinstance(item, type) else type(item).__qualname__
 
 
 def _hint(item: Any) -> str:
