@@ -8,6 +8,7 @@ restore through here, so an item is written and validated one way.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -265,12 +266,22 @@ def check_restore_into(
   check_restore = getattr(item, "check_restore", None)
   if check_restore is not None:
     return check_restore(value, allow_drift=allow_drift, origin=origin)
+  if value.fingerprint:
+    # Grain's set_state would take the position and check nothing of the pipeline.
+    raise errors.InvalidArgumentError(
+        f"{origin} was written by a ckpt_iter {value.kind!r} iterator (it records its pipeline's "
+        f"fingerprint), but the iterator to restore into is a plain {type(item).__qualname__}, which "
+        "would take the position without checking that it comes from this pipeline. Wrap the "
+        "dataset, iterator = ckpt_iter.DataIterator(dataset) (a grain.DataLoader: "
+        "ckpt_iter.DataLoaderIterator(loader)), read batches from it, and restore into that."
+    )
   if allow_drift:
     raise errors.InvalidArgumentError(
         f"allow_drift/elastic need a ckpt_iter iterator; {type(item).__qualname__} "
         "has only set_state."
     )
-  # A plain Grain iterator: its own state is the position, in the form its
+  # A bare Grain state (Grain's handler, or IteratorSave of a plain Grain
+  # iterator) into a plain Grain iterator: the position, in the form its
   # get_state gives (a DataLoader's iterator takes JSON bytes). Grain checks
   # it only when it is set.
   position = dict(value.position)
@@ -289,13 +300,38 @@ async def v1_save(item: Any, directory: Any, index: int | None = None, count: in
   """Takes the state now; returns the background write (after Orbax created the directory)."""
   # The step directory's name is known before Orbax creates it.
   path = getattr(directory, "path", directory)
-  header, arrays = snapshot(item, step_of(path) if isinstance(path, (str, os.PathLike)) else None)
+  try:
+    header, arrays = snapshot(item, step_of(path) if isinstance(path, (str, os.PathLike)) else None)
+  except BaseException:
+    await _created(directory)
+    raise
   index, count = process(index, count)
 
   async def write_in_background() -> None:
     write(await directory.await_creation(), header, arrays, index, count)
 
   return write_in_background()
+
+
+# How long a failed save waits for Orbax to create the step's directories.
+STEP_DIRECTORIES_WAIT_SECONDS = 60
+
+
+async def _created(directory: Any) -> None:
+  """Waits (bounded) until Orbax created `directory`, before an error leaves the save.
+
+  Orbax v1 creates the step's directories in a background thread, which the
+  other checkpointables' writes wait for: an error that ends the program
+  before that thread ran leaves them waiting out Orbax's 300 s signal timeout
+  at exit (as in `checkpoint._await_step_directories`, for v0).
+  """
+  await_creation = getattr(directory, "await_creation", None)
+  if await_creation is None:
+    return
+  try:
+    await asyncio.wait_for(await_creation(), STEP_DIRECTORIES_WAIT_SECONDS)
+  except Exception:  # pylint: disable=broad-except  (the save's own error is the one to raise)
+    pass
 
 
 async def v1_load(

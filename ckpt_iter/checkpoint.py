@@ -46,7 +46,11 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     return _item.process(self._process_index, self._process_count)
 
   async def async_save(self, directory: epath.Path, args: "IteratorSave") -> list[Any]:
-    header, arrays = _item.snapshot(args.item, _item.step_of(directory))
+    try:
+      header, arrays = _item.snapshot(args.item, _item.step_of(directory))
+    except BaseException:
+      _await_step_directories()
+      raise
     index, count = self._process()
 
     async def write() -> None:
@@ -94,6 +98,9 @@ class IteratorSave(ocp.args.CheckpointArgs):
 
   item: Any
 
+  def __post_init__(self):
+    _check_item(self.item, "IteratorSave", save=True)
+
 
 @ocp.args.register_with_handler(IteratorCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
@@ -110,6 +117,93 @@ class IteratorRestore(ocp.args.CheckpointArgs):
   item: Any
   allow_drift: Collection[str] = ()
   elastic: bool = False
+
+  def __post_init__(self):
+    _check_item(self.item, "IteratorRestore", restore=True)
+    _check_restore_options(self.allow_drift, self.elastic, "IteratorRestore")
+
+
+# ---------------------------------------------------------------------------
+# The args' checks: a bad argument is refused where it is written, not inside
+# Orbax's save (in its threads, with other items' writes under way).
+
+_WHAT_TO_PASS = (
+    "Pass the iterator the training loop reads: ckpt_iter.DataIterator(dataset) over a Grain "
+    "MapDataset or IterDataset (make_dataset's included), a RepeatIterator, "
+    "ckpt_iter.DataLoaderIterator(loader) for a grain.DataLoader, or "
+    "ckpt_iter.ReplayIterator(iterable) for a list or generator."
+)
+
+
+def _check_item(item: Any, args_name: str, *, save: bool = False, restore: bool = False) -> None:
+  """Refuses an item that has no state to save or none to restore into (`save` or `restore`: either suffices).
+
+  Saved: what has `state()` (ckpt_iter's iterators) or `get_state()` (a
+  Grain iterator). Restored into: what has `check_restore` or `set_state`.
+  """
+  savable = save and not isinstance(item, type) and (
+      callable(getattr(item, "state", None)) or callable(getattr(item, "get_state", None)))
+  restorable = restore and not isinstance(item, type) and (
+      callable(getattr(item, "check_restore", None)) or callable(getattr(item, "set_state", None)))
+  if savable or restorable:
+    return
+  has = "no state to save" if save and not restore else (
+      "no state to restore into" if restore and not save else "no state to save or restore")
+  raise errors.InvalidArgumentError(
+      f"{args_name}(item={errors.shown_value(item, 60)}): item is of type {_type_name(item)}, which has "
+      f"{has}. {_hint(item) or _WHAT_TO_PASS}"
+  )
+
+
+def _type_name(item: Any) -> str:
+  return f"class {item.__qualname__}" if isinstance(item, type) else type(item).__qualname__
+
+
+def _hint(item: Any) -> str:
+  """The likely mistake, for the types users pass by mistake."""
+  names = {kind.__name__ for kind in type(item).__mro__}
+  if names & {"MapDataset", "IterDataset"}:
+    return "A dataset has no position: wrap it, ckpt_iter.DataIterator(dataset), and read batches from that."
+  if "DataLoader" in names:
+    return "Wrap the loader, ckpt_iter.DataLoaderIterator(loader), and read batches from that."
+  return ""
+
+
+def _check_restore_options(allow_drift: Any, elastic: Any, args_name: str) -> None:
+  if isinstance(allow_drift, (str, bytes)) or not isinstance(allow_drift, Collection) or not all(
+      isinstance(name, str) for name in allow_drift
+  ):
+    raise errors.InvalidArgumentError(
+        f"{args_name}(allow_drift={errors.shown_value(allow_drift, 60)}): allow_drift is of type "
+        f"{type(allow_drift).__qualname__}; pass a collection of fingerprint field names, "
+        "e.g. allow_drift={'seed'} (a bare string would be read as its letters)."
+    )
+  if not isinstance(elastic, bool):
+    raise errors.InvalidArgumentError(
+        f"{args_name}(elastic={errors.shown_value(elastic, 60)}): elastic is of type "
+        f"{type(elastic).__qualname__}, not bool; pass True or False."
+    )
+
+
+def _await_step_directories() -> None:
+  """Waits (bounded) until Orbax has created this save's directories, before an error leaves save().
+
+  Orbax creates them in a background thread, and the other items' writes
+  (threads of their own) wait for its signal. An error that leaves save()
+  at once lets the program end while that thread has not run: at interpreter
+  shutdown it cannot start its work, the signal never comes, and the
+  waiting threads hold the process for Orbax's 300 s signal timeout.
+  """
+
+  async def nothing() -> None:
+    pass
+
+  try:
+    ocp.future.CommitFutureAwaitingContractedSignals(
+        nothing(), name="ckpt_iter_failed_save", timeout_secs=_item.STEP_DIRECTORIES_WAIT_SECONDS
+    ).result()
+  except Exception:  # pylint: disable=broad-except  (the save's own error is the one to raise)
+    pass
 
 
 # ---------------------------------------------------------------------------
@@ -142,6 +236,9 @@ class IteratorCheckpointable:
       self, item: Any, *, allow_drift: Collection[str] = (), elastic: bool = False,
       process_index: int | None = None, process_count: int | None = None,
   ):
+    # Used for both: Orbax calls save or load on it.
+    _check_item(item, "IteratorCheckpointable", save=True, restore=True)
+    _check_restore_options(allow_drift, elastic, "IteratorCheckpointable")
     self.item = item
     self.allow_drift = allow_drift
     self.elastic = elastic

@@ -33,6 +33,7 @@ import numpy as np
 from ckpt_iter import _graph
 from ckpt_iter import _lanes
 from ckpt_iter import _records
+from ckpt_iter import _stacking
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
 from ckpt_iter import state as state_lib
@@ -342,7 +343,7 @@ class GlobalBatchDataset(grain.MapDataset):
     start, stop = self._plan.span(index)
     first = start + self.spec.shard_index * self.spec.batch_size
     last = min(first + self.spec.batch_size, stop)
-    return stack_records([self.record(g) for g in range(first, last)])
+    return stack_records([self.record(g) for g in range(first, last)], batch_index=index)
 
   def record(self, stream_record: int) -> Any:
     """Record `stream_record` of the global stream."""
@@ -418,16 +419,24 @@ def record_node(dataset: Any) -> "GlobalBatchDataset | None":
   return node
 
 
-def stack_records(records: list[Any]) -> Any:
-  """Stacks records into one batch: leaves gain a leading batch dimension."""
+def stack_records(records: list[Any], *, batch_index: int | None = None) -> Any:
+  """Stacks records into one batch: leaves gain a leading batch dimension.
+
+  Raises:
+    InvalidArgumentError: the records' fields differ in shape or keys; names
+      the field, the rows and their shapes (`_stacking`).
+  """
   if not records:
     raise ValueError("cannot stack an empty list of records")
   # A list in a record is data (a JSON array, a Parquet list), not structure:
   # it becomes one array with the batch dimension in front.
-  return jax.tree.map(
-      lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *records,
-      is_leaf=lambda x: isinstance(x, list),
-  )
+  try:
+    return jax.tree.map(
+        lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *records,
+        is_leaf=lambda x: isinstance(x, list),
+    )
+  except (ValueError, TypeError) as e:  # diagnosed only now: the happy path pays nothing
+    raise _stacking.unstackable_error(records, batch_index, e) from None
 
 
 def find_spec(dataset: Any) -> tuple[DatasetSpec | None, list[str]]:

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import numpy as np
 
@@ -93,16 +93,17 @@ class JsonlSource(_FileReader):
   reads a few bytes per unchanged file instead of the whole file.
 
   Args:
-    paths: the JSONL files, in order.
+    paths: the JSONL files, in order: one path (str or os.PathLike), a glob,
+      or a list of them, local or gs:// (a glob's matches sorted).
     index_cache_dir: where line indexes are cached. None: the directory in
       the CKPT_ITER_INDEX_CACHE_DIR environment variable, else
       `~/.cache/ckpt_iter/jsonl_index` (not next to the data, which may be
       read-only or shared). "" disables the cache.
   """
 
-  def __init__(self, paths: Sequence[str], *, index_cache_dir: str | None = None):
+  def __init__(self, paths: PathsArg, *, index_cache_dir: str | None = None):
     """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
-    self._paths = [_storage.absolute(p) for p in paths]
+    self._paths = [_storage.absolute(p) for p in _expand_paths(paths, "JsonlSource")]
     self._starts: list[np.ndarray] = []
     self._ends: list[np.ndarray] = []
     self._readers: list[_storage.RangeReader] = []
@@ -334,13 +335,14 @@ class ParquetSource(_FileReader):
   built: a file replaced later is refused, not read half old, half new.
 
   Args:
-    paths: the Parquet files (local or gs://), in order.
+    paths: the Parquet files (local or gs://), in order: one path, a glob,
+      or a list of them (a glob's matches sorted).
   """
 
-  def __init__(self, paths: Sequence[str]):
+  def __init__(self, paths: PathsArg):
     """Opens `paths` (their footers, pinned to their current generation on gs://); see the class docstring."""
     pq = _import_pyarrow_parquet()
-    self._paths = [_storage.absolute(p) for p in paths]
+    self._paths = [_storage.absolute(p) for p in _expand_paths(paths, "ParquetSource")]
     # On an object store each file's generation now: every later read is of it.
     self._generations = [_storage.pinned_generation(p) for p in self._paths]
     group_rows = []
@@ -388,15 +390,17 @@ class ArrayRecordSource:
 
   Args:
     paths: the ArrayRecord files (local or gs://, read by array_record's own
-      reader), in order.
+      reader), in order: one path, a glob, or a list of them (a glob's
+      matches sorted).
   """
 
-  def __init__(self, paths: Sequence[str]):
+  def __init__(self, paths: PathsArg):
     """Opens `paths` with array_record's reader; see the class docstring."""
     import grain  # pylint: disable=g-import-not-at-top
 
+    paths = _expand_paths(paths, "ArrayRecordSource")
     try:
-      self._source = grain.sources.ArrayRecordDataSource(list(paths))
+      self._source = grain.sources.ArrayRecordDataSource(paths)
     except ImportError as e:
       raise errors.InvalidArgumentError(
           f"reading .array_record files needs the array_record package ({e}). "
@@ -593,31 +597,76 @@ def _describe_files(kind: str, paths: list[str]) -> str:
 
 
 def _as_paths(source: Any) -> list[str] | None:
-  """Expands a path, glob or list of paths; None when `source` is not paths."""
-  if isinstance(source, os.PathLike):
-    source = os.fspath(source)
-  if isinstance(source, str):
-    candidates = [source]
-  elif isinstance(source, (list, tuple)) and source and all(
-      isinstance(s, (str, os.PathLike)) for s in source
-  ):
-    candidates = [os.fspath(s) for s in source]
-  else:
+  """Expands make_dataset's path, glob or list of paths; None when `source` is not paths."""
+  candidates = _path_strings(source)
+  if candidates is None:
     return None
-  paths = []
   for candidate in candidates:
     if not candidate.endswith(FILE_SUFFIXES):
       raise errors.InvalidArgumentError(
           f"source path {candidate!r} does not end in one of {', '.join(FILE_SUFFIXES)}. "
           "Pass JSONL, Parquet or ArrayRecord files, or a list of record dicts."
       )
+  return _expanded(candidates, "source")
+
+
+# What the file sources take: one path, a glob, or a list of them.
+PathsArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+class _ExpandedPaths(list):
+  """Paths already expanded: not globbed again (a file's name may hold `[` or `*`)."""
+
+
+def _expand_paths(paths: PathsArg, owner: str) -> list[str]:
+  """The files a file source reads, in order: each glob's matches sorted.
+
+  One path (str or os.PathLike, local or gs://), a glob, or a list of them,
+  as make_dataset takes them. A single string is one path, never a sequence
+  of characters.
+
+  Raises:
+    InvalidArgumentError: `paths` is not paths, names no file, or a file
+      or glob match is missing; the message names `owner`.
+  """
+  if isinstance(paths, _ExpandedPaths):
+    return list(paths)
+  candidates = _path_strings(paths)
+  if candidates is None:
+    shown = "[]" if isinstance(paths, (list, tuple)) and not paths else _short(paths)
+    raise errors.InvalidArgumentError(
+        f"{owner}: paths={shown} ({type(paths).__name__}) names no file. Pass a path "
+        "(str or os.PathLike, local or gs://), a glob such as 'data/part-*.jsonl', "
+        "or a non-empty list of them."
+    )
+  return _expanded(candidates, owner)
+
+
+def _path_strings(source: Any) -> list[str] | None:
+  """The path strings of a path or non-empty list of paths; None for anything else."""
+  if isinstance(source, os.PathLike):
+    source = os.fspath(source)
+  if isinstance(source, str):
+    return [source]
+  if isinstance(source, (list, tuple)) and source and all(
+      isinstance(s, (str, os.PathLike)) for s in source
+  ):
+    strings = [os.fspath(s) for s in source]
+    return strings if all(isinstance(s, str) for s in strings) else None
+  return None
+
+
+def _expanded(candidates: list[str], owner: str) -> _ExpandedPaths:
+  """Globs expanded (sorted), every file checked to exist; errors name `owner`."""
+  paths = _ExpandedPaths()
+  for candidate in candidates:
     matches = _storage.glob(candidate) if _storage.has_magic(candidate) else [candidate]
     if not matches:
-      raise errors.InvalidArgumentError(f"source glob {candidate!r} matches no file.")
+      raise errors.InvalidArgumentError(f"{owner} glob {candidate!r} matches no file.")
     for match in matches:
       if not _storage.is_file(match):
         where = "" if _storage.is_url(match) else f" (working directory {os.getcwd()!r})"
-        raise errors.InvalidArgumentError(f"source file {match!r} does not exist{where}.")
+        raise errors.InvalidArgumentError(f"{owner} file {match!r} does not exist{where}.")
     paths.extend(matches)
   return paths
 

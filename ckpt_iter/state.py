@@ -609,7 +609,8 @@ def differing_fields(
 
   The one comparison of two fingerprints (`check_fingerprint`, `_drift.reconcile`).
   A saved fingerprint without "graph" predates the graph fields, so those
-  of `current` are not compared.
+  of `current` are not compared. A function's name that differs only where
+  the function is defined is no difference (`same_function`).
   """
   if GRAPH_FIELD not in saved:
     current = {k: v for k, v in current.items() if not is_graph_field(k)}
@@ -624,7 +625,48 @@ def differing_fields(
       continue  # same_field_value's common case, without the call
     if not same_field_value(before, after):
       differences[name] = (before, after)
+  if differences:
+    for name in [n for n in differences if same_function(n, saved, current)]:
+      del differences[name]
   return differences
+
+
+def same_function(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+  """Whether fingerprint field `name`, a function's qualified name, names the same function in both.
+
+  The same when its code digest (`_graph.code_digest`, recorded beside the
+  name) is known and equal and the function's own name (the last part of
+  the qualified name) is the same: its module and enclosing class or
+  function may differ (`__main__.tokenize` run as a script, `train.tokenize`
+  imported). The own name still counts because the digest does not cover
+  the names the code calls: `r.upper()` and `r.lower()` digest alike. Without
+  a digest (a builtin) the whole name decides.
+  """
+  code = _code_field(name, saved)
+  digest = saved.get(code) if code is not None else None
+  before, after = saved.get(name), current.get(name)
+  return (
+      isinstance(digest, str) and current.get(code) == digest
+      and isinstance(before, str) and isinstance(after, str)
+      and before.rsplit(".", 1)[-1] == after.rsplit(".", 1)[-1]
+  )
+
+
+def _code_field(name: str, fingerprint: Mapping[str, Any]) -> str | None:
+  """The field holding the code digest of the function named by field `name`, or None.
+
+  `node[i].Kind.fn` (map, filter), `node[i].GlobalBatchDataset.transform`
+  and a DataLoader's `loader.op[i]` have theirs beside them; make_dataset's
+  top-level `transform` has its node's `transform_code`.
+  """
+  if name.startswith(_GRAPH_FIELD_PREFIX):
+    return f"{name}_code" if name.endswith((".fn", ".transform")) else None
+  if name.startswith("loader.op[") and name.endswith("]"):
+    return f"{name}.code"
+  if name == "transform":
+    return next((field for field in fingerprint if field.endswith(".GlobalBatchDataset.transform_code")
+                 and field[: -len("_code")] not in fingerprint), None)
+  return None
 
 
 def is_graph_field(name: str) -> bool:

@@ -2,7 +2,7 @@
 
     ckpt-iter inspect /ckpts/run1            # Tunix root, .../actor, Orbax root, or gs://...
     ckpt-iter verify /ckpts/run1             # exit 0 ok, 1 problems, 2 usage
-    ckpt-iter diff /ckpts/run1 --step 3 --step 5
+    ckpt-iter diff /ckpts/run1 3 5             # or --step 3 --step 5
     ckpt-iter audit /ckpts/run1 --plot run1.png   # exit 0 an unbroken chain of resumes
 
 Everything is read from the state files: no model is restored, no array is
@@ -169,12 +169,14 @@ def _add_diff(verbs: Any) -> None:
   summary = "compare the data states of two steps, or of two checkpoints"
   parser = verbs.add_parser(
       "diff", help=summary,
-      description=summary + ": `diff DIR --step A --step B`, `diff DIR_A DIR_B` "
-      "(latest steps) or `diff DIR_A DIR_B --step A --step B`.",
+      usage="%(prog)s [-h] [--item ITEM] [--json] CKPT_DIR [CKPT_DIR_B] [STEP_A STEP_B]\n"
+      "       %(prog)s [-h] [--item ITEM] [--json] CKPT_DIR [CKPT_DIR_B] --step STEP_A --step STEP_B",
+      description=summary + ": `diff DIR A B` (or `diff DIR --step A --step B`), `diff DIR_A DIR_B` "
+      "(latest steps) or `diff DIR_A DIR_B A B` (or with --step A --step B).",
       epilog="exit codes: 0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error",
   )
   parser.add_argument("checkpoints", nargs="+", metavar="CKPT_DIR",
-                      help="one checkpoint (with two --step) or two")
+                      help="one checkpoint (with two steps) or two, then optionally the two steps")
   parser.add_argument("--step", type=_step_number, action="append", default=[],
                       help="a step to compare; give it twice (once per side)")
   _add_item_argument(parser)
@@ -213,7 +215,7 @@ def _add_item_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _step_number(text: str) -> int:
-  if not (text.isascii() and text.isdigit()):
+  if not _is_step(text):
     raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}")
   return int(text)
 
@@ -462,7 +464,7 @@ def run_diff(args: argparse.Namespace) -> int:
 
 
 def _diff_sides(args: argparse.Namespace) -> list[tuple[inspection.Layout, int]]:
-  paths, steps = args.checkpoints, args.step
+  paths, steps = _positional_steps(args.checkpoints, args.step)
   if len(paths) == 1 and len(steps) == 2:
     layout = inspection.find_layout(paths[0], args.item)
     return [(layout, layout.choose_step(steps[0])), (layout, layout.choose_step(steps[1]))]
@@ -471,10 +473,30 @@ def _diff_sides(args: argparse.Namespace) -> list[tuple[inspection.Layout, int]]
     chosen = steps or [None, None]
     return [(layout, layout.choose_step(step)) for layout, step in zip(layouts, chosen)]
   raise inspection.UsageError(
-      f"diff compares two states: give one CKPT_DIR with --step twice, or two "
-      f"CKPT_DIRs (with --step twice or not at all); got {len(paths)} "
-      f"director{'y' if len(paths) == 1 else 'ies'} and {len(steps)} --step."
+      f"diff compares two states: give one CKPT_DIR and two steps (`diff DIR 8 12` or "
+      f"--step twice), or two CKPT_DIRs (with two steps or none); got {len(paths)} "
+      f"director{'y' if len(paths) == 1 else 'ies'} and {len(steps)} step{'' if len(steps) == 1 else 's'}."
   )
+
+
+def _positional_steps(arguments: list[str], flag_steps: list[int]) -> tuple[list[str], list[int]]:
+  """(directories, steps) of `diff DIR A B` / `diff DIR_A DIR_B A B`: two trailing step numbers.
+
+  Only after one or two directories: `diff 8 12` is two directories (which
+  may be named like steps), `diff DIR 8 12` one directory and two steps.
+  """
+  if len(arguments) not in (3, 4) or not all(_is_step(text) for text in arguments[-2:]):
+    return arguments, flag_steps
+  if flag_steps:
+    raise inspection.UsageError(
+        f"diff got the steps {arguments[-2]} and {arguments[-1]} after the directories and "
+        f"--step {' --step '.join(map(str, flag_steps))} as well; give the two steps one way."
+    )
+  return arguments[:-2], [_step_number(text) for text in arguments[-2:]]
+
+
+def _is_step(text: str) -> bool:
+  return text.isascii() and text.isdigit()
 
 
 def _process_pairs(
@@ -495,6 +517,8 @@ def diff_rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, str
   if not fingerprint:
     rows.append(("fingerprint", f"same ({_plural(len(a['fingerprint']), 'field')})"))
   rows.extend((f"fingerprint {k}", _change(x, y)) for k, (x, y) in fingerprint.items())
+  rows.extend((f"fingerprint {k}", f"{_change(x, y)} (the same code: the same function, no pipeline change)")
+              for k, (x, y) in differences.get("fingerprint_same_function", {}).items())
   if "kind" in differences:
     rows.append(("kind", _change(a["kind"], b["kind"])))
   if "position" in differences:

@@ -414,7 +414,9 @@ def dataclass_names(node: Any, _depth: int = 0) -> set[str]:
 def diff_summaries(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
   """What differs between two summaries: {section: {field: [a, b]}}.
 
-  Sections: "kind", "fingerprint", "position", "shuffle_key", "counters",
+  Sections: "kind", "fingerprint", "fingerprint_same_function" (a function
+  whose name differs only where it is defined: the same code, no pipeline
+  change, `state.same_function`), "position", "shuffle_key", "counters",
   "pending". A section that does not differ is absent.
   """
   result: dict[str, Any] = {}
@@ -424,6 +426,13 @@ def diff_summaries(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
     changed = changed_fields(a[section], b[section])
     if changed:
       result[section] = changed
+  moved = {name: values for name, values in result.get("fingerprint", {}).items()
+           if _same_function(name, a["fingerprint"], b["fingerprint"])}
+  if moved:
+    result["fingerprint_same_function"] = moved
+    result["fingerprint"] = {k: v for k, v in result["fingerprint"].items() if k not in moved}
+    if not result["fingerprint"]:
+      del result["fingerprint"]
   position = changed_fields(_position_view(a), _position_view(b))
   if position:
     result["position"] = position
@@ -433,6 +442,18 @@ def diff_summaries(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
   if pending:
     result["pending"] = pending
   return result
+
+
+def _same_function(name: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+  """`state.same_function` on the flat view, where a learner's input fields are `input.<name>`."""
+  prefix = f"{_learner_state.INPUT}."
+  if not name.startswith(prefix):
+    return state_lib.same_function(name, a, b)
+
+  def inputs(fields: Mapping[str, Any]) -> dict[str, Any]:
+    return {k[len(prefix):]: v for k, v in fields.items() if k.startswith(prefix)}
+
+  return state_lib.same_function(name[len(prefix):], inputs(a), inputs(b))
 
 
 def changed_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, list[Any]]:

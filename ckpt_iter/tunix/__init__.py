@@ -15,6 +15,17 @@ new rollout. See docs/tunix.md for what is guaranteed and what is not.
 
 from __future__ import annotations
 
+try:
+  import tunix  # noqa: F401  pylint: disable=unused-import  (before anything below imports it)
+except ModuleNotFoundError as _missing:
+  if _missing.name != "tunix":
+    raise
+  raise ModuleNotFoundError(
+      f"ckpt_iter.tunix needs Tunix, which is not installed ({_missing}). "
+      "Install it with: pip install 'ckpt_iter[tunix]'",
+      name="tunix",
+  ) from None
+
 import importlib
 import logging
 from typing import TYPE_CHECKING, Any, Collection, Iterable

@@ -285,6 +285,50 @@ def test_a_fresh_process_resumes_from_a_v1_checkpoint(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# A save that fails inside ckpt_iter's handler ends the process, with the error.
+
+_FAILING_SAVE = r"""
+import asyncio, sys
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.path import async_path
+import ckpt_iter
+
+# A slow store: Orbax's background creation of the step's directories has not
+# run when the failed save returns and the program ends.
+_exists = async_path.exists
+async def slow_exists(path):
+  await asyncio.sleep(1.0)
+  return await _exists(path)
+async_path.exists = slow_exists
+
+class Failing:
+  def state(self):
+    raise RuntimeError("the data state could not be taken")
+
+api, path = sys.argv[1], sys.argv[2]
+params = {"w": np.arange(3.0)}
+if api == "v0":
+  ocp.CheckpointManager(path).save(1, args=ocp.args.Composite(
+      params=ocp.args.StandardSave(params), data=ckpt_iter.IteratorSave(Failing())))
+else:
+  import orbax.checkpoint.experimental.v1 as ocp1
+  ocp1.save_checkpointables(path, {"params": params, "data": ckpt_iter.IteratorCheckpointable(Failing())})
+"""
+
+
+@pytest.mark.parametrize("api", ["v0", "v1"])
+def test_an_error_inside_a_save_ends_the_process_with_the_error(tmp_path, api):
+  # Without waiting for Orbax's directory creation before raising, the other
+  # item's write threads held the process for Orbax's 300 s signal timeout.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_REPO)
+  proc = subprocess.run([sys.executable, "-c", _FAILING_SAVE, api, str(tmp_path / "ckpt")],
+                        capture_output=True, text=True, timeout=60, env=env, cwd=_REPO)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "RuntimeError: the data state could not be taken" in proc.stderr
+
+
+# ---------------------------------------------------------------------------
 # The installed command
 
 
@@ -401,6 +445,26 @@ def test_module_is_not_exported_and_needs_no_tunix():
   result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, check=False)
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_importing_ckpt_iter_tunix_without_tunix_says_what_to_install():
+  script = (
+      "import sys\n"
+      "sys.modules['tunix'] = None  # any import of Tunix now fails\n"
+      "for statement in ('import ckpt_iter.tunix', 'from ckpt_iter.tunix import ResumableGRPOLearner',\n"
+      "                  'from ckpt_iter.tunix import cli'):\n"
+      "  try:\n"
+      "    exec(statement)\n"
+      "  except ImportError as e:\n"
+      "    print(type(e).__name__, e.name, '|', e)\n"
+  )
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.strip().splitlines()
+  assert len(lines) == 3, result.stdout
+  for line in lines:
+    assert line.startswith("ModuleNotFoundError tunix | ckpt_iter.tunix needs Tunix, which is not installed"), line
+    assert line.endswith("Install it with: pip install 'ckpt_iter[tunix]'"), line
 
 
 def test_importing_ckpt_iter_does_not_import_tunix():

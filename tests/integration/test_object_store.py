@@ -156,6 +156,21 @@ def test_one_step_costs_the_same_object_operations_however_many_steps_are_kept(g
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_source_class_takes_one_url_or_a_url_glob(gcs_root, kind):
+  # One gs:// string is one object (not its characters as paths); a glob lists the bucket.
+  from ckpt_iter import sources as sources_lib  # pylint: disable=g-import-not-at-top
+
+  pattern = _upload_sources(f"{gcs_root}/single", kind)
+  make = {"jsonl": lambda paths: sources_lib.JsonlSource(paths, index_cache_dir=""),
+          "parquet": sources_lib.ParquetSource}[kind]
+  one = make(pattern.replace("*", "1"))
+  assert len(one) == _RECORDS_PER_FILE and one[0]["id"] == _RECORDS_PER_FILE
+  both = make(pattern)
+  assert both.paths == [pattern.replace("*", str(part)) for part in range(2)]
+  assert len(both) == 2 * _RECORDS_PER_FILE and both[_RECORDS_PER_FILE]["id"] == _RECORDS_PER_FILE
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
 def test_an_object_replaced_under_a_live_source_is_refused_not_read(gcs_root, tmp_path, kind):
   # The source reads the generation it indexed: a replacement with records of
   # the same sizes (the same line offsets, the same row groups) is refused

@@ -169,7 +169,8 @@ def test_loading_never_unpickles(tmp_path, marker, name, how):
       _files.read_state(item_dir, 0, 1)
     else:  # the handler reads before it looks at the iterator
       handler = ckpt_iter.IteratorCheckpointHandler(process_index=0, process_count=1)
-      handler.restore(item_dir, ckpt_iter.IteratorRestore(item=object()))
+      receiver = ckpt_iter.DataIterator(grain.MapDataset.source([1, 2]))
+      handler.restore(item_dir, ckpt_iter.IteratorRestore(item=receiver))
   assert fragment in str(raised.value)
   assert STEM in str(raised.value)
   assert not os.path.exists(marker), "a checkpoint file was unpickled"

@@ -6,6 +6,7 @@ import os
 import grain
 import numpy as np
 import orbax.checkpoint as ocp
+import orbax.checkpoint.experimental.v1 as ocp1
 import pytest
 
 import ckpt_iter
@@ -175,3 +176,147 @@ def test_every_restore_logs_one_info_line_saying_what_it_restored(tmp_path, capl
       assert line == (
           "ckpt_iter: restored the data state of step 7: epoch 0, 6 of 20 records read (next_record 6); "
           f"content check: {result} ({tmp_path / '7' / 'data' / 'process_0-of-1.json'})")
+
+
+# ---------------------------------------------------------------------------
+# The args refuse a bad argument when they are built, not inside Orbax's save.
+
+
+def _receiver():
+  return ckpt_iter.DataIterator(grain.MapDataset.source([1, 2, 3]))
+
+
+# (case id, how the args are built, substrings the message must hold).
+_BAD_ARGS = [
+    ("save_a_list", lambda: ckpt_iter.IteratorSave([1, 2, 3]),
+     ["IteratorSave(item=[1, 2, 3])", "type list", "no state to save", "ckpt_iter.DataIterator(dataset)",
+      "ReplayIterator(iterable)"]),
+    ("save_none", lambda: ckpt_iter.IteratorSave(None), ["IteratorSave(item=None)", "NoneType"]),
+    ("save_a_dataset", lambda: ckpt_iter.IteratorSave(grain.MapDataset.source([1])),
+     ["IteratorSave(item=", "SourceMapDataset", "wrap it, ckpt_iter.DataIterator(dataset)"]),
+    ("save_the_class", lambda: ckpt_iter.IteratorSave(ckpt_iter.DataIterator),
+     ["class DataIterator", "no state to save"]),
+    ("restore_a_dataset", lambda: ckpt_iter.IteratorRestore(grain.MapDataset.source([1]).to_iter_dataset()),
+     ["IteratorRestore(item=", "no state to restore into", "ckpt_iter.DataIterator(dataset)"]),
+    ("restore_a_dict", lambda: ckpt_iter.IteratorRestore({"next_index": 3}),
+     ["IteratorRestore(item={'next_index': 3})", "type dict"]),
+    ("restore_allow_drift_str", lambda: ckpt_iter.IteratorRestore(_receiver(), allow_drift="seed"),
+     ["allow_drift='seed'", "type str", "allow_drift={'seed'}"]),
+    ("restore_allow_drift_ints", lambda: ckpt_iter.IteratorRestore(_receiver(), allow_drift=[1]),
+     ["allow_drift=[1]", "field names"]),
+    ("restore_elastic_int", lambda: ckpt_iter.IteratorRestore(_receiver(), elastic=1),
+     ["elastic=1", "type int", "True or False"]),
+    ("v1_a_list", lambda: ckpt_iter.IteratorCheckpointable([1, 2, 3]),
+     ["IteratorCheckpointable(item=[1, 2, 3])", "no state to save or restore"]),
+    ("v1_allow_drift_str", lambda: ckpt_iter.IteratorCheckpointable(_receiver(), allow_drift="seed"),
+     ["IteratorCheckpointable(allow_drift='seed')"]),
+    ("v1_elastic_str", lambda: ckpt_iter.IteratorCheckpointable(_receiver(), elastic="yes"),
+     ["IteratorCheckpointable(elastic='yes')"]),
+]
+
+
+@pytest.mark.parametrize("build, fragments", [case[1:] for case in _BAD_ARGS], ids=[case[0] for case in _BAD_ARGS])
+def test_bad_args_are_refused_when_built_naming_the_argument(build, fragments):
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    build()
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_args_take_every_kind_of_iterator_they_save_and_restore():
+  grain_iterator = iter(grain.MapDataset.source([1, 2, 3]).to_iter_dataset())
+  for item in (_receiver(), grain_iterator):
+    assert ckpt_iter.IteratorSave(item).item is item
+    assert ckpt_iter.IteratorRestore(item, allow_drift=("seed",), elastic=False).item is item
+    assert ckpt_iter.IteratorCheckpointable(item, allow_drift=frozenset()).item is item
+
+
+# ---------------------------------------------------------------------------
+# A ckpt_iter state restored into a plain Grain iterator: every route is loud
+# (docs/guarantees.md, "A ckpt_iter state and a plain Grain iterator").
+
+_RECORDS = list(range(40))
+
+
+def _saved_data_iterator():
+  """A DataIterator over a seed-1 shuffle, 5 elements read."""
+  iterator = ckpt_iter.DataIterator(grain.MapDataset.source(_RECORDS).shuffle(seed=1))
+  for _ in range(5):
+    next(iterator)
+  return iterator
+
+
+def _plain(seed=2):
+  """A plain Grain iterator over another pipeline (another seed)."""
+  return iter(grain.MapDataset.source(_RECORDS).shuffle(seed=seed).to_iter_dataset())
+
+
+def test_iterator_restore_into_a_plain_grain_iterator_is_refused_saying_to_wrap_it(ckpt_dir):
+  support.orbax_save(ckpt_dir, 1, data=ckpt_iter.IteratorSave(_saved_data_iterator()))
+  plain = _plain()
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    support.orbax_restore(ckpt_dir, 1, data=ckpt_iter.IteratorRestore(plain))
+  message = str(info.value)
+  assert "process_0-of-1.json" in message and "PrefetchDatasetIterator" in message
+  assert "ckpt_iter.DataIterator(dataset)" in message
+  assert plain.get_state() == {"next_index": 0}
+
+
+def test_a_v1_load_into_a_plain_grain_iterator_is_refused_saying_to_wrap_it(tmp_path):
+  path = str(tmp_path / "step_1")
+  ocp1.save_checkpointables(path, {"data": _saved_data_iterator()})
+  plain = _plain()
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match=r"ckpt_iter\.DataIterator\(dataset\)"):
+    ocp1.load_checkpointables(path, {"data": ckpt_iter.IteratorCheckpointable(plain)})
+  assert plain.get_state() == {"next_index": 0}
+
+
+def test_a_bare_grain_state_still_restores_into_a_plain_grain_iterator(ckpt_dir):
+  # No fingerprint to check (IteratorSave of a plain Grain iterator): its own round trip.
+  saving = _plain(seed=1)
+  for _ in range(5):
+    next(saving)
+  support.orbax_save(ckpt_dir, 1, data=ckpt_iter.IteratorSave(saving))
+  plain = _plain(seed=1)
+  support.orbax_restore(ckpt_dir, 1, data=ckpt_iter.IteratorRestore(plain))
+  assert list(plain) == list(saving)
+
+
+_PLAIN_ITERATORS = {
+    "MapDataset.to_iter_dataset": lambda: _plain(),
+    "IterDataset.batch": lambda: iter(grain.MapDataset.source(_RECORDS).to_iter_dataset().batch(2)),
+    "ElasticIterator": lambda: grain.experimental.ElasticIterator(
+        grain.MapDataset.source(_RECORDS), 2, grain.sharding.ShardOptions(0, 1)),
+    "IterDataset.mix": lambda: iter(grain.IterDataset.mix(
+        [grain.MapDataset.source(_RECORDS).to_iter_dataset()] * 2, [0.5, 0.5])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PLAIN_ITERATORS))
+def test_grains_set_state_raises_on_a_ckpt_iter_state(name):
+  # ckpt_iter's top-level fields are none of Grain's: set_state of a plain
+  # iterator (MaxText's or Grain's handler restoring what a DataIterator's
+  # get_state gave) raises KeyError naming the key Grain reads.
+  plain = _PLAIN_ITERATORS[name]()
+  before = plain.get_state()
+  state = _saved_data_iterator().get_state()
+  assert not set(state) & set(before)
+  with pytest.raises(KeyError):
+    plain.set_state(state)
+
+
+def test_grains_handler_reading_an_iterator_save_step_raises(ckpt_dir):
+  support.orbax_save(ckpt_dir, 1, data=ckpt_iter.IteratorSave(_saved_data_iterator()))
+  with pytest.raises(KeyError, match="next_index"):
+    support.orbax_restore(ckpt_dir, 1, data=grain.checkpoint.CheckpointRestore(_plain()))
+
+
+def test_a_v1_load_of_a_ckpt_iter_step_into_a_bare_grain_iterator_raises(tmp_path):
+  # Grain's own v1 load (the iterator as the checkpointable): Orbax refuses the
+  # step's handler for it, or wraps Grain's KeyError (NoEntryError, a KeyError).
+  path = str(tmp_path / "step_1")
+  ocp1.save_checkpointables(path, {"data": _saved_data_iterator()})
+  plain = _plain()
+  with pytest.raises(KeyError):
+    ocp1.load_checkpointables(path, {"data": plain})
+  assert plain.get_state() == {"next_index": 0}

@@ -380,6 +380,25 @@ def test_diff_two_steps_of_one_checkpoint(capsys, data_ckpt):
   assert code == 0 and _row("state", "identical").search(out)
 
 
+def test_diff_takes_the_steps_after_the_directories(capsys, tmp_path, data_ckpt):
+  expected = _run(capsys, "diff", data_ckpt, "--step", "0", "--step", "5", "--json")
+  assert _run(capsys, "diff", data_ckpt, "0", "5", "--json") == expected
+  assert _run(capsys, "diff", data_ckpt, "00000000", "5", "--json") == expected
+  text = _run(capsys, "diff", data_ckpt, "0", "5")
+  assert text[0] == 0 and _row("position", "epoch 0, 0 of 6 batches read (next_index 0) -> epoch 0, 5 of 6 "
+                               "batches read (next_index 5)").search(text[1])
+  other = tmp_path / "other"
+  shutil.copytree(data_ckpt, other)
+  two = _run(capsys, "diff", data_ckpt, str(other), "3", "5", "--json")
+  assert two == _run(capsys, "diff", data_ckpt, str(other), "--step", "3", "--step", "5", "--json")
+  assert (json.loads(two[1])["a"]["step"], json.loads(two[1])["b"]["step"]) == (3, 5)
+  # Two arguments are two directories, also when named like steps.
+  os.makedirs(tmp_path / "8")
+  shutil.copytree(data_ckpt, tmp_path / "12")
+  code, _, err = _run(capsys, "diff", str(tmp_path / "8"), str(tmp_path / "12"))
+  assert code == 2 and "not a checkpoint" in err and str(tmp_path / "8") in err
+
+
 def test_diff_two_checkpoints_names_fingerprint_fields(capsys, tmp_path, data_ckpt):
   other = tmp_path / "other"
   _save_processes(str(other / "9" / "data"), [_advance(ckpt_iter.DataIterator(_dataset(seed=1)), 8)])
@@ -394,6 +413,35 @@ def test_diff_two_checkpoints_names_fingerprint_fields(capsys, tmp_path, data_ck
   code, text, _ = _run(capsys, "diff", data_ckpt, str(other))
   assert _row("fingerprint seed", "0 -> 1").search(text)
   assert _row("position", "epoch 0, 10 of 12 records read (next_record 10) -> epoch 1, 4 of 12 records read (next_record 16)").search(text)
+
+
+def _tokenize_in_module(tmp_path, module_name):
+  """A `tokenize` defined in a module `module_name` (the same code in every module)."""
+  path = tmp_path / f"{module_name}.py"
+  path.write_text("def tokenize(record):\n  return {**record, 'length': len(str(record))}\n")
+  spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.tokenize
+
+
+def test_diff_shows_a_function_moved_to_another_module_as_no_pipeline_change(capsys, tmp_path):
+  roots = {}
+  for module_name in ("ci_cli_script", "ci_cli_package"):
+    dataset = ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=0, num_epochs=2, shard_index=0, shard_count=1,
+                                     transform=_tokenize_in_module(tmp_path, module_name))
+    roots[module_name] = tmp_path / module_name
+    _save_processes(str(roots[module_name] / "2" / "data"), [_advance(ckpt_iter.DataIterator(dataset), 2)])
+  a, b = (str(roots[name]) for name in ("ci_cli_script", "ci_cli_package"))
+  code, out, _ = _run(capsys, "diff", a, b, "--json")
+  assert code == 0
+  (process,) = json.loads(out)["processes"]
+  assert process == {"process_index": 0, "fingerprint_same_function": {
+      "transform": ["ci_cli_script.tokenize", "ci_cli_package.tokenize"]}}
+  code, text, _ = _run(capsys, "diff", a, b)
+  assert _row("fingerprint", f"same ({len(ckpt_iter.DataIterator(dataset).fingerprint)} fields)").search(text)
+  assert _row("fingerprint transform", "ci_cli_script.tokenize -> ci_cli_package.tokenize (the same code: "
+              "the same function, no pipeline change)").search(text)
 
 
 # ---------------------------------------------------------------------------
@@ -413,6 +461,9 @@ def test_usage_errors_exit_2(capsys, tmp_path, data_ckpt):
       (["inspect", data_ckpt, "--step", "x"], "step must be a non-negative integer"),
       (["diff", data_ckpt, "--step", "3"], "diff compares two states"),
       (["diff", data_ckpt, data_ckpt, "--step", "3"], "diff compares two states"),
+      (["diff", data_ckpt, "3", "5", "--step", "3", "--step", "5"], "give the two steps one way"),
+      (["diff", data_ckpt, "3", "5", "0", "1"], "diff compares two states"),
+      (["diff", data_ckpt, "3", "4"], "no step 4 in"),
       (["frobnicate"], "invalid choice"),
   ]
   for argv, message in cases:

@@ -309,6 +309,84 @@ def test_globs_and_lists_of_paths_read_files_in_order(tmp_path, kind):
   assert _ids(_all_batches(reordered))[:3] == [10, 11, 12]
 
 
+_SOURCE_CLASSES = {
+    "jsonl": sources_lib.JsonlSource, "parquet": sources_lib.ParquetSource,
+    "array_record": sources_lib.ArrayRecordSource,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_WRITERS))
+def test_file_source_classes_take_a_path_a_pathlike_a_glob_or_a_list(tmp_path, kind):
+  records = _records(11)
+  paths = [tmp_path / f"part-{i}.{kind}" for i in range(2)]
+  _WRITERS[kind](paths[0], records[:5])
+  _WRITERS[kind](paths[1], records[5:])
+  source_class = _SOURCE_CLASSES[kind]
+  # A single string is one file, not a sequence of one-character paths.
+  assert [source_class(str(paths[0]))[i] for i in range(5)] == records[:5]
+  assert [source_class(paths[1])[i] for i in range(6)] == records[5:]
+  for whole in (str(tmp_path / f"part-*.{kind}"), [str(p) for p in paths], tuple(paths)):
+    source = source_class(whole)
+    assert source.paths == [str(p) for p in paths]
+    assert [source[i] for i in range(len(source))] == records
+
+
+@pytest.mark.parametrize("kind", sorted(_WRITERS))
+def test_file_source_classes_refuse_what_names_no_file(tmp_path, kind):
+  source_class = _SOURCE_CLASSES[kind]
+  cases = [
+      (str(tmp_path / f"missing.{kind}"), [f"{source_class.__name__} file", f"missing.{kind}", "does not exist"]),
+      (str(tmp_path / f"none-*.{kind}"), [f"{source_class.__name__} glob", "matches no file"]),
+      ([], [source_class.__name__, "paths=[]", "names no file", "glob"]),
+      (42, [source_class.__name__, "paths=42", "(int)", "os.PathLike"]),
+  ]
+  for paths, fragments in cases:
+    with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+      source_class(paths)
+    for fragment in fragments:
+      assert fragment in str(info.value), (paths, fragment, str(info.value))
+
+
+def test_a_file_named_like_a_glob_is_not_globbed_twice(tmp_path):
+  # make_dataset expands the glob once; the source reads the match as named.
+  records = _records(6)
+  path = tmp_path / "part[1].jsonl"
+  _write_jsonl(path, records)
+  (tmp_path / "part1.jsonl").write_text(json.dumps({"id": -1}) + "\n")
+  dataset = _make(str(tmp_path / "part?1?.jsonl"), batch_size=2)
+  assert _ids(_all_batches(dataset)) == list(range(6))
+
+
+# (case id, records of one batch of 4, substrings the message must hold).
+_UNSTACKABLE = [
+    ("ragged_tokens", [{"id": i, "tokens": list(range(3 if i != 2 else 2))} for i in range(4)],
+     ["batch 1", "field 'tokens'", "rows [0, 1, 3] have shape (3,)", "row 2 has shape (2,)", "`transform`", "pad"]),
+    ("ragged_nested_field", [{"id": i, "meta": {"ids": [i] * (1 + i % 2)}} for i in range(4)],
+     ["batch 1", "field 'meta.ids'", "rows [0, 2] have shape (1,)", "rows [1, 3] have shape (2,)"]),
+    ("ragged_inside_a_row", [{"t": [[1, 2], [3]] if i == 3 else [[1], [2]]} for i in range(4)],
+     ["field 't'", "row 3 is ragged", "rows [0, 1, 2] have shape (2, 1)"]),
+    ("missing_key", [{"id": i, **({"tokens": [1]} if i != 1 else {})} for i in range(4)],
+     ["batch 1", "different fields", "row 1 lacks ['tokens']", "row 0's keys ['id', 'tokens']"]),
+    ("extra_key", [{"id": i, **({"extra": 1} if i == 3 else {})} for i in range(4)],
+     ["row 3 has ['extra'] too"]),
+]
+
+
+@pytest.mark.parametrize("records, fragments", [c[1:] for c in _UNSTACKABLE], ids=[c[0] for c in _UNSTACKABLE])
+def test_records_that_do_not_stack_are_refused_naming_the_field_rows_and_shapes(records, fragments):
+  # Batch 0 stacks; batch 1 holds the four records given.
+  uniform = [{**records[0]} for _ in range(4)]
+  dataset = _make(uniform + records, batch_size=4)
+  dataset[0]
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    dataset[1]
+  assert isinstance(info.value, ValueError)  # what numpy raised before
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match="batch 1"):
+    list(ckpt_iter.DataIterator(dataset))
+
+
 def test_jsonl_blank_lines_and_crlf_are_ignored(tmp_path):
   records = _records(13)
   path = tmp_path / "blank.jsonl"

@@ -123,6 +123,75 @@ def test_a_changed_function_body_with_the_same_name_is_refused():
     assert set(info.value.differences) == {f"node[0].MapMapDataset.{field}"}
 
 
+_TOKENIZE = """
+import numpy as np
+
+
+def tokenize(record):
+  return {"id": record["id"], "tokens": np.array([record["id"], {factor}], np.int32)}
+"""
+
+
+def _module_function(tmp_path, module_name, factor=2, function_name="tokenize"):
+  """`tokenize` (or `function_name`) of a module `module_name` written into tmp_path."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / f"{module_name}.py"
+  path.write_text(_TOKENIZE.replace("{factor}", str(factor)).replace("def tokenize", f"def {function_name}"))
+  spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return getattr(module, function_name)
+
+
+_MOVED_PIPELINES = {
+    "map": lambda fn: grain.MapDataset.source(_RECORDS).shuffle(seed=1).map(fn).batch(2),
+    "filter": lambda fn: grain.MapDataset.source(_RECORDS).filter(fn)[1:],  # a dict is truthy: keeps all
+    "make_dataset": lambda fn: ckpt_iter.make_dataset(
+        _RECORDS, batch_size=2, seed=1, transform=fn, shard_index=0, shard_count=1),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_MOVED_PIPELINES))
+def test_a_function_moved_to_another_module_with_the_same_code_restores(tmp_path, kind):
+  # `python train.py` (__main__.tokenize), then `python -m`, a notebook or an
+  # import (train.tokenize): the same code is the same pipeline.
+  build = _MOVED_PIPELINES[kind]
+  saved = _module_function(tmp_path, f"ci_script_{kind}")
+  moved = _module_function(tmp_path, f"ci_package_{kind}")
+  state = _state_of(build(saved))
+  differing = {name for name in state["fingerprint"] if state["fingerprint"][name] != ckpt_iter.DataIterator(
+      build(moved)).fingerprint.get(name)}
+  assert differing and all(name.endswith((".fn", "transform")) for name in differing)  # only the names
+  expected = ckpt_iter.DataIterator(build(saved))
+  expected.set_state(state)
+  resumed = ckpt_iter.DataIterator(build(moved))
+  resumed.set_state(state)
+  testing.assert_trees_equal(list(resumed), list(expected))
+
+
+@pytest.mark.parametrize("kind", sorted(_MOVED_PIPELINES))
+def test_a_moved_function_with_another_body_or_name_is_refused_naming_the_field(tmp_path, kind):
+  build = _MOVED_PIPELINES[kind]
+  state = _state_of(build(_module_function(tmp_path, f"ci_script_{kind}")))
+  code_field, name_field = {
+      "map": ("node[1].MapMapDataset.fn_code", "node[1].MapMapDataset.fn"),
+      "filter": ("node[1].FilterMapDataset.fn_code", "node[1].FilterMapDataset.fn"),
+      "make_dataset": ("node[0].GlobalBatchDataset.transform_code", "transform"),
+  }[kind]
+  edited = ckpt_iter.DataIterator(build(_module_function(tmp_path, f"ci_edited_{kind}", factor=3)))
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    edited.set_state(state)
+  assert {code_field, name_field} <= set(info.value.differences)
+  assert f"{code_field}=" in str(info.value)
+  # Renamed: the digest does not cover the names code calls (r.upper() and
+  # r.lower() digest alike), so a function's own name still counts.
+  renamed = ckpt_iter.DataIterator(build(_module_function(tmp_path, f"ci_renamed_{kind}", function_name="encode")))
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    renamed.set_state(state)
+  assert set(info.value.differences) == {name_field}
+
+
 @pytest.mark.parametrize(
     "fn, has_code",
     [(double, True), (lambda r: r, True), (functools.partial(jitter, rng=None), True),

@@ -241,6 +241,51 @@ def test_check_fingerprint_names_every_differing_field(saved, current, data):
   assert "allow_drift=" in message
 
 
+_MAP_FN, _MAP_CODE = "node[2].MapMapDataset.fn", "node[2].MapMapDataset.fn_code"
+_SPEC_CODE = "node[0].GlobalBatchDataset.transform_code"
+
+# (case id, saved, current, the fields that differ).
+_FUNCTION_CASES = [
+    ("moved", {_MAP_FN: "__main__.tokenize", _MAP_CODE: "ab12"},
+     {_MAP_FN: "train.tokenize", _MAP_CODE: "ab12"}, set()),
+    ("moved_into_a_package_and_a_function", {_MAP_FN: "__main__.tokenize", _MAP_CODE: "ab12"},
+     {_MAP_FN: "pkg.data.build.<locals>.tokenize", _MAP_CODE: "ab12"}, set()),
+    ("renamed", {_MAP_FN: "train.upper_case", _MAP_CODE: "ab12"},
+     {_MAP_FN: "train.lower_case", _MAP_CODE: "ab12"}, {_MAP_FN}),
+    ("other_code", {_MAP_FN: "__main__.tokenize", _MAP_CODE: "ab12"},
+     {_MAP_FN: "train.tokenize", _MAP_CODE: "cd34"}, {_MAP_FN, _MAP_CODE}),
+    ("builtin", {_MAP_FN: "builtins.len", _MAP_CODE: None},
+     {_MAP_FN: "mylib.len", _MAP_CODE: None}, {_MAP_FN}),
+    ("code_field_absent", {_MAP_FN: "__main__.tokenize"}, {_MAP_FN: "train.tokenize"}, {_MAP_FN}),
+    ("transform_moved", {"transform": "__main__.tokenize", _SPEC_CODE: "ab12"},
+     {"transform": "train.tokenize", _SPEC_CODE: "ab12"}, set()),
+    ("transform_other_code", {"transform": "__main__.tokenize", _SPEC_CODE: "ab12"},
+     {"transform": "train.tokenize", _SPEC_CODE: "cd34"}, {"transform", _SPEC_CODE}),
+    ("transform_before_graph_fields", {"transform": "__main__.tokenize"}, {"transform": "train.tokenize"},
+     {"transform"}),
+    ("spec_node_transform_moved",
+     {"node[3].GlobalBatchDataset.transform": "__main__.f", "node[3].GlobalBatchDataset.transform_code": "ab"},
+     {"node[3].GlobalBatchDataset.transform": "train.f", "node[3].GlobalBatchDataset.transform_code": "ab"}, set()),
+    ("loader_operation_moved", {"loader.op[1]": "__main__.Tokenize", "loader.op[1].code": "ab12"},
+     {"loader.op[1]": "train.Tokenize", "loader.op[1].code": "ab12"}, set()),
+    ("not_a_function_field", {"source": "__main__.tokenize", "source.code": "ab"},
+     {"source": "train.tokenize", "source.code": "ab"}, {"source"}),
+]
+
+
+@pytest.mark.parametrize("saved, current, differing", [c[1:] for c in _FUNCTION_CASES],
+                         ids=[c[0] for c in _FUNCTION_CASES])
+def test_a_function_with_the_same_code_and_own_name_is_the_same_wherever_it_is_defined(saved, current, differing):
+  saved, current = {"graph": "g", **saved}, {"graph": "g", **current}
+  assert set(state_lib.differing_fields(saved, current)) == differing
+  if differing:
+    with pytest.raises(errors.ConfigDriftError) as info:
+      state_lib.check_fingerprint(saved, current)
+    assert set(info.value.differences) == differing
+  else:
+    state_lib.check_fingerprint(saved, current)
+
+
 def test_check_fingerprint_message_tells_how_to_fix():
   with pytest.raises(errors.ConfigDriftError) as info:
     state_lib.check_fingerprint({"seed": 0, "batch_size": 4}, {"seed": 1, "batch_size": 4})
