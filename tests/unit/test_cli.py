@@ -385,8 +385,8 @@ def test_diff_takes_the_steps_after_the_directories(capsys, tmp_path, data_ckpt)
   assert _run(capsys, "diff", data_ckpt, "0", "5", "--json") == expected
   assert _run(capsys, "diff", data_ckpt, "00000000", "5", "--json") == expected
   text = _run(capsys, "diff", data_ckpt, "0", "5")
-  assert text[0] == 0 and _row("position", "epoch 0, 0 of 6 batches read (next_index 0) -> epoch 0, 5 of 6 "
-                               "batches read (next_index 5)").search(text[1])
+  assert text[0] == 0 and _row("position", "epoch 0, 0 of 12 records read (next_record 0) -> epoch 0, 10 of 12 "
+                               "records read (next_record 10)").search(text[1])
   other = tmp_path / "other"
   shutil.copytree(data_ckpt, other)
   two = _run(capsys, "diff", data_ckpt, str(other), "3", "5", "--json")
