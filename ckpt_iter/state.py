@@ -33,6 +33,8 @@ from ckpt_iter import _learner_state
 from ckpt_iter import errors
 
 FORMAT_VERSION = 3
+"""The newest data-state `format_version`: this release reads every version up to it (migrating older ones),
+refuses a newer one (StateVersionError) and writes each state in the oldest version that expresses it."""
 KINDS = ("data", "repeat", "tunix")
 # The version each kind is written in: the oldest that expresses it. Version 2
 # changed only the Tunix learners' states (their input's state nested,

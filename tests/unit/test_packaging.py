@@ -29,7 +29,8 @@ def test_the_sdist_ships_tests_docs_benchmarks_and_the_changelog(sdist):
   members, _ = sdist
   for path in ("tests/conftest.py", "tests/unit/test_packaging.py", "tests/workers/crash_worker.py",
                "tests/fixtures/README.md", "docs/storage.md", "docs/guarantees.md", "benchmarks/run_all.py",
-               "CHANGELOG.md", "LICENSE", "Makefile", "ckpt_iter/py.typed", "ckpt_iter/demo/prompts.jsonl"):
+               "CHANGELOG.md", "LICENSE", "Makefile", "ckpt_iter/py.typed", "ckpt_iter/demo/prompts.jsonl",
+               "mkdocs.yml", "docs/hooks.py", "docs/api.md", "docs/README.md"):
     assert path in members, path
   assert not any("__pycache__" in m or m.endswith(".pyc") for m in members)
 
@@ -39,7 +40,7 @@ def test_the_metadata_names_authors_classifiers_and_the_extras(sdist):
   assert "Author: ckpt_iter developers" in metadata
   assert "Classifier: Programming Language :: Python :: 3.11" in metadata
   assert "License-Expression: Apache-2.0" in metadata
-  for extra in ("gcs", "tunix", "hf", "files", "plot", "test", "test-core"):
+  for extra in ("gcs", "tunix", "hf", "files", "plot", "test", "test-core", "docs"):
     assert f"Provides-Extra: {extra}" in metadata, extra
   assert "Requires-Dist: grain>=0.2.17" in metadata and "Requires-Dist: jax>=0.8.3" in metadata
 
