@@ -45,6 +45,21 @@ def test_the_metadata_names_authors_classifiers_and_the_extras(sdist):
   assert "Requires-Dist: grain>=0.2.17" in metadata and "Requires-Dist: jax>=0.8.3" in metadata
 
 
+def test_the_project_urls_lead_to_the_docs_source_issues_and_changelog(sdist):
+  """What an index page links, as ckpt_iter._urls says (test_doc_links.py checks they exist in the repository)."""
+  from ckpt_iter import _urls  # pylint: disable=g-import-not-at-top
+
+  _, metadata = sdist
+  urls = dict(line.split(": ", 1)[1].split(", ", 1) for line in metadata.splitlines() if line.startswith("Project-URL: "))
+  assert urls == {
+      "Homepage": _urls.REPOSITORY_URL,
+      "Documentation": _urls.DOCS_URL,
+      "Source": _urls.REPOSITORY_URL,
+      "Issues": _urls.REPOSITORY_URL + "/issues",
+      "Changelog": _urls.REPOSITORY_URL + "/blob/main/CHANGELOG.md",
+  }, urls
+
+
 def test_the_tunix_extra_keeps_every_supported_tunix_installed(sdist):
   """pip keeps an installed requirement its specifier allows: main (0.1.8) must be allowed."""
   from packaging.requirements import Requirement  # pylint: disable=g-import-not-at-top
