@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: test test-heavy test-full test-lowest lint demo bench clean clean-cache
+.PHONY: test test-heavy test-full test-lowest lint docs demo bench clean clean-cache
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,20 @@ test-full: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests --run-slow
 
 lint: $(STAMP)
-	$(PY) -m ruff check ckpt_iter tests benchmarks
+	$(PY) -m ruff check ckpt_iter tests benchmarks docs
+
+# The documentation site: docs/ with the API reference generated from the
+# docstrings (docs/hooks.py), built into site/ in strict mode (mkdocs.yml): a
+# broken link between pages or to a heading, a page left out of the nav, a
+# public name without a docstring or an entry fails it. External links are
+# not fetched. On the test venv: the reference imports ckpt_iter.tunix.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(PY) -m mkdocs build --strict
 
 # The demo lives in demo/, outside the installed package; DEMO_ARGS, e.g. '--learner agentic'.
 demo: $(STAMP)
@@ -54,7 +67,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info site
 
 # The tests' persistent JAX compilation cache (tests/conftest.py), kept between runs.
 clean-cache:

@@ -110,8 +110,9 @@ class IteratorRestore(ocp.args.CheckpointArgs):
   Attributes:
     item: the iterator to restore into, built from the same pipeline.
     allow_drift: fingerprint fields that may differ from the checkpoint's.
-    elastic: resume a make_dataset pipeline with another process count (see
-      docs/multihost.md); the global batch size must be the same.
+    elastic: resume a make_dataset pipeline with another process count; the
+      global batch size must be the same (see
+      https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/multihost.md).
   """
 
   item: Any

@@ -48,6 +48,10 @@ from ckpt_iter import state as state_lib
 PER_PROCESS_FIELDS = frozenset({"shard_index"})
 # Fingerprint fields a resume with another process count changes.
 ELASTIC_FIELDS = PER_PROCESS_FIELDS | {"shard_count", "batch_size"}
+"""Fingerprint fields a resume with another process count changes (`shard_index`, `shard_count`, `batch_size`).
+
+An elastic restore lets them drift; every other field is checked as usual.
+"""
 
 # Pipeline steps after make_dataset that keep a resume elastic: they map each
 # batch on its own, so they commute with re-slicing the global batch.

@@ -56,7 +56,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     untouched when the state is malformed, from a newer version, or was written
     by a pipeline with other defining fields -- except a change that keeps the
     stream (more or fewer epochs, a slice end, a batch size at a batch
-    boundary; `_drift.reconcile`, docs/guarantees.md "Same stream"), which
+    boundary; `_drift.reconcile`, "Same stream" in
+    https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/guarantees.md), which
     resumes at the same element and logs one line per change on the
     "ckpt_iter" logger. A MapDataset pipeline defined as before whose element
     before the saved position is no longer the one saved raises

@@ -38,6 +38,8 @@ from ckpt_iter import _records
 from ckpt_iter import errors
 
 FORMAT_VERSION = 4
+"""The newest data-state `format_version`: this release reads every version up to it (migrating older ones),
+refuses a newer one (StateVersionError) and writes every state in it."""
 KINDS = ("data", "repeat", "tunix")
 # Where a composite kind holds its part's state (in memory an IteratorState,
 # on disk its dict form without format_version), as Grain nests `parent`.

@@ -6,7 +6,8 @@
         lambda: ckpt_iter.DataIterator(make_my_dataset()),
         checkpoint_at=[0, 3, 17], num_elements=40)
 
-`assert_exact_resume` is the contract of docs/guarantees.md as one call: the
+`assert_exact_resume` is the contract of
+https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/guarantees.md as one call: the
 stream after a restore into a fresh iterator equals the uninterrupted stream,
 bit for bit, with the state passed through its stored form on the way.
 `assert_trees_equal` is the bit-for-bit comparison it uses, public so tests

@@ -20,9 +20,11 @@ import json
 import os
 import re
 import sys
+import textwrap
 from typing import Any, Mapping, Sequence
 
 from ckpt_iter import _describe
+from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter.cli import _audit as auditing
 from ckpt_iter.cli import _inspect as inspection
@@ -36,8 +38,23 @@ EXIT_UNPROVEN, EXIT_NOTHING = 3, 4
 _SCHEDULE_SHOWN = 16
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+  """argparse's help layout, with addresses kept whole (never split at a hyphen or a line end)."""
+
+  def _fill_text(self, text: str, width: int, indent: str) -> str:
+    return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False)
+
+  def _split_lines(self, text: str, width: int) -> list[str]:
+    return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
+
+
 class _Parser(argparse.ArgumentParser):
   """argparse with errors as `ckpt-iter: <message>` and no SystemExit leak."""
+
+  def __init__(self, *args: Any, **kwargs: Any) -> None:
+    kwargs.setdefault("formatter_class", _HelpFormatter)  # the verbs' parsers too
+    super().__init__(*args, **kwargs)
 
   def error(self, message: str) -> None:  # type: ignore[override]
     self.print_usage(sys.stderr)
@@ -129,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
       epilog="`ckpt-iter train grpo|ppo|sft CONFIG.yaml [key=value ...]` runs Tunix's "
       "YAML pipeline with the Resumable learners; `ckpt-iter train --help`. "
       "It needs Tunix (pip install 'ckpt_iter[tunix]'). The preempt-and-resume "
-      "demo runs from a clone of the repository: `make demo`.",
+      "demo runs from a clone of the repository: `make demo`. "
+      f"Documentation: {_urls.DOCS_URL}",
   )
   from ckpt_iter import __version__  # pylint: disable=g-import-not-at-top
 
@@ -187,7 +205,7 @@ def _add_diff(verbs: Any) -> None:
 def _add_audit(verbs: Any) -> None:
   summary = "prove from the kept steps that every resume continued exactly where its step stopped"
   parser = verbs.add_parser(
-      "audit", help=summary, description=summary + " (docs/prove_your_run.md).",
+      "audit", help=summary, description=f"{summary} ({_urls.doc_url('prove_your_run.md')}).",
       epilog="exit codes: 0 an unbroken chain (every resume the kept states record proven), "
       "1 a break (one line each), 2 usage error (or --plot without matplotlib), 3 not proven "
       "(nothing broken, but a resume before the earliest kept step, from a step not kept, or "

@@ -10,7 +10,8 @@ input micro-batch the trainer has not consumed, the repeat-order key chain,
 the produced TrainExamples not yet trained with their remaining schedule, and
 the learner counters. A new process that builds the same learner restores it
 in O(1) and trains the pending repeats first, from the checkpoint, without a
-new rollout. See docs/tunix.md for what is guaranteed and what is not.
+new rollout. See https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/tunix.md for what is
+guaranteed and what is not.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class Resumable:
   The constructor is the Tunix class's, unchanged: the class binds and
   shows (`inspect.signature`) exactly the Tunix class's parameters.
 
-  Guarantees (with a Grain dataset as input; see docs/tunix.md):
+  Guarantees (with a Grain dataset as input; see
+  https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/tunix.md):
     * a checkpoint after any optimizer update, mid-repeat included, resumes
       with exactly the trainer inputs the uninterrupted run would have used:
       the same prompts in the same order, the pending repeats bit for bit

@@ -77,7 +77,8 @@ class ResumableAgentic:
   Put it first in the bases; the constructor is the Tunix class's, unchanged:
   the class binds and shows (`inspect.signature`) exactly its parameters.
 
-  Guarantees (single process; see docs/tunix.md, "Agentic learners"):
+  Guarantees (single process; see
+  https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/tunix.md#agentic-learners):
     * after a checkpoint at any optimizer update (inside a num_iterations
       repeat or full-batch replay, with gradient accumulation included) no prompt is skipped or
       trained twice, and the trainer inputs already produced are restored from
@@ -120,7 +121,8 @@ class ResumableAgentic:
       on_legacy_checkpoint: what to do when the actor was restored from a
         step without a data state (written by stock Tunix): "raise" (default)
         or "fast_forward" (skip `global_steps` full batches as stock Tunix
-        does, with a warning: inexact, see docs/tunix.md).
+        does, with a warning: inexact, see
+        https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/tunix.md).
       allow_drift: fingerprint fields the checkpoint may differ in.
 
     Raises:

@@ -93,7 +93,8 @@ class ResumableSft:
   The constructor is the Tunix class's, unchanged: the class binds and
   shows (`inspect.signature`) exactly the Tunix class's parameters.
 
-  Guarantees (the input is a Grain dataset; see docs/tunix.md):
+  Guarantees (the input is a Grain dataset; see
+  https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/tunix.md):
     * every checkpoint Tunix writes (the forced one in `close()` included)
       holds, in the same Orbax step, the position of the next example not yet
       given to the train step: with gradient accumulation, the next

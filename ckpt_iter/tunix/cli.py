@@ -16,7 +16,7 @@ are swapped is `ckpt_iter.tunix._api.CLI_PIPELINES`.
 What `train()` takes beyond Tunix's arguments on a restart comes from a
 `ckpt_iter:` section of the config or `ckpt_iter.KEY=VALUE` arguments
 (`on_legacy_checkpoint`, `allow_drift`); Tunix never sees those arguments.
-See docs/tunix_cli.md.
+See https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/tunix_cli.md.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import importlib.resources
 import sys
 from typing import Any, Iterator, Mapping, Sequence
 
+from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter import tunix as ckpt_tunix
 from ckpt_iter.tunix import _api as api
@@ -68,8 +69,8 @@ the data exactly from the latest checkpoint.
 
 `{prog} --example-config` prints a complete GRPO config that reads its
 prompts through ckpt_iter.tunix.data, to start from (adapt model, tokenizer,
-mesh and data). Every key and option: docs/tunix_cli.md in the source
-distribution.
+mesh and data). Every key and option:
+{docs}
 """
 
 
@@ -255,7 +256,7 @@ def run(kind: str, config: str, overrides: Sequence[str] = (), flag_args: Sequen
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
   """The command line; returns the exit code (0 trained, 1 refused, 2 usage)."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  usage = USAGE.format(prog=prog, kinds=",".join(KINDS))
+  usage = USAGE.format(prog=prog, kinds=",".join(KINDS), docs=_urls.doc_url("tunix_cli.md"))
   if argv[:1] in (["-h"], ["--help"]):
     print(usage, end="")
     return EXIT_OK
@@ -282,7 +283,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
 
 
 def example_config() -> str:
-  """The complete GRPO config the package ships (docs/tunix_cli.md shows the same)."""
+  """The complete GRPO config the package ships (the `ckpt-iter train` guide shows the same file)."""
   return importlib.resources.files("ckpt_iter.tunix").joinpath("example_grpo.yaml").read_text(encoding="utf-8")
 
 

@@ -31,7 +31,8 @@ def test_the_sdist_ships_tests_docs_benchmarks_and_the_changelog(sdist):
   members, _ = sdist
   for path in ("tests/conftest.py", "tests/unit/test_packaging.py", "tests/workers/crash_worker.py",
                "tests/fixtures/README.md", "docs/storage.md", "docs/guarantees.md", "benchmarks/run_all.py",
-               "CHANGELOG.md", "LICENSE", "Makefile", "ckpt_iter/py.typed", "demo/prompts.jsonl", "demo/__main__.py"):
+               "CHANGELOG.md", "LICENSE", "Makefile", "ckpt_iter/py.typed", "demo/prompts.jsonl", "demo/__main__.py",
+               "mkdocs.yml", "docs/hooks.py", "docs/api.md", "docs/README.md"):
     assert path in members, path
   assert not any("__pycache__" in m or m.endswith(".pyc") for m in members)
 
@@ -41,9 +42,24 @@ def test_the_metadata_names_authors_classifiers_and_the_extras(sdist):
   assert "Author: ckpt_iter developers" in metadata
   assert "Classifier: Programming Language :: Python :: 3.11" in metadata
   assert "License-Expression: Apache-2.0" in metadata
-  for extra in ("gcs", "tunix", "hf", "files", "plot", "test", "test-core"):
+  for extra in ("gcs", "tunix", "hf", "files", "plot", "test", "test-core", "docs"):
     assert f"Provides-Extra: {extra}" in metadata, extra
   assert "Requires-Dist: grain>=0.2.17" in metadata and "Requires-Dist: jax>=0.8.3" in metadata
+
+
+def test_the_project_urls_lead_to_the_docs_source_issues_and_changelog(sdist):
+  """What an index page links, as ckpt_iter._urls says (test_doc_links.py checks they exist in the repository)."""
+  from ckpt_iter import _urls  # pylint: disable=g-import-not-at-top
+
+  _, metadata = sdist
+  urls = dict(line.split(": ", 1)[1].split(", ", 1) for line in metadata.splitlines() if line.startswith("Project-URL: "))
+  assert urls == {
+      "Homepage": _urls.REPOSITORY_URL,
+      "Documentation": _urls.DOCS_URL,
+      "Source": _urls.REPOSITORY_URL,
+      "Issues": _urls.REPOSITORY_URL + "/issues",
+      "Changelog": _urls.REPOSITORY_URL + "/blob/main/CHANGELOG.md",
+  }, urls
 
 
 def test_the_tunix_extra_keeps_every_supported_tunix_installed(sdist):
