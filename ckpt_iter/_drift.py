@@ -44,6 +44,7 @@ from typing import Any, Callable, Collection, Mapping
 import numpy as np
 
 from ckpt_iter import _records
+from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -345,7 +346,7 @@ def _refuse_index_mixture_change(saved: Mapping[str, Any], current: Mapping[str,
         "continuing there would skip some and repeat others, so this is refused even with allow_drift. "
         "Restore with the saved weights; to reweight between restarts build the mixture with "
         "ckpt_iter.make_dataset({name: source, ...}, weights={...}) or grain.IterDataset.mix over "
-        "named datasets, whose states keep each source's own position (docs/changing_the_run.md).",)
+        f"named datasets, whose states keep each source's own position ({_urls.doc_url('changing_the_run.md')}).",)
     raise error
 
 

@@ -30,6 +30,7 @@ import time
 import types
 from typing import Any, Callable, Iterator, Mapping
 
+from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
 from ckpt_iter import state as state_lib
@@ -371,7 +372,7 @@ _ORPHAN_EXIT_CODE = 70
 WORKERS_NOT_WATCHED = (
     "this Grain's mp_prefetch workers cannot be made to exit with their parent (its shards have no "
     "worker_init_fn): if this process is killed they outlive it until killed themselves "
-    "(docs/failure_modes.md, \"Worker processes after a kill\").")
+    f"({_urls.doc_url('failure_modes.md', 'worker-processes-after-a-kill')}).")
 
 
 def exit_workers_with_parent(dataset: Any) -> bool:

@@ -174,7 +174,7 @@ def make_dataset(
       records are interleaved in these proportions, and the state keeps how
       far each source has been read, so a restart may reweight, add or remove
       sources (declared with allow_drift={"weights"} / {"sources"};
-      docs/changing_the_run.md).
+      https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/changing_the_run.md).
     filter: a per-record predicate (after `transform`); False drops the record.
     pack: a function from a `grain.IterDataset` of one chunk's records (after
       `filter`) to an iterable of rows, e.g. one of Grain's packing

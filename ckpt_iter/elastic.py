@@ -41,6 +41,7 @@ import numpy as np
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import _records
+from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -90,7 +91,7 @@ def resize_refusal(kind: str, fingerprint: Mapping[str, Any]) -> str | None:
         "make_dataset, per process: with another process count those steps would "
         "see other rows and the data would change. A per-record step belongs in "
         "make_dataset(transform=...); filtering and packing in make_dataset(filter=..., "
-        "pack=...), whose stream is the same for every process count (docs/changing_the_run.md)."
+        f"pack=...), whose stream is the same for every process count ({_urls.doc_url('changing_the_run.md')})."
     )
   return None
 

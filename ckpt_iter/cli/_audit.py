@@ -39,6 +39,7 @@ from ckpt_iter import _codec as codec
 from ckpt_iter import _storage
 from ckpt_iter import _learner_state
 from ckpt_iter import _records
+from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import state as state_lib
@@ -423,7 +424,7 @@ def report_lines(report: Report) -> list[str]:
     # The usual cause: max_to_keep deleted the steps the run resumed from.
     lines.append("  steps a resume came from are not kept: to keep them, save with ocp.CheckpointManagerOptions("
                  "preservation_policy=ckpt_iter.KeepResumedSteps(ROOT, max_to_keep=N)) in place of "
-                 "max_to_keep=N (docs/prove_your_run.md)")
+                 f"max_to_keep=N ({_urls.doc_url('prove_your_run.md')})")
   lines.append(f"{verdict}: {len(report.points)} state(s), {len(resumes)} resume(s){beyond}, "
                f"{proven} proven exact")
   return lines
