@@ -43,7 +43,7 @@ test-full: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests --run-slow
 
 lint: $(STAMP)
-	$(PY) -m ruff check ckpt_iter tests benchmarks docs
+	$(PY) -m ruff check ckpt_iter tests benchmarks docs demo
 
 # The documentation site: docs/ with the API reference generated from the
 # docstrings (docs/hooks.py), built into site/ in strict mode (mkdocs.yml): a

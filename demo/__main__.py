@@ -202,7 +202,8 @@ def _phase(title: str, workdir: str, workload: _Workload, stock: bool, name: str
   started = time.perf_counter()
   # The demo is not installed: its runs import it from the repository.
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+  path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path,
              JAX_COMPILATION_CACHE_DIR=os.path.join(workdir, "jax_cache"),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   out = os.path.join(workdir, f"{name}.npz")

@@ -13,8 +13,6 @@ import json
 import os
 import re
 import shutil
-import sys
-import types
 
 import numpy as np
 import orbax.checkpoint as ocp
