@@ -58,6 +58,7 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
 
   @property
   def loader(self) -> grain.DataLoader:
+    """The `grain.DataLoader` this iterator reads."""
     return self._loader
 
   @property
@@ -89,6 +90,7 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
     )
 
   def set_state(self, state: Mapping[str, Any] | bytes) -> None:
+    """Restores a state: `get_state()`'s dict, or the bytes of Grain's own `DataLoaderIterator.get_state()`."""
     if isinstance(state, (bytes, bytearray)):
       try:
         state = json.loads(bytes(state).decode())
@@ -136,6 +138,7 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
     return apply
 
   def close(self) -> None:
+    """Closes the inner Grain DataLoader iterator: its prefetch threads and worker processes stop."""
     _close(getattr(self, "_inner", None))
 
   def __str__(self) -> str:

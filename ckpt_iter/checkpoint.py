@@ -46,6 +46,7 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     return _item.process(self._process_index, self._process_count)
 
   async def async_save(self, directory: epath.Path, args: "IteratorSave") -> list[Any]:
+    """Takes the state now; returns the write of this process's files, which Orbax awaits before it commits the step."""
     try:
       header, arrays = _item.snapshot(args.item, _item.step_of(directory))
     except BaseException:
@@ -59,10 +60,12 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
     return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="ckpt_iter_save")]
 
   def save(self, directory: epath.Path, args: "IteratorSave") -> None:
+    """Takes the state and writes this process's files into `directory` before returning."""
     header, arrays = _item.snapshot(args.item, _item.step_of(directory))
     _item.write(directory, header, arrays, *self._process())
 
   def restore(self, directory: epath.Path, args: "IteratorRestore | None" = None) -> Any:
+    """Reads this process's state from `directory`, checks it in full, then applies it to `args.item` and returns it."""
     if args is None or args.item is None:
       raise errors.InvalidArgumentError(
           "restoring a ckpt_iter item needs the iterator to restore into: "
@@ -81,9 +84,11 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
       return None
 
   def finalize(self, directory: epath.Path) -> None:
+    """Nothing to do: each file is written in one piece, and Orbax commits the step."""
     pass
 
   def close(self) -> None:
+    """Nothing to release: the handler holds no threads or files."""
     pass
 
 
@@ -248,9 +253,11 @@ class IteratorCheckpointable:
     register_v1_handler()
 
   async def save(self, directory: Any) -> Any:
+    """Orbax v1 calls this: takes the state now; returns the write of this process's files, run in the background."""
     return await _item.v1_save(self.item, directory, self._process_index, self._process_count)
 
   async def load(self, directory: Any) -> Any:
+    """Orbax v1 calls this: reads and checks this process's state now; returns the step that applies it."""
     return await _item.v1_load(
         self.item, epath.Path(directory), allow_drift=self.allow_drift, elastic=self.elastic,
         index=self._process_index, count=self._process_count)

@@ -123,6 +123,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
   @property
   def dataset(self) -> grain.MapDataset | grain.IterDataset:
+    """The Grain dataset this iterator reads."""
     return self._dataset
 
   @property
@@ -469,6 +470,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     old.close()  # its threads or worker processes would otherwise leak
 
   def close(self) -> None:
+    """Closes the inner Grain iterator: its prefetch threads and worker processes stop."""
     # Also runs from __del__ when __init__ raised before _inner existed.
     inner = getattr(self, "_inner", None)
     if inner is not None:

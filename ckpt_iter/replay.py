@@ -51,15 +51,18 @@ class ReplayIterator(state_lib.RestorableIterator):
 
   @property
   def fingerprint(self) -> dict[str, Any]:
+    """The iterable's type: all a restore can check of a plain iterable."""
     return {"source": f"iterable:{type(self._iterable).__qualname__}"}
 
   def position(self) -> dict[str, Any]:
+    """How many elements were read, and a digest of the last one (a restore checks the element it replays to)."""
     position: dict[str, Any] = {COUNT_FIELD: self._read}
     if self._last_digest is not None:
       position[_drift.REPLAY_DIGEST_FIELD] = self._last_digest
     return position
 
   def state(self) -> state_lib.IteratorState:
+    """The current state as an immutable value."""
     return state_lib.IteratorState(
         kind="data", fingerprint=self.fingerprint, position=self.position(), lineage=self._lineage)
 

@@ -80,6 +80,7 @@ class _FileReader:
 
   @property
   def paths(self) -> list[str]:
+    """The files, in the order their records are numbered."""
     return list(self._paths)
 
   def __repr__(self) -> str:
@@ -416,6 +417,7 @@ class ArrayRecordSource:
 
   @property
   def paths(self) -> list[str]:
+    """The files, in the order their records are numbered."""
     return list(self._paths)
 
   def __repr__(self) -> str:
@@ -473,6 +475,7 @@ class HuggingFaceSource:
 
   @property
   def dataset(self) -> Any:
+    """The `datasets.Dataset` records are read from."""
     return self._dataset
 
   def __len__(self) -> int:
