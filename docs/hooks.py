@@ -5,9 +5,11 @@ docs/api.md holds MARKER, which this replaces with one mkdocstrings block
 REFERENCE_MODULES, so a name added to an `__all__` is in the reference with
 nothing else to edit. The build fails if one of those names has no
 docstring (`docstring`: a constant's is the string literal right after its
-assignment, which mkdocstrings shows) or if the rendered page lacks its
-entry; tests/unit/test_api_docs.py checks the docstrings from the same list
-without building. The repository's addresses come from ckpt_iter/_urls.py.
+assignment, which mkdocstrings shows), if a public method or property of
+one of those classes has none (`undocumented_members`: mkdocstrings would
+leave it out), or if the rendered page lacks its entry;
+tests/unit/test_api_docs.py checks the docstrings from the same list without
+building. The repository's addresses come from ckpt_iter/_urls.py.
 """
 
 import ast
@@ -36,28 +38,65 @@ def docstring(module_name: str, name: str) -> str | None:
   generated `__doc__`, and a constant's docstring exists only in the source.
   An import (`from m import name`, under `if TYPE_CHECKING:` included) is followed.
   """
+  found = _definition(module_name, name)
+  if found is None:
+    return None
+  statement, following = found
+  if isinstance(statement, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+    return ast.get_docstring(statement) or ""
+  literal = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+  return following.value.value.strip() if literal and isinstance(following.value.value, str) else ""
+
+
+def _definition(module_name: str, name: str) -> tuple[ast.stmt, ast.stmt | None] | None:
+  """The statement that defines `module_name.name` and the one after it, imports followed; None if not found."""
   origin = pathlib.Path(importlib.util.find_spec(module_name).origin)
   statements = _statements(origin)
   for statement, following in zip(statements, statements[1:] + [None]):
     if isinstance(statement, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name == name:
-      return ast.get_docstring(statement) or ""
+      return statement, following
     targets = statement.targets if isinstance(statement, ast.Assign) else [getattr(statement, "target", None)]
     if isinstance(statement, (ast.Assign, ast.AnnAssign)) and any(
         isinstance(t, ast.Name) and t.id == name for t in targets):
-      literal = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-      return following.value.value.strip() if literal and isinstance(following.value.value, str) else ""
+      return statement, following
     if isinstance(statement, ast.ImportFrom):
       for alias in statement.names:
         if (alias.asname or alias.name) == name:
           package = module_name if origin.name == "__init__.py" else module_name.rpartition(".")[0]
           source = importlib.util.resolve_name("." * statement.level + (statement.module or ""), package)
-          return docstring(source, alias.name)
+          return _definition(source, alias.name)
   return None
 
 
 def undocumented_names(module_name: str) -> list[str]:
   """The names in `module_name.__all__` without a docstring (`docstring`)."""
   return [name for name in public_names(module_name) if not docstring(module_name, name)]
+
+
+def undocumented_members(module_name: str) -> list[str]:
+  """`Class.member` for each public method or property a class in `module_name.__all__` defines without a docstring.
+
+  mkdocstrings leaves a member without a docstring out of the reference, so
+  it would be public but shown nowhere. Inherited members are not the
+  class's own entries; a property's setter and an `@overload` have none of
+  their own either.
+  """
+  missing = []
+  for name in public_names(module_name):
+    found = _definition(module_name, name)
+    if found is None or not isinstance(found[0], ast.ClassDef):
+      continue
+    for statement in _top_level(found[0].body):
+      if (isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and not statement.name.startswith("_")
+          and not any(_names_no_entry(d) for d in statement.decorator_list) and not ast.get_docstring(statement)):
+        missing.append(f"{name}.{statement.name}")
+  return missing
+
+
+def _names_no_entry(decorator: ast.expr) -> bool:
+  """`@x.setter`, `@x.deleter`, `@overload`: a definition that is not an entry of its own."""
+  name = decorator.attr if isinstance(decorator, ast.Attribute) else getattr(decorator, "id", None)
+  return name in ("setter", "deleter", "overload")
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +141,8 @@ def on_page_markdown(markdown, page, **kwargs):
     return markdown
   if MARKER not in markdown:
     raise _error(f"docs/{REFERENCE_PAGE} lost the line {MARKER!r} that the reference replaces")
-  undocumented = [f"{module}.{name}" for module in REFERENCE_MODULES for name in undocumented_names(module)]
+  undocumented = [f"{module}.{name}" for module in REFERENCE_MODULES
+                  for name in undocumented_names(module) + undocumented_members(module)]
   if undocumented:
     raise _error(f"no docstring for {', '.join(undocumented)}: the API reference documents every public name")
   return markdown.replace(MARKER, reference_markdown())

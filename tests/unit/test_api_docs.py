@@ -45,6 +45,13 @@ def test_every_public_name_has_a_docstring(module_name):
 
 
 @pytest.mark.parametrize("module_name", _reference_modules())
+def test_every_public_method_and_property_has_a_docstring(module_name):
+  """mkdocstrings leaves a member without a docstring out of the reference: public, yet shown nowhere."""
+  missing = hooks.undocumented_members(module_name)
+  assert not missing, f"{module_name}: no docstring for {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("module_name", _reference_modules())
 def test_the_reference_has_an_entry_per_public_name(module_name):
   """The page's entries come from `__all__` (the build also checks each is rendered)."""
   assert hooks.MARKER in (_REPO / "docs" / hooks.REFERENCE_PAGE).read_text()
@@ -89,6 +96,18 @@ def test_the_docstring_finder_reads_the_source(tmp_path, monkeypatch):
       "  x: int\n"  # its runtime __doc__ is generated ("Bare(x: int)"): not a docstring
       "class Documented:\n"
       '  """Says what it is."""\n'
+      "  def told(self):\n"
+      '    """Says what it does."""\n'
+      "  @property\n"
+      "  def bare_property(self):\n"
+      "    return 1\n"
+      "  @bare_property.setter\n"  # the property's entry is the getter's
+      "  def bare_property(self, value):\n"
+      "    pass\n"
+      "  async def bare_method(self):\n"
+      "    pass\n"
+      "  def _private(self):\n"
+      "    pass\n"
   )
   monkeypatch.syspath_prepend(str(tmp_path))
   assert hooks.docstring("docpkg", "Documented") == "Says what it is."
@@ -96,3 +115,5 @@ def test_the_docstring_finder_reads_the_source(tmp_path, monkeypatch):
   assert hooks.docstring("docpkg", "UNDOCUMENTED") == ""
   assert hooks.docstring("docpkg", "Bare") == ""
   assert hooks.docstring("docpkg", "missing") is None
+  monkeypatch.setattr(hooks, "public_names", lambda module_name: ["Documented", "Bare", "LIMIT"])
+  assert hooks.undocumented_members("docpkg") == ["Documented.bare_property", "Documented.bare_method"]
