@@ -244,6 +244,7 @@ def glob(pattern: str) -> list[str]:
 
 
 def has_magic(pattern: str) -> bool:
+  """Whether `pattern` holds glob wildcards (the same rule for a path and a URL)."""
   return glob_lib.has_magic(pattern)
 
 
