@@ -493,12 +493,13 @@ class _ArrayReader:
           f"its {spec.nbytes}-byte spec allows."
       )
     start = info.header_offset
+    local = _LOCAL_HEADER.unpack_from(self._data, start) if start + _LOCAL_HEADER.size <= size else None
     if info.flag_bits & 0x1:
       problem = "it is flagged encrypted; ckpt_iter writes plain members"
-    elif start + _LOCAL_HEADER.size > size or self._data[start:start + 4] != b"PK\x03\x04":
+    elif local is None or local[0] != b"PK\x03\x04":
       problem = f"no zip local header at offset {start}"
     else:
-      name_length, extra_length = _LOCAL_HEADER.unpack_from(self._data, start)[-2:]
+      _, name_length, extra_length = local
       begin = start + _LOCAL_HEADER.size + name_length + extra_length
       member = memoryview(self._data)[begin:begin + info.compress_size]
       if len(member) != info.compress_size:
