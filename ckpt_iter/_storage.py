@@ -175,8 +175,8 @@ def absolute(path: str | os.PathLike[str]) -> str:
 def read_bytes(path: str, *, max_bytes: int, writable: bool = False) -> bytes | bytearray:
   """The whole content of a file of at most `max_bytes`, in one read (one GET).
 
-  `writable`: as a bytearray (read into it in place from a local file), for
-  arrays that are views of it.
+  `writable`: as a bytearray, for arrays that are views of it (a local file
+  is always read in place into one; an object's bytes are copied into it).
 
   Raises:
     FileNotFoundError: there is no such file.
@@ -350,6 +350,7 @@ class _LocalBackend:
     return os.path.abspath(path)
 
   def read_bytes(self, path: str, max_bytes: int, writable: bool) -> bytes | bytearray:
+    del writable  # read in place into a bytearray either way: copying it into bytes would cost memory
     # One non-blocking open and an fstat of the open file, no stat of the
     # path first: the check holds for the very file that is read, and a FIFO
     # is refused at the fstat instead of hanging in open(). For a regular
@@ -360,8 +361,7 @@ class _LocalBackend:
         raise OSError(errno.EINVAL, "not a regular file", path)
       if info.st_size > max_bytes:
         raise TooLargeError(path, info.st_size, max_bytes, exact=True)
-      data = _read_into_bytearray(f, path, info.st_size)
-    return data if writable else bytes(data)
+      return _read_into_bytearray(f, path, info.st_size)
 
   def write_bytes(self, path: str, data: bytes) -> None:
     self.write_stream(path, lambda f: f.write(data))
