@@ -494,8 +494,8 @@ class _ArrayReader:
           f"{self._path}: array {name!r} takes {info.file_size} bytes, more than "
           f"its {spec.nbytes}-byte spec allows."
       )
-    start = info.header_offset
-    local = _LOCAL_HEADER.unpack_from(self._data, start) if start + _LOCAL_HEADER.size <= size else None
+    start = info.header_offset  # negative when the directory's offsets overshoot the file (zipfile allows it)
+    local = _LOCAL_HEADER.unpack_from(self._data, start) if 0 <= start <= size - _LOCAL_HEADER.size else None
     if info.flag_bits & 0x1:
       problem = "it is flagged encrypted; ckpt_iter writes plain members"
     elif local is None or local[0] != b"PK\x03\x04":

@@ -222,8 +222,14 @@ def _move_the_local_header(data: bytearray, rows: np.ndarray) -> None:
   data[:4] = b"PK\x07\x08"
 
 
+def _cut_the_first_byte(data: bytearray, rows: np.ndarray) -> None:
+  del rows
+  del data[:1]  # every offset the directory records is now one past its member
+
+
 @pytest.mark.parametrize("damage, says", [
     (_flip_an_array_byte, "bad CRC-32 for 'a0.npy'"),
+    (_cut_the_first_byte, "no zip local header at offset -1"),
     (_overrun_the_local_extra_field, "it runs past the end of the file"),
     (_move_the_local_header, "no zip local header at offset 0"),
 ])
