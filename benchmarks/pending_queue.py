@@ -54,7 +54,7 @@ def _write(directory: str, count: int, tokens: int, layout: str) -> None:
   header, arrays = codec.encode_state(value)
   if layout == "per_item":  # formats 1-2: one tree per item, one array per leaf
     arrays = {}
-    header["format_version"] = state_lib.written_version("repeat")
+    header["format_version"] = 2  # the last format that stored pending items this way
     nodes = []
     for item in items:  # this queue's items as formats 1-2 stored them: a tree and an array per leaf
       arrays[f"a{len(arrays)}"] = item["ids"]

@@ -15,6 +15,19 @@ the bytes its header's manifest allows), the npz's member count is checked
 before its zip directory is parsed, arrays must be stored (not compressed)
 plain .npy members whose dtype and shape match the header, and every error
 names the file.
+
+The npz is zipfile's and numpy's format, and they do most of the work: zipfile
+writes it and parses its directory, numpy writes and parses .npy headers. Two
+pieces are this module's own, for figures measured on the files of
+docs/benchmarks.md section 14 (fresh processes, same run): members padded so
+that each array starts at a 64-byte offset, and a reader that slices the
+arrays out of its one buffer of the file (CRC-32 checked) instead of reading
+each member into a copy through zipfile and numpy. 100,000 pending items
+restore in 0.13 s with 51 MiB of extra memory (through zipfile and numpy: 0.22 s,
+66 MiB); 10,000 items of 2,048 tokens take 1.04x their bytes of extra memory
+(3.0x); the same 100,000 items as formats 1-2 stored them, 4.5 s (15.5 s). And
+the zip end record is read by hand, to count members before zipfile parses a
+directory of any size.
 """
 
 from __future__ import annotations
@@ -139,18 +152,20 @@ def _write_npz(out: Any, arrays: Mapping[str, np.ndarray]) -> None:
         member.write(_bytes_of(data))
 
 
-# The array bytes of each member start at a multiple of _ALIGN in the file, so a reader can use them
-# in place (`_ArrayReader._load_plain`): a zip extra field of this id pads the
-# local header, as Android's zipalign does (readers skip unknown ids).
+# The array bytes of each member start at a multiple of _ALIGN in the file, so
+# the reader's arrays are views of its one buffer of the file (`_npy_array`;
+# the figures that call for it are in the module docstring): a zip extra field
+# of this id pads the local header, as Android's zipalign does (readers skip
+# unknown ids).
 _ALIGN = 64
 _PADDING_EXTRA_ID = 0xD935
-_LOCAL_HEADER_BYTES = 30
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip local header, up to its name and extra-field lengths
 _LOCAL_ZIP64_EXTRA_BYTES = 20  # force_zip64: sizes in an extra field of the local header
 
 
 def _padding_extra(offset: int, name_bytes: int, npy_header_bytes: int) -> bytes:
   """The extra field that puts a member's array bytes, written at `offset`, at a multiple of _ALIGN."""
-  start = offset + _LOCAL_HEADER_BYTES + name_bytes + _LOCAL_ZIP64_EXTRA_BYTES + npy_header_bytes
+  start = offset + _LOCAL_HEADER.size + name_bytes + _LOCAL_ZIP64_EXTRA_BYTES + npy_header_bytes
   pad = -start % _ALIGN
   if pad == 0:
     return b""
@@ -365,18 +380,16 @@ class _ArrayReader:
   """Loads named arrays from an npz read whole, checking its size and members first.
 
   The npz is read at the first `load`, once decode_state has validated the
-  header whose manifest bounds it.
+  header whose manifest bounds it; zipfile parses its directory, and each
+  array is then sliced from the file's bytes (`_member_bytes`, `_npy_array`).
   """
 
   def __init__(self, path: str, header: Mapping[str, Any], *, origin: str):
     self._path = path
     self._header = header
     self._origin = origin
-    self._specs: Mapping[str, codec.ArraySpec] = {}
-    self._zip: zipfile.ZipFile | None = None
-    self._data: bytes = b""
-    self._members: dict[str, zipfile.ZipInfo] = {}
-    self._size = 0
+    self._data = bytearray()
+    self._members: dict[str, zipfile.ZipInfo] | None = None
     self._digest: str | None = None
     self._loaded: dict[str, np.ndarray] = {}
 
@@ -410,13 +423,29 @@ class _ArrayReader:
         "the step's files. Restore an earlier step."
     )
 
-  def _open(self, name: str) -> zipfile.ZipFile:
-    path = self._path
-    self._specs = codec.array_specs(self._header, origin=self._origin)
-    bound = npz_size_bound(self._specs)
+  def load(self, name: str, spec: codec.ArraySpec) -> np.ndarray:
+    if self._members is None:
+      self._members = self._open(name)
     try:
-      # Writable: arrays are then views of it, not copies (`_load_plain`).
-      data = _storage.read_bytes(path, max_bytes=bound, writable=True)
+      info = self._members[name + ".npy"]
+    except KeyError:
+      raise errors.InvalidStateError(
+          f"{self._path}: has no array {name!r} (the state header lists it)."
+      ) from None
+    array = _npy_array(self._path, name, self._member_bytes(name, info, spec), spec)
+    self._loaded[name] = array
+    return array
+
+  def _open(self, name: str) -> dict[str, zipfile.ZipInfo]:
+    """Reads the npz whole, checks its end record, and returns its members by name."""
+    path = self._path
+    specs = codec.array_specs(self._header, origin=self._origin)
+    bound = npz_size_bound(specs)
+    unreadable = (f"the state refers to array {name!r}. The file is truncated or garbled: restore an "
+                  "earlier step.")
+    try:
+      # Writable: arrays are then views of it, not copies (`_npy_array`).
+      self._data = _storage.read_bytes(path, max_bytes=bound, writable=True)
     except errors.StorageError:
       raise  # the store's error (permission, stall...), not a damaged file
     except FileNotFoundError:
@@ -426,85 +455,38 @@ class _ArrayReader:
       ) from None
     except _storage.TooLargeError as e:
       raise errors.InvalidStateError(
-          f"{path}: {e.shown_size} bytes, more than the {bound:,} its header's {len(self._specs)} "
+          f"{path}: {e.shown_size} bytes, more than the {bound:,} its header's {len(specs)} "
           "array(s) allow; the file is garbled or padded. Restore an earlier step."
       ) from None
     except OSError as e:
-      raise errors.InvalidStateError(
-          f"{path}: not a readable npz ({e.strerror or e}); the state refers to array "
-          f"{name!r}. The file is truncated or garbled: restore an earlier step."
-      ) from None
-    end = _end_record(data)
-    members = None if end is None else end[0]
-    if members is None or members > len(self._specs):
-      # Checked before zipfile parses the directory: extra members (a file
-      # padded with a million empty ones) would cost time without bound.
-      shown = "no zip end record" if members is None else f"{members} members, its header lists {len(self._specs)}"
-      raise errors.InvalidStateError(
-          f"{path}: not a readable npz ({shown}); the state refers to array {name!r}. "
-          "The file is truncated or garbled: restore an earlier step."
-      )
-    self._digest = _directory_digest(data, end)
+      raise errors.InvalidStateError(f"{path}: not a readable npz ({e.strerror or e}); {unreadable}") from None
+    end = _end_record(self._data)
+    if end is None or end[0] > len(specs):
+      # Checked before zipfile parses the directory, which it cannot be asked
+      # to skip: a 60 MiB npz within a 64 MiB array's bound, padded with
+      # 700,000 empty members, costs zipfile 4.6 s and 415 MiB (measured);
+      # its end record, 20 us.
+      shown = "no zip end record" if end is None else f"{end[0]} members, its header lists {len(specs)}"
+      raise errors.InvalidStateError(f"{path}: not a readable npz ({shown}); {unreadable}")
+    self._digest = _directory_digest(self._data, end)
     try:
-      self._size = len(data)
-      self._data = data
-      archive = zipfile.ZipFile(_BufferFile(data))
-      self._members = {info.filename: info for info in archive.infolist()}
-      return archive
+      with zipfile.ZipFile(_BufferFile(self._data)) as archive:
+        return {info.filename: info for info in archive.infolist()}
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
-      raise errors.InvalidStateError(
-          f"{path}: not a readable npz ({e}); the state refers to array "
-          f"{name!r}. The file is truncated or garbled: restore an earlier step."
-      ) from None
+      raise errors.InvalidStateError(f"{path}: not a readable npz ({e}); {unreadable}") from None
 
-  def _load_plain(self, info: zipfile.ZipInfo, spec: codec.ArraySpec) -> np.ndarray | None:
-    """The member's array read straight from the npz's bytes, when it is as ckpt_iter writes it.
-
-    A stored member whose CRC-32 matches, with exactly the .npy header numpy
-    writes for the spec (version 1.0, C order) and the spec's bytes after
-    it. Anything else (another writer's header, Fortran order, damage) is
-    None: `load` then parses the member fully, and says what is wrong. One
-    slice per array instead of a zip member opened and an .npy header parsed
-    (a queue of 100,000 items holds 100,000s of arrays).
-    """
-    data, start = self._data, info.header_offset
-    if info.flag_bits & 0x1 or data[start:start + 4] != b"PK\x03\x04" or start + 30 > len(data):
-      return None  # flagged encrypted (refused by the full path), or no local header there
-    name_length, extra_length = _LOCAL_HEADER.unpack_from(data, start + 26)
-    begin = start + 30 + name_length + extra_length
-    end = begin + info.compress_size
-    if end > len(data):
-      return None
-    payload = memoryview(data)[begin:end]
-    if zlib.crc32(payload) != info.CRC:
-      return None
-    expected = _npy_header(spec.dtype, spec.shape)
-    if payload[:len(expected)] != expected or len(payload) - len(expected) != spec.nbytes:
-      return None
-    array = np.frombuffer(payload[len(expected):], dtype=np.dtype(spec.dtype)).reshape(spec.shape)
-    # In place when the file put it at an aligned offset (ckpt_iter's writer
-    # does); the buffer is this reader's own, writable copy of the file.
-    return array if array.flags.aligned and array.flags.writeable else array.copy()
-
-  def load(self, name: str, spec: codec.ArraySpec) -> np.ndarray:
-    if self._zip is None:
-      self._zip = self._open(name)
-    member = name + ".npy"
-    try:
-      info = self._members[member]
-    except KeyError:
-      raise errors.InvalidStateError(
-          f"{self._path}: has no array {name!r} (the state header lists it)."
-      ) from None
+  def _member_bytes(self, name: str, info: zipfile.ZipInfo, spec: codec.ArraySpec) -> memoryview:
+    """A member's .npy bytes, a view of the file's: checked against the spec and the file, and by CRC-32."""
+    size = len(self._data)
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
       raise errors.InvalidStateError(
           f"{self._path}: array {name!r} is compressed or its sizes disagree; "
           "ckpt_iter writes stored members only."
       )
-    if info.header_offset + info.compress_size > self._size:
+    if info.header_offset + info.compress_size > size:
       raise errors.InvalidStateError(
           f"{self._path}: array {name!r} claims {info.compress_size} bytes at offset "
-          f"{info.header_offset}, but the file holds only {self._size}; the "
+          f"{info.header_offset}, but the file holds only {size}; the "
           "file is truncated or garbled."
       )
     if info.file_size > spec.nbytes + _NPY_HEADER_BYTES:
@@ -512,90 +494,74 @@ class _ArrayReader:
           f"{self._path}: array {name!r} takes {info.file_size} bytes, more than "
           f"its {spec.nbytes}-byte spec allows."
       )
-    array = self._load_plain(info, spec)
-    if array is not None:
-      self._loaded[name] = array
-      return array
-    try:
-      with self._zip.open(info) as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-          shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-          shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-          raise errors.InvalidStateError(
-              f"{self._path}: array {name!r} has npy format {version}; expected 1.0 or 2.0."
-          )
-        header_end = f.tell()
-        if dtype.hasobject:
-          raise errors.InvalidStateError(f"{self._path}: array {name!r} has an object dtype.")
-        if np.dtype(dtype).str != spec.dtype or tuple(shape) != spec.shape:
-          raise errors.InvalidStateError(
-              f"{self._path}: array {name!r} is {np.dtype(dtype).str}{list(shape)}, "
-              f"but the state header says {spec.dtype}{list(spec.shape)}."
-          )
-        if info.file_size - header_end != spec.nbytes:
-          raise errors.InvalidStateError(
-              f"{self._path}: array {name!r} holds {info.file_size - header_end} "
-              f"data bytes, expected {spec.nbytes}; the file is truncated."
-          )
-        data = f.read(spec.nbytes)
-    except errors.InvalidStateError:
-      raise  # already says what is wrong (it is a ValueError: not re-wrapped)
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as e:
-      # RuntimeError: zipfile refuses members flagged as encrypted.
-      raise errors.InvalidStateError(f"{self._path}: array {name!r} is unreadable ({e}).") from None
-    if len(data) != spec.nbytes:
-      raise errors.InvalidStateError(f"{self._path}: array {name!r} is truncated.")
-    array = np.frombuffer(data, dtype=np.dtype(spec.dtype)).reshape(
-        spec.shape, order="F" if fortran else "C"
-    ).copy()
-    self._loaded[name] = array
-    return array
+    start = info.header_offset  # negative when the directory's offsets overshoot the file (zipfile allows it)
+    local = _LOCAL_HEADER.unpack_from(self._data, start) if 0 <= start <= size - _LOCAL_HEADER.size else None
+    if info.flag_bits & 0x1:
+      problem = "it is flagged encrypted; ckpt_iter writes plain members"
+    elif local is None or local[0] != b"PK\x03\x04":
+      problem = f"no zip local header at offset {start}"
+    else:
+      _, name_length, extra_length = local
+      begin = start + _LOCAL_HEADER.size + name_length + extra_length
+      member = memoryview(self._data)[begin:begin + info.compress_size]
+      if len(member) != info.compress_size:
+        problem = "it runs past the end of the file"
+      elif zlib.crc32(member) != info.CRC:
+        problem = f"bad CRC-32 for {info.filename!r}"
+      else:
+        return member
+    raise errors.InvalidStateError(f"{self._path}: array {name!r} is unreadable ({problem}).")
 
 
-class _BufferFile(io.RawIOBase):
-  """A read-only file over a buffer, without copying it (io.BytesIO copies a bytearray)."""
+def _npy_array(path: str, name: str, member: memoryview, spec: codec.ArraySpec) -> np.ndarray:
+  """The array of an .npy member, checked against its spec: a view of the member's bytes when aligned.
 
-  def __init__(self, data: bytes | bytearray):
-    super().__init__()
-    self._view = memoryview(data)
-    self._position = 0
-
-  def readable(self) -> bool:
-    return True
-
-  def seekable(self) -> bool:
-    return True
-
-  def tell(self) -> int:
-    return self._position
-
-  def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-    base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
-    if base + offset < 0:
-      raise ValueError("negative seek position")
-    self._position = base + offset
-    return self._position
-
-  def read(self, size: int | None = -1) -> bytes:
-    end = len(self._view) if size is None or size < 0 else min(len(self._view), self._position + size)
-    data = bytes(self._view[self._position:end])
-    self._position = max(self._position, end)
-    return data
-
-  def readinto(self, buffer: Any) -> int:
-    data = self.read(len(buffer))
-    buffer[:len(data)] = data
-    return len(data)
-
-  def close(self) -> None:
-    self._view.release()
-    super().close()
+  The common case costs a comparison with the header numpy writes for the
+  spec; any other header (Fortran order, another writer) is parsed by numpy.
+  """
+  expected = _npy_header(spec.dtype, spec.shape)
+  if member[:len(expected)] == expected:
+    data_start, fortran = len(expected), False
+  else:
+    data_start, fortran = _parsed_npy_header(path, name, member, spec)
+  if len(member) - data_start != spec.nbytes:
+    raise errors.InvalidStateError(
+        f"{path}: array {name!r} holds {len(member) - data_start} data bytes, expected {spec.nbytes}; "
+        "the file is truncated."
+    )
+  array = np.frombuffer(member[data_start:], dtype=np.dtype(spec.dtype)).reshape(
+      spec.shape, order="F" if fortran else "C")
+  # In place when the file put it at an aligned offset, as `_write_npz` does:
+  # no second copy of a restored queue (see the module docstring).
+  return array if array.flags.aligned else array.copy()
 
 
-_LOCAL_HEADER = struct.Struct("<HH")  # a zip local header's name and extra lengths (at byte 26)
+def _parsed_npy_header(path: str, name: str, member: memoryview, spec: codec.ArraySpec) -> tuple[int, bool]:
+  """(where the data starts, Fortran order) of an .npy header numpy parses; raises unless it is the spec's."""
+  f = io.BytesIO(member[:_NPY_HEADER_LIMIT])
+  try:
+    version = np.lib.format.read_magic(f)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in read_header:
+      raise errors.InvalidStateError(f"{path}: array {name!r} has npy format {version}; expected 1.0 or 2.0.")
+    shape, fortran, dtype = read_header[version](f)
+  except errors.InvalidStateError:
+    raise  # already says what is wrong (it is a ValueError: not re-wrapped)
+  except (ValueError, EOFError, SyntaxError) as e:
+    raise errors.InvalidStateError(f"{path}: array {name!r} is unreadable ({e}).") from None
+  if dtype.hasobject:
+    raise errors.InvalidStateError(f"{path}: array {name!r} has an object dtype.")
+  if np.dtype(dtype).str != spec.dtype or tuple(shape) != spec.shape:
+    raise errors.InvalidStateError(
+        f"{path}: array {name!r} is {np.dtype(dtype).str}{list(shape)}, "
+        f"but the state header says {spec.dtype}{list(spec.shape)}."
+    )
+  return f.tell(), fortran
+
+
+# The most of a member numpy's header parser is given: a version 1.0 header
+# (its length a 2-byte field) and then some; numpy refuses longer ones.
+_NPY_HEADER_LIMIT = 2**16 + 16
 
 
 @functools.lru_cache(maxsize=256)
@@ -606,6 +572,37 @@ def _npy_header(dtype: str, shape: tuple[int, ...]) -> bytes:
       "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
   return buffer.getvalue()
 
+
+class _BufferFile(io.RawIOBase):
+  """A read-only file over a buffer, for zipfile to parse the npz's directory from.
+
+  io.BytesIO would copy the bytearray, a second copy of the whole file: 10,000
+  items of 2,048 tokens would take 2.04x their bytes of extra memory, not 1.04x.
+  """
+
+  def __init__(self, data: bytearray):
+    super().__init__()
+    self._data = data
+    self._position = 0
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+    base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._data)}[whence]
+    if base + offset < 0:
+      raise ValueError("negative seek position")
+    self._position = base + offset
+    return self._position
+
+  def readinto(self, buffer: Any) -> int:
+    data = memoryview(self._data)[self._position:self._position + len(buffer)]
+    buffer[:len(data)] = data
+    self._position += len(data)
+    return len(data)
 
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")

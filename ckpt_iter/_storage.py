@@ -4,16 +4,22 @@ Every file ckpt_iter reads or writes — data items, CLI reads, source files,
 the JSONL index cache's subject — goes through this module, so a checkpoint
 root or a source can be wherever Orbax and Grain can put theirs.
 
-- A local path uses the OS: reads refuse anything but a regular file (a FIFO
-  would block forever, /dev/zero never ends) and know the size before they
-  read; writes are fsynced, so Orbax's step commit (a rename) publishes
-  durable files.
-- A URL (`scheme://...`) uses fsspec, the filesystem layer `etils.epath` runs
-  gs:// on when TensorFlow is absent (gcsfs), with the same credentials and
-  `STORAGE_EMULATOR_HOST`. It is called directly for the two operations epath
-  makes costly on an object store: a whole-object read is one ranged GET
-  (epath's open() first fetches the object's metadata) and a write is one
-  upload (epath's open("wb") starts a two-request resumable upload).
+Each public function is one call on the backend of its path (`_backend`),
+chosen once per call by the path's form:
+
+- `_LocalBackend`, for a local path, uses the OS: reads refuse anything but
+  a regular file (a FIFO would block forever, /dev/zero never ends) and know
+  the size before they read; writes are fsynced, so Orbax's step commit (a
+  rename) publishes durable files.
+- `_ObjectStoreBackend`, for a URL (`scheme://...`), uses fsspec, the
+  filesystem layer `etils.epath` runs gs:// on when TensorFlow is absent
+  (gcsfs), with the same credentials and `STORAGE_EMULATOR_HOST`. It calls
+  fsspec directly for the two operations epath makes costly on an object
+  store: a whole-object read is one ranged GET (epath's open() first fetches
+  the object's metadata) and a write is one upload (epath's open("wb") starts
+  a two-request resumable upload). Every call is bounded (`StoreBounds`) and
+  goes through `_guarded`, whose `_translate` is the one place a store's
+  error becomes ckpt_iter's.
 
 Object stores have no rename, so nothing here writes a temporary and renames
 it: atomicity comes from the caller's commit (Orbax's step commit, see
@@ -30,13 +36,14 @@ import os
 import re
 import stat
 import threading
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Protocol
 
 from ckpt_iter import errors
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # What to install for a scheme whose fsspec implementation is missing.
 _PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}
+_GCS_SCHEMES = ("gs", "gcs")
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -44,10 +51,8 @@ def is_url(path: str | os.PathLike[str]) -> bool:
   return bool(_URL.match(os.fspath(path)))
 
 
-def absolute(path: str | os.PathLike[str]) -> str:
-  """`path` made absolute; a URL is already (os.path.abspath would mangle it)."""
-  path = os.fspath(path)
-  return path if is_url(path) else os.path.abspath(path)
+# ---------------------------------------------------------------------------
+# How long an object store may take.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +131,10 @@ def object_store_bounds() -> StoreBounds:
   return _bounds
 
 
+# ---------------------------------------------------------------------------
+# The operations: one line each, on the path's backend.
+
+
 class TooLargeError(OSError):
   """A file holds more bytes than the reader allows.
 
@@ -141,46 +150,304 @@ class TooLargeError(OSError):
     self.exact = exact
 
 
+@dataclasses.dataclass(frozen=True)
+class Identity:
+  """What a cache may trust a file by.
+
+  Attributes:
+    size: bytes.
+    version: changes with every write of the content; None when the store
+      offers nothing such (then nothing is cached). Local: inode, mtime and
+      ctime (ctime cannot be set back: `touch -r`, `cp -p`, `rsync -t` keep
+      the mtime of an edited file, not its ctime). Object store: the
+      object's generation (GCS), version id or ETag, with its checksum.
+  """
+
+  size: int
+  version: str | None
+
+
+def absolute(path: str | os.PathLike[str]) -> str:
+  """`path` made absolute; a URL is already (os.path.abspath would mangle it)."""
+  return _backend(path).absolute(os.fspath(path))
+
+
 def read_bytes(path: str, *, max_bytes: int, writable: bool = False) -> bytes | bytearray:
   """The whole content of a file of at most `max_bytes`, in one read (one GET).
 
-  `writable`: as a bytearray (read into it in place from a local file), for
-  arrays that are views of it.
+  `writable`: as a bytearray, for arrays that are views of it (a local file
+  is always read in place into one; an object's bytes are copied into it).
 
   Raises:
     FileNotFoundError: there is no such file.
     TooLargeError: it holds more than `max_bytes` (nothing more is read).
     OSError: it cannot be read, or (local) is not a regular file.
   """
-  if is_url(path):
-    fs, key = _filesystem(path)
-    # One ranged request: a larger object shows itself by the extra byte.
-    data = _bounded(fs, path, "read", fs.cat_file, key, start=0, end=max_bytes + 1)
-    if len(data) > max_bytes:
-      raise TooLargeError(path, len(data), max_bytes, exact=False)
-    return bytearray(data) if writable else data
-  with _open_regular(path) as (f, size):
-    if size > max_bytes:
-      raise TooLargeError(path, size, max_bytes, exact=True)
-    if writable:
-      return _read_into_bytearray(f, path, size)
-    # Bounded by the measured size (read(n) allocates n bytes up front); a
-    # raw read may return less than asked (FUSE, NFS), so read to the end.
-    chunks, left = [], size + 1
-    while left > 0:
-      chunk = f.read(left)
-      if not chunk:
-        break
-      chunks.append(chunk)
-      left -= len(chunk)
-  data = b"".join(chunks)
-  if len(data) > size:  # it grew while being read
-    raise TooLargeError(path, len(data), size, exact=False)
-  return data
+  return _backend(path).read_bytes(path, max_bytes, writable)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  """Writes a whole file (one upload on an object store).
+
+  Not atomic by itself: a crash can leave a partial local file. Callers
+  write inside an Orbax step, whose commit is the atomic unit. A failed
+  write removes what it wrote.
+
+  Raises:
+    OSError: naming `path` (e.g. ENOSPC).
+  """
+  _backend(path).write_bytes(path, data)
+
+
+def write_stream(path: str, produce: Callable[[BinaryIO], None]) -> None:
+  """Writes a file as `produce(f)` writes it, in pieces, with no whole copy in memory.
+
+  For files too large to assemble first (a step's pending arrays): on an
+  object store one streamed upload, published only when `produce` returns
+  (one simple upload from memory when it is at most SMALL_UPLOAD_BYTES).
+  Like `write_bytes`, a failed write removes (or never publishes) what it wrote.
+
+  Raises:
+    OSError: naming `path`.
+  """
+  _backend(path).write_stream(path, produce)
+
+
+def list_entries(directory: str) -> list[tuple[str, bool]]:
+  """(name, is_directory) of each entry of `directory`, from one listing.
+
+  Raises:
+    FileNotFoundError: no such directory (on an object store: no object
+      under that prefix).
+  """
+  return _backend(directory).list_entries(directory)
+
+
+def list_names(directory: str) -> list[str]:
+  """The names in `directory`, from one listing (see `list_entries`)."""
+  return _backend(directory).list_names(directory)
+
+
+def is_dir(path: str) -> bool:
+  """Whether `path` is a directory (on an object store: a non-empty prefix)."""
+  return _backend(path).is_dir(path)
+
+
+def is_file(path: str) -> bool:
+  """Whether `path` is a file (an object)."""
+  return _backend(path).is_file(path)
+
+
+def glob(pattern: str) -> list[str]:
+  """The paths matching a glob pattern, sorted (URLs keep their scheme)."""
+  return _backend(pattern).glob(pattern)
+
+
+def has_magic(pattern: str) -> bool:
+  """Whether `pattern` holds glob wildcards (the same rule for a path and a URL)."""
+  return glob_lib.has_magic(pattern)
+
+
+def open_read(path: str, generation: str | None = None) -> BinaryIO:
+  """A seekable binary file for streaming reads (line indexing, Parquet).
+
+  `generation` (an object store's, from `pinned_generation`): every read is
+  of that generation of the object; a replaced object is refused
+  (`InvalidStateError`) instead of read as another version. Each request is
+  bounded and the store's errors typed.
+  """
+  return _backend(path).open_read(path, generation)
+
+
+def pinned_generation(path: str) -> str | None:
+  """The generation of an object now (GCS), which later reads can pin; None locally or without one."""
+  return _backend(path).generation(path)
+
+
+def identity(path: str) -> Identity:
+  """The size and version of a file (one stat, or one metadata request).
+
+  Raises:
+    FileNotFoundError: no such file.
+  """
+  return _backend(path).identity(path)
+
+
+def version_digest(version: str) -> int:
+  """A version string as a signed int64 (the JSONL index cache stores int64s)."""
+  return int.from_bytes(hashlib.blake2b(version.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+class RangeReader:
+  """Reads byte ranges of one file from any thread or Grain worker process.
+
+  Pinned, when made, to the file there then: a local file by its device,
+  inode, size and mtime (each descriptor, one per thread and process, is
+  checked to be that file when opened), an object by its generation (every
+  read is a ranged GET of it). A file replaced under a live source is refused
+  (`InvalidStateError`), never read by some threads or workers as the new
+  version through the old one's index. Picklable: descriptors are not carried
+  over, the pin is.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self._backend = _backend(path)
+    self._pin = self._backend.pin(path)
+    self._local = threading.local()
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"path": self.path, "_pin": self._pin}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._backend = _backend(self.path)
+    self._local = threading.local()
+
+  def read(self, start: int, end: int) -> bytes:
+    return self._backend.read_range(self.path, self._pin, start, end, self._local)
+
+
+def _replaced_error(path: str, evidence: str, kind: str) -> errors.InvalidStateError:
+  """The refusal of a file (`kind` "file" or "object") replaced since a reader pinned it."""
+  return errors.InvalidStateError(
+      f"{path}: replaced or rewritten since this source indexed it ({evidence}); its records would "
+      f"mix two versions. Build the source again (make_dataset) to read the new {kind}.")
+
+
+# ---------------------------------------------------------------------------
+# The backends.
+
+
+class _Backend(Protocol):
+  """The operations of a storage backend: the public functions' contracts, plus a `RangeReader`'s two.
+
+  `pin(path)` is what the reader checks its reads against (the file or the
+  version there now); `read_range` reads bytes [start, end) of the pinned file,
+  `local` holding the reader's per-thread state.
+  """
+
+  def absolute(self, path: str) -> str: ...
+  def read_bytes(self, path: str, max_bytes: int, writable: bool) -> bytes | bytearray: ...
+  def write_bytes(self, path: str, data: bytes) -> None: ...
+  def write_stream(self, path: str, produce: Callable[[BinaryIO], None]) -> None: ...
+  def list_entries(self, directory: str) -> list[tuple[str, bool]]: ...
+  def list_names(self, directory: str) -> list[str]: ...
+  def is_dir(self, path: str) -> bool: ...
+  def is_file(self, path: str) -> bool: ...
+  def glob(self, pattern: str) -> list[str]: ...
+  def open_read(self, path: str, generation: str | None) -> BinaryIO: ...
+  def generation(self, path: str) -> str | None: ...
+  def identity(self, path: str) -> Identity: ...
+  def pin(self, path: str) -> Any: ...
+  def read_range(self, path: str, pin: Any, start: int, end: int, local: threading.local) -> bytes: ...
+
+
+class _LocalBackend:
+  """Local paths (and FUSE or NFS mounts) through the OS."""
+
+  def absolute(self, path: str) -> str:
+    return os.path.abspath(path)
+
+  def read_bytes(self, path: str, max_bytes: int, writable: bool) -> bytes | bytearray:
+    del writable  # read in place into a bytearray either way: copying it into bytes would cost memory
+    # One non-blocking open and an fstat of the open file, no stat of the
+    # path first: the check holds for the very file that is read, and a FIFO
+    # is refused at the fstat instead of hanging in open(). For a regular
+    # file O_NONBLOCK changes nothing.
+    with open(path, "rb", buffering=0, opener=_nonblocking) as f:
+      info = os.fstat(f.fileno())
+      if not stat.S_ISREG(info.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", path)
+      if info.st_size > max_bytes:
+        raise TooLargeError(path, info.st_size, max_bytes, exact=True)
+      return _read_into_bytearray(f, path, info.st_size)
+
+  def write_bytes(self, path: str, data: bytes) -> None:
+    self.write_stream(path, lambda f: f.write(data))
+
+  def write_stream(self, path: str, produce: Callable[[BinaryIO], None]) -> None:
+    regular = False
+    try:
+      with open(path, "wb") as f:
+        regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+        produce(f)
+        f.flush()
+        os.fsync(f.fileno())
+    except BaseException as e:
+      if regular:  # a partial file of ours; never a device a symlink pointed to
+        try:
+          os.unlink(path)
+        except OSError:
+          pass
+      if isinstance(e, OSError):
+        raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
+      raise
+
+  def list_entries(self, directory: str) -> list[tuple[str, bool]]:
+    with os.scandir(directory) as entries:
+      return [(entry.name, entry.is_dir()) for entry in entries]
+
+  def list_names(self, directory: str) -> list[str]:
+    return os.listdir(directory)
+
+  def is_dir(self, path: str) -> bool:
+    return os.path.isdir(path)
+
+  def is_file(self, path: str) -> bool:
+    return os.path.isfile(path)
+
+  def glob(self, pattern: str) -> list[str]:
+    return sorted(glob_lib.glob(pattern))
+
+  def open_read(self, path: str, generation: str | None) -> BinaryIO:
+    del generation  # a local file has none
+    return open(path, "rb")  # pylint: disable=consider-using-with
+
+  def generation(self, path: str) -> str | None:
+    del path
+    return None
+
+  def identity(self, path: str) -> Identity:
+    info = os.stat(path)
+    return Identity(info.st_size, f"ino={info.st_ino},mtime={info.st_mtime_ns},ctime={info.st_ctime_ns}")
+
+  def pin(self, path: str) -> tuple[int, int, int, int]:
+    return _file_key(os.stat(path))
+
+  def read_range(self, path: str, pin: Any, start: int, end: int, local: threading.local) -> bytes:
+    if getattr(local, "pid", None) != os.getpid():  # a new thread, or a forked worker
+      fd = os.open(path, os.O_RDONLY)
+      found = _file_key(os.fstat(fd))
+      if found != pin:
+        os.close(fd)
+        raise _replaced_error(path, f"size, inode or mtime changed: {pin} then, {found} now", "file")
+      local.fd, local.pid = fd, os.getpid()
+    return os.pread(local.fd, end - start, start)
+
+
+def _file_key(info: os.stat_result) -> tuple[int, int, int, int]:
+  return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def _nonblocking(path: str, flags: int) -> int:
+  try:
+    # O_NOFOLLOW: a symlink put in place of a checkpoint file would read
+    # whatever it points to, outside the item directory.
+    return os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise OSError(errno.ELOOP, "is a symbolic link; a checkpoint's files are read only as "
+                    "regular files inside their item directory, never through a link", path) from None
+    raise
 
 
 def _read_into_bytearray(f: Any, path: str, size: int) -> bytearray:
-  """The rest of open file `f`, of `size` bytes when measured, read in place into one bytearray."""
+  """The rest of open file `f`, of `size` bytes when measured, read in place into one bytearray.
+
+  Bounded by the measured size; a raw read may return less than asked (FUSE,
+  NFS), so it reads until the file ends.
+  """
   data = bytearray(size)
   with memoryview(data) as view:
     filled = 0
@@ -195,40 +462,209 @@ def _read_into_bytearray(f: Any, path: str, size: int) -> bytearray:
   return data
 
 
-def write_bytes(path: str, data: bytes) -> None:
-  """Writes a whole file (one upload on an object store).
-
-  Not atomic by itself: a crash can leave a partial local file. Callers
-  write inside an Orbax step, whose commit is the atomic unit. A failed
-  write removes what it wrote.
-
-  Raises:
-    OSError: naming `path` (e.g. ENOSPC).
-  """
-  if is_url(path):
-    fs, key = _filesystem(path)
-    _bounded(fs, path, "write", fs.pipe_file, key, data)
-    return
-  regular = False
-  try:
-    with open(path, "wb") as f:
-      regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-  except OSError as e:
-    if regular:  # a partial file of ours; never a device a symlink pointed to
-      try:
-        os.unlink(path)
-      except OSError:
-        pass
-    raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
-
-
 # A streamed object of at most this many bytes is sent as one simple upload
 # (one request) from memory; a larger one as a resumable upload (two requests
 # at least), its first bytes sent from this buffer.
 SMALL_UPLOAD_BYTES = 16 * 2**20
+
+
+class _ObjectStoreBackend:
+  """URLs through fsspec: every call bounded by `StoreBounds`, its errors typed by `_translate`."""
+
+  def absolute(self, path: str) -> str:
+    return path
+
+  def read_bytes(self, path: str, max_bytes: int, writable: bool) -> bytes | bytearray:
+    fs, key = _filesystem(path)
+    # One ranged request: a larger object shows itself by the extra byte.
+    data = _bounded(fs, path, "read", fs.cat_file, key, start=0, end=max_bytes + 1)
+    if len(data) > max_bytes:
+      raise TooLargeError(path, len(data), max_bytes, exact=False)
+    return bytearray(data) if writable else data
+
+  def write_bytes(self, path: str, data: bytes) -> None:
+    fs, key = _filesystem(path)
+    _bounded(fs, path, "write", fs.pipe_file, key, data)
+
+  def write_stream(self, path: str, produce: Callable[[BinaryIO], None]) -> None:
+    fs, key = _filesystem(path)
+    spool = _Spool(lambda: _StoreFile(
+        _guarded((path, "write", None), fs.open, key, "wb", **_file_bound(fs)), path, "write"))
+    try:
+      produce(spool)  # type: ignore[arg-type]
+      if spool.stream is None:  # small: one simple upload, as write_bytes makes
+        _bounded(fs, path, "write", fs.pipe_file, key, bytes(spool.buffer))
+      else:
+        spool.stream.close()
+    except BaseException:
+      spool.discard()
+      raise
+
+  def list_entries(self, directory: str) -> list[tuple[str, bool]]:
+    fs, key = _filesystem(directory)
+    fs.invalidate_cache(key)  # another client (Orbax's) may have written since
+    found = []
+    for info in _bounded(fs, directory, "list", fs.ls, key, detail=True):
+      name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+      if info["name"].rstrip("/") != key.rstrip("/"):  # ls of a file lists the file
+        found.append((name, info.get("type") == "directory"))
+    return found
+
+  def list_names(self, directory: str) -> list[str]:
+    return [name for name, _ in self.list_entries(directory)]
+
+  def is_dir(self, path: str) -> bool:
+    fs, key = _filesystem(path)
+    fs.invalidate_cache(key)
+    return _bounded(fs, path, "list", fs.isdir, key)
+
+  def is_file(self, path: str) -> bool:
+    fs, key = _filesystem(path)
+    return _bounded(fs, path, "stat", fs.isfile, key)
+
+  def glob(self, pattern: str) -> list[str]:
+    fs, key = _filesystem(pattern)
+    return sorted(fs.unstrip_protocol(match) for match in _bounded(fs, pattern, "list", fs.glob, key))
+
+  def open_read(self, path: str, generation: str | None) -> BinaryIO:
+    fs, key = _filesystem(path, versioned=bool(generation))
+    target = f"{key}#{generation}" if generation else key
+    f = _guarded((path, "read", generation), fs.open, target, "rb", **_file_bound(fs))
+    return _StoreFile(f, path, "read", generation)  # type: ignore[return-value]
+
+  def generation(self, path: str) -> str | None:
+    fs, key = _filesystem(path)
+    fs.invalidate_cache(key)
+    generation = _bounded(fs, path, "stat", fs.info, key).get("generation")
+    return str(generation) if generation not in (None, "") and type(fs).__module__.startswith("gcsfs") else None
+
+  def identity(self, path: str) -> Identity:
+    fs, key = _filesystem(path)
+    fs.invalidate_cache(key)
+    info = _bounded(fs, path, "stat", fs.info, key)
+    parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
+    return Identity(int(info["size"]), ",".join(parts) or None)
+
+  def pin(self, path: str) -> str | None:
+    return self.generation(path)
+
+  def read_range(self, path: str, pin: Any, start: int, end: int, local: threading.local) -> bytes:
+    del local  # one request per read: no state kept
+    fs, key = _filesystem(path)
+    pinned = {"generation": pin} if pin else {}
+    return _bounded(fs, path, "read", fs.cat_file, key, start=start, end=end, reads_generation=pin, **pinned)
+
+
+_VERSION_KEYS = ("generation", "version_id", "VersionId", "ETag", "etag", "crc32c", "md5Hash")
+_LOCAL = _LocalBackend()
+_OBJECT_STORE = _ObjectStoreBackend()
+
+
+def _backend(path: str | os.PathLike[str]) -> _Backend:
+  """The backend of a path: the one place a local path and a URL part ways."""
+  return _OBJECT_STORE if is_url(path) else _LOCAL
+
+
+# ---------------------------------------------------------------------------
+# Object-store plumbing: the filesystem, bounds, and the one error translator.
+
+
+def _filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:
+  """The fsspec filesystem of a URL (fsspec caches instances, per process) and its key.
+
+  On gs:// every HTTP request is bounded (`StoreBounds.request_seconds`);
+  `versioned`: one that reads `key#generation` as that generation.
+  """
+  scheme = url.split("://", 1)[0]
+  try:
+    import fsspec  # pylint: disable=g-import-not-at-top
+
+    options = {"requests_timeout": _bounds.request_seconds} if scheme in _GCS_SCHEMES else {}
+    if versioned and scheme in _GCS_SCHEMES:
+      options["version_aware"] = True
+    return fsspec.core.url_to_fs(url, **options)
+  except ImportError as e:
+    package = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
+    raise ImportError(
+        f"{url}: reading or writing {scheme}:// needs {package} ({e}). Install it with: "
+        f"pip install {package}" + (" (or ckpt_iter[gcs])" if package == "gcsfs" else "")
+    ) from None
+
+
+def _file_bound(fs: Any) -> dict[str, Any]:
+  """What bounds each request of a gcsfs file (its `timeout`); other stores take none."""
+  return {"timeout": _bounds.operation_seconds} if type(fs).__module__.startswith("gcsfs") else {}
+
+
+def _bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, reads_generation: str | None = None,
+             **kwargs: Any) -> Any:
+  """`call(*args, **kwargs)`, a method of `fs`, within the operation bound, through `_guarded`.
+
+  An asynchronous fsspec filesystem (gcsfs) runs each call on its own event
+  loop: given `timeout`, the call is cancelled there when the bound passes.
+  `reads_generation`: the one the call reads (a missing object is then a replaced one).
+  """
+  from fsspec import asyn  # pylint: disable=g-import-not-at-top
+
+  if isinstance(fs, asyn.AsyncFileSystem):
+    kwargs["timeout"] = _bounds.operation_seconds
+  return _guarded((path, operation, reads_generation), call, *args, **kwargs)
+
+
+def _guarded(where: tuple[str, str, str | None], call: Any, *args: Any, **kwargs: Any) -> Any:
+  """`call(*args, **kwargs)`, a store call, its errors translated by `_translate(*where, error)`.
+
+  `where`: the path the call is about, the operation, and the generation it
+  reads (None: the newest).
+  """
+  try:
+    return call(*args, **kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    translated = _translate(*where, e)
+    if translated is None:
+      raise
+    raise translated from (e if isinstance(translated, errors.StorageError) else None)
+
+
+class _StoreFile:
+  """A store file (for streamed reads or writes) whose every call is `_guarded`, naming the file."""
+
+  def __init__(self, f: Any, path: str, operation: str, generation: str | None = None):
+    self._f = f
+    self._where = (path, operation, generation)
+
+  def read(self, *args: Any) -> bytes:
+    return _guarded(self._where, self._f.read, *args)
+
+  def readinto(self, buffer: Any) -> int:
+    return _guarded(self._where, self._f.readinto, buffer)
+
+  def readline(self, *args: Any) -> bytes:
+    return _guarded(self._where, self._f.readline, *args)
+
+  def seek(self, *args: Any) -> int:
+    return _guarded(self._where, self._f.seek, *args)
+
+  def write(self, data: Any) -> int:
+    return _guarded(self._where, self._f.write, data)
+
+  def flush(self) -> None:
+    _guarded(self._where, self._f.flush)
+
+  def close(self) -> None:
+    _guarded(self._where, self._f.close)
+
+  def __iter__(self) -> Any:
+    return iter(self.readline, b"")
+
+  def __enter__(self) -> "_StoreFile":
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._f, name)
 
 
 class _Spool:
@@ -255,405 +691,36 @@ class _Spool:
     if self.stream is not None:
       self.stream.flush()
 
-
-def write_stream(path: str, produce: Callable[[BinaryIO], None]) -> None:
-  """Writes a file as `produce(f)` writes it, in pieces, with no whole copy in memory.
-
-  For files too large to assemble first (a step's pending arrays): on an
-  object store one streamed upload, published only when `produce` returns
-  (one simple upload from memory when it is at most SMALL_UPLOAD_BYTES).
-  Like `write_bytes`, a failed write removes (or never publishes) what it wrote.
-
-  Raises:
-    OSError: naming `path`.
-  """
-  if is_url(path):
-    fs, key = _filesystem(path)
-    f = _Spool(lambda: _bounded(fs, path, "write", fs.open, key, "wb", **_file_bound(fs)))
-    try:
-      produce(f)
-      if f.stream is None:  # small: one simple upload, as write_bytes makes
-        _bounded(fs, path, "write", fs.pipe_file, key, bytes(f.buffer))
-      else:
-        f.stream.close()
-    except BaseException as e:
-      discard = getattr(f.stream, "discard", None)
-      if discard is not None:  # cancels the upload: no partial object
-        try:
-          discard()
-        except Exception:  # pylint: disable=broad-except
-          pass
-      translated = _store_error(path, "write", e) if isinstance(e, Exception) else None
-      if translated is not None:
-        raise translated from e
-      raise
-    return
-  regular = False
-  try:
-    with open(path, "wb") as f:
-      regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
-      produce(f)
-      f.flush()
-      os.fsync(f.fileno())
-  except BaseException as e:
-    if regular:
+  def discard(self) -> None:
+    """Cancels the upload begun, if any: no partial object is published."""
+    discard = getattr(self.stream, "discard", None)
+    if discard is not None:
       try:
-        os.unlink(path)
-      except OSError:
+        discard()
+      except Exception:  # pylint: disable=broad-except
         pass
-    if isinstance(e, OSError):
-      raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
-    raise
 
 
-def list_entries(directory: str) -> list[tuple[str, bool]]:
-  """(name, is_directory) of each entry of `directory`, from one listing.
+def _translate(path: str, operation: str, generation: str | None, error: Exception) -> Exception | None:
+  """`error` of a store call about `path` as ckpt_iter's error; None to raise it as it is.
 
-  Raises:
-    FileNotFoundError: no such directory (on an object store: no object
-      under that prefix).
+  The one translator: a missing object stays `FileNotFoundError` (None),
+  unless the call read a pinned `generation`, which is then gone (replaced);
+  the store's own errors become `StorageError` with the cause and a hint;
+  anything else is not the store's (None).
   """
-  if not is_url(directory):
-    with os.scandir(directory) as entries:
-      return [(entry.name, entry.is_dir()) for entry in entries]
-  fs, key = _filesystem(directory)
-  fs.invalidate_cache(key)  # another client (Orbax's) may have written since
-  found = []
-  for info in _bounded(fs, directory, "list", fs.ls, key, detail=True):
-    name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-    if info["name"].rstrip("/") != key.rstrip("/"):  # ls of a file lists the file
-      found.append((name, info.get("type") == "directory"))
-  return found
-
-
-def list_names(directory: str) -> list[str]:
-  """The names in `directory`, from one listing (see `list_entries`)."""
-  if not is_url(directory):
-    return os.listdir(directory)
-  return [name for name, _ in list_entries(directory)]
-
-
-def is_dir(path: str) -> bool:
-  """Whether `path` is a directory (on an object store: a non-empty prefix)."""
-  if not is_url(path):
-    return os.path.isdir(path)
-  fs, key = _filesystem(path)
-  fs.invalidate_cache(key)
-  return _bounded(fs, path, "list", fs.isdir, key)
-
-
-def is_file(path: str) -> bool:
-  """Whether `path` is a file (an object)."""
-  if not is_url(path):
-    return os.path.isfile(path)
-  fs, key = _filesystem(path)
-  return _bounded(fs, path, "stat", fs.isfile, key)
-
-
-def glob(pattern: str) -> list[str]:
-  """The paths matching a glob pattern, sorted (URLs keep their scheme)."""
-  if not is_url(pattern):
-    return sorted(glob_lib.glob(pattern))
-  fs, key = _filesystem(pattern)
-  return sorted(fs.unstrip_protocol(match) for match in _bounded(fs, pattern, "list", fs.glob, key))
-
-
-def has_magic(pattern: str) -> bool:
-  return glob_lib.has_magic(pattern)
-
-
-def open_read(path: str, generation: str | None = None) -> BinaryIO:
-  """A seekable binary file for streaming reads (line indexing, Parquet).
-
-  `generation` (an object store's, from `pinned_generation`): every read is
-  of that generation of the object; a replaced object is refused
-  (`InvalidStateError`) instead of read as another version. Each request is
-  bounded and the store's errors typed.
-  """
-  if not is_url(path):
-    return open(path, "rb")  # pylint: disable=consider-using-with
-  fs, key = _filesystem(path, versioned=bool(generation))
-  target = f"{key}#{generation}" if generation else key
-  try:
-    f = _bounded(fs, path, "read", fs.open, target, "rb", **_file_bound(fs))
-  except FileNotFoundError:
-    if generation:
-      raise _replaced_error(path, generation) from None
-    raise
-  return _BoundedFile(f, path, generation)
-
-
-def pinned_generation(path: str) -> str | None:
-  """The generation of an object now (GCS), which later reads can pin; None locally or without one."""
-  if not is_url(path):
-    return None
-  fs, key = _filesystem(path)
-  fs.invalidate_cache(key)
-  generation = _bounded(fs, path, "stat", fs.info, key).get("generation")
-  return str(generation) if generation not in (None, "") and type(fs).__module__.startswith("gcsfs") else None
-
-
-def _replaced_error(path: str, generation: str) -> errors.InvalidStateError:
-  return errors.InvalidStateError(
-      f"{path}: replaced or rewritten since this source indexed it (generation {generation} is "
-      "gone); its records would mix two versions. Build the source again (make_dataset) to read "
-      "the new object.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Identity:
-  """What a cache may trust a file by.
-
-  Attributes:
-    size: bytes.
-    version: changes with every write of the content; None when the store
-      offers nothing such (then nothing is cached). Local: inode, mtime and
-      ctime (ctime cannot be set back: `touch -r`, `cp -p`, `rsync -t` keep
-      the mtime of an edited file, not its ctime). Object store: the
-      object's generation (GCS), version id or ETag, with its checksum.
-  """
-
-  size: int
-  version: str | None
-
-
-_VERSION_KEYS = ("generation", "version_id", "VersionId", "ETag", "etag", "crc32c", "md5Hash")
-
-
-def identity(path: str) -> Identity:
-  """The size and version of a file (one stat, or one metadata request).
-
-  Raises:
-    FileNotFoundError: no such file.
-  """
-  if not is_url(path):
-    info = os.stat(path)
-    return Identity(info.st_size, f"ino={info.st_ino},mtime={info.st_mtime_ns},ctime={info.st_ctime_ns}")
-  fs, key = _filesystem(path)
-  fs.invalidate_cache(key)
-  info = _bounded(fs, path, "stat", fs.info, key)
-  parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
-  return Identity(int(info["size"]), ",".join(parts) or None)
-
-
-def version_digest(version: str) -> int:
-  """A version string as a signed int64 (the JSONL index cache stores int64s)."""
-  return int.from_bytes(hashlib.blake2b(version.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-class RangeReader:
-  """Reads byte ranges of one file from any thread or Grain worker process.
-
-  Local: os.pread on a descriptor per thread and process. Each descriptor
-  is checked, when opened, to be the file that was there when the reader was
-  made (device, inode, size, mtime): a file replaced under a live source
-  would otherwise be read by new threads and workers while older ones read
-  the old one, through one index. Object store: one ranged GET per read (of
-  the object's newest generation). Picklable (descriptors are not carried
-  over; the pinned identity is).
-  """
-
-  def __init__(self, path: str):
-    self.path = path
-    self._url = is_url(path)
-    self._pinned = None if self._url else _file_key(os.stat(path))
-    # An object store's generation: reads fetch it, and a replaced object is refused.
-    self._generation = pinned_generation(path) if self._url else None
-    self._local = threading.local()
-
-  def __getstate__(self) -> dict[str, Any]:
-    return {"path": self.path, "_url": self._url, "_pinned": self._pinned, "_generation": self._generation}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state)
-    self._local = threading.local()
-
-  def read(self, start: int, end: int) -> bytes:
-    if self._url:
-      fs, key = _filesystem(self.path)
-      pinned = {"generation": self._generation} if self._generation else {}
-      try:
-        return _bounded(fs, self.path, "read", fs.cat_file, key, start=start, end=end, **pinned)
-      except FileNotFoundError:
-        if self._generation:
-          raise _replaced_error(self.path, self._generation) from None
-        raise
-    return os.pread(self._descriptor(), end - start, start)
-
-  def _descriptor(self) -> int:
-    if getattr(self._local, "pid", None) != os.getpid():
-      fd = os.open(self.path, os.O_RDONLY)
-      found = _file_key(os.fstat(fd))
-      if found != self._pinned:
-        os.close(fd)
-        raise errors.InvalidStateError(
-            f"{self.path}: replaced or rewritten since this source indexed it (size, inode or "
-            f"mtime changed: {self._pinned} then, {found} now); its records would mix two "
-            "versions. Build the source again (make_dataset) to read the new file."
-        )
-      self._local.fd = fd
-      self._local.pid = os.getpid()
-    return self._local.fd
-
-
-def _file_key(info: os.stat_result) -> tuple[int, int, int, int]:
-  return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-
-
-# ---------------------------------------------------------------------------
-
-
-class _open_regular:  # pylint: disable=invalid-name
-  """`with _open_regular(path) as (f, size)`: a local regular file (not a link to one), unbuffered.
-
-  One non-blocking open and an fstat of the open file, no stat of the path
-  first: the check holds for the very file that is read, and a FIFO is
-  refused at the fstat instead of hanging in open(). For a regular file
-  O_NONBLOCK changes nothing.
-  """
-
-  def __init__(self, path: str):
-    self._path = path
-    self._file: Any = None
-
-  def __enter__(self) -> tuple[Any, int]:
-    self._file = open(self._path, "rb", buffering=0, opener=_nonblocking)  # pylint: disable=consider-using-with
-    try:
-      info = os.fstat(self._file.fileno())
-      if not stat.S_ISREG(info.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file", self._path)
-    except BaseException:
-      self._file.close()
-      raise
-    return self._file, info.st_size
-
-  def __exit__(self, *exc_info: Any) -> None:
-    self._file.close()
-
-
-def _nonblocking(path: str, flags: int) -> int:
-  try:
-    # O_NOFOLLOW: a symlink put in place of a checkpoint file would read
-    # whatever it points to, outside the item directory.
-    return os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW)
-  except OSError as e:
-    if e.errno == errno.ELOOP:
-      raise OSError(errno.ELOOP, "is a symbolic link; a checkpoint's files are read only as "
-                    "regular files inside their item directory, never through a link", path) from None
-    raise
-
-
-def _filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:
-  """The fsspec filesystem of a URL (fsspec caches instances, per process) and its key.
-
-  On gs:// every HTTP request is bounded (`StoreBounds.request_seconds`);
-  `versioned`: one that reads `key#generation` as that generation.
-  """
-  try:
-    import fsspec  # pylint: disable=g-import-not-at-top
-
-    scheme = url.split("://", 1)[0]
-    options = {"requests_timeout": _bounds.request_seconds} if scheme in _GCS_SCHEMES else {}
-    if versioned and scheme in _GCS_SCHEMES:
-      options["version_aware"] = True
-    return fsspec.core.url_to_fs(url, **options)
-  except ImportError as e:
-    scheme = url.split("://", 1)[0]
-    package = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
-    raise ImportError(
-        f"{url}: reading or writing {scheme}:// needs {package} ({e}). Install it with: "
-        f"pip install {package}" + (" (or ckpt_iter[gcs])" if package == "gcsfs" else "")
-    ) from None
-
-
-_GCS_SCHEMES = ("gs", "gcs")
-
-
-def _file_bound(fs: Any) -> dict[str, Any]:
-  """What bounds each request of a gcsfs file (its `timeout`); other stores take none."""
-  return {"timeout": _bounds.operation_seconds} if type(fs).__module__.startswith("gcsfs") else {}
-
-
-def _bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, **kwargs: Any) -> Any:
-  """`call(*args, **kwargs)` on `fs`, within the operation bound, its errors typed.
-
-  An asynchronous fsspec filesystem (gcsfs) runs each call on its own event
-  loop: given `timeout`, the call is cancelled there when the bound passes.
-  """
-  from fsspec import asyn  # pylint: disable=g-import-not-at-top
-
-  if isinstance(fs, asyn.AsyncFileSystem) and call != getattr(fs, "open", None):
-    kwargs["timeout"] = _bounds.operation_seconds
-  try:
-    return call(*args, **kwargs)
-  except FileNotFoundError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    translated = _store_error(path, operation, e)
-    if translated is None:
-      raise
-    raise translated from e
-
-
-class _BoundedFile:
-  """A store file for streaming reads whose errors are `StorageError`s naming it."""
-
-  def __init__(self, f: Any, path: str, generation: str | None = None):
-    self._f = f
-    self._path = path
-    self._generation = generation
-
-  def _typed(self, call: Any, *args: Any) -> Any:
-    try:
-      return call(*args)
-    except FileNotFoundError:
-      if self._generation:
-        raise _replaced_error(self._path, self._generation) from None
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      translated = _store_error(self._path, "read", e)
-      if translated is None:
-        raise
-      raise translated from e
-
-  def read(self, *args: Any) -> bytes:
-    return self._typed(self._f.read, *args)
-
-  def readinto(self, buffer: Any) -> int:
-    return self._typed(self._f.readinto, buffer)
-
-  def seek(self, *args: Any) -> int:
-    return self._typed(self._f.seek, *args)
-
-  def __iter__(self) -> Any:
-    return iter(self.readline, b"")
-
-  def readline(self, *args: Any) -> bytes:
-    return self._typed(self._f.readline, *args)
-
-  def __enter__(self) -> "_BoundedFile":
-    return self
-
-  def __exit__(self, *exc_info: Any) -> None:
-    self._f.close()
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._f, name)
-
-
-def _store_error(path: str, operation: str, error: Exception) -> errors.StorageError | None:
-  """`error` of an object-store call as the package's typed error; None if it is not the store's."""
   import asyncio  # pylint: disable=g-import-not-at-top
 
   from fsspec import exceptions as fsspec_exceptions  # pylint: disable=g-import-not-at-top
 
+  if isinstance(error, FileNotFoundError):
+    return _replaced_error(path, f"generation {generation} is gone", "object") if generation else None
   if isinstance(error, errors.StorageError):
     return error
   if isinstance(error, (fsspec_exceptions.FSTimeoutError, asyncio.TimeoutError, TimeoutError)):
-    bounds = _bounds
     return errors.StorageTimeoutError(
-        f"{path}: {operation} did not finish within its bound ({bounds.operation_seconds:g} s an "
-        f"operation, {bounds.request_seconds:g} s a request): the object store stalled or cannot be "
+        f"{path}: {operation} did not finish within its bound ({_bounds.operation_seconds:g} s an "
+        f"operation, {_bounds.request_seconds:g} s a request): the object store stalled or cannot be "
         "reached. Retry; the checkpoint being restored, or the last committed one, is intact. For a "
         f"slow store raise the bounds (ckpt_iter.set_object_store_bounds, or {BOUNDS_ENV}).",
         path=path, operation=operation, cause="timeout")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -77,6 +78,17 @@ def test_storage_reads_writes_and_lists_objects(gcs_root):
   with pytest.raises(FileNotFoundError):
     _storage.list_entries(f"{gcs_root}/nothing")
   assert _storage.RangeReader(path).read(3, 6) == b"345"
+
+
+def test_a_range_reader_sent_to_a_grain_worker_reads_the_generation_it_pinned(gcs_root):
+  path = f"{gcs_root}/a/pinned.jsonl"
+  _storage.write_bytes(path, b"0123456789")
+  clone = pickle.loads(pickle.dumps(_storage.RangeReader(path)))  # as Grain sends it to a worker
+  assert clone.read(3, 6) == b"345"
+  _storage.write_bytes(path, b"abcdefghij")  # same size: only the generation tells it apart
+  with pytest.raises(errors.InvalidStateError, match=rf"{path}: replaced or rewritten .*generation \d+ is gone"):
+    clone.read(3, 6)
+  assert _storage.RangeReader(path).read(3, 6) == b"def"
 
 
 def test_an_overwritten_object_gets_a_new_identity_and_a_new_jsonl_index(gcs_root, tmp_path, monkeypatch):

@@ -8,8 +8,10 @@ processes write it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import zipfile
 
 from hypothesis import given, settings, strategies as st
 import ml_dtypes
@@ -178,3 +180,79 @@ def test_arrays_are_read_in_place_from_the_aligned_npz_and_copied_from_an_unalig
     for key in before:
       np.testing.assert_array_equal(before[key], after[key])
       assert after[key].flags.aligned and after[key].flags.writeable
+
+
+def _write_members(directory, value: state_lib.IteratorState, member_bytes) -> None:
+  """The state's header, and an npz of its arrays as `member_bytes(array)` writes each (zipfile's layout)."""
+  header, arrays = codec.encode_state(value)
+  (directory / "process_0-of-1.json").write_text(json.dumps(header))
+  with zipfile.ZipFile(directory / "process_0-of-1.npz", "w") as archive:
+    for name, array in arrays.items():
+      archive.writestr(name + ".npy", member_bytes(array))
+
+
+@pytest.mark.parametrize("layout", ["npy_version_2", "fortran_order"])
+def test_members_another_writer_laid_out_read_exactly(tmp_path, layout):
+  """Not the .npy header ckpt_iter writes for the spec: numpy parses it, and the array is the same."""
+  value = _state({"ids": np.arange(24, dtype=np.int32).reshape(4, 6)})
+
+  def member_bytes(array):
+    buffer = io.BytesIO()
+    if layout == "fortran_order":
+      np.lib.format.write_array(buffer, np.asfortranarray(array))
+    else:
+      np.lib.format.write_array(buffer, array, version=(2, 0))
+    return buffer.getvalue()
+
+  _write_members(tmp_path, value, member_bytes)
+  _arrays_equal(_files.read_state(str(tmp_path), 0, 1).pending.items[0], value.pending.items[0])
+
+
+def _flip_an_array_byte(data: bytearray, rows: np.ndarray) -> None:
+  data[data.index(rows.tobytes()) + 5] ^= 1  # the zip directory (and so the header's digest) unchanged
+
+
+def _overrun_the_local_extra_field(data: bytearray, rows: np.ndarray) -> None:
+  del rows
+  data[28:30] = b"\xff\xff"  # the first member's local header (at offset 0): its extra field's length
+
+
+def _move_the_local_header(data: bytearray, rows: np.ndarray) -> None:
+  del rows
+  data[:4] = b"PK\x07\x08"
+
+
+def _cut_the_first_byte(data: bytearray, rows: np.ndarray) -> None:
+  del rows
+  del data[:1]  # every offset the directory records is now one past its member
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_flip_an_array_byte, "bad CRC-32 for 'a0.npy'"),
+    (_cut_the_first_byte, "no zip local header at offset -1"),
+    (_overrun_the_local_extra_field, "it runs past the end of the file"),
+    (_move_the_local_header, "no zip local header at offset 0"),
+])
+def test_a_damaged_member_is_refused_naming_the_array(tmp_path, damage, says):
+  rows = np.arange(64, dtype=np.int32)
+  _write(tmp_path, _state({"ids": rows}), 0, 1)
+  path = tmp_path / "process_0-of-1.npz"
+  data = bytearray(path.read_bytes())
+  damage(data, rows)
+  path.write_bytes(bytes(data))
+  with pytest.raises(errors.InvalidStateError) as raised:
+    _files.read_state(str(tmp_path), 0, 1)
+  assert f"process_0-of-1.npz: array 'a0' is unreadable ({says})" in str(raised.value)
+
+
+def test_an_npy_format_the_reader_does_not_know_is_refused(tmp_path):
+  value = _state({"ids": np.arange(4, dtype=np.int32)})
+
+  def version_3(array):
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, version=(2, 0))
+    return buffer.getvalue()[:6] + b"\x03" + buffer.getvalue()[7:]
+
+  _write_members(tmp_path, value, version_3)
+  with pytest.raises(errors.InvalidStateError, match=r"array 'a0' has npy format \(3, 0\); expected 1.0 or 2.0"):
+    _files.read_state(str(tmp_path), 0, 1)
