@@ -176,7 +176,7 @@ def test_data_iterator_resumes_exactly_in_a_fresh_process(pipelines, tmp_path, c
   assert names == ["process_0-of-1.json"]
   header = json.loads((directory / "3" / "data" / "process_0-of-1.json").read_text())
   assert list(header)[0] == "format_version"
-  assert header["position"] == {"next_index": 7}
+  assert header["position"] == {"next_record": 7 * iterator.spec.global_batch_size}
 
   report = _restore_in_fresh_process(pipelines, directory, 3, "data", tmp_path)
   testing.assert_trees_equal(report["params"], jax.tree.map(np.asarray, params))
@@ -397,15 +397,15 @@ def test_a_closed_pipe_ends_the_output_quietly(tmp_path):
   assert (result.returncode, result.stderr) == (0, "")
 
 
-def test_train_and_demo_without_tunix_say_so_in_one_line():
+def test_train_without_tunix_and_demo_from_a_wheel_say_so_in_one_line():
   code = ("import sys; sys.modules['tunix'] = None\n"
           "from ckpt_iter.__main__ import main\n"
           "print(main(['train', 'grpo', 'c.yaml']), main(['demo']))\n")
   result = _command(sys.executable, "-c", code)
   assert result.stdout.strip() == "2 2"
-  lines = result.stderr.strip().splitlines()
-  assert lines == [f"ckpt-iter: `{verb}` runs Tunix, which is not installed: pip install 'ckpt_iter[tunix]'"
-                   for verb in ("train", "demo")]
+  train, demo = result.stderr.strip().splitlines()
+  assert train == "ckpt-iter: `train` runs Tunix, which is not installed: pip install 'ckpt_iter[tunix]'"
+  assert demo.startswith("ckpt-iter: the demo is not part of the installed package") and "make demo" in demo
 
 
 @pytest.mark.heavy  # imports Tunix in a process of its own (make test stays under 7 minutes)
