@@ -298,6 +298,8 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
   rows.extend((name, _scalar(summary[name])) for name in inspection.LEARNER_POSITION_FIELDS if name in summary)
   rows.append(("shuffle_key", _NO_SHUFFLE_KEY.get(summary["kind"], "none") if summary["shuffle_key"] is None
                else str(summary["shuffle_key"])))
+  if summary.get("skips"):
+    rows.append(("skips", summary["skips"]["text"] + " (kept by every restore; ckpt-iter audit accounts for them)"))
   rows.append(("pending", describe_pending(summary["pending"])))
   if summary["pending"] is not None:
     rows.append(("pending schedule", _schedule(summary["pending"]["schedule"])))
