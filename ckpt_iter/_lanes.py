@@ -107,7 +107,7 @@ class LaneDataset(grain.IterDataset):
     self.skips = _skips.NO_SKIPS  # stream records no chunk yields (filtered before `filter`)
 
   def declare(self, skip: _skips.Skip) -> None:
-    """Records to skip, for a fresh run from its first record on (`dataset.declare_skip`)."""
+    """Records to skip, for a fresh run from its first record on (`dataset.with_skip`)."""
     self.declared = skip
     self.skips, _ = _skips.resolve(
         skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,

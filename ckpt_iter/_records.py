@@ -27,6 +27,7 @@ import bisect
 import dataclasses
 import fractions
 import functools
+import hashlib
 import math
 import numbers
 import sys
@@ -101,6 +102,12 @@ def next_record_of_index(fingerprint: Mapping[str, Any], position: Mapping[str, 
 
 # ---------------------------------------------------------------------------
 # Mixture: which source holds record g.
+
+
+def source_seed(seed: int, name: str) -> int:
+  """The shuffle seed of a mixture's source `name`: its own, derived from the run's seed."""
+  digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
+  return int.from_bytes(digest, "little")
 
 
 def proportions(weights: Mapping[str, Any]) -> dict[str, int]:

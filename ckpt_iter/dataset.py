@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import numbers
 from typing import Any, Callable, Iterator, Mapping
 
@@ -246,7 +245,7 @@ def make_dataset(
   if filter is not None or pack is not None:
     lanes = _lanes.LaneSpec.of(spec, filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes)
     lane_dataset = _lanes.LaneDataset(parents, spec, lanes, stack_records)
-    declare_skip(lane_dataset, declared)
+    with_skip(lane_dataset, declared)
     return lane_dataset
   if len(spec.initial_plan()) == 0:
     raise errors.InvalidArgumentError(
@@ -255,20 +254,25 @@ def make_dataset(
         "the dataset would be empty. Use a smaller batch_size or drop_remainder=False."
     )
   node = GlobalBatchDataset(parents, spec)
-  declare_skip(node, declared)
+  with_skip(node, declared)
   return node
 
 
 _short = state_lib.short_repr
 
 
-def declare_skip(dataset: Any, skip: Any) -> Any:
+def with_skip(dataset: Any, skip: Any) -> Any:
   """Declares records to skip on the make_dataset node of `dataset`; returns `dataset`.
 
   A fresh run skips them from its first record; a restore adds them to the
   restored state's skips from the restored position on (`DataIterator`).
   Declare before the pipeline is iterated (before its `DataIterator` is
-  built). `ckpt_iter.with_skip` is the public name.
+  built): e.g. around a Tunix learner's `train(train_ds)`, or on a dataset a
+  config built (`ckpt-iter train ... ckpt_iter.skip=...` does this).
+
+  Args:
+    dataset: a pipeline built on make_dataset.
+    skip: a `ckpt_iter.Skip`, or a list of (start, stop) stream-record ranges.
 
   Raises:
     UnsupportedConfigError: `dataset` has no make_dataset node on its chain
@@ -301,10 +305,7 @@ def _describe_length(spec: DatasetSpec) -> str:
   return " + ".join(f"{identity.length} ({name})" for name, identity in spec.sources)
 
 
-def source_seed(seed: int, name: str) -> int:
-  """The shuffle seed of a mixture's source `name`: its own, derived from the run's seed."""
-  digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
-  return int.from_bytes(digest, "little")
+source_seed = _records.source_seed
 
 
 def _resolve_sources(source: Any, weights: Any) -> dict[str, tuple[Any, sources_lib.SourceIdentity]]:
@@ -376,7 +377,7 @@ class GlobalBatchDataset(grain.MapDataset):
     return self._skips
 
   def declare(self, skip: _skips.Skip) -> None:
-    """Records to skip: for a fresh run from its first record on (see `declare_skip`)."""
+    """Records to skip: for a fresh run from its first record on (see `with_skip`)."""
     self.declared = skip
     self._skips, _ = _skips.resolve(
         skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
