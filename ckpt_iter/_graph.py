@@ -671,7 +671,8 @@ def parent_indices(node: Any, index: int) -> list[int] | None:
     if kind == "SliceMapDataset":
       return [int(node._start) + index * int(node._step)]  # pylint: disable=protected-access
     if kind == "RepeatMapDataset":
-      return [index % len(node.parents[0])]
+      # With reseed_each_epoch (the default) the index passes on: the input continues into its next epoch.
+      return [index if node._reseed_each_epoch else index % len(node.parents[0])]  # pylint: disable=protected-access
     if kind == "ShuffleMapDataset":
       from ckpt_iter import _permutation  # pylint: disable=g-import-not-at-top
 

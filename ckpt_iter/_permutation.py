@@ -68,7 +68,7 @@ def shuffled(index: int, length: int, seed: int | None) -> int:
     return offset
   compiled = _compiled()
   if compiled is None:
-    return int(_public(length, seed)[index]) - epoch * length
+    return int(_public(length, seed)[index])  # a range wraps: its value is the offset in the epoch
   return compiled(offset, length - 1, (seed + epoch) % 2**32, _ROUNDS)
 
 
@@ -79,6 +79,6 @@ def epoch_function(epoch: int, length: int, seed: int | None) -> Callable[[int],
   compiled = _compiled()
   if compiled is None:
     dataset = _public(length, seed)
-    return lambda offset: int(dataset[epoch * length + offset]) - epoch * length
+    return lambda offset: int(dataset[epoch * length + offset])
   epoch_seed, last = (seed + epoch) % 2**32, length - 1
   return lambda offset: compiled(offset, last, epoch_seed, _ROUNDS)

@@ -446,6 +446,33 @@ class BatchPlan:
       return 0
     return self.span(next_index - 1)[1]
 
+  def full_batch_before(self, record: int) -> int | None:
+    """The stream record where the full batch that ends at `record` starts, whatever the plan's phase.
+
+    A batch that ends inside an epoch is full, and so is every batch with
+    drop_remainder: it is the batch_size kept records before `record`.
+    None where the batch before may be an epoch's (or the stream's) short
+    last batch, whose start depends on where earlier restarts put the
+    batches, or where fewer records precede it.
+    """
+    if self.epoch_length is None:
+      kept = self.skips.kept_before(record)
+      if kept < self.batch_size or (not self.drop_remainder and record >= self.stream_length):
+        return None
+      return self.skips.stream_record_of_kept(kept - self.batch_size)
+    epoch, offset = divmod(record, self.epoch_length)
+    if offset == 0 and epoch:  # the previous epoch's end
+      epoch, kept = epoch - 1, self._kept(epoch - 1)
+      if not self.drop_remainder:
+        return None
+    else:
+      kept = _skips.kept_offset(self.skips.in_epoch(epoch, self.epoch_length), offset) if self.skips else offset
+      if not self.drop_remainder and kept == self._kept(epoch):
+        return None
+    if kept < self.batch_size:
+      return None
+    return self._record(epoch, kept - self.batch_size)
+
   def index_of(self, next_record: int) -> int | None:
     """The batch index that starts at `next_record` (an epoch's or the stream's end included), or None."""
     if self.epoch_length is None:

@@ -354,8 +354,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     elif resume.changes or state_lib.differing_fields(state.fingerprint, current):
       content_check = "not applicable (the pipeline changed; the stream was checked instead)"
     else:
-      with node.planned(plan, mixture):
-        content_check = self._check_same_content(state.content, next_index, origin)
+      content_check = self._check_batch_before(node, state.content, plan, mixture, next_record, skips, origin)
     # A restore under another batch plan holds no element of this plan before it.
     changed = bool(resume.changes)
 
@@ -372,6 +371,23 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       resume.log()
 
     return apply
+
+  def _check_batch_before(self, node: Any, content: Any, plan: Any, mixture: Any, next_record: int,
+                          skips: "_SkipChange", origin: str) -> str:
+    """The content check of a record position: the full batch that ends at it, produced again.
+
+    Not the batch before the restored plan's first one: after a restart
+    under another batch size, an epoch's batches started at the restored
+    record, so the batch that ended an epoch is found by its end, not by the
+    epoch's first record. An epoch's short last batch cannot be found so
+    (its start depends on earlier restarts): not checked.
+    """
+    start = plan.full_batch_before(next_record)
+    if start is None:
+      return "not applicable (the batch before is an epoch's last, whose start depends on earlier restarts)"
+    check_plan = node.spec.plan_at(start, mixture, skips.effective)
+    with node.planned(check_plan, mixture):
+      return self._check_same_content(content, check_plan.index_of(start) + 1, origin)
 
   # -- skips
 

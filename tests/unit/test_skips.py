@@ -54,6 +54,14 @@ def test_a_single_source_plan_cuts_the_kept_records_of_each_epoch(data, length, 
     assert list(plan.records(index)) == chunk
     assert plan.span(index) == (chunk[0], chunk[-1] + 1)
     assert plan.index_of(plan.next_record(index + 1)) in (index + 1, None)
+    # The batch that ends here is found by its end, whatever the phase (unless it may be a short last one).
+    epoch = chunk[0] // length
+    epoch_end = chunk[-1] == _kept_epoch(skips, epoch, length)[-1]
+    found = plan.full_batch_before(chunk[-1] + 1)
+    if len(chunk) == batch and (drop or not epoch_end):
+      assert found == chunk[0]
+    elif len(chunk) < batch:
+      assert found is None
   # The restored record starts a batch of its plan, and the batches from it read every kept record on.
   first = plan.index_of(restored)
   assert first is not None
