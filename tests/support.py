@@ -94,7 +94,7 @@ def run_chain(root: str, segments: Sequence[tuple[int, int, int, int, Any]], **p
   for number, (count, global_batch, saved, lost, skip) in enumerate(segments):
     iterators = [ckpt_iter.DataIterator(chain_pipeline(count, i, global_batch, skip=skip, **pipeline))
                  for i in range(count)]
-    if number:
+    if number and step:  # the latest step, if any was saved
       for index, iterator in enumerate(iterators):
         checkpoint_lib.IteratorCheckpointHandler(index, count).restore(
             os.path.join(root, str(step), "data"),
@@ -108,5 +108,5 @@ def run_chain(root: str, segments: Sequence[tuple[int, int, int, int, Any]], **p
         checkpoint_lib.IteratorCheckpointHandler(index, count).save(item, ckpt_iter.IteratorSave(iterator))
     for _ in range(lost):
       for iterator in iterators:
-        next(iterator)
+        next(iterator, None)  # read past the last save (the stream may end there)
   return kept
