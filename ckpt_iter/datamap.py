@@ -447,8 +447,10 @@ class LearnerStep:
     first_update, last_update: the optimizer updates (train steps) of the
       global step, 1-based as Tunix numbers its checkpoints.
     saved_after: the update the checkpoint was saved after.
-    repeats: one line per `num_iterations` repeat of the current mini-batch:
-      which updates were trained before the checkpoint and which remain pending.
+    repeats: one line per mini-batch of the global step (its prompts and
+      updates) and, for the checkpoint's mini-batch, one per `num_iterations`
+      repeat: which updates were trained before the checkpoint and which
+      remain pending.
     mid_step: the checkpoint falls inside the global step.
   """
 
@@ -509,10 +511,23 @@ def learner_step(value: state_lib.IteratorState, *, run: RunMap | None = None,
   saved_after = int(counters["train_steps"])
   first = saved_after - done + 1
   prompts = _full_batch(value, own, run, origin)
-  repeats = _repeat_lines(mu, inputs_per_update, trained_inputs if mid else mu * inputs_per_update,
-                          first + current * mu, eval_items)
+  first_update = first + current * mu
+  lines = []
+  for mini_batch in range(per_step):
+    rows = prompts.records[mini_batch * mini:(mini_batch + 1) * mini]
+    names = " ".join((f"{r.source}:{r.index}" if r.source else str(r.index)) for r in rows)
+    head = f"mini-batch {mini_batch + 1} of {per_step} (source records {names or 'none'}): "
+    updates = f"updates {first + mini_batch * mu}-{first + (mini_batch + 1) * mu - 1}"
+    if mid and mini_batch == current:
+      lines.append(head + "the checkpoint's mini-batch")
+      lines.extend("  " + line for line in _repeat_lines(mu, inputs_per_update, trained_inputs, first_update,
+                                                          eval_items))
+    elif mini_batch < current or not mid:
+      lines.append(head + f"{updates}, all {mu} repeats trained before the checkpoint")
+    else:
+      lines.append(head + f"{updates}, not started (rolled out after a restore)")
   return LearnerStep(int(counters["global_steps"]), prompts, first, first + per_step * mu - 1, saved_after,
-                     repeats, mid)
+                     tuple(lines), mid)
 
 
 def _full_batch(value: state_lib.IteratorState, own: Mapping[str, Any], run: RunMap | None, origin: str) -> Batch:

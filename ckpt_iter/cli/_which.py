@@ -200,7 +200,7 @@ def answer_lines(answer: Answer, files: SourceFiles | None) -> list[str]:
     head = f"step {answer.step}: the last batch read before it was saved" + (f": {number}" if number else "")
     if answer.learner is not None:
       head = f"step {answer.step}: the prompts of global step {answer.learner.global_step}" + (
-          f" ({number})" if number else "")
+          f": {number}" if number else "")
   else:
     head = number
   lines = [head, f"  how      {batch.how}", "  records  " + " ".join(

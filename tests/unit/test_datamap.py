@@ -187,7 +187,8 @@ def test_a_mid_repeat_checkpoint_names_its_global_steps_prompts_and_pending_repe
   step = datamap.learner_step(_fixture_state(3))
   assert (step.global_step, step.first_update, step.last_update, step.saved_after, step.mid_step) == (1, 3, 4, 3, True)
   assert [r.index for r in step.prompts.records] == [1]
-  assert "update 3: trained" in step.repeats[0] and "update 4: pending" in step.repeats[1]
+  assert step.repeats[0] == "mini-batch 1 of 1 (source records 1): the checkpoint's mini-batch"
+  assert "update 3: trained" in step.repeats[1] and "update 4: pending" in step.repeats[2]
 
 
 def test_the_resumed_step_is_numbered_across_the_resume():
