@@ -34,6 +34,8 @@ No JAX or Grain import (Grain's compiled shuffle is loaded by its file).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -181,6 +183,22 @@ class Stream:
       seed = None if self.seed is None else _records.source_seed(self.seed, name)
     return name, _permutation.shuffled(own, length, seed), own // length
 
+  def source_indices(self, records: Any) -> tuple[list[int], list[str] | None]:
+    """(source indices, mixture source names or None) of stream records, in order: the fast path of `order`."""
+    if self.mixture is not None:
+      found = [self.source_of(g) for g in records]
+      return [index for _, index, _ in found], [name for name, _, _ in found]
+    indices = []
+    for g in records:
+      epoch, offset = divmod(g, self.length)
+      if epoch != self._epoch:
+        self._epoch, self._permute = epoch, _permutation.epoch_function(epoch, self.length, self.seed)
+      indices.append(self._permute(offset))
+    return indices, None
+
+  _epoch = -1
+  _permute = None
+
   def batch(self, records: Any, *, how: str, number: int | None = None, segment: int | None = None,
             process_index: int | None = None) -> Batch:
     """A Batch of these stream records (in row order); `process_index`: the one process that read them all."""
@@ -286,6 +304,18 @@ def _how(stream: Stream, plan: _records.BatchPlan, index: int, segment_start: in
 # A run's segments between resumes.
 
 
+class OrderRow(typing.NamedTuple):
+  """One global batch in the order file: its number, segment, source indices, mixture source names (or
+  None) and the stream records it spans, [stream_start, stream_stop) (the run's skips inside it excluded)."""
+
+  batch: int
+  segment: int
+  records: list[int]
+  sources: list[str] | None
+  stream_start: int
+  stream_stop: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
   """The batches a run read between two resumes and kept (the next restore continued after them).
@@ -306,18 +336,24 @@ class Segment:
   resumed_from: int | None
   first_batch: int
 
-  @property
+  @functools.cached_property
   def plan(self) -> _records.BatchPlan:
     return self.stream.plan_at(self.start_record)
 
-  @property
+  @functools.cached_property
   def first_index(self) -> int:
     return self.plan.index_of(self.start_record)
 
-  @property
+  @functools.cached_property
   def count(self) -> int:
     """Its batches."""
     return self.plan.index_of(self.stop_record) - self.first_index
+
+  def order_row(self, offset: int) -> "OrderRow":
+    """Its batch `offset` as the order file holds it (without the explanation `batch` builds)."""
+    records = self.plan.records(self.first_index + offset)
+    indices, names = self.stream.source_indices(records)
+    return OrderRow(self.first_batch + offset, self.number, indices, names, records[0], records[-1] + 1)
 
   def batch(self, offset: int) -> Batch:
     plan, index = self.plan, self.first_index + offset
@@ -354,6 +390,12 @@ class RunMap:
     raise errors.InvalidArgumentError(
         f"the run read {self.total} global batches up to its latest kept step; batch {number} is not among them "
         f"(0..{self.total - 1}).")
+
+  def order(self, start: int = 0) -> Iterator["OrderRow"]:
+    """Every global batch from `start` on, as the order file's rows (O(1) memory in the run's length)."""
+    for segment in self.segments:
+      for offset in range(max(start - segment.first_batch, 0), segment.count):
+        yield segment.order_row(offset)
 
   def batches(self, start: int = 0) -> Iterator[Batch]:
     """Every global batch from `start` on, in order (one at a time: O(1) memory in the run's length)."""

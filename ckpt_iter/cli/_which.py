@@ -295,13 +295,13 @@ def write_order(layout: inspection.Layout, out: str, *, process_index: int = 0, 
   stop = run.total if limit is None else min(run.total, start + limit)
   total = max(stop - start, 0)
   progress = progress or Progress(total)
-  batches = (b for b, _ in zip(run.batches(start), range(total)))
+  rows = (row for row, _ in zip(run.order(start), range(total)))
   produce = _parquet_writer if out.endswith(".parquet") else _jsonl_writer
   written = [0]
 
-  def counted() -> Iterator[datamap.Batch]:
-    for batch in batches:
-      yield batch
+  def counted() -> Iterator[datamap.OrderRow]:
+    for row in rows:
+      yield row
       written[0] += 1
       progress.update(written[0])
 
@@ -311,13 +311,13 @@ def write_order(layout: inspection.Layout, out: str, *, process_index: int = 0, 
   return written[0]
 
 
-def _jsonl_writer(f: BinaryIO, batches: Iterator[datamap.Batch]) -> None:
+def _jsonl_writer(f: BinaryIO, rows: Iterator[datamap.OrderRow]) -> None:
   buffered = []
-  for batch in batches:
-    value = {"batch": batch.number, "records": [r.index for r in batch.records],
-             "stream_records": [list(r) for r in batch.stream_ranges], "segment": batch.segment}
-    if any(r.source for r in batch.records):
-      value["sources"] = [r.source for r in batch.records]
+  for row in rows:
+    value: dict[str, Any] = {"batch": row.batch, "records": row.records,
+                             "stream_records": [row.stream_start, row.stream_stop], "segment": row.segment}
+    if row.sources is not None:
+      value["sources"] = row.sources
     buffered.append(json.dumps(value, separators=(",", ":")))
     if len(buffered) >= 4096:
       f.write(("\n".join(buffered) + "\n").encode())
@@ -326,7 +326,7 @@ def _jsonl_writer(f: BinaryIO, batches: Iterator[datamap.Batch]) -> None:
     f.write(("\n".join(buffered) + "\n").encode())
 
 
-def _parquet_writer(f: BinaryIO, batches: Iterator[datamap.Batch]) -> None:
+def _parquet_writer(f: BinaryIO, rows: Iterator[datamap.OrderRow]) -> None:
   try:
     import pyarrow as pa  # pylint: disable=g-import-not-at-top
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
@@ -334,16 +334,13 @@ def _parquet_writer(f: BinaryIO, batches: Iterator[datamap.Batch]) -> None:
     raise errors.InvalidArgumentError("--out FILE.parquet needs pyarrow (pip install pyarrow); or write .jsonl.") \
         from None
   schema = pa.schema([("batch", pa.int64()), ("segment", pa.int64()), ("records", pa.list_(pa.int64())),
-                      ("first_stream_record", pa.int64()), ("sources", pa.list_(pa.string()))])
+                      ("sources", pa.list_(pa.string())), ("stream_start", pa.int64()), ("stream_stop", pa.int64())])
   sink = _Counting(f)
   with pq.ParquetWriter(sink, schema) as writer:
     columns: dict[str, list[Any]] = {name: [] for name in schema.names}
-    for batch in batches:
-      columns["batch"].append(batch.number)
-      columns["segment"].append(batch.segment)
-      columns["records"].append([r.index for r in batch.records])
-      columns["first_stream_record"].append(batch.records[0].stream_record if batch.records else None)
-      columns["sources"].append([r.source for r in batch.records] if any(r.source for r in batch.records) else None)
+    for row in rows:
+      for name in schema.names:
+        columns[name].append(getattr(row, name))
       if len(columns["batch"]) >= PARQUET_ROWS_PER_GROUP:
         writer.write_table(pa.table(columns, schema=schema))
         columns = {name: [] for name in schema.names}
