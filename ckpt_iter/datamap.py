@@ -137,9 +137,7 @@ class Stream:
     self.fingerprint, self.origin = fingerprint, origin
     refusal = _refusal(fingerprint, position)
     if refusal is not None:
-      raise errors.UnsupportedConfigError(
-          f"{origin}: {refusal}, so which records it read is computed by the pipeline's own code: "
-          f"answer with {PIPELINE_API} in Python, with the pipeline that wrote the state.")
+      raise errors.UnsupportedConfigError(f"{origin}: {refusal}")
     self.next_record = int(position[_records.NEXT_RECORD])
     self.batch_size = _int_field(fingerprint, "global_batch_size", origin)
     self.process_count = _int_field(fingerprint, "shard_count", origin)
@@ -212,13 +210,18 @@ class Stream:
 
 
 def _refusal(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> str | None:
+  way = (f", so which records it read is computed by the pipeline's own code: answer with {PIPELINE_API} in "
+         "Python, with the pipeline that wrote the state.")
   if fingerprint.get("position_scope") == LANES_SCOPE or _records.LANES in position:
-    return "it is a filtered or packed make_dataset (lanes: rows come from its filter and packer)"
+    return "it is a filtered or packed make_dataset (lanes: rows come from its filter and packer)" + way
   if not state_lib.is_int(position.get(_records.NEXT_RECORD)):
     if "global_batch_size" in fingerprint:
       return ("its position is not a stream record (steps after make_dataset that are not per-batch maps: "
-              f"position {state_lib.short_repr(dict(position), 60)})")
-    return "it was not written by a ckpt_iter.make_dataset pipeline (no stream record in its position)"
+              f"position {state_lib.short_repr(dict(position), 60)})" + way)
+    return (f"it was not written by a ckpt_iter.make_dataset pipeline (pipeline "
+            f"{state_lib.short_repr(fingerprint.get('graph') or fingerprint.get('pipeline'), 60)}, position "
+            f"{state_lib.short_repr(dict(position), 40)}): only its own code knows which records it read. Build "
+            "the pipeline with ckpt_iter.make_dataset to have its records mapped.")
   return None
 
 

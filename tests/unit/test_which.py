@@ -151,3 +151,9 @@ def test_order_names_the_keep_policy_when_a_resumed_step_is_gone(chain, tmp_path
   code, _, err = _main(capsys, "order", root, "--out", str(tmp_path / "o.jsonl"))
   assert code == 1 and "step 3, which is no longer kept" in err and "max_to_keep" in err
   assert not os.path.exists(tmp_path / "o.jsonl")
+
+
+def test_a_pipeline_not_built_by_make_dataset_is_refused_naming_it(capsys):
+  root = os.path.join(os.path.dirname(__file__), "..", "fixtures", "v1_tunix_roots", "sft", "root")
+  code, _, err = _main(capsys, "which", root, "--step", "3")
+  assert code == 1 and "not written by a ckpt_iter.make_dataset pipeline" in err and "RepeatMapDataset" in err
