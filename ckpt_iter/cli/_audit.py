@@ -39,6 +39,7 @@ from ckpt_iter import _codec as codec
 from ckpt_iter import _learner_state
 from ckpt_iter import _records
 from ckpt_iter import _skips
+from ckpt_iter import datamap
 from ckpt_iter import errors
 from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import state as state_lib
@@ -67,6 +68,9 @@ class Saved:
   run: int | None  # the step its run first saved at (`lineage.run_of`), when recorded
   skips: _skips.Skips = _skips.NO_SKIPS  # the records its run skips (`_skips`)
   next_record: int | None = None  # its input's stream position, where the position counts stream records
+  # A Tunix learner inside a full batch (micro-batches of it taken): the stream record after that batch,
+  # before which a resume must not add skips (the learner continues that very batch).
+  inside_until: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,11 +172,12 @@ def _read_step(layout: inspection.Layout, step: int, report: Report, unreadable:
 
 def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved:
   value = codec.header_state(header, origin=origin)
-  input_fingerprint, input_position, _ = _learner_state.input_view(value.kind, value.fingerprint, value.position)
+  input_fingerprint, input_position, own = _learner_state.input_view(value.kind, value.fingerprint, value.position)
   next_record = input_position.get(_records.NEXT_RECORD) if isinstance(input_position, Mapping) else None
   return Saved(
       skips=_skips.Skips.from_text(input_fingerprint.get(_skips.FIELD), origin=origin),
       next_record=next_record if state_lib.is_int(next_record) else None,
+      inside_until=_inside_until(input_fingerprint, input_position, own, origin),
       step=step, process_index=index, process_count=count, kind=value.kind,
       digests=lineage_lib.header_digests(header, origin=origin, value=value),
       progress=_progress(value),
@@ -183,6 +188,18 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
       saved_step=_saved_step(header, origin),
       run=lineage_lib.run_of(value.lineage),
   )
+
+
+def _inside_until(fingerprint: Mapping[str, Any], position: Any, own: Mapping[str, Any], origin: str) -> int | None:
+  """For a learner inside a full batch: the stream record after that batch (None otherwise, or unknown)."""
+  if not (own.get("micro_batches_taken") or own.get("rows_taken")) or not isinstance(position, Mapping):
+    return None
+  try:
+    stream = datamap.Stream(fingerprint, position, origin=origin)
+    plan = stream.plan_at(stream.next_record)
+    return plan.span(plan.index_of(stream.next_record))[1]
+  except (errors.CkptIterError, TypeError):
+    return None
 
 
 def _saved_step(header: Mapping[str, Any], origin: str) -> int | None:
@@ -325,6 +342,13 @@ def _skip_findings(previous: Saved, saved: Saved, entries: list[Mapping[str, Any
   if early:
     return [Finding(BROKEN, *where, f"skips stream records {early[0][0]}-{early[0][1] - 1}, before the restored "
                     f"position {start}: those records were read before the checkpoint")]
+  inside = restored.inside_until if restored is not None else None
+  partial = [(a, b) for a, b in added.records if inside is not None and a < inside]
+  if partial:
+    return [Finding(BROKEN, *where, f"skips stream records {partial[0][0]}-{partial[0][1] - 1}, inside the full "
+                    f"batch {start}-{inside - 1} the learner had started at the restored step: part of it was "
+                    "trained, so skipping in it changes the rest of that batch. Skip from its end on, or restore "
+                    "a step at a full-batch boundary")]
   at = "" if start is None else f", all at or after the restored position {start}"
   return [Finding(OK, *where, f"skips added at the resume since step {previous.step}: {added.describe()}{at}; "
                   f"the run skips {saved.skips.describe()}")]

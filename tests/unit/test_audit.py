@@ -424,3 +424,22 @@ def test_a_state_that_loses_skips_or_skips_what_was_read_is_a_break(tmp_path, ca
   code, report, _ = _audit(capsys, tmp_path)
   assert code == 1 and report["verdict"] == "broken"
   assert any(fragment in f["message"] for f in report["findings"] if f["verdict"] == "broken"), report["findings"]
+
+
+def test_skips_inside_the_full_batch_a_learner_had_started_are_a_break(tmp_path, capsys):
+  fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "v1_tunix_roots", "grpo", "root")
+  root = tmp_path / "root"
+  shutil.copytree(fixture, root)
+  path3 = os.path.join(root, "actor", "3", "data", "process_0-of-1.json")
+  path4 = os.path.join(root, "actor", "4", "data", "process_0-of-1.json")
+  for path, change in ((path3, lambda h: h["position"].update(micro_batches_taken=1)),
+                       (path4, lambda h: h["fingerprint"].update(skips='{"records":[[2,3]]}'))):
+    with open(path) as f:
+      header = json.load(f)
+    change(header)
+    with open(path, "w") as f:
+      json.dump(header, f)
+  code, report, _ = _audit(capsys, root)
+  assert code == 1
+  assert any("inside the full batch 2-2 the learner had started" in f["message"] for f in report["findings"]
+             if f["verdict"] == "broken"), report["findings"]
