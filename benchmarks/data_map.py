@@ -108,7 +108,7 @@ def main() -> None:
     ratio = rss_by_count[last] / rss_by_count[last // 100]
     checks.append(_common.check("order: peak RSS at all batches / at 1% of them", f"{ratio:.2f}",
                                 "<= 1.5 (O(1) in the run's length)", ratio <= 1.5))
-  report.summary(checks)
+  report.summary(checks, load_average_end=_common.load_average())
 
 
 if __name__ == "__main__":
