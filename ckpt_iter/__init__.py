@@ -21,6 +21,14 @@ from ckpt_iter.errors import StateVersionError
 from ckpt_iter.errors import StorageError
 from ckpt_iter.errors import StorageTimeoutError
 from ckpt_iter.errors import UnsupportedConfigError
+from ckpt_iter._skips import Skip
+from ckpt_iter.datamap import Batch
+from ckpt_iter.datamap import LearnerStep
+from ckpt_iter.datamap import RunMap
+from ckpt_iter.datamap import SourceRecord
+from ckpt_iter.datamap import Stream
+from ckpt_iter.datamap import last_batch
+from ckpt_iter.datamap import learner_step
 from ckpt_iter.state import FORMAT_VERSION
 from ckpt_iter.state import IteratorState
 from ckpt_iter.state import Pending
@@ -43,11 +51,15 @@ _LAZY = {
     "RepeatIterator": "ckpt_iter.repeat",
     "ReplayIterator": "ckpt_iter.replay",
     "register_pytree_dataclass": "ckpt_iter._codec",
+    "which": "ckpt_iter._provenance",
+    "with_skip": "ckpt_iter.dataset",
 }
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselves
   from ckpt_iter._codec import register_pytree_dataclass
   from ckpt_iter._loader import DataLoaderIterator
+  from ckpt_iter._provenance import which
+  from ckpt_iter.dataset import with_skip
   from ckpt_iter.checkpoint import IteratorCheckpointable
   from ckpt_iter.checkpoint import IteratorCheckpointHandler
   from ckpt_iter.checkpoint import IteratorRestore
@@ -76,6 +88,7 @@ def __dir__():
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batch",
     "CkptIterError",
     "ConfigDriftError",
     "ContentDriftError",
@@ -92,17 +105,26 @@ __all__ = [
     "IteratorSave",
     "IteratorState",
     "KeepResumedSteps",
+    "LearnerStep",
     "LegacyCheckpointError",
     "Pending",
     "ProcessCountError",
     "RepeatIterator",
     "ReplayIterator",
+    "RunMap",
+    "Skip",
+    "SourceRecord",
     "StateVersionError",
     "StorageError",
     "StorageTimeoutError",
     "StoreBounds",
+    "Stream",
     "UnsupportedConfigError",
+    "last_batch",
+    "learner_step",
     "make_dataset",
     "register_pytree_dataclass",
     "set_object_store_bounds",
+    "which",
+    "with_skip",
 ]

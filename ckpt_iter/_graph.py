@@ -735,3 +735,56 @@ def _source_params(source: Any, prefix: str = "source_") -> dict[str, Any]:
   except Exception as e:  # pylint: disable=broad-except  (a user source may raise anything)
     params[f"{prefix}digest"] = f"<unreadable: {type(e).__name__}>"
   return params
+
+
+# ---------------------------------------------------------------------------
+# Index provenance: which input elements a MapDataset element is made of (`_provenance`).
+
+# Steps whose element i is made of element i of their input.
+_SAME_INDEX = frozenset({"MapMapDataset", "MapWithIndexMapDataset", "RandomMapMapDataset", "FilterMapDataset"})
+
+
+def parent_indices(node: Any, index: int) -> list[int] | None:
+  """The indices of `node`'s input that its element `index` is made of, or None for a step not known here.
+
+  Read from the Grain 0.2.x privates the describers above read; a Grain
+  release that renames them answers None (the caller says it cannot tell).
+  """
+  kind = type(node).__name__
+  try:
+    if kind in _SAME_INDEX:
+      return [index]
+    if kind == "SliceMapDataset":
+      return [int(node._start) + index * int(node._step)]  # pylint: disable=protected-access
+    if kind == "RepeatMapDataset":
+      # With reseed_each_epoch (the default) the index passes on: the input continues into its next epoch.
+      return [index if node._reseed_each_epoch else index % len(node.parents[0])]  # pylint: disable=protected-access
+    if kind == "ShuffleMapDataset":
+      from ckpt_iter import _permutation  # pylint: disable=g-import-not-at-top
+
+      length = len(node.parents[0])
+      return [_permutation.shuffled(index, length, int(node._seed)) + index // length * length]  # pylint: disable=protected-access
+    if kind == "BatchMapDataset":
+      return _batch_indices(node, index)
+  except AttributeError:
+    return None
+  return None
+
+
+def _batch_indices(node: Any, index: int) -> list[int]:
+  # As BatchMapDataset.__getitem__ reads them: each epoch of its input batched on its own.
+  parent_length, size = len(node.parents[0]), int(node._batch_size)  # pylint: disable=protected-access
+  epoch, in_epoch = divmod(index, len(node))
+  start = in_epoch * size
+  stop = min(parent_length, (in_epoch + 1) * size)
+  return [epoch * parent_length + i for i in range(start, stop)]
+
+
+def iter_batch_size(node: Any) -> int | None:
+  """The batch size of a `BatchIterDataset` (None for another node or another Grain layout)."""
+  if type(node).__name__ != "BatchIterDataset":
+    return None
+  try:
+    return int(node._batch_size)  # pylint: disable=protected-access
+  except AttributeError:
+    return None

@@ -27,6 +27,7 @@ import grain
 
 from ckpt_iter import _graph
 from ckpt_iter import _records
+from ckpt_iter import _skips
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -102,6 +103,18 @@ class LaneDataset(grain.IterDataset):
     self.stack = stack  # rows -> one batch (make_dataset's `stack_records`)
     self._names = [name for name, _ in spec.sources]
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
+    self.declared = _skips.Skip()  # what `declare` was given
+    self.skips = _skips.NO_SKIPS  # stream records no chunk yields (filtered before `filter`)
+
+  def declare(self, skip: _skips.Skip) -> None:
+    """Records to skip, for a fresh run from its first record on (`dataset.with_skip`)."""
+    self.declared = skip
+    self.skips, _ = _skips.resolve(
+        skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
+        shuffled=self.spec.seed is not None, mixture=self.spec.is_mixture, origin="make_dataset(skip=...)")
+
+  def set_skips(self, skips: _skips.Skips) -> None:
+    self.skips = skips
 
   def __str__(self) -> str:
     return (f"LaneDataset(batch_size={self.spec.batch_size}, lanes={self.lanes.num_lanes}, "
@@ -123,12 +136,13 @@ class LaneDataset(grain.IterDataset):
     return self.parents[self._names.index(name)][index]
 
   def chunk_records(self, chunk: int) -> range:
-    """The stream records of chunk `chunk` (the stream has no end: num_epochs is None)."""
+    """The stream records of chunk `chunk` (the stream has no end: num_epochs is None); skipped ones not yielded."""
     return range(chunk * self.lanes.chunk_size, (chunk + 1) * self.lanes.chunk_size)
 
   def chunk_rows(self, chunk: int) -> list[Any]:
     """Chunk `chunk` filtered and packed: the same rows whoever computes them, whenever."""
-    records = [self.record(g) for g in self.chunk_records(chunk)]
+    length = None if self.spec.is_mixture else self.spec.source.length
+    records = [self.record(g) for g in self.chunk_records(chunk) if not (self.skips and self.skips.skipped(g, length))]
     if self.lanes.filter is not None:
       records = [r for r in records if self.lanes.filter(r)]
     if self.lanes.pack is None or not records:
@@ -209,3 +223,35 @@ class LaneIterator(grain.DatasetIterator):
 
 def _is_count(value: Any) -> bool:
   return state_lib.is_int(value) and value >= 0
+
+
+def check_added_skips(dataset: LaneDataset, position: Any, added: _skips.Skips, *, origin: str) -> None:
+  """Refuses skips added at a restore that touch a chunk one of this process's lanes is inside.
+
+  A chunk's rows are computed from all its records at once: a lane that took
+  some rows of a chunk would find other rows there once records of it are
+  skipped. Chunks a lane has passed are never computed again (what they held
+  was trained); chunks it has not started skip the records.
+
+  Raises:
+    UnsupportedConfigError: naming the lane, the chunk and the stream records to skip from instead.
+  """
+  lanes = position.get(LANES) if isinstance(position, Mapping) else None
+  first = position.get(FIRST_LANE, 0) if isinstance(position, Mapping) else 0
+  if not isinstance(lanes, list):
+    return  # a malformed position: refused when it is set
+  length = None if dataset.spec.is_mixture else dataset.spec.source.length
+  for offset, entry in enumerate(lanes):
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(_is_count(v) for v in entry)):
+      return
+    chunk_in_lane, rows_taken = entry
+    if rows_taken == 0:
+      continue
+    chunk = chunk_in_lane * dataset.lanes.num_lanes + first + offset
+    records = dataset.chunk_records(chunk)
+    touched = [g for g in records if added.skipped(g, length)]
+    if touched:
+      raise errors.UnsupportedConfigError(
+          f"{origin}: the skip {added.describe()} touches stream record {touched[0]} of chunk {chunk}, of which "
+          f"lane {first + offset} has already taken {rows_taken} rows: its rows would change. Skip from stream "
+          f"record {records.stop} on (the chunk's end), or restore an earlier step.")

@@ -23,13 +23,17 @@ Pure integer arithmetic: no Grain, JAX or files.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import fractions
+import functools
+import hashlib
 import math
 import numbers
 import sys
 from typing import Any, Iterator, Mapping, Sequence
 
+from ckpt_iter import _skips
 from ckpt_iter import errors
 
 INFINITE = sys.maxsize
@@ -98,6 +102,12 @@ def next_record_of_index(fingerprint: Mapping[str, Any], position: Mapping[str, 
 
 # ---------------------------------------------------------------------------
 # Mixture: which source holds record g.
+
+
+def source_seed(seed: int, name: str) -> int:
+  """The shuffle seed of a mixture's source `name`: its own, derived from the run's seed."""
+  digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
+  return int.from_bytes(digest, "little")
 
 
 def proportions(weights: Mapping[str, Any]) -> dict[str, int]:
@@ -260,12 +270,14 @@ def _short(value: Any) -> str:
 class BatchPlan:
   """Where each batch of a pipeline starts in the record stream.
 
-  Batch k holds stream records [start(k), start(k) + batch_size), cut short
-  at the end of its epoch (`epoch_length`, a single source) or of the stream
+  Batches are cut from the stream with the skipped records (`skips`)
+  removed: offsets below count *kept* records (`_skips`). Batch k holds the
+  kept records [start(k), start(k) + batch_size), cut short at the end of
+  its epoch (`epoch_length`, a single source) or of the stream
   (`stream_length`). With `epoch_length`, every epoch's batches start at its
-  first record, except in epoch `phase_epoch`, where they start at offset
-  `phase` (a restore under another batch size mid-epoch). Without it
-  (a mixture) batches start at `phase`, `phase` + batch_size, ...
+  first kept record, except in epoch `phase_epoch`, where they start at kept
+  offset `phase` (a restore under another batch size mid-epoch). Without it
+  (a mixture) batches start at kept record `phase`, `phase` + batch_size, ...
 
   Attributes:
     batch_size: global batch size, records.
@@ -274,6 +286,7 @@ class BatchPlan:
     stream_length: records in the whole stream (INFINITE without an end).
     phase_epoch, phase: see above; (0, 0) for a pipeline never restored
       under another batch size.
+    skips: the records the run skips.
   """
 
   batch_size: int
@@ -282,20 +295,82 @@ class BatchPlan:
   stream_length: int
   phase_epoch: int = 0
   phase: int = 0
+  skips: _skips.Skips = _skips.NO_SKIPS
 
   @classmethod
   def at(cls, next_record: int, *, batch_size: int, drop_remainder: bool, epoch_length: int | None,
-         stream_length: int) -> "BatchPlan":
+         stream_length: int, skips: _skips.Skips = _skips.NO_SKIPS) -> "BatchPlan":
     """The plan whose batches start at stream record `next_record` (the one with the least phase)."""
+    plan = cls(batch_size, drop_remainder, epoch_length, stream_length, 0, 0, skips)
     if epoch_length is None:
-      return cls(batch_size, drop_remainder, None, stream_length, 0, next_record % batch_size)
-    epoch, offset = divmod(next_record, epoch_length)
-    return cls(batch_size, drop_remainder, epoch_length, stream_length, epoch, offset % batch_size)
+      return dataclasses.replace(plan, phase=skips.kept_before(next_record) % batch_size)
+    epoch, offset = plan.locate(next_record)
+    return dataclasses.replace(plan, phase_epoch=epoch, phase=offset % batch_size)
 
-  def _in_epoch(self, phase: int) -> int:
-    """Batches of one epoch whose first batch starts at `phase`."""
-    full, rest = divmod(self.epoch_length - phase, self.batch_size)
+  # -- kept coordinates
+
+  def locate(self, record: int) -> tuple[int, int]:
+    """(epoch, kept offset in it) of stream record `record`; an epoch's kept end is the next epoch's start."""
+    epoch, offset = divmod(record, self.epoch_length)
+    if not self.skips:
+      return epoch, offset
+    kept = _skips.kept_offset(self.skips.in_epoch(epoch, self.epoch_length), offset)
+    if kept and kept == self._kept(epoch):
+      return epoch + 1, 0
+    return epoch, kept
+
+  def _kept(self, epoch: int) -> int:
+    """Kept records of epoch `epoch`."""
+    if not self.skips:
+      return self.epoch_length
+    return self.epoch_length - _skips.count(self.skips.in_epoch(epoch, self.epoch_length))
+
+  def _record(self, epoch: int, kept: int) -> int:
+    """The stream record of epoch `epoch`'s kept record `kept`."""
+    if not self.skips:
+      return epoch * self.epoch_length + kept
+    return epoch * self.epoch_length + _skips.stream_offset(self.skips.in_epoch(epoch, self.epoch_length), kept)
+
+  def _end(self, epoch: int, kept_stop: int) -> int:
+    """One past the stream record of epoch `epoch`'s kept record `kept_stop - 1` (a batch's end)."""
+    if not self.skips or kept_stop == 0:
+      return epoch * self.epoch_length + kept_stop
+    return self._record(epoch, kept_stop - 1) + 1
+
+  def _in_epoch(self, phase: int, kept: int | None = None) -> int:
+    """Batches of one epoch of `kept` kept records whose first batch starts at `phase`."""
+    full, rest = divmod(max((self.epoch_length if kept is None else kept) - phase, 0), self.batch_size)
     return full + (1 if rest and not self.drop_remainder else 0)
+
+  @functools.cached_property
+  def _segments(self) -> tuple[list[int], list[int], list[int]]:
+    """(first epoch, batches per epoch, batches before it) of runs of epochs that skip alike (phase 0)."""
+    firsts = self.skips.epoch_breaks(self.epoch_length) if self.skips else [0]
+    counts = [self._in_epoch(0, self._kept(epoch)) for epoch in firsts]
+    before = [0]
+    for first, following, per_epoch in zip(firsts, firsts[1:], counts):
+      before.append(before[-1] + (following - first) * per_epoch)
+    return firsts, counts, before
+
+  def _before(self, epoch: int) -> int:
+    """Batches of the epochs before `epoch`, all from their first record."""
+    firsts, counts, before = self._segments
+    index = bisect.bisect_right(firsts, epoch) - 1
+    return before[index] + (epoch - firsts[index]) * counts[index]
+
+  def _epoch_at(self, index: int, earliest: int) -> tuple[int, int]:
+    """(epoch >= earliest, batch in it) of batch `index` counted from the first epoch, all from offset 0."""
+    firsts, counts, before = self._segments
+    segment = max(bisect.bisect_right(before, index) - 1, 0)
+    epoch = firsts[segment] + ((index - before[segment]) // counts[segment] if counts[segment] else 0)
+    epoch = max(epoch, earliest)
+    return epoch, index - self._before(epoch)
+
+  @property
+  def _phase_extra(self) -> int:
+    """Batches the phase epoch has beyond an epoch read from its first record (may be negative)."""
+    kept = self._kept(self.phase_epoch)
+    return self._in_epoch(self.phase, kept) - self._in_epoch(0, kept)
 
   @property
   def batches_per_epoch(self) -> int:
@@ -305,36 +380,60 @@ class BatchPlan:
     if self.epoch_length is None:
       if self.stream_length >= INFINITE:
         return INFINITE
-      full, rest = divmod(max(self.stream_length - self.phase, 0), self.batch_size)
+      kept = self.skips.kept_before(self.stream_length)
+      full, rest = divmod(max(kept - self.phase, 0), self.batch_size)
       return full + (1 if rest and not self.drop_remainder else 0)
     if self.stream_length >= INFINITE:
       return INFINITE
     epochs = self.stream_length // self.epoch_length
     if self.phase_epoch >= epochs:
-      return epochs * self.batches_per_epoch
-    return (epochs - 1) * self.batches_per_epoch + self._in_epoch(self.phase)
+      return self._before(epochs)
+    return self._before(epochs) + self._phase_extra
 
   def span(self, index: int) -> tuple[int, int]:
-    """Stream records [start, stop) of batch `index` (past the length: as if the stream went on)."""
+    """Stream records [start, stop) of batch `index` (past the length: as if the stream went on).
+
+    With skips, the batch holds the kept records of the span (`records`).
+    """
     if self.epoch_length is None:
       start = self.phase + index * self.batch_size
       stop = start + self.batch_size
-      return start, (min(stop, self.stream_length) if not self.drop_remainder else stop)
+      if not self.drop_remainder and self.stream_length < INFINITE:
+        stop = min(stop, self.skips.kept_before(self.stream_length))
+      if not self.skips:
+        return start, stop
+      first = self.skips.stream_record_of_kept(start)
+      return first, (self.skips.stream_record_of_kept(stop - 1) + 1 if stop > start else first)
     epoch, offset = self._epoch_offset(index)
-    start = epoch * self.epoch_length + offset
-    return start, epoch * self.epoch_length + min(offset + self.batch_size, self.epoch_length)
+    stop = min(offset + self.batch_size, self._kept(epoch))
+    return self._record(epoch, offset), self._end(epoch, stop)
+
+  def records(self, index: int) -> Sequence[int]:
+    """The stream records batch `index` holds, in order (a range without skips)."""
+    start, stop = self.span(index)
+    if not self.skips:
+      return range(start, stop)
+    if self.epoch_length is None:
+      first = self.skips.kept_before(start)
+      last = self.skips.kept_before(stop)
+      return [self.skips.stream_record_of_kept(k) for k in range(first, last)]
+    epoch, offset = self._epoch_offset(index)
+    stop_offset = min(offset + self.batch_size, self._kept(epoch))
+    base = epoch * self.epoch_length
+    intervals = self.skips.in_epoch(epoch, self.epoch_length)
+    return [base + o for o in _skips.kept_offsets(intervals, offset, stop_offset)]
 
   def _epoch_offset(self, index: int) -> tuple[int, int]:
-    per_epoch = self.batches_per_epoch
-    before = self.phase_epoch * per_epoch
+    """(epoch, kept offset) where batch `index` starts."""
+    before = self._before(self.phase_epoch)
     if index < before:
-      epoch, batch = divmod(index, per_epoch)
+      epoch, batch = self._epoch_at(index, 0)
       return epoch, batch * self.batch_size
-    in_phase = self._in_epoch(self.phase)
+    in_phase = self._in_epoch(self.phase, self._kept(self.phase_epoch))
     if index < before + in_phase:
       return self.phase_epoch, self.phase + (index - before) * self.batch_size
-    epoch, batch = divmod(index - before - in_phase, per_epoch)
-    return self.phase_epoch + 1 + epoch, batch * self.batch_size
+    epoch, batch = self._epoch_at(index - self._phase_extra, self.phase_epoch + 1)
+    return epoch, batch * self.batch_size
 
   def next_record(self, next_index: int) -> int:
     """The stream position after reading batches 0..next_index-1 of this plan: the end of the last.
@@ -347,24 +446,52 @@ class BatchPlan:
       return 0
     return self.span(next_index - 1)[1]
 
+  def full_batch_before(self, record: int) -> int | None:
+    """The stream record where the full batch that ends at `record` starts, whatever the plan's phase.
+
+    A batch that ends inside an epoch is full, and so is every batch with
+    drop_remainder: it is the batch_size kept records before `record`.
+    None where the batch before may be an epoch's (or the stream's) short
+    last batch, whose start depends on where earlier restarts put the
+    batches, or where fewer records precede it.
+    """
+    if self.epoch_length is None:
+      kept = self.skips.kept_before(record)
+      if kept < self.batch_size or (not self.drop_remainder and record >= self.stream_length):
+        return None
+      return self.skips.stream_record_of_kept(kept - self.batch_size)
+    epoch, offset = divmod(record, self.epoch_length)
+    if offset == 0 and epoch:  # the previous epoch's end
+      epoch, kept = epoch - 1, self._kept(epoch - 1)
+      if not self.drop_remainder:
+        return None
+    else:
+      kept = _skips.kept_offset(self.skips.in_epoch(epoch, self.epoch_length), offset) if self.skips else offset
+      if not self.drop_remainder and kept == self._kept(epoch):
+        return None
+    if kept < self.batch_size:
+      return None
+    return self._record(epoch, kept - self.batch_size)
+
   def index_of(self, next_record: int) -> int | None:
     """The batch index that starts at `next_record` (an epoch's or the stream's end included), or None."""
     if self.epoch_length is None:
-      index, rest = divmod(next_record - self.phase, self.batch_size)
       if next_record >= self.stream_length and self.stream_length < INFINITE:
         return len(self)
+      kept = self.skips.kept_before(next_record)
+      if self.stream_length < INFINITE and kept >= self.skips.kept_before(self.stream_length):
+        return len(self)
+      index, rest = divmod(kept - self.phase, self.batch_size)
       return index if rest == 0 and index >= 0 else None
-    epoch, offset = divmod(next_record, self.epoch_length)
-    per_epoch = self.batches_per_epoch
-    in_phase = self._in_epoch(self.phase)
+    epoch, offset = self.locate(next_record)
     if epoch < self.phase_epoch:
-      first, phase = epoch * per_epoch, 0
+      first, phase = self._before(epoch), 0
     elif epoch == self.phase_epoch:
-      first, phase = epoch * per_epoch, self.phase
+      first, phase = self._before(epoch), self.phase
       if offset == 0 and self.phase:  # the epoch's start, before its first (phased) batch
         return None
     else:
-      first, phase = self.phase_epoch * per_epoch + in_phase + (epoch - self.phase_epoch - 1) * per_epoch, 0
+      first, phase = self._before(epoch) + self._phase_extra, 0
     batch, rest = divmod(offset - phase, self.batch_size)
     return first + batch if rest == 0 else None
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import numbers
 from typing import Any, Callable, Iterator, Mapping
 
@@ -34,6 +33,7 @@ from ckpt_iter import _graph
 from ckpt_iter import _lanes
 from ckpt_iter import _records
 from ckpt_iter import _stacking
+from ckpt_iter import _skips
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
 from ckpt_iter import state as state_lib
@@ -86,8 +86,9 @@ class DatasetSpec:
   def initial_plan(self) -> _records.BatchPlan:
     return self.plan_at(0, None)
 
-  def plan_at(self, next_record: int, mixture: _records.Mixture | None) -> _records.BatchPlan:
-    """The batches of this pipeline that start at stream record `next_record`."""
+  def plan_at(self, next_record: int, mixture: _records.Mixture | None,
+              skips: _skips.Skips = _skips.NO_SKIPS) -> _records.BatchPlan:
+    """The batches of this pipeline that start at stream record `next_record`, the records `skips` removed."""
     if self.is_mixture:
       stream_length = (mixture or self.initial_mixture()).length(self.source_limits())
       epoch_length = None
@@ -95,7 +96,7 @@ class DatasetSpec:
       stream_length, epoch_length = self.stream_length(), self.source.length
     return _records.BatchPlan.at(
         next_record, batch_size=self.global_batch_size, drop_remainder=self.drop_remainder,
-        epoch_length=epoch_length, stream_length=stream_length)
+        epoch_length=epoch_length, stream_length=stream_length, skips=skips)
 
   def initial_mixture(self) -> _records.Mixture:
     return _records.Mixture(shares=dict(self.shares))
@@ -150,6 +151,7 @@ def make_dataset(
     pack: Callable[[Any], Any] | None = None,
     chunk_size: int = 256,
     num_lanes: int | None = None,
+    skip: Any = None,
 ) -> grain.MapDataset | grain.IterDataset:
   """Builds the batched Grain dataset of a training config.
 
@@ -185,6 +187,11 @@ def make_dataset(
       (chunk c goes to lane c % num_lanes); each global batch takes
       global_batch_size / num_lanes rows from every lane. A restart may use
       any process count dividing num_lanes. Defaults to shard_count.
+    skip: records to pass over (`ckpt_iter.Skip`, or a list of (start, stop)
+      stream-record ranges): declared here, they are added to a restored
+      state's skips from its position on (records already read are not), and
+      every later restore keeps them (docs/data_map.md). Batches are cut from
+      the stream without them.
 
   Returns:
     A `grain.MapDataset` of dict batches of numpy arrays with a leading batch
@@ -235,19 +242,62 @@ def make_dataset(
     )
     parents = [_record_dataset(records, None if seed is None else source_seed(seed, name), transform)
                for name, (records, _) in named.items()]
+  declared = _skips.Skip.of(skip) if not isinstance(skip, _skips.Skip) else skip
   if filter is not None or pack is not None:
     lanes = _lanes.LaneSpec.of(spec, filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes)
-    return _lanes.LaneDataset(parents, spec, lanes, stack_records)
+    lane_dataset = _lanes.LaneDataset(parents, spec, lanes, stack_records)
+    with_skip(lane_dataset, declared)
+    return lane_dataset
   if len(spec.initial_plan()) == 0:
     raise errors.InvalidArgumentError(
         f"source has {_describe_length(spec)} records, fewer than one global batch of "
         f"{spec.global_batch_size} (batch_size={batch_size} x shard_count={shard_count}); "
         "the dataset would be empty. Use a smaller batch_size or drop_remainder=False."
     )
-  return GlobalBatchDataset(parents, spec)
+  node = GlobalBatchDataset(parents, spec)
+  with_skip(node, declared)
+  return node
 
 
 _short = state_lib.short_repr
+
+
+def with_skip(dataset: Any, skip: Any) -> Any:
+  """Declares records to skip on the make_dataset node of `dataset`; returns `dataset`.
+
+  A fresh run skips them from its first record; a restore adds them to the
+  restored state's skips from the restored position on (`DataIterator`).
+  Declare before the pipeline is iterated (before its `DataIterator` is
+  built): e.g. around a Tunix learner's `train(train_ds)`, or on a dataset a
+  config built (`ckpt-iter train ... ckpt_iter.skip=...` does this).
+
+  Args:
+    dataset: a pipeline built on make_dataset.
+    skip: a `ckpt_iter.Skip`, or a list of (start, stop) stream-record ranges.
+
+  Raises:
+    UnsupportedConfigError: `dataset` has no make_dataset node on its chain
+      of single parents.
+    InvalidArgumentError: `skip` is malformed, or names source records of a
+      shuffled source or a mixture.
+  """
+  declared = _skips.Skip.of(skip)
+  node = spec_node(dataset)
+  if node is None:
+    raise errors.UnsupportedConfigError(
+        f"cannot skip records of {type(dataset).__name__}: only a pipeline built with ckpt_iter.make_dataset "
+        "(its node on a chain of single parents) knows its records. Build it with make_dataset(...).")
+  node.declare(declared)
+  return dataset
+
+
+def spec_node(dataset: Any) -> "GlobalBatchDataset | _lanes.LaneDataset | None":
+  """make_dataset's node of `dataset` on its chain of single parents, or None."""
+  return _find_spec_node(dataset)[0]
+
+
+def is_shuffled(spec: DatasetSpec) -> bool:
+  return spec.seed is not None
 
 
 def _describe_length(spec: DatasetSpec) -> str:
@@ -256,10 +306,7 @@ def _describe_length(spec: DatasetSpec) -> str:
   return " + ".join(f"{identity.length} ({name})" for name, identity in spec.sources)
 
 
-def source_seed(seed: int, name: str) -> int:
-  """The shuffle seed of a mixture's source `name`: its own, derived from the run's seed."""
-  digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
-  return int.from_bytes(digest, "little")
+source_seed = _records.source_seed
 
 
 def _resolve_sources(source: Any, weights: Any) -> dict[str, tuple[Any, sources_lib.SourceIdentity]]:
@@ -316,10 +363,40 @@ class GlobalBatchDataset(grain.MapDataset):
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
     # (batch index, stream record) of the last restart: the position until a batch is read.
     self._origin = (0, 0)
+    self.declared = _skips.Skip()  # what `declare` was given
+    self._skips = _skips.NO_SKIPS  # what the run skips now
+    # Sparse: element k is record k of the stream or None (Grain's filter form), for a
+    # pipeline whose position is not a stream record (set by DataIterator).
+    self.sparse = False
 
   @property
   def plan(self) -> _records.BatchPlan:
     return self._plan
+
+  @property
+  def skips(self) -> _skips.Skips:
+    return self._skips
+
+  def declare(self, skip: _skips.Skip) -> None:
+    """Records to skip: for a fresh run from its first record on (see `with_skip`)."""
+    self.declared = skip
+    self._skips, _ = _skips.resolve(
+        skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
+        shuffled=is_shuffled(self.spec), mixture=self.spec.is_mixture, origin="make_dataset(skip=...)")
+    self._plan = self.spec.plan_at(0, self._mixture, self._plan_skips)
+
+  @property
+  def _plan_skips(self) -> _skips.Skips:
+    return _skips.NO_SKIPS if self.sparse else self._skips
+
+  def use_sparse(self) -> None:
+    """Element k is stream record k, or None where it is skipped (before the pipeline is read)."""
+    self.sparse = True
+    self._plan = self.spec.plan_at(0, self._mixture)
+
+  def set_skips(self, skips: _skips.Skips) -> None:
+    """The skips a restore settled on (its apply step; the plan is set by `restart_at`)."""
+    self._skips = skips
 
   @property
   def mixture(self) -> _records.Mixture | None:
@@ -340,10 +417,16 @@ class GlobalBatchDataset(grain.MapDataset):
     # each with its own permutation, as Grain's shuffle does.
     if index < 0:
       raise IndexError(f"batch index {index} is negative")
-    start, stop = self._plan.span(index)
-    first = start + self.spec.shard_index * self.spec.batch_size
-    last = min(first + self.spec.batch_size, stop)
-    return stack_records([self.record(g) for g in range(first, last)], batch_index=index)
+    records = self._plan.records(index)
+    first = self.spec.shard_index * self.spec.batch_size
+    rows = records[first:first + self.spec.batch_size]
+    if self.sparse and self._skips and any(self._skips.skipped(g, self._epoch_length) for g in rows):
+      return None  # a skipped record, dropped as Grain drops what a filter rejects
+    return stack_records([self.record(g) for g in rows], batch_index=index)
+
+  @property
+  def _epoch_length(self) -> int | None:
+    return None if self.spec.is_mixture else self.spec.source.length
 
   def record(self, stream_record: int) -> Any:
     """Record `stream_record` of the global stream."""
@@ -392,6 +475,17 @@ class GlobalBatchDataset(grain.MapDataset):
     next_index = plan.index_of(next_record)
     self._plan, self._mixture, self._origin = plan, mixture, (next_index, next_record)
     return next_index
+
+  @contextlib.contextmanager
+  def skipping(self, skips: _skips.Skips) -> Iterator[None]:
+    """Reads with `skips` for the duration (its plan re-cut from its origin), then as before."""
+    before = self._plan, self._skips
+    self._skips = skips
+    self._plan = self.spec.plan_at(self._origin[1], self._mixture, self._plan_skips)
+    try:
+      yield
+    finally:
+      self._plan, self._skips = before
 
   @contextlib.contextmanager
   def planned(self, plan: _records.BatchPlan, mixture: _records.Mixture | None) -> Iterator[None]:
@@ -514,6 +608,8 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
     fields.update(spec_node.spec.fingerprint())
     if isinstance(spec_node, _lanes.LaneDataset):
       fields.update(spec_node.lanes.fingerprint())
+    if spec_node.skips:
+      fields[_skips.FIELD] = spec_node.skips.to_text()
   if type(dataset).__name__ == "ElasticIterator":
     # Its state ({"global_next_index"}) is the same on every process and for
     # every process count: the position is global (elastic.resize_refusal).
@@ -523,9 +619,12 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
     except AttributeError:  # another Grain release: no elastic resume
       pass
   fields["pipeline"] = "<".join(above) if above else ""
-  try:
-    fields["dataset_length"] = len(dataset)
-  except TypeError:
-    fields["dataset_length"] = None
+  # As built, without skips: they have their own field, and a restore may add to them.
+  with (spec_node.skipping(_skips.NO_SKIPS) if isinstance(spec_node, GlobalBatchDataset)
+        else contextlib.nullcontext()):
+    try:
+      fields["dataset_length"] = len(dataset)
+    except TypeError:
+      fields["dataset_length"] = None
   fields.update(_graph.describe_graph(dataset, described_spec_node=spec_node))
   return fields

@@ -8,7 +8,9 @@ O(1) in the position, no element is replayed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import numbers
 from typing import Any, Callable, Collection, Mapping
 
@@ -18,6 +20,8 @@ from ckpt_iter import _content
 from ckpt_iter import _drift
 from ckpt_iter import _graph
 from ckpt_iter import _item as item_lib
+from ckpt_iter import _lanes
+from ckpt_iter import _skips
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import elastic
 from ckpt_iter import errors
@@ -100,15 +104,20 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           "or grain.MapDataset.source(...)."
       )
     self._dataset = dataset
+    self._spec, _ = dataset_lib.find_spec(dataset)
+    # make_dataset's node when the position can count its stream records.
+    self._records = dataset_lib.record_node(dataset)
+    # make_dataset's node anywhere on the chain: it owns the run's skips (`_skips`).
+    self._spec_node = dataset_lib.spec_node(dataset)
+    if isinstance(self._spec_node, dataset_lib.GlobalBatchDataset) and self._records is None:
+      self._spec_node.use_sparse()
+      _check_sparse_skips(self._spec_node, self._spec_node.skips, "make_dataset(skip=...)")
     self._fingerprint = dataset_lib.describe_pipeline(dataset)
     # Before any iterator takes the workers' init function.
     if self._has_workers and not _graph.exit_workers_with_parent(self._iter_dataset):
       _drift.LOGGER.warning(_graph.WORKERS_NOT_WATCHED)
     self._inner = self._new_inner()
     super().__init__(self._inner)
-    self._spec, _ = dataset_lib.find_spec(dataset)
-    # make_dataset's node when the position can count its stream records.
-    self._records = dataset_lib.record_node(dataset)
     self._allow_drift = frozenset(allow_drift)
     self._check_content = bool(check_content)
     self._records_last = self._length is not None and self._check_content
@@ -216,6 +225,21 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       fail.
     """
     state_lib.check_kind(state, "data", "DataIterator", origin)
+    # The run's skips are no defining field: a restore keeps the saved ones and adds the declared (`_skips`).
+    saved_skips = _skips.Skips.from_text(state.fingerprint.get(_skips.FIELD), origin=origin)
+    if _skips.FIELD in state.fingerprint:
+      state = _without_skips(state)
+    if saved_skips and self._spec_node is None:
+      raise errors.InvalidStateError(
+          f"{origin}: the state skips {saved_skips.describe()}, but this pipeline has no ckpt_iter.make_dataset "
+          "node to skip them: restore it into the make_dataset pipeline that wrote it.")
+    return self._check_restore_fields(state, allow_drift, origin, saved_skips)
+
+  def _check_restore_fields(
+      self, state: state_lib.IteratorState, allow_drift: Collection[str], origin: str, saved_skips: _skips.Skips,
+  ) -> Callable[[], None]:
+    """`check_restore` of a state without skips against this pipeline's fingerprint without them."""
+    current = self._fingerprint_without_skips
     allowed = self._allow_drift | frozenset(allow_drift)
     # Content names accept the content check's refusal; they are no fingerprint field.
     content_allowed = {name for name in allowed if name == "content" or name.startswith("content.")}
@@ -226,7 +250,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     # mp_prefetch worker count is translated to this one, or refused with the
     # reason (_graph.resume_workers, docs/guarantees.md "Worker processes").
     workers = _graph.resume_workers(
-        state.fingerprint, self._fingerprint, state.position, self._dataset, origin=origin
+        state.fingerprint, current, state.position, self._dataset, origin=origin
     )
     allowed |= workers.accepted
     if allowed & elastic.ELASTIC_FIELDS:
@@ -234,15 +258,16 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     # Stream-preserving changes (docs/guarantees.md, "Same stream") are
     # accepted and may move the position; every other difference is refused.
     resume = _drift.reconcile(
-        state.fingerprint, self._fingerprint, workers.position,
+        state.fingerprint, current, workers.position,
         allow_drift=allowed, origin=origin, parent_length=self._parent_length,
     )
     state_lib.check_fingerprint(
-        state.fingerprint, self._fingerprint, allow_drift=(allowed - declared) | resume.accepted, origin=origin
+        state.fingerprint, current, allow_drift=(allowed - declared) | resume.accepted, origin=origin
     )
     position = resume.position
     if self._records is not None:
-      return self._check_record_position(state, position, resume, content_allowed, origin)
+      return self._check_record_position(state, position, resume, content_allowed, origin, saved_skips)
+    skips = self._merged_skips(saved_skips, None, position, origin)
     if self._length is not None:
       next_index = position.get("next_index")
       if (
@@ -261,12 +286,16 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
         content_check = "off (check_content=False)"
       elif content_allowed:
         content_check = "not checked (allow_drift names the content)"
-      elif position != state.position or state_lib.differing_fields(state.fingerprint, self._fingerprint):
+      elif position != state.position or state_lib.differing_fields(state.fingerprint, current):
         content_check = "not applicable (the pipeline changed; the stream was checked instead)"
+      elif skips.added:
+        content_check = _CONTENT_SKIPS_ADDED
       else:
-        content_check = self._check_same_content(state.content, next_index, origin)
+        with self._spec_node_skipping(skips.effective):
+          content_check = self._check_same_content(state.content, next_index, origin)
 
       def apply() -> None:
+        self._apply_skips(skips)
         self._inner.set_state(position)
         self._adopt(state)
         self.restored_content_check = content_check
@@ -286,6 +315,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       ) from None
 
     def apply_fresh() -> None:
+      self._apply_skips(skips)
       self._replace_inner(fresh)
       self._adopt(state)
       self.restored_content_check = "not applicable (no random access to the element before)"
@@ -299,10 +329,11 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
   def _check_record_position(
       self, state: state_lib.IteratorState, position: Mapping[str, Any], resume: _drift.Reconciled,
-      content_allowed: Collection[str], origin: str,
+      content_allowed: Collection[str], origin: str, saved_skips: _skips.Skips,
   ) -> Callable[[], None]:
     """The rest of `check_restore` for a position that counts stream records (make_dataset)."""
     node = self._records
+    current = self._fingerprint_without_skips
     expected = {dataset_lib.NEXT_RECORD} | ({dataset_lib.MIXTURE} if node.spec.is_mixture else set())
     if not state.fingerprint and set(position) == {"next_index"}:
       # A bare Grain state (format 0): batch k of this pipeline as built.
@@ -313,8 +344,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           f"position is {{'{dataset_lib.NEXT_RECORD}': <stream records passed>"
           + (f", '{dataset_lib.MIXTURE}': <ledger>" if node.spec.is_mixture else "") + "}.")
     next_record = position[dataset_lib.NEXT_RECORD]
+    skips = self._merged_skips(saved_skips, next_record, position, origin)
     mixture = node.spec_mixture(position, origin=origin)
-    plan = node.spec.plan_at(next_record, mixture)
+    plan = node.spec.plan_at(next_record, mixture, skips.effective)
     next_index = plan.index_of(next_record)
     if next_index is None or next_record > plan.stream_length or next_index > len(plan):
       self._refuse_past_the_end(state, next_record, plan.stream_length, origin)
@@ -324,15 +356,15 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       content_check = "off (check_content=False)"
     elif content_allowed:
       content_check = "not checked (allow_drift names the content)"
-    elif resume.changes or state_lib.differing_fields(state.fingerprint, self._fingerprint):
+    elif resume.changes or state_lib.differing_fields(state.fingerprint, current):
       content_check = "not applicable (the pipeline changed; the stream was checked instead)"
     else:
-      with node.planned(plan, mixture):
-        content_check = self._check_same_content(state.content, next_index, origin)
+      content_check = self._check_batch_before(node, state.content, plan, mixture, next_record, skips, origin)
     # A restore under another batch plan holds no element of this plan before it.
     changed = bool(resume.changes)
 
     def apply() -> None:
+      self._apply_skips(skips)
       node.restart_at(plan, mixture, next_record)
       # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
       self._length = len(self._dataset)
@@ -344,6 +376,80 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       resume.log()
 
     return apply
+
+  def _check_batch_before(self, node: Any, content: Any, plan: Any, mixture: Any, next_record: int,
+                          skips: "_SkipChange", origin: str) -> str:
+    """The content check of a record position: the full batch that ends at it, produced again.
+
+    Not the batch before the restored plan's first one: after a restart
+    under another batch size, an epoch's batches started at the restored
+    record, so the batch that ended an epoch is found by its end, not by the
+    epoch's first record. An epoch's short last batch cannot be found so
+    (its start depends on earlier restarts): not checked.
+    """
+    start = plan.full_batch_before(next_record)
+    if start is None:
+      return "not applicable (the batch before is an epoch's last, whose start depends on earlier restarts)"
+    check_plan = node.spec.plan_at(start, mixture, skips.effective)
+    with node.planned(check_plan, mixture):
+      return self._check_same_content(content, check_plan.index_of(start) + 1, origin)
+
+  # -- skips
+
+  @property
+  def _fingerprint_without_skips(self) -> dict[str, Any]:
+    return {k: v for k, v in self._fingerprint.items() if k != _skips.FIELD}
+
+  def _merged_skips(self, saved: _skips.Skips, from_record: int | None, position: Mapping[str, Any],
+                    origin: str) -> "_SkipChange":
+    """What the restored run skips: the saved skips and this pipeline's declared ones from the position on.
+
+    `from_record`: the restored stream record, or None where the position
+    is no stream record (a Grain index above make_dataset, lanes): then
+    everything declared applies from the restart on.
+
+    Raises:
+      UnsupportedConfigError: skips this pipeline cannot keep (the message says why and what to do).
+    """
+    node = self._spec_node
+    if node is None:
+      return _SkipChange(saved, _skips.NO_SKIPS, ())
+    spec = node.spec
+    new, already = _skips.resolve(
+        node.declared, from_record=from_record, epoch_length=None if spec.is_mixture else spec.source.length,
+        shuffled=dataset_lib.is_shuffled(spec), mixture=spec.is_mixture, origin=origin)
+    effective = saved.union(new)
+    change = _SkipChange(effective, effective.added_to(saved), already)
+    if isinstance(node, dataset_lib.GlobalBatchDataset) and node.sparse:
+      _check_sparse_skips(node, effective, origin)
+    if isinstance(node, _lanes.LaneDataset) and change.added:
+      _lanes.check_added_skips(node, position, change.added, origin=origin)
+    return change
+
+  def _apply_skips(self, change: "_SkipChange") -> None:
+    """The apply half of the skips: the node skips them, the states carry them, the log says what changed."""
+    if self._spec_node is None:
+      return
+    self._spec_node.set_skips(change.effective)
+    self._fingerprint = self._fingerprint_without_skips
+    if change.effective:
+      self._fingerprint[_skips.FIELD] = change.effective.to_text()
+    for line in change.lines():
+      _drift.LOGGER.info(line)
+
+  @contextlib.contextmanager
+  def _spec_node_skipping(self, skips: _skips.Skips) -> Any:
+    """The make_dataset node skips `skips` for the duration (a restore's content check)."""
+    node = self._spec_node
+    if node is None:
+      yield
+      return
+    before = node.skips
+    node.set_skips(skips)
+    try:
+      yield
+    finally:
+      node.set_skips(before)
 
   def _bare_index(self, next_index: Any, origin: str) -> int:
     """A bare Grain state's batch index, checked against this pipeline as built."""
@@ -486,4 +592,45 @@ _CONTENT_OFF = "off: check_content=False"
 _CONTENT_SKIPPED = "unavailable: elements skipped, none read since"
 _CONTENT_RECUT = "unavailable: restored under another batch plan, no batch read since"
 _DECLARED_CHANGES = frozenset({_drift.WEIGHTS, _drift.SOURCES})
+_CONTENT_SKIPS_ADDED = "not applicable (skips added at this restore)"
+
+
+@dataclasses.dataclass(frozen=True)
+class _SkipChange:
+  """The skips a restore settles on: all of them, those it adds, and declared ranges already read."""
+
+  effective: _skips.Skips
+  added: _skips.Skips
+  already_read: tuple[tuple[int, int], ...]
+
+  def lines(self) -> list[str]:
+    lines = []
+    if self.added:
+      lines.append(f"skips added at this restore: {self.added.describe()}; the run now skips "
+                   f"{self.effective.describe()}.")
+    if self.already_read:
+      shown = ", ".join(f"{a}-{b - 1}" for a, b in self.already_read)
+      lines.append(f"declared skip of stream records {shown} not applied: they were read before the "
+                   "restored position (restore an earlier step to skip them).")
+    return lines
+
+
+def _without_skips(state: state_lib.IteratorState) -> state_lib.IteratorState:
+  fingerprint = {k: v for k, v in state.fingerprint.items() if k != _skips.FIELD}
+  return dataclasses.replace(state, fingerprint=fingerprint)
+
+
+def _check_sparse_skips(node: dataset_lib.GlobalBatchDataset, skips: _skips.Skips, origin: str) -> None:
+  """A make_dataset under other Grain steps skips a record by yielding None: one record per element only.
+
+  Raises:
+    UnsupportedConfigError: skips with a global batch of more than one record.
+  """
+  if skips and node.spec.global_batch_size > 1:
+    raise errors.UnsupportedConfigError(
+        f"{origin}: skipping {skips.describe()} under other Grain steps (this pipeline applies steps after "
+        f"make_dataset that are not per-batch maps, so its position is not a stream record) works only with "
+        f"a global batch of one record; this one has {node.spec.global_batch_size} "
+        f"(batch_size={node.spec.batch_size} x shard_count={node.spec.shard_count}). Batch with "
+        "make_dataset(batch_size=...) itself, or drop the records by content with make_dataset(filter=...).")
 _CONTENT_LOOKBACK = 64

@@ -420,6 +420,13 @@ class ArrayRecordSource:
     """The files, in the order their records are numbered."""
     return list(self._paths)
 
+  def file_offsets(self) -> list[int]:
+    """The global index of each file's first record, and the total (each file's length read once)."""
+    import grain  # pylint: disable=g-import-not-at-top
+
+    lengths = [len(grain.sources.ArrayRecordDataSource([path])) for path in self._paths]
+    return np.cumsum([0] + lengths).tolist()
+
   def __repr__(self) -> str:
     return f"ArrayRecordSource({len(self._paths)} files, {len(self)} records)"
 
@@ -717,3 +724,24 @@ def _import_pyarrow_parquet():
 
 def _short(value: Any) -> str:
   return state_lib.short_repr(value, limit=60)
+
+
+def file_position(source: Any, index: int) -> tuple[str, str] | None:
+  """(file, "line N" or "row N") of record `index` of a file source (1-based lines, 0-based rows); None otherwise.
+
+  For `ckpt-iter which --source`: where a record the data map names is, in the files the run read.
+  """
+  if isinstance(source, JsonlSource):
+    file_index, line = _locate(source._offsets, index, len(source))  # pylint: disable=protected-access
+    return source.paths[file_index], f"line {line + 1}"
+  if isinstance(source, ParquetSource):
+    group, row = _locate(source._group_offsets, index, len(source))  # pylint: disable=protected-access
+    file_index, _ = source._groups[group]  # pylint: disable=protected-access
+    first_group = next(g for g, (f, _) in enumerate(source._groups) if f == file_index)  # pylint: disable=protected-access
+    row += source._group_offsets[group] - source._group_offsets[first_group]  # pylint: disable=protected-access
+    return source.paths[file_index], f"row {row}"
+  if isinstance(source, ArrayRecordSource):
+    offsets = source.file_offsets()
+    file_index, record = _locate(offsets, index, len(source))
+    return source.paths[file_index], f"record {record}"
+  return None

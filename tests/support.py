@@ -51,3 +51,62 @@ def read_all(directory: str | os.PathLike[str]) -> list[state_lib.IteratorState]
   states = [_files.read_state(directory, i, count) for i in range(count)]
   elastic.check_agree(directory, states)
   return states
+
+
+CHAIN_RECORDS = [{"id": i} for i in range(23)]
+CHAIN_SOURCES = {"a": [{"id": 1000 + i} for i in range(17)], "b": [{"id": 2000 + i} for i in range(11)]}
+
+
+def chain_pipeline(count: int, index: int, global_batch: int, *, seed: int | None = 5, skip: Any = None,
+                   mixture: dict[str, int] | None = None, drop: bool = True) -> Any:
+  """Process `index` of `count`'s make_dataset over CHAIN_RECORDS (4 epochs) or a mixture of CHAIN_SOURCES."""
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  common = dict(batch_size=global_batch // count, seed=seed, shard_index=index, shard_count=count,
+                drop_remainder=drop, skip=skip)
+  if mixture is not None:
+    sources = {name: CHAIN_SOURCES[name] for name in mixture}
+    return ckpt_iter.make_dataset(sources, weights=mixture, num_epochs=None, **common)
+  return ckpt_iter.make_dataset(CHAIN_RECORDS, num_epochs=4, **common)
+
+
+def batch_ids(batch: Any) -> list[int]:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  return [int(v) for v in np.asarray(batch["id"]).reshape(-1)]
+
+
+def run_chain(root: str, segments: Sequence[tuple[int, int, int, int, Any]], **pipeline: Any) -> list[list[int]]:
+  """Trains `segments` [(processes, global batch, batches saved, batches lost, skip)] into `root`.
+
+  A step (`<root>/<step>/data`, written by the Orbax handler for every
+  process) is saved after each batch; "lost" batches are read after the last
+  save (then the segment is killed) and read again by the next segment, which
+  restores the latest step (elastic, other weights and sources allowed).
+
+  Returns:
+    The global batches the chain kept (the processes' rows in order): the run's data order.
+  """
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  kept, step = [], 0
+  for number, (count, global_batch, saved, lost, skip) in enumerate(segments):
+    iterators = [ckpt_iter.DataIterator(chain_pipeline(count, i, global_batch, skip=skip, **pipeline))
+                 for i in range(count)]
+    if number and step:  # the latest step, if any was saved
+      for index, iterator in enumerate(iterators):
+        checkpoint_lib.IteratorCheckpointHandler(index, count).restore(
+            os.path.join(root, str(step), "data"),
+            ckpt_iter.IteratorRestore(iterator, elastic=True, allow_drift={"weights", "sources"}))
+    for _ in range(saved):
+      kept.append([r for iterator in iterators for r in batch_ids(next(iterator))])
+      step += 1
+      item = os.path.join(root, str(step), "data")
+      os.makedirs(item)
+      for index, iterator in enumerate(iterators):
+        checkpoint_lib.IteratorCheckpointHandler(index, count).save(item, ckpt_iter.IteratorSave(iterator))
+    for _ in range(lost):
+      for iterator in iterators:
+        next(iterator, None)  # read past the last save (the stream may end there)
+  return kept

@@ -4,6 +4,8 @@
     ckpt-iter verify /ckpts/run1             # exit 0 ok, 1 problems, 2 usage
     ckpt-iter diff /ckpts/run1 3 5             # or --step 3 --step 5
     ckpt-iter audit /ckpts/run1 --plot run1.png   # exit 0 an unbroken chain of resumes
+    ckpt-iter which /ckpts/run1 --step 1200  # the records the last batch before step 1200 held
+    ckpt-iter order /ckpts/run1 --out order.parquet   # every global batch of the run, in order
 
 Everything is read from the state files: no model is restored, no array is
 loaded by `inspect` or `diff`, and neither JAX, Grain, Orbax nor Tunix is
@@ -95,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # The verbs that print what checkpoint files hold: their output is escaped.
-_READING_VERBS = ("inspect", "verify", "diff", "audit")
+_READING_VERBS = ("inspect", "verify", "diff", "audit", "which", "order")
 # What a checkpoint's string could use to rewrite what the operator sees:
 # control characters (escape sequences, carriage return, backspace...),
 # invisible and direction-changing format characters, lone surrogates.
@@ -157,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
   _add_verify(verbs)
   _add_diff(verbs)
   _add_audit(verbs)
+  _add_which(verbs)
+  _add_order(verbs)
   return parser
 
 
@@ -217,6 +221,44 @@ def _add_audit(verbs: Any) -> None:
   parser.add_argument("--plot", metavar="FILE.png",
                       help="also draw the timeline (needs matplotlib: pip install 'ckpt_iter[plot]')")
   parser.set_defaults(run=run_audit)
+
+
+def _add_which(verbs: Any) -> None:
+  summary = "which source records a step's last batch, or a global batch of the run, held"
+  parser = verbs.add_parser(
+      "which", help=summary,
+      description=summary + " (docs/data_map.md). From the checkpoint alone for a make_dataset pipeline whose "
+      "position counts stream records; elsewhere it names ckpt_iter.which(pipeline, state).",
+      epilog="exit codes: 0 answered, 1 not answerable from the checkpoint (the message says why and what "
+      "answers instead: a step not kept, a pipeline whose rows user code computes), 2 usage error")
+  _add_checkpoint_argument(parser)
+  where = parser.add_mutually_exclusive_group(required=True)
+  where.add_argument("--step", type=_step_number, help="the last batch read before this checkpoint was saved")
+  where.add_argument("--batch", type=_step_number, help="global batch K of the run (from 0), across its resumes")
+  _add_item_argument(parser)
+  parser.add_argument("--process", type=_step_number, default=0,
+                      help="read this process's states (default 0; every process's batches are the same)")
+  parser.add_argument("--source", action="append", default=[], metavar="PATH|NAME=PATH",
+                      help="the source files the run read (checked against its fingerprint): "
+                      "adds each record's file and line or row")
+  parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+  parser.set_defaults(run=run_which)
+
+
+def _add_order(verbs: Any) -> None:
+  summary = "write the run's data order: every global batch's source records, in order"
+  parser = verbs.add_parser(
+      "order", help=summary, description=summary + " (JSONL, or Parquet when FILE ends in .parquet; streamed, "
+      "O(1) memory in the run's length; FILE may be gs://...).",
+      epilog="exit codes: 0 written, 1 not answerable from the checkpoint, 2 usage error")
+  _add_checkpoint_argument(parser)
+  parser.add_argument("--out", required=True, metavar="FILE", help="where to write (.jsonl or .parquet)")
+  parser.add_argument("--from", dest="start", type=_step_number, default=0, metavar="K",
+                      help="first global batch to write (default 0)")
+  parser.add_argument("--limit", type=_step_number, metavar="N", help="write at most N batches")
+  _add_item_argument(parser)
+  parser.add_argument("--process", type=_step_number, default=0, help="read this process's states (default 0)")
+  parser.set_defaults(run=run_order)
 
 
 def _add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
@@ -319,6 +361,8 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
   rows.extend((name, _scalar(summary[name])) for name in inspection.LEARNER_POSITION_FIELDS if name in summary)
   rows.append(("shuffle_key", _NO_SHUFFLE_KEY.get(summary["kind"], "none") if summary["shuffle_key"] is None
                else str(summary["shuffle_key"])))
+  if summary.get("skips"):
+    rows.append(("skips", summary["skips"]["text"] + " (kept by every restore; ckpt-iter audit accounts for them)"))
   rows.append(("pending", describe_pending(summary["pending"])))
   if summary["pending"] is not None:
     rows.append(("pending schedule", _schedule(summary["pending"]["schedule"])))
@@ -441,6 +485,39 @@ def run_audit(args: argparse.Namespace) -> int:
       auditing.OK: EXIT_OK, auditing.BROKEN: EXIT_PROBLEMS,
       auditing.UNPROVEN: EXIT_UNPROVEN, auditing.NOTHING: EXIT_NOTHING,
   }[report.verdict]
+
+
+# ---------------------------------------------------------------------------
+# which, order
+
+
+def run_which(args: argparse.Namespace) -> int:
+  from ckpt_iter.cli import _which  # pylint: disable=g-import-not-at-top  (Grain's shuffle, loaded when asked)
+
+  layout = inspection.find_layout(args.checkpoint, args.item)
+  if args.step is not None:
+    answer = _which.which_step(layout, layout.choose_step(args.step), args.process)
+  else:
+    answer = _which.which_batch(layout, args.batch, args.process)
+  files = None
+  if args.source:
+    fingerprint, _ = _which.datamap.input_part(_which.States(layout, args.process)[
+        answer.step if answer.step is not None else layout.steps[-1]])
+    files = _which.SourceFiles(args.source, fingerprint)
+  if args.json:
+    print(json.dumps(_which.answer_json(answer, files), indent=1))
+  else:
+    print("\n".join(_which.answer_lines(answer, files)))
+  return EXIT_OK
+
+
+def run_order(args: argparse.Namespace) -> int:
+  from ckpt_iter.cli import _which  # pylint: disable=g-import-not-at-top
+
+  layout = inspection.find_layout(args.checkpoint, args.item)
+  written = _which.write_order(layout, args.out, process_index=args.process, start=args.start, limit=args.limit)
+  print(f"{args.out}: {_plural(written, 'global batch', 'global batches')} from batch {args.start}")
+  return EXIT_OK
 
 
 # ---------------------------------------------------------------------------

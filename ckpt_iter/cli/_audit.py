@@ -40,6 +40,8 @@ from ckpt_iter import _storage
 from ckpt_iter import _learner_state
 from ckpt_iter import _records
 from ckpt_iter import _urls
+from ckpt_iter import _skips
+from ckpt_iter import datamap
 from ckpt_iter import errors
 from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import state as state_lib
@@ -66,6 +68,11 @@ class Saved:
   remaining: int  # pending items still to be yielded
   saved_step: int | None  # the step it was written in, when the writer recorded it
   run: int | None  # the step its run first saved at (`lineage.run_of`), when recorded
+  skips: _skips.Skips = _skips.NO_SKIPS  # the records its run skips (`_skips`)
+  next_record: int | None = None  # its input's stream position, where the position counts stream records
+  # A Tunix learner inside a full batch (micro-batches of it taken): the stream record after that batch,
+  # before which a resume must not add skips (the learner continues that very batch).
+  inside_until: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +197,12 @@ def _read_step(
 
 def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved:
   value = codec.header_state(header, origin=origin)
+  input_fingerprint, input_position, own = _learner_state.input_view(value.kind, value.fingerprint, value.position)
+  next_record = input_position.get(_records.NEXT_RECORD) if isinstance(input_position, Mapping) else None
   return Saved(
+      skips=_skips.Skips.from_text(input_fingerprint.get(_skips.FIELD), origin=origin),
+      next_record=next_record if state_lib.is_int(next_record) else None,
+      inside_until=_inside_until(input_fingerprint, input_position, own, origin),
       step=step, process_index=index, process_count=count, kind=value.kind,
       digests=lineage_lib.header_digests(header, origin=origin, value=value),
       progress=_progress(value),
@@ -201,6 +213,18 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
       saved_step=_saved_step(header, origin),
       run=lineage_lib.run_of(value.lineage),
   )
+
+
+def _inside_until(fingerprint: Mapping[str, Any], position: Any, own: Mapping[str, Any], origin: str) -> int | None:
+  """For a learner inside a full batch: the stream record after that batch (None otherwise, or unknown)."""
+  if not (own.get("micro_batches_taken") or own.get("rows_taken")) or not isinstance(position, Mapping):
+    return None
+  try:
+    stream = datamap.Stream(fingerprint, position, origin=origin)
+    plan = stream.plan_at(stream.next_record)
+    return plan.span(plan.index_of(stream.next_record))[1]
+  except (errors.CkptIterError, TypeError):
+    return None
 
 
 def _saved_step(header: Mapping[str, Any], origin: str) -> int | None:
@@ -271,6 +295,8 @@ def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[i
     if after["digest"] != before["digest"]:
       return [Finding(BROKEN, *where, f"another run than step {previous.step}'s (their lineages differ)")]
     changed = state_lib.differing_fields(previous.fingerprint, saved.fingerprint)
+    if changed and saved.skips != previous.skips:
+      return [_skips_finding_without_resume(previous, saved)]
     if changed:
       shown = ", ".join(f"{name}: {state_lib.short_repr(a, 24)} -> {state_lib.short_repr(b, 24)}"
                         for name, (a, b) in sorted(changed.items())[:3])
@@ -306,7 +332,51 @@ def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[i
   findings = [_resume_finding(entry, previous, saved, by_step) for entry in entries]
   if all(f.verdict == OK for f in findings):
     findings += _forward(previous, saved, " after the resume")
-  return findings
+  return findings + _skip_findings(previous, saved, entries, by_step)
+
+
+def _skips_finding_without_resume(previous: Saved, saved: Saved) -> Finding:
+  where = (saved.step, saved.process_index)
+  if not saved.skips.covers(previous.skips):
+    return Finding(BROKEN, *where, f"lost skips with no resume between it and step {previous.step}: step "
+                   f"{previous.step} skips {previous.skips.describe()}, this state {saved.skips.describe()}")
+  return Finding(BROKEN, *where, f"skips {saved.skips.added_to(previous.skips).describe()} appeared with no "
+                 f"resume since step {previous.step} (skips are added only by a restore)")
+
+
+def _skip_findings(previous: Saved, saved: Saved, entries: list[Mapping[str, Any]],
+                   by_step: Mapping[int, Mapping[int, Saved]]) -> list[Finding]:
+  """Skips across resumes: kept (a state that lost some is broken), and the added ones accounted for.
+
+  An added stream range must start at or after the restored position: the
+  records before it were read (trained) before the checkpoint, so a state
+  claiming them skipped would not be the uninterrupted stream minus them.
+  """
+  where = (saved.step, saved.process_index)
+  if not saved.skips.covers(previous.skips):
+    return [Finding(BROKEN, *where, f"lost skips across the resume since step {previous.step}: step "
+                    f"{previous.step} skips {previous.skips.describe()}, this state {saved.skips.describe()}: "
+                    "records the run was told to skip may have been trained")]
+  added = saved.skips.added_to(previous.skips)
+  if not added:
+    return []
+  last = entries[-1] if entries else {}
+  restored = by_step.get(last.get("step"), {}).get(0 if last.get("resized") else saved.process_index)
+  start = None if restored is None else restored.next_record
+  early = [(a, b) for a, b in added.records if start is not None and a < start]
+  if early:
+    return [Finding(BROKEN, *where, f"skips stream records {early[0][0]}-{early[0][1] - 1}, before the restored "
+                    f"position {start}: those records were read before the checkpoint")]
+  inside = restored.inside_until if restored is not None else None
+  partial = [(a, b) for a, b in added.records if inside is not None and a < inside]
+  if partial:
+    return [Finding(BROKEN, *where, f"skips stream records {partial[0][0]}-{partial[0][1] - 1}, inside the full "
+                    f"batch {start}-{inside - 1} the learner had started at the restored step: part of it was "
+                    "trained, so skipping in it changes the rest of that batch. Skip from its end on, or restore "
+                    "a step at a full-batch boundary")]
+  at = "" if start is None else f", all at or after the restored position {start}"
+  return [Finding(OK, *where, f"skips added at the resume since step {previous.step}: {added.describe()}{at}; "
+                  f"the run skips {saved.skips.describe()}")]
 
 
 def _resume_finding(
@@ -393,7 +463,8 @@ def report_json(report: Report) -> dict[str, Any]:
       "findings": [dataclasses.asdict(f) for f in report.findings],
       "points": [
           {"step": p.step, "process_index": p.process_index, "kind": p.kind, "progress": p.progress,
-           "resumes": p.lineage["resumes"], "pending": p.remaining, "run": p.run}
+           "resumes": p.lineage["resumes"], "pending": p.remaining, "run": p.run,
+           "skips": _skips.count(p.skips.records)}
           for p in report.points
       ],
   }

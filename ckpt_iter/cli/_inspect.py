@@ -26,6 +26,7 @@ from typing import Any, Collection, Mapping
 from ckpt_iter import _describe
 from ckpt_iter import _files
 from ckpt_iter import _learner_state
+from ckpt_iter import _skips
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import lineage as lineage_lib
@@ -355,6 +356,8 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
   """
   value = codec.header_state(header, origin=origin)
   specs = codec.array_specs(header, origin=origin)
+  input_fingerprint, _, _ = _learner_state.input_view(value.kind, value.fingerprint, value.position)
+  skips = _skips.Skips.from_text(input_fingerprint.get(_skips.FIELD), origin=origin)
   return {
       "format_version": header.get("format_version", 0),
       "kind": value.kind,
@@ -369,6 +372,8 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
       "last_resume_from": (value.lineage["recent"][-1]["step"]
                            if value.lineage is not None and value.lineage["recent"] else None),
       "run_first_saved_at": lineage_lib.run_of(value.lineage),
+      "skips": None if not skips else {"text": skips.describe(), "records": [list(r) for r in skips.records],
+                                       "every_epoch": [list(r) for r in skips.every_epoch]},
   }
 
 

@@ -28,8 +28,10 @@ import sys
 from typing import Any, Iterator, Mapping, Sequence
 
 from ckpt_iter import _urls
+from ckpt_iter import _skips
 from ckpt_iter import errors
 from ckpt_iter import tunix as ckpt_tunix
+from ckpt_iter.dataset import with_skip
 from ckpt_iter.tunix import _api as api
 
 PROG = "python -m ckpt_iter.tunix.cli"
@@ -39,11 +41,11 @@ _BUNDLED_CONFIG = "base_config.yaml"  # the one bare name Tunix resolves inside 
 OPTIONS_SECTION = "ckpt_iter"
 # A run started with Tunix's own command has stock checkpoints: continuing
 # them the way stock does (with #2290's skip fixed) is never worse than stock.
-DEFAULT_OPTIONS = {"on_legacy_checkpoint": "fast_forward", "allow_drift": ()}
-# The train() options each pipeline's learner takes.
-_PIPELINE_OPTIONS = {"grpo": ("on_legacy_checkpoint", "allow_drift"),
-                     "ppo": ("on_legacy_checkpoint", "allow_drift"),
-                     "sft": ("allow_drift",)}
+DEFAULT_OPTIONS = {"on_legacy_checkpoint": "fast_forward", "allow_drift": (), "skip": None}
+# The train() options each pipeline's learner takes (`skip` is declared on its train_ds, not passed).
+_PIPELINE_OPTIONS = {"grpo": ("on_legacy_checkpoint", "allow_drift", "skip"),
+                     "ppo": ("on_legacy_checkpoint", "allow_drift", "skip"),
+                     "sft": ("allow_drift", "skip")}
 
 USAGE = """\
 usage: {prog} {{{kinds}}} CONFIG.yaml [key=value ...] [--absl_flag=value ...]
@@ -65,6 +67,10 @@ the data exactly from the latest checkpoint.
   ckpt_iter.allow_drift=field[,field...]
                 fingerprint fields the checkpoint may differ in (as
                 train(allow_drift=...)); also a `ckpt_iter:` section in CONFIG.yaml
+  ckpt_iter.skip=records:A-B[,C-D][;source:E-F]
+                stream records (or an unshuffled source's records) to skip from
+                this restart on; the checkpoints keep them for every later
+                restart (ckpt_iter.with_skip on the training data)
   --flag=value  absl flags of the Tunix pipeline (e.g. --pathways_bns=...)
 
 `{prog} --example-config` prints a complete GRPO config that reads its
@@ -93,11 +99,20 @@ def _resumable_class(module: Any, attribute: str) -> type:
 
 
 def _with_train_options(cls: type, options: Mapping[str, Any]) -> type:
-  """`cls` whose `train()` takes `options` unless its caller (Tunix's pipeline) passes them."""
-  if not options:
+  """`cls` whose `train()` takes `options` unless its caller (Tunix's pipeline) passes them.
+
+  `skip` is not a train() argument: it is declared on the training data
+  (`ckpt_iter.with_skip`), whose restore adds it to the checkpoint's skips.
+  """
+  options = dict(options or {})
+  skip = options.pop("skip", None)
+  if not options and not skip:
     return cls
 
   def train(self, *args, **kwargs):
+    if skip:
+      data = kwargs.get("train_ds", args[0] if args else None)
+      with_skip(data, skip)
     return cls.train(self, *args, **{**options, **kwargs})
 
   return type(cls.__name__, (cls,), {"train": train, "__module__": cls.__module__,
@@ -189,7 +204,7 @@ def train_options(kind: str, config: str, overrides: Sequence[str]) -> tuple[dic
   if refused:
     raise _Usage(f"{OPTIONS_SECTION}.{refused[0]} does not apply to the {kind} pipeline: its learner "
                  "continues a stock Tunix checkpoint as stock does. Remove it.")
-  options = {key: DEFAULT_OPTIONS[key] for key in accepted}
+  options = {key: DEFAULT_OPTIONS[key] for key in accepted if key != "skip"}
   if "on_legacy_checkpoint" in section:
     policy = section["on_legacy_checkpoint"]
     if policy not in ckpt_tunix.LEGACY_POLICIES:
@@ -203,6 +218,11 @@ def train_options(kind: str, config: str, overrides: Sequence[str]) -> tuple[dic
     if not isinstance(fields, (list, tuple)) or not all(isinstance(f, str) for f in fields):
       raise _Usage(f"{OPTIONS_SECTION}.allow_drift={fields!r}: expected a list of fingerprint field names.")
     options["allow_drift"] = tuple(fields)
+  if section.get("skip"):
+    try:
+      options["skip"] = _skips.Skip.parse(str(section["skip"]))
+    except errors.InvalidArgumentError as e:
+      raise _Usage(f"{OPTIONS_SECTION}.skip: {e}") from None
   return options, rest
 
 

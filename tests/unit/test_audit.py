@@ -21,6 +21,7 @@ import ckpt_iter
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import cli
 from ckpt_iter import lineage
+import support
 
 
 def _dataset():
@@ -377,3 +378,68 @@ def test_a_root_without_data_states_draws_no_position_axis_and_says_why(tmp_path
   axes = _drawn(tmp_path)
   assert list(axes.get_yticks()) == []
   assert any("no data state in any step" in text.get_text() for text in axes.texts)
+
+
+# ---------------------------------------------------------------------------
+# Skips: a resume may add them (accounted for), no state may lose them.
+
+
+def _skip_chain(root):
+  return support.run_chain(str(root), [(1, 4, 2, 0, None), (1, 4, 2, 0, [(10, 12)]), (1, 2, 2, 0, None)])
+
+
+def test_skips_added_at_a_resume_are_accounted_for_and_kept(tmp_path, capsys):
+  _skip_chain(tmp_path)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 0 and report["verdict"] == "ok", report["findings"]
+  added = [f for f in report["findings"] if "skips added" in f["message"]]
+  assert [(f["step"], f["verdict"]) for f in added] == [(3, "ok")]
+  assert "stream records 10-11 (2 records), all at or after the restored position 8" in added[0]["message"]
+  assert [p["skips"] for p in report["points"]] == [0, 0, 2, 2, 2, 2]
+
+
+def _drop_skips(header):
+  header["fingerprint"].pop("skips")
+
+
+def _skip_before(header):
+  header["fingerprint"]["skips"] = '{"records":[[2,3],[10,12]]}'
+
+
+@pytest.mark.parametrize("step, edit, fragment", [
+    (5, _drop_skips, "lost skips across the resume since step 4"),
+    (4, _drop_skips, "lost skips with no resume between it and step 3"),
+    (3, _skip_before, "skips stream records 2-2, before the restored position 8"),
+], ids=["lost at a resume", "lost without a resume", "before the position"])
+def test_a_state_that_loses_skips_or_skips_what_was_read_is_a_break(tmp_path, capsys, step, edit, fragment):
+  _skip_chain(tmp_path)
+  for name in os.listdir(os.path.join(tmp_path, str(step), "data")):
+    if name.endswith(".json") and name.startswith("process_"):
+      path = os.path.join(tmp_path, str(step), "data", name)
+      with open(path) as f:
+        header = json.load(f)
+      edit(header)
+      with open(path, "w") as f:
+        json.dump(header, f)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1 and report["verdict"] == "broken"
+  assert any(fragment in f["message"] for f in report["findings"] if f["verdict"] == "broken"), report["findings"]
+
+
+def test_skips_inside_the_full_batch_a_learner_had_started_are_a_break(tmp_path, capsys):
+  fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "v1_tunix_roots", "grpo", "root")
+  root = tmp_path / "root"
+  shutil.copytree(fixture, root)
+  path3 = os.path.join(root, "actor", "3", "data", "process_0-of-1.json")
+  path4 = os.path.join(root, "actor", "4", "data", "process_0-of-1.json")
+  for path, change in ((path3, lambda h: h["position"].update(micro_batches_taken=1)),
+                       (path4, lambda h: h["fingerprint"].update(skips='{"records":[[2,3]]}'))):
+    with open(path) as f:
+      header = json.load(f)
+    change(header)
+    with open(path, "w") as f:
+      json.dump(header, f)
+  code, report, _ = _audit(capsys, root)
+  assert code == 1
+  assert any("inside the full batch 2-2 the learner had started" in f["message"] for f in report["findings"]
+             if f["verdict"] == "broken"), report["findings"]

@@ -1,6 +1,7 @@
 """Tests for ckpt_iter.DataIterator: exact, O(1), validated resume."""
 
 import itertools
+import os
 import json
 
 import grain
@@ -13,6 +14,7 @@ import pytest
 import ckpt_iter
 from ckpt_iter import _drift
 from ckpt_iter import testing
+import support
 
 _NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
@@ -489,3 +491,106 @@ def test_a_reweighted_grain_iter_mix_continues_each_source_when_declared():
     got = [i for i in first + later if low <= i < low + 1000]
     assert got == list(range(low, low + len(got)))
   assert sum(i < 1000 for i in later) > sum(i >= 1000 for i in later)
+
+
+# ---------------------------------------------------------------------------
+# Skips (ckpt_iter._skips): declared at a restore, kept by every later one.
+
+
+def _chain_restore(root, step, iterator, **args):
+  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  checkpoint_lib.IteratorCheckpointHandler(0, 1).restore(os.path.join(root, str(step), "data"),
+                                                         ckpt_iter.IteratorRestore(iterator, **args))
+
+
+def test_a_same_size_restore_after_a_batch_size_change_checks_the_batch_that_ended_the_epoch(tmp_path):
+  # 23 records: batches of 4 to record 8, then of 5 from 8: 8-12, 13-17, 18-22 end epoch 0 exactly. The
+  # batch before record 23 is 18-22, not the 15-19 batches of 5 from the epoch's first record would give.
+  root = str(tmp_path)
+  support.run_chain(root, [(1, 4, 2, 0, None), (1, 5, 3, 0, None)])
+  resumed = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 5))
+  _chain_restore(root, 5, resumed)
+  assert resumed.restored_content_check.startswith("same element")
+
+
+def test_skips_declared_at_a_restore_apply_from_its_position_and_every_later_restore_keeps_them(tmp_path, caplog):
+  root = str(tmp_path)
+  kept = support.run_chain(root, [(1, 4, 2, 0, None), (1, 4, 2, 0, [(4, 10), (12, 14)]), (2, 4, 2, 0, None)])
+  caplog.set_level("INFO", logger="ckpt_iter")
+  state = json.load(open(os.path.join(root, "6", "data", "process_0-of-2.json")))
+  assert json.loads(state["fingerprint"]["skips"]) == {"records": [[8, 10], [12, 14]]}  # 4-7 were read
+  # The uninterrupted stream minus the skipped records, cut in batches of 4 that keep to their epoch.
+  stream = [r for batch in ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 1)) for r in support.batch_ids(batch)]
+  expected = []
+  for epoch in range(2):
+    kept_epoch = [stream[g] for g in range(23 * epoch, 23 * (epoch + 1)) if not (8 <= g < 10 or 12 <= g < 14)]
+    expected += kept_epoch[:len(kept_epoch) // 4 * 4]
+  assert [r for batch in kept for r in batch] == expected[:24]
+
+
+def test_a_declared_skip_already_read_is_said_and_not_applied(tmp_path, caplog):
+  root = str(tmp_path)
+  support.run_chain(root, [(1, 4, 2, 0, None)])
+  caplog.set_level("INFO", logger="ckpt_iter")
+  resumed = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, skip=[(2, 12)]))
+  _chain_restore(root, 2, resumed)
+  assert json.loads(resumed.fingerprint["skips"]) == {"records": [[8, 12]]}
+  assert "declared skip of stream records 2-7 not applied: they were read before the restored position" in caplog.text
+  assert "skips added at this restore: stream records 8-11 (4 records)" in caplog.text
+
+
+def test_source_records_of_an_unshuffled_source_are_skipped_in_every_epoch_from_the_restart(tmp_path):
+  root = str(tmp_path)
+  support.run_chain(root, [(1, 4, 1, 0, None)], seed=None)
+  resumed = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, seed=None, skip=ckpt_iter.Skip(
+      source_records=[(2, 3), (6, 9)])))
+  _chain_restore(root, 1, resumed)
+  read = [r for batch in itertools.islice(resumed, 12) for r in support.batch_ids(batch)]
+  assert read[:4] == [4, 5, 9, 10] and read[16:20] == [0, 1, 3, 4]  # epoch 1 skips them too
+  assert not {2, 6, 7, 8} & set(read)
+  with pytest.raises(ckpt_iter.UnsupportedConfigError) as info:
+    support.chain_pipeline(1, 0, 4, seed=3, skip=ckpt_iter.Skip(source_records=[(2, 3)]))
+  assert "shuffled" in str(info.value) and "stream_records" in str(info.value)
+
+
+def test_a_state_with_skips_needs_a_make_dataset_pipeline():
+  saved = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, skip=[(1, 2)]))
+  next(saved)
+  state = saved.state().to_dict()
+  state["fingerprint"] = {**state["fingerprint"], "graph": "SourceMapDataset"}
+  with pytest.raises(ckpt_iter.CkptIterError) as info:
+    ckpt_iter.DataIterator(grain.MapDataset.range(10)).set_state(state)
+  assert "skips stream records 1-1" in str(info.value)
+
+
+def test_make_dataset_under_other_steps_skips_a_record_as_grains_filter_drops_one():
+  def pipeline(skip=None):
+    return (ckpt_iter.make_dataset(support.CHAIN_RECORDS, batch_size=1, seed=None, num_epochs=1, shard_index=0,
+                                   shard_count=1, skip=skip).to_iter_dataset(_NO_THREADS).batch(3))
+  saved = ckpt_iter.DataIterator(pipeline(skip=[(4, 6)]))
+  assert support.batch_ids(next(saved)) == [0, 1, 2] and support.batch_ids(next(saved)) == [3, 6, 7]
+  resumed = ckpt_iter.DataIterator(pipeline())  # not declared again: the state carries them
+  resumed.set_state(saved.get_state())
+  assert support.batch_ids(next(resumed)) == [8, 9, 10]
+  assert json.loads(resumed.fingerprint["skips"]) == {"records": [[4, 6]]}
+  with pytest.raises(ckpt_iter.UnsupportedConfigError) as info:
+    ckpt_iter.DataIterator(ckpt_iter.make_dataset(support.CHAIN_RECORDS, batch_size=2, shard_index=0, shard_count=1,
+                                                  skip=[(1, 2)]).to_iter_dataset(_NO_THREADS).batch(2))
+  assert "global batch of one record; this one has 2" in str(info.value)
+
+
+def test_a_lanes_pipeline_drops_skipped_records_and_refuses_a_skip_into_a_chunk_in_progress():
+  def pipeline(skip=None):
+    return ckpt_iter.make_dataset(support.CHAIN_RECORDS, batch_size=2, seed=None, num_epochs=None, shard_index=0,
+                                  shard_count=1, chunk_size=4, num_lanes=2, filter=lambda r: True, skip=skip)
+  saved = ckpt_iter.DataIterator(pipeline())
+  assert support.batch_ids(next(saved)) == [0, 4]  # lane 0 takes chunk 0, lane 1 chunk 1
+  state = saved.get_state()
+  with pytest.raises(ckpt_iter.UnsupportedConfigError) as info:
+    ckpt_iter.DataIterator(pipeline(skip=[(2, 3)])).set_state(state)
+  assert "chunk 0, of which lane 0 has already taken 1 rows" in str(info.value)
+  resumed = ckpt_iter.DataIterator(pipeline(skip=[(9, 11)]))  # chunk 2: lane 0's next
+  resumed.set_state(state)
+  read = [support.batch_ids(next(resumed)) for _ in range(5)]
+  assert [b[0] for b in read] == [1, 2, 3, 8, 11]

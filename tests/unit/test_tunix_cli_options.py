@@ -4,6 +4,7 @@ import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 import yaml
 
+import ckpt_iter
 from ckpt_iter import errors
 from ckpt_iter.tunix import cli
 
@@ -27,6 +28,8 @@ def _config(tmp_path, section=None):
     ("ppo", None, ["ckpt_iter.allow_drift=train_micro_batch_size,seed"],
      {"on_legacy_checkpoint": "fast_forward", "allow_drift": ("train_micro_batch_size", "seed")}),
     ("sft", {"allow_drift": ["seed"]}, [], {"allow_drift": ("seed",)}),
+    ("sft", {"skip": "records:10-19"}, ["ckpt_iter.skip=records:1200-1263;source:3"],
+     {"allow_drift": (), "skip": ckpt_iter.Skip(records=[(1200, 1264)], source_records=[(3, 4)])}),
 ])
 def test_options_come_from_the_config_section_and_the_command_line(tmp_path, kind, section, arguments, expected):
   options, rest = cli.train_options(kind, _config(tmp_path, section), [*arguments, "data_config.seed=1"])
@@ -38,6 +41,7 @@ def test_options_come_from_the_config_section_and_the_command_line(tmp_path, kin
     ("grpo", ["ckpt_iter.on_legacy=raise"], "ckpt_iter.on_legacy is not an option"),
     ("grpo", ["ckpt_iter.on_legacy_checkpoint=skip"], "on_legacy_checkpoint='skip': expected one of raise"),
     ("sft", ["ckpt_iter.on_legacy_checkpoint=raise"], "does not apply to the sft pipeline"),
+    ("grpo", ["ckpt_iter.skip=rows:1-2"], "ckpt_iter.skip: skip 'rows:1-2': 'rows:1-2' is not"),
 ])
 def test_bad_options_are_refused_naming_them(tmp_path, kind, arguments, message):
   with pytest.raises(cli._Usage, match=message):  # pylint: disable=protected-access
@@ -53,6 +57,18 @@ def test_the_learner_takes_the_options_unless_its_caller_passes_them():
   assert issubclass(configured, Learner) and configured.__qualname__ == Learner.__qualname__
   assert configured().train([]) == ("fast_forward", ())
   assert configured().train([], on_legacy_checkpoint="raise") == ("raise", ())
+
+
+def test_a_skip_option_is_declared_on_the_training_data():
+  class Learner:
+    def train(self, train_ds, eval_ds=None, *, allow_drift=()):
+      return train_ds
+
+  data = ckpt_iter.make_dataset([{"x": i} for i in range(8)], batch_size=2, shard_index=0, shard_count=1)
+  skip = ckpt_iter.Skip(records=[(2, 4)])
+  configured = cli._with_train_options(Learner, {"allow_drift": (), "skip": skip})  # pylint: disable=protected-access
+  assert configured().train(data) is data and data.declared == skip
+  assert [list(b["x"]) for b in ckpt_iter.DataIterator(data)][:2] == [[0, 1], [4, 5]]
 
 
 def test_the_example_config_a_wheel_user_can_print_is_the_one_the_docs_show(capsys):

@@ -1,0 +1,207 @@
+"""Tests for ckpt_iter.datamap (and _permutation, _provenance): which records a run read, from its states.
+
+Runs are trained in this process: "processes" are iterators built with
+shard_index/shard_count, saved into and restored from real item files
+(`<root>/<step>/data`) by the Orbax handler. What the data map says a batch
+held is compared with what the iterators actually yielded.
+"""
+
+import os
+
+import grain
+import pytest
+
+import ckpt_iter
+from ckpt_iter import _codec as codec
+from ckpt_iter import _files
+from ckpt_iter import _permutation
+from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import datamap
+from ckpt_iter import errors
+from ckpt_iter.cli import _inspect as inspection
+from ckpt_iter.cli import _which
+import support
+
+RECORDS = support.CHAIN_RECORDS
+_FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "v1_tunix_roots", "grpo", "root")
+_pipeline = support.chain_pipeline
+_ids = support.batch_ids
+run_chain = support.run_chain
+
+
+def _run_map(root, process=0):
+  layout = inspection.find_layout(str(root))
+  return datamap.RunMap.from_states(_which.States(layout, process), layout.steps[-1])
+
+
+# ---------------------------------------------------------------------------
+# Grain's shuffle, without Grain.
+
+
+@pytest.mark.parametrize("length, seed", [(1, 0), (7, 3), (1000, 2**32 - 1), (23, 5)])
+def test_the_permutation_is_grains_shuffle_in_every_epoch(length, seed):
+  shuffled = grain.MapDataset.range(length).shuffle(seed=seed)
+  for index in list(range(min(length, 50))) + [length, length + 1, 3 * length + length // 2]:
+    # A range wraps: its value at index e*L + p is epoch e's record at p.
+    assert _permutation.shuffled(index, length, seed) == shuffled[index]
+    assert _permutation.epoch_function(index // length, length, seed)(index % length) == shuffled[index]
+
+
+def test_the_public_path_gives_the_same(monkeypatch):
+  monkeypatch.setattr(_permutation, "_compiled", lambda: None)
+  shuffled = grain.MapDataset.range(9).shuffle(seed=4)
+  assert [_permutation.shuffled(i, 9, 4) for i in range(30)] == [shuffled[i] for i in range(30)]
+  assert [_permutation.epoch_function(2, 9, 4)(p) for p in range(9)] == [shuffled[18 + p] for p in range(9)]
+
+
+def test_no_seed_is_the_source_order():
+  assert [_permutation.shuffled(i, 5, None) for i in range(7)] == [0, 1, 2, 3, 4, 0, 1]
+
+
+# ---------------------------------------------------------------------------
+# Runs: the map says what the iterators yielded.
+
+
+@pytest.mark.parametrize("segments", [
+    [(1, 4, 5, 0, None)],
+    [(1, 4, 3, 2, None), (2, 6, 4, 1, None), (1, 3, 6, 0, None)],
+    [(2, 4, 2, 0, None), (1, 5, 3, 0, [(20, 27)]), (4, 8, 3, 0, None), (1, 2, 4, 0, [(64, 65), (70, 75)])],
+], ids=["one segment", "batch sizes and process counts", "skips added at two resumes"])
+def test_the_run_map_names_every_batch_the_chain_kept(tmp_path, segments):
+  kept = run_chain(str(tmp_path), segments)
+  run = _run_map(tmp_path)
+  assert run.total == len(kept)
+  assert [[r.index for r in batch.records] for batch in run.batches()] == kept
+  assert [run.batch(k).number for k in range(len(kept))] == list(range(len(kept)))
+  # Each step's last batch, from its own state and its lineage.
+  layout = inspection.find_layout(str(tmp_path))
+  for step in layout.steps:
+    answer = _which.which_step(layout, step)
+    assert [r.index for r in answer.batch.records] == kept[step - 1]
+    assert answer.batch.number == step - 1
+
+
+def test_rows_are_named_by_the_process_that_held_them(tmp_path):
+  run_chain(str(tmp_path), [(4, 8, 2, 0, None)])
+  batch = _run_map(tmp_path).batch(1)
+  assert [r.process_index for r in batch.records] == [0, 0, 1, 1, 2, 2, 3, 3]
+  process_two = ckpt_iter.DataIterator(_pipeline(4, 2, 8))
+  next(process_two)
+  assert [r.index for r in batch.records if r.process_index == 2] == _ids(next(process_two))
+
+
+def test_a_reweighted_mixture_is_mapped_segment_by_segment(tmp_path):
+  kept = []
+  kept += run_chain(str(tmp_path / "x"), [(1, 4, 3, 0, None)], mixture={"a": 2, "b": 1})
+  # The same root, continued under new weights and a new source set.
+  root = str(tmp_path / "x")
+  iterator = ckpt_iter.DataIterator(_pipeline(1, 0, 4, mixture={"a": 1, "b": 3}))
+  checkpoint_lib.IteratorCheckpointHandler(0, 1).restore(
+      os.path.join(root, "3", "data"), ckpt_iter.IteratorRestore(iterator, allow_drift={"weights"}))
+  for step in (4, 5, 6):
+    kept.append(_ids(next(iterator)))
+    os.makedirs(os.path.join(root, str(step), "data"))
+    checkpoint_lib.IteratorCheckpointHandler(0, 1).save(os.path.join(root, str(step), "data"),
+                                                        ckpt_iter.IteratorSave(iterator))
+  batches = list(_run_map(root).batches())
+  assert [[(1000 if r.source == "a" else 2000) + r.index for r in b.records] for b in batches] == kept
+
+
+def test_an_epochs_short_last_batch_is_placed_by_the_restored_record(tmp_path):
+  # 23 records, batches of 4 without drop: epoch 0 holds 0-3 ... 20-22 (short). Restarted at record 8 with
+  # batches of 5: 8-12, 13-17, 18-22 (full): no short batch. Restarted at 12 with 5: 12-16, 17-21, 22 (short).
+  kept = run_chain(str(tmp_path), [(1, 4, 3, 0, None), (1, 5, 4, 0, None)], drop=False)
+  run = _run_map(tmp_path)
+  assert [[r.index for r in b.records] for b in run.batches()] == kept
+  short = [b for b in run.batches() if len(b.records) < b.batch_size]
+  assert short and all("short last batch" in b.how and "restored stream record 12" in b.how for b in short)
+
+
+def test_a_step_not_kept_is_named_with_the_keep_policy(tmp_path):
+  run_chain(str(tmp_path), [(1, 4, 2, 0, None), (1, 4, 2, 0, None)])
+  os.rename(os.path.join(tmp_path, "2"), os.path.join(tmp_path, "2.orbax-checkpoint-tmp-1"))  # not a step
+  layout = inspection.find_layout(str(tmp_path))
+  with pytest.raises(errors.ItemNotFoundError) as info:
+    datamap.RunMap.from_states(_which.States(layout), 4, keep_policy=_which.KEEP_POLICY)
+  assert "step 2, which is no longer kept" in str(info.value) and "max_to_keep" in str(info.value)
+  # A step's own batch is still answered, unnumbered, from its state alone.
+  answer = _which.which_step(layout, 4)
+  assert answer.batch.number is None and "no longer kept" in answer.note
+
+
+@pytest.mark.parametrize("kind, fragment", [
+    ("lanes", "filtered or packed make_dataset"),
+    ("batched", "not a stream record"),
+])
+def test_a_state_whose_rows_user_code_computes_names_the_python_api(kind, fragment):
+  if kind == "lanes":
+    pipeline = ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=1, num_epochs=None, shard_index=0, shard_count=1,
+                                      filter=lambda r: r["id"] % 2 == 0, chunk_size=4, num_lanes=2)
+  else:
+    pipeline = ckpt_iter.make_dataset(RECORDS, batch_size=1, seed=1, num_epochs=1, shard_index=0,
+                                      shard_count=1).batch(3)
+  iterator = ckpt_iter.DataIterator(pipeline)
+  last = next(iterator)
+  value = iterator.state()
+  fingerprint, position = datamap.input_part(value)
+  with pytest.raises(errors.UnsupportedConfigError) as info:
+    datamap.Stream(fingerprint, position, origin="step 1")
+  assert fragment in str(info.value) and "ckpt_iter.which(pipeline, state)" in str(info.value)
+  # ... which answers with the pipeline.
+  batch = ckpt_iter.which(pipeline, value)
+  if kind == "lanes":
+    assert set(_ids(last)) <= {r.index for r in batch.records}
+    assert "lane 0" in batch.how
+  else:
+    assert [r.index for r in batch.records] == _ids(last)
+
+
+def test_which_traces_tunix_cli_pipelines_through_filter_and_iter_batches():
+  pipeline = (ckpt_iter.make_dataset(RECORDS, batch_size=1, seed=2, num_epochs=1, shard_index=0, shard_count=1)
+              .filter(lambda b: b["id"][0] % 3 != 0).repeat(2).to_iter_dataset().batch(4))
+  iterator = ckpt_iter.DataIterator(pipeline)
+  for _ in range(7):  # into the second repeat
+    last = next(iterator)
+  batch = ckpt_iter.which(pipeline, iterator.state())
+  assert [r.index for r in batch.records] == _ids(last)
+
+
+def test_which_refuses_another_source():
+  iterator = ckpt_iter.DataIterator(_pipeline(1, 0, 4))
+  next(iterator)
+  with pytest.raises(errors.ConfigDriftError) as info:
+    ckpt_iter.which(_pipeline(1, 0, 4, seed=6), iterator.state())
+  assert "seed" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# A Tunix learner's global step (the format-1 GRPO root: num_iterations=2, killed inside a repeat after 3).
+
+
+def _fixture_state(step):
+  path = os.path.join(_FIXTURE, "actor", str(step), "data", "process_0-of-1.json")
+  return codec.header_state(_files.read_header(path), origin=path)
+
+
+def test_a_mid_repeat_checkpoint_names_its_global_steps_prompts_and_pending_repeat():
+  step = datamap.learner_step(_fixture_state(3))
+  assert (step.global_step, step.first_update, step.last_update, step.saved_after, step.mid_step) == (1, 3, 4, 3, True)
+  assert [r.index for r in step.prompts.records] == [1]
+  assert step.repeats[0] == "mini-batch 1 of 1 (source records 1): the checkpoint's mini-batch"
+  assert "update 3: trained" in step.repeats[1] and "update 4: pending" in step.repeats[2]
+
+
+def test_the_resumed_step_is_numbered_across_the_resume():
+  layout = inspection.find_layout(_FIXTURE)
+  answer = _which.which_step(layout, 4)
+  assert answer.learner.global_step == 1 and not answer.learner.mid_step
+  assert answer.batch.number == 1 and [r.index for r in answer.batch.records] == [1]
+  assert all("trained before the checkpoint" in line for line in answer.learner.repeats)
+
+
+def test_learner_step_refuses_a_data_state():
+  iterator = ckpt_iter.DataIterator(_pipeline(1, 0, 4))
+  next(iterator)
+  with pytest.raises(errors.UnsupportedConfigError) as info:
+    datamap.learner_step(iterator.state())
+  assert "not a Tunix RL learner's state" in str(info.value)

@@ -1,0 +1,171 @@
+"""Tests for ckpt_iter._skips and the batch plan over a stream with skipped records (`_records.BatchPlan`)."""
+
+import hypothesis
+from hypothesis import strategies as st
+import pytest
+
+from ckpt_iter import _records
+from ckpt_iter import _skips
+from ckpt_iter import errors
+
+
+@st.composite
+def _skip_values(draw, stream, every_epoch=True):
+  records = draw(st.lists(st.tuples(st.integers(0, stream), st.integers(1, 6)), max_size=4))
+  ranges = [(a, a + n) for a, n in records]
+  every = []
+  if every_epoch:
+    for a, n, since in draw(st.lists(st.tuples(st.integers(0, 8), st.integers(1, 4), st.integers(0, stream)),
+                                     max_size=2)):
+      every.append((a, a + n, since))
+  return _skips.Skips.of(ranges, every)
+
+
+def _kept_epoch(skips, epoch, length):
+  return [epoch * length + p for p in range(length) if not skips.skipped(epoch * length + p, length)]
+
+
+def _oracle(length, epochs, batch, drop, skips, phase_epoch, phase):
+  """Every batch of the plan, by enumeration: each epoch's kept records cut from its phase."""
+  batches = []
+  for epoch in range(epochs):
+    kept = _kept_epoch(skips, epoch, length)
+    for start in range(phase if epoch == phase_epoch else 0, len(kept), batch):
+      chunk = kept[start:start + batch]
+      if len(chunk) == batch or not drop:
+        batches.append(chunk)
+  return batches
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(data=st.data(), length=st.integers(1, 12), epochs=st.integers(1, 4), batch=st.integers(1, 6),
+                  drop=st.booleans())
+def test_a_single_source_plan_cuts_the_kept_records_of_each_epoch(data, length, epochs, batch, drop):
+  stream = length * epochs
+  skips = data.draw(_skip_values(stream), label="skips")
+  every = [(a, min(b, length), s) for a, b, s in skips.every_epoch if a < length]
+  skips = _skips.Skips.of(skips.records, every)
+  restored = data.draw(st.integers(0, stream), label="restored at")
+  plan = _records.BatchPlan.at(restored, batch_size=batch, drop_remainder=drop, epoch_length=length,
+                               stream_length=stream, skips=skips)
+  expected = _oracle(length, epochs, batch, drop, skips, plan.phase_epoch, plan.phase)
+  assert len(plan) == len(expected)
+  for index, chunk in enumerate(expected):
+    assert list(plan.records(index)) == chunk
+    assert plan.span(index) == (chunk[0], chunk[-1] + 1)
+    assert plan.index_of(plan.next_record(index + 1)) in (index + 1, None)
+    # The batch that ends here is found by its end, whatever the phase (unless it may be a short last one).
+    epoch = chunk[0] // length
+    epoch_end = chunk[-1] == _kept_epoch(skips, epoch, length)[-1]
+    found = plan.full_batch_before(chunk[-1] + 1)
+    if len(chunk) == batch and (drop or not epoch_end):
+      assert found == chunk[0]
+    elif len(chunk) < batch:
+      assert found is None
+  # The restored record starts a batch of its plan, and the batches from it read every kept record on.
+  first = plan.index_of(restored)
+  assert first is not None
+  read = [r for index in range(first, len(plan)) for r in plan.records(index)]
+  later = [r for epoch in range(epochs) for r in _kept_epoch(skips, epoch, length) if r >= restored]
+  if drop:
+    assert set(read) <= set(later)
+  else:
+    assert read == later
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(data=st.data(), stream=st.integers(1, 40), batch=st.integers(1, 6), drop=st.booleans())
+def test_a_mixture_plan_cuts_the_kept_stream(data, stream, batch, drop):
+  skips = data.draw(_skip_values(stream, every_epoch=False), label="skips")
+  restored = data.draw(st.integers(0, stream), label="restored at")
+  plan = _records.BatchPlan.at(restored, batch_size=batch, drop_remainder=drop, epoch_length=None,
+                               stream_length=stream, skips=skips)
+  kept = [g for g in range(stream) if not skips.skipped(g, None)]
+  expected = [kept[k:k + batch] for k in range(plan.phase, len(kept), batch)]
+  expected = [chunk for chunk in expected if len(chunk) == batch or not drop]
+  assert len(plan) == len(expected)
+  for index, chunk in enumerate(expected):
+    assert list(plan.records(index)) == chunk
+    assert plan.span(index) == (chunk[0], chunk[-1] + 1)
+  first = plan.index_of(restored)
+  assert first is not None
+  assert [r for i in range(first, len(plan)) for r in plan.records(i)] == [
+      r for chunk in expected[first:] for r in chunk]
+  assert all(r >= restored for i in range(first, len(plan)) for r in plan.records(i))
+
+
+def test_an_infinite_stream_with_skips_far_ahead_costs_no_walk():
+  skips = _skips.Skips.of([(10**12, 10**12 + 5)], [(3, 5, 0)])
+  plan = _records.BatchPlan.at(10**12 - 4, batch_size=4, drop_remainder=True, epoch_length=100,
+                               stream_length=_records.INFINITE, skips=skips)
+  index = plan.index_of(10**12 - 4)
+  assert list(plan.records(index)) == [10**12 - 4 + i for i in range(4)]  # offsets 96-99 of its epoch
+  # The next epoch skips the stream range (offsets 0-4) and every epoch's offsets 3-4.
+  assert list(plan.records(index + 1)) == [10**12 + 5 + i for i in range(4)]
+  assert plan.index_of(plan.next_record(index + 2)) == index + 2
+
+
+@pytest.mark.parametrize("records, expected", [
+    ([(5, 9), (1, 3), (2, 6)], ((1, 9),)),
+    ([(1, 2), (2, 3)], ((1, 3),)),
+    ([(4, 4), (7, 8)], ((7, 8),)),
+])
+def test_ranges_are_merged(records, expected):
+  assert _skips.Skips.of(records).records == expected
+
+
+def test_the_fingerprint_text_round_trips_and_bad_text_is_refused_naming_the_field():
+  skips = _skips.Skips.of([(100, 200), (300, 340)], [(5, 9, 120)])
+  assert _skips.Skips.from_text(skips.to_text(), origin="s") == skips
+  assert _skips.Skips.from_text(None, origin="s") == _skips.NO_SKIPS
+  for bad in ('{"records": [[5, 2]]}', "[1, 2]", '{"records": [[1, 2, 3]]}', "nope", 7, '{"other": []}'):
+    with pytest.raises(errors.InvalidStateError) as info:
+      _skips.Skips.from_text(bad, origin="step 3")
+    assert "fingerprint field 'skips'" in str(info.value) and "step 3" in str(info.value)
+
+
+def test_covers_and_added_to():
+  before = _skips.Skips.of([(10, 20)])
+  after = _skips.Skips.of([(10, 20), (30, 40)], [(1, 2, 50)])
+  assert after.covers(before) and not before.covers(after)
+  assert after.added_to(before) == _skips.Skips(records=((30, 40),), every_epoch=((1, 2, 50),))
+
+
+@pytest.mark.parametrize("text, records, source", [
+    ("records:1200-1263", ((1200, 1264),), ()),
+    ("records:5,7-8;source:0-3", ((5, 6), (7, 9)), ((0, 4),)),
+    (" source:2 ", (), ((2, 3),)),
+])
+def test_parse(text, records, source):
+  skip = _skips.Skip.parse(text)
+  assert (skip.records, skip.source_records) == (records, source)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("rows:1-2", "'rows:1-2' is not"),
+    ("records:9-3", "'9-3' is not a record"),
+    ("records:a", "'a' is not a record"),
+    ("records:", "is not `records:"),
+])
+def test_parse_refuses_naming_the_part(text, fragment):
+  with pytest.raises(errors.InvalidArgumentError) as info:
+    _skips.Skip.parse(text)
+  assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("value", [[(5, 5)], [(-1, 3)], [(1,)], "1-3", [(1.5, 3)]])
+def test_a_bad_declaration_is_refused(value):
+  with pytest.raises(errors.InvalidArgumentError) as info:
+    _skips.Skip(records=value)
+  assert "Skip(records=" in str(info.value)
+
+
+def test_resolve_clips_what_was_read_and_refuses_source_records_of_a_shuffled_source():
+  skips, already = _skips.resolve(_skips.Skip(records=[(90, 120)], source_records=[(3, 5)]), from_record=100,
+                                  epoch_length=50, shuffled=False, mixture=False, origin="o")
+  assert skips == _skips.Skips.of([(100, 120)], [(3, 5, 100)])
+  assert already == ((90, 100),)
+  with pytest.raises(errors.UnsupportedConfigError) as info:
+    _skips.resolve(_skips.Skip(source_records=[(3, 5)]), from_record=0, epoch_length=50, shuffled=True,
+                   mixture=False, origin="o")
+  assert "shuffled" in str(info.value) and "stream_records" in str(info.value)
