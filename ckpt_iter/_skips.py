@@ -337,6 +337,7 @@ class Skip:
     return cls(records=value)
 
   def union(self, other: "Skip") -> "Skip":
+    """Both declarations' ranges in one (they are merged when resolved against a run)."""
     return Skip(records=self.records + other.records, source_records=self.source_records + other.source_records)
 
   @classmethod
@@ -361,6 +362,7 @@ class Skip:
     return cls(records=tuple(records), source_records=tuple(source))
 
   def describe(self) -> str:
+    """The declaration in words, e.g. `stream records 40-55; source records 5-8`."""
     parts = []
     if self.records:
       parts.append("stream records " + ", ".join(f"{a}-{b - 1}" for a, b in self.records))

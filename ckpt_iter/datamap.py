@@ -72,6 +72,7 @@ class SourceRecord:
   process_index: int
 
   def to_json(self) -> dict[str, Any]:
+    """This source record as a JSON object (`which --json`)."""
     return dataclasses.asdict(self)
 
 
@@ -102,6 +103,7 @@ class Batch:
     return _skips.merged((r.stream_record, r.stream_record + 1) for r in self.records)
 
   def to_json(self) -> dict[str, Any]:
+    """This batch as a JSON object (`which --json`, one line of `order`)."""
     return {
         "number": self.number, "records": [r.index for r in self.records],
         "sources": [r.source for r in self.records] if any(r.source for r in self.records) else None,
@@ -160,6 +162,7 @@ class Stream:
 
   @property
   def stream_length(self) -> int:
+    """Records in the whole stream (INFINITE without num_epochs)."""
     if self.mixture is not None:
       limits = {name: _records.INFINITE if self.num_epochs is None else length * self.num_epochs
                 for name, length in self.lengths.items()}
@@ -508,6 +511,7 @@ class LearnerStep:
   mid_step: bool
 
   def to_json(self) -> dict[str, Any]:
+    """This learner step as a JSON object (`which --json` on a Tunix root)."""
     return {"global_step": self.global_step, "updates": [self.first_update, self.last_update],
             "saved_after_update": self.saved_after, "mid_step": self.mid_step, "repeats": list(self.repeats),
             "prompts": self.prompts.to_json()}
