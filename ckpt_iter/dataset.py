@@ -190,8 +190,9 @@ def make_dataset(
     skip: records to pass over (`ckpt_iter.Skip`, or a list of (start, stop)
       stream-record ranges): declared here, they are added to a restored
       state's skips from its position on (records already read are not), and
-      every later restore keeps them (https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/data_map.md). Batches are cut from
-      the stream without them.
+      every later restore keeps them
+      (https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/data_map.md).
+      Batches are cut from the stream without them.
 
   Returns:
     A `grain.MapDataset` of dict batches of numpy arrays with a leading batch

@@ -227,8 +227,9 @@ def _add_which(verbs: Any) -> None:
   summary = "which source records a step's last batch, or a global batch of the run, held"
   parser = verbs.add_parser(
       "which", help=summary,
-      description=summary + f" ({_urls.doc_url('data_map.md')}). From the checkpoint alone for a make_dataset pipeline whose "
-      "position counts stream records; elsewhere it names ckpt_iter.which(pipeline, state).",
+      description=summary + f" ({_urls.doc_url('data_map.md')}). From the checkpoint alone for a "
+      "make_dataset pipeline whose position counts stream records; elsewhere it names "
+      "ckpt_iter.which(pipeline, state).",
       epilog="exit codes: 0 answered, 1 not answerable from the checkpoint (the message says why and what "
       "answers instead: a step not kept, a pipeline whose rows user code computes), 2 usage error")
   _add_checkpoint_argument(parser)
