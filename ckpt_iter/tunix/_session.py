@@ -522,9 +522,10 @@ class DataSession:
     learner.rl_cluster.global_steps = global_steps
     settings_lib.warn(settings_lib.changes(saved_settings, current_settings), origin)
     _LOG.info(
-        "ckpt_iter: restored the data state of step %d: %s, %d micro-batches of it taken; %d pending "
-        "trainer inputs, %d more mini-batches in this global step%s; content check: %s.",
-        step, _describe.summary_line(value.part), value.position.get("micro_batches_taken", 0),
+        "ckpt_iter: restored the data state of step %d: %s; %d pending trainer inputs, "
+        "%d more mini-batches in this global step%s; content check: %s.",
+        step, _describe.position_text(value.kind, _describe.position_fields(
+            value.kind, value.fingerprint, value.position), value.position),
         len(value.pending or ()), remaining,
         "" if rollout_params is None else ", the rollout weights of the last sync",
         content_check,

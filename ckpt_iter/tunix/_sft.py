@@ -230,7 +230,7 @@ class ResumableSft:
     feed.examples_read = counters["iter_steps"]
     _LOG.info(
         "ckpt_iter: restored the input position of step %d (iter_steps=%d) in O(1): %s; content check: %s.",
-        step, counters["iter_steps"], _describe.summary_line(saved_input), feed.source.restored_content_check(),
+        step, counters["iter_steps"], _describe.summary_line(value), feed.source.restored_content_check(),
     )
 
   def _ci_snapshot(self, step: int) -> state_lib.IteratorState | None:
