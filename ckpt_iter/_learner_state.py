@@ -11,6 +11,8 @@ state whole, as Grain nests a parent's state under `parent`:
 so a restore hands the input its state unchanged (the input's `check_restore`
 decides what it accepts) and compares the learner's fields by itself, and a
 reader (the CLI) finds the input's position in one place for every learner.
+A validated state (format 4) holds the nested state as an `IteratorState`
+(`state.NESTED`), in memory as the learners keep it.
 
 Format 1 mixed the two: the input's fingerprint fields beside the learner's,
 and its position under a family's own key. `migrate_v1` nests such a state;
@@ -60,26 +62,6 @@ def family(fingerprint: Mapping[str, Any]) -> str | None:
 CONTENT = "content"
 
 
-def input_state(fingerprint: Mapping[str, Any], position: Any, content: Any = None) -> dict[str, Any]:
-  """The input's own state, as a learner's position nests it.
-
-  `content`: the input's content record of the element before `position`
-  (a state's `content` field), when the learner took one.
-  """
-  state = {"kind": INPUT_KIND, "fingerprint": dict(fingerprint), "position": position}
-  if content is not None:
-    state[CONTENT] = content
-  return state
-
-
-def nested(
-    input_fingerprint: Mapping[str, Any], input_position: Any, *, input_content: Any = None,
-    **learner_position: Any,
-) -> dict[str, Any]:
-  """A learner's position: its input's state first, then the learner's own fields."""
-  return {INPUT: input_state(input_fingerprint, input_position, input_content), **learner_position}
-
-
 def split(position: Any) -> tuple[Mapping[str, Any], Any, dict[str, Any]] | None:
   """(the input's fingerprint, the input's position, the learner's own position fields).
 
@@ -102,26 +84,9 @@ def split(position: Any) -> tuple[Mapping[str, Any], Any, dict[str, Any]] | None
   return state["fingerprint"], state["position"], {k: v for k, v in position.items() if k != INPUT}
 
 
-def input_content(position: Mapping[str, Any]) -> Any:
-  """The content record a learner's position holds for its input (None: none taken).
-
-  Only for a position `split` accepts; the record is checked where it is
-  used, as a state's `content` field.
-  """
-  state = position[INPUT]
-  return state.content if _is_state(state) else state.get(CONTENT)
-
-
 def _is_state(value: Any) -> bool:
   # An IteratorState, without importing `state` (which imports this module).
   return type(value).__name__ == "IteratorState" and hasattr(value, "nested_dict")
-
-
-def expected_form(learner_fields: str = "...the learner's fields") -> str:
-  """The nested position's shape, for error messages."""
-  return (f"{{'{INPUT}': {{'kind': '{INPUT_KIND}', 'fingerprint': {{...}}, 'position': {{...}}"
-          f"[, '{CONTENT}': {{...}}]}}, "
-          f"{learner_fields}}}")
 
 
 def migrate_v1(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,8 +111,11 @@ def migrate_v1(fields: Mapping[str, Any]) -> dict[str, Any]:
     return dict(fields)
   result = dict(fields)
   result["fingerprint"] = {k: v for k, v in fingerprint.items() if k in own}
-  result["position"] = nested(
-      {k: v for k, v in fingerprint.items() if k not in own}, input_position, **learner_position)
+  input_fingerprint = {k: v for k, v in fingerprint.items() if k not in own}
+  result["position"] = {
+      INPUT: {"kind": INPUT_KIND, "fingerprint": input_fingerprint, "position": input_position},
+      **learner_position,
+  }
   return result
 
 

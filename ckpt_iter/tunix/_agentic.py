@@ -156,7 +156,7 @@ class ResumableAgentic:
     step = int(trainer.train_steps)
     if not step:
       return None, None, None
-    data_dir = _saving.data_directory(trainer.checkpoint_manager, step)
+    data_dir = _saving.restored_data_directory(trainer.checkpoint_manager, step)
     origin = f"checkpoint step {step} ({data_dir})"
     value = None
     if data_dir is not None:
@@ -181,14 +181,11 @@ class ResumableAgentic:
         )
       loop.skip_full_batches(skipped)
       return None, None, None
-    input_fingerprint, position = _input.unnest(value, _agentic_loop.INPUT_KEY, origin=origin)
-    position, content = _input.split_content(position)
+    saved_input, position = _input.input_part(value, origin)
     checked = _input.check_learner_state(
-        value.fingerprint, loop.fingerprint, loop.source, input_fingerprint, position["source"],
-        allow_drift=allow_drift, origin=origin,
-        optional_learner_fields=("num_iterations_order",), content=content,
+        value.fingerprint, loop.fingerprint, loop.source, saved_input, allow_drift=allow_drift, origin=origin,
+        optional_learner_fields=("num_iterations_order",),
     )
-    loop.restored_content = content
     return value, checked, position
 
 

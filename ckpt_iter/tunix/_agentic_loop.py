@@ -18,7 +18,6 @@ fed rollouts, then only reads.
 from __future__ import annotations
 
 import asyncio
-import collections
 import copy
 import logging
 import queue
@@ -40,11 +39,6 @@ from ckpt_iter.tunix import _input
 _LOG = logging.getLogger("ckpt_iter")
 _TRAIN = rl_cluster_lib.Mode.TRAIN
 _DONE = object()
-# Where the loop's working position keeps its input's (`_input.nest`).
-INPUT_KEY = "source"
-# Fed batches whose content record is kept: more than a schedule holds unfinished
-# (off_policy_steps + 1 ahead, and the one in training).
-_FED_CONTENT_KEPT = 64
 
 
 class ConsumerLoop:
@@ -79,10 +73,6 @@ class ConsumerLoop:
     self.step_start_time = time.time()
     self.prompt_queue: queue.Queue = queue.Queue()
     self.results: queue.Queue = queue.Queue()
-    # (position, content record of the full batch before it) of the batches
-    # fed last: a checkpoint's input position is one of them, or the current.
-    self._fed_content: collections.deque = collections.deque(maxlen=_FED_CONTENT_KEPT)
-    self.restored_content: Any = None  # the restored state's input record (`_agentic.py`)
 
   @property
   def fingerprint(self) -> dict[str, Any]:
@@ -129,20 +119,19 @@ class ConsumerLoop:
     """Applies a checkpoint's data state; returns the prompts to feed again first.
 
     `checked_source` is the input's checked apply step (`_input.check_learner_state`),
-    `position` the state's position with the input's under `INPUT_KEY` (`_input.unnest`).
+    `position` the learner's own position fields (`_input.input_part`).
     """
     counters = value.counters
     replay = self.schedule.check_replay(
         position, counters.get("micro_batches_in_step"), len(value.pending.schedule),
         origin="the agentic data state")
-    self.source.apply(checked_source, position["source"], self.restored_content)
+    self.source.apply(checked_source)
     self.lineage = value.lineage
     refeed: list[Any] = []
     fed_positions = []
     offset = int(position["prompt_offset"])
     for index in range(int(position["batches_fed"])):
-      fed_positions.append(self.source.position())
-      self._fed_content.append((fed_positions[-1], self.source.content_before()))
+      fed_positions.append(self.source.state())
       batch = next(self.source)
       if index == 0:
         self._set_sizes(_batch_size(batch))
@@ -237,12 +226,11 @@ class ConsumerLoop:
       self.feeding_done = True
       self.prompt_queue.put(None)
       return False
-    position, before = self.source.position(), self.source.content_before()
+    position = self.source.state()
     try:
       batch = next(self.source)
     except StopIteration:
       batch = None
-    self._fed_content.append((position, before))
     if batch is not None and not self.schedule.full_batch_size:
       self._set_sizes(_batch_size(batch))
     full = self.schedule.full_batch_size
@@ -281,8 +269,8 @@ class ConsumerLoop:
   def trainer_steps(self) -> int:
     return int(self.cluster.actor_trainer.iter_steps)
 
-  def input_position(self) -> dict[str, Any]:
-    return self.source.position()
+  def input_position(self) -> Any:
+    return self.source.state()
 
   def train(self, update: schedule_lib.Update, first_mini_batch: bool) -> None:
     api.set_learner_iter_steps(self.learner, api.learner_iter_steps(self.learner) + 1)
@@ -416,8 +404,7 @@ class ConsumerLoop:
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self.fingerprint,
-        position=_input.nest(self.source.fingerprint, {
-            **saved.position, _input.INPUT_CONTENT: self._content_before(saved.position[INPUT_KEY])}, INPUT_KEY),
+        position=_input.settled(saved.position),
         pending=state_lib.Pending(
             items=tuple(jax.tree.map(np.asarray, item) for item in saved.items),
             schedule=saved.order),
@@ -435,14 +422,6 @@ class ConsumerLoop:
     )
 
 
-  def _content_before(self, position: Any) -> Any:
-    """The content record of the full batch before `position` (None: not known here)."""
-    if position == self.source.position():
-      return self.source.content_before()
-    for fed, before in reversed(self._fed_content):
-      if fed == position:
-        return before
-    return None
 
 
 def _batch_size(batch: Any) -> int:

@@ -26,6 +26,8 @@ from ckpt_iter import state as state_lib
 
 # What `Port.receive` returns once the producer has finished.
 PRODUCER_DONE = object()
+# Where a saved position holds the input's state (a learner nests its input's).
+INPUT = state_lib.NESTED["tunix"]
 
 
 @dataclasses.dataclass
@@ -38,7 +40,7 @@ class Update:
 
 @dataclasses.dataclass
 class FedBatch:
-  position: dict[str, Any]  # the input position this full batch was read from
+  position: Any  # the input's state this full batch was read from (opaque here)
   first_prompt: int  # its first prompt's index in the run
 
 
@@ -63,8 +65,8 @@ class Port(Protocol):
   def trainer_steps(self) -> int:
     """The actor trainer's step count (one per `update_actor` chunk)."""
 
-  def input_position(self) -> dict[str, Any]:
-    """The input's position now (where the next full batch is read)."""
+  def input_position(self) -> Any:
+    """The input's state now (where the next full batch is read), as a learner's position nests it."""
 
   def train(self, update: Update, first_mini_batch: bool) -> None:
     """One `update_actor` call on `update.example`."""
@@ -131,8 +133,8 @@ class Schedule:
 
   # --- feeding and absorbing, in prompt order -----------------------------------------
 
-  def feed(self, position: dict[str, Any], count: int) -> range:
-    """Records a full batch read at `position` and handed to the rollout; its prompt indices."""
+  def feed(self, position: Any, count: int) -> range:
+    """Records a full batch read at input state `position` and handed to the rollout; its prompt indices."""
     self.fed.append(FedBatch(position, self.fed_prompts))
     self.fed_prompts += count
     return range(self.fed_prompts - count, self.fed_prompts)
@@ -310,17 +312,17 @@ class Schedule:
       position["replay"] = replay
     return Saved(tuple(items), tuple(order), position, micro_batches)
 
-  def _prompt_position(self, prompt_index: int, current_position: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Where prompt `prompt_index` is read, and how many fed batches follow from there."""
+  def _prompt_position(self, prompt_index: int, current_position: Callable[[], Any]) -> dict[str, Any]:
+    """Where prompt `prompt_index` is read (the input's state there), and how many fed batches follow."""
     for number, batch in enumerate(self.fed):
       if batch.first_prompt <= prompt_index < batch.first_prompt + self.full_batch_size:
         return {
-            "source": dict(batch.position), "prompt_index": prompt_index,
+            INPUT: batch.position, "prompt_index": prompt_index,
             "prompt_offset": prompt_index - batch.first_prompt,
             "batches_fed": len(self.fed) - number,
         }
     return {
-        "source": current_position(), "prompt_index": prompt_index,
+        INPUT: current_position(), "prompt_index": prompt_index,
         "prompt_offset": 0, "batches_fed": 0,
     }
 
@@ -350,12 +352,12 @@ class Schedule:
 
   def restore(
       self, items: Sequence[Any], order: Sequence[int], position: dict[str, Any],
-      micro_batches_in_step: int, fed_positions: Sequence[dict[str, Any]], replay: Any,
+      micro_batches_in_step: int, fed_positions: Sequence[Any], replay: Any,
   ) -> range:
     """Applies a saved schedule (checked by `check_replay`); the prompt indices to roll out again.
 
-    `fed_positions`: where each of the `batches_fed` saved batches is read, in
-    order, from the saved input position on.
+    `fed_positions`: the input's state where each of the `batches_fed` saved
+    batches is read, in order, from the saved input position on.
     """
     first = int(position["prompt_index"])
     offset = int(position["prompt_offset"])

@@ -1,95 +1,136 @@
-"""The learner's input, as positions a checkpoint can hold.
+"""The learner's input and its state, as a learner's position nests it.
 
-A Tunix learner reads full batches and, when the micro batch is smaller,
-splits each into micro-batches. The position of the next unread input
-micro-batch is therefore (the source position of the full batch it comes from,
-how many micro-batches of it were taken). A Grain source moves to a position
-in O(1); a plain iterable can only get there by replaying what was read.
+A Tunix learner reads full batches from an input that restores its own state
+(`state.Restorable`: a `DataIterator`, a `DataLoaderIterator`, or a
+`replay.ReplayIterator` over a plain iterable). A learner's position holds
+that input's whole state under `INPUT` (an `IteratorState`, in memory as on
+disk: `state.NESTED`), beside the learner's own fields; a restore hands the
+saved state (`IteratorState.part`) to the input's own `check_restore`
+unchanged, so the input's rule decides what it accepts.
+
+A learner reads ahead of what it trained, so the state it saves is the
+input's state at an earlier position: the full batch the next unread
+micro-batch starts in, with the content record of the element before it. A
+Grain source moves to a position in O(1); a plain iterable can only get there
+by replaying what was read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from typing import Any, Callable, Collection, Iterable, Mapping
 
 import grain
 
-from ckpt_iter import _learner_state
 from ckpt_iter import _loader as loader_lib
+from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import iterator as iterator_lib
 from ckpt_iter import replay as replay_lib
 from ckpt_iter import state as state_lib
 
 _LOG = logging.getLogger("ckpt_iter")
+# Where a learner's position holds its input's state.
+INPUT = state_lib.NESTED["tunix"]
+NEXT_RECORD = _records.NEXT_RECORD
+_NOTHING = object()
 
 
-class _ContentBefore:
-  """The content record of the element read before a position, digested only when a checkpoint asks.
+class _StateAt:
+  """The input's state at a position read past, its content record digested only when a checkpoint asks.
 
-  Holds the element (or a restored record): the producer's path only keeps
-  a reference; the digest runs once, at the save that holds the position.
+  The producer's path keeps a reference to the element read before the
+  position; the digest runs once, at the save that holds the position
+  (`settled_state`).
   """
 
-  def __init__(self, make_record: Callable[[Any], Any] | None = None, element: Any = None,
-               *, saved: Mapping[str, Any] | None = None):
-    self._make_record = make_record
-    self._element = element
-    self._record = saved
+  __slots__ = ("position", "_template", "_content_of", "_element", "_state")
 
-  def to_json(self) -> dict[str, Any]:
-    if self._record is None:
-      self._record = self._make_record(self._element)
-      self._element = self._make_record = None
-    return dict(self._record)
+  def __init__(self, template: state_lib.IteratorState, position: Mapping[str, Any],
+               content_of: Callable[[Any], Any], element: Any):
+    self.position = position  # the input's own position (for a reader that only compares it)
+    self._template = template
+    self._content_of = content_of
+    self._element = element
+    self._state: state_lib.IteratorState | None = None
+
+  def settled(self) -> state_lib.IteratorState:
+    if self._state is None:
+      self._state = dataclasses.replace(
+          self._template, position=self.position, content=self._content_of(self._element))
+      self._template = self._content_of = self._element = None
+    return self._state
+
+
+def settled_state(state: state_lib.IteratorState | _StateAt) -> state_lib.IteratorState:
+  """The input's state as a checkpoint holds it (a read-ahead position's content record digested)."""
+  return state.settled() if isinstance(state, _StateAt) else state
 
 
 class _RestorableSource:
   """Full batches from an iterator that restores its own state (`state.Restorable`).
 
-  A learner's checkpoint nests that state (`nest`); a restore hands it back
-  unchanged, to the iterator's own `check_restore`. An iterator that records
-  content (`DataIterator.content_of`) has it recorded for the element before
-  each position a learner saves, and checked by its restore.
+  `state()` is the iterator's state at the next unread full batch: its own
+  (`state_part`) where it has read nothing since it started, was restored or
+  skipped; otherwise at the position it read past, with the content record
+  (`DataIterator.content_of`) of the element before it, digested lazily.
   """
 
   def __init__(self, iterator: Any):
     self._iterator = iterator
     self._content_of = getattr(iterator, "content_of", None)
-    self._last_content: _ContentBefore | None = None
+    # Kind and fingerprint of the states of the positions read past (no content: each has its own).
+    self._template = dataclasses.replace(iterator.state_part(), content=None)
+    self._last: Any = _NOTHING  # the element read last since the start, a restore or a skip
+    self._state: Any = None  # state() until the input moves
 
   @property
   def fingerprint(self) -> dict[str, Any]:
     return self._iterator.fingerprint
 
-  def position(self) -> dict[str, Any]:
-    return dict(self._iterator.position())
+  def state(self) -> state_lib.IteratorState | _StateAt:
+    """The input's state at the next unread full batch (`settled_state` gives it as saved)."""
+    if self._state is None:
+      if self._last is _NOTHING or self._content_of is None:
+        self._state = self._iterator.state_part()
+      else:
+        self._state = _StateAt(self._template, self._iterator.position(), self._content_of, self._last)
+    return self._state
+
+  def position(self) -> Mapping[str, Any]:
+    """The input's own position of the next unread full batch."""
+    return self.state().position
 
   def restored_content_check(self) -> str:
     """What the last restore's content check found, for its log line."""
     return getattr(self._iterator, "restored_content_check", None) or "not applicable"
 
-  def content_before(self) -> _ContentBefore | None:
-    """The content record of the element read last (None: none read since the start)."""
-    return self._last_content
+  def check(
+      self, saved: state_lib.IteratorState, *, allow_drift: Collection[str], origin: str
+  ) -> Callable[[], None]:
+    """The input's own check of its saved state (handed over unchanged); returns the apply step."""
+    return self._iterator.check_restore(saved, allow_drift=allow_drift, origin=origin)
 
-  def check(self, fingerprint, position, *, allow_drift, origin, content=None) -> Callable[[], None]:
-    value = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position=position, content=content)
-    return self._iterator.check_restore(value, allow_drift=allow_drift, origin=origin)
-
-  def apply(self, checked: Callable[[], None], position: Mapping[str, Any], content: Any = None) -> None:
-    del position  # the checked apply step already holds it
+  def apply(self, checked: Callable[[], None]) -> None:
     checked()
-    self._last_content = None if content is None else _ContentBefore(saved=content)
+    self._moved()
+
+  def _moved(self) -> None:
+    """What was read before the new position is not known here: the iterator's own state says it."""
+    self._last, self._state = _NOTHING, None
 
   def __next__(self) -> Any:
     element = next(self._iterator)
+    self._read(element)
+    return element
+
+  def _read(self, element: Any) -> None:
     if self._content_of is not None:
       # A reference only (its dict copied: a consumer adding keys does not change it).
-      kept = dict(element) if type(element) is dict else element
-      self._last_content = _ContentBefore(self._content_of, kept)
-    return element
+      self._last = dict(element) if type(element) is dict else element
+    self._state = None
 
 
 class GrainSource(_RestorableSource):
@@ -101,25 +142,50 @@ class GrainSource(_RestorableSource):
 
   def __init__(self, data_iterator: iterator_lib.DataIterator | loader_lib.DataLoaderIterator):
     super().__init__(data_iterator)
+    self._lookahead: Any = _NOTHING  # a batch `peek` read, and the state before it
 
-  def position(self) -> dict[str, Any]:
-    if isinstance(self._iterator, loader_lib.DataLoaderIterator):
-      return dict(self._iterator.state().position)
-    return super().position()
+  def state(self) -> state_lib.IteratorState | _StateAt:
+    if self._lookahead is not _NOTHING:
+      return self._lookahead[0]
+    return super().state()
+
+  def __next__(self) -> Any:
+    if self._lookahead is _NOTHING:
+      return super().__next__()
+    _, element = self._lookahead
+    self._lookahead = _NOTHING
+    self._read(element)
+    return element
+
+  def _moved(self) -> None:
+    self._lookahead = _NOTHING
+    super()._moved()
+
+  def peek(self) -> Any:
+    """The next full batch, left to be read (its state stays the input's state)."""
+    if self._lookahead is _NOTHING:
+      before = self.state()
+      element = next(self._iterator)
+      self._lookahead = (before, element)
+    return self._lookahead[1]
 
   def skip_full_batches(self, count: int) -> None:
     """Moves past the next `count` full batches (a legacy resume), as stock's `next()` loop does.
 
-    O(1) where the position counts this input's own elements: a MapDataset's
-    `next_index` does (its batches, if it batches). An IterDataset's counts
-    rows of the MapDataset it was made from, which differ from its elements
-    once it batches or filters (`to_iter_dataset().batch(n)`, Tunix's CLI
-    form), and a DataLoader's is per record: those are replayed, as stock does.
+    O(1) for a MapDataset pipeline (`DataIterator.skip`: its index counts
+    this input's own elements, batches if it batches). An IterDataset's
+    position counts rows of the MapDataset it was made from, which differ
+    from its elements once it batches or filters (`to_iter_dataset().batch(n)`,
+    Tunix's CLI form), and a DataLoader's is per record: those are replayed,
+    as stock does.
     """
-    if isinstance(getattr(self._iterator, "dataset", None), grain.MapDataset) and (
-        set(self.position()) == {"next_index"}
-    ):
-      self._move_to({"next_index": self.position()["next_index"] + count})
+    if count > 0 and self._lookahead is not _NOTHING:
+      next(self)
+      count -= 1
+    if count > 0 and isinstance(self._iterator, iterator_lib.DataIterator) and isinstance(
+        self._iterator.dataset, grain.MapDataset):
+      self._iterator.skip(count)
+      self._moved()
       return
     for _ in range(count):
       try:
@@ -127,16 +193,17 @@ class GrainSource(_RestorableSource):
       except StopIteration:
         return  # the input ran out, as it would have for stock
 
-  def row_boundary(self, stream_rows: int, last_rows: Mapping[str, Any] | None, *, origin: str) -> Any:
-    """Where row `stream_rows` of this pipeline's stream starts, or why it cannot continue there.
+  def row_boundary(self, stream_rows: int, last_rows: Mapping[str, Any] | None) -> tuple[int | None, str | None]:
+    """The batch of this pipeline that starts at row `stream_rows` of its stream, or why there is none.
 
-    For a resume into a changed pipeline (another batch size, a grown or
-    re-sliced source, more epochs): the position of the full batch that
-    starts at that row, if one does, and if this stream's rows just before it
-    are the ones the checkpoint's run consumed last (`last_rows` digest).
+    For an input whose position is a batch index (a hand-built MapDataset of
+    batches): the prompt count continuation of `_session.DataSession._continuation`.
+    The batch is that row's if one starts there and this stream's rows just
+    before it are the ones the checkpoint's run consumed last (`last_rows`
+    digest).
 
     Returns:
-      (position, None) or (None, reason).
+      (batch index, None) or (None, reason).
     """
     dataset = getattr(self._iterator, "dataset", None)
     if not isinstance(dataset, grain.MapDataset):
@@ -168,18 +235,12 @@ class GrainSource(_RestorableSource):
             f"the {count} prompts before row {stream_rows} differ from those the "
             "checkpoint's run trained last, so its stream is not a prefix of this one"
         )
-    return {"next_index": next_index}, None
+    return next_index, None
 
-  def peek(self) -> Any:
-    position, last_content = self.position(), self._last_content
-    element = next(self._iterator)
-    self._move_to(position)
-    self._last_content = last_content
-    return element
-
-  def _move_to(self, position: Mapping[str, Any]) -> None:
-    self.check(self.fingerprint, position, allow_drift=(), origin="the input")()
-    self._last_content = None  # what was read before `position` is not known here
+  def move_to_batch(self, next_index: int) -> None:
+    """Moves to batch `next_index` of this pipeline (`row_boundary`'s), through the input's own restore."""
+    here = dataclasses.replace(self._template, position={"next_index": next_index})
+    self.apply(self.check(here, allow_drift=(), origin="the input"))
 
 
 class ReplaySource(_RestorableSource):
@@ -196,9 +257,10 @@ class ReplaySource(_RestorableSource):
   def skip_full_batches(self, count: int) -> None:
     """Moves past the first `count` full batches (a legacy resume): a replay."""
     self._iterator.skip(count)
+    self._moved()
 
-  def row_boundary(self, stream_rows: int, last_rows: Any, *, origin: str) -> Any:
-    del stream_rows, last_rows, origin
+  def row_boundary(self, stream_rows: int, last_rows: Any) -> tuple[None, str]:
+    del stream_rows, last_rows
     return None, "the input is a plain iterable, whose rows can only be replayed"
 
   def peek(self) -> Any:
@@ -221,86 +283,59 @@ def make_source(train_ds: Any) -> GrainSource | ReplaySource:
   return ReplaySource(train_ds)
 
 
-# Where a learner's working position keeps the content record of its input's
-# element before the position: moved into the nested input state by `nest`.
-INPUT_CONTENT = "input_content"
+def counts_records(saved: state_lib.IteratorState) -> bool:
+  """Whether a saved input state's position counts stream records (a make_dataset pipeline's).
 
-
-def nest(input_fingerprint: Mapping[str, Any], position: Mapping[str, Any], input_key: str | None) -> dict[str, Any]:
-  """A learner's position as its checkpoint holds it: the input's state nested (format 2).
-
-  `position` is the learner's working form, with the input's position under
-  `input_key` (or, with None, the input's position alone).
+  Such an input continues at the saved record under another batch size by
+  its own restore (`_drift.reconcile`); other positions (a hand-built
+  pipeline's batch index, a replayed iterable's count) cannot say that.
   """
-  position = dict(position)
-  content = position.pop(INPUT_CONTENT, None)
-  if isinstance(content, _ContentBefore):
-    content = content.to_json()
-  if input_key is None:
-    return _learner_state.nested(input_fingerprint, position, input_content=content)
-  own = {k: v for k, v in position.items() if k != input_key}
-  return _learner_state.nested(input_fingerprint, position[input_key], input_content=content, **own)
+  return NEXT_RECORD in saved.position
 
 
-def split_content(position: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-  """(the working position without its input's content record, that record or None)."""
-  position = dict(position)
-  return position, position.pop(INPUT_CONTENT, None)
-
-
-def unnest(value: state_lib.IteratorState, input_key: str | None, *, origin: str) -> tuple[Any, dict[str, Any]]:
-  """(the input's saved fingerprint, the learner's working position): `nest` undone, checked.
+def input_part(
+    value: state_lib.IteratorState, origin: str, *, learner_fields: bool = True
+) -> tuple[state_lib.IteratorState, dict[str, Any]]:
+  """(the input's state a learner's state nests, the learner's own position fields).
 
   Raises:
-    InvalidStateError: the position does not nest an input state.
+    InvalidStateError: the position nests no input state (or, with
+      `learner_fields=False`, holds more than it).
   """
-  parts = _learner_state.split(value.position)
-  if parts is None or (input_key is None and parts[2]):
+  part = value.part
+  own = {k: v for k, v in value.position.items() if k != INPUT}
+  if part is None or (own and not learner_fields):
+    fields = ", ...the learner's fields" if learner_fields else ""
     raise errors.InvalidStateError(
         f"{origin}: field 'position' is {state_lib.short_repr(value.position)}; a learner's "
-        f"position is {_learner_state.expected_form()}."
+        f"position is {{'{INPUT}': <its input's state: kind, fingerprint, position[, content]>{fields}}}."
     )
-  fingerprint, position, own = parts
-  content = _learner_state.input_content(value.position)
-  if content is not None:
-    try:
-      content = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position=position,
-                                        content=content).content
-    except errors.InvalidStateError as e:
-      raise errors.InvalidStateError(
-          f"{origin}: field 'position.{_learner_state.INPUT}.{_learner_state.CONTENT}' is "
-          f"{state_lib.short_repr(content)}; {e}") from None
-    own = {**own, INPUT_CONTENT: content}
-  if input_key is None:
-    return fingerprint, {**position, **own}
-  return fingerprint, {input_key: position, **own}
+  return part, own
 
 
 def check_learner_state(
     saved: Mapping[str, Any],
     learner_fingerprint: Mapping[str, Any],
-    restorable: Any,
-    input_fingerprint: Mapping[str, Any],
-    position: Any,
+    source: _RestorableSource,
+    saved_input: state_lib.IteratorState,
     *,
     allow_drift: frozenset[str],
     origin: str,
     optional_learner_fields: Collection[str] = (),
-    content: Any = None,
-) -> Any:
-  """The one fingerprint rule of every learner's restore; returns the checked apply value.
+) -> Callable[[], None]:
+  """The one fingerprint rule of every learner's restore; returns the input's checked apply step.
 
   A learner's state holds two fingerprints: the learner's own (`saved`:
   batch geometry, num_iterations, seeds...), compared strictly with
-  `learner_fingerprint`, and its input's, nested in the position and left to
-  the input's own `check` (for a Grain dataset, `DataIterator.check_restore`,
-  whose `_drift.reconcile` accepts what keeps the stream, such as more epochs
-  after the data ran out). So every change `DataIterator` accepts is accepted
-  by every learner. `allow_drift` names fields of either; those of the
-  learner (`optional_learner_fields` too: fields it holds only in some
-  configurations) go to the learner's comparison, the rest to the input's.
-  `content`: the input's content record the state holds (`split_content`),
-  checked by the input's own restore.
+  `learner_fingerprint`, and its input's, in the input's state its position
+  nests (`saved_input`), which goes to the input's own `check_restore`
+  unchanged (for a Grain dataset `DataIterator.check_restore`, whose
+  `_drift.reconcile` accepts what keeps the stream, such as more epochs after
+  the data ran out, or another batch size of a make_dataset pipeline). So
+  every change the input accepts is accepted by every learner. `allow_drift`
+  names fields of either; those of the learner (`optional_learner_fields`
+  too: fields it holds only in some configurations) go to the learner's
+  comparison, the rest to the input's.
 
   Raises:
     ConfigDriftError: a learner field differs, or the input refuses the change.
@@ -309,9 +344,7 @@ def check_learner_state(
   state_lib.check_fingerprint(
       saved, learner_fingerprint, allow_drift=allow_drift & learner_fields, origin=origin,
   )
-  return restorable.check(
-      input_fingerprint, position, allow_drift=allow_drift - learner_fields, origin=origin, content=content,
-  )
+  return source.check(saved_input, allow_drift=allow_drift - learner_fields, origin=origin)
 
 
 def prompts_digest(prompts: Iterable[Any]) -> str:
@@ -352,12 +385,12 @@ _OPTIONAL_POSITION_KEYS = frozenset({"rows_taken", "stream_rows", "last_rows"})
 
 
 def settled(position: Mapping[str, Any]) -> dict[str, Any]:
-  """An `unsettled_position` as a checkpoint holds it (the last rows and the content digested)."""
+  """A learner's working position as a checkpoint holds it (the input's state and the last rows digested)."""
   result = dict(position)
+  if INPUT in result:
+    result[INPUT] = settled_state(result[INPUT])
   if isinstance(result.get("last_rows"), _LastRows):
     result["last_rows"] = result["last_rows"].to_json()
-  if isinstance(result.get(INPUT_CONTENT), _ContentBefore):
-    result[INPUT_CONTENT] = result[INPUT_CONTENT].to_json()
   return result
 
 
@@ -375,7 +408,7 @@ class MicroBatchInput:
   micro-batches, carrying the rows a full batch leaves over into the next
   micro-batch, as stock Tunix does.
 
-  A position is {"full_batch": <source position of the full batch the next
+  A position is {INPUT: <the input's state at the full batch the next
   micro-batch starts in>, "micro_batches_taken": m} and, when the start is
   not m whole micro-batches into that full batch (uneven full batches),
   "rows_taken": the rows of it already consumed.
@@ -396,10 +429,9 @@ class MicroBatchInput:
     self._reset()
 
   def _reset(self) -> None:
-    # Full batches read into the current stream: (source position, rows, the
-    # stream-relative index of their first row, the content record of the
-    # full batch before them).
-    self._read: list[tuple[dict[str, Any], int, int, _ContentBefore | None]] = []
+    # Full batches read into the current stream: (the input's state before
+    # each, its rows, the stream-relative index of its first row).
+    self._read: list[tuple[Any, int, int]] = []
     self._rows_read = 0
     self._rows_yielded = 0
     self._stream: Any = None
@@ -411,13 +443,13 @@ class MicroBatchInput:
   def _full_batches(self, skip_rows: int) -> Any:
     first = True
     while True:
-      position, before = self._source.position(), self._source.content_before()
+      state = self._source.state()
       try:
         batch = next(self._source)
       except StopIteration:
         return
       rows = _batch_rows(batch)
-      self._read.append((position, rows, self._rows_read - (skip_rows if first else 0), before))
+      self._read.append((state, rows, self._rows_read - (skip_rows if first else 0)))
       if first and skip_rows:
         batch = _drop_rows(batch, skip_rows)
         rows -= skip_rows
@@ -442,98 +474,83 @@ class MicroBatchInput:
     return micro_batch
 
   def position(self) -> dict[str, Any]:
-    """Where the next unread micro-batch starts.
+    """Where the next unread micro-batch starts, as a checkpoint holds it.
 
-    Besides the source position: `stream_rows`, how many rows (prompts) of
-    the source precede it, and `last_rows`, a digest of the micro-batch just
-    before it; they let a resume continue in a changed pipeline whose stream
+    Besides the input's state and the micro-batches taken of its full batch:
+    `stream_rows`, how many rows (prompts) of the source precede it, and
+    `last_rows`, a digest of the micro-batch just before it; they let a
+    resume continue in a changed pipeline that cannot count records but
     holds the same rows (`GrainSource.row_boundary`).
     """
     return settled(self.unsettled_position())
 
   def unsettled_position(self) -> dict[str, Any]:
-    """`position()` with the last rows not digested yet: cheap, for the producer's path.
+    """`position()` with the input's state and the last rows not digested yet: cheap, for the producer's path.
 
     `settled` turns it into the position a checkpoint holds.
     """
-    result = self._source_position()
+    result = self._buffered_position()
     if self._stream_rows_base is not None:
       result["stream_rows"] = self._stream_rows_base + self._rows_yielded
     if self._last_rows is not None:
       result["last_rows"] = self._last_rows
     return result
 
-  def _source_position(self) -> dict[str, Any]:
-    result = self._buffered_position()
-    if result.get(INPUT_CONTENT, "") is None:
-      del result[INPUT_CONTENT]
-    return result
-
   def _buffered_position(self) -> dict[str, Any]:
-    # Each with the content record of the full batch before it (`INPUT_CONTENT`).
     if self._micro_batch_size is not None and not self._read and self._start_rows:
       # Restored inside a full batch and nothing read since: still there (a
       # checkpoint before the next read, e.g. after the restored repeats,
       # must not lose the offset).
-      taken, rest = divmod(self._start_rows, self._micro_batch_size)
-      result = {"full_batch": self._source.position(), "micro_batches_taken": taken,
-                INPUT_CONTENT: self._source.content_before()}
-      if rest:
-        result["rows_taken"] = self._start_rows
-      return result
+      return self._inside(self._source.state(), self._start_rows)
     if self._micro_batch_size is None or not self._read or self._rows_yielded >= self._rows_read:
       # Nothing buffered: the next micro-batch starts at the next full batch.
-      return {"full_batch": self._source.position(), "micro_batches_taken": 0,
-              INPUT_CONTENT: self._source.content_before()}
-    position, _, first_row, before = self._read[0]
-    rows_taken = self._rows_yielded - first_row
+      return {INPUT: self._source.state(), "micro_batches_taken": 0}
+    state, _, first_row = self._read[0]
+    return self._inside(state, self._rows_yielded - first_row)
+
+  def _inside(self, state: Any, rows_taken: int) -> dict[str, Any]:
     taken, rest = divmod(rows_taken, self._micro_batch_size)
-    result = {"full_batch": dict(position), "micro_batches_taken": taken, INPUT_CONTENT: before}
+    result = {INPUT: state, "micro_batches_taken": taken}
     if rest:
       result["rows_taken"] = rows_taken
     return result
 
-  def check(self, fingerprint, position, *, allow_drift, origin, content=None) -> Any:
-    """Checks a position (`position()`'s form: its content record inside, or given as `content`)."""
-    if isinstance(position, Mapping):
-      position, inline = split_content(position)
-      content = inline if content is None else content
-    taken = position.get("micro_batches_taken") if isinstance(position, Mapping) else None
-    rows = position.get("rows_taken", 0) if isinstance(position, Mapping) else None
+  @staticmethod
+  def check_position(position: Mapping[str, Any], origin: str) -> None:
+    """Checks a learner's own position fields (beside its input's state).
+
+    Raises:
+      InvalidStateError: naming the field.
+    """
+    taken = position.get("micro_batches_taken")
+    rows = position.get("rows_taken", 0)
     if (
-        not isinstance(position, Mapping)
-        or set(position) - _OPTIONAL_POSITION_KEYS != {"full_batch", "micro_batches_taken"}
-        or not isinstance(taken, int) or isinstance(taken, bool) or taken < 0
-        or not isinstance(rows, int) or isinstance(rows, bool) or rows < 0
-        or not isinstance(position["full_batch"], Mapping)
+        set(position) - _OPTIONAL_POSITION_KEYS != {"micro_batches_taken"}
+        or not state_lib.is_int(taken) or taken < 0
+        or not state_lib.is_int(rows) or rows < 0
     ):
       raise errors.InvalidStateError(
-          f"{origin}: field 'position' is {position!r}; expected "
-          "{'full_batch': <source position>, 'micro_batches_taken': N[, 'rows_taken': R]}."
+          f"{origin}: field 'position' holds {state_lib.short_repr(dict(position))} beside "
+          f"'{INPUT}'; expected 'micro_batches_taken': N[, 'rows_taken': R, 'stream_rows': N, 'last_rows': {{...}}]."
       )
-    return self._source.check(
-        fingerprint, position["full_batch"], allow_drift=allow_drift, origin=origin, content=content
-    )
 
-  def apply(self, checked: Any, position: Mapping[str, Any], content: Any = None) -> None:
-    position, inline = split_content(position)
-    self._source.apply(checked, position["full_batch"], inline if content is None else content)
-    self._reset()
+  def apply(self, checked: Callable[[], None], position: Mapping[str, Any]) -> None:
+    """Runs the input's checked apply step; `position`: the learner's own fields (`check_position`'s)."""
+    self._source.apply(checked)
     rows = position.get("rows_taken")
     if rows is None:
       rows = position["micro_batches_taken"] * (self._micro_batch_size or 0)
+    self._start_at(rows, position)
+
+  def continue_at(self, next_index: int, position: Mapping[str, Any]) -> None:
+    """Moves to batch `next_index` of a changed pipeline, which starts at `position`'s row."""
+    self._source.move_to_batch(next_index)
+    self._start_at(0, position)
+
+  def _start_at(self, rows: int, position: Mapping[str, Any]) -> None:
+    self._reset()
     self._start_rows = rows
     self._stream_rows_base = position.get("stream_rows")
-    self._last_rows = _saved_last_rows(position)
-
-  def continue_at(self, full_batch_position: Mapping[str, Any], position: Mapping[str, Any]) -> None:
-    """Moves to a full batch of a changed pipeline that starts at `position`'s row."""
-    self._source.apply(self._source.check(
-        self._source.fingerprint, full_batch_position, allow_drift=(), origin="the input"),
-        full_batch_position)
-    self._reset()
-    self._start_rows = 0
-    self._stream_rows_base = position["stream_rows"]
     self._last_rows = _saved_last_rows(position)
 
   def seek_micro_batches(self, count: int, micro_per_full: int) -> None:

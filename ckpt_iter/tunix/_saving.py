@@ -253,9 +253,16 @@ def writes_checkpoints(tunix_manager: Any) -> bool:
   return False
 
 
-def data_directory(tunix_manager: Any, step: int) -> str | None:
-  """Where step `step`'s data item is, or None when nothing is checkpointed."""
-  if not writes_checkpoints(tunix_manager):
+def restored_data_directory(tunix_manager: Any, step: int) -> str | None:
+  """Where the data item of the step the model was restored from is; None when there is none to read.
+
+  The one answer, for every learner, to "is there a checkpoint to restore
+  the data from": None with checkpointing off or a stand-in manager
+  (`writes_checkpoints`, the same answer `install` gets) and in a fresh run
+  (step 0, or no checkpoint yet). A directory that holds no data item is a
+  checkpoint stock Tunix wrote: each learner's legacy policy decides.
+  """
+  if not step or not writes_checkpoints(tunix_manager) or api.latest_step(tunix_manager) is None:
     return None
   return api.item_directory(tunix_manager, step, DATA_ITEM)
 

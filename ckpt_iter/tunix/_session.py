@@ -15,12 +15,13 @@ import logging
 import math
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
 from ckpt_iter.tunix import _layouts as layouts_lib
+from ckpt_iter.tunix import _saving as saving
 from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter import _describe
 from ckpt_iter import _drift
@@ -30,8 +31,8 @@ from ckpt_iter import repeat as repeat_lib
 from ckpt_iter import state as state_lib
 
 _LOG = logging.getLogger("ckpt_iter")
-# Learner fingerprint fields a resume may change when the input continues at
-# the same prompt (`DataSession._continuation`).
+# The learner's batch geometry: fields a resume may change when the input
+# continues at the same prompt (`DataSession._continuation`).
 _CONTINUABLE_LEARNER_FIELDS = frozenset({
     "full_batch_size", "mini_batch_size", "train_micro_batch_size",
     "rollout_micro_batch_size", "compute_logps_micro_batch_size",
@@ -42,8 +43,6 @@ _MICRO_BATCH_FIELDS = ("train_micro_batch_size", "rollout_micro_batch_size", "co
 _SPLIT_FIELDS = ("full_batch_size", "mini_batch_size")
 # The producer of a mini-batch never blocks, so this only trips on a hang.
 _PRODUCER_TIMEOUT_SECONDS = 600.0
-# Where the learner's working position keeps its input's (`_input.nest`).
-_INPUT_KEY = "full_batch"
 # Counter of a mid-global-step state: 1 when the step holds the rollout weights.
 ROLLOUT_WEIGHTS_COUNTER = "rollout_weights"
 
@@ -68,6 +67,26 @@ def _position_in_micro_batches(position: Any, saved_micro_batch: Any, micro_batc
   if rest:
     result["rows_taken"] = rows
   return result
+
+
+def _inside_global_step(value: state_lib.IteratorState) -> str | None:
+  """Why the batch geometry cannot change at `value`'s checkpoint (None: it is at a global-step boundary)."""
+  if value.pending is not None or value.counters["remaining_mini_batches"] > 0:
+    return "the checkpoint falls inside a global step, whose pending inputs belong to the old batches"
+  return None
+
+
+def _inside_full_batch(position: dict[str, Any]) -> str | None:
+  """Why a record-counting input cannot continue at its saved state (None: the next prompt starts it)."""
+  rows = position.get("rows_taken", position.get("micro_batches_taken"))
+  if rows:
+    return ("the checkpoint is inside a full batch of the old size, whose rest the saved input state "
+            "does not start")
+  return None
+
+
+def _changes_text(differences: dict[str, Any]) -> str:
+  return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(differences.items()))
 
 
 def rollout_reads_before_sync(
@@ -152,8 +171,8 @@ class DataSession:
     # Sequence packing: the trainer takes packed inputs, not queue items.
     self.packing = api.packing_budget(learner)
     self.packing_per_pass = self.packing is not None and api.packing_updates_per_pass()
-    # The learner's own fields; the input's fingerprint is nested with its
-    # position (format 2, `_input.nest`).
+    # The learner's own fields; the input's are in its state, which the
+    # learner's position nests (`_input.INPUT`).
     self.fingerprint = {
         "learner": items.tunix_learner_name(learner),
         "num_iterations": api.num_iterations(learner),
@@ -337,7 +356,7 @@ class DataSession:
     value = state_lib.IteratorState(
         kind="tunix",
         fingerprint=self.fingerprint,
-        position=_input.nest(self.input.source.fingerprint, position, _INPUT_KEY),
+        position=position,
         shuffle_key=key,
         pending=pending,
         lineage=self.lineage,
@@ -439,11 +458,10 @@ class DataSession:
   def restore(self, on_legacy_checkpoint: str, allow_drift: frozenset[str]) -> None:
     learner = self.learner
     trainer = learner.rl_cluster.actor_trainer
-    tunix_manager = trainer.checkpoint_manager
     step = int(trainer.train_steps)
-    if api.item_directory(tunix_manager, step, items.DATA_ITEM) is None or api.latest_step(tunix_manager) is None:
+    data_dir = saving.restored_data_directory(trainer.checkpoint_manager, step)
+    if data_dir is None:
       return  # checkpointing off, or a fresh run
-    data_dir = api.item_directory(tunix_manager, step, items.DATA_ITEM)
     origin = f"checkpoint step {step} ({data_dir})"
     value = items.read_step_state(data_dir, step, learner_field="learner", writer="a Resumable RL learner")
     if value is None:
@@ -464,22 +482,9 @@ class DataSession:
           f"{origin}: counter 'eval_items' is {eval_items!r}; it must count trailing "
           "pending items the schedule does not use (the mini-batch's evaluation input)."
       )
-    saved_fingerprint, saved_settings = settings_lib.split(value.fingerprint)
-    current_fingerprint, current_settings = settings_lib.split(self.fingerprint)
-    input_fingerprint, saved_position = _input.unnest(value, _INPUT_KEY, origin=origin)
-    saved_position, input_content = _input.split_content(saved_position)
-    resplit = self._resplit_micro_batches(value, saved_fingerprint, allow_drift, origin)
-    position = _position_in_micro_batches(
-        saved_position, saved_fingerprint.get("train_micro_batch_size"), self.micro_batch_size)
-    try:
-      checked = _input.check_learner_state(
-          saved_fingerprint, current_fingerprint, self.input, input_fingerprint, position,
-          allow_drift=allow_drift | resplit, origin=origin,
-          optional_learner_fields=("max_seq_token_per_tpu",), content=input_content,
-      )
-      continuation = None
-    except errors.ConfigDriftError as drift:
-      continuation = self._continuation(value, saved_position, drift, origin)
+    saved_settings = settings_lib.split(value.fingerprint)[1]
+    current_settings = settings_lib.split(self.fingerprint)[1]
+    move_input = self._continuation(value, allow_drift, origin)
     critic_state = items.read_critic_state(learner, step, origin)
     mid_global_step = value.pending is not None or counters["remaining_mini_batches"] > 0
     rollout_params = None
@@ -492,10 +497,7 @@ class DataSession:
     saved_items = value.pending.items if value.pending is not None else ()
     on_device = [items.to_device(learner, item, origin) for item in saved_items]
     # All checks passed and everything is read: apply.
-    if continuation is None:
-      self.input.apply(checked, position, input_content)
-    else:
-      self.input.continue_at(continuation, saved_position)
+    content_check = move_input()
     self.key = repeat_lib.key_from_ints(value.shuffle_key)
     self.lineage = value.lineage
     if value.pending is not None:
@@ -526,8 +528,7 @@ class DataSession:
             value.kind, value.fingerprint, value.position), value.position),
         len(value.pending or ()), remaining,
         "" if rollout_params is None else ", the rollout weights of the last sync",
-        "not applicable (a changed pipeline continues at the same prompt)" if continuation is not None
-        else self.input.source.restored_content_check(),
+        content_check,
     )
 
   def _resplit_micro_batches(
@@ -563,44 +564,113 @@ class DataSession:
     return frozenset(changed)
 
   def _continuation(
-      self, value: state_lib.IteratorState, position: Any, drift: errors.ConfigDriftError, origin: str
-  ) -> Any:
-    """Where a changed input continues from `value`, or `drift` re-raised with the reason.
+      self, value: state_lib.IteratorState, allow_drift: frozenset[str], origin: str
+  ) -> Callable[[], str]:
+    """Where the input continues from `value`: the one answer, for an RL learner, to "does a
+    changed input continue the saved stream, and where".
+
+    * Only the micro-batch sizes changed (`_resplit_micro_batches`): the same
+      prompts come next, in micro-batches of the new size.
+    * The full or mini-batch size changed, at a global-step boundary, over an
+      input whose position counts stream records (`_input.counts_records`, a
+      make_dataset pipeline): the input is handed its saved state, and its own
+      restore continues at the saved record under the new batch size
+      (`_drift.reconcile`).
+    * Otherwise the input's own restore decides (`_input.check_learner_state`);
+      where it refuses an input that cannot count records (a hand-built
+      MapDataset of batches), the prompt count decides
+      (`_prompt_count_continuation`).
+
+    Returns:
+      The apply step: moves the input, returns what its content check found.
+
+    Raises:
+      ConfigDriftError: naming the fields, and why the stream cannot continue.
+      InvalidStateError: the position is malformed.
+    """
+    saved_input, position = _input.input_part(value, origin)
+    saved, _ = settings_lib.split(value.fingerprint)
+    current, _ = settings_lib.split(self.fingerprint)
+    resplit = self._resplit_micro_batches(value, saved, allow_drift, origin)
+    position = _position_in_micro_batches(position, saved.get("train_micro_batch_size"), self.micro_batch_size)
+    _input.MicroBatchInput.check_position(position, origin)
+    drift = state_lib.differing_fields(saved, current, allow_drift=allow_drift | resplit)
+    regeometry = set(drift) & _CONTINUABLE_LEARNER_FIELDS
+    accepted = allow_drift | resplit
+    if regeometry and _input.counts_records(saved_input) and set(drift) <= _CONTINUABLE_LEARNER_FIELDS:
+      reason = _inside_global_step(value) or _inside_full_batch(position)
+      if reason is not None:
+        raise errors.ConfigDriftError(drift, origin=f"{origin} (it cannot continue here: {reason})")
+      accepted |= regeometry  # the input's own restore decides where its stream continues
+    try:
+      checked = _input.check_learner_state(
+          saved, current, self.input.source, saved_input, allow_drift=accepted, origin=origin,
+          optional_learner_fields=("max_seq_token_per_tpu",),
+      )
+    except errors.ConfigDriftError as refused:
+      return self._prompt_count_continuation(value, saved_input, position, refused, origin)
+    if not regeometry:
+      def apply() -> str:
+        self.input.apply(checked, position)
+        return self.input.source.restored_content_check()
+      return apply
+    _LOG.warning(
+        "ckpt_iter: %s: the batch geometry changed at a global-step boundary (%s); the input's own "
+        "restore continues its stream at the saved record, continuing at prompt %s.",
+        origin, _changes_text(drift), position.get("stream_rows", saved_input.position.get(_input.NEXT_RECORD)),
+    )
+
+    def apply_regeometry() -> str:
+      self.input.apply(checked, position)
+      return f"{self.input.source.restored_content_check()} (the batches are cut anew from the saved record)"
+
+    return apply_regeometry
+
+  def _prompt_count_continuation(
+      self, value: state_lib.IteratorState, saved_input: state_lib.IteratorState, position: dict[str, Any],
+      drift: errors.ConfigDriftError, origin: str,
+  ) -> Callable[[], str]:
+    """Where a changed input that cannot count records continues, or `drift` re-raised with the reason.
 
     Tunix's own tests resume with another global batch size, or on a dataset
-    the first run saw a prefix of (`ds[0:1]` then `ds`, more epochs). That
-    continues when nothing but the input and the batch geometry changed, the
+    the first run saw a prefix of (`ds[0:1]` then `ds`), over hand-built
+    MapDatasets of batches, whose position is a batch index. That continues
+    when nothing but the input and the batch geometry changed, the
     checkpoint is at a global-step boundary (no pending examples of the old
     geometry), and this input holds, just before a batch boundary at the
-    same prompt count, the prompts the checkpoint's run trained last.
+    same prompt count, the prompts the checkpoint's run trained last
+    (`GrainSource.row_boundary`). An input that counts records has decided
+    by its own restore: its refusal stands.
     """
-    if isinstance(drift, errors.ContentDriftError):
-      # The same pipeline produced other data: no prompt count makes that the saved stream.
+    if isinstance(drift, errors.ContentDriftError) or _input.counts_records(saved_input):
+      # The same pipeline produced other data, or the input's own rule refused the change.
       raise drift
     if _drift.REPLAY_DIGEST_FIELD in drift.differences or "full_batches_read" in drift.differences:
       raise drift  # a replayed iterable that is not the saved stream: its message says why
-    learner_fields = set(self.fingerprint)
-    changed = set(drift.differences)
-    blocking = (changed & learner_fields) - _CONTINUABLE_LEARNER_FIELDS
+    blocking = (set(drift.differences) & set(self.fingerprint)) - _CONTINUABLE_LEARNER_FIELDS
     reason = None
     if blocking:
       reason = f"{sorted(blocking)} change what the saved state means"
-    elif value.pending is not None or value.counters["remaining_mini_batches"] > 0:
-      reason = "the checkpoint falls inside a global step, whose pending inputs belong to the old batches"
-    elif not isinstance(position.get("stream_rows"), int):
-      reason = "the checkpoint does not record how many prompts were consumed (written by an older ckpt_iter)"
     else:
-      full_batch, reason = self.input.source.row_boundary(
-          position["stream_rows"], position.get("last_rows"), origin=origin)
-      if reason is None:
-        _LOG.warning(
-            "ckpt_iter: the input changed since the checkpoint (%s); continuing at prompt %d "
-            "of the new input, which holds the same prompts up to there.",
-            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(drift.differences.items())),
-            position["stream_rows"],
-        )
-        return full_batch
-    raise errors.ConfigDriftError(drift.differences, origin=f"{origin} (it cannot continue here: {reason})") from None
+      reason = _inside_global_step(value)
+    if reason is None and not isinstance(position.get("stream_rows"), int):
+      reason = "the checkpoint does not record how many prompts were consumed (written by an older ckpt_iter)"
+    if reason is None:
+      next_index, reason = self.input.source.row_boundary(position["stream_rows"], position.get("last_rows"))
+    if reason is not None:
+      raise errors.ConfigDriftError(
+          drift.differences, origin=f"{origin} (it cannot continue here: {reason})") from None
+    _LOG.warning(
+        "ckpt_iter: the input changed since the checkpoint (%s); continuing at prompt %d "
+        "of the new input, which holds the same prompts up to there.",
+        _changes_text(drift.differences), position["stream_rows"],
+    )
+
+    def apply() -> str:
+      self.input.continue_at(next_index, position)
+      return "not applicable (a changed pipeline continues at the same prompt)"
+
+    return apply
 
   def _restore_rollout_weights(self, rollout_params: Any) -> None:
     learner = self.learner

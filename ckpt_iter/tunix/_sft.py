@@ -64,7 +64,11 @@ class _Feed:
     return example
 
   def position(self) -> dict[str, Any]:
-    """The position of the next example not yet given to the train step."""
+    """The trainer's position: the input's state at the next example not yet given to the train step.
+
+    The input reads no further than the trainer, so its state is its own,
+    the content record of the example trained last included.
+    """
     if self.examples_read != self._trainer.iter_steps:
       raise errors.CkptIterError(
           f"the trainer is at iter_steps={self._trainer.iter_steps} but its input "
@@ -72,7 +76,7 @@ class _Feed:
           "PeftTrainer.train read from the input, so its position does not match "
           "the model. Do not iterate the dataset passed to train() elsewhere."
       )
-    return self.source.position()
+    return {_input.INPUT: _input.settled_state(self.source.state())}
 
 
 def _grad_acc_steps(trainer: Any) -> int:
@@ -177,8 +181,8 @@ class ResumableSft:
     """Moves the input to the next example to train, from the checkpoint if it has one."""
     step = int(self.train_steps)
     data_dir = None
-    if not self._ci_data_restored and step and step == self._ci_restored_step:
-      data_dir = _saving.data_directory(self.checkpoint_manager, step)
+    if not self._ci_data_restored and step == self._ci_restored_step:
+      data_dir = _saving.restored_data_directory(self.checkpoint_manager, step)
     self._ci_data_restored = True  # only the constructor's restore has a data item
     value = None
     if data_dir is not None:
@@ -215,14 +219,12 @@ class ResumableSft:
           f"step {step} with gradient_accumulation_steps={grad_acc} needs "
           f"{step * grad_acc}..{(step + 1) * grad_acc - 1}."
       )
-    input_fingerprint, position = _input.unnest(value, None, origin=origin)
-    position, content = _input.split_content(position)
+    saved_input, _ = _input.input_part(value, origin, learner_fields=False)
     checked = _input.check_learner_state(
-        value.fingerprint, self._ci_fingerprint, feed.source, input_fingerprint,
-        position, allow_drift=allow_drift, origin=origin, content=content,
+        value.fingerprint, self._ci_fingerprint, feed.source, saved_input, allow_drift=allow_drift, origin=origin,
     )
     # All checks passed: apply.
-    feed.source.apply(checked, position, content)
+    feed.source.apply(checked)
     self._ci_lineage = value.lineage
     api.set_trainer_steps(self, step, counters["iter_steps"])
     feed.examples_read = counters["iter_steps"]
@@ -240,11 +242,7 @@ class ResumableSft:
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self._ci_fingerprint,
-        # The input reads no further than the trainer: the content record is
-        # of the example it trained last.
-        position=_input.nest(
-            feed.source.fingerprint,
-            {**feed.position(), _input.INPUT_CONTENT: feed.source.content_before()}, None),
+        position=feed.position(),
         counters={"train_steps": int(self.train_steps), "iter_steps": int(self.iter_steps)},
         lineage=self._ci_lineage,
     )

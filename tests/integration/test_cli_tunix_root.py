@@ -61,7 +61,7 @@ def test_inspect_tunix_checkpoint_root_and_actor_dir(capsys, tunix_ckpt):
   assert code == 0
   assert _row("checkpoint", os.path.join(tunix_ckpt, "actor")).search(out)
   assert _row("kind", "tunix").search(out)
-  assert _row("position", "input: epoch 0, 1 of 64 batches read (next_index 1)").search(out)
+  assert _row("position", "input: epoch 0, 1 of 64 records read (next_record 1)").search(out)
   assert _row("micro_batches_taken", "0").search(out)
   # Step 1 falls between the two updates on the first rollout (mu=2).
   assert _row("pending types", "tunix.rl.grpo.TrainExample").search(out)

@@ -111,8 +111,37 @@ def test_larger_batch_and_max_steps_continue_at_the_same_prompt(tmp_path, jax_ca
   assert "continuing at prompt 4" in second.stderr
 
 
+def test_a_batch_size_that_does_not_divide_the_prompts_consumed_continues_at_the_next_record(tmp_path, jax_cache):
+  # make_dataset's position counts stream records: the input's own restore cuts
+  # batches of 3 from record 4, where the run of batches of 2 stopped.
+  root = str(tmp_path / "ckpt")
+  harness.run_toy(dict(num_iterations=1, batch_size=2, max_steps=2), root, str(tmp_path / "0.npz"),
+                  cache_dir=jax_cache)
+  second = harness.run_toy(dict(num_iterations=1, batch_size=3, max_steps=4), root, str(tmp_path / "1.npz"),
+                           cache_dir=jax_cache)
+  assert second.meta["restored_step"] == 2
+  assert second.labels == ["EFG", "HIJ"]
+
+
+def test_a_hand_built_input_continues_only_where_a_batch_starts_at_the_prompts_consumed(tmp_path, jax_cache):
+  # A hand-built MapDataset of batches cannot count records: its position is a
+  # batch index, so the prompt count decides. 4 prompts consumed: no batch of 3
+  # starts there; one of 4 does.
+  root = str(tmp_path / "ckpt")
+  first = harness.run_toy(dict(num_iterations=1, batch_size=2, max_steps=2, input_kind="map"), root,
+                          str(tmp_path / "0.npz"), cache_dir=jax_cache)
+  assert first.labels == ["AB", "CD"]
+  refused = harness.run_toy(dict(num_iterations=1, batch_size=3, max_steps=4, input_kind="map"), root,
+                            str(tmp_path / "1.npz"), cache_dir=jax_cache, expect_failure=True)
+  assert "ConfigDriftError" in refused.stderr and "full_batch_size" in refused.stderr, refused.stderr[-2000:]
+  assert "not a whole number of this input's batches of 3" in refused.stderr
+  second = harness.run_toy(dict(num_iterations=1, batch_size=4, max_steps=3, input_kind="map"), root,
+                           str(tmp_path / "2.npz"), cache_dir=jax_cache)
+  assert second.labels == ["EFGH"]
+  assert "continuing at prompt 4" in second.stderr
+
+
 @pytest.mark.parametrize("change, named", [
-    (dict(batch_size=3), "full_batch_size"),  # 4 prompts consumed: no batch of 3 starts there
     pytest.param(dict(dataset_seed=5), "seed", marks=pytest.mark.slow),  # another prompt comes next
     pytest.param(dict(num_iterations=2), "num_iterations", marks=pytest.mark.slow),  # what a step means
     pytest.param(dict(num_generations=3), "num_generations", marks=pytest.mark.slow),  # what a group holds

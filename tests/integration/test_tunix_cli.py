@@ -89,10 +89,11 @@ def test_the_pipeline_builds_the_resumable_learner_and_checkpoints_the_data(unin
     item = root / "actor" / str(step) / "data"
     value = item_lib.read_item(str(item), 0, 1).value
     assert value.kind == "tunix" and value.counters["train_steps"] == step
-    # The input's fingerprint (nested, format 2) is the data_module's dataset
+    # The input's state (nested whole: value.part) is the data_module's dataset
     # (make_dataset over the JSONL file, with the seed given on the command
     # line) behind Tunix's batching.
-    input_fingerprint = value.position["input"]["fingerprint"]
+    assert value.part.kind == "data"
+    input_fingerprint = value.part.fingerprint
     assert input_fingerprint["source"].startswith("jsonl[prompts.jsonl:")
     assert input_fingerprint["seed"] == 1 and input_fingerprint["num_epochs"] == 2
     assert "source" not in value.fingerprint and value.fingerprint["learner"] == "GRPOLearner"

@@ -1,4 +1,4 @@
-"""Format 2: a learner's state nests its input's, and every format-1 state reads losslessly.
+"""A learner's state nests its input's (format 2 on), and every format-1 state reads losslessly.
 
 Hypothesis builds format-1 learner states of every family (RL, SFT,
 agentic) over arbitrary input fingerprints and positions; reading one
@@ -69,7 +69,8 @@ def _v1_states(draw):
 def test_a_format_1_learner_state_reads_nested_with_nothing_lost_or_misplaced(drawn):
   header, family, input_key = drawn
   value = state_lib.IteratorState.from_dict(json.loads(json.dumps(header)), origin="drawn")
-  assert value.format_version == 2
+  assert value.format_version == state_lib.FORMAT_VERSION
+  assert isinstance(value.part, state_lib.IteratorState) and value.part.kind == "data"
   parts = _learner_state.split(value.position)
   assert parts is not None
   input_fingerprint, input_position, own = parts
@@ -94,10 +95,11 @@ def test_a_format_1_learner_state_reads_nested_with_nothing_lost_or_misplaced(dr
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(_INPUT_NAMES, _SCALARS), _INPUT_POSITIONS, _LEARNER_POSITIONS)
 def test_nesting_then_splitting_gives_back_each_part(input_fingerprint, input_position, learner_position):
-  position = _learner_state.nested(input_fingerprint, input_position, **learner_position)
-  value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "x"}, position=position)
+  part = state_lib.IteratorState(kind="data", fingerprint=input_fingerprint, position=input_position)
+  value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "x"},
+                                  position={"input": part, **learner_position})
   read = state_lib.IteratorState.from_dict(json.loads(json.dumps(value.to_dict())))
-  assert read.format_version == 2 and read == value
+  assert read.format_version == state_lib.FORMAT_VERSION and read == value and read.part == part
   fingerprint, saved_position, own = _learner_state.split(read.position)
   assert (dict(fingerprint), own) == (input_fingerprint, learner_position)
   assert dict(saved_position) == input_position

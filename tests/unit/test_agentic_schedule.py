@@ -105,7 +105,7 @@ class _ToyLearner:
     position = value.position
     replay = self.schedule.check_replay(
         position, counters["micro_batches_in_step"], len(value.pending.schedule), origin="toy")
-    self.next_batch = position["source"]["next_batch"]
+    self.next_batch = value.part.position["next_batch"]  # the input's state, nested as a learner's is
     fed_positions = []
     for _ in range(position["batches_fed"]):
       fed_positions.append(self.input_position())
@@ -165,7 +165,7 @@ class _ToyLearner:
     return self.trainer_steps_count
 
   def input_position(self):
-    return {"next_batch": self.next_batch}
+    return ckpt_iter.IteratorState(kind="data", fingerprint={"source": "toy"}, position={"next_batch": self.next_batch})
 
   def train(self, update, first_mini_batch):
     self.learner_iter_steps += 1

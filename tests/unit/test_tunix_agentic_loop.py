@@ -284,13 +284,10 @@ def _stored(value):
 def _restore(loop, value):
   """What `ResumableAgentic` does with a checkpoint's data state; the prompts to roll out again."""
   value = _stored(value)
-  input_fingerprint, position = _input.unnest(value, _agentic_loop.INPUT_KEY, origin="test")
-  position, content = _input.split_content(position)
+  saved_input, position = _input.input_part(value, "test")
   checked = _input.check_learner_state(
-      value.fingerprint, loop.fingerprint, loop.source, input_fingerprint, position["source"],
-      allow_drift=frozenset(), origin="test", optional_learner_fields=("num_iterations_order",),
-      content=content)
-  loop.restored_content = content
+      value.fingerprint, loop.fingerprint, loop.source, saved_input,
+      allow_drift=frozenset(), origin="test", optional_learner_fields=("num_iterations_order",))
   # Tunix restores its trainer's counters with the actor.
   loop.cluster.actor_trainer.train_steps = loop.cluster.actor_trainer.iter_steps = value.counters["train_steps"]
   return loop._restore(value, checked, position)  # pylint: disable=protected-access
@@ -435,15 +432,15 @@ def test_a_checkpoints_micro_batch_is_taken_as_it_is(monkeypatch):
 def test_a_full_batch_is_fed_prompt_by_prompt_at_its_input_position(monkeypatch):
   learner = GRPOLearnerStandIn(train_micro_batch_size=1)
   loop = _loop(monkeypatch, learner, _batches(2, 2))
-  start = loop.source.position()
+  start = loop.source.state()
   assert loop._feed_next_batch() is True  # pylint: disable=protected-access
   assert loop.schedule.full_batch_size == 2 and learner._full_batch_size == 2  # from the first batch
   assert _drain(loop.prompt_queue) == [_prompt(0), _prompt(1)]
-  second = loop.source.position()
+  second = loop.source.state()
   assert loop._feed_next_batch() is True  # pylint: disable=protected-access
   assert _drain(loop.prompt_queue) == [_prompt(2), _prompt(3)]
   assert loop.schedule.fed == [schedule_lib.FedBatch(start, 0), schedule_lib.FedBatch(second, 2)]
-  assert start["full_batches_read"] == 0 and second["full_batches_read"] == 1
+  assert start.position["full_batches_read"] == 0 and second.position["full_batches_read"] == 1
   assert loop.schedule.fed_prompts == 4 and not loop.feeding_done
 
 
@@ -718,9 +715,8 @@ def test_a_snapshot_nests_the_input_position_and_holds_the_pending_inputs_and_co
   assert value.kind == "tunix"
   assert value.fingerprint == loop.fingerprint
   # The input's own state, nested: one full batch read, all of it rolled out.
-  assert value.position["input"] == {
-      "kind": "data", "fingerprint": {"source": "iterable:list"}, "position": loop.source.position()}
-  assert value.position["input"]["position"]["full_batches_read"] == 1
+  assert value.part == loop.source.state() and value.part.fingerprint == {"source": "iterable:list"}
+  assert value.part.position["full_batches_read"] == 1
   assert {k: v for k, v in value.position.items() if k != "input"} == {
       "prompt_index": 2, "prompt_offset": 0, "batches_fed": 0, "ends_micro_batch": [True]}
   assert [_rows(value.pending.items[i]) for i in value.pending.schedule] == [(10, 11)]  # prompt 1, not trained yet
@@ -738,7 +734,7 @@ def test_a_snapshot_waits_for_every_fed_prompt_to_be_rolled_out(monkeypatch):
   assert loop.prompt_queue.empty()
   assert [_rows(value.pending.items[i]) for i in value.pending.schedule] == [(0, 1), (10, 11), (20, 21), (30, 31)]
   assert (value.position["prompt_index"], value.position["batches_fed"]) == (4, 0)
-  assert value.position["input"]["position"]["full_batches_read"] == 2
+  assert value.part.position["full_batches_read"] == 2
 
 
 @pytest.mark.parametrize("feeding_done", [False, True])
@@ -776,7 +772,7 @@ def test_a_restored_loop_takes_the_snapshots_counters_sizes_and_pending_inputs(m
   assert fresh._feed_next_batch() is (not feeding_done)  # pylint: disable=protected-access
   if not feeding_done:
     assert _drain(fresh.prompt_queue) == [_prompt(2), _prompt(3)]
-    assert fresh.schedule.fed == [schedule_lib.FedBatch(loop.source.position(), 2)]
+    assert fresh.schedule.fed == [schedule_lib.FedBatch(loop.source.state(), 2)]
 
 
 def test_a_state_written_before_the_wait_rule_rolls_out_its_unfinished_prompts_again(monkeypatch):
@@ -793,7 +789,7 @@ def test_a_state_written_before_the_wait_rule_rolls_out_its_unfinished_prompts_a
   value = _snapshot(loop)
   assert {k: value.position[k] for k in ("prompt_index", "prompt_offset", "batches_fed")} == {
       "prompt_index": 1, "prompt_offset": 1, "batches_fed": 2}
-  assert value.position["input"]["position"]["full_batches_read"] == 0  # where prompt 1's batch is read
+  assert value.part.position["full_batches_read"] == 0  # where prompt 1's batch is read
 
   fresh = _loop(monkeypatch, GRPOLearnerStandIn(**config), _batches(2, 2, 2))
   refeed = _restore(fresh, value)
@@ -871,9 +867,9 @@ def test_a_restart_from_the_state_saved_after_the_input_ran_out_finishes(monkeyp
   assert value.counters["feeding_done"] == 1
 
   second = new_loop()
-  input_fingerprint, position = _input.unnest(value, _agentic_loop.INPUT_KEY, origin="test")
-  checked = _input.check_learner_state(value.fingerprint, second.fingerprint, second.source, input_fingerprint,
-                                       position["source"], allow_drift=frozenset(), origin="test")
+  saved_input, position = _input.input_part(value, "test")
+  checked = _input.check_learner_state(value.fingerprint, second.fingerprint, second.source, saved_input,
+                                       allow_drift=frozenset(), origin="test")
   assert _finishes(lambda: second.run(value, checked, position))
   assert second.cluster.chunks == []  # everything was trained before the save
 
@@ -897,9 +893,9 @@ def test_a_finished_run_continued_with_a_larger_max_steps_trains_on_as_stock_doe
   assert value.counters["feeding_done"] == 1
 
   second = new_loop(max_steps)
-  input_fingerprint, position = _input.unnest(value, _agentic_loop.INPUT_KEY, origin="test")
-  checked = _input.check_learner_state(value.fingerprint, second.fingerprint, second.source, input_fingerprint,
-                                       position["source"], allow_drift=frozenset(), origin="test")
+  saved_input, position = _input.input_part(value, "test")
+  checked = _input.check_learner_state(value.fingerprint, second.fingerprint, second.source, saved_input,
+                                       allow_drift=frozenset(), origin="test")
   assert _finishes(lambda: second.run(value, checked, position))
   assert [chunk[0] for chunk in second.cluster.chunks] == [
       (20, 21, 30, 31), (40, 41, 50, 51)][:max_steps - 1]
@@ -913,7 +909,7 @@ def test_reaching_max_steps_reads_no_batch_it_does_not_feed(monkeypatch):
   value = _snapshot(loop)
   assert [chunk[0] for chunk in loop.cluster.chunks] == [(0, 1, 10, 11)]
   assert value.counters["feeding_done"] == 1
-  assert value.position["input"]["position"]["full_batches_read"] == 1
+  assert value.part.position["full_batches_read"] == 1
 
 
 # --- the content check of the agentic learner's input ----------------------------------------
@@ -947,7 +943,7 @@ def test_a_save_records_the_batch_before_its_input_position_and_a_changed_one_is
     saved = _save_and_stop_at(killed, chunk)
     with pytest.raises(_Killed):
       _start(killed)
-    content = saved[0].position["input"].get("content")
+    content = saved[0].part.content
     recorded += content is not None and content["check"] == "index"
     resumed = _grain_loop(monkeypatch, name)
     _continue(resumed, _restore(resumed, saved[0]))
@@ -968,11 +964,14 @@ def test_the_record_of_an_earlier_fed_batchs_position_is_of_the_batch_before_it(
   loop = _grain_loop(monkeypatch, "one iteration")
   for _ in range(3):
     assert loop._feed_next_batch()  # pylint: disable=protected-access
-  records = [loop._content_before({"next_index": i}) for i in range(4)]  # pylint: disable=protected-access
-  assert records[0] is None  # nothing before the first batch
-  digests = [record.to_json()["digest"] for record in records[1:]]
+  # Settled (digested) only now, after the input read on: each holds the batch before its position.
+  states = [_input.settled_state(batch.position) for batch in loop.schedule.fed] + [
+      _input.settled_state(loop.source.state())]
+  assert [state.position for state in states] == [{"next_index": i} for i in range(4)]
+  assert states[0].content is None  # nothing before the first batch
+  digests = [state.content["digest"] for state in states[1:]]
   assert len(set(digests)) == 3
   fresh = _grain_loop(monkeypatch, "one iteration")
   for index, digest in enumerate(digests, start=1):
     next(fresh.source)
-    assert fresh.source.content_before().to_json()["digest"] == digest, index
+    assert _input.settled_state(fresh.source.state()).content["digest"] == digest, index

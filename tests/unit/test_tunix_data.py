@@ -57,7 +57,7 @@ def test_resumes_in_o1_from_an_index(tmp_path):
   for _ in range(7):
     next(iterator)
   state = iterator.get_state()
-  assert state["position"] == {"next_index": 7}
+  assert state["position"] == {"next_record": 7}  # a make_dataset position counts stream records
   resumed = DataIterator(data.create_dataset(path, seed=3, num_epochs=2, prompt_key="question"))
   resumed.set_state(state)
   assert [str(r["prompts"]) for r in resumed] == uninterrupted[7:]

@@ -23,12 +23,18 @@ def _rebatch(full_batches, size):
       yield {k: v[start:start + size] for k, v in batch.items()}
 
 
+def _restore(micro, position, origin="test"):
+  """What a learner's restore does with its saved position: the input's state to the input, unchanged."""
+  own = {k: v for k, v in position.items() if k != _input.INPUT}
+  micro.check_position(own, origin)
+  micro.apply(micro.source.check(position[_input.INPUT], allow_drift=frozenset(), origin=origin), own)
+
+
 def _input_at(position=None):
   dataset = ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=1)
   micro = _input.MicroBatchInput(_input.make_source(dataset), 1, _rebatch)
   if position is not None:
-    fingerprint = micro.source.fingerprint
-    micro.apply(micro.check(fingerprint, position, allow_drift=frozenset(), origin="test"), position)
+    _restore(micro, position)
   return micro
 
 
@@ -55,15 +61,49 @@ def test_the_learner_rule_leaves_more_epochs_to_the_input():
   one = ckpt_iter.DataIterator(ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=1))
   for _ in one:
     pass
-  saved, position = {"num_iterations": 2}, one.position()
+  saved, saved_input = {"num_iterations": 2}, one.state_part()
   two = _input.make_source(ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=2))
   checked = _input.check_learner_state(
-      saved, {"num_iterations": 2}, two, one.fingerprint, dict(position), allow_drift=frozenset(), origin="test")
-  two.apply(checked, position)
-  assert two.position() == {"next_index": 4}
+      saved, {"num_iterations": 2}, two, saved_input, allow_drift=frozenset(), origin="test")
+  two.apply(checked)
+  assert two.position() == {"next_record": 8}
+  assert list(next(two)["prompts"]) != [] and two.position() == {"next_record": 10}
   with pytest.raises(ckpt_iter.ConfigDriftError, match="num_iterations"):
     _input.check_learner_state(
-        saved, {"num_iterations": 3}, two, one.fingerprint, dict(position), allow_drift=frozenset(), origin="test")
+        saved, {"num_iterations": 3}, two, saved_input, allow_drift=frozenset(), origin="test")
+
+
+def test_a_learner_hands_its_input_the_saved_state_unchanged():
+  """The nested state read from disk is what the input's own restore receives: no re-wrap."""
+  received = []
+
+  class Spy(ckpt_iter.DataIterator):
+    def check_restore(self, state, **kwargs):
+      received.append(state)
+      return super().check_restore(state, **kwargs)
+
+  dataset = ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=3, num_epochs=1)
+  micro = _input.MicroBatchInput(_input.make_source(Spy(dataset)), 1, _rebatch)
+  for _ in range(3):
+    micro.next_micro_batch()
+  saved_input, _ = _saved_learner_state(micro, micro.position())
+  _restore(_input.MicroBatchInput(_input.make_source(Spy(dataset)), 1, _rebatch),
+           {_input.INPUT: saved_input, "micro_batches_taken": 1})
+  assert received[-1] is saved_input
+
+
+def test_a_learners_working_position_is_its_saved_form():
+  """In memory the position nests the input's IteratorState, as the checkpoint holds it:
+  a round trip through the file form gives back an equal position, the content record included."""
+  micro = _input_at()
+  for _ in range(3):
+    micro.next_micro_batch()
+  position = micro.position()
+  assert isinstance(position[_input.INPUT], state_lib.IteratorState)
+  assert position[_input.INPUT].kind == "data" and position[_input.INPUT].position == {"next_record": 2}
+  value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "GRPOLearner"}, position=position)
+  read = state_lib.IteratorState.from_dict(json.loads(json.dumps(value.to_dict())), origin="test")
+  assert read.position == value.position and read.part.content == position[_input.INPUT].content
 
 
 def _write_state(directory, value):
@@ -102,13 +142,16 @@ def _row(index):
   return {"prompts": f"P{index:02d}", "answer": str(index)}
 
 
-@pytest.mark.parametrize("form", ["map_batched", "iter_batched", "iter_filtered", "list"])
+@pytest.mark.parametrize("form", ["make_dataset", "map_batched", "iter_batched", "iter_filtered", "list"])
 def test_a_legacy_skip_lands_where_stocks_next_loop_lands(form):
   """A stock checkpoint resumes by skipping whole elements of the input, in the unit the
   input yields: after `to_iter_dataset().batch(2)` Grain's `next_index` counts rows, so an
   O(1) seek there would land mid-batch (issue 31, cases 1 and 2: R02 R03 trained twice)."""
   source = grain.MapDataset.range(12).map(_row)
   forms = {
+      # Its position counts stream records; its iterator skips batches by index (DataIterator.skip).
+      "make_dataset": lambda: ckpt_iter.make_dataset([_row(i) for i in range(12)], batch_size=2, seed=None,
+                                                     num_epochs=1),
       "map_batched": lambda: source.batch(2),
       "iter_batched": lambda: source.repeat(1).to_iter_dataset().batch(2),
       # Tunix's CLI form filters before batching: only a replay knows where batch k starts.
@@ -181,13 +224,11 @@ def _vocabulary_input(vocabulary_file, micro_batch_size=1):
 
 
 def _saved_learner_state(micro, position):
-  """A working position as an RL learner's checkpoint holds it, read back as its restore reads it."""
-  value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "GRPOLearner"},
-                                  position=_input.nest(micro.source.fingerprint, position, "full_batch"))
+  """(the input's state, the learner's own fields) of a position saved by an RL learner and read back."""
+  del micro
+  value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "GRPOLearner"}, position=position)
   read = state_lib.IteratorState.from_dict(json.loads(json.dumps(value.to_dict())), origin="test")
-  fingerprint, working = _input.unnest(read, "full_batch", origin="test")
-  working, content = _input.split_content(working)
-  return fingerprint, working, content
+  return _input.input_part(read, "test")
 
 
 def test_a_learner_records_the_full_batch_before_a_position_it_saves_after_reading_ahead(tmp_path):
@@ -199,15 +240,14 @@ def test_a_learner_records_the_full_batch_before_a_position_it_saves_after_readi
   for _ in range(3):  # the producer reads on, into full batch 3
     micro.next_micro_batch()
   position = _input.settled(trained)
-  assert position["full_batch"] == {"next_index": 1} and position["micro_batches_taken"] == 1
-  assert position[_input.INPUT_CONTENT]["check"] == "index"
-  fingerprint, working, content = _saved_learner_state(micro, position)
-  assert content == position[_input.INPUT_CONTENT]
-  assert _input.INPUT_CONTENT not in working and working["full_batch"] == {"next_index": 1}
+  assert position[_input.INPUT].position == {"next_record": 2} and position["micro_batches_taken"] == 1
+  assert position[_input.INPUT].content["check"] == "index"
+  saved_input, working = _saved_learner_state(micro, position)
+  assert saved_input.content == position[_input.INPUT].content
+  assert _input.INPUT not in working and working["micro_batches_taken"] == 1
 
   resumed = _vocabulary_input(str(vocabulary))
-  resumed.apply(resumed.check(fingerprint, working, allow_drift=frozenset(), origin="t", content=content),
-                working, content)
+  _restore(resumed, {_input.INPUT: saved_input, **working}, origin="t")
   assert resumed.source._iterator.restored_content_check == "same element at index 0"  # pylint: disable=protected-access
   expected = _vocabulary_input(str(vocabulary))
   for _ in range(3):
@@ -232,9 +272,9 @@ def test_a_changed_vocabulary_behind_a_learners_unchanged_input_is_refused_namin
   changed = _vocabulary_input(str(vocabulary))
   assert changed.source.fingerprint == micro.source.fingerprint  # the definition did not change
   with pytest.raises(errors.ContentDriftError) as raised:
-    changed.check(micro.source.fingerprint, position, allow_drift=frozenset(), origin="checkpoint step 3")
+    _restore(changed, position, origin="checkpoint step 3")
   assert "field 'tokens'" in str(raised.value) and "checkpoint step 3" in str(raised.value)
-  assert changed.position()["full_batch"] == {"next_index": 0}  # refused before anything moved
+  assert changed.position()[_input.INPUT].position == {"next_record": 0}  # refused before anything moved
 
 
 def test_a_restored_learner_input_carries_its_record_to_the_next_save(tmp_path):
@@ -243,22 +283,35 @@ def test_a_restored_learner_input_carries_its_record_to_the_next_save(tmp_path):
   vocabulary, micro = _read_micro_batches(tmp_path, 4)
   position = micro.position()
   resumed = _vocabulary_input(str(vocabulary))
-  resumed.apply(resumed.check(micro.source.fingerprint, position, allow_drift=frozenset(), origin="t"), position)
+  _restore(resumed, position, origin="t")
   assert resumed.position() == position
+  assert resumed.position()[_input.INPUT].content == position[_input.INPUT].content
   vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
   with pytest.raises(errors.ContentDriftError):
-    _vocabulary_input(str(vocabulary)).check(
-        micro.source.fingerprint, resumed.position(), allow_drift=frozenset(), origin="t")
+    _restore(_vocabulary_input(str(vocabulary)), resumed.position(), origin="t")
 
 
 def test_a_hostile_input_content_record_is_refused_naming_the_nested_field():
   fingerprint = {"source": "x"}
   for bad in (5, {"check": 3}, {"check": "index", "digest": "d", "fields": {"a": 1}}, {"extra": "x"}):
-    value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "GRPOLearner"}, position={
+    header = {"format_version": 4, "kind": "tunix", "fingerprint": {"learner": "GRPOLearner"}, "position": {
         "input": {"kind": "data", "fingerprint": fingerprint, "position": {"next_index": 1}, "content": bad},
-        "micro_batches_taken": 0})
-    with pytest.raises(errors.InvalidStateError, match=r"position\.input\.content"):
-      _input.unnest(value, "full_batch", origin="checkpoint step 2")
+        "micro_batches_taken": 0}, "counters": {}}
+    with pytest.raises(errors.InvalidStateError, match=r"checkpoint step 2 \(position\.input\): field 'content'"):
+      state_lib.IteratorState.from_dict(header, origin="checkpoint step 2")
+
+
+def test_a_position_that_nests_no_input_state_is_refused_naming_the_field():
+  value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "GRPOLearner"},
+                                  position={"full_batch": {"next_index": 1}, "micro_batches_taken": 0})
+  with pytest.raises(errors.InvalidStateError, match=r"checkpoint step 2: field 'position' is .*'input'"):
+    _input.input_part(value, "checkpoint step 2")
+  sft = state_lib.IteratorState(kind="tunix", fingerprint={"trainer": "PeftTrainer"}, position={
+      "input": {"kind": "data", "fingerprint": {}, "position": {"next_index": 1}}, "micro_batches_taken": 0})
+  with pytest.raises(errors.InvalidStateError, match="field 'position'"):
+    _input.input_part(sft, "checkpoint step 2", learner_fields=False)
+  with pytest.raises(errors.InvalidStateError, match="'micro_batches_taken': N"):
+    _input.MicroBatchInput.check_position({"micro_batches_taken": -1}, "checkpoint step 2")
 
 
 def test_an_sft_trainers_input_records_the_example_it_trained_last(tmp_path):
@@ -268,11 +321,12 @@ def test_an_sft_trainers_input_records_the_example_it_trained_last(tmp_path):
   source = _vocabulary_input(str(vocabulary)).source
   for _ in range(3):
     next(source)
-  nested = _input.nest(source.fingerprint, {**source.position(), _input.INPUT_CONTENT: source.content_before()}, None)
-  value = state_lib.IteratorState(kind="tunix", fingerprint={"trainer": "PeftTrainer"}, position=nested)
-  fingerprint, position = _input.unnest(value, None, origin="t")
-  position, content = _input.split_content(position)
-  assert position == {"next_index": 3} and content["check"] == "index"
+  saved = _input.settled_state(source.state())
+  assert saved == source._iterator.state_part()  # pylint: disable=protected-access  (nothing read ahead)
+  assert saved.position == {"next_record": 6} and saved.content["check"] == "index"
+  value = state_lib.IteratorState(kind="tunix", fingerprint={"trainer": "PeftTrainer"}, position={"input": saved})
+  saved_input, own = _input.input_part(value, "t", learner_fields=False)
+  assert own == {} and saved_input is saved
   vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
   with pytest.raises(errors.ContentDriftError, match="index 2"):
-    _vocabulary_input(str(vocabulary)).source.check(fingerprint, position, allow_drift=(), origin="t", content=content)
+    _vocabulary_input(str(vocabulary)).source.check(saved_input, allow_drift=(), origin="t")

@@ -65,17 +65,14 @@ def test_rollout_weight_cases(case, needed):
 
 @pytest.mark.parametrize("position, saved_micro, micro, expected", [
     # At a mini-batch boundary nothing moves.
-    ({"full_batch": {"next_index": 3}, "micro_batches_taken": 0}, 2, 1,
-     {"full_batch": {"next_index": 3}, "micro_batches_taken": 0}),
+    ({"micro_batches_taken": 0, "stream_rows": 6}, 2, 1, {"micro_batches_taken": 0, "stream_rows": 6}),
     # Two micro-batches of 2 taken: 4 rows, four micro-batches of 1.
-    ({"full_batch": {"next_index": 3}, "micro_batches_taken": 2}, 2, 1,
-     {"full_batch": {"next_index": 3}, "micro_batches_taken": 4}),
+    ({"micro_batches_taken": 2}, 2, 1, {"micro_batches_taken": 4}),
     # Three rows taken (uneven) with a micro-batch of 2: one whole and a row over.
-    ({"full_batch": {}, "micro_batches_taken": 1, "rows_taken": 3}, 1, 2,
-     {"full_batch": {}, "micro_batches_taken": 1, "rows_taken": 3}),
-    # The same size, or a position the input's check must refuse: unchanged.
-    ({"full_batch": {}, "micro_batches_taken": 2}, 2, 2, {"full_batch": {}, "micro_batches_taken": 2}),
-    ({"full_batch": {}, "micro_batches_taken": "2"}, 2, 1, {"full_batch": {}, "micro_batches_taken": "2"}),
+    ({"micro_batches_taken": 1, "rows_taken": 3}, 1, 2, {"micro_batches_taken": 1, "rows_taken": 3}),
+    # The same size, or a position the learner's check must refuse: unchanged.
+    ({"micro_batches_taken": 2}, 2, 2, {"micro_batches_taken": 2}),
+    ({"micro_batches_taken": "2"}, 2, 1, {"micro_batches_taken": "2"}),
 ])
 def test_a_saved_position_is_recounted_in_micro_batches_of_the_new_size(position, saved_micro, micro, expected):
   assert _session._position_in_micro_batches(position, saved_micro, micro) == expected  # pylint: disable=protected-access
@@ -106,3 +103,103 @@ def test_a_smaller_micro_batch_is_accepted_only_where_the_mini_batches_stay_and_
   with pytest.raises(errors.ConfigDriftError, match="a repeat is in progress.*train_micro_batch_size=2"):
     _resplit(_fingerprint(2), _fingerprint(1), pending=pending)
   assert _resplit(_fingerprint(2), _fingerprint(1), pending=pending, allow_drift=frozenset(micro_fields)) == micro_fields
+
+
+# --- where a changed input continues (`DataSession._continuation`, the one rule for RL learners) ---
+
+_PROMPTS = [{"prompts": f"P{i:02d}", "answer": str(i)} for i in range(24)]
+
+
+def _rebatch(full_batches, size):
+  for batch in full_batches:
+    for start in range(0, len(batch["prompts"]), size):
+      yield {k: v[start:start + size] for k, v in batch.items()}
+
+
+def _record_input(batch_size):
+  """make_dataset's pipeline: its position counts stream records."""
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  return ckpt_iter.make_dataset(_PROMPTS, batch_size=batch_size, seed=None, num_epochs=1)
+
+
+def _batch_index_input(batch_size):
+  """A hand-built MapDataset of batches: its position is Grain's batch index."""
+  import grain  # pylint: disable=g-import-not-at-top
+
+  return grain.MapDataset.source(_PROMPTS).batch(batch_size)
+
+
+def _session_over(dataset, full_batch_size):
+  """A DataSession's data side over `dataset` (full batches of `full_batch_size`, one mini-batch each)."""
+  from ckpt_iter.tunix import _input  # pylint: disable=g-import-not-at-top
+
+  session = object.__new__(_session.DataSession)
+  session.micro_batch_size = full_batch_size
+  session.input = _input.MicroBatchInput(_input.make_source(dataset), None, _rebatch)
+  session.fingerprint = {"learner": "GRPOLearner", "num_iterations": 1, **{
+      name: full_batch_size for name in _session._CONTINUABLE_LEARNER_FIELDS}}  # pylint: disable=protected-access
+  return session
+
+
+def _saved_after(session, full_batches, pending=None, remaining_mini_batches=0):
+  """The learner state a run of `session` saves after `full_batches` global steps."""
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  for _ in range(full_batches):
+    session.input.next_micro_batch()
+  return state_lib.IteratorState(
+      kind="tunix", fingerprint=session.fingerprint, position=session.input.position(), pending=pending,
+      counters={"remaining_mini_batches": remaining_mini_batches, "global_steps": full_batches})
+
+
+def _continued(value, session):
+  """The prompts `session` reads next after restoring `value` (the first three)."""
+  apply = session._continuation(value, frozenset(), "checkpoint step 2")  # pylint: disable=protected-access
+  apply()
+  prompts = []
+  while len(prompts) < 3:
+    prompts.extend(session.input.next_micro_batch()["prompts"])
+  return list(prompts[:3])
+
+
+@pytest.mark.parametrize("new_size", [2, 3, 4, 5])
+def test_another_batch_size_of_a_record_counting_input_continues_at_the_saved_record(new_size):
+  """The learner hands the input its saved state; the input's own restore cuts the batches anew."""
+  value = _saved_after(_session_over(_record_input(2), 2), full_batches=2)
+  assert value.part.position == {"next_record": 4}
+  assert _continued(value, _session_over(_record_input(new_size), new_size)) == ["P04", "P05", "P06"]
+
+
+def test_a_batch_size_that_does_not_divide_the_prompts_consumed_is_refused_for_a_batch_index_input():
+  """A hand-built pipeline cannot count records: only the prompt count decides, and 4 prompts are no
+  whole number of batches of 3."""
+  from ckpt_iter import errors  # pylint: disable=g-import-not-at-top
+
+  value = _saved_after(_session_over(_batch_index_input(2), 2), full_batches=2)
+  assert value.part.position == {"next_index": 2}
+  with pytest.raises(errors.ConfigDriftError, match="not a whole number of this input's batches of 3"):
+    _session_over(_batch_index_input(3), 3)._continuation(value, frozenset(), "checkpoint step 2")  # pylint: disable=protected-access
+  assert _continued(value, _session_over(_batch_index_input(4), 4)) == ["P04", "P05", "P06"]
+
+
+@pytest.mark.parametrize("make_input", [_record_input, _batch_index_input])
+def test_the_batch_geometry_cannot_change_inside_a_global_step(make_input):
+  from ckpt_iter import errors, state as state_lib  # pylint: disable=g-import-not-at-top
+
+  pending = state_lib.Pending(items=({"a": None},), schedule=(0,))
+  for inside in (dict(pending=pending), dict(remaining_mini_batches=1)):
+    value = _saved_after(_session_over(make_input(2), 2), full_batches=2, **inside)
+    with pytest.raises(errors.ConfigDriftError, match="falls inside a global step.*full_batch_size"):
+      _session_over(make_input(4), 4)._continuation(value, frozenset(), "checkpoint step 2")  # pylint: disable=protected-access
+
+
+def test_a_changed_learner_field_is_refused_whatever_the_input():
+  from ckpt_iter import errors  # pylint: disable=g-import-not-at-top
+
+  for make_input in (_record_input, _batch_index_input):
+    value = _saved_after(_session_over(make_input(2), 2), full_batches=2)
+    session = _session_over(make_input(4), 4)
+    session.fingerprint = {**session.fingerprint, "num_iterations": 2}
+    with pytest.raises(errors.ConfigDriftError, match="num_iterations"):
+      session._continuation(value, frozenset(), "checkpoint step 2")  # pylint: disable=protected-access

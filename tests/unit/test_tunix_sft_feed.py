@@ -29,9 +29,12 @@ def test_the_position_is_the_next_example_the_train_step_has_not_taken():
   feed = _feed()
   next(feed), next(feed)
   feed._trainer.iter_steps = 2  # pylint: disable=protected-access
-  assert feed.position() == {"next_index": 2}
-  nested = _input.nest(feed.source.fingerprint, feed.position(), None)
-  assert nested["input"]["position"] == {"next_index": 2} and set(nested) == {"input"}
+  position = feed.position()
+  # The input's own state, nested as the checkpoint holds it: nothing but the input's.
+  assert set(position) == {_input.INPUT}
+  assert position[_input.INPUT] == feed.source._iterator.state_part()  # pylint: disable=protected-access
+  assert position[_input.INPUT].position == {"next_record": 2}
+  assert position[_input.INPUT].content["check"] == "index"
 
 
 def test_an_input_read_elsewhere_is_refused_rather_than_saved_at_the_wrong_place():
@@ -46,4 +49,4 @@ def test_the_feed_stops_at_max_steps_before_reading():
   feed._trainer.train_steps = 3  # pylint: disable=protected-access
   with pytest.raises(StopIteration):
     next(feed)
-  assert feed.examples_read == 0 and feed.source.position() == {"next_index": 0}
+  assert feed.examples_read == 0 and feed.source.position() == {"next_record": 0}
