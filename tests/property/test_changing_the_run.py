@@ -149,7 +149,9 @@ _MAX_LANE_ROWS = 4 * 5 * 2 * BASE_BATCH // LANES  # rows per lane a run can take
 
 
 def _lane_streams(kind):
-  return _STREAMS.setdefault(kind, _stream(kind))
+  if kind not in _STREAMS:  # built once per session: it is the slow part of a check
+    _STREAMS[kind] = _stream(kind)
+  return _STREAMS[kind]
 
 
 def _oracle(kind, segments):
