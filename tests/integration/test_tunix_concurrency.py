@@ -56,8 +56,10 @@ def test_every_checkpoint_holds_what_the_trainer_consumed(slowed_run):
         testing.assert_trees_equal(
             getattr(saved, field), array, path=f"step {step}: pending item {index}.{field}")
     micro_batches_read = mini_batches_started * GRAD_ACC
-    assert (state.position["input"]["position"], state.position["micro_batches_taken"]) == (
-        {"next_index": micro_batches_read // MICRO_PER_FULL}, micro_batches_read % MICRO_PER_FULL,
+    # The input's position is the start of the full batch being split, in records (1 prompt per micro-batch).
+    full_batches_done = micro_batches_read // MICRO_PER_FULL
+    assert (state.position["input"].position, state.position["micro_batches_taken"]) == (
+        {"next_record": full_batches_done * MICRO_PER_FULL}, micro_batches_read % MICRO_PER_FULL,
     ), f"step {step}"
     assert state.position["stream_rows"] == micro_batches_read, f"step {step}"  # 1 prompt each
     assert state.counters["train_steps"] == step
