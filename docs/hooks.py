@@ -118,10 +118,10 @@ def _top_level(statements: list[ast.stmt]) -> list[ast.stmt]:
   return flat
 
 
-def reference_markdown() -> str:
+def reference_markdown(modules: tuple[str, ...] | list[str] = REFERENCE_MODULES) -> str:
   """The mkdocstrings blocks of the reference: each module's docstring, then each public name."""
   blocks = []
-  for module_name in REFERENCE_MODULES:
+  for module_name in modules:
     # The module's own docstring, as the section's heading and introduction.
     blocks.append(f"::: {module_name}\n    options:\n      members: false\n      heading_level: 2\n")
     blocks.extend(f"::: {module_name}.{name}\n" for name in public_names(module_name))

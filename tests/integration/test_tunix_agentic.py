@@ -35,6 +35,7 @@ pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 
 pytestmark = pytest.mark.heavy
 
 import tunix_harness as harness  # noqa: E402
+from demo import agentic_toyrun  # noqa: E402
 
 from ckpt_iter import _item as item_lib
 from ckpt_iter import testing
@@ -76,36 +77,42 @@ def _rolled(run):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """Every process of the module, two at a time (the machine has 2 cores)."""
-  work = tmp_path_factory.mktemp("agentic")
-  cache = work / "jax_cache"
+def runs(tmp_path_factory, jax_cache):
+  """Every process of the module, two at a time (the machine has 2 cores), once per session."""
 
-  def chain(name, steps, **kwargs):
-    """Runs in one directory, killed after each of `steps`, resumed each time."""
-    return [
-        _run(work / name, work / f"{name}{index}.npz", cache, preempt_after=step, **kwargs)
-        for index, step in enumerate([*steps, None])
-    ]
+  def build(work):
+    def chain(name, steps, **kwargs):
+      """Runs in one directory, killed after each of `steps`, resumed each time."""
+      for index, step in enumerate([*steps, None]):
+        _run(work / name, work / f"{name}{index}.npz", jax_cache, preempt_after=step, **kwargs)
 
-  with futures.ThreadPoolExecutor(2) as pool:
-    reference = pool.submit(_run, work / "ref", work / "ref.npz", cache)
-    segments = pool.submit(chain, "resumable", [1, 2])
-    stock = pool.submit(chain, "stock", [1], learner="stock")
-    # Separate rollout model; in the first process prompt 2's rollouts wait
-    # until checkpoint 1's save begins, so they are in flight at it.
-    async_reference = pool.submit(_run, work / "async_ref", work / "async_ref.npz", cache,
-                                  extra=("--async-rollout",))
-    async_first = pool.submit(
-        _run, work / "async", work / "async0.npz", cache, preempt_after=1,
-        extra=("--async-rollout", "--slow-prompt", _BATCH_0_TEXT[2]),
-    )
-    async_first.result()
-    async_resumed = _run(work / "async", work / "async1.npz", cache, extra=("--async-rollout",))
-    return {
-        "reference": reference.result(), "segments": segments.result(), "stock": stock.result(),
-        "async": [async_first.result(), async_resumed], "async_reference": async_reference.result(),
-    }
+    with futures.ThreadPoolExecutor(2) as pool:
+      started = [
+          pool.submit(_run, work / "ref", work / "reference.npz", jax_cache),
+          pool.submit(chain, "segment", [1, 2]),
+          pool.submit(chain, "stock", [1], learner="stock"),
+          # Separate rollout model; in the first process prompt 2's rollouts wait
+          # until checkpoint 1's save begins, so they are in flight at it.
+          pool.submit(_run, work / "async_ref", work / "async_reference.npz", jax_cache,
+                      extra=("--async-rollout",)),
+          pool.submit(_run, work / "async", work / "async0.npz", jax_cache, preempt_after=1,
+                      extra=("--async-rollout", "--slow-prompt", _BATCH_0_TEXT[2])),
+      ]
+      started[-1].result()
+      _run(work / "async", work / "async1.npz", jax_cache, extra=("--async-rollout",))
+      for future in started:
+        future.result()
+
+  work = harness.built_once(tmp_path_factory, "agentic", build)
+
+  def load(*names):
+    return [agentic_toyrun.load_record(str(work / f"{name}.npz")) for name in names]
+
+  return {
+      "reference": load("reference")[0], "segments": load("segment0", "segment1", "segment2"),
+      "stock": load("stock0", "stock1"), "async": load("async0", "async1"),
+      "async_reference": load("async_reference")[0],
+  }
 
 
 def test_uninterrupted_trains_groups_in_prompt_order(runs):
@@ -187,24 +194,30 @@ _MU2_FLAGS = ["--batch", "4", "--mini", "2", "--micro", "1", "--mu", "2", "--max
 
 
 @pytest.fixture(scope="module")
-def replay_runs(tmp_path_factory):
+def replay_runs(tmp_path_factory, jax_cache):
   # Deselected on 0.1.7 (tunix_main marker), which repeats each group in a row.
   assert _REPLAYS, "this Tunix is main (it has rl_engine) but does not replay full batches"
-  work = tmp_path_factory.mktemp("agentic_replay")
-  cache = work / "jax_cache"
 
-  def chain(steps):
-    return [
-        _run(work / "chain", work / f"chain{index}.npz", cache, preempt_after=step, flags=_MU2_FLAGS)
-        for index, step in enumerate([*steps, None])
-    ]
+  def build(work):
+    def chain(steps):
+      for index, step in enumerate([*steps, None]):
+        _run(work / "chain", work / f"chain{index}.npz", jax_cache, preempt_after=step, flags=_MU2_FLAGS)
 
-  with futures.ThreadPoolExecutor(2) as pool:
-    reference = pool.submit(_run, work / "ref", work / "ref.npz", cache, flags=_MU2_FLAGS)
-    segments = pool.submit(chain, [3, 4, 6])
-    stock = pool.submit(_run, work / "stock", work / "stock.npz", cache, learner="stock", flags=_MU2_FLAGS)
-    return {"reference": reference.result(), "stock": stock.result(), "segments": segments.result(),
-            "chain_root": work / "chain"}
+    with futures.ThreadPoolExecutor(2) as pool:
+      started = [pool.submit(_run, work / "ref", work / "reference.npz", jax_cache, flags=_MU2_FLAGS),
+                 pool.submit(chain, [3, 4, 6]),
+                 pool.submit(_run, work / "stock", work / "stock.npz", jax_cache, learner="stock",
+                             flags=_MU2_FLAGS)]
+      for future in started:
+        future.result()
+
+  work = harness.built_once(tmp_path_factory, "agentic_replay", build)
+
+  def load(name):
+    return agentic_toyrun.load_record(str(work / f"{name}.npz"))
+
+  return {"reference": load("reference"), "stock": load("stock"),
+          "segments": [load(f"chain{index}") for index in range(4)], "chain_root": work / "chain"}
 
 
 @pytest.mark.tunix_main

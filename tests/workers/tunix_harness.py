@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable
 
+import filelock
 import numpy as np
 
 from ckpt_iter import testing
@@ -38,6 +41,27 @@ class Run:
   @property
   def labels(self) -> list[str]:
     return ["".join(toyrun.prompt_labels(x["prompt_ids"])) for x in self.inputs]
+
+
+def built_once(tmp_path_factory: Any, name: str, build: Callable[[pathlib.Path], None]) -> pathlib.Path:
+  """The directory `build` filled, built once per test session whichever pytest-xdist worker asks first.
+
+  A module fixture runs on every worker that picks one of its tests; for the
+  agentic runs (nine Tunix processes) that built them twice at once on a
+  2-core machine. The other workers wait for the first and read its files.
+  """
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent  # the session's directory, shared by its workers (each has its own below it)
+  directory = base / name
+  with filelock.FileLock(str(base / f"{name}.lock")):
+    done = directory / ".built"
+    if not done.exists():
+      shutil.rmtree(directory, ignore_errors=True)  # a build that failed on another worker
+      directory.mkdir()
+      build(directory)
+      done.touch()
+  return directory
 
 
 def run_toy(
