@@ -280,13 +280,14 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
             f"{origin}: field 'position' is {_short(position)}; this pipeline's "
             f"position is {{'next_index': 0..{self._length}}}."
         )
+      changed = position != state.position or bool(state_lib.differing_fields(state.fingerprint, current))
       if state.content is None:
         content_check = "none recorded"
       elif not self._check_content:
         content_check = "off (check_content=False)"
       elif content_allowed:
         content_check = "not checked (allow_drift names the content)"
-      elif position != state.position or state_lib.differing_fields(state.fingerprint, current):
+      elif changed:
         content_check = "not applicable (the pipeline changed; the stream was checked instead)"
       elif skips.added:
         content_check = _CONTENT_SKIPS_ADDED
@@ -297,7 +298,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       def apply() -> None:
         self._apply_skips(skips)
         self._inner.set_state(position)
-        self._adopt(state)
+        self._adopt(state, content_carried=not changed)
         self.restored_content_check = content_check
         resume.log()
 
@@ -350,18 +351,18 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     next_index = plan.index_of(next_record)
     if next_index is None or next_record > plan.stream_length or next_index > len(plan):
       self._refuse_past_the_end(state, next_record, plan.stream_length, origin)
+    # Another batch plan or process count: the saved content describes no element of this pipeline.
+    changed = bool(resume.changes or state_lib.differing_fields(state.fingerprint, current))
     if state.content is None:
       content_check = "none recorded"
     elif not self._check_content:
       content_check = "off (check_content=False)"
     elif content_allowed:
       content_check = "not checked (allow_drift names the content)"
-    elif resume.changes or state_lib.differing_fields(state.fingerprint, current):
+    elif changed:
       content_check = "not applicable (the pipeline changed; the stream was checked instead)"
     else:
       content_check = self._check_batch_before(node, state.content, plan, mixture, next_record, skips, origin)
-    # A restore under another batch plan holds no element of this plan before it.
-    changed = bool(resume.changes)
 
     def apply() -> None:
       self._apply_skips(skips)
@@ -504,8 +505,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
   def _adopt(self, state: state_lib.IteratorState, *, content_carried: bool = True) -> None:
     """Carries the restored state's content record and lineage on.
 
-    A restore that re-cut the batches (another batch size) carries no
-    content record: the element it describes is no element of this pipeline.
+    A restore into a changed pipeline (another batch size or process count,
+    a moved position) carries no content record: the element it describes
+    is no element of this pipeline, and a later restore of a state saved
+    before any batch is read would check this pipeline against it.
     """
     self._last = _NOTHING
     self._digested = (_NOTHING, None)
@@ -590,7 +593,7 @@ _short = state_lib.short_repr
 _NOTHING = object()
 _CONTENT_OFF = "off: check_content=False"
 _CONTENT_SKIPPED = "unavailable: elements skipped, none read since"
-_CONTENT_RECUT = "unavailable: restored under another batch plan, no batch read since"
+_CONTENT_RECUT = "unavailable: restored into a changed pipeline (batches, processes), no batch read since"
 _DECLARED_CHANGES = frozenset({_drift.WEIGHTS, _drift.SOURCES})
 _CONTENT_SKIPS_ADDED = "not applicable (skips added at this restore)"
 
