@@ -200,38 +200,33 @@ def _source_stream(name, length):
 COUNTS = collections.Counter()  # over the session, per pipeline: runs, rows trained, duplicates, skips
 
 
-def _matched(trained, stream, may_jump_to=()):
-  """(duplicates, skips) of `trained` rows against the `stream` they should follow, in order.
+def _matched(trained, stream, pointer=0):
+  """(duplicates, skips, pointer after) of `trained` rows against the `stream` they should follow.
 
-  Walks the stream with a pointer: a trained row found ahead of it skips the
-  rows in between (each a skip, unless the jump lands on a position in
-  `may_jump_to`, the documented ones); a row not found ahead of it was
-  trained again (a duplicate).
+  Walks the stream from `pointer`: a trained row found ahead of it skips the
+  rows in between (each a skip); a row not found ahead of it was trained
+  again (a duplicate).
   """
   duplicates = skips = 0
-  pointer = 0
   for row in trained:
     ahead = next((i for i in range(pointer, len(stream)) if stream[i] == row), None)
     if ahead is None:
       duplicates += 1
       continue
-    if ahead != pointer and ahead not in may_jump_to:
-      skips += ahead - pointer
+    skips += ahead - pointer
     pointer = ahead + 1
-  return duplicates, skips
+  return duplicates, skips, pointer
 
 
 def _duplicates_and_skips(kind, segments, trained):
   """Counted against the uninterrupted streams, each record of each epoch by itself."""
   if kind == "plain":
-    epoch_starts = range(0, 2 * len(_RECORDS), len(_RECORDS))
-    # Jumping over an epoch's dropped rest lands on the next epoch's first record.
-    return _matched([row for batch in trained for row in batch], _lane_streams(kind), set(epoch_starts))
+    return _plain_duplicates_and_skips(segments, trained)
   if kind == "mix":
     totals = [0, 0]
     for name in {n for _, _, _, mixture in segments for n in mixture}:
       rows = [row for batch in trained for row in batch if row[0] // 1000 == ord(name) - ord("a") + 1]
-      for i, value in enumerate(_matched(rows, _source_stream(name, len(rows) + 1))):
+      for i, value in enumerate(_matched(rows, _source_stream(name, len(rows) + 1))[:2]):
         totals[i] += value
     return tuple(totals)
   totals, offset = [0, 0], 0
@@ -242,9 +237,30 @@ def _duplicates_and_skips(kind, segments, trained):
       per_lane[lane].extend(batch[lane * rows:(lane + 1) * rows])
   del offset
   for lane in range(LANES):
-    for i, value in enumerate(_matched(per_lane[lane], _lane_streams(kind)[lane])):
+    for i, value in enumerate(_matched(per_lane[lane], _lane_streams(kind)[lane])[:2]):
       totals[i] += value
   return tuple(totals)
+
+
+def _plain_duplicates_and_skips(segments, trained):
+  """(duplicates, skips) of a plain run against the uninterrupted stream of its epochs.
+
+  The stream holds each record once per epoch, so a record alone does not say
+  where it is: the walk goes batch by batch. A batch that does not start at
+  the pointer may start at the next epoch's first record only where the
+  epoch's rest is shorter than the batch (the documented rule: not a skip);
+  anything else is matched row by row (`_matched`).
+  """
+  stream, epoch = _lane_streams("plain"), len(_RECORDS)
+  duplicates = skips = pointer = 0
+  for batch, (_, global_batch, _, _) in zip(trained, _segment_of_each(segments)):
+    next_epoch = (pointer // epoch + 1) * epoch
+    if (stream[pointer:pointer + len(batch)] != batch and next_epoch - pointer < global_batch
+        and stream[next_epoch:next_epoch + len(batch)] == batch):
+      pointer = next_epoch  # the epoch's rest, passed over by the rule
+    found_duplicates, found_skips, pointer = _matched(batch, stream, pointer)
+    duplicates, skips = duplicates + found_duplicates, skips + found_skips
+  return duplicates, skips
 
 
 def _segment_of_each(segments):
