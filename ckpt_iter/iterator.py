@@ -281,17 +281,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
             f"position is {{'next_index': 0..{self._length}}}."
         )
       changed = position != state.position or bool(state_lib.differing_fields(state.fingerprint, current))
-      if state.content is None:
-        content_check = "none recorded"
-      elif not self._check_content:
-        content_check = "off (check_content=False)"
-      elif content_allowed:
-        content_check = "not checked (allow_drift names the content)"
-      elif changed:
-        content_check = "not applicable (the pipeline changed; the stream was checked instead)"
-      elif skips.added:
+      content_check = self._unchecked_content(state, content_allowed, changed)
+      if content_check is None and skips.added:
         content_check = _CONTENT_SKIPS_ADDED
-      else:
+      elif content_check is None:
         with self._spec_node_skipping(skips.effective):
           content_check = self._check_same_content(state.content, next_index, origin)
 
@@ -353,16 +346,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       self._refuse_past_the_end(state, next_record, plan.stream_length, origin)
     # Another batch plan or process count: the saved content describes no element of this pipeline.
     changed = bool(resume.changes or state_lib.differing_fields(state.fingerprint, current))
-    if state.content is None:
-      content_check = "none recorded"
-    elif not self._check_content:
-      content_check = "off (check_content=False)"
-    elif content_allowed:
-      content_check = "not checked (allow_drift names the content)"
-    elif changed:
-      content_check = "not applicable (the pipeline changed; the stream was checked instead)"
-    else:
-      content_check = self._check_batch_before(node, state.content, plan, mixture, next_record, skips, origin)
+    content_check = self._unchecked_content(state, content_allowed, changed) or self._check_batch_before(
+        node, state.content, plan, mixture, next_record, skips, origin)
 
     def apply() -> None:
       self._apply_skips(skips)
@@ -377,6 +362,19 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       resume.log()
 
     return apply
+
+  def _unchecked_content(self, state: state_lib.IteratorState, content_allowed: Collection[str],
+                         changed: bool) -> str | None:
+    """Why a restore checks none of the content (its log line says so), or None when it checks."""
+    if state.content is None:
+      return "none recorded"
+    if not self._check_content:
+      return "off (check_content=False)"
+    if content_allowed:
+      return "not checked (allow_drift names the content)"
+    if changed:
+      return "not applicable (the pipeline changed; the stream was checked instead)"
+    return None
 
   def _check_batch_before(self, node: Any, content: Any, plan: Any, mixture: Any, next_record: int,
                           skips: "_SkipChange", origin: str) -> str:
