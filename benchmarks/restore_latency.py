@@ -53,7 +53,7 @@ def state_at(dataset, num_elements: int) -> dict:
   iterator = ckpt_iter.DataIterator(dataset)
   value = iterator.state()
   return state_lib.IteratorState(
-      kind=value.kind, fingerprint=value.fingerprint, position={"next_index": num_elements}
+      kind=value.kind, fingerprint=value.fingerprint, position={"next_record": num_elements}  # batch 1: a record each
   ).to_dict()
 
 

@@ -92,7 +92,8 @@ def relabel(source_root: str, target_root: str, step: int) -> None:
   data_path = os.path.join(step_dir, "data", "process_0-of-1.json")
   with open(data_path) as f:
     header = json.load(f)
-  header["position"]["input"]["position"]["next_index"] = global_steps + 1  # format 2: the input nested
+  header["position"]["input"]["position"]["next_record"] = global_steps + 1  # format 4: records, 1 prompt per batch
+  header["position"]["input"].pop("content", None)  # it describes the demo step's batch, not this forged position's
   header["counters"].update(train_steps=step, actor_iter_steps=step, global_steps=global_steps)
   with open(data_path, "w") as f:
     json.dump(header, f, indent=1)

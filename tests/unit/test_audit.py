@@ -56,7 +56,11 @@ def _header(root, step):
 
 
 def _edit_header(root, step, change):
-  path = _header(root, step)
+  _edit_file(_header(root, step), change)
+
+
+def _edit_file(path, change):
+  """Rewrites a process's header file after `change(header)`."""
   with open(path) as f:
     header = json.load(f)
   change(header)
@@ -415,12 +419,7 @@ def test_a_state_that_loses_skips_or_skips_what_was_read_is_a_break(tmp_path, ca
   _skip_chain(tmp_path)
   for name in os.listdir(os.path.join(tmp_path, str(step), "data")):
     if name.endswith(".json") and name.startswith("process_"):
-      path = os.path.join(tmp_path, str(step), "data", name)
-      with open(path) as f:
-        header = json.load(f)
-      edit(header)
-      with open(path, "w") as f:
-        json.dump(header, f)
+      _edit_file(os.path.join(tmp_path, str(step), "data", name), edit)
   code, report, _ = _audit(capsys, tmp_path)
   assert code == 1 and report["verdict"] == "broken"
   assert any(fragment in f["message"] for f in report["findings"] if f["verdict"] == "broken"), report["findings"]
@@ -434,11 +433,7 @@ def test_skips_inside_the_full_batch_a_learner_had_started_are_a_break(tmp_path,
   path4 = os.path.join(root, "actor", "4", "data", "process_0-of-1.json")
   for path, change in ((path3, lambda h: h["position"].update(micro_batches_taken=1)),
                        (path4, lambda h: h["fingerprint"].update(skips='{"records":[[2,3]]}'))):
-    with open(path) as f:
-      header = json.load(f)
-    change(header)
-    with open(path, "w") as f:
-      json.dump(header, f)
+    _edit_file(path, change)
   code, report, _ = _audit(capsys, root)
   assert code == 1
   assert any("inside the full batch 2-2 the learner had started" in f["message"] for f in report["findings"]
