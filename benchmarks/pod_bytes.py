@@ -89,8 +89,8 @@ def _worker(config: dict) -> dict:
   read = {"bytes": 0, "files": 0}
   original_read = _storage.read_bytes
 
-  def counted_read(path, *, max_bytes):
-    data = original_read(path, max_bytes=max_bytes)
+  def counted_read(path, **kwargs):  # whatever _storage.read_bytes takes (max_bytes, writable)
+    data = original_read(path, **kwargs)
     read["bytes"] += len(data)
     read["files"] += 1
     return data

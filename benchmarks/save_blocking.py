@@ -122,8 +122,8 @@ def main() -> None:
   snapshot = item_lib.snapshot
   current = {"log": None}
 
-  def timed_snapshot(item):
-    elapsed, result = _common.timed_ms(lambda: snapshot(item))
+  def timed_snapshot(*args, **kwargs):  # whatever _item.snapshot takes
+    elapsed, result = _common.timed_ms(lambda: snapshot(*args, **kwargs))
     if current["log"] is not None:
       current["log"].append(elapsed)
     return result
