@@ -180,15 +180,15 @@ def _save(config: dict, index: int, count: int) -> dict:
 
 def _restore(config: dict, index: int, count: int, read: dict) -> dict:
   from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import _item  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _item as item_lib
 
   data_dir = os.path.join(config["root"], str(SAVES + 1), "data")  # the last step
   saved_count = _files.saved_process_count(data_dir)
   started = time.perf_counter()
   if saved_count == count:
-    saved = _item.read_item(data_dir, index, count)
+    saved = item_lib.read_item(data_dir, index, count)
   else:  # what a Tunix learner reads with another count: the state all saved processes share
-    saved = _item.read_replicated_item(data_dir, saved_count)
+    saved = item_lib.read_replicated_item(data_dir, saved_count)
   seconds = time.perf_counter() - started
   assert len(saved.value.pending) == 1
   return {"process_index": index, "process_count": count, "saved_count": saved_count,

@@ -936,8 +936,10 @@ toy GRPO run (num_iterations=2) killed after update 3, inside a repeat; a new pr
 drop-in learner and calls `train()` under `sys.setprofile` until the actor's first update. A count
 of code, not of time. It runs {files['value']} files of the package, {crossings['value']} calls crossing
 from one file into another. At commit bc845af (format 3, before the nested states and record
-positions) the same script ran 24 files and 298 crossings: the unnest and re-wrap steps are gone,
-and the record positions added `_records.py` (the batch plan) and `_skips.py` to the input's restore.
+positions) the same script ran 24 files and 298 crossings; at 56df783 (format 4, record positions
+added the batch plan and the skip ranges to the input's restore) 26 files and 420 crossings. The
+modules split along one concern were then joined (architecture.md says which, and why the rest stay
+apart).
 
 Files, in the order first entered: {listed}.
 

@@ -39,8 +39,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import ckpt_iter
-from ckpt_iter import _item as item_lib
 from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _item as item_lib
 
 NUM_ROWS = 64 * 8
 COMPLETION_TOKENS = 1024

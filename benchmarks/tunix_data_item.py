@@ -59,7 +59,7 @@ def _config(max_steps: int):
 
 
 def save_worker(root: str) -> dict:
-  from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _item as item_lib
   from demo import toyrun  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import _session  # pylint: disable=g-import-not-at-top
 

@@ -41,7 +41,7 @@ LEARNERS = ("stock", "ckpt_iter")
 
 def train_once(learner_kind: str, root: str, max_steps: int, save_interval_steps: int) -> dict:
   """Trains one toy run in this process and returns its timings in the window."""
-  from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _item as item_lib
   from demo import toyrun  # pylint: disable=g-import-not-at-top
 
   config = toyrun.RunConfig(learner=learner_kind, max_steps=max_steps, save_interval_steps=save_interval_steps)

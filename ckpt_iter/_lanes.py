@@ -27,7 +27,6 @@ import grain
 
 from ckpt_iter import _graph
 from ckpt_iter import _records
-from ckpt_iter import _skips
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -103,17 +102,17 @@ class LaneDataset(grain.IterDataset):
     self.stack = stack  # rows -> one batch (make_dataset's `stack_records`)
     self._names = [name for name, _ in spec.sources]
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
-    self.declared = _skips.Skip()  # what `declare` was given
-    self.skips = _skips.NO_SKIPS  # stream records no chunk yields (filtered before `filter`)
+    self.declared = _records.Skip()  # what `declare` was given
+    self.skips = _records.NO_SKIPS  # stream records no chunk yields (filtered before `filter`)
 
-  def declare(self, skip: _skips.Skip) -> None:
+  def declare(self, skip: _records.Skip) -> None:
     """Records to skip, for a fresh run from its first record on (`dataset.with_skip`)."""
     self.declared = skip
-    self.skips, _ = _skips.resolve(
+    self.skips, _ = _records.resolve(
         skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
         shuffled=self.spec.seed is not None, mixture=self.spec.is_mixture, origin="make_dataset(skip=...)")
 
-  def set_skips(self, skips: _skips.Skips) -> None:
+  def set_skips(self, skips: _records.Skips) -> None:
     self.skips = skips
 
   def __str__(self) -> str:
@@ -225,7 +224,7 @@ def _is_count(value: Any) -> bool:
   return state_lib.is_int(value) and value >= 0
 
 
-def check_added_skips(dataset: LaneDataset, position: Any, added: _skips.Skips, *, origin: str) -> None:
+def check_added_skips(dataset: LaneDataset, position: Any, added: _records.Skips, *, origin: str) -> None:
   """Refuses skips added at a restore that touch a chunk one of this process's lanes is inside.
 
   A chunk's rows are computed from all its records at once: a lane that took

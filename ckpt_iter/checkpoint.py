@@ -54,10 +54,10 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
       raise
     index, count = self._process()
 
-    async def write() -> None:
+    async def write_files() -> None:
       _item.write(directory, header, arrays, index, count)
 
-    return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="ckpt_iter_save")]
+    return [ocp.future.CommitFutureAwaitingContractedSignals(write_files(), name="ckpt_iter_save")]
 
   def save(self, directory: epath.Path, args: "IteratorSave") -> None:
     """Takes the state and writes this process's files into `directory` before returning."""

@@ -7,7 +7,7 @@ mixture the record its interleave and its ledger pick (`_records.Mixture`),
 in that source's own shuffle. Batches are cut from the stream by the batch
 plan in effect (`_records.BatchPlan`: batches keep to their epoch; after a
 restart under another batch size the restored epoch's batches start at the
-restored record), without the records the run skips (`_skips`). A state's
+restored record), without the records the run skips (`_records.Skips`). A state's
 position is the stream record after the last batch read.
 
 So from a state alone (no data, no model, no user code) this module says
@@ -39,10 +39,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Iterator
 
-from ckpt_iter import _learner_state
 from ckpt_iter import _permutation
 from ckpt_iter import _records
-from ckpt_iter import _skips
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -100,7 +98,7 @@ class Batch:
   @property
   def stream_ranges(self) -> tuple[tuple[int, int], ...]:
     """Its stream records as [start, stop) ranges: what `Skip(records=...)` takes to skip it."""
-    return _skips.merged((r.stream_record, r.stream_record + 1) for r in self.records)
+    return _records.merged((r.stream_record, r.stream_record + 1) for r in self.records)
 
   def to_json(self) -> dict[str, Any]:
     """This batch as a JSON object (`which --json`, one line of `order`)."""
@@ -114,7 +112,7 @@ class Batch:
 
 def input_part(value: state_lib.IteratorState) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
   """(fingerprint, position) of the make_dataset state in `value`: itself, a repeat's parent, a learner's input."""
-  fingerprint, position, _ = _learner_state.input_view(value.kind, value.fingerprint, value.position)
+  fingerprint, position, _ = state_lib.input_view(value.kind, value.fingerprint, value.position)
   if not isinstance(position, Mapping):
     position = {}
   return fingerprint, position
@@ -147,7 +145,7 @@ class Stream:
     self.seed = fingerprint.get("seed")
     epochs = fingerprint.get("num_epochs")
     self.num_epochs = epochs if state_lib.is_int(epochs) else None
-    self.skips = _skips.Skips.from_text(fingerprint.get(_skips.FIELD), origin=origin)
+    self.skips = _records.Skips.from_text(fingerprint.get(_records.SKIPS_FIELD), origin=origin)
     shares = _records.shares_of(fingerprint)
     if shares is None:
       self.mixture = None
@@ -544,7 +542,7 @@ def learner_step(value: state_lib.IteratorState, *, run: RunMap | None = None,
         f"{origin}: not a Tunix RL learner's state (kind {value.kind!r}, learner "
         f"{fingerprint.get('learner', fingerprint.get('trainer', fingerprint.get('agentic_learner')))!r}); "
         "global steps and repeats are an RL learner's (GRPO, PPO).")
-  _, _, own = _learner_state.input_view(value.kind, fingerprint, value.position)
+  _, _, own = state_lib.input_view(value.kind, fingerprint, value.position)
   mu = int(fingerprint.get("num_iterations") or 1)
   mini = int(fingerprint.get("mini_batch_size") or fingerprint.get("full_batch_size") or 1)
   micro = int(fingerprint.get("train_micro_batch_size") or mini)

@@ -33,7 +33,6 @@ from ckpt_iter import _graph
 from ckpt_iter import _lanes
 from ckpt_iter import _records
 from ckpt_iter import _stacking
-from ckpt_iter import _skips
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
 from ckpt_iter import state as state_lib
@@ -87,7 +86,7 @@ class DatasetSpec:
     return self.plan_at(0, None)
 
   def plan_at(self, next_record: int, mixture: _records.Mixture | None,
-              skips: _skips.Skips = _skips.NO_SKIPS) -> _records.BatchPlan:
+              skips: _records.Skips = _records.NO_SKIPS) -> _records.BatchPlan:
     """The batches of this pipeline that start at stream record `next_record`, the records `skips` removed."""
     if self.is_mixture:
       stream_length = (mixture or self.initial_mixture()).length(self.source_limits())
@@ -243,7 +242,7 @@ def make_dataset(
     )
     parents = [_record_dataset(records, None if seed is None else source_seed(seed, name), transform)
                for name, (records, _) in named.items()]
-  declared = _skips.Skip.of(skip) if not isinstance(skip, _skips.Skip) else skip
+  declared = _records.Skip.of(skip) if not isinstance(skip, _records.Skip) else skip
   if filter is not None or pack is not None:
     lanes = _lanes.LaneSpec.of(spec, filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes)
     lane_dataset = _lanes.LaneDataset(parents, spec, lanes, stack_records)
@@ -282,7 +281,7 @@ def with_skip(dataset: Any, skip: Any) -> Any:
     InvalidArgumentError: `skip` is malformed, or names source records of a
       shuffled source or a mixture.
   """
-  declared = _skips.Skip.of(skip)
+  declared = _records.Skip.of(skip)
   node = spec_node(dataset)
   if node is None:
     raise errors.UnsupportedConfigError(
@@ -364,8 +363,8 @@ class GlobalBatchDataset(grain.MapDataset):
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
     # (batch index, stream record) of the last restart: the position until a batch is read.
     self._origin = (0, 0)
-    self.declared = _skips.Skip()  # what `declare` was given
-    self._skips = _skips.NO_SKIPS  # what the run skips now
+    self.declared = _records.Skip()  # what `declare` was given
+    self._skips = _records.NO_SKIPS  # what the run skips now
     # Sparse: element k is record k of the stream or None (Grain's filter form), for a
     # pipeline whose position is not a stream record (set by DataIterator).
     self.sparse = False
@@ -375,27 +374,27 @@ class GlobalBatchDataset(grain.MapDataset):
     return self._plan
 
   @property
-  def skips(self) -> _skips.Skips:
+  def skips(self) -> _records.Skips:
     return self._skips
 
-  def declare(self, skip: _skips.Skip) -> None:
+  def declare(self, skip: _records.Skip) -> None:
     """Records to skip: for a fresh run from its first record on (see `with_skip`)."""
     self.declared = skip
-    self._skips, _ = _skips.resolve(
+    self._skips, _ = _records.resolve(
         skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
         shuffled=is_shuffled(self.spec), mixture=self.spec.is_mixture, origin="make_dataset(skip=...)")
     self._plan = self.spec.plan_at(0, self._mixture, self._plan_skips)
 
   @property
-  def _plan_skips(self) -> _skips.Skips:
-    return _skips.NO_SKIPS if self.sparse else self._skips
+  def _plan_skips(self) -> _records.Skips:
+    return _records.NO_SKIPS if self.sparse else self._skips
 
   def use_sparse(self) -> None:
     """Element k is stream record k, or None where it is skipped (before the pipeline is read)."""
     self.sparse = True
     self._plan = self.spec.plan_at(0, self._mixture)
 
-  def set_skips(self, skips: _skips.Skips) -> None:
+  def set_skips(self, skips: _records.Skips) -> None:
     """The skips a restore settled on (its apply step; the plan is set by `restart_at`)."""
     self._skips = skips
 
@@ -478,7 +477,7 @@ class GlobalBatchDataset(grain.MapDataset):
     return next_index
 
   @contextlib.contextmanager
-  def skipping(self, skips: _skips.Skips) -> Iterator[None]:
+  def skipping(self, skips: _records.Skips) -> Iterator[None]:
     """Reads with `skips` for the duration (its plan re-cut from its origin), then as before."""
     before = self._plan, self._skips
     self._skips = skips
@@ -610,7 +609,7 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
     if isinstance(spec_node, _lanes.LaneDataset):
       fields.update(spec_node.lanes.fingerprint())
     if spec_node.skips:
-      fields[_skips.FIELD] = spec_node.skips.to_text()
+      fields[_records.SKIPS_FIELD] = spec_node.skips.to_text()
   if type(dataset).__name__ == "ElasticIterator":
     # Its state ({"global_next_index"}) is the same on every process and for
     # every process count: the position is global (elastic.resize_refusal).
@@ -621,7 +620,7 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
       pass
   fields["pipeline"] = "<".join(above) if above else ""
   # As built, without skips: they have their own field, and a restore may add to them.
-  with (spec_node.skipping(_skips.NO_SKIPS) if isinstance(spec_node, GlobalBatchDataset)
+  with (spec_node.skipping(_records.NO_SKIPS) if isinstance(spec_node, GlobalBatchDataset)
         else contextlib.nullcontext()):
     try:
       fields["dataset_length"] = len(dataset)

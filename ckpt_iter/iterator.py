@@ -16,12 +16,11 @@ from typing import Any, Callable, Collection, Mapping
 
 import grain
 
-from ckpt_iter import _content
 from ckpt_iter import _drift
 from ckpt_iter import _graph
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _lanes
-from ckpt_iter import _skips
+from ckpt_iter import _records
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import elastic
 from ckpt_iter import errors
@@ -107,7 +106,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self._spec, _ = dataset_lib.find_spec(dataset)
     # make_dataset's node when the position can count its stream records.
     self._records = dataset_lib.record_node(dataset)
-    # make_dataset's node anywhere on the chain: it owns the run's skips (`_skips`).
+    # make_dataset's node anywhere on the chain: it owns the run's skips (`_records.Skips`).
     self._spec_node = dataset_lib.spec_node(dataset)
     if isinstance(self._spec_node, dataset_lib.GlobalBatchDataset) and self._records is None:
       self._spec_node.use_sparse()
@@ -190,7 +189,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     )
 
   def content(self) -> dict[str, Any] | None:
-    """The content record a state taken now holds (`_content.digest` of the last element)."""
+    """The content record a state taken now holds (`_drift.content_digest` of the last element)."""
     if not self._records_last:
       return self.content_of(None)
     if self._last is _NOTHING:
@@ -206,10 +205,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     ahead of what it trained, so its checkpoint records an earlier element.
     """
     if self._length is None:
-      return {"check": _content.ITER_DATASET}
+      return {"check": _drift.ITER_DATASET}
     if not self._check_content:
       return {"check": _CONTENT_OFF}
-    return _content.digest(element)
+    return _drift.content_digest(element)
 
   def check_restore(
       self,
@@ -225,9 +224,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       fail.
     """
     state_lib.check_kind(state, "data", "DataIterator", origin)
-    # The run's skips are no defining field: a restore keeps the saved ones and adds the declared (`_skips`).
-    saved_skips = _skips.Skips.from_text(state.fingerprint.get(_skips.FIELD), origin=origin)
-    if _skips.FIELD in state.fingerprint:
+    # The run's skips are no defining field: a restore keeps the saved ones and adds the declared (`_records.Skips`).
+    saved_skips = _records.Skips.from_text(state.fingerprint.get(_records.SKIPS_FIELD), origin=origin)
+    if _records.SKIPS_FIELD in state.fingerprint:
       state = _without_skips(state)
     if saved_skips and self._spec_node is None:
       raise errors.InvalidStateError(
@@ -236,7 +235,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     return self._check_restore_fields(state, allow_drift, origin, saved_skips)
 
   def _check_restore_fields(
-      self, state: state_lib.IteratorState, allow_drift: Collection[str], origin: str, saved_skips: _skips.Skips,
+      self, state: state_lib.IteratorState, allow_drift: Collection[str], origin: str, saved_skips: _records.Skips,
   ) -> Callable[[], None]:
     """`check_restore` of a state without skips against this pipeline's fingerprint without them."""
     current = self._fingerprint_without_skips
@@ -323,7 +322,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
   def _check_record_position(
       self, state: state_lib.IteratorState, position: Mapping[str, Any], resume: _drift.Reconciled,
-      content_allowed: Collection[str], origin: str, saved_skips: _skips.Skips,
+      content_allowed: Collection[str], origin: str, saved_skips: _records.Skips,
   ) -> Callable[[], None]:
     """The rest of `check_restore` for a position that counts stream records (make_dataset)."""
     node = self._records
@@ -397,9 +396,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
   @property
   def _fingerprint_without_skips(self) -> dict[str, Any]:
-    return {k: v for k, v in self._fingerprint.items() if k != _skips.FIELD}
+    return {k: v for k, v in self._fingerprint.items() if k != _records.SKIPS_FIELD}
 
-  def _merged_skips(self, saved: _skips.Skips, from_record: int | None, position: Mapping[str, Any],
+  def _merged_skips(self, saved: _records.Skips, from_record: int | None, position: Mapping[str, Any],
                     origin: str) -> "_SkipChange":
     """What the restored run skips: the saved skips and this pipeline's declared ones from the position on.
 
@@ -412,9 +411,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     """
     node = self._spec_node
     if node is None:
-      return _SkipChange(saved, _skips.NO_SKIPS, ())
+      return _SkipChange(saved, _records.NO_SKIPS, ())
     spec = node.spec
-    new, already = _skips.resolve(
+    new, already = _records.resolve(
         node.declared, from_record=from_record, epoch_length=None if spec.is_mixture else spec.source.length,
         shuffled=dataset_lib.is_shuffled(spec), mixture=spec.is_mixture, origin=origin)
     effective = saved.union(new)
@@ -432,12 +431,12 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self._spec_node.set_skips(change.effective)
     self._fingerprint = self._fingerprint_without_skips
     if change.effective:
-      self._fingerprint[_skips.FIELD] = change.effective.to_text()
+      self._fingerprint[_records.SKIPS_FIELD] = change.effective.to_text()
     for line in change.lines():
       _drift.LOGGER.info(line)
 
   @contextlib.contextmanager
-  def _spec_node_skipping(self, skips: _skips.Skips) -> Any:
+  def _spec_node_skipping(self, skips: _records.Skips) -> Any:
     """The make_dataset node skips `skips` for the duration (a restore's content check)."""
     node = self._spec_node
     if node is None:
@@ -483,7 +482,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     Returns:
       What was checked, for the restore's log line.
     """
-    if saved.get("check") != _content.BY_INDEX:
+    if saved.get("check") != _drift.BY_INDEX:
       # The saving pipeline could not record it, or had the check off.
       return f"not recorded ({saved.get('check')})"
     for index in range(next_index - 1, max(-1, next_index - 1 - _CONTENT_LOOKBACK), -1):
@@ -492,10 +491,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
         break
     else:
       return "not applicable (no element before the position)"
-    current = _content.digest(element)
-    if current.get("check") != _content.BY_INDEX:
+    current = _drift.content_digest(element)
+    if current.get("check") != _drift.BY_INDEX:
       return f"not applicable ({current.get('check')})"
-    difference = _content.first_difference(saved, current)
+    difference = _drift.first_difference(saved, current)
     if difference is not None:
       raise errors.ContentDriftError(*difference, index=index, origin=origin)
     return f"same element at index {index}"
@@ -600,8 +599,8 @@ _CONTENT_SKIPS_ADDED = "not applicable (skips added at this restore)"
 class _SkipChange:
   """The skips a restore settles on: all of them, those it adds, and declared ranges already read."""
 
-  effective: _skips.Skips
-  added: _skips.Skips
+  effective: _records.Skips
+  added: _records.Skips
   already_read: tuple[tuple[int, int], ...]
 
   def lines(self) -> list[str]:
@@ -617,11 +616,11 @@ class _SkipChange:
 
 
 def _without_skips(state: state_lib.IteratorState) -> state_lib.IteratorState:
-  fingerprint = {k: v for k, v in state.fingerprint.items() if k != _skips.FIELD}
+  fingerprint = {k: v for k, v in state.fingerprint.items() if k != _records.SKIPS_FIELD}
   return dataclasses.replace(state, fingerprint=fingerprint)
 
 
-def _check_sparse_skips(node: dataset_lib.GlobalBatchDataset, skips: _skips.Skips, origin: str) -> None:
+def _check_sparse_skips(node: dataset_lib.GlobalBatchDataset, skips: _records.Skips, origin: str) -> None:
   """A make_dataset under other Grain steps skips a record by yielding None: one record per element only.
 
   Raises:

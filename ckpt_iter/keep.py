@@ -28,7 +28,7 @@ from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import _storage
 from ckpt_iter import errors
-from ckpt_iter import lineage as lineage_lib
+from ckpt_iter import _item as item_lib
 
 _LOG = logging.getLogger("ckpt_iter")
 
@@ -104,7 +104,7 @@ class KeepResumedSteps(checkpoint_managers.PreservationPolicy):
       return {}
     names = {}
     for name, is_dir in entries:
-      step = lineage_lib.step_of_directory_name(name) if is_dir else None
+      step = item_lib.step_of_directory_name(name) if is_dir else None
       if step is not None:
         names.setdefault(step, name)
     return names

@@ -6,14 +6,27 @@ values, compares fingerprints, migrates older format versions and names the
 check-then-apply protocol every restorable iterator follows. Their on-disk
 form (JSON header plus named arrays) is `_codec`'s.
 
+A composite state holds its part's whole state, as Grain nests a parent's
+under `parent`. A Tunix learner (RL, SFT, agentic) keeps its input's state
+under `position.input` beside its own position fields, so a restore hands
+the input its state unchanged (the input's `check_restore` decides what it
+accepts) and compares the learner's own fields by itself, and a reader (the
+CLI) finds the input's position in one place for every learner
+(`input_view`). Format 1 mixed the two; `migrate_learner_v1` nests such a
+state, the learner's fields being fixed by what format 1 ever wrote.
+
+The one describer of states in words is here too (`position_text`):
+`ckpt-iter inspect`, `diff`, `audit` and the INFO line every restore logs
+say a position the same way for every kind and learner family.
+
 Format version history:
   0  A bare Grain iterator state, as `grain.checkpoint.CheckpointSave` writes
      it (`{"next_index": 12}`): no fingerprint. Migrates to 1 with an empty
      fingerprint, which means "defining fields unknown, not checked".
   1  `{format_version, kind, fingerprint, position, shuffle_key, pending,
      counters}` (see docs/state_format.md).
-  2  A Tunix learner's state nests its input's (`_learner_state`).
-  3  Pending items stored by structure (`_pytree.encode_items`).
+  2  A Tunix learner's state nests its input's (`input_view`).
+  3  Pending items stored by structure (`_codec.encode_items`).
   4  One state all the way down: a composite state holds its part's whole
      state where Grain nests a parent's (a RepeatIterator's under
      `position.parent`, a Tunix learner's under `position.input`), and a
@@ -33,9 +46,12 @@ import typing
 from collections.abc import Mapping  # not typing's: its isinstance is ~3x slower
 from typing import Any, Callable, Collection
 
-from ckpt_iter import _learner_state
 from ckpt_iter import _records
 from ckpt_iter import errors
+
+
+# ---------------------------------------------------------------------------
+# The state value.
 
 FORMAT_VERSION = 4
 """The newest data-state `format_version`: this release reads every version up to it (migrating older ones),
@@ -113,7 +129,7 @@ class IteratorState:
     counters: named integer counters (e.g. learner steps), for inspection and
       for integrations that must restore them.
     format_version: the format this value follows.
-    content: a digest of the element produced last (`_content.digest`), which
+    content: a digest of the element produced last (`_drift.content_digest`), which
       a restore produces again and compares; or why it cannot; or None.
     lineage: the resumes of the run that wrote it (`lineage.extended`), or None.
 
@@ -268,7 +284,7 @@ def migrate(value: Any, *, origin: str = "the state") -> dict[str, Any]:
         "Grain state has no format_version field at all)."
     )
   if version == 1 and isinstance(value.get("kind"), str) and value["kind"] == "tunix":
-    value = _learner_state.migrate_v1(value)
+    value = migrate_learner_v1(value)
   if version < 4:
     return _to_v4(value)
   return dict(value)
@@ -684,7 +700,7 @@ def same_field_value(a: Any, b: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# JSON form of Grain positions: keeps int dict keys and tuples, drops numpy
+# Field checks, the value predicates the codec shares, and the restore protocol.
 
 
 def require(value: Mapping[str, Any], name: str, kind: type, origin: str) -> Any:
@@ -811,3 +827,223 @@ class RestorableIterator:
   ) -> None:
     """Validates `state` in full, then applies it."""
     self.check_restore(state, allow_drift=allow_drift, origin=origin)()
+
+
+# ---------------------------------------------------------------------------
+# A learner's data state nests its input's own state (format 2 on).
+
+INPUT = "input"
+INPUT_KIND = "data"
+
+# The field that names the learner, per family, and the fields of its own that
+# format 1 wrote into the fingerprint beside the input's (every version of it).
+_RL = "learner"
+_SFT = "trainer"
+_AGENTIC = "agentic_learner"
+_V1_LEARNER_FIELDS = {
+    _RL: frozenset({
+        "learner", "num_iterations", "num_generations", "full_batch_size", "mini_batch_size",
+        "train_micro_batch_size", "rollout_micro_batch_size", "compute_logps_micro_batch_size",
+        "data_shuffle_seed", "async_rollout", "separate_rollout_weights", "max_seq_token_per_tpu",
+        "settings",
+    }),
+    _SFT: frozenset({"trainer", "gradient_accumulation_steps"}),
+    _AGENTIC: frozenset({
+        "num_iterations_order", "agentic_learner", "num_generations", "num_iterations",
+        "off_policy_steps", "mini_batch_size", "train_micro_batch_size",
+        "compute_logps_micro_batch_size",
+    }),
+}
+# Where format 1 kept the input's position (None: the whole position was it).
+_V1_INPUT_POSITION = {_RL: "full_batch", _SFT: None, _AGENTIC: "source"}
+
+
+def learner_family(fingerprint: Mapping[str, Any]) -> str | None:
+  """"learner" (RL), "trainer" (SFT) or "agentic_learner": the field naming the learner."""
+  for name in (_RL, _SFT, _AGENTIC):
+    if name in fingerprint:
+      return name
+  return None
+
+
+CONTENT = "content"
+
+
+def split_learner_position(position: Any) -> tuple[Mapping[str, Any], Any, dict[str, Any]] | None:
+  """(the input's fingerprint, the input's position, the learner's own position fields).
+
+  None when `position` does not nest a well-formed input state: the caller
+  refuses it, naming the field.
+  """
+  if not isinstance(position, Mapping):
+    return None
+  state = position.get(INPUT)
+  if _is_state(state):  # a validated state: the input's is an IteratorState
+    if state.kind != INPUT_KIND:
+      return None
+    return state.fingerprint, state.position, {k: v for k, v in position.items() if k != INPUT}
+  if (
+      not isinstance(state, Mapping) or set(state) - {CONTENT} != {"kind", "fingerprint", "position"}
+      or state["kind"] != INPUT_KIND or not isinstance(state["fingerprint"], Mapping)
+      or not isinstance(state["position"], Mapping)
+  ):
+    return None
+  return state["fingerprint"], state["position"], {k: v for k, v in position.items() if k != INPUT}
+
+
+def _is_state(value: Any) -> bool:
+  # An IteratorState, without importing `state` (which imports this module).
+  return type(value).__name__ == "IteratorState" and hasattr(value, "nested_dict")
+
+
+def migrate_learner_v1(fields: Mapping[str, Any]) -> dict[str, Any]:
+  """A format-1 learner state (kind "tunix") with its input's state nested.
+
+  A state whose learner family cannot be told (no learner field: not written
+  by ckpt_iter) is returned unchanged, for the learner's check to refuse.
+  """
+  fingerprint = fields.get("fingerprint")
+  position = fields.get("position")
+  name = learner_family(fingerprint) if isinstance(fingerprint, Mapping) else None
+  if name is None or not isinstance(position, Mapping):
+    return dict(fields)
+  own = _V1_LEARNER_FIELDS[name]
+  key = _V1_INPUT_POSITION[name]
+  if key is None:
+    input_position, learner_position = position, {}
+  elif key in position:
+    input_position = position[key]
+    learner_position = {k: v for k, v in position.items() if k != key}
+  else:
+    return dict(fields)
+  result = dict(fields)
+  result["fingerprint"] = {k: v for k, v in fingerprint.items() if k in own}
+  input_fingerprint = {k: v for k, v in fingerprint.items() if k not in own}
+  result["position"] = {
+      INPUT: {"kind": INPUT_KIND, "fingerprint": input_fingerprint, "position": input_position},
+      **learner_position,
+  }
+  return result
+
+
+def input_view(
+    kind: str, fingerprint: Mapping[str, Any], position: Any
+) -> tuple[Mapping[str, Any], Any, dict[str, Any]]:
+  """(the input's fingerprint, its position, the learner's own position fields) of any state.
+
+  A data or repeat state is its own input; a learner's nests it (format 2,
+  which every older state is migrated to on read). A learner state whose
+  position nests nothing well-formed shows its whole position as the input's.
+  """
+  if kind == "tunix":
+    parts = split_learner_position(position)
+    if parts is not None:
+      return parts
+  if kind == "repeat" and isinstance(position, Mapping) and _is_state(position.get("parent")):
+    part = position["parent"]
+    return part.fingerprint, part.position, {}
+  return fingerprint, position, {}
+
+
+def flat_fingerprint(kind: str, fingerprint: Mapping[str, Any], position: Any) -> dict[str, Any]:
+  """Every fingerprint field of a state in one dict: the input's as `input.<name>` in a learner's, a
+  repeat state's source's beside its own."""
+  input_fingerprint, _, _ = input_view(kind, fingerprint, position)
+  if input_fingerprint is fingerprint:
+    return dict(fingerprint)
+  if kind == "repeat":  # its own three fields never collide with its source's
+    return {**input_fingerprint, **fingerprint}
+  return {**{f"{INPUT}.{k}": v for k, v in input_fingerprint.items()}, **fingerprint}
+
+
+# ---------------------------------------------------------------------------
+# What a state says, in words: the one describer of states for the CLI and the logs.
+
+# A Tunix learner's own position fields worth a line: RL's micro-batches into
+# the full batch, the prompts consumed (RL), the next prompt (agentic).
+LEARNER_POSITION_FIELDS = ("micro_batches_taken", "stream_rows", "prompt_index")
+
+
+def position_fields(kind: str, fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> dict[str, Any]:
+  """Where the input is: next_record with epoch and record in it, and a mixture's ledger (per source:
+  records read, epoch, record in it); or a hand-built pipeline's next_index (with epoch and batch in
+  it when its fingerprint says how many batches an epoch has). And a learner's own counts."""
+  fingerprint, source_position, own = input_view(kind, fingerprint, position)
+  fields: dict[str, Any] = {name: own[name] for name in LEARNER_POSITION_FIELDS if name in own}
+  if not isinstance(source_position, Mapping):
+    return fields
+  next_record = source_position.get(_records.NEXT_RECORD)
+  if is_int(next_record):
+    fields[_records.NEXT_RECORD] = next_record
+    length = fingerprint.get("source_length")
+    if is_int(length) and length > 0:
+      fields["epoch"], fields["record_in_epoch"] = divmod(next_record, length)
+      fields["source_length"] = length
+    ledger = _records.ledger(fingerprint, source_position)
+    if ledger is not None:
+      fields["ledger"] = {name: _source_reading(count, fingerprint.get(f"source_length[{name}]"))
+                          for name, count in ledger.items()}
+    return fields
+  next_index = source_position.get("next_index")
+  if is_int(next_index):
+    fields["next_index"] = next_index
+    per_epoch = fingerprint.get("batches_per_epoch")
+    if is_int(per_epoch) and per_epoch > 0:
+      fields["epoch"], fields["batch_in_epoch"] = divmod(next_index, per_epoch)
+      fields["batches_per_epoch"] = per_epoch
+  elif is_int(source_position.get("full_batches_read")):
+    fields["full_batches_read"] = source_position["full_batches_read"]
+  return fields
+
+
+def _source_reading(count: int, length: Any) -> dict[str, int]:
+  """One ledger entry: records read, and as epoch and record in it when the source's length is known."""
+  entry = {"read": count}
+  if is_int(length) and length > 0:
+    entry["epoch"], entry["record_in_epoch"] = divmod(count, length)
+    entry["source_length"] = length
+  return entry
+
+
+def _ledger_text(ledger: Mapping[str, Mapping[str, int]]) -> str:
+  parts = []
+  for name, entry in ledger.items():
+    where = (f" (epoch {entry['epoch']}, {entry['record_in_epoch']} of {entry['source_length']})"
+             if "epoch" in entry else "")
+    parts.append(f"{name} {entry['read']}{where}")
+  return "read " + ", ".join(parts)
+
+
+def position_text(kind: str, fields: Mapping[str, Any], position: Any) -> str:
+  """`epoch 1, 5 of 64 records read (next_record 69)`, a mixture's ledger, or the raw Grain state.
+
+  `fields`: what `position_fields` found in `position`.
+  """
+  source = "input: " if kind == "tunix" else ""
+  if _records.NEXT_RECORD in fields:
+    if "ledger" in fields:
+      return f"{source}stream record {fields[_records.NEXT_RECORD]}; {_ledger_text(fields['ledger'])}"
+    if "epoch" in fields:
+      return (f"{source}epoch {fields['epoch']}, {fields['record_in_epoch']} of {fields['source_length']} "
+              f"records read (next_record {fields[_records.NEXT_RECORD]})")
+    return f"{source}next_record {fields[_records.NEXT_RECORD]}"
+  if "epoch" in fields:
+    return (
+        f"{source}epoch {fields['epoch']}, {fields['batch_in_epoch']} of "
+        f"{fields['batches_per_epoch']} batches read (next_index {fields['next_index']})"
+    )
+  if "next_index" in fields:
+    return f"{source}next_index {fields['next_index']}"
+  if "full_batches_read" in fields:
+    return f"{source}{fields['full_batches_read']} elements read (replayed on restore)"
+  return json.dumps(position, sort_keys=True, default=repr)
+
+
+def summary_line(value: IteratorState) -> str:
+  """One line: where the state continues, its learner counts and pending items."""
+  fields = position_fields(value.kind, value.fingerprint, value.position)
+  parts = [position_text(value.kind, fields, value.position)]
+  parts += [f"{name} {fields[name]}" for name in LEARNER_POSITION_FIELDS if name in fields]
+  if value.pending is not None:
+    parts.append(f"{len(value.pending.schedule)} pending")
+  return ", ".join(parts)

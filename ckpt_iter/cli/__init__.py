@@ -25,7 +25,7 @@ import sys
 import textwrap
 from typing import Any, Mapping, Sequence
 
-from ckpt_iter import _describe
+from ckpt_iter import state
 from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter.cli import _audit as auditing
@@ -394,7 +394,7 @@ _NO_SHUFFLE_KEY = {
 
 def describe_position(summary: Mapping[str, Any]) -> str:
   """`epoch 1, 5 of 64 batches read (next_index 69)`, or the raw Grain state."""
-  return _describe.position_text(summary["kind"], summary, summary["position"])
+  return state.position_text(summary["kind"], summary, summary["position"])
 
 
 def describe_pending(pending: Mapping[str, Any] | None) -> str:

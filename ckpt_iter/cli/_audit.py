@@ -37,13 +37,11 @@ from typing import Any
 from ckpt_iter import _files
 from ckpt_iter import _codec as codec
 from ckpt_iter import _storage
-from ckpt_iter import _learner_state
 from ckpt_iter import _records
 from ckpt_iter import _urls
-from ckpt_iter import _skips
 from ckpt_iter import datamap
 from ckpt_iter import errors
-from ckpt_iter import lineage as lineage_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import state as state_lib
 from ckpt_iter.cli import _inspect as inspection
 
@@ -68,7 +66,7 @@ class Saved:
   remaining: int  # pending items still to be yielded
   saved_step: int | None  # the step it was written in, when the writer recorded it
   run: int | None  # the step its run first saved at (`lineage.run_of`), when recorded
-  skips: _skips.Skips = _skips.NO_SKIPS  # the records its run skips (`_skips`)
+  skips: _records.Skips = _records.NO_SKIPS  # the records its run skips (`_records.Skips`)
   next_record: int | None = None  # its input's stream position, where the position counts stream records
   # A Tunix learner inside a full batch (micro-batches of it taken): the stream record after that batch,
   # before which a resume must not add skips (the learner continues that very batch).
@@ -197,21 +195,21 @@ def _read_step(
 
 def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved:
   value = codec.header_state(header, origin=origin)
-  input_fingerprint, input_position, own = _learner_state.input_view(value.kind, value.fingerprint, value.position)
+  input_fingerprint, input_position, own = state_lib.input_view(value.kind, value.fingerprint, value.position)
   next_record = input_position.get(_records.NEXT_RECORD) if isinstance(input_position, Mapping) else None
   return Saved(
-      skips=_skips.Skips.from_text(input_fingerprint.get(_skips.FIELD), origin=origin),
+      skips=_records.Skips.from_text(input_fingerprint.get(_records.SKIPS_FIELD), origin=origin),
       next_record=next_record if state_lib.is_int(next_record) else None,
       inside_until=_inside_until(input_fingerprint, input_position, own, origin),
       step=step, process_index=index, process_count=count, kind=value.kind,
-      digests=lineage_lib.header_digests(header, origin=origin, value=value),
+      digests=item_lib.header_digests(header, origin=origin, value=value),
       progress=_progress(value),
-      lineage=value.lineage or lineage_lib.empty(),
+      lineage=value.lineage or item_lib.empty(),
       counters=value.counters,
-      fingerprint=_learner_state.flat_fingerprint(value.kind, value.fingerprint, value.position),
+      fingerprint=state_lib.flat_fingerprint(value.kind, value.fingerprint, value.position),
       remaining=0 if value.pending is None else len(value.pending.schedule),
       saved_step=_saved_step(header, origin),
-      run=lineage_lib.run_of(value.lineage),
+      run=item_lib.run_of(value.lineage),
   )
 
 
@@ -239,7 +237,7 @@ def _progress(value: state_lib.IteratorState) -> int | None:
   """How far the state is into its stream, as one number (None when its position has none)."""
   if value.kind == "repeat":
     return value.counters.get("yielded")
-  _, position, own = _learner_state.input_view(value.kind, value.fingerprint, value.position)
+  _, position, own = state_lib.input_view(value.kind, value.fingerprint, value.position)
   for name in ("stream_rows", "prompt_index"):  # Tunix RL, agentic: prompts consumed
     if state_lib.is_int(own.get(name)):
       return own[name]
@@ -323,7 +321,7 @@ def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[i
   entries = list(after["recent"])[-new:]
   digest = before["digest"]
   for entry in entries:
-    digest = lineage_lib.fold(digest, entry)
+    digest = item_lib.fold(digest, entry)
   if digest != after["digest"]:
     return [Finding(
         BROKEN, *where,
@@ -464,7 +462,7 @@ def report_json(report: Report) -> dict[str, Any]:
       "points": [
           {"step": p.step, "process_index": p.process_index, "kind": p.kind, "progress": p.progress,
            "resumes": p.lineage["resumes"], "pending": p.remaining, "run": p.run,
-           "skips": _skips.count(p.skips.records)}
+           "skips": _records.count(p.skips.records)}
           for p in report.points
       ],
   }

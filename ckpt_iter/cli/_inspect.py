@@ -23,13 +23,11 @@ import os
 import time
 from typing import Any, Collection, Mapping
 
-from ckpt_iter import _describe
 from ckpt_iter import _files
-from ckpt_iter import _learner_state
-from ckpt_iter import _skips
+from ckpt_iter import _records
 from ckpt_iter import _storage
 from ckpt_iter import errors
-from ckpt_iter import lineage as lineage_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
 
@@ -144,7 +142,7 @@ def step_directories(directory: str, *, committed: bool = True) -> dict[int, str
   """
   names = {}
   for name in subdirectories(directory):
-    step = lineage_lib.step_of_directory_name(name)
+    step = item_lib.step_of_directory_name(name)
     if step is not None:
       names.setdefault(step, name)
   if committed and _storage.is_url(directory):
@@ -356,8 +354,8 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
   """
   value = codec.header_state(header, origin=origin)
   specs = codec.array_specs(header, origin=origin)
-  input_fingerprint, _, _ = _learner_state.input_view(value.kind, value.fingerprint, value.position)
-  skips = _skips.Skips.from_text(input_fingerprint.get(_skips.FIELD), origin=origin)
+  input_fingerprint, _, _ = state_lib.input_view(value.kind, value.fingerprint, value.position)
+  skips = _records.Skips.from_text(input_fingerprint.get(_records.SKIPS_FIELD), origin=origin)
   return {
       "format_version": header.get("format_version", 0),
       "kind": value.kind,
@@ -366,19 +364,19 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
       "shuffle_key": None if value.shuffle_key is None else list(value.shuffle_key),
       "pending": _pending_summary(header.get("pending"), value.pending, specs),
       "counters": dict(value.counters),
-      "fingerprint": _learner_state.flat_fingerprint(value.kind, value.fingerprint, value.position),
+      "fingerprint": state_lib.flat_fingerprint(value.kind, value.fingerprint, value.position),
       "content": None if value.content is None else value.content.get("check"),
       "resumes": 0 if value.lineage is None else value.lineage["resumes"],
       "last_resume_from": (value.lineage["recent"][-1]["step"]
                            if value.lineage is not None and value.lineage["recent"] else None),
-      "run_first_saved_at": lineage_lib.run_of(value.lineage),
+      "run_first_saved_at": item_lib.run_of(value.lineage),
       "skips": None if not skips else {"text": skips.describe(), "records": [list(r) for r in skips.records],
                                        "every_epoch": [list(r) for r in skips.every_epoch]},
   }
 
 
-LEARNER_POSITION_FIELDS = _describe.LEARNER_POSITION_FIELDS
-position_fields = _describe.position_fields
+LEARNER_POSITION_FIELDS = state_lib.LEARNER_POSITION_FIELDS
+position_fields = state_lib.position_fields
 
 
 def _pending_summary(
@@ -451,7 +449,7 @@ def diff_summaries(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
 
 def _same_function(name: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
   """`state.same_function` on the flat view, where a learner's input fields are `input.<name>`."""
-  prefix = f"{_learner_state.INPUT}."
+  prefix = f"{state_lib.INPUT}."
   if not name.startswith(prefix):
     return state_lib.same_function(name, a, b)
 

@@ -14,7 +14,6 @@ import os
 from typing import Any, Mapping
 
 from ckpt_iter import _files
-from ckpt_iter import _learner_state
 from ckpt_iter import _storage
 from ckpt_iter import elastic
 from ckpt_iter import errors
@@ -181,8 +180,8 @@ def defining_differences(
     a: state_lib.IteratorState, b: state_lib.IteratorState
 ) -> dict[str, tuple[Any, Any]]:
   """Kind and fingerprint fields (per-process ones excluded) that differ."""
-  fields_a = {"kind": a.kind, **_learner_state.flat_fingerprint(a.kind, a.fingerprint, a.position)}
-  fields_b = {"kind": b.kind, **_learner_state.flat_fingerprint(b.kind, b.fingerprint, b.position)}
+  fields_a = {"kind": a.kind, **state_lib.flat_fingerprint(a.kind, a.fingerprint, a.position)}
+  fields_b = {"kind": b.kind, **state_lib.flat_fingerprint(b.kind, b.fingerprint, b.position)}
   return {
       name: (fields_a.get(name, inspection.ABSENT), fields_b.get(name, inspection.ABSENT))
       for name in sorted(set(fields_a) | set(fields_b))

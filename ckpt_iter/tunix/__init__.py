@@ -42,7 +42,6 @@ from tunix.rl.ppo import ppo_learner
 
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _items
-from ckpt_iter.tunix import _saving
 from ckpt_iter.tunix import _session
 from ckpt_iter.tunix import _signature
 from ckpt_iter.tunix._agentic import ResumableAgentic, ResumableAgenticGRPOLearner
@@ -67,7 +66,7 @@ for _name, _cls in (
 # registry when Tunix builds its CheckpointManager: register ckpt_iter's v1
 # handler now, before any learner exists, so steps record it (and its metadata).
 checkpoint_lib.register_v1_handler()
-_saving.silence_tunix_restore_warning()
+_items.silence_tunix_restore_warning()
 
 
 def _session_of(learner: Any) -> "_session.DataSession | None":

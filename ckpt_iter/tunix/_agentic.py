@@ -36,7 +36,6 @@ from ckpt_iter.tunix import _agentic_loop
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items
-from ckpt_iter.tunix import _saving
 from ckpt_iter.tunix import _signature
 
 _LOG = logging.getLogger("ckpt_iter")
@@ -142,7 +141,7 @@ class ResumableAgentic:
     loop = _agentic_loop.ConsumerLoop(self, source, eval_dataset, skip_jit)
     self._ci_loop = loop
     trainer = api.agentic_cluster(self).actor_trainer
-    _saving.install(trainer.checkpoint_manager, _saving.DataStateOnly(self._ci_snapshot))
+    _items.install(trainer.checkpoint_manager, _items.DataStateOnly(self._ci_snapshot))
     loop.run(*self._ci_read_state(loop, frozenset(allow_drift), on_legacy_checkpoint))
 
   def _ci_snapshot(self, step: int) -> state_lib.IteratorState | None:
@@ -156,7 +155,7 @@ class ResumableAgentic:
     step = int(trainer.train_steps)
     if not step:
       return None, None, None
-    data_dir = _saving.restored_data_directory(trainer.checkpoint_manager, step)
+    data_dir = _items.restored_data_directory(trainer.checkpoint_manager, step)
     origin = f"checkpoint step {step} ({data_dir})"
     value = None
     if data_dir is not None:

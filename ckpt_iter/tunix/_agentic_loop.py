@@ -30,7 +30,7 @@ import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
 from ckpt_iter import errors
-from ckpt_iter import lineage as lineage_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _agentic_schedule as schedule_lib
 from ckpt_iter.tunix import _api as api
@@ -398,7 +398,7 @@ class ConsumerLoop:
 
     Runs in the consumer thread (Tunix saves from inside `update_actor`).
     """
-    self.lineage = lineage_lib.started(self.lineage, step)
+    self.lineage = item_lib.started(self.lineage, step)
     saved = self.schedule.snapshot(self)
     schedule = self.schedule
     return state_lib.IteratorState(

@@ -3,37 +3,368 @@
 `data` (the data state), `rollout_params` (the rollout model's weights, for a
 step inside a global step after which a rollout reads them before the next
 weight sync) and, for learners with a critic, `critic_params`
-and `critic_optimizer_state`. `_saving` writes them into the same Orbax step
-as `model_params`; `read_step_state` is the one reader of a step's data item
-for RL, SFT and agentic learners.
+and `critic_optimizer_state`, in the same Orbax step as `model_params`, so
+model and data state are always one checkpoint. RL, SFT and agentic learners
+differ only in what they add (`StepItems`); how the items reach Orbax (v0: a
+stand-in for Tunix's manager, v1: a wrapper of its `_save_checkpointables`),
+the item handlers and the critic's deferred write are here once, and
+`read_step_state` is the one reader of a step's data item for every learner.
+
+A restore also puts the model and optimizer leaves back on the shardings they
+were saved with (`read_saved_layouts`, `apply_saved_layouts`): Tunix restores
+them with the freshly built model's shardings, while the uninterrupted run's
+train step had left them on the ones XLA chose; on a mesh of several devices
+the next update would then run another program and give other bits. Orbax
+keeps each leaf's sharding in the step's metadata; single-device models need
+none of this.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-from typing import Any
+import os
+import sys
+from typing import Any, Callable, Protocol
 
 from flax import nnx
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from tunix.rl import rl_learner
 
 from ckpt_iter.tunix import _api as api
-from ckpt_iter.tunix import _saving
-from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter import _files
+from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _storage
 from ckpt_iter import errors
-from ckpt_iter import lineage as lineage_lib
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
 
-DATA_ITEM = _saving.DATA_ITEM
-ROLLOUT_ITEM = _saving.ROLLOUT_ITEM
-CRITIC_PARAMS_ITEM = _saving.CRITIC_PARAMS_ITEM
-CRITIC_OPTIMIZER_ITEM = _saving.CRITIC_OPTIMIZER_ITEM
+
+# ---------------------------------------------------------------------------
+# Writing: the one writer of ckpt_iter's items into a Tunix checkpoint, for every learner.
+
+DATA_ITEM = "data"
+ROLLOUT_ITEM = "rollout_params"
+CRITIC_PARAMS_ITEM = "critic_params"
+CRITIC_OPTIMIZER_ITEM = "critic_optimizer_state"
+_OWN_ITEMS = frozenset({DATA_ITEM, ROLLOUT_ITEM, CRITIC_PARAMS_ITEM, CRITIC_OPTIMIZER_ITEM})
+
+
+class _OwnItemsNotRestoredByTunix(logging.Filter):
+  """Drops Orbax's `Item "data" was found in the checkpoint, but could not be restored`
+  where it only means that Tunix's own restore left ckpt_iter's items alone.
+
+  Tunix's `CheckpointManager` restores the model and optimizer and names no
+  handler for the other items of the step (google-tunix 0.1.7 logs it twice
+  per resume); ckpt_iter reads its items itself and logs what it restored.
+  Only that warning, only for ckpt_iter's item names, and only from inside
+  Tunix's checkpoint manager: a user's own Orbax restore still warns.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not (isinstance(record.msg, str) and record.msg.startswith('Item "%s" was found in the checkpoint')):
+      return True
+    if not (record.args and record.args[0] in _OWN_ITEMS):
+      return True
+    frame = sys._getframe(1)  # pylint: disable=protected-access  (a warning: rare, once per item)
+    while frame is not None:
+      if frame.f_code.co_filename.endswith(os.path.join("tunix", "sft", "checkpoint_manager.py")):
+        return False
+      frame = frame.f_back
+    return True
+
+
+def silence_tunix_restore_warning() -> None:
+  """Installs the filter on absl's logger (which Orbax logs through), once."""
+  logger = logging.getLogger("absl")
+  if not any(isinstance(f, _OwnItemsNotRestoredByTunix) for f in logger.filters):
+    logger.addFilter(_OwnItemsNotRestoredByTunix())
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """A data state taken at save time (IteratorSave reads it via .state())."""
+
+  value: state_lib.IteratorState
+
+  def state(self) -> state_lib.IteratorState:
+    return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Pytree:
+  """An item ckpt_iter adds that is a pytree of arrays (weights, optimizer state)."""
+
+  tree: Any
+
+
+class StepItems(Protocol):
+  """What one learner adds to each save of its trainer."""
+
+  def add_items(self, step: int, items: dict[str, Any], custom_metadata: Any) -> Any:
+    """Adds this learner's items to `items` (in place); returns the custom metadata to save."""
+
+  def critic(self) -> Any:
+    """The critic's trainer whose update K must be in step K too, or None."""
+
+
+class DataStateOnly:
+  """Adds the data item only: SFT trainers and the agentic learner's actor trainer."""
+
+  def __init__(self, snapshot: Callable[[int], state_lib.IteratorState | None]):
+    self._snapshot = snapshot
+
+  def add_items(self, step: int, items: dict[str, Any], custom_metadata: Any) -> Any:
+    value = self._snapshot(step)
+    if value is not None:  # no feed: a save outside ckpt_iter's train()
+      items[DATA_ITEM] = Snapshot(value)
+    return custom_metadata
+
+  def critic(self) -> Any:
+    return None
+
+
+def model_weight_filter(model: Any) -> Any:
+  """The nnx filter of a model's trained weights: LoRA params when it has them."""
+  from tunix.sft import utils as sft_utils  # pylint: disable=g-import-not-at-top
+
+  return nnx.LoRAParam if sft_utils.is_lora_enabled(model) else nnx.Param
+
+
+class _DataSaver:
+  """Adds a learner's items to every save Tunix makes, in the same Orbax step.
+
+  Tunix's own save policy decides which steps are written: ckpt_iter never
+  changes it. With a critic (PPO) the actor's save of step K waits until the
+  critic has made its update K; then the one Orbax step also holds the
+  critic's params and optimizer state, so actor, critic and data state always
+  come from the same trainer input, whatever moment the process dies.
+
+  Subclasses write one step through one Orbax API (`_write`).
+  """
+
+  def __init__(self, step_items: StepItems):
+    self._step_items = step_items
+    self._deferred: tuple[Any, ...] | None = None
+
+  def save_with_data(self, step, items, custom_metadata, force, extra) -> bool:
+    items = dict(items)
+    custom_metadata = self._step_items.add_items(step, items, custom_metadata)
+    if self._step_items.critic() is not None:
+      self._deferred = (step, items, custom_metadata, force, extra)
+      return True
+    return self._write(step, items, custom_metadata, force, extra)
+
+  def _write(self, step, items, custom_metadata, force, extra) -> bool:
+    raise NotImplementedError
+
+  def flush_with_critic(self, critic_model: Any, critic_optimizer: Any) -> None:
+    """Writes the deferred actor step, now that the critic made the same update."""
+    if self._deferred is None:
+      return
+    step, items, custom_metadata, force, extra = self._deferred
+    self._deferred = None
+    items[CRITIC_PARAMS_ITEM] = Pytree(nnx.state(critic_model, model_weight_filter(critic_model)))
+    if critic_optimizer is not None:
+      items[CRITIC_OPTIMIZER_ITEM] = Pytree(nnx.state(critic_optimizer, nnx.optimizer.OptState))
+    self._write(step, items, custom_metadata, force, extra)
+
+  def flush_on_close(self) -> None:
+    critic = self._step_items.critic()
+    if critic is None or self._deferred is None:
+      return
+    if critic.train_steps >= self._deferred[0]:
+      self.flush_with_critic(critic.model, critic.optimizer)
+    else:
+      # Closed between the actor's and the critic's update of this step:
+      # the step would pair the actor with a stale critic, so it is dropped.
+      self._deferred = None
+
+
+class _SavingManager(_DataSaver):
+  """Orbax v0: stands in for the Orbax manager inside Tunix's CheckpointManager."""
+
+  def __init__(self, real: ocp.CheckpointManager, step_items: StepItems):
+    super().__init__(step_items)
+    self._real = real
+
+  def save(self, step, args=None, custom_metadata=None, force=False, **kwargs):
+    items = dict(args.items()) if args is not None else {}
+    return self.save_with_data(step, items, custom_metadata, force, kwargs)
+
+  def _write(self, step, items, custom_metadata, force, extra) -> bool:
+    args = {}
+    for name, item in items.items():
+      if isinstance(item, Snapshot):
+        item = checkpoint_lib.IteratorSave(item)
+      elif isinstance(item, Pytree):
+        item = _pytree_save(item.tree)
+      args[name] = item
+    return self._real.save(
+        step, args=ocp.args.Composite(**args), custom_metadata=custom_metadata,
+        force=force, **extra,
+    )
+
+  def close(self) -> None:
+    self.flush_on_close()
+    self._real.close()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._real, name)
+
+
+class _CheckpointablesSaver(_DataSaver):
+  """Orbax v1: wraps Tunix's `_save_checkpointables`, which applies Tunix's policy."""
+
+  def __init__(self, original: Any, step_items: StepItems):
+    super().__init__(step_items)
+    self._original = original
+
+  def __call__(self, step, checkpointables, force, custom_metadata) -> bool:
+    return self.save_with_data(step, checkpointables, custom_metadata, force, None)
+
+  def _write(self, step, items, custom_metadata, force, extra) -> bool:
+    del extra
+    checkpointables = {}
+    for name, item in items.items():
+      if isinstance(item, Snapshot):
+        item = checkpoint_lib.IteratorCheckpointable(item)
+      elif isinstance(item, Pytree):
+        item = item.tree
+      checkpointables[name] = item
+    return self._original(step, checkpointables, force, custom_metadata)
+
+
+class _CriticCheckpointManager:
+  """Stands in for the critic trainer's Tunix CheckpointManager.
+
+  Its save() runs right after each critic update: the moment the deferred
+  actor step can be written with the critic's matching state.
+  """
+
+  def __init__(self, real: Any, actor_saving: _DataSaver):
+    self._real = real
+    self._actor_saving = actor_saving
+
+  def save(self, step, model, optimizer=None, *args, **kwargs):
+    self._actor_saving.flush_with_critic(model, optimizer)
+    return self._real.save(step, model, optimizer, *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._real, name)
+
+
+def _pytree_save(tree: Any) -> Any:
+  return ocp.args.PyTreeSave(item=tree, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), tree))
+
+
+def writes_checkpoints(tunix_manager: Any) -> bool:
+  """Whether Tunix's CheckpointManager writes real Orbax steps.
+
+  False with checkpointing off, and for a stand-in (tests mock Tunix's
+  CheckpointManager): the learner then behaves as stock.
+  """
+  backend = api.checkpoint_backend(tunix_manager)
+  if backend == api.ORBAX_V0:
+    return isinstance(api.orbax_manager(tunix_manager), (ocp.CheckpointManager, _SavingManager))
+  if backend == api.ORBAX_V1:
+    return api.orbax_checkpointer(tunix_manager) is not None
+  return False
+
+
+def restored_data_directory(tunix_manager: Any, step: int) -> str | None:
+  """Where the data item of the step the model was restored from is; None when there is none to read.
+
+  The one answer, for every learner, to "is there a checkpoint to restore
+  the data from": None with checkpointing off or a stand-in manager
+  (`writes_checkpoints`, the same answer `install` gets) and in a fresh run
+  (step 0, or no checkpoint yet). A directory that holds no data item is a
+  checkpoint stock Tunix wrote: each learner's legacy policy decides.
+  """
+  if not step or not writes_checkpoints(tunix_manager) or api.latest_step(tunix_manager) is None:
+    return None
+  return api.item_directory(tunix_manager, step, DATA_ITEM)
+
+
+def install(tunix_manager: Any, step_items: StepItems) -> None:
+  """Makes every save of this Tunix CheckpointManager carry `step_items` (idempotent).
+
+  With a critic, the critic trainer's manager is wrapped too, so the actor's
+  step K is written right after the critic's update K.
+  """
+  if not writes_checkpoints(tunix_manager):
+    return
+  if api.checkpoint_backend(tunix_manager) == api.ORBAX_V1:
+    saving = _install_v1(tunix_manager, step_items)
+  else:
+    saving = _install_v0(tunix_manager, step_items)
+  if saving is None:
+    return
+  critic = step_items.critic()
+  if critic is not None:
+    critic.checkpoint_manager = _CriticCheckpointManager(critic.checkpoint_manager, saving)
+
+
+def _install_v0(tunix_manager: Any, step_items: StepItems) -> _DataSaver | None:
+  current = api.orbax_manager(tunix_manager)
+  if isinstance(current, _SavingManager):
+    return None
+  current.wait_until_finished()
+  directory = current.directory
+  # The options Tunix built its manager with: its own default policy when
+  # checkpointing_options is None, the user's otherwise.
+  options = api.orbax_manager_options(current)
+  current.close()
+  replacement = ocp.CheckpointManager(directory, item_handlers=_item_handlers(), options=options)
+  saving = _SavingManager(replacement, step_items)
+  api.replace_orbax_manager(tunix_manager, saving)
+  return saving
+
+
+def _install_v1(tunix_manager: Any, step_items: StepItems) -> _DataSaver | None:
+  made: list[_DataSaver] = []
+
+  def make(original: Any) -> Any:
+    made.append(_CheckpointablesSaver(original, step_items))
+    return made[0]
+
+  if not api.wrap_save_checkpointables(tunix_manager, make):
+    return None
+  saving = made[0]
+  close = tunix_manager.close
+
+  def close_after_flush() -> None:
+    saving.flush_on_close()
+    close()
+
+  tunix_manager.close = close_after_flush
+  return saving
+
+
+def _item_handlers() -> dict[str, Any]:
+  if "proxy" in os.getenv("JAX_PLATFORMS", ""):
+    # Pathways: the same handler settings Tunix uses there.
+    def pytree():
+      return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False)
+  else:
+    pytree = ocp.PyTreeCheckpointHandler
+  return {
+      "model_params": pytree(),
+      "optimizer_state": pytree(),
+      "custom_metadata": ocp.JsonCheckpointHandler(),
+      DATA_ITEM: checkpoint_lib.IteratorCheckpointHandler(),
+      ROLLOUT_ITEM: pytree(),
+      CRITIC_PARAMS_ITEM: pytree(),
+      CRITIC_OPTIMIZER_ITEM: pytree(),
+  }
+
+
+# ---------------------------------------------------------------------------
+# Reading a step back.
 
 
 def read_step_state(
@@ -119,7 +450,7 @@ def _joined_sharded_item(data_dir: str, saved_count: int) -> Any:
   if joined is None:
     return None
   return item_lib.SavedState(
-      joined, resized=True, origin=data_dir, step=lineage_lib.step_of_item_directory(data_dir))
+      joined, resized=True, origin=data_dir, step=item_lib.step_of_item_directory(data_dir))
 
 
 def _across_tunix_versions(error: errors.PendingTypeError, data_dir: str) -> errors.PendingTypeError:
@@ -127,7 +458,7 @@ def _across_tunix_versions(error: errors.PendingTypeError, data_dir: str) -> err
   saved = None
   try:
     header = _files.read_header(_files.header_path(data_dir, 0, _files.saved_process_count(data_dir)))
-    saved = settings_lib.saved_tunix_version(header.get("fingerprint") or {})
+    saved = api.saved_tunix_version(header.get("fingerprint") or {})
   except (OSError, errors.CkptIterError):
     pass  # the version is only named when the header says it
   written = f"google-tunix {saved}" if saved else "another google-tunix (not recorded)"
@@ -148,7 +479,7 @@ def tunix_learner_name(learner: Any) -> str:
 
 
 def weight_filter(learner: Any, model: Any = None) -> Any:
-  return _saving.weight_filter(learner.rl_cluster.actor_trainer.model if model is None else model)
+  return model_weight_filter(learner.rl_cluster.actor_trainer.model if model is None else model)
 
 
 def rollout_params(learner: Any) -> Any:
@@ -472,12 +803,12 @@ def _map_sharded(state: state_lib.IteratorState, fn: Any) -> state_lib.IteratorS
 
 
 class RlStepItems:
-  """What an RL learner adds to each actor save (`_saving.StepItems`).
+  """What an RL learner adds to each actor save (`StepItems`).
 
   The data item, the rollout weights when a rollout reads them before the
   next weight sync (`_session.rollout_reads_before_sync`), and the metadata every
   other save has for the forced save in `close()`. A critic's update K goes
-  with actor step K (see `_saving._DataSaver`).
+  with actor step K (see `_DataSaver`).
   """
 
   def __init__(self, learner: Any):
@@ -486,9 +817,9 @@ class RlStepItems:
   def add_items(self, step: int, items: dict[str, Any], custom_metadata: Any) -> Any:
     learner = self._learner
     value, rollout_weights = learner._ci_session.snapshot(step)  # pylint: disable=protected-access
-    items[DATA_ITEM] = _saving.Snapshot(value)
+    items[DATA_ITEM] = Snapshot(value)
     if rollout_weights:
-      items[ROLLOUT_ITEM] = _saving.Pytree(rollout_params(learner))
+      items[ROLLOUT_ITEM] = Pytree(rollout_params(learner))
     if not custom_metadata:
       custom_metadata = learner.rl_cluster.actor_trainer.custom_checkpoint_metadata()
     return custom_metadata
@@ -504,4 +835,96 @@ def critic_trainer(learner: Any) -> Any:
 
 def install_saving_manager(learner: Any) -> None:
   """Makes every actor save of this learner carry ckpt_iter's items (idempotent)."""
-  _saving.install(learner.rl_cluster.actor_trainer.checkpoint_manager, RlStepItems(learner))
+  install(learner.rl_cluster.actor_trainer.checkpoint_manager, RlStepItems(learner))
+
+
+# ---------------------------------------------------------------------------
+# Puts restored model and optimizer leaves back on the shardings they were saved with.
+
+
+def _path_key(path: Any) -> tuple[str, ...]:
+  """A pytree path as plain strings, so nnx state and Orbax metadata paths compare."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _layout_targets(trainer: Any) -> dict[str, Any]:
+  """The objects Tunix saves as `model_params` / `optimizer_state`, and their state."""
+  targets = {"model_params": (trainer.model, nnx.state(trainer.model))}
+  if trainer.optimizer is not None:
+    targets["optimizer_state"] = (trainer.optimizer, nnx.state(trainer.optimizer, nnx.optimizer.OptState))
+  return targets
+
+
+def read_saved_layouts(trainer: Any, step: int) -> dict[str, dict[tuple[str, ...], Any]]:
+  """Partition specs the actor's params and optimizer state had when `step` was saved.
+
+  Empty when every leaf lives on a single device (nothing to put back).
+  """
+  multi_device = any(
+      isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+      for leaf in jax.tree.leaves(nnx.state(trainer.model))
+  )
+  if not multi_device:
+    return {}
+  metadata = api.saved_item_metadata(trainer.checkpoint_manager, step)
+  layouts = {}
+  for item in ("model_params", "optimizer_state"):
+    if metadata.get(item) is None:
+      continue
+    specs = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(metadata[item]):
+      layout = _saved_layout(leaf)
+      if layout is not None:
+        specs[_path_key(path)] = layout
+    layouts[item] = specs
+  return layouts
+
+
+def _saved_layout(leaf: Any) -> tuple[tuple[str, ...], tuple[Any, ...]] | None:
+  """(mesh axis names, partition spec) of a leaf of Orbax's item metadata, or None.
+
+  Orbax v0's metadata leaf holds the sharding as Orbax's own record
+  (`.sharding`); v1's (what Tunix main saves through) holds it as
+  `.sharding_metadata`, and its `.sharding` builds a JAX sharding on this
+  process's devices, which is not needed to read the spec.
+  """
+  sharding = getattr(leaf, "sharding_metadata", None) or getattr(leaf, "sharding", None)
+  spec = getattr(sharding, "partition_spec", None)
+  if spec is None:
+    return None
+  return tuple(sharding.axis_names), tuple(spec)
+
+
+def apply_saved_layouts(trainer: Any, layouts: dict[str, dict[tuple[str, ...], Any]]) -> int:
+  """Reshards restored params / optimizer leaves to their saved specs; returns how many."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  total = 0
+  for item, (target, state) in _layout_targets(trainer).items():
+    saved = layouts.get(item)
+    if not saved:
+      continue
+    moved = 0
+
+    def reshard(path: Any, leaf: Any) -> Any:
+      nonlocal moved
+      entry = saved.get(_path_key(path))
+      if entry is None or not isinstance(leaf, jax.Array) or not isinstance(leaf.sharding, NamedSharding):
+        return leaf
+      axis_names, spec = entry
+      mesh = leaf.sharding.mesh
+      if tuple(mesh.axis_names) != axis_names:
+        return leaf
+      wanted = NamedSharding(mesh, PartitionSpec(*spec))
+      # Equal, not merely equivalent: P("fsdp") and P("fsdp", "tp") with tp=1
+      # place the same bytes but are different inputs to the compiled step.
+      if wanted == leaf.sharding:
+        return leaf
+      moved += 1
+      return jax.device_put(leaf, wanted)  # moves data only: the values are unchanged
+
+    resharded = jax.tree_util.tree_map_with_path(reshard, state)
+    if moved:
+      nnx.update(target, resharded)
+      total += moved
+  return total

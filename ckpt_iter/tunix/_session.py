@@ -20,13 +20,9 @@ from typing import Any, Callable, Iterator
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
-from ckpt_iter.tunix import _layouts as layouts_lib
-from ckpt_iter.tunix import _saving as saving
-from ckpt_iter.tunix import _settings as settings_lib
-from ckpt_iter import _describe
 from ckpt_iter import _drift
 from ckpt_iter import errors
-from ckpt_iter import lineage as lineage_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import repeat as repeat_lib
 from ckpt_iter import state as state_lib
 
@@ -190,9 +186,9 @@ class DataSession:
       # Another budget packs the pending sequences into other trainer inputs.
       self.fingerprint["max_seq_token_per_tpu"] = int(self.packing)
     # Changeable on resume, with a warning (not compared as the fields above are).
-    settings: dict[str, Any] = settings_lib.algorithm_settings(learner)
-    settings[settings_lib.TUNIX_VERSION] = api.tunix_version()
-    self.fingerprint[settings_lib.FIELD] = settings_lib.encode(settings)
+    settings: dict[str, Any] = api.algorithm_settings(learner)
+    settings[api.TUNIX_VERSION] = api.tunix_version()
+    self.fingerprint[api.SETTINGS_FIELD] = api.encode_settings(settings)
 
   def tunix_input(self) -> list[Any]:
     """What Tunix's train() reads to size its batches (nothing else is read)."""
@@ -297,7 +293,7 @@ class DataSession:
     """
     learner = self.learner
     trainer = learner.rl_cluster.actor_trainer
-    self.lineage = lineage_lib.started(self.lineage, step)
+    self.lineage = item_lib.started(self.lineage, step)
     with self._lock:
       mini_batch = self.current
     if mini_batch is None:
@@ -459,7 +455,7 @@ class DataSession:
     learner = self.learner
     trainer = learner.rl_cluster.actor_trainer
     step = int(trainer.train_steps)
-    data_dir = saving.restored_data_directory(trainer.checkpoint_manager, step)
+    data_dir = items.restored_data_directory(trainer.checkpoint_manager, step)
     if data_dir is None:
       return  # checkpointing off, or a fresh run
     origin = f"checkpoint step {step} ({data_dir})"
@@ -482,8 +478,8 @@ class DataSession:
           f"{origin}: counter 'eval_items' is {eval_items!r}; it must count trailing "
           "pending items the schedule does not use (the mini-batch's evaluation input)."
       )
-    saved_settings = settings_lib.split(value.fingerprint)[1]
-    current_settings = settings_lib.split(self.fingerprint)[1]
+    saved_settings = api.split_settings(value.fingerprint)[1]
+    current_settings = api.split_settings(self.fingerprint)[1]
     move_input = self._continuation(value, allow_drift, origin)
     critic_state = items.read_critic_state(learner, step, origin)
     mid_global_step = value.pending is not None or counters["remaining_mini_batches"] > 0
@@ -491,7 +487,7 @@ class DataSession:
     # States written before the counter existed always hold the weights mid-step.
     if learner.should_sync_weights and mid_global_step and counters.get(ROLLOUT_WEIGHTS_COUNTER, 1):
       rollout_params = items.read_rollout_params(learner, step, origin)
-    layouts = layouts_lib.read_saved_layouts(trainer, step)
+    layouts = items.read_saved_layouts(trainer, step)
     # Placed before anything is applied: a pending global array whose mesh
     # this cluster lacks fails here, with nothing changed.
     saved_items = value.pending.items if value.pending is not None else ()
@@ -515,16 +511,16 @@ class DataSession:
       # gradient_accumulation_steps of them (what Tunix restores).
       api.set_trainer_steps(trainer, step, int(counters["actor_iter_steps"]))
     api.set_learner_iter_steps(learner, int(trainer.iter_steps))
-    layouts_lib.apply_saved_layouts(trainer, layouts)
+    items.apply_saved_layouts(trainer, layouts)
     if critic_state is not None:
       items.apply_critic_state(learner, critic_state, step)
     self._restore_rollout_weights(rollout_params)
     learner.rl_cluster.global_steps = global_steps
-    settings_lib.warn(settings_lib.changes(saved_settings, current_settings), origin)
+    api.warn_settings_changes(api.settings_changes(saved_settings, current_settings), origin)
     _LOG.info(
         "ckpt_iter: restored the data state of step %d: %s; %d pending trainer inputs, "
         "%d more mini-batches in this global step%s; content check: %s.",
-        step, _describe.position_text(value.kind, _describe.position_fields(
+        step, state_lib.position_text(value.kind, state_lib.position_fields(
             value.kind, value.fingerprint, value.position), value.position),
         len(value.pending or ()), remaining,
         "" if rollout_params is None else ", the rollout weights of the last sync",
@@ -589,8 +585,8 @@ class DataSession:
       InvalidStateError: the position is malformed.
     """
     saved_input, position = _input.input_part(value, origin)
-    saved, _ = settings_lib.split(value.fingerprint)
-    current, _ = settings_lib.split(self.fingerprint)
+    saved, _ = api.split_settings(value.fingerprint)
+    current, _ = api.split_settings(self.fingerprint)
     resplit = self._resplit_micro_batches(value, saved, allow_drift, origin)
     position = _position_in_micro_batches(position, saved.get("train_micro_batch_size"), self.micro_batch_size)
     _input.MicroBatchInput.check_position(position, origin)

@@ -21,19 +21,17 @@ from typing import TYPE_CHECKING, Any, Collection, Iterable
 from tunix.sft import peft_trainer as _peft_trainer
 from tunix.sft.dpo import dpo_trainer as _dpo_trainer
 
-from ckpt_iter import _describe
 from ckpt_iter import errors
-from ckpt_iter import lineage as lineage_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import state as state_lib
 from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items
-from ckpt_iter.tunix import _saving
 from ckpt_iter.tunix import _signature
 
 _LOG = logging.getLogger("ckpt_iter")
 
-DATA_ITEM = _saving.DATA_ITEM  # the same item name as the RL learners'
+DATA_ITEM = _items.DATA_ITEM  # the same item name as the RL learners'
 _TRAINER_FIELD = "trainer"
 
 
@@ -164,7 +162,7 @@ class ResumableSft:
         "gradient_accumulation_steps": _grad_acc_steps(self),
     }
     self._ci_fingerprint = fingerprint
-    _saving.install(self.checkpoint_manager, _saving.DataStateOnly(self._ci_snapshot))
+    _items.install(self.checkpoint_manager, _items.DataStateOnly(self._ci_snapshot))
     self._ci_position_feed(feed, frozenset(allow_drift))
     self._ci_feed = feed
     # Managed externally: Tunix neither skips (the feed is already where it
@@ -182,7 +180,7 @@ class ResumableSft:
     step = int(self.train_steps)
     data_dir = None
     if not self._ci_data_restored and step == self._ci_restored_step:
-      data_dir = _saving.restored_data_directory(self.checkpoint_manager, step)
+      data_dir = _items.restored_data_directory(self.checkpoint_manager, step)
     self._ci_data_restored = True  # only the constructor's restore has a data item
     value = None
     if data_dir is not None:
@@ -230,7 +228,7 @@ class ResumableSft:
     feed.examples_read = counters["iter_steps"]
     _LOG.info(
         "ckpt_iter: restored the input position of step %d (iter_steps=%d) in O(1): %s; content check: %s.",
-        step, counters["iter_steps"], _describe.summary_line(value), feed.source.restored_content_check(),
+        step, counters["iter_steps"], state_lib.summary_line(value), feed.source.restored_content_check(),
     )
 
   def _ci_snapshot(self, step: int) -> state_lib.IteratorState | None:
@@ -238,7 +236,7 @@ class ResumableSft:
     feed = self._ci_feed
     if feed is None:
       return None
-    self._ci_lineage = lineage_lib.started(self._ci_lineage, step)
+    self._ci_lineage = item_lib.started(self._ci_lineage, step)
     return state_lib.IteratorState(
         kind="tunix",
         fingerprint=self._ci_fingerprint,

@@ -10,7 +10,7 @@ import pytest
 import ckpt_iter
 from ckpt_iter import _files
 from ckpt_iter import cli
-from ckpt_iter import lineage
+from ckpt_iter import _item as item_lib
 
 RECORDS = [{"prompts": f"prompt {i}", "answer": i} for i in range(12)]
 
@@ -33,7 +33,7 @@ def test_step_names_are_read_as_orbax_reads_them(name):
     expected = None
   if ".orbax-checkpoint-tmp" in name:
     expected = None  # Orbax parses a tmp name too; it is not a step (uncommitted)
-  assert lineage.step_of_directory_name(name) == expected
+  assert item_lib.step_of_directory_name(name) == expected
 
 
 @pytest.mark.parametrize("options, step_dir", [

@@ -10,8 +10,7 @@ import json
 
 from hypothesis import assume, given, settings, strategies as st
 
-from ckpt_iter import _learner_state
-from ckpt_iter import lineage
+from ckpt_iter import _item as item_lib
 from ckpt_iter import state as state_lib
 
 # Each family's own fingerprint fields as format 1 wrote them (a sample: the
@@ -71,7 +70,7 @@ def test_a_format_1_learner_state_reads_nested_with_nothing_lost_or_misplaced(dr
   value = state_lib.IteratorState.from_dict(json.loads(json.dumps(header)), origin="drawn")
   assert value.format_version == state_lib.FORMAT_VERSION
   assert isinstance(value.part, state_lib.IteratorState) and value.part.kind == "data"
-  parts = _learner_state.split(value.position)
+  parts = state_lib.split_learner_position(value.position)
   assert parts is not None
   input_fingerprint, input_position, own = parts
   # Each field on its side: the learner's own (named by format 1's list), the rest the input's.
@@ -84,12 +83,12 @@ def test_a_format_1_learner_state_reads_nested_with_nothing_lost_or_misplaced(dr
   else:
     assert {input_key: input_position, **own} == header["position"]
   # The CLI's one view of a state finds the same input.
-  assert _learner_state.input_view("tunix", value.fingerprint, value.position) == parts
-  flat = _learner_state.flat_fingerprint("tunix", value.fingerprint, value.position)
+  assert state_lib.input_view("tunix", value.fingerprint, value.position) == parts
+  flat = state_lib.flat_fingerprint("tunix", value.fingerprint, value.position)
   assert len(flat) == len(header["fingerprint"])
   # A resume format 1 recorded from this state is still recognised by the audit.
-  as_written = lineage.state_digest(state_lib.validated(json.loads(json.dumps(header)), "drawn"))
-  assert as_written in lineage.header_digests(header, origin="drawn")
+  as_written = item_lib.state_digest(state_lib.validated(json.loads(json.dumps(header)), "drawn"))
+  assert as_written in item_lib.header_digests(header, origin="drawn")
 
 
 @settings(max_examples=200, deadline=None)
@@ -100,7 +99,7 @@ def test_nesting_then_splitting_gives_back_each_part(input_fingerprint, input_po
                                   position={"input": part, **learner_position})
   read = state_lib.IteratorState.from_dict(json.loads(json.dumps(value.to_dict())))
   assert read.format_version == state_lib.FORMAT_VERSION and read == value and read.part == part
-  fingerprint, saved_position, own = _learner_state.split(read.position)
+  fingerprint, saved_position, own = state_lib.split_learner_position(read.position)
   assert (dict(fingerprint), own) == (input_fingerprint, learner_position)
   assert dict(saved_position) == input_position
 
@@ -113,4 +112,4 @@ def test_a_position_without_a_well_formed_input_state_is_not_split(nested):
       isinstance(nested, dict) and set(nested) == {"kind", "fingerprint", "position"}
       and nested["kind"] == "data" and nested["fingerprint"] == {} and nested["position"] == {})
   assume(not well_formed)
-  assert _learner_state.split({"input": nested, "micro_batches_taken": 0}) is None
+  assert state_lib.split_learner_position({"input": nested, "micro_batches_taken": 0}) is None

@@ -26,7 +26,7 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import _files
-from ckpt_iter import _pytree
+from ckpt_iter import _codec
 
 STEP = 4
 STEM = "process_0-of-1"
@@ -92,8 +92,8 @@ def test_the_hostile_steps_are_small_and_claim_what_the_issue_says(hostile_roots
     size = sum(os.path.getsize(os.path.join(item_dir, f)) for f in os.listdir(item_dir))
     assert size < 2**20, (name, size)
     group = _files.read_header(os.path.join(item_dir, STEM + ".json"))["pending"]["groups"][0]
-    nodes = _MEMBERS * _pytree._template_nodes(group["structure"], 0)  # pylint: disable=protected-access
-    assert nodes > 1000 * _pytree.FREE_DECODED_NODES, (name, nodes)
+    nodes = _MEMBERS * _codec._template_nodes(group["structure"], 0)  # pylint: disable=protected-access
+    assert nodes > 1000 * _codec.FREE_DECODED_NODES, (name, nodes)
 
 
 # The restore, in a child: the cap is set once JAX, Orbax and the iterator are
@@ -144,7 +144,7 @@ def test_a_restore_refuses_the_hostile_steps_under_a_memory_cap(hostile_roots):
     assert error_class == "InvalidStateError", (name, error_class, message[:500])
     assert os.path.join(root, str(STEP), "data", STEM + ".json") in message, message
     assert "pending.groups[0] would build 1,000,000 items" in message, message
-    assert f"at most {_pytree.FREE_DECODED_NODES:,} nodes" in message, message
+    assert f"at most {_codec.FREE_DECODED_NODES:,} nodes" in message, message
     assert unchanged, name
 
 

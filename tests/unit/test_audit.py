@@ -19,8 +19,8 @@ from etils import epath
 
 import ckpt_iter
 from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import cli
-from ckpt_iter import lineage
 import support
 
 
@@ -186,17 +186,17 @@ def test_the_text_report_and_picture(tmp_path, capsys):
 def test_lineage_stays_bounded_and_its_running_digest_covers_every_resume():
   state = ckpt_iter.IteratorState(kind="data", fingerprint={}, position={"next_index": 0})
   for step in range(70):
-    state = lineage.resumed(state, step)
-  assert state.lineage["resumes"] == 70 and len(state.lineage["recent"]) == lineage.MAX_RECENT
-  assert state.lineage["recent"][0]["step"] == 70 - lineage.MAX_RECENT
-  digest = lineage.empty()["digest"]
+    state = item_lib.resumed(state, step)
+  assert state.lineage["resumes"] == 70 and len(state.lineage["recent"]) == item_lib.MAX_RECENT
+  assert state.lineage["recent"][0]["step"] == 70 - item_lib.MAX_RECENT
+  digest = item_lib.empty()["digest"]
   for step in range(70):
-    digest = lineage.fold(digest, lineage.resume_entry(ckpt_iter.IteratorState(
+    digest = item_lib.fold(digest, item_lib.resume_entry(ckpt_iter.IteratorState(
         kind="data", fingerprint={}, position={"next_index": 0}), step))
   assert digest == state.lineage["digest"]
   # Grain's dict form keeps one structure: no lineage or content in it.
-  assert lineage.step_of_item_directory("gs://b/run/12/data") == 12
-  assert lineage.step_of_item_directory("/x/ckpt/data") is None
+  assert item_lib.step_of_item_directory("gs://b/run/12/data") == 12
+  assert item_lib.step_of_item_directory("/x/ckpt/data") is None
 
 
 def test_grain_form_carries_content_and_lineage_as_text_in_one_structure(tmp_path):

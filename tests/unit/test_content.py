@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import ckpt_iter
-from ckpt_iter import _content
+from ckpt_iter import _drift
 from ckpt_iter import testing
 from ckpt_iter import errors
 
@@ -178,7 +178,7 @@ def test_repeat_iterator_checks_its_source_element(tmp_path):
   for _ in range(3):
     next(iterator)
   _save(tmp_path / "ckpt", iterator)
-  assert iterator.state().part.content["check"] == _content.BY_INDEX
+  assert iterator.state().part.content["check"] == _drift.BY_INDEX
   vocabulary.write_text(json.dumps({"a": 5, "b": 2}))
   with pytest.raises(errors.ContentDriftError, match="field 'tokens'"):
     _restore(tmp_path / "ckpt", repeat())
@@ -187,8 +187,8 @@ def test_repeat_iterator_checks_its_source_element(tmp_path):
 def test_pipelines_that_cannot_produce_an_element_again_say_so():
   iterator = ckpt_iter.DataIterator(grain.MapDataset.range(5).to_iter_dataset())
   next(iterator)
-  assert iterator.state().content == {"check": _content.ITER_DATASET}
-  assert "cannot" in _content.ITER_DATASET
+  assert iterator.state().content == {"check": _drift.ITER_DATASET}
+  assert "cannot" in _drift.ITER_DATASET
 
 
 def test_a_state_without_a_content_record_restores_without_a_check(monkeypatch):
@@ -203,14 +203,14 @@ def test_a_state_without_a_content_record_restores_without_a_check(monkeypatch):
 
 
 def test_digest_names_the_first_differing_leaf_and_refuses_objects():
-  a = _content.digest({"b": np.arange(3), "a": {"c": "x", "d": [1, 2.5]}})
-  b = _content.digest({"b": np.arange(3), "a": {"c": "x", "d": [1, 2.75]}})
+  a = _drift.content_digest({"b": np.arange(3), "a": {"c": "x", "d": [1, 2.5]}})
+  b = _drift.content_digest({"b": np.arange(3), "a": {"c": "x", "d": [1, 2.75]}})
   assert list(a["fields"]) == ["a.c", "a.d[0]", "a.d[1]", "b"]
-  assert _content.first_difference(a, b)[0] == "a.d[1]"
-  assert _content.first_difference(a, a) is None
+  assert _drift.first_difference(a, b)[0] == "a.d[1]"
+  assert _drift.first_difference(a, a) is None
   # dtype and shape are part of a leaf, not only its bytes
-  assert _content.digest(np.zeros(4, np.int32))["digest"] != _content.digest(np.zeros(2, np.int64))["digest"]
-  assert _content.digest({"o": object()})["check"].startswith("unavailable: the element holds a object")
+  assert _drift.content_digest(np.zeros(4, np.int32))["digest"] != _drift.content_digest(np.zeros(2, np.int64))["digest"]
+  assert _drift.content_digest({"o": object()})["check"].startswith("unavailable: the element holds a object")
 
 
 def test_content_and_lineage_fields_are_validated():

@@ -646,11 +646,11 @@ def test_a_source_added_or_removed_must_be_declared_and_keeps_its_ledger():
 
 
 def test_inspect_shows_a_mixtures_ledger():
-  from ckpt_iter import _describe  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import state
   iterator = ckpt_iter.DataIterator(_mix({"a": 3, "b": 1}, lengths={"a": 12, "b": 5}))
   _read(iterator, 5)
   value = iterator.state()
-  text = _describe.summary_line(value)
+  text = state.summary_line(value)
   assert text == "stream record 20; read a 15 (epoch 1, 3 of 12), b 5 (epoch 1, 0 of 5)"
 
 

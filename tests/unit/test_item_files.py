@@ -20,7 +20,7 @@ import pytest
 
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
-from ckpt_iter import _item
+from ckpt_iter import _item as item_lib
 from ckpt_iter import _storage
 from ckpt_iter import elastic
 from ckpt_iter import errors
@@ -34,7 +34,7 @@ def _state(arrays: dict, **fingerprint) -> state_lib.IteratorState:
 
 
 def _write(directory, value, index: int, count: int, *, shared_from: int | None = None) -> None:
-  """Writes process `index`'s files as `_item.share_arrays` leaves them."""
+  """Writes process `index`'s files as `item_lib.share_arrays` leaves them."""
   header, arrays = codec.encode_state(value)
   if count > 1:
     header[_files.ARRAYS_SHA256] = _files.arrays_sha256(arrays)
@@ -147,8 +147,8 @@ def test_another_count_is_refused_when_a_process_saved_other_arrays(tmp_path):
 def test_sharing_changes_nothing_outside_a_jax_job_of_that_count():
   header, arrays = {"kind": "tunix"}, {"a0": np.arange(3)}
   # One process, and a process index given by hand (this process is not in a 4-process job).
-  assert _item.share_arrays("/d", header, arrays, 0, 1) == (header, arrays)
-  assert _item.share_arrays("/d", header, arrays, 2, 4) == (header, arrays)
+  assert item_lib.share_arrays("/d", header, arrays, 0, 1) == (header, arrays)
+  assert item_lib.share_arrays("/d", header, arrays, 2, 4) == (header, arrays)
 
 
 def test_arrays_are_read_in_place_from_the_aligned_npz_and_copied_from_an_unaligned_one(tmp_path):

@@ -21,8 +21,8 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import _files
-from ckpt_iter import _item as item_lib
 from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _item as item_lib
 from ckpt_iter import elastic
 
 ROWS_PER_PROCESS = 24  # every N -> M below splits it evenly

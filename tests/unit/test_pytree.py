@@ -1,4 +1,4 @@
-"""Pending items stored by structure (format version 3, ckpt_iter/_pytree.py)."""
+"""Pending items stored by structure (format version 3, ckpt_iter/_codec.py)."""
 
 import copy
 import json
@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from ckpt_iter import _codec as codec
-from ckpt_iter import _pytree
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter import testing
@@ -100,7 +99,7 @@ def _array_leaves(tree) -> int:
 def test_items_of_one_structure_are_one_group_with_one_array_per_leaf_and_round_trip(base, data):
   items = [base] + [_same_structure(data.draw, base) for _ in range(data.draw(st.integers(1, 5)))]
   header, arrays = codec.encode_state(_state(items))
-  assert header["format_version"] == state_lib.FORMAT_VERSION >= _pytree.BY_STRUCTURE_VERSION
+  assert header["format_version"] == state_lib.FORMAT_VERSION >= codec.BY_STRUCTURE_VERSION
   (group,) = header["pending"]["groups"]
   assert group["members"] == [[0, len(items)]]
   assert len(arrays) == _array_leaves(base)
@@ -248,24 +247,24 @@ def _budget_group(payer: str, nulls: int) -> dict:
 @pytest.mark.parametrize("payer", sorted(_PAYERS))
 def test_a_decode_builds_the_free_nodes_plus_one_per_value_held_and_not_one_more(payer):
   held = _PAYERS[payer][3]
-  nulls = (_pytree.FREE_DECODED_NODES + held) // _MEMBERS - 2  # an item: its list, its nulls, its leaf
-  assert _MEMBERS * (nulls + 2) == _pytree.FREE_DECODED_NODES + held
+  nulls = (codec.FREE_DECODED_NODES + held) // _MEMBERS - 2  # an item: its list, its nulls, its leaf
+  assert _MEMBERS * (nulls + 2) == codec.FREE_DECODED_NODES + held
   load = {"a0": np.zeros((_MEMBERS, _ROW_BYTES), np.uint8)}.__getitem__
-  items = _pytree.decode_items(_budget_group(payer, nulls), load, origin=ORIGIN)
+  items = codec.decode_items(_budget_group(payer, nulls), load, origin=ORIGIN)
   assert len(items) == _MEMBERS and len(items[-1]) == nulls + 1
   with pytest.raises(errors.InvalidStateError) as refused:
-    _pytree.decode_items(_budget_group(payer, nulls + 1), load, origin=ORIGIN)
+    codec.decode_items(_budget_group(payer, nulls + 1), load, origin=ORIGIN)
   assert str(refused.value).startswith(
       f"{ORIGIN}: pending.groups[0] would build {_MEMBERS} items of {nulls + 3:,} nodes each "
       f"({_MEMBERS * (nulls + 3):,} nodes in all groups), but the pending arrays and columns hold "
-      f"{held:,} bytes and values: a state may build at most {_pytree.FREE_DECODED_NODES:,} nodes"), refused.value
+      f"{held:,} bytes and values: a state may build at most {codec.FREE_DECODED_NODES:,} nodes"), refused.value
 
 
 def test_an_array_that_holds_no_data_pays_for_nothing():
   """A stand-in (`_files.read_saved_header`: the shape claimed, no bytes read) holds one value, and an
   array with a zero dimension none, whatever their shapes say."""
-  nulls = (_pytree.FREE_DECODED_NODES + _MEMBERS * _ROW_BYTES) // _MEMBERS - 2
+  nulls = (codec.FREE_DECODED_NODES + _MEMBERS * _ROW_BYTES) // _MEMBERS - 2
   for array in (np.broadcast_to(np.zeros((), np.uint8), (_MEMBERS, _ROW_BYTES)),
                 np.zeros((_MEMBERS, _ROW_BYTES, 0), np.uint8)):
     with pytest.raises(errors.InvalidStateError, match=r"hold [01] bytes and values"):
-      _pytree.decode_items(_budget_group("array_row", nulls), {"a0": array}.__getitem__, origin=ORIGIN)
+      codec.decode_items(_budget_group("array_row", nulls), {"a0": array}.__getitem__, origin=ORIGIN)

@@ -5,7 +5,6 @@ from hypothesis import strategies as st
 import pytest
 
 from ckpt_iter import _records
-from ckpt_iter import _skips
 from ckpt_iter import errors
 
 
@@ -18,7 +17,7 @@ def _skip_values(draw, stream, every_epoch=True):
     for a, n, since in draw(st.lists(st.tuples(st.integers(0, 8), st.integers(1, 4), st.integers(0, stream)),
                                      max_size=2)):
       every.append((a, a + n, since))
-  return _skips.Skips.of(ranges, every)
+  return _records.Skips.of(ranges, every)
 
 
 def _kept_epoch(skips, epoch, length):
@@ -44,7 +43,7 @@ def test_a_single_source_plan_cuts_the_kept_records_of_each_epoch(data, length, 
   stream = length * epochs
   skips = data.draw(_skip_values(stream), label="skips")
   every = [(a, min(b, length), s) for a, b, s in skips.every_epoch if a < length]
-  skips = _skips.Skips.of(skips.records, every)
+  skips = _records.Skips.of(skips.records, every)
   restored = data.draw(st.integers(0, stream), label="restored at")
   plan = _records.BatchPlan.at(restored, batch_size=batch, drop_remainder=drop, epoch_length=length,
                                stream_length=stream, skips=skips)
@@ -95,7 +94,7 @@ def test_a_mixture_plan_cuts_the_kept_stream(data, stream, batch, drop):
 
 
 def test_an_infinite_stream_with_skips_far_ahead_costs_no_walk():
-  skips = _skips.Skips.of([(10**12, 10**12 + 5)], [(3, 5, 0)])
+  skips = _records.Skips.of([(10**12, 10**12 + 5)], [(3, 5, 0)])
   plan = _records.BatchPlan.at(10**12 - 4, batch_size=4, drop_remainder=True, epoch_length=100,
                                stream_length=_records.INFINITE, skips=skips)
   index = plan.index_of(10**12 - 4)
@@ -111,24 +110,24 @@ def test_an_infinite_stream_with_skips_far_ahead_costs_no_walk():
     ([(4, 4), (7, 8)], ((7, 8),)),
 ])
 def test_ranges_are_merged(records, expected):
-  assert _skips.Skips.of(records).records == expected
+  assert _records.Skips.of(records).records == expected
 
 
 def test_the_fingerprint_text_round_trips_and_bad_text_is_refused_naming_the_field():
-  skips = _skips.Skips.of([(100, 200), (300, 340)], [(5, 9, 120)])
-  assert _skips.Skips.from_text(skips.to_text(), origin="s") == skips
-  assert _skips.Skips.from_text(None, origin="s") == _skips.NO_SKIPS
+  skips = _records.Skips.of([(100, 200), (300, 340)], [(5, 9, 120)])
+  assert _records.Skips.from_text(skips.to_text(), origin="s") == skips
+  assert _records.Skips.from_text(None, origin="s") == _records.NO_SKIPS
   for bad in ('{"records": [[5, 2]]}', "[1, 2]", '{"records": [[1, 2, 3]]}', "nope", 7, '{"other": []}'):
     with pytest.raises(errors.InvalidStateError) as info:
-      _skips.Skips.from_text(bad, origin="step 3")
+      _records.Skips.from_text(bad, origin="step 3")
     assert "fingerprint field 'skips'" in str(info.value) and "step 3" in str(info.value)
 
 
 def test_covers_and_added_to():
-  before = _skips.Skips.of([(10, 20)])
-  after = _skips.Skips.of([(10, 20), (30, 40)], [(1, 2, 50)])
+  before = _records.Skips.of([(10, 20)])
+  after = _records.Skips.of([(10, 20), (30, 40)], [(1, 2, 50)])
   assert after.covers(before) and not before.covers(after)
-  assert after.added_to(before) == _skips.Skips(records=((30, 40),), every_epoch=((1, 2, 50),))
+  assert after.added_to(before) == _records.Skips(records=((30, 40),), every_epoch=((1, 2, 50),))
 
 
 @pytest.mark.parametrize("text, records, source", [
@@ -137,7 +136,7 @@ def test_covers_and_added_to():
     (" source:2 ", (), ((2, 3),)),
 ])
 def test_parse(text, records, source):
-  skip = _skips.Skip.parse(text)
+  skip = _records.Skip.parse(text)
   assert (skip.records, skip.source_records) == (records, source)
 
 
@@ -149,23 +148,23 @@ def test_parse(text, records, source):
 ])
 def test_parse_refuses_naming_the_part(text, fragment):
   with pytest.raises(errors.InvalidArgumentError) as info:
-    _skips.Skip.parse(text)
+    _records.Skip.parse(text)
   assert fragment in str(info.value)
 
 
 @pytest.mark.parametrize("value", [[(5, 5)], [(-1, 3)], [(1,)], "1-3", [(1.5, 3)]])
 def test_a_bad_declaration_is_refused(value):
   with pytest.raises(errors.InvalidArgumentError) as info:
-    _skips.Skip(records=value)
+    _records.Skip(records=value)
   assert "Skip(records=" in str(info.value)
 
 
 def test_resolve_clips_what_was_read_and_refuses_source_records_of_a_shuffled_source():
-  skips, already = _skips.resolve(_skips.Skip(records=[(90, 120)], source_records=[(3, 5)]), from_record=100,
+  skips, already = _records.resolve(_records.Skip(records=[(90, 120)], source_records=[(3, 5)]), from_record=100,
                                   epoch_length=50, shuffled=False, mixture=False, origin="o")
-  assert skips == _skips.Skips.of([(100, 120)], [(3, 5, 100)])
+  assert skips == _records.Skips.of([(100, 120)], [(3, 5, 100)])
   assert already == ((90, 100),)
   with pytest.raises(errors.UnsupportedConfigError) as info:
-    _skips.resolve(_skips.Skip(source_records=[(3, 5)]), from_record=0, epoch_length=50, shuffled=True,
+    _records.resolve(_records.Skip(source_records=[(3, 5)]), from_record=0, epoch_length=50, shuffled=True,
                    mixture=False, origin="o")
   assert "shuffled" in str(info.value) and "stream_records" in str(info.value)

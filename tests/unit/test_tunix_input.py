@@ -107,11 +107,11 @@ def test_a_learners_working_position_is_its_saved_form():
 
 
 def _write_state(directory, value):
-  from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.tunix import _saving  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _item as item_lib
+  from ckpt_iter.tunix import _items
 
   directory.mkdir()
-  header, arrays = item_lib.snapshot(_saving.Snapshot(value))
+  header, arrays = item_lib.snapshot(_items.Snapshot(value))
   item_lib.write(str(directory), header, arrays, 0, 1)
 
 

@@ -1,4 +1,4 @@
-"""`tunix/_saving.py` against stand-ins: Orbax's warning about ckpt_iter's items, dropped only where harmless."""
+"""`tunix/_items.py` against stand-ins: Orbax's warning about ckpt_iter's items, dropped only where harmless."""
 
 import logging
 import os
@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
-from ckpt_iter.tunix import _saving  # noqa: E402
+from ckpt_iter.tunix import _items
 
 _WARNING = ('Item "%s" was found in the checkpoint, but could not be restored. Please provide a '
             "`CheckpointHandlerRegistry`, or call `restore` with an appropriate `CheckpointArgs` subclass.")
@@ -26,9 +26,9 @@ def _warn_from(filename, item):
     (os.path.join("my_project", "train.py"), "data", True),  # a user's own restore still warns
 ])
 def test_the_warning_is_dropped_only_for_own_items_inside_tunix_s_restore(caplog, filename, item, shown):
-  _saving.silence_tunix_restore_warning()
-  _saving.silence_tunix_restore_warning()  # idempotent: one filter
-  assert sum(isinstance(f, _saving._OwnItemsNotRestoredByTunix)  # pylint: disable=protected-access
+  _items.silence_tunix_restore_warning()
+  _items.silence_tunix_restore_warning()  # idempotent: one filter
+  assert sum(isinstance(f, _items._OwnItemsNotRestoredByTunix)  # pylint: disable=protected-access
              for f in logging.getLogger("absl").filters) == 1
   with caplog.at_level(logging.WARNING, logger="absl"):
     _warn_from(filename, item)
