@@ -72,11 +72,13 @@ def test_inspect_tunix_checkpoint_root_and_actor_dir(capsys, tunix_ckpt):
 
 
 def test_inspect_does_not_import_tunix_or_restore_a_model(tunix_ckpt):
+  # Nor Orbax, JAX or Grain: the item's reader (`_item`) imports none of them, so the
+  # read-only command starts in a third of a second, not the 2.6 s of importing Orbax.
   program = (
       "import json, sys\n"
       "from ckpt_iter import cli\n"
       f"code = cli.main(['inspect', {tunix_ckpt!r}, '--json'])\n"
-      "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('tunix', 'flax'))\n"
+      "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('tunix', 'flax', 'orbax', 'jax', 'grain'))\n"
       "print(json.dumps({'code': code, 'loaded': loaded}))\n"
   )
   result = subprocess.run([sys.executable, "-c", program], env=ENV, capture_output=True,
