@@ -21,7 +21,7 @@ already differs.
 
 Both Tunix versions: `make test-full` runs it on 0.1.7, `make test-tunix-main`
 on main (0.1.8), where Tunix saves through Orbax v1 and the saved shardings
-are read from v1's metadata (`tunix._layouts`)."""
+are read from v1's metadata (`tunix._items.read_saved_layouts`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The saved shardings a Tunix resume puts back (`tunix._layouts`), read from both Orbax APIs' metadata.
+"""The saved shardings a Tunix resume puts back (`tunix._items.read_saved_layouts`), read from both Orbax APIs' metadata.
 
 Tunix 0.1.7 saves through Orbax v0, Tunix main through v1; their metadata
 leaves hold the sharding differently. The 2-process runs that depend on it
