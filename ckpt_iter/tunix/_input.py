@@ -81,10 +81,14 @@ class _RestorableSource:
   def __init__(self, iterator: Any):
     self._iterator = iterator
     self._content_of = getattr(iterator, "content_of", None)
-    # Kind and fingerprint of the states of the positions read past (no content: each has its own).
-    self._template = dataclasses.replace(iterator.state_part(), content=None)
     self._last: Any = _NOTHING  # the element read last since the start, a restore or a skip
     self._state: Any = None  # state() until the input moves
+    self._take_template()
+
+  def _take_template(self) -> None:
+    # Kind and fingerprint of the states of the positions read past (no content: each has its own).
+    # Taken again after every restore: a restore may change the fingerprint (the skips it merges).
+    self._template = dataclasses.replace(self._iterator.state_part(), content=None)
 
   @property
   def fingerprint(self) -> dict[str, Any]:
@@ -120,6 +124,7 @@ class _RestorableSource:
   def _moved(self) -> None:
     """What was read before the new position is not known here: the iterator's own state says it."""
     self._last, self._state = _NOTHING, None
+    self._take_template()
 
   def __next__(self) -> Any:
     element = next(self._iterator)

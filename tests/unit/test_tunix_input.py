@@ -330,3 +330,40 @@ def test_an_sft_trainers_input_records_the_example_it_trained_last(tmp_path):
   vocabulary.write_text(json.dumps({"a": 1, "b": 7}))
   with pytest.raises(errors.ContentDriftError, match="index 2"):
     _vocabulary_input(str(vocabulary)).source.check(saved_input, allow_drift=(), origin="t")
+
+
+def test_a_skip_declared_once_survives_every_later_restart():
+  """Issue 47 (3): the skips a restore merges are in every later saved state.
+
+  A skip declared at one restart and not declared again: the input's state
+  saved after the next restart must still carry it, else the restart after
+  that trains the skipped records. The input took its state's fingerprint
+  from the iterator before the restore (without the merged skips)."""
+  records = [{"prompts": f"prompt {i}", "answer": str(i)} for i in range(24)]
+
+  def input_at(position=None, skip=None):
+    dataset = ckpt_iter.make_dataset(records, batch_size=2, seed=3, num_epochs=1, skip=skip)
+    micro = _input.MicroBatchInput(_input.make_source(dataset), 1, _rebatch)
+    if position is not None:
+      _restore(micro, position)
+    return micro
+
+  def read(micro, count):
+    return [str(micro.next_micro_batch()["prompts"][0]) for _ in range(count)]
+
+  uninterrupted = input_at(skip=[(8, 12)])
+  expected = read(uninterrupted, 20)
+  run = input_at()
+  trained = read(run, 4)
+  run = input_at(_settled(run.position()), skip=[(8, 12)])  # declared once, here
+  trained += read(run, 4)
+  for _ in range(3):  # later restarts with the pipeline as first built
+    saved = _settled(run.position())
+    assert saved[_input.INPUT].fingerprint.get("skips"), "the saved state lost the declared skip"
+    run = input_at(saved)
+    trained += read(run, 4)
+  assert trained == expected
+
+
+def _settled(position):
+  return _input.settled(position)
