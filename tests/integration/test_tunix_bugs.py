@@ -173,3 +173,22 @@ def test_changed_algorithm_settings_continue_with_one_warning(tmp_path, jax_cach
   again = harness.run_toy(dict(after, max_steps=6), root, str(tmp_path / "2.npz"), cache_dir=jax_cache)
   assert again.labels == ["IJ", "KL"]
   assert "other algorithm settings" not in again.stderr  # the same settings as the last checkpoint
+
+
+def test_a_skip_declared_once_holds_through_three_more_restarts(tmp_path, jax_cache):
+  # Issue 47 (3): a skip declared at one restart only. Each later restart builds
+  # the pipeline without it; the learner's saved input state must keep carrying
+  # it. Before the fix the state saved after the next restart had no skips, and
+  # the restart after that trained the skipped prompts (num_iterations updates each).
+  config = dict(num_iterations=2, batch_size=1, max_steps=14, learner="ckpt_iter")
+  skip = [[6, 8]]  # prompts G and H, reached after update 12
+  reference = harness.run_toy(dict(config, skip=skip), str(tmp_path / "ref"), str(tmp_path / "ref.npz"),
+                              cache_dir=jax_cache)
+  assert "".join(reference.labels) == "AABBCCDDEEFFII", reference.labels
+  root = str(tmp_path / "chain")
+  trained = []
+  for segment, (preempt, declared) in enumerate([(2, None), (4, skip), (6, None), (8, None), (None, None)]):
+    run = harness.run_toy(dict(config, skip=declared), root, str(tmp_path / f"{segment}.npz"),
+                          preempt_after=preempt, cache_dir=jax_cache)
+    trained += run.inputs
+  harness.assert_same_inputs(trained, reference.inputs, "a skip declared at restart 1 of 4")

@@ -59,6 +59,8 @@ class RunConfig(toyrun.RunConfig):
   # None: optax.sgd(1e-2). A value: optax.inject_hyperparams(optax.sgd), whose
   # learning rate is visible to the resume.
   learning_rate: float | None = None
+  # Stream records the make_dataset input skips ([start, stop) ranges), declared in this run only.
+  skip: list[list[int]] | None = None
 
 
 def build_learner(config: RunConfig, root: str) -> Any:
@@ -182,6 +184,7 @@ def make_train_dataset(config: RunConfig) -> Any:
       num_epochs=config.num_epochs,
       shard_index=0,
       shard_count=1,
+      skip=[tuple(r) for r in config.skip] if config.skip else None,
   )
   if config.batch_sizes:
     return _uneven_batches(config)
