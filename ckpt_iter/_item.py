@@ -34,6 +34,7 @@ import numpy as np
 
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
+from ckpt_iter import _records
 from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -124,9 +125,27 @@ def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counte
 def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized: bool = False) -> dict[str, Any]:
   """The entry a restore of `restored` from checkpoint `step` adds."""
   entry: dict[str, Any] = {"step": step, "state": state_digest(restored)}
+  entry.update(segment_fields(restored))
   if resized:
     entry["resized"] = True  # restored by another process count (elastic)
   return entry
+
+
+def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
+  """Where the restored state's stream continues, for the data map: its stream record (`record`) and the
+  global batch size and process count it was read with, so a checkpoint's last batch and the run's
+  segments are known from its own lineage, whatever steps are kept. Empty for a position that counts
+  no stream records (the data map does not answer those from states)."""
+  fingerprint, position, _ = state_lib.input_view(restored.kind, restored.fingerprint, restored.position)
+  record = position.get(_records.NEXT_RECORD) if isinstance(position, Mapping) else None
+  if not state_lib.is_int(record) or record < 0:
+    return {}
+  fields = {"record": int(record)}
+  for name, field in (("batch_size", "global_batch_size"), ("process_count", "shard_count")):
+    value = fingerprint.get(field)
+    if state_lib.is_int(value) and value >= 1:
+      fields[name] = int(value)
+  return fields
 
 
 def extended(lineage: Mapping[str, Any] | None, entry: Mapping[str, Any]) -> dict[str, Any]:

@@ -69,8 +69,7 @@ def which(pipeline: Any, state: Any) -> datamap.Batch:
   except errors.UnsupportedConfigError:
     stream = None
   if stream is not None:
-    resumed = bool((value.lineage or {}).get("resumes"))
-    return datamap.last_batch(stream, segment_start=None if resumed else 0)
+    return datamap.last_batch_of(value)
   if isinstance(node, _lanes.LaneDataset):
     return _lanes_batch(node, fingerprint, position)
   return _traced_batch(pipeline, node, fingerprint, position)

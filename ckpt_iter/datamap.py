@@ -155,8 +155,9 @@ class Stream:
       self.mixture = _records.Mixture.from_json(position.get(_records.MIXTURE), shares, self.next_record,
                                                 origin=origin)
       self.length = None
-      self.lengths = {name: _int_field(fingerprint, f"source_length[{name}]", origin)
-                      for name in self.mixture.since | dict(shares)}
+      # The sources its shares pick from: a source removed at a restart keeps its ledger entry
+      # (`since`), but no record after the restart is its, and its length is no longer recorded.
+      self.lengths = {name: _int_field(fingerprint, f"source_length[{name}]", origin) for name in shares}
 
   @property
   def stream_length(self) -> int:
@@ -268,6 +269,16 @@ def last_batch(stream: Stream, *, segment_start: int | None = None, resumed_from
         f"{stream.origin}: stream record {end} is not the end of a batch of {stream.batch_size} of the plan "
         f"from record {start}: the state does not fit its own pipeline.")
   return stream.batch(plan.records(index - 1), how=_how(stream, plan, index - 1, segment_start, resumed_from))
+
+
+def last_batch_of(value: state_lib.IteratorState, *, origin: str = "the state") -> Batch:
+  """The last batch read before state `value` was taken, from the state alone: `last_batch` from where
+  its segment started (`segment_start`). The one answer of `ckpt_iter.which`, `ckpt-iter which --step`
+  and a learner's global step."""
+  recent = (value.lineage or {}).get("recent") or ()
+  fingerprint, position = input_part(value)
+  return last_batch(Stream(fingerprint, position, origin=origin), segment_start=segment_start(value),
+                    resumed_from=recent[-1].get("step") if recent else None)
 
 
 def _plan_ending_at(stream: Stream, end: int) -> _records.BatchPlan:
@@ -437,29 +448,59 @@ class RunMap:
           f"step {last_step}: the run resumed {lineage['resumes']} times, but a state records only the last "
           f"{len(entries)} resumes: the batches before the resume from step {entries[0]['step']} cannot be "
           "numbered. `--step` still answers for a kept step.")
-    restored = []
-    for entry in entries:
-      step = entry.get("step")
-      if step is None or step not in states:
-        policy = f" ({keep_policy})" if keep_policy else ""
-        raise errors.ItemNotFoundError(
-            f"the run resumed from step {step}, which is no longer kept{policy}: where that segment started "
-            "cannot be read, so the batches after it cannot be numbered. Keep the steps a run resumes from "
-            "(e.g. CheckpointManagerOptions(keep_period=...)); `--step` still answers for a kept step.")
-      restored.append((step, states[step]))
-    return cls(_segments(last_step, last, restored))
+    last_stream = _stream(last, f"step {last_step}")
+    restored = [(entry.get("step"), _restored_stream(entry, states, last_stream, keep_policy))
+                for entry in entries]
+    return cls(_segments(last_step, last_stream, restored))
 
 
-def _segments(last_step: int, last: state_lib.IteratorState,
-              restored: list[tuple[int, state_lib.IteratorState]]) -> list[Segment]:
+def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.IteratorState], last: Stream,
+                     keep_policy: str) -> Stream:
+  """The stream a resume restored: its step's state when kept, else what the resume entry records of it.
+
+  An entry records the restored record, batch size and process count (`_item.segment_fields`); the
+  skips are the last state's (skips only grow, and a later declaration applies from its restart on).
+  A mixture's ledger changes with each segment, so a mixture's needs its step.
+  """
+  step = entry.get("step")
+  if step is not None and step in states:
+    return _stream(states[step], f"step {step}")
+  fields = {name: entry.get(name) for name in ("record", "batch_size", "process_count")}
+  if last.mixture is None and all(state_lib.is_int(v) for v in fields.values()):
+    fingerprint = dict(last.fingerprint, global_batch_size=fields["batch_size"], shard_count=fields["process_count"])
+    return Stream(fingerprint, {_records.NEXT_RECORD: fields["record"]}, origin=f"the resume from step {step}")
+  policy = f" ({keep_policy})" if keep_policy else ""
+  what = "a mixture's ledger" if last.mixture is not None else "where that segment started"
+  raise errors.ItemNotFoundError(
+      f"the run resumed from step {step}, which is no longer kept{policy}, and {what} is not in the resume's "
+      f"record: the batches after it cannot be numbered. {KEEP_HINT}; `--step` still answers for a kept step.")
+
+
+# The one way through when the steps a run resumed from are gone (the CLI's audit and which name it too).
+KEEP_HINT = ("Keep the steps a run resumes from: CheckpointManagerOptions(preservation_policy="
+             "ckpt_iter.KeepResumedSteps(...)) (or keep_period=...)")
+
+
+def segment_start(value: state_lib.IteratorState) -> int | None:
+  """The stream record the segment of `value` started at: 0 for a run never resumed, else the record its
+  last resume restored (its lineage records it); None for a state whose lineage does not (written
+  before ckpt_iter recorded it)."""
+  lineage = value.lineage
+  if not lineage or not lineage.get("resumes"):
+    return 0
+  recent = lineage.get("recent") or ()
+  record = recent[-1].get("record") if recent else None
+  return int(record) if state_lib.is_int(record) else None
+
+
+def _segments(last_step: int, last: Stream, restored: list[tuple[int | None, Stream]]) -> list[Segment]:
   # Segment j runs from restore j's position to restore j+1's (the last one to the last state's);
   # its stream (batch size, skips, mixture) is that of the state that ends it.
-  starts = [(0, None)] + [(_stream(value, f"step {step}").next_record, step) for step, value in restored]
-  ends = [(step, value) for step, value in restored] + [(last_step, last)]
+  starts = [(0, None)] + [(stream.next_record, step) for step, stream in restored]
+  ends = restored + [(last_step, last)]
   segments: list[Segment] = []
   first_batch = 0
-  for number, ((start, resumed_from), (step, value)) in enumerate(zip(starts, ends)):
-    stream = _stream(value, f"step {step}")
+  for number, ((start, resumed_from), (step, stream)) in enumerate(zip(starts, ends)):
     if stream.next_record < start:
       raise errors.InvalidStateError(
           f"step {step}: position {stream.next_record} is behind the restored position {start}: the chain "
@@ -584,7 +625,7 @@ def _full_batch(value: state_lib.IteratorState, own: Mapping[str, Any], run: Run
   if not (own.get("micro_batches_taken") or own.get("rows_taken")):
     if run is not None:
       return run.last()
-    return last_batch(stream, segment_start=None if (value.lineage or {}).get("resumes") else 0)
+    return last_batch_of(value, origin=origin)
   plan = run.segments[-1].plan if run is not None else stream.plan_at(stream.next_record)
   index = plan.index_of(stream.next_record)
   return stream.batch(plan.records(index), how="the full batch the position is inside (micro-batches of it taken)",

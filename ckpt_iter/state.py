@@ -453,6 +453,12 @@ def _checked_content(content: Any, origin: str) -> FrozenDict | None:
   return FrozenDict(_checked_copy(content, "content", origin))
 
 
+# What a resume entry records of where the data map's segment starts (a make_dataset position):
+# the restored stream record, and the global batch size and process count in effect before it.
+# Each with its least valid value.
+_SEGMENT_ENTRY_FIELDS = {"record": 0, "batch_size": 1, "process_count": 1}
+
+
 def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
   """`lineage`: {"resumes": int, "digest": str, "recent": [{"step": int|None, "state": str, ...}],
   "run": int (optional: the step of the run's first save)}."""
@@ -471,13 +477,16 @@ def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
       or not all(
           isinstance(entry, Mapping) and isinstance(entry.get("state"), str)
           and (entry.get("step") is None or _is_int(entry.get("step")))
+          and all(entry.get(name) is None or (_is_int(entry[name]) and entry[name] >= low)
+                  for name, low in _SEGMENT_ENTRY_FIELDS.items())
           and all(is_json_scalar(v) for v in entry.values())
           for entry in recent
       )
   ):
     raise errors.InvalidStateError(
         f"{origin}: field 'lineage' must be {{'resumes': int, 'digest': str, 'recent': "
-        f"[at most {MAX_LINEAGE_RECENT} {{'step': int, 'state': str}}], 'run': step (optional)}}, "
+        f"[at most {MAX_LINEAGE_RECENT} {{'step': int, 'state': str[, 'record': int >= 0, 'batch_size': "
+        "int >= 1, 'process_count': int >= 1]}], 'run': step (optional)}, "
         f"got {_short(lineage)}."
     )
   return FrozenDict(_checked_copy(lineage, "lineage", origin))

@@ -151,9 +151,7 @@ def which_step(layout: inspection.Layout, step: int, process_index: int = 0) -> 
     return Answer(step, learner.prompts, learner, note)
   if run is not None:
     return Answer(step, run.last(), None, note)
-  fingerprint, position = datamap.input_part(value)
-  stream = datamap.Stream(fingerprint, position, origin=f"step {step}")
-  return Answer(step, datamap.last_batch(stream), None, note)
+  return Answer(step, datamap.last_batch_of(value, origin=f"step {step}"), None, note)
 
 
 def which_batch(layout: inspection.Layout, number: int, process_index: int = 0) -> Answer:

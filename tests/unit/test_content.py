@@ -223,7 +223,11 @@ def test_content_and_lineage_fields_are_validated():
               {"resumes": -1, "digest": "0", "recent": []},
               {"resumes": 0, "digest": "0", "recent": [], "run": "3"},
               {"resumes": 0, "digest": "0", "recent": [], "run": -1},
-              {"resumes": 0, "digest": "0", "recent": [], "runs": 3}):
+              {"resumes": 0, "digest": "0", "recent": [], "runs": 3},
+              {"resumes": 1, "digest": "0", "recent": [{"step": 1, "state": "a", "record": -5}]},
+              {"resumes": 1, "digest": "0", "recent": [{"step": 1, "state": "a", "record": "36"}]},
+              {"resumes": 1, "digest": "0", "recent": [{"step": 1, "state": "a", "batch_size": 0}]},
+              {"resumes": 1, "digest": "0", "recent": [{"step": 1, "state": "a", "process_count": True}]}):
     with pytest.raises(errors.InvalidStateError, match="'lineage'"):
       ckpt_iter.IteratorState(**good, lineage=bad)
   state = ckpt_iter.IteratorState(**good, content={"check": "index", "digest": "ab", "fields": {}})

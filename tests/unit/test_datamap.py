@@ -117,8 +117,15 @@ def test_an_epochs_short_last_batch_is_placed_by_the_restored_record(tmp_path):
   assert short and all("short last batch" in b.how and "restored stream record 12" in b.how for b in short)
 
 
-def test_a_step_not_kept_is_named_with_the_keep_policy(tmp_path):
-  run_chain(str(tmp_path), [(1, 4, 2, 0, None), (1, 4, 2, 0, None)])
+def test_a_step_not_kept_is_read_from_the_resume_record(tmp_path):
+  kept = run_chain(str(tmp_path), [(1, 4, 2, 0, None), (2, 6, 2, 0, [(9, 11)])])
+  full = [[r.index for r in b.records] for b in _run_map(tmp_path).batches()]
+  os.rename(os.path.join(tmp_path, "2"), os.path.join(tmp_path, "2.orbax-checkpoint-tmp-1"))  # not a step
+  assert [[r.index for r in b.records] for b in _run_map(tmp_path).batches()] == full == kept
+
+
+def test_a_mixture_step_not_kept_is_named_with_the_keep_policy(tmp_path):
+  run_chain(str(tmp_path), [(1, 4, 2, 0, None), (1, 4, 2, 0, None)], mixture={"a": 1, "b": 1})
   os.rename(os.path.join(tmp_path, "2"), os.path.join(tmp_path, "2.orbax-checkpoint-tmp-1"))  # not a step
   layout = inspection.find_layout(str(tmp_path))
   with pytest.raises(errors.ItemNotFoundError) as info:

@@ -145,11 +145,24 @@ def test_a_lanes_root_names_the_python_api(tmp_path, capsys):
     assert code == 1 and "ckpt_iter.which(pipeline, state)" in err and "filtered or packed" in err
 
 
-def test_order_names_the_keep_policy_when_a_resumed_step_is_gone(chain, tmp_path, capsys):
-  root, _ = chain
+def test_order_answers_from_the_lineage_when_a_resumed_step_is_gone(chain, tmp_path, capsys):
+  # Issue 47 (9): each resume records where its segment started; max_to_keep deleting the step
+  # a run resumed from no longer stops `order` or `which --batch`.
+  root, kept = chain
   os.rename(os.path.join(root, "3"), os.path.join(root, "3.orbax-checkpoint-tmp-9"))
   code, _, err = _main(capsys, "order", root, "--out", str(tmp_path / "o.jsonl"))
-  assert code == 1 and "step 3, which is no longer kept" in err and "max_to_keep" in err
+  assert code == 0, err
+  with open(tmp_path / "o.jsonl") as f:
+    assert [json.loads(line)["records"] for line in f] == kept
+
+
+def test_order_names_the_keep_policy_when_a_mixtures_resumed_step_is_gone(tmp_path, capsys):
+  root = str(tmp_path / "run")
+  run_chain(root, [(1, 4, 2, 0, None), (1, 4, 2, 0, None)], mixture={"a": 1, "b": 1})
+  os.rename(os.path.join(root, "2"), os.path.join(root, "2.orbax-checkpoint-tmp-9"))
+  code, _, err = _main(capsys, "order", root, "--out", str(tmp_path / "o.jsonl"))
+  assert code == 1 and "step 2, which is no longer kept" in err and "max_to_keep" in err
+  assert "KeepResumedSteps" in err and "mixture's ledger" in err
   assert not os.path.exists(tmp_path / "o.jsonl")
 
 
