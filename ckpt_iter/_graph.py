@@ -788,3 +788,32 @@ def iter_batch_size(node: Any) -> int | None:
     return int(node._batch_size)  # pylint: disable=protected-access
   except AttributeError:
     return None
+
+
+# ---------------------------------------------------------------------------
+# A plain Grain iterator's dataset (`iter(dataset)`, what a Grain user saves).
+
+
+def iterator_dataset(iterator: Any) -> tuple[Any, tuple[str, ...]] | None:
+  """(the MapDataset a plain Grain iterator reads, the iterator classes above it), or None.
+
+  `iter(map_dataset)` is a PrefetchDatasetIterator that keeps its dataset
+  (`_map_parent`); an IterDataset's iterators chain down through `_parents`
+  to one. None where the chain has no such iterator (a DataLoader's, an
+  ElasticIterator) or has more than one parent (a mix).
+  """
+  above: list[str] = []
+  node = iterator
+  for _ in range(_MAX_ITERATOR_DEPTH):
+    dataset = getattr(node, "_map_parent", None)
+    if dataset is not None:
+      return dataset, tuple(above)
+    parents = getattr(node, "_parents", None)
+    if not isinstance(parents, tuple) or len(parents) != 1:
+      return None
+    above.append(type(node).__name__)
+    node = parents[0]
+  return None
+
+
+_MAX_ITERATOR_DEPTH = 64

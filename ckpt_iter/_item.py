@@ -338,11 +338,11 @@ def snapshot(item: Any, step: int | None = None) -> tuple[dict[str, Any], dict[s
       value = value.with_lineage(lineage)
       keep_lineage(value.lineage)
   else:
-    value = state_lib.IteratorState.from_dict(_grain_state_dict(item.get_state()))
+    value = state_lib.IteratorState.from_dict(grain_state_dict(item.get_state()))
   return codec.encode_state(value)
 
 
-def _grain_state_dict(grain_state: Any) -> Any:
+def grain_state_dict(grain_state: Any) -> Any:
   """A plain Grain iterator's state as a dict: a DataLoader's comes as JSON bytes."""
   if isinstance(grain_state, bytes):
     try:

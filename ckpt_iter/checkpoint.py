@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from ckpt_iter import _files
 from ckpt_iter import _item
 from ckpt_iter import errors
+from ckpt_iter import iterator as iterator_lib
 
 
 # ---------------------------------------------------------------------------
@@ -48,7 +49,7 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
   async def async_save(self, directory: epath.Path, args: "IteratorSave") -> list[Any]:
     """Takes the state now; returns the write of this process's files, which Orbax awaits before it commits the step."""
     try:
-      header, arrays = _item.snapshot(args.item, _item.step_of(directory))
+      header, arrays = _item.snapshot(iterator_lib.grain_iterator_view(args.item), _item.step_of(directory))
     except BaseException:
       _await_step_directories()
       raise
@@ -61,7 +62,7 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def save(self, directory: epath.Path, args: "IteratorSave") -> None:
     """Takes the state and writes this process's files into `directory` before returning."""
-    header, arrays = _item.snapshot(args.item, _item.step_of(directory))
+    header, arrays = _item.snapshot(iterator_lib.grain_iterator_view(args.item), _item.step_of(directory))
     _item.write(directory, header, arrays, *self._process())
 
   def restore(self, directory: epath.Path, args: "IteratorRestore | None" = None) -> Any:
@@ -72,7 +73,7 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
           "IteratorRestore(iterator)."
       )
     saved = _item.read_item(directory, *self._process(), elastic=args.elastic)
-    _item.check_restore_saved(args.item, saved, allow_drift=args.allow_drift)()
+    _item.check_restore_saved(iterator_lib.grain_iterator_view(args.item), saved, allow_drift=args.allow_drift)()
     return args.item
 
   def metadata(self, directory: epath.Path) -> Any:
@@ -254,13 +255,14 @@ class IteratorCheckpointable:
 
   async def save(self, directory: Any) -> Any:
     """Orbax v1 calls this: takes the state now; returns the write of this process's files, run in the background."""
-    return await _item.v1_save(self.item, directory, self._process_index, self._process_count)
+    return await _item.v1_save(iterator_lib.grain_iterator_view(self.item), directory, self._process_index,
+                               self._process_count)
 
   async def load(self, directory: Any) -> Any:
     """Orbax v1 calls this: reads and checks this process's state now; returns the step that applies it."""
     return await _item.v1_load(
-        self.item, epath.Path(directory), allow_drift=self.allow_drift, elastic=self.elastic,
-        index=self._process_index, count=self._process_count)
+        iterator_lib.grain_iterator_view(self.item), epath.Path(directory), allow_drift=self.allow_drift,
+        elastic=self.elastic, index=self._process_index, count=self._process_count)
 
 
 class _IteratorCheckpointableHandler:

@@ -592,6 +592,21 @@ def _qualified_name(fn: Callable[..., Any]) -> str:
   return f"{module}.{name}"
 
 
+# The fingerprint field of a state saved from a plain Grain iterator (`iter(dataset)`): the iterator
+# classes above the MapDataset it reads ("" for `iter(map_dataset)` itself).
+GRAIN_ITERATOR_FIELD = "grain_iterator"
+
+
+def describe_grain_iterator(iterator: Any) -> dict[str, Any] | None:
+  """The fingerprint of a plain Grain iterator: its MapDataset's (`describe_pipeline`) and the iterator
+  steps above it (`GRAIN_ITERATOR_FIELD`); None where its dataset cannot be found (`_graph.iterator_dataset`)."""
+  found = _graph.iterator_dataset(iterator)
+  if found is None:
+    return None
+  dataset, above = found
+  return {**describe_pipeline(dataset), GRAIN_ITERATOR_FIELD: "<".join(above)}
+
+
 def describe_pipeline(dataset: Any) -> dict[str, Any]:
   """The fingerprint fields of any Grain dataset (make_dataset or hand-built).
 

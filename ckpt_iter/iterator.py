@@ -634,3 +634,39 @@ def _check_sparse_skips(node: dataset_lib.GlobalBatchDataset, skips: _records.Sk
         f"(batch_size={node.spec.batch_size} x shard_count={node.spec.shard_count}). Batch with "
         "make_dataset(batch_size=...) itself, or drop the records by content with make_dataset(filter=...).")
 _CONTENT_LOOKBACK = 64
+
+
+class GrainIteratorView:
+  """A plain Grain iterator (`iter(dataset)`, what a Grain user writes) as ckpt_iter saves and restores it.
+
+  Its state is Grain's own position with the fingerprint of the dataset it
+  reads (`dataset.describe_grain_iterator`), so a restore into a pipeline
+  with another seed or source is refused by name, as a `DataIterator`'s is.
+  States without that field keep Grain's rules (`_item.check_restore_into`):
+  a bare Grain state is restored unchecked, a ckpt_iter iterator's refused.
+  """
+
+  def __init__(self, iterator: Any, fingerprint: Mapping[str, Any]):
+    self._iterator = iterator
+    self._fingerprint = dict(fingerprint)
+
+  def state(self) -> state_lib.IteratorState:
+    return state_lib.IteratorState(kind="data", fingerprint=self._fingerprint,
+                                   position=item_lib.grain_state_dict(self._iterator.get_state()))
+
+  def check_restore(self, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (),
+                    origin: str = "the checkpoint") -> Callable[[], None]:
+    if dataset_lib.GRAIN_ITERATOR_FIELD not in value.fingerprint:
+      return item_lib.check_restore_into(self._iterator, value, allow_drift=allow_drift, origin=origin)
+    state_lib.check_fingerprint(value.fingerprint, self._fingerprint, allow_drift=allow_drift, origin=origin)
+    return lambda: self._iterator.set_state(dict(value.position))
+
+
+def grain_iterator_view(item: Any) -> Any:
+  """`item` as ckpt_iter saves and restores it: a plain Grain iterator whose dataset is known as a
+  `GrainIteratorView`, anything else unchanged."""
+  if isinstance(item, grain.DatasetIterator) and not hasattr(item, "check_restore"):
+    fingerprint = dataset_lib.describe_grain_iterator(item)
+    if fingerprint is not None:
+      return GrainIteratorView(item, fingerprint)
+  return item

@@ -320,3 +320,32 @@ def test_a_v1_load_of_a_ckpt_iter_step_into_a_bare_grain_iterator_raises(tmp_pat
   with pytest.raises(KeyError):
     ocp1.load_checkpointables(path, {"data": plain})
   assert plain.get_state() == {"next_index": 0}
+
+
+# ---------------------------------------------------------------------------
+# The Grain habit (issue 47, case 8): IteratorSave(iter(dataset)) records the dataset it reads.
+
+_GRAIN_HABITS = {
+    "iter(MapDataset)": lambda seed: iter(grain.MapDataset.source(_RECORDS).shuffle(seed=seed).batch(2)),
+    "iter(to_iter_dataset().batch)": lambda seed: iter(
+        grain.MapDataset.source(_RECORDS).shuffle(seed=seed).to_iter_dataset().batch(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_GRAIN_HABITS))
+def test_a_plain_grain_iterator_saves_its_datasets_fingerprint(name, ckpt_dir):
+  make = _GRAIN_HABITS[name]
+  saving = make(1)
+  for _ in range(3):
+    next(saving)
+  support.orbax_save(ckpt_dir, 1, data=ckpt_iter.IteratorSave(saving))
+  fingerprint = support.read_all(os.path.join(ckpt_dir, "1", "data"))[0].fingerprint
+  assert any(key.endswith("ShuffleMapDataset.seed") and value == 1 for key, value in fingerprint.items())
+  # The same pipeline resumes exactly; another seed is refused by name, the iterator untouched.
+  resumed = make(1)
+  support.orbax_restore(ckpt_dir, 1, data=ckpt_iter.IteratorRestore(resumed))
+  assert [list(b) for b in resumed] == [list(b) for b in saving]
+  other = make(2)
+  with pytest.raises(ckpt_iter.ConfigDriftError, match=r"ShuffleMapDataset\.seed"):
+    support.orbax_restore(ckpt_dir, 1, data=ckpt_iter.IteratorRestore(other))
+  assert [list(b) for b in other] == [list(b) for b in make(2)]  # nothing was set
