@@ -253,6 +253,7 @@ def _reconcile_lanes(
   cannot change here: the lanes read chunks at different stream records,
   so there is no one record from which new weights could take effect.
   """
+  _refuse_lanes_mixture_change(saved, current, origin)
   differing = state_lib.differing_fields(saved, current, allow_drift=allow_drift)
   accepted = {n for n in differing if n in _SPEC_BATCH}
   changes = []
@@ -268,6 +269,27 @@ def _reconcile_lanes(
   return Reconciled(position=dict(position), accepted=frozenset(accepted), changes=lines)
 
 
+def _refuse_lanes_mixture_change(saved: Mapping[str, Any], current: Mapping[str, Any], origin: str) -> None:
+  """Refuses new weights or sources of a filtered or packed mixture, whatever allow_drift says: its lanes
+  read chunks at different stream records, so there is no one record from which they could take effect,
+  and the saved ledger under other shares would repeat and skip records."""
+  saved_shares, current_shares = _records.shares_of(saved), _records.shares_of(current)
+  if saved_shares is None or current_shares is None or dict(saved_shares) == dict(current_shares):
+    return
+  names = set(saved_shares) | set(current_shares)
+  fields = {f"weight[{n}]" for n in names} | {"source"} | {
+      name for name in set(saved) | set(current) if (m := _SOURCE_FIELD.match(name)) and m.group(1) in names}
+  differences = {f: (saved.get(f, _ABSENT), current.get(f, _ABSENT)) for f in sorted(fields)
+                 if not state_lib.same_field_value(saved.get(f, _ABSENT), current.get(f, _ABSENT))}
+  shown = lambda shares: ":".join(f"{n} {v}" for n, v in shares.items())
+  raise errors.ConfigDriftError(differences, origin=origin, way=(
+      f"(The mixture's proportions: {shown(saved_shares)} there, {shown(current_shares)} here.) "
+      "The weights and sources of a filtered or packed mixture (make_dataset with filter= or pack=) cannot "
+      "change at a restart, and no allow_drift continues it without repeating and skipping records: its "
+      "lanes read chunks at different stream records. Rebuild the pipeline with the saved weights and sources "
+      "(or reweight an unfiltered mixture, which continues each source from its own next record)."))
+
+
 def _mixture_change(
     saved: Mapping[str, Any], current: Mapping[str, Any], saved_shares: Mapping[str, Any],
     current_shares: Mapping[str, Any], allow_drift: Collection[str], origin: str,
@@ -281,7 +303,13 @@ def _mixture_change(
   removed = [n for n in saved_shares if n not in current_shares]
   reweighted = [n for n in current_shares if n in saved_shares and saved_shares[n] != current_shares[n]]
   if not (added or removed or reweighted):
-    return False, set(), []
+    if list(saved_shares) == list(current_shares):
+      return False, set(), []
+    # The same sources and weights written in another order (a config loaded another way): not a change of
+    # the data, but of the interleave's order. Each source continues from its own next record, the new
+    # order from this restart on: nothing repeated or skipped, no declaration needed.
+    order = f"source order {','.join(saved_shares)} -> {','.join(current_shares)}"
+    return True, {"source"}, [order + " (each source continues from its own next record)"]
   fields = {f"weight[{n}]" for n in set(added) | set(removed) | set(reweighted)} | {"source"}
   fields |= {name for name in set(saved) | set(current)
              if (m := _SOURCE_FIELD.match(name)) and m.group(1) in set(added) | set(removed)}

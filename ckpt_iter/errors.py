@@ -83,7 +83,9 @@ class ConfigDriftError(CkptIterError):
       every differing field.
   """
 
-  def __init__(self, differences: Mapping[str, tuple[Any, Any]], origin: str = "the state"):
+  def __init__(self, differences: Mapping[str, tuple[Any, Any]], origin: str = "the state", *,
+               way: str | None = None):
+    """`way`: the way through, where rebuilding or `allow_drift` is not one (it replaces that advice)."""
     self.differences = dict(differences)
     shown = heapq.nsmallest(SHOWN_DIFFERENCES, self.differences.items(), key=lambda item: item[0])
     parts = [
@@ -93,6 +95,10 @@ class ConfigDriftError(CkptIterError):
     ]
     names = ", ".join(shown_value(name) for name, _ in shown)
     hidden = len(self.differences) - len(shown)
+    if way is not None:
+      more = f"; and {hidden:,} more (in the error's `differences`)" if hidden else ""
+      super().__init__(f"{origin} was written by a different pipeline: {'; '.join(parts)}{more}. {way}")
+      return
     if not hidden:
       rebuild = ", ".join(
           f"{shown_name(name)}={shown_value(saved, SHOWN_DRIFT_VALUE_CHARS)}" for name, (saved, _) in shown)

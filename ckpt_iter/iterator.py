@@ -465,9 +465,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
                f"stream ({stream_length} records)")
     differences = state_lib.differing_fields(state.fingerprint, self._fingerprint)
     if differences:
-      error = errors.ConfigDriftError(differences, origin=origin)
-      error.args = (f"{error} Not a stream-preserving change: {message}.",)
-      raise error
+      raise errors.ConfigDriftError(differences, origin=origin, way=(
+          f"Not a stream-preserving change: {message}, and no allow_drift moves it. Rebuild the pipeline "
+          f"with a stream that reaches past record {next_record} (e.g. more epochs), or restore an earlier step."))
     raise errors.InvalidStateError(
         f"{origin}: {message}. Restore it into the pipeline that wrote it, or one with more epochs.")
 
