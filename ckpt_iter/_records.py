@@ -70,19 +70,67 @@ def merged(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 def subtract(ranges: Sequence[tuple[int, int]], minus: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-  """The records of merged `ranges` not in merged `minus`."""
+  """The records of merged `ranges` not in merged `minus`: one sweep of both, O(len(ranges) + len(minus))."""
   result = []
+  first = 0  # the first range of `minus` that ends after the current range's start
   for start, stop in ranges:
-    cursor = start
-    for a, b in minus:
-      if b <= cursor or a >= stop:
-        continue
+    while first < len(minus) and minus[first][1] <= start:
+      first += 1
+    cursor, index = start, first
+    while index < len(minus) and minus[index][0] < stop:
+      a, b = minus[index]
       if a > cursor:
         result.append((cursor, a))
       cursor = max(cursor, b)
+      index += 1
     if cursor < stop:
       result.append((cursor, stop))
   return tuple(result)
+
+
+class _Covers:
+  """Every-epoch ranges (a, b, s) added so far: does one cover (start, stop, since)? O(log n) each.
+
+  (a, b, s) covers it when a <= start, stop <= b and s <= since: the same
+  source records or more, from the same stream record or earlier. Callers add
+  ranges in the order of their starts and ask only about ranges starting at
+  or after them (a <= start); this answers the rest: the least `since` of the
+  ranges whose stop is >= stop (a Fenwick tree over the stops, largest first).
+  """
+
+  def __init__(self, stops: Iterable[int]):
+    self._stops = sorted(set(stops))
+    self._least: list[float] = [math.inf] * (len(self._stops) + 1)
+
+  def add(self, stop: int, since: int) -> None:
+    slot = len(self._stops) - bisect.bisect_left(self._stops, stop)
+    while slot < len(self._least):
+      self._least[slot] = min(self._least[slot], since)
+      slot += slot & -slot
+
+  def cover(self, stop: int, since: int) -> bool:
+    slot, least = len(self._stops) - bisect.bisect_left(self._stops, stop), math.inf
+    while slot > 0:
+      least = min(least, self._least[slot])
+      slot -= slot & -slot
+    return least <= since
+
+
+def covered(entries: Sequence[tuple[int, int, int]], by: Sequence[tuple[int, int, int]]) -> list[bool]:
+  """For each every-epoch range of `entries`: does a range of `by` cover it (see `_Covers`)?
+
+  One sweep over the starts: O((n + m) log m), where comparing every pair was O(n * m).
+  """
+  covers = _Covers(b for _, b, _ in by)
+  # At equal starts `by`'s ranges come first (kind 0): a <= start.
+  events = sorted([(a, 0, i) for i, (a, _, _) in enumerate(by)] + [(a, 1, i) for i, (a, _, _) in enumerate(entries)])
+  result = [False] * len(entries)
+  for _, kind, i in events:
+    if kind == 0:
+      covers.add(by[i][1], by[i][2])
+    else:
+      result[i] = covers.cover(entries[i][1], entries[i][2])
+  return result
 
 
 def count(ranges: Iterable[tuple[int, int]]) -> int:
@@ -106,10 +154,13 @@ class Skips:
   def of(cls, records: Iterable[tuple[int, int]] = (),
          every_epoch: Iterable[tuple[int, int, int]] = ()) -> "Skips":
     """The normalized value: ranges merged; an every-epoch range covered by an earlier one dropped."""
+    entries = sorted((int(a), int(b), int(s)) for a, b, s in every_epoch if b > a)
     kept: list[tuple[int, int, int]] = []
-    for start, stop, since in sorted((int(a), int(b), int(s)) for a, b, s in every_epoch if b > a):
-      if not any(s <= since and a <= start and stop <= b for a, b, s in kept):
+    covers = _Covers(b for _, b, _ in entries)
+    for start, stop, since in entries:  # by start: every range kept before starts at or before this one
+      if not covers.cover(stop, since):
         kept.append((start, stop, since))
+        covers.add(stop, since)
     return cls(records=merged(records), every_epoch=tuple(kept))
 
   def __bool__(self) -> bool:
@@ -126,13 +177,12 @@ class Skips:
     """Every record `other` skips, this skips too (as far as the forms compare)."""
     if subtract(other.records, self.records):
       return False
-    return all(any(s <= since and a <= start and stop <= b for a, b, s in self.every_epoch)
-               for start, stop, since in other.every_epoch)
+    return all(covered(other.every_epoch, self.every_epoch))
 
   def added_to(self, before: "Skips") -> "Skips":
     """The ranges this skips beyond `before`."""
-    every = tuple(entry for entry in self.every_epoch
-                  if not any(s <= entry[2] and a <= entry[0] and entry[1] <= b for a, b, s in before.every_epoch))
+    every = tuple(entry for entry, old in zip(self.every_epoch, covered(self.every_epoch, before.every_epoch))
+                  if not old)
     return Skips(records=subtract(self.records, before.records), every_epoch=every)
 
   # -- the fingerprint field
