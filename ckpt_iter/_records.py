@@ -479,21 +479,76 @@ def resolve(declared: Skip, *, from_record: int | None, epoch_length: int | None
   records = merged(declared.records)
   already = tuple((a, min(b, start)) for a, b in records if a < start)
   records = tuple((max(a, start), b) for a, b in records if b > start)
-  every = ()
-  if declared.source_records:
-    if mixture or shuffled or epoch_length is None:
-      raise errors.UnsupportedConfigError(
-          f"{origin}: Skip(source_records={list(declared.source_records)[:4]}) needs a single unshuffled "
-          f"source ({'a mixture' if mixture else 'seed is set: the source is shuffled'}): a shuffled "
-          "epoch places source records by Grain's permutation, which has no inverse short of evaluating "
-          "the whole epoch. Skip stream records instead (`ckpt-iter which --json` prints a batch's "
-          "`stream_records`), or drop the records by content with make_dataset(filter=...).")
-    over = [(a, b) for a, b in declared.source_records if b > epoch_length]
-    if over:
-      raise errors.InvalidArgumentError(
-          f"{origin}: Skip(source_records={over[:4]}) reaches past the source's {epoch_length} records.")
-    every = tuple((a, b, start) for a, b in declared.source_records)
+  every = tuple((a, b, start) for a, b in declared.source_records)
+  check_skips(Skips(every_epoch=every), epoch_length=epoch_length, shuffled=shuffled, mixture=mixture,
+              named=f"Skip(source_records={list(declared.source_records)[:4]})", origin=origin)
   return Skips.of(records, every), already
+
+
+def check_skips(skips: Skips, *, epoch_length: int | None, shuffled: bool, mixture: bool, named: str, origin: str,
+                global_batch_size: int | None = None, drop_remainder: bool = True,
+                stream_length: int | None = None, restored: bool = False) -> None:
+  """The one rule of which skips a make_dataset pipeline can keep, declared or restored.
+
+  Every-epoch ranges need a single unshuffled source and must fall inside
+  it. With `global_batch_size` (make_dataset's own batches), the every-epoch
+  ranges must leave each epoch at least one batch (one record without
+  drop_remainder): otherwise every epoch from their start on yields none,
+  and an endless stream would never yield again.
+
+  Args:
+    skips: the skips (resolved, or as a state holds them).
+    named: how the message names them (`Skip(source_records=...)`, the state's field ...).
+    stream_length: records in the stream, None without an end.
+    restored: they come from a state (its errors say so), not from a declaration.
+
+  Raises:
+    UnsupportedConfigError: every-epoch ranges of a shuffled source or a
+      mixture; restored skips that leave this pipeline less than a batch per epoch.
+    InvalidArgumentError: declared ranges past the source, or leaving less than a batch per epoch.
+    InvalidStateError: restored every-epoch ranges past the source.
+  """
+  every = skips.every_epoch
+  if not every:
+    return
+  if mixture or shuffled or epoch_length is None:
+    raise errors.UnsupportedConfigError(
+        f"{origin}: {named} needs a single unshuffled "
+        f"source ({'a mixture' if mixture else 'seed is set: the source is shuffled'}): a shuffled "
+        "epoch places source records by Grain's permutation, which has no inverse short of evaluating "
+        "the whole epoch. Skip stream records instead (`ckpt-iter which --json` prints a batch's "
+        "`stream_records`), or drop the records by content with make_dataset(filter=...).")
+  over = [(a, b) for a, b, _ in every if b > epoch_length]
+  if over:
+    if restored:
+      raise errors.InvalidStateError(
+          f"{origin}: {named} holds source records {_short(over[:4])} of every epoch, past the source's "
+          f"{epoch_length} records. The state is corrupt or edited, or was written for another source: "
+          "restore another step, or the pipeline that wrote it.")
+    raise errors.InvalidArgumentError(
+        f"{origin}: {named} reaches past the source's {epoch_length} records: source records "
+        f"{_short(over[:4])}. Skip source records below {epoch_length}.")
+  applied = [entry for entry in every if stream_length is None or entry[2] < stream_length]
+  if global_batch_size is None or not applied:
+    return
+  kept = epoch_length - count(merged((a, b) for a, b, _ in applied))
+  needed = global_batch_size if drop_remainder else 1
+  if kept >= needed:
+    return
+  since = max(s for _, _, s in applied)
+  left = (f"{kept} of the source's {epoch_length} records per epoch, fewer than one global batch of "
+          f"{global_batch_size} (drop_remainder=True)" if drop_remainder and kept else
+          f"no record of the source's {epoch_length} in any epoch")
+  consequence = (f"every epoch from stream record {since} on would yield no batch"
+                 + (" and the stream, which has no end, none ever again" if stream_length is None else ""))
+  if restored:
+    raise errors.UnsupportedConfigError(
+        f"{origin}: {named} leaves {left} of this pipeline: {consequence}. "
+        + (f"Restore it with a global batch of at most {kept} or drop_remainder=False." if kept else
+           "The state is corrupt or edited: restore another step."))
+  raise errors.InvalidArgumentError(
+      f"{origin}: {named} leaves {left}: {consequence}. Skip fewer source records"
+      + (f", use a global batch of at most {kept}, or pass drop_remainder=False" if kept else "") + ".")
 
 
 # ---------------------------------------------------------------------------
