@@ -231,13 +231,44 @@ def _bytes_of(array: np.ndarray) -> memoryview:
   return memoryview(array.reshape(-1).view(np.uint8))
 
 
+def check_item_directory(directory: str) -> None:
+  """Refuses a local item directory that resolves outside its checkpoint root.
+
+  The rule (every reader of a step's files asks it: restores, the learners,
+  every CLI verb): a step's data is read only inside the root that lists the
+  step, `<root>/<step>/<item>`. A symbolic link on the way, the item or the
+  step directory, whose target lies outside the root is refused, as a link
+  in place of a state file is (`O_NOFOLLOW`): a file under a checkpoint
+  root is read, never one elsewhere that a link planted in the root names.
+  A link that stays inside the root is followed, and so is a root that is
+  itself a link or under one (both sides are resolved). Orbax's own stance is
+  alike: it refuses to delete a checkpoint through a link. Object stores have
+  no links.
+
+  Raises:
+    InvalidStateError: naming the directory, where it leads and what to do.
+  """
+  if _storage.is_url(directory):
+    return
+  directory = os.path.normpath(os.fspath(directory))
+  root = os.path.dirname(os.path.dirname(directory)) or os.curdir
+  real_root, real = os.path.realpath(root), os.path.realpath(directory)
+  if real == real_root or real.startswith(os.path.join(real_root, "")):
+    return
+  raise errors.InvalidStateError(
+      f"{directory}: resolves to {real}, outside the checkpoint root {root} (a symbolic link in place "
+      "of the step or item directory): a step's data is read only inside its root, never through a link "
+      "out of it. Move or copy the directory into the root, or restore another step.")
+
+
 def read_header(path: str) -> dict[str, Any]:
   """Reads and parses a state header file, with errors that name the file.
 
   Raises:
     FileNotFoundError: there is no such file (the caller says what that means).
-    InvalidStateError: anything else.
+    InvalidStateError: anything else, and a directory outside its root (`check_item_directory`).
   """
+  check_item_directory(os.path.dirname(path))
   try:
     data = _storage.read_bytes(path, max_bytes=MAX_HEADER_BYTES)
   except (FileNotFoundError, errors.StorageError):
@@ -443,6 +474,7 @@ class _ArrayReader:
     bound = npz_size_bound(specs)
     unreadable = (f"the state refers to array {name!r}. The file is truncated or garbled: restore an "
                   "earlier step.")
+    check_item_directory(os.path.dirname(path))  # again: the link may have been put there since the header
     try:
       # Writable: arrays are then views of it, not copies (`_npy_array`).
       self._data = _storage.read_bytes(path, max_bytes=bound, writable=True)

@@ -70,19 +70,67 @@ def merged(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 
 def subtract(ranges: Sequence[tuple[int, int]], minus: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-  """The records of merged `ranges` not in merged `minus`."""
+  """The records of merged `ranges` not in merged `minus`: one sweep of both, O(len(ranges) + len(minus))."""
   result = []
+  first = 0  # the first range of `minus` that ends after the current range's start
   for start, stop in ranges:
-    cursor = start
-    for a, b in minus:
-      if b <= cursor or a >= stop:
-        continue
+    while first < len(minus) and minus[first][1] <= start:
+      first += 1
+    cursor, index = start, first
+    while index < len(minus) and minus[index][0] < stop:
+      a, b = minus[index]
       if a > cursor:
         result.append((cursor, a))
       cursor = max(cursor, b)
+      index += 1
     if cursor < stop:
       result.append((cursor, stop))
   return tuple(result)
+
+
+class _Covers:
+  """Every-epoch ranges (a, b, s) added so far: does one cover (start, stop, since)? O(log n) each.
+
+  (a, b, s) covers it when a <= start, stop <= b and s <= since: the same
+  source records or more, from the same stream record or earlier. Callers add
+  ranges in the order of their starts and ask only about ranges starting at
+  or after them (a <= start); this answers the rest: the least `since` of the
+  ranges whose stop is >= stop (a Fenwick tree over the stops, largest first).
+  """
+
+  def __init__(self, stops: Iterable[int]):
+    self._stops = sorted(set(stops))
+    self._least: list[float] = [math.inf] * (len(self._stops) + 1)
+
+  def add(self, stop: int, since: int) -> None:
+    slot = len(self._stops) - bisect.bisect_left(self._stops, stop)
+    while slot < len(self._least):
+      self._least[slot] = min(self._least[slot], since)
+      slot += slot & -slot
+
+  def cover(self, stop: int, since: int) -> bool:
+    slot, least = len(self._stops) - bisect.bisect_left(self._stops, stop), math.inf
+    while slot > 0:
+      least = min(least, self._least[slot])
+      slot -= slot & -slot
+    return least <= since
+
+
+def covered(entries: Sequence[tuple[int, int, int]], by: Sequence[tuple[int, int, int]]) -> list[bool]:
+  """For each every-epoch range of `entries`: does a range of `by` cover it (see `_Covers`)?
+
+  One sweep over the starts: O((n + m) log m), where comparing every pair was O(n * m).
+  """
+  covers = _Covers(b for _, b, _ in by)
+  # At equal starts `by`'s ranges come first (kind 0): a <= start.
+  events = sorted([(a, 0, i) for i, (a, _, _) in enumerate(by)] + [(a, 1, i) for i, (a, _, _) in enumerate(entries)])
+  result = [False] * len(entries)
+  for _, kind, i in events:
+    if kind == 0:
+      covers.add(by[i][1], by[i][2])
+    else:
+      result[i] = covers.cover(entries[i][1], entries[i][2])
+  return result
 
 
 def count(ranges: Iterable[tuple[int, int]]) -> int:
@@ -106,10 +154,13 @@ class Skips:
   def of(cls, records: Iterable[tuple[int, int]] = (),
          every_epoch: Iterable[tuple[int, int, int]] = ()) -> "Skips":
     """The normalized value: ranges merged; an every-epoch range covered by an earlier one dropped."""
+    entries = sorted((int(a), int(b), int(s)) for a, b, s in every_epoch if b > a)
     kept: list[tuple[int, int, int]] = []
-    for start, stop, since in sorted((int(a), int(b), int(s)) for a, b, s in every_epoch if b > a):
-      if not any(s <= since and a <= start and stop <= b for a, b, s in kept):
+    covers = _Covers(b for _, b, _ in entries)
+    for start, stop, since in entries:  # by start: every range kept before starts at or before this one
+      if not covers.cover(stop, since):
         kept.append((start, stop, since))
+        covers.add(stop, since)
     return cls(records=merged(records), every_epoch=tuple(kept))
 
   def __bool__(self) -> bool:
@@ -126,13 +177,12 @@ class Skips:
     """Every record `other` skips, this skips too (as far as the forms compare)."""
     if subtract(other.records, self.records):
       return False
-    return all(any(s <= since and a <= start and stop <= b for a, b, s in self.every_epoch)
-               for start, stop, since in other.every_epoch)
+    return all(covered(other.every_epoch, self.every_epoch))
 
   def added_to(self, before: "Skips") -> "Skips":
     """The ranges this skips beyond `before`."""
-    every = tuple(entry for entry in self.every_epoch
-                  if not any(s <= entry[2] and a <= entry[0] and entry[1] <= b for a, b, s in before.every_epoch))
+    every = tuple(entry for entry, old in zip(self.every_epoch, covered(self.every_epoch, before.every_epoch))
+                  if not old)
     return Skips(records=subtract(self.records, before.records), every_epoch=every)
 
   # -- the fingerprint field
@@ -429,21 +479,76 @@ def resolve(declared: Skip, *, from_record: int | None, epoch_length: int | None
   records = merged(declared.records)
   already = tuple((a, min(b, start)) for a, b in records if a < start)
   records = tuple((max(a, start), b) for a, b in records if b > start)
-  every = ()
-  if declared.source_records:
-    if mixture or shuffled or epoch_length is None:
-      raise errors.UnsupportedConfigError(
-          f"{origin}: Skip(source_records={list(declared.source_records)[:4]}) needs a single unshuffled "
-          f"source ({'a mixture' if mixture else 'seed is set: the source is shuffled'}): a shuffled "
-          "epoch places source records by Grain's permutation, which has no inverse short of evaluating "
-          "the whole epoch. Skip stream records instead (`ckpt-iter which --json` prints a batch's "
-          "`stream_records`), or drop the records by content with make_dataset(filter=...).")
-    over = [(a, b) for a, b in declared.source_records if b > epoch_length]
-    if over:
-      raise errors.InvalidArgumentError(
-          f"{origin}: Skip(source_records={over[:4]}) reaches past the source's {epoch_length} records.")
-    every = tuple((a, b, start) for a, b in declared.source_records)
+  every = tuple((a, b, start) for a, b in declared.source_records)
+  check_skips(Skips(every_epoch=every), epoch_length=epoch_length, shuffled=shuffled, mixture=mixture,
+              named=f"Skip(source_records={list(declared.source_records)[:4]})", origin=origin)
   return Skips.of(records, every), already
+
+
+def check_skips(skips: Skips, *, epoch_length: int | None, shuffled: bool, mixture: bool, named: str, origin: str,
+                global_batch_size: int | None = None, drop_remainder: bool = True,
+                stream_length: int | None = None, restored: bool = False) -> None:
+  """The one rule of which skips a make_dataset pipeline can keep, declared or restored.
+
+  Every-epoch ranges need a single unshuffled source and must fall inside
+  it. With `global_batch_size` (make_dataset's own batches), the every-epoch
+  ranges must leave each epoch at least one batch (one record without
+  drop_remainder): otherwise every epoch from their start on yields none,
+  and an endless stream would never yield again.
+
+  Args:
+    skips: the skips (resolved, or as a state holds them).
+    named: how the message names them (`Skip(source_records=...)`, the state's field ...).
+    stream_length: records in the stream, None without an end.
+    restored: they come from a state (its errors say so), not from a declaration.
+
+  Raises:
+    UnsupportedConfigError: every-epoch ranges of a shuffled source or a
+      mixture; restored skips that leave this pipeline less than a batch per epoch.
+    InvalidArgumentError: declared ranges past the source, or leaving less than a batch per epoch.
+    InvalidStateError: restored every-epoch ranges past the source.
+  """
+  every = skips.every_epoch
+  if not every:
+    return
+  if mixture or shuffled or epoch_length is None:
+    raise errors.UnsupportedConfigError(
+        f"{origin}: {named} needs a single unshuffled "
+        f"source ({'a mixture' if mixture else 'seed is set: the source is shuffled'}): a shuffled "
+        "epoch places source records by Grain's permutation, which has no inverse short of evaluating "
+        "the whole epoch. Skip stream records instead (`ckpt-iter which --json` prints a batch's "
+        "`stream_records`), or drop the records by content with make_dataset(filter=...).")
+  over = [(a, b) for a, b, _ in every if b > epoch_length]
+  if over:
+    if restored:
+      raise errors.InvalidStateError(
+          f"{origin}: {named} holds source records {_short(over[:4])} of every epoch, past the source's "
+          f"{epoch_length} records. The state is corrupt or edited, or was written for another source: "
+          "restore another step, or the pipeline that wrote it.")
+    raise errors.InvalidArgumentError(
+        f"{origin}: {named} reaches past the source's {epoch_length} records: source records "
+        f"{_short(over[:4])}. Skip source records below {epoch_length}.")
+  applied = [entry for entry in every if stream_length is None or entry[2] < stream_length]
+  if global_batch_size is None or not applied:
+    return
+  kept = epoch_length - count(merged((a, b) for a, b, _ in applied))
+  needed = global_batch_size if drop_remainder else 1
+  if kept >= needed:
+    return
+  since = max(s for _, _, s in applied)
+  left = (f"{kept} of the source's {epoch_length} records per epoch, fewer than one global batch of "
+          f"{global_batch_size} (drop_remainder=True)" if drop_remainder and kept else
+          f"no record of the source's {epoch_length} in any epoch")
+  consequence = (f"every epoch from stream record {since} on would yield no batch"
+                 + (" and the stream, which has no end, none ever again" if stream_length is None else ""))
+  if restored:
+    raise errors.UnsupportedConfigError(
+        f"{origin}: {named} leaves {left} of this pipeline: {consequence}. "
+        + (f"Restore it with a global batch of at most {kept} or drop_remainder=False." if kept else
+           "The state is corrupt or edited: restore another step."))
+  raise errors.InvalidArgumentError(
+      f"{origin}: {named} leaves {left}: {consequence}. Skip fewer source records"
+      + (f", use a global batch of at most {kept}, or pass drop_remainder=False" if kept else "") + ".")
 
 
 # ---------------------------------------------------------------------------

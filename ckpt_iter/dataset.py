@@ -291,6 +291,36 @@ def with_skip(dataset: Any, skip: Any) -> Any:
   return dataset
 
 
+def check_skips(node: "GlobalBatchDataset | _lanes.LaneDataset", skips: _records.Skips, *, origin: str,
+                restored: bool = False, saved: _records.Skips | None = None) -> None:
+  """`_records.check_skips` of `skips` against make_dataset's node `node`.
+
+  Args:
+    node: make_dataset's node.
+    skips: what the node declared (resolved), or a state's skips (`restored`),
+      or both merged (`saved`: the state's, checked before).
+    origin: what errors name.
+    restored: `skips` are a state's.
+    saved: the state's skips that `skips` adds the declared ones to.
+
+  The batch rule (at least one batch per epoch) applies to make_dataset's
+  own batches; lanes fill their rows from later chunks.
+  """
+  spec = node.spec
+  if restored:
+    named = f"the state's fingerprint field {_records.SKIPS_FIELD!r} ({skips.describe(limit=4)})"
+  else:
+    named = f"skip={errors.shown_value(node.declared, 120)}"
+    if saved:
+      named += f" added to the state's skips ({saved.describe(limit=4)})"
+  _records.check_skips(
+      skips, epoch_length=None if spec.is_mixture else spec.source.length, shuffled=is_shuffled(spec),
+      mixture=spec.is_mixture, named=named, origin=origin, restored=restored,
+      global_batch_size=spec.global_batch_size if isinstance(node, GlobalBatchDataset) else None,
+      drop_remainder=spec.drop_remainder,
+      stream_length=None if spec.is_mixture or spec.num_epochs is None else spec.stream_length())
+
+
 def spec_node(dataset: Any) -> "GlobalBatchDataset | _lanes.LaneDataset | None":
   """make_dataset's node of `dataset` on its chain of single parents, or None."""
   return _find_spec_node(dataset)[0]
@@ -383,6 +413,7 @@ class GlobalBatchDataset(grain.MapDataset):
     self._skips, _ = _records.resolve(
         skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
         shuffled=is_shuffled(self.spec), mixture=self.spec.is_mixture, origin="make_dataset(skip=...)")
+    check_skips(self, self._skips, origin="make_dataset")
     self._plan = self.spec.plan_at(0, self._mixture, self._plan_skips)
 
   @property

@@ -413,10 +413,13 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     if node is None:
       return _SkipChange(saved, _records.NO_SKIPS, ())
     spec = node.spec
+    dataset_lib.check_skips(node, saved, origin=origin, restored=True)
     new, already = _records.resolve(
         node.declared, from_record=from_record, epoch_length=None if spec.is_mixture else spec.source.length,
         shuffled=dataset_lib.is_shuffled(spec), mixture=spec.is_mixture, origin=origin)
     effective = saved.union(new)
+    if new:
+      dataset_lib.check_skips(node, effective, origin=origin, saved=saved)
     change = _SkipChange(effective, effective.added_to(saved), already)
     if isinstance(node, dataset_lib.GlobalBatchDataset) and node.sparse:
       _check_sparse_skips(node, effective, origin)

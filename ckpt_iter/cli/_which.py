@@ -334,13 +334,38 @@ def _parquet_writer(f: BinaryIO, rows: Iterator[datamap.OrderRow]) -> None:
   schema = pa.schema([("batch", pa.int64()), ("segment", pa.int64()), ("records", pa.list_(pa.int64())),
                       ("sources", pa.list_(pa.string())), ("stream_start", pa.int64()), ("stream_stop", pa.int64())])
   sink = _Counting(f)
+
+  def table(columns: dict[str, list[Any]]) -> Any:
+    try:
+      return pa.table(columns, schema=schema)
+    except (OverflowError, pa.ArrowInvalid):
+      raise _past_int64(columns) or errors.InvalidArgumentError(
+          "--out FILE.parquet cannot hold the batches: write --out FILE.jsonl instead.") from None
+
   with pq.ParquetWriter(sink, schema) as writer:
     columns: dict[str, list[Any]] = {name: [] for name in schema.names}
     for row in rows:
       for name in schema.names:
         columns[name].append(getattr(row, name))
       if len(columns["batch"]) >= PARQUET_ROWS_PER_GROUP:
-        writer.write_table(pa.table(columns, schema=schema))
+        writer.write_table(table(columns))
         columns = {name: [] for name in schema.names}
     if columns["batch"]:
-      writer.write_table(pa.table(columns, schema=schema))
+      writer.write_table(table(columns))
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _past_int64(columns: dict[str, list[Any]]) -> errors.InvalidArgumentError | None:
+  """The error naming the first value of a row group that a Parquet int64 column cannot hold, or None."""
+  for index, batch in enumerate(columns["batch"]):
+    for name in ("batch", "segment", "records", "stream_start", "stream_stop"):
+      value = columns[name][index]
+      for number in value if isinstance(value, list) else [value]:
+        if not -_INT64_MAX - 1 <= number <= _INT64_MAX:
+          return errors.InvalidArgumentError(
+              f"batch {batch}'s {name} holds {number}, past {_INT64_MAX}, the largest integer of a Parquet "
+              "int64 column (the run's position passed 2^63, e.g. after a skip of stream records that far). "
+              "Write --out FILE.jsonl instead: JSON holds any integer.")
+  return None

@@ -252,6 +252,29 @@ def test_drop_remainder_false_keeps_the_short_last_batch():
   assert [len(b["id"]) for b in _all_batches(dataset)] == [3, 3, 1, 3, 3, 1]
 
 
+@pytest.mark.parametrize("arguments, fragments", [
+    (dict(skip=ckpt_iter.Skip(source_records=[(0, 98)])),
+     ["skip=Skip(records=(), source_records=((0, 98),))", "leaves 2 of the source's 100 records per epoch",
+      "fewer than one global batch of 4", "none ever again", "global batch of at most 2"]),
+    (dict(skip=ckpt_iter.Skip(source_records=[(0, 50), (50, 97)]), num_epochs=3),
+     ["leaves 3 of the source's 100", "every epoch from stream record 0 on would yield no batch."]),
+    (dict(skip=ckpt_iter.Skip(source_records=[(0, 100)]), drop_remainder=False),
+     ["leaves no record of the source's 100 in any epoch", "Skip fewer source records."]),
+])
+def test_a_skip_leaving_less_than_a_batch_per_epoch_is_refused_naming_it(arguments, fragments):
+  arguments = {"num_epochs": None, **arguments}
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    _make([{"id": i} for i in range(100)], batch_size=4, seed=None, **arguments)
+  assert all(fragment in str(info.value) for fragment in fragments), str(info.value)
+
+
+def test_a_skip_leaving_one_batch_per_epoch_keeps_every_batch_full():
+  dataset = _make([{"id": i} for i in range(100)], batch_size=4, seed=None, num_epochs=None,
+                  skip=ckpt_iter.Skip(source_records=[(0, 96)]))
+  iterator = iter(dataset)
+  assert [next(iterator)["id"].tolist() for _ in range(3)] == [[96, 97, 98, 99]] * 3
+
+
 # ---------------------------------------------------------------------------
 # Sources
 

@@ -558,6 +558,57 @@ def test_source_records_of_an_unshuffled_source_are_skipped_in_every_epoch_from_
   assert "shuffled" in str(info.value) and "stream_records" in str(info.value)
 
 
+def _hundred(seed=None, batch_size=4, skip=None, **arguments):
+  return ckpt_iter.make_dataset([{"id": i} for i in range(100)], batch_size=batch_size, seed=seed,
+                                num_epochs=None, shard_index=0, shard_count=1, skip=skip, **arguments)
+
+
+def _state_after_a_batch(pipeline, skips=None):
+  """The state after one batch of `pipeline`, its `skips` field replaced by `skips` (a dict) when given."""
+  saved = ckpt_iter.DataIterator(pipeline)
+  next(saved)
+  state = saved.get_state()
+  if skips is not None:
+    state["fingerprint"]["skips"] = json.dumps(skips)
+  return state
+
+
+@pytest.mark.parametrize("seed, skips, error, fragments", [
+    (3, {"every_epoch": [[0, 100, 36]]}, ckpt_iter.UnsupportedConfigError,
+     ["fingerprint field 'skips' (source records 0-99 of every epoch from stream record 36)",
+      "needs a single unshuffled source", "seed is set"]),
+    (None, {"every_epoch": [[0, 10**30, 36]]}, ckpt_iter.InvalidStateError,
+     ["fingerprint field 'skips'", f"[(0, {10**30})] of every epoch, past the source's 100 records",
+      "restore another step"]),
+    (None, {"every_epoch": [[98, 101, 0]]}, ckpt_iter.InvalidStateError, ["past the source's 100 records"]),
+    (None, {"every_epoch": [[0, 98, 36]]}, ckpt_iter.UnsupportedConfigError,
+     ["fingerprint field 'skips'", "leaves 2 of the source's 100 records per epoch, fewer than one global batch of 4",
+      "Restore it with a global batch of at most 2"]),
+])
+def test_a_restored_skips_field_is_checked_as_a_declared_skip_is(seed, skips, error, fragments):
+  state = _state_after_a_batch(_hundred(seed), skips)
+  resumed = ckpt_iter.DataIterator(_hundred(seed))
+  with pytest.raises(error) as info:
+    resumed.set_state(state)
+  assert all(fragment in str(info.value) for fragment in fragments), str(info.value)
+
+
+def test_skips_that_leave_less_than_a_batch_only_with_this_restore_are_refused_naming_the_cause():
+  # Written with batches of 2 and 3 records kept per epoch: a restore with batches of 4 cannot continue it.
+  state = _state_after_a_batch(_hundred(batch_size=2, skip=ckpt_iter.Skip(source_records=[(0, 97)])))
+  with pytest.raises(ckpt_iter.UnsupportedConfigError) as info:
+    ckpt_iter.DataIterator(_hundred()).set_state(state)
+  assert "leaves 3 of the source's 100 records per epoch" in str(info.value)
+  assert "global batch of at most 3" in str(info.value)
+  # Each declaration leaves a batch, the saved and the declared together do not: the declaration is named.
+  state = _state_after_a_batch(_hundred(skip=ckpt_iter.Skip(source_records=[(0, 50)])))
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    ckpt_iter.DataIterator(_hundred(skip=ckpt_iter.Skip(source_records=[(50, 98)]))).set_state(state)
+  assert "skip=Skip(records=(), source_records=((50, 98),)) added to the state's skips (source records 0-49" in str(
+      info.value)
+  assert "leaves 2 of the source's 100 records per epoch" in str(info.value)
+
+
 def test_a_state_with_skips_needs_a_make_dataset_pipeline():
   saved = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, skip=[(1, 2)]))
   next(saved)

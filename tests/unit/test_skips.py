@@ -130,6 +130,56 @@ def test_covers_and_added_to():
   assert after.added_to(before) == _records.Skips(records=((30, 40),), every_epoch=((1, 2, 50),))
 
 
+def _pairwise_subtract(ranges, minus):
+  """The reference: every range against every range of `minus` (what `subtract` was, O(n * m))."""
+  result = []
+  for start, stop in ranges:
+    cursor = start
+    for a, b in minus:
+      if b <= cursor or a >= stop:
+        continue
+      if a > cursor:
+        result.append((cursor, a))
+      cursor = max(cursor, b)
+    if cursor < stop:
+      result.append((cursor, stop))
+  return tuple(result)
+
+
+def _pairwise_covers(entry, by):
+  start, stop, since = entry
+  return any(s <= since and a <= start and stop <= b for a, b, s in by)
+
+
+def _pairwise_every_epoch(every):
+  kept = []
+  for entry in sorted(every):
+    if entry[1] > entry[0] and not _pairwise_covers(entry, kept):
+      kept.append(entry)
+  return tuple(kept)
+
+
+_RANGES = st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)).map(lambda r: (r[0], r[0] + r[1])),
+                   max_size=12)
+_EVERY = st.lists(st.tuples(st.integers(0, 12), st.integers(1, 6), st.integers(0, 40)).map(
+    lambda r: (r[0], r[0] + r[1], r[2])), max_size=12)
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(ranges=_RANGES, minus=_RANGES, every=_EVERY, every_before=_EVERY)
+def test_the_sweeps_answer_what_comparing_every_pair_answers(ranges, minus, every, every_before):
+  ranges, minus = _records.merged(ranges), _records.merged(minus)
+  assert _records.subtract(ranges, minus) == _pairwise_subtract(ranges, minus)
+  after, before = _records.Skips.of(ranges, every), _records.Skips.of(minus, every_before)
+  assert after.every_epoch == _pairwise_every_epoch(every)
+  assert after.added_to(before) == _records.Skips(
+      records=_pairwise_subtract(ranges, minus),
+      every_epoch=tuple(e for e in after.every_epoch if not _pairwise_covers(e, before.every_epoch)))
+  assert after.covers(before) == (not _pairwise_subtract(minus, ranges) and all(
+      _pairwise_covers(e, after.every_epoch) for e in before.every_epoch))
+  assert _records.covered(every, every_before) == [_pairwise_covers(e, every_before) for e in every]
+
+
 @pytest.mark.parametrize("text, records, source", [
     ("records:1200-1263", ((1200, 1264),), ()),
     ("records:5,7-8;source:0-3", ((5, 6), (7, 9)), ((0, 4),)),

@@ -110,6 +110,26 @@ def test_order_writes_every_global_batch_in_jsonl_and_parquet(chain, tmp_path, c
   assert table["batch"] == [2, 3, 4] and table["records"] == kept[2:5]
 
 
+def test_order_past_2_63_refuses_parquet_naming_the_fix_and_writes_jsonl(tmp_path, capsys):
+  root = str(tmp_path / "run")
+  iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=None, num_epochs=None,
+                                                           shard_index=0, shard_count=1, skip=[(2, 2**63 + 2)]))
+  for step in range(1, 4):
+    next(iterator)
+    item = os.path.join(root, str(step), "data")
+    os.makedirs(item)
+    checkpoint_lib.IteratorCheckpointHandler(0, 1).save(item, ckpt_iter.IteratorSave(iterator))
+  out_parquet = str(tmp_path / "order.parquet")
+  code, _, err = _main(capsys, "order", root, "--out", out_parquet)
+  assert code != 0 and not os.path.exists(out_parquet)
+  assert f"batch 1's stream_start holds {2**63 + 2}, past {2**63 - 1}" in err
+  assert "Write --out FILE.jsonl instead" in err
+  out_jsonl = str(tmp_path / "order.jsonl")
+  assert _main(capsys, "order", root, "--out", out_jsonl)[0] == 0
+  with open(out_jsonl) as f:
+    assert [json.loads(line)["stream_records"] for line in f] == [[0, 2], [2**63 + 2, 2**63 + 4], [2**63 + 4, 2**63 + 6]]
+
+
 def test_the_progress_bar_draws_on_a_terminal():
   class Terminal(io.StringIO):
     def isatty(self):
