@@ -198,7 +198,7 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
   input_fingerprint, input_position, own = state_lib.input_view(value.kind, value.fingerprint, value.position)
   next_record = input_position.get(_records.NEXT_RECORD) if isinstance(input_position, Mapping) else None
   return Saved(
-      skips=_records.Skips.from_text(input_fingerprint.get(_records.SKIPS_FIELD), origin=origin),
+      skips=state_lib.input_stream_skips(value, origin=origin),  # a restore's refusal is an unreadable state
       next_record=next_record if state_lib.is_int(next_record) else None,
       inside_until=_inside_until(input_fingerprint, input_position, own, origin),
       step=step, process_index=index, process_count=count, kind=value.kind,
