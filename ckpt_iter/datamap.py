@@ -47,6 +47,10 @@ from ckpt_iter import state as state_lib
 LANES_SCOPE = "lanes"
 # What the CLI and the errors name as the way through where a state alone cannot answer.
 PIPELINE_API = "ckpt_iter.which(pipeline, state)"
+# How to keep the steps a run resumed from, which the data map and the audit need: `which`, `order`
+# and `audit` all say it in these words (ckpt_iter/keep.py).
+KEEP_RESUMED_STEPS = ("save with ocp.CheckpointManagerOptions(preservation_policy=ckpt_iter.KeepResumedSteps(ROOT, "
+                      "max_to_keep=N)) in place of max_to_keep=N")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,8 +448,8 @@ class RunMap:
         policy = f" ({keep_policy})" if keep_policy else ""
         raise errors.ItemNotFoundError(
             f"the run resumed from step {step}, which is no longer kept{policy}: where that segment started "
-            "cannot be read, so the batches after it cannot be numbered. Keep the steps a run resumes from "
-            "(e.g. CheckpointManagerOptions(keep_period=...)); `--step` still answers for a kept step.")
+            "cannot be read, so the batches after it cannot be numbered. To keep the steps a run resumes from, "
+            f"{KEEP_RESUMED_STEPS}; `--step` still answers for a kept step.")
       restored.append((step, states[step]))
     return cls(_segments(last_step, last, restored))
 

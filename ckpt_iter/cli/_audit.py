@@ -647,9 +647,8 @@ def report_lines(report: Report) -> list[str]:
   if report.verdict == UNPROVEN and (before or any(
       f.verdict == UNPROVABLE and f.resumed_from is not None for f in report.findings)):
     # The usual cause: max_to_keep deleted the steps the run resumed from.
-    lines.append("  steps a resume came from are not kept: to keep them, save with ocp.CheckpointManagerOptions("
-                 "preservation_policy=ckpt_iter.KeepResumedSteps(ROOT, max_to_keep=N)) in place of "
-                 f"max_to_keep=N ({_urls.doc_url('prove_your_run.md')})")
+    lines.append(f"  steps a resume came from are not kept: to keep them, {datamap.KEEP_RESUMED_STEPS} "
+                 f"({_urls.doc_url('prove_your_run.md')})")
   lines.append(f"{verdict}: {len(report.points)} state(s), {resumes} resume(s){beyond}, "
                f"{proven} proven exact")
   return lines
