@@ -348,7 +348,7 @@ def _chain_checks(
   new = after["resumes"] - before["resumes"]
   where = (saved.step, saved.process_index)
   if new < 0 or (new == 0 and after["digest"] != before["digest"]):
-    rollback = _rollback(previous, saved, by_step)
+    rollback = _rollback(previous, saved, by_step, judged)
     if rollback is not None:
       return [rollback]
   if new < 0:
@@ -421,9 +421,11 @@ def _chain_checks(
   return findings + _skip_findings(previous, saved, recent[first:], by_step)
 
 
-def _rollback(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, Saved]]) -> Finding | None:
+def _rollback(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, Saved]],
+              judged: set[str]) -> Finding | None:
   """The break of a state whose run resumed from an earlier step than `previous` (its lineage continues
-  that step's by its last resume), or None when its lineage does not say so."""
+  that step's by its last resume), or None when its lineage does not say so, or that resume was judged
+  already (a copy of an earlier item: its own check says so)."""
   recent = list(saved.lineage["recent"])
   if not recent:
     return None
@@ -433,7 +435,8 @@ def _rollback(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, 
   origin = by_step.get(step, {}).get(owner) if state_lib.is_int(step) else None
   if (origin is None or origin.step >= previous.step or entry.get("state") not in origin.digests
       or origin.lineage["resumes"] + 1 != number
-      or item_lib.fold(origin.lineage["digest"], entry) != saved.lineage["digest"]):
+      or item_lib.fold(origin.lineage["digest"], entry) != saved.lineage["digest"]
+      or f"{number}:{_record_text(entry)}" in judged):
     return None
   return Finding(
       BROKEN, saved.step, saved.process_index,
