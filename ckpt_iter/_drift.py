@@ -203,16 +203,7 @@ def _reconcile_records(
   Whatever allow_drift says, a changed mixture is never continued with the old
   ledger under new weights (that would skip and repeat records).
   """
-  extra = set(position) - {_records.NEXT_RECORD, _records.MIXTURE}
-  if extra:
-    raise errors.InvalidStateError(
-        f"{origin}: field 'position' holds {sorted(extra)}; a make_dataset position is "
-        f"{{'{_records.NEXT_RECORD}': <stream records passed>[, '{_records.MIXTURE}': <ledger>]}}.")
-  next_record = position.get(_records.NEXT_RECORD)
-  if not state_lib.is_int(next_record) or next_record < 0:
-    raise errors.InvalidStateError(
-        f"{origin}: position field {_records.NEXT_RECORD!r} must be an integer >= 0, "
-        f"got {state_lib.short_repr(next_record)}.")
+  next_record, mixture = _records.checked_record_position(saved, position, origin=origin)
   differing = state_lib.differing_fields(saved, current, allow_drift=allow_drift)
   accepted: set[str] = {n for n in differing if n in _SPEC_BATCH or n == "dataset_length"}
   changes: list[str] = []
@@ -223,20 +214,15 @@ def _reconcile_records(
   if "num_epochs" in differing:
     accepted.add("num_epochs")
     changes.append(f"num_epochs {saved.get('num_epochs')} -> {current.get('num_epochs')}")
-  result = {_records.NEXT_RECORD: int(next_record)}
-  saved_shares, current_shares = _records.shares_of(saved), _records.shares_of(current)
-  if saved_shares is not None and current_shares is not None:
-    mixture = _records.Mixture.from_json(position.get(_records.MIXTURE), saved_shares, next_record, origin=origin)
-    changed, fields, lines = _mixture_change(saved, current, saved_shares, current_shares, allow_drift, origin)
+  result = {_records.NEXT_RECORD: next_record}
+  current_shares = _records.shares_of(current)
+  if mixture is not None and current_shares is not None:
+    changed, fields, lines = _mixture_change(saved, current, mixture.shares, current_shares, allow_drift, origin)
     if changed:
       mixture = mixture.restarted(next_record, current_shares)
       accepted |= fields
       changes.extend(lines)
     result[_records.MIXTURE] = mixture.to_json()
-  elif _records.MIXTURE in position:
-    raise errors.InvalidStateError(
-        f"{origin}: the position holds a mixture's ledger ({_records.MIXTURE!r}) but the fingerprint "
-        "names no weights: the state is corrupt or edited.")
   where = f"resuming at stream record {next_record}"
   lines = tuple(f"{origin}: accepted stream change: {c}; {where}." for c in changes)
   return Reconciled(position=result, accepted=frozenset(accepted), changes=lines)

@@ -771,6 +771,55 @@ class Mixture:
     return cls(shares=dict(shares), since_record=int(since_record), since={k: int(v) for k, v in since.items()})
 
 
+def checked_record_position(
+    fingerprint: Mapping[str, Any], position: Mapping[str, Any], *, origin: str
+) -> tuple[int, Mixture | None]:
+  """(next_record, the mixture it was saved under or None) of a position that counts stream records.
+
+  What a restore checks of such a position before it compares any pipeline
+  (`_drift.reconcile`), and `ckpt-iter verify` with it: its keys, its
+  `next_record`, and a mixture's weights and ledger (`Mixture.from_json`).
+
+  Raises:
+    InvalidStateError: a field is malformed (the message names it and shows its value).
+  """
+  extra = set(position) - {NEXT_RECORD, MIXTURE}
+  if extra:
+    raise errors.InvalidStateError(
+        f"{origin}: field 'position' holds {sorted(extra)}; a make_dataset position is "
+        f"{{'{NEXT_RECORD}': <stream records passed>[, '{MIXTURE}': <ledger>]}}.")
+  next_record = position.get(NEXT_RECORD)
+  if not _is_count(next_record):
+    raise errors.InvalidStateError(
+        f"{origin}: position field {NEXT_RECORD!r} must be an integer >= 0, got {_short(next_record)}.")
+  shares = shares_of(fingerprint)
+  if shares is not None:
+    return int(next_record), Mixture.from_json(position.get(MIXTURE), shares, next_record, origin=origin)
+  if MIXTURE in position:
+    raise errors.InvalidStateError(
+        f"{origin}: the position holds a mixture's ledger ({MIXTURE!r}) but the fingerprint "
+        "names no weights: the state is corrupt or edited.")
+  return int(next_record), None
+
+
+def check_stream_fields(fingerprint: Mapping[str, Any], position: Any, *, origin: str) -> Skips:
+  """Checks the stream fields of a data state (a make_dataset's, or any other) as a restore does; its skips.
+
+  The one check of them, without the pipeline: `DataIterator.check_restore`
+  asks it first, and `ckpt-iter verify`, `which`, `order` and `audit` ask it
+  of every state they read, so each refuses a field a restore refuses, with
+  the restore's message. The fingerprint's `skips` (`Skips.from_text`); where
+  the position counts stream records, `checked_record_position`.
+
+  Raises:
+    InvalidStateError: a field is malformed (the message names it).
+  """
+  skips = Skips.from_text(fingerprint.get(SKIPS_FIELD), origin=origin)
+  if isinstance(position, Mapping) and NEXT_RECORD in position:
+    checked_record_position(fingerprint, position, origin=origin)
+  return skips
+
+
 def _is_count(value: Any) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 

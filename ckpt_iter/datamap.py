@@ -47,6 +47,10 @@ from ckpt_iter import state as state_lib
 LANES_SCOPE = "lanes"
 # What the CLI and the errors name as the way through where a state alone cannot answer.
 PIPELINE_API = "ckpt_iter.which(pipeline, state)"
+# How to keep the steps a run resumed from, which the data map and the audit need: `which`, `order`
+# and `audit` all say it in these words (ckpt_iter/keep.py).
+KEEP_RESUMED_STEPS = ("save with ocp.CheckpointManagerOptions(preservation_policy=ckpt_iter.KeepResumedSteps(ROOT, "
+                      "max_to_keep=N)) in place of max_to_keep=N")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,12 +477,8 @@ def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.It
   what = "a mixture's ledger" if last.mixture is not None else "where that segment started"
   raise errors.ItemNotFoundError(
       f"the run resumed from step {step}, which is no longer kept{policy}, and {what} is not in the resume's "
-      f"record: the batches after it cannot be numbered. {KEEP_HINT}; `--step` still answers for a kept step.")
-
-
-# The one way through when the steps a run resumed from are gone (the CLI's audit and which name it too).
-KEEP_HINT = ("Keep the steps a run resumes from: CheckpointManagerOptions(preservation_policy="
-             "ckpt_iter.KeepResumedSteps(...)) (or keep_period=...)")
+      f"record: the batches after it cannot be numbered. To keep the steps a run resumes from, "
+      f"{KEEP_RESUMED_STEPS}; `--step` still answers for a kept step.")
 
 
 def segment_start(value: state_lib.IteratorState) -> int | None:

@@ -225,7 +225,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     """
     state_lib.check_kind(state, "data", "DataIterator", origin)
     # The run's skips are no defining field: a restore keeps the saved ones and adds the declared (`_records.Skips`).
-    saved_skips = _records.Skips.from_text(state.fingerprint.get(_records.SKIPS_FIELD), origin=origin)
+    # The stream fields first, by the one check `ckpt-iter verify` also asks (`_records.check_stream_fields`).
+    saved_skips = _records.check_stream_fields(state.fingerprint, state.position, origin=origin)
     if _records.SKIPS_FIELD in state.fingerprint:
       state = _without_skips(state)
     if saved_skips and self._spec_node is None:

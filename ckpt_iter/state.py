@@ -954,6 +954,20 @@ def input_view(
   return fingerprint, position, {}
 
 
+def input_stream_skips(value: "IteratorState", *, origin: str) -> _records.Skips:
+  """The skips of a state's input, its stream fields checked as its restore checks them.
+
+  `_records.check_stream_fields` of `input_view`: what the read-only CLI
+  (`verify`, `which`, `order`, `audit`) asks of every state it reads, so it
+  refuses each field a restore refuses, with the restore's message.
+
+  Raises:
+    InvalidStateError: a stream field of the input is malformed (the message names it).
+  """
+  fingerprint, position, _ = input_view(value.kind, value.fingerprint, value.position)
+  return _records.check_stream_fields(fingerprint, position, origin=origin)
+
+
 def flat_fingerprint(kind: str, fingerprint: Mapping[str, Any], position: Any) -> dict[str, Any]:
   """Every fingerprint field of a state in one dict: the input's as `input.<name>` in a learner's, a
   repeat state's source's beside its own."""

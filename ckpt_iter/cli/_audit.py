@@ -10,12 +10,22 @@ and checks the chain step by step, for each process:
     lineage and run identity: the step the run first saved at), at a
     position no earlier than that step's, and not the very state that step
     holds unless both say they were saved where they are stored;
+  * the resume records a state carries from before the step before are that
+    step's own (a running digest covers only the new ones, and `which` and
+    `order` follow each record's step): one that differs is a break, judged
+    against the state the step it names holds;
   * a state was saved at the step it is stored in (its `saved_step`; a Tunix
     learner's `train_steps` counter);
   * a state with no new resume has the fingerprint of the step before: a
     pipeline that changes without a resume is another job in the root;
   * a RepeatIterator's state consumed each produced item exactly
     num_repeats times (yielded = num_repeats x produced - pending).
+One bad item is one break: each state is compared with the one before it,
+and when that one was broken and this one continues the last sound state,
+with that one instead (the broken one was an item between them). Each resume
+is judged once per process and counted once: a resume of a job of several
+processes is one resume, proven when each of its processes proved it; from a
+resume by another process count on, a process continues process 0's chain.
 A step without a data state (written by stock Tunix, or without ckpt_iter)
 cannot be proven. Resumes recorded before the earliest kept step are outside
 what the root can prove and are counted, not judged.
@@ -31,6 +41,7 @@ at all; `broken` when a check failed.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,6 +93,10 @@ class Finding:
   process_index: int
   message: str
   resumed_from: int | None = None  # for a resume: the step it restored
+  # For a resume: which of its run's resumes it is (1 = the first), the same on every process.
+  resume_number: int | None = None
+  # For a resume: its record (the lineage entry) as text, what makes it one resume of this process.
+  record: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
   def line(self) -> str:
     what = f"resume from step {self.resumed_from}" if self.resumed_from is not None else f"step {self.step}"
@@ -103,7 +118,16 @@ class Report:
 
   @property
   def resumes(self) -> list[Finding]:
+    """The findings on resumes, one per process that saved after each."""
     return [f for f in self.findings if f.resumed_from is not None]
+
+  def resume_counts(self) -> tuple[int, int]:
+    """(resumes, proven exact): a resume of a job of several processes is one resume, proven when
+    every process that saved after it proved it."""
+    verdicts: dict[tuple[Any, ...], set[str]] = {}
+    for f in self.resumes:
+      verdicts.setdefault((f.step, f.resumed_from, f.resume_number), set()).add(f.verdict)
+    return len(verdicts), sum(found == {OK} for found in verdicts.values())
 
   @property
   def verdict(self) -> str:
@@ -132,7 +156,9 @@ def audit(layout: inspection.Layout) -> Report:
   report.steps = tuple(by_step)
   processes = sorted({p for states in by_step.values() for p in states}) or [0]
   for process_index in processes:
-    previous: Saved | None = None
+    latest: Saved | None = None  # the state before, whatever was found in it
+    sound: Saved | None = None  # the last state in which no check failed
+    judged: set[str] = set()  # this process's resume records already judged (`Finding.record`)
     for step in report.steps:
       saved = by_step[step].get(process_index)
       if saved is None:
@@ -151,15 +177,28 @@ def audit(layout: inspection.Layout) -> Report:
         continue
       report.points.append(saved)
       findings = _own_checks(saved)
-      if previous is None:
+      # A process that joins the run at a resume by another process count continues process 0's state.
+      before = latest or _resized_origin(saved, by_step)
+      if before is None:
         if saved.lineage["resumes"]:
           report.resumes_before_window[process_index] = saved.lineage["resumes"]
       else:
-        findings += _chain_checks(previous, saved, by_step)
+        chain = _chain_checks(before, saved, by_step, judged)
+        if _broken(chain) and sound is not None and sound is not before:
+          # The state before was broken. One bad item is one break: when this state continues
+          # the last sound one, that state was a bad item between them, and this one is sound.
+          again = _chain_checks(sound, saved, by_step, judged)
+          if not _broken(again):
+            chain = again
+        findings += chain
+      judged.update(f.record for f in findings if f.record is not None)
       report.findings.extend(findings)
-      # The next state is compared with the last sound one: one bad item is one break.
-      if all(f.verdict != BROKEN for f in findings):
-        previous = saved
+      # The next state is compared with this one: a break in the run's history (a rollback, a
+      # second job, a skip inside a started batch) is reported where it happened, once, and
+      # the states the run saved after it continue it.
+      latest = saved
+      if not _broken(findings):
+        sound = saved
   return report
 
 
@@ -198,7 +237,7 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
   input_fingerprint, input_position, own = state_lib.input_view(value.kind, value.fingerprint, value.position)
   next_record = input_position.get(_records.NEXT_RECORD) if isinstance(input_position, Mapping) else None
   return Saved(
-      skips=_records.Skips.from_text(input_fingerprint.get(_records.SKIPS_FIELD), origin=origin),
+      skips=state_lib.input_stream_skips(value, origin=origin),  # a restore's refusal is an unreadable state
       next_record=next_record if state_lib.is_int(next_record) else None,
       inside_until=_inside_until(input_fingerprint, input_position, own, origin),
       step=step, process_index=index, process_count=count, kind=value.kind,
@@ -277,11 +316,41 @@ def _own_checks(saved: Saved) -> list[Finding]:
   return findings
 
 
-def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, Saved]]) -> list[Finding]:
-  """What `saved` must satisfy given the state kept at the step before it."""
+def _broken(findings: list[Finding]) -> bool:
+  return any(f.verdict == BROKEN for f in findings)
+
+
+def _resized_origin(saved: Saved, by_step: Mapping[int, Mapping[int, Saved]]) -> Saved | None:
+  """Process 0's kept state at the step `saved`'s run last resumed from by another process count.
+
+  A resume by another process count hands every process process 0's lineage
+  (`elastic.read_for_process`), so from there on a process's chain continues
+  process 0's, not its own. None when no recorded resume changed the count,
+  or that step's process 0 state is not kept.
+  """
+  recent = list(saved.lineage["recent"])
+  for entry in reversed(recent):
+    if entry.get("resized"):
+      origin = by_step.get(entry.get("step"), {}).get(0)
+      return origin if origin is not None and origin.step < saved.step else None
+  return None
+
+
+def _chain_checks(
+    previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, Saved]], judged: set[str] = frozenset(),
+) -> list[Finding]:
+  """What `saved` must satisfy given the state kept at the step before it.
+
+  `judged`: this process's resume records judged already (`Finding.record`):
+  a resume is judged, and counted, once.
+  """
   before, after = previous.lineage, saved.lineage
   new = after["resumes"] - before["resumes"]
   where = (saved.step, saved.process_index)
+  if new < 0 or (new == 0 and after["digest"] != before["digest"]):
+    rollback = _rollback(previous, saved, by_step, judged)
+    if rollback is not None:
+      return [rollback]
   if new < 0:
     return [Finding(
         BROKEN, *where,
@@ -292,6 +361,9 @@ def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[i
   if new == 0:
     if after["digest"] != before["digest"]:
       return [Finding(BROKEN, *where, f"another run than step {previous.step}'s (their lineages differ)")]
+    edited = _edited_record(previous, saved, by_step, list(after["recent"]))
+    if edited is not None:
+      return [edited]
     changed = state_lib.differing_fields(previous.fingerprint, saved.fingerprint)
     if changed and saved.skips != previous.skips:
       return [_skips_finding_without_resume(previous, saved)]
@@ -313,24 +385,111 @@ def _chain_checks(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[i
           "job started into this root?",
       )]
     return _forward(previous, saved, "") or _repeated(previous, saved)
-  if new > len(after["recent"]):
+  recent = list(after["recent"])
+  if new > len(recent):
     return [Finding(
         UNPROVABLE, *where,
-        f"{new} resumes since step {previous.step}, more than the {len(after['recent'])} a state records",
+        f"{new} resumes since step {previous.step}, more than the {len(recent)} a state records",
     )]
-  entries = list(after["recent"])[-new:]
+  first = len(recent) - new  # the index in `recent` of the first resume since step `previous.step`
+  resized = [i for i in range(first, len(recent)) if recent[i].get("resized")]
+  if resized:
+    # From a resume by another process count on, this process continues process 0's chain.
+    origin = by_step.get(recent[resized[-1]].get("step"), {}).get(0)
+    if origin is not None and origin is not previous and origin.step < saved.step:
+      return _chain_checks(origin, saved, by_step, judged)
   digest = before["digest"]
-  for entry in entries:
+  for entry in recent[first:]:
     digest = item_lib.fold(digest, entry)
   if digest != after["digest"]:
     return [Finding(
         BROKEN, *where,
         f"its lineage does not continue step {previous.step}'s (the resumes recorded differ)",
     )]
-  findings = [_resume_finding(entry, previous, saved, by_step) for entry in entries]
+  edited = _edited_record(previous, saved, by_step, recent[:first])
+  if edited is not None:
+    return [edited]
+  number = after["resumes"] - new
+  findings = []
+  for offset, entry in enumerate(recent[first:], 1):
+    finding = dataclasses.replace(_resume_finding(entry, previous, saved, by_step), resume_number=number + offset,
+                                  record=f"{number + offset}:{_record_text(entry)}")
+    findings.append(finding)
   if all(f.verdict == OK for f in findings):
     findings += _forward(previous, saved, " after the resume")
-  return findings + _skip_findings(previous, saved, entries, by_step)
+  findings = [f for f in findings if f.record not in judged]
+  return findings + _skip_findings(previous, saved, recent[first:], by_step)
+
+
+def _rollback(previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, Saved]],
+              judged: set[str]) -> Finding | None:
+  """The break of a state whose run resumed from an earlier step than `previous` (its lineage continues
+  that step's by its last resume), or None when its lineage does not say so, or that resume was judged
+  already (a copy of an earlier item: its own check says so)."""
+  recent = list(saved.lineage["recent"])
+  if not recent:
+    return None
+  entry, number = recent[-1], saved.lineage["resumes"]
+  step = entry.get("step")
+  owner = 0 if entry.get("resized") else saved.process_index
+  origin = by_step.get(step, {}).get(owner) if state_lib.is_int(step) else None
+  if (origin is None or origin.step >= previous.step or entry.get("state") not in origin.digests
+      or origin.lineage["resumes"] + 1 != number
+      or item_lib.fold(origin.lineage["digest"], entry) != saved.lineage["digest"]
+      or f"{number}:{_record_text(entry)}" in judged):
+    return None
+  return Finding(
+      BROKEN, saved.step, saved.process_index,
+      f"restored step {step} though step {previous.step} was already saved: what was trained after step {step} "
+      "was trained again", resumed_from=step, resume_number=number, record=f"{number}:{_record_text(entry)}",
+  )
+
+
+def _record_text(entry: Mapping[str, Any]) -> str:
+  return json.dumps(dict(entry), sort_keys=True, separators=(",", ":"), default=repr)
+
+
+def _edited_record(
+    previous: Saved, saved: Saved, by_step: Mapping[int, Mapping[int, Saved]], older: list[Mapping[str, Any]]
+) -> Finding | None:
+  """A resume record of `saved` from before `previous` that `previous` records otherwise (or None).
+
+  The records `saved` carries from before `previous` must be `previous`'s own
+  (a lineage's running digest covers only the resumes since, and `which` and
+  `order` follow each record's step). The first that differs is judged
+  against the step it names: the state it records restoring, against the
+  state that step holds (`_item.header_digests`).
+  """
+  mine = list(previous.lineage["recent"])[len(previous.lineage["recent"]) - len(older):] if older else []
+  if len(mine) == len(older) and all(_record_text(a) == _record_text(b) for a, b in zip(older, mine)):
+    return None
+  where = (saved.step, saved.process_index)
+  index = next((i for i, (a, b) in enumerate(zip(older, mine)) if _record_text(a) != _record_text(b)),
+               min(len(older), len(mine)))
+  number = saved.lineage["resumes"] - len(saved.lineage["recent"]) + index + 1
+  if index >= len(older):
+    return Finding(BROKEN, *where, f"its lineage records {len(older)} resume(s) before step {previous.step}'s "
+                   f"last, step {previous.step}'s {len(mine)}, with no resume between them: an edited lineage?")
+  entry = older[index]
+  step = entry.get("step")
+  # A resume by another process count, or a later one, took process 0's lineage.
+  owner = 0 if any(e.get("resized") for e in older[index:]) or any(
+      e.get("resized") for e in list(saved.lineage["recent"])[len(older):]) else saved.process_index
+  kept = by_step.get(step, {}).get(owner) if state_lib.is_int(step) else None
+  if kept is not None and entry.get("state") not in kept.digests:
+    return Finding(
+        BROKEN, *where,
+        f"its resume record {number} names step {step}, but the state it records restoring (digest "
+        f"{entry.get('state')}) is not the one step {step} holds ({kept.digests[0]}); step "
+        f"{previous.step}'s record {number} is {_record_text(mine[index]) if index < len(mine) else 'absent'}: "
+        "an edited lineage (`which` and `order` follow it)",
+    )
+  return Finding(
+      BROKEN, *where,
+      f"its resume records differ from step {previous.step}'s with no resume between them (record {number}: "
+      f"{_record_text(entry)} here, {_record_text(mine[index]) if index < len(mine) else 'absent'} there): "
+      "an edited lineage (`which` and `order` follow it)",
+  )
 
 
 def _skips_finding_without_resume(previous: Saved, saved: Saved) -> Finding:
@@ -456,9 +615,10 @@ def report_json(report: Report) -> dict[str, Any]:
   return {
       "checkpoint": report.root, "item": report.item, "steps": list(report.steps),
       "verdict": report.verdict,
+      "resumes": report.resume_counts()[0], "proven_exact": report.resume_counts()[1],
       "resumes_before_kept_steps": report.resumes_before_window,
       "removed_while_reading": report.removed,
-      "findings": [dataclasses.asdict(f) for f in report.findings],
+      "findings": [{k: v for k, v in dataclasses.asdict(f).items() if k != "record"} for f in report.findings],
       "points": [
           {"step": p.step, "process_index": p.process_index, "kind": p.kind, "progress": p.progress,
            "resumes": p.lineage["resumes"], "pending": p.remaining, "run": p.run,
@@ -478,8 +638,7 @@ def report_lines(report: Report) -> list[str]:
     lines.append(f"  {count} resume(s) before the earliest kept step: not provable from this root")
   for finding in report.findings:
     lines.append("  " + finding.line())
-  resumes = report.resumes
-  proven = sum(f.verdict == OK for f in resumes)
+  resumes, proven = report.resume_counts()
   verdict = {
       OK: "unbroken chain",
       BROKEN: "broken chain",
@@ -491,9 +650,8 @@ def report_lines(report: Report) -> list[str]:
   if report.verdict == UNPROVEN and (before or any(
       f.verdict == UNPROVABLE and f.resumed_from is not None for f in report.findings)):
     # The usual cause: max_to_keep deleted the steps the run resumed from.
-    lines.append("  steps a resume came from are not kept: to keep them, save with ocp.CheckpointManagerOptions("
-                 "preservation_policy=ckpt_iter.KeepResumedSteps(ROOT, max_to_keep=N)) in place of "
-                 f"max_to_keep=N ({_urls.doc_url('prove_your_run.md')})")
-  lines.append(f"{verdict}: {len(report.points)} state(s), {len(resumes)} resume(s){beyond}, "
+    lines.append(f"  steps a resume came from are not kept: to keep them, {datamap.KEEP_RESUMED_STEPS} "
+                 f"({_urls.doc_url('prove_your_run.md')})")
+  lines.append(f"{verdict}: {len(report.points)} state(s), {resumes} resume(s){beyond}, "
                f"{proven} proven exact")
   return lines

@@ -101,10 +101,9 @@ def _draw(axes, report: auditing.Report) -> None:
 def _title(axes, report: auditing.Report) -> None:
   verdict = {auditing.OK: "unbroken chain", auditing.BROKEN: "BROKEN chain",
              auditing.UNPROVEN: "not proven", auditing.NOTHING: "nothing to prove"}[report.verdict]
-  resumes = report.resumes
-  proven = sum(f.verdict == auditing.OK for f in resumes)
+  resumes, proven = report.resume_counts()
   where = "/".join(report.root.rstrip("/").split("/")[-2:])
-  axes.set_title(f"{verdict}: {len(resumes)} resume(s), {proven} proven exact  (.../{where})",
+  axes.set_title(f"{verdict}: {resumes} resume(s), {proven} proven exact  (.../{where})",
                  fontsize=9, color="#d62728" if report.verdict == auditing.BROKEN else "black")
   axes.set_xlabel("checkpoint step")
 

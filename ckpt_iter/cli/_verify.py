@@ -122,6 +122,8 @@ def _read_full_state(item_dir: str, index: int, count: int) -> tuple[state_lib.I
   if isinstance(header, Mapping):
     _register_item_types(inspection.dataclass_names(header.get("pending")), path)
   value = _files.read_state(item_dir, index, count)
+  # What a restore checks of the state before it compares a pipeline, by the restore's own check.
+  state_lib.input_stream_skips(value, origin=path)
   return value, len(manifest) if isinstance(manifest, Mapping) else 0
 
 

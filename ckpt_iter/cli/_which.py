@@ -54,7 +54,9 @@ class States(collections.abc.Mapping):
       if self._process not in files:
         raise KeyError(step)
       path = _files.header_path(item_dir, self._process, files[self._process])
-      self._read[step] = codec.header_state(_files.read_header(path), origin=path)
+      value = codec.header_state(_files.read_header(path), origin=path)
+      state_lib.input_stream_skips(value, origin=path)  # a corrupt field named as a restore names it
+      self._read[step] = value
     return self._read[step]
 
   def __contains__(self, step: Any) -> bool:

@@ -88,8 +88,8 @@ def test_a_run_restarted_from_scratch_into_the_same_root_is_a_break(tmp_path, ca
   _segment(tmp_path, [4, 5], restore_step=None)  # forgot to restore: trains elements 0, 1 again
   code, report, _ = _audit(capsys, tmp_path)
   assert code == 1 and report["verdict"] == "broken"
-  # Both states of the second run are behind the last sound one (step 3).
-  assert [(f["step"], f["verdict"]) for f in report["findings"]] == [(4, "broken"), (5, "broken")]
+  # One break, where the second run started; its next state continues it.
+  assert [(f["step"], f["verdict"]) for f in report["findings"]] == [(4, "broken")]
   assert report["findings"][0]["message"] == (
       "another run than step 3's (this state's run first saved at step 4, step 3's run first saved at "
       "step 1) with no resume between them; its position 1 is behind step 3's 3: a second job started "
@@ -262,8 +262,8 @@ def test_a_second_job_started_into_the_same_root_is_a_break(tmp_path, capsys, se
   job(seed, [1, 2, 3, 4, 5, 6])  # from scratch: Orbax keeps job A's 1-3 and writes 4-6
   code, report, _ = _audit(capsys, tmp_path)
   assert code == 1 and report["verdict"] == "broken"
-  # Each of job B's states is compared with job A's last (the last sound one).
-  assert [(f["step"], f["verdict"]) for f in report["findings"]] == [(4, "broken"), (5, "broken"), (6, "broken")]
+  # One break, where job B's states start; its later states continue job B's.
+  assert [(f["step"], f["verdict"]) for f in report["findings"]] == [(4, "broken")]
   message = report["findings"][0]["message"]
   if seed:
     assert "its pipeline differs from step 3's (seed: 0 -> 1)" in message
@@ -280,8 +280,9 @@ def test_a_resumed_state_carrying_another_run_is_a_break(tmp_path, capsys):
   _edit_header(tmp_path, 4, lambda header: header["lineage"].update(run=4))  # as if step 3's were another run's
   code, report, _ = _audit(capsys, tmp_path)
   assert code == 1
-  assert [(f["step"], f["verdict"], f["resumed_from"]) for f in report["findings"]] == [
-      (4, "broken", 3), (5, "ok", 3)]  # step 5 is judged against step 3, the last sound state
+  # Step 5 continues step 3, the last sound state: step 4 was a bad item between them, one break;
+  # the resume from step 3 is judged once, at step 4.
+  assert [(f["step"], f["verdict"], f["resumed_from"]) for f in report["findings"]] == [(4, "broken", 3)]
   assert report["findings"][0]["message"] == (
       "restored step 3's state, but its run first saved at step 4 is not step 3's (run first saved at step 1)")
 
@@ -438,3 +439,124 @@ def test_skips_inside_the_full_batch_a_learner_had_started_are_a_break(tmp_path,
   assert code == 1
   assert any("inside the full batch 2-2 the learner had started" in f["message"] for f in report["findings"]
              if f["verdict"] == "broken"), report["findings"]
+
+
+# ---------------------------------------------------------------------------
+# One bad item is one break, each resume is counted once (issue 47, item 4).
+
+
+def _resume_lines(report):
+  return [(f["step"], f["process_index"], f["resumed_from"], f["verdict"]) for f in report["findings"]
+          if f["resumed_from"] is not None]
+
+
+def test_a_rollback_is_one_break_and_each_resume_is_counted_once(tmp_path, capsys):
+  _segment(tmp_path, [1, 2, 3])
+  _segment(tmp_path, [4, 5])
+  _segment(tmp_path, [6, 7], restore_step=2)  # the latest step lost: steps 3-5's elements trained again
+  _segment(tmp_path, [8, 9])
+  _segment(tmp_path, [10, 11])
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1 and report["verdict"] == "broken"
+  broken = [(f["step"], f["message"]) for f in report["findings"] if f["verdict"] == "broken"]
+  assert broken == [(6, "restored step 2 though step 5 was already saved: what was trained after step 2 was "
+                        "trained again")]
+  assert _resume_lines(report) == [(4, 0, 3, "ok"), (6, 0, 2, "broken"), (8, 0, 7, "ok"), (10, 0, 9, "ok")]
+  assert (report["resumes"], report["proven_exact"]) == (4, 3)
+  assert cli.main(["audit", str(tmp_path)]) == 1
+  assert capsys.readouterr().out.splitlines()[-1] == "broken chain: 11 state(s), 4 resume(s), 3 proven exact"
+
+
+@pytest.mark.parametrize("segments", [
+    [(2, 4, 2, 1, None), (2, 4, 2, 0, None), (2, 4, 2, 1, None), (2, 4, 2, 0, None)],
+    [(2, 4, 2, 1, None), (2, 4, 2, 0, None), (1, 4, 2, 1, None), (2, 4, 2, 0, None)],
+    [(1, 4, 2, 0, None), (2, 4, 2, 1, None), (2, 4, 2, 0, None), (4, 8, 2, 0, None)],
+], ids=["two processes", "2-1-2 processes", "1-2-2-4 processes"])
+def test_a_resume_of_several_processes_is_one_resume_proven_on_each(tmp_path, capsys, segments):
+  support.run_chain(str(tmp_path), segments)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 0 and report["verdict"] == "ok", report["findings"]
+  assert (report["resumes"], report["proven_exact"]) == (3, 3)
+  # Each process that saved after a resume proves it on its own line.
+  for step, count in ((3, segments[1][0]), (5, segments[2][0]), (7, segments[3][0])):
+    assert sorted(p for s, p, _, _ in _resume_lines(report) if s == step) == list(range(count))
+
+
+def _tunix_chain_with_a_skip_inside_a_started_batch(root):
+  """The Tunix fixture (steps 3, 4; resumed at 3) where step 3 had started its full batch and the
+  resume added a skip inside it (a documented break), and a step 5 the run saved after it."""
+  fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "v1_tunix_roots", "grpo", "root")
+  shutil.copytree(fixture, root)
+  path = lambda step: os.path.join(root, "actor", str(step), "data", "process_0-of-1.json")
+  _edit_file(path(3), lambda h: h["position"].update(micro_batches_taken=1))
+  with open(path(3)) as f:
+    step3 = json.load(f)
+
+  def resumed_with_a_skip(header):
+    entry = {"step": 3, "state": item_lib.header_digests(step3, origin="step 3")[-1]}
+    header["lineage"]["recent"] = [entry]
+    header["lineage"]["digest"] = item_lib.fold(item_lib.empty()["digest"], entry)
+    header["fingerprint"]["skips"] = '{"records":[[2,3]]}'
+  _edit_file(path(4), resumed_with_a_skip)
+  shutil.copytree(os.path.join(root, "actor", "4"), os.path.join(root, "actor", "5"))
+
+  def one_step_later(header):
+    header["counters"].update(train_steps=5, actor_iter_steps=5)
+    header["position"].update(stream_rows=3)
+  _edit_file(path(5), one_step_later)
+
+
+def test_a_documented_break_is_reported_once(tmp_path, capsys):
+  root = tmp_path / "root"
+  _tunix_chain_with_a_skip_inside_a_started_batch(str(root))
+  code, report, _ = _audit(capsys, root)
+  assert code == 1
+  assert [(f["step"], f["verdict"], f["resumed_from"]) for f in report["findings"]] == [
+      (4, "ok", 3), (4, "broken", None)], report["findings"]
+  assert "inside the full batch 2-2 the learner had started" in report["findings"][1]["message"]
+  assert (report["resumes"], report["proven_exact"]) == (1, 1)
+
+
+# ---------------------------------------------------------------------------
+# A resume record that does not match the chain is a break (issue 47, item 5).
+
+
+@pytest.mark.parametrize("step_3_kept", [True, False], ids=["step 3 kept", "step 3 not kept"])
+def test_an_edited_resume_record_is_a_break(tmp_path, capsys, step_3_kept):
+  """Step 8's record of the resume from step 4 edited to name step 3, which `which` and `order` then follow."""
+  _segment(tmp_path, [1, 2, 3, 4])
+  _segment(tmp_path, [5, 6, 7, 8])
+  if not step_3_kept:
+    shutil.rmtree(tmp_path / "3")
+  assert _audit(capsys, tmp_path)[0] == 0
+
+  def retarget(header):
+    assert header["lineage"]["recent"][0]["step"] == 4
+    header["lineage"]["recent"][0]["step"] = 3
+  _edit_header(tmp_path, 8, retarget)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 1 and report["verdict"] == "broken"
+  (broken,) = [f for f in report["findings"] if f["verdict"] == "broken"]
+  assert broken["step"] == 8
+  if step_3_kept:
+    assert "resume record 1 names step 3" in broken["message"]
+    assert "not the one step 3 holds" in broken["message"]
+  else:
+    assert "its resume records differ from step 7's" in broken["message"]
+  assert (report["resumes"], report["proven_exact"]) == (1, 1)  # the resume itself, proven at step 5
+
+
+def test_resume_entries_with_more_fields_are_judged_as_ever(tmp_path, capsys):
+  """An entry may carry more than step and state digest (a later ckpt_iter's: the restored record)."""
+  _segment(tmp_path, [1, 2])
+  _segment(tmp_path, [3, 4])
+
+  def with_record(header):
+    entry = header["lineage"]["recent"][0]
+    entry["record"] = 2
+    header["lineage"]["digest"] = item_lib.fold(item_lib.empty()["digest"], entry)
+  for step in (3, 4):
+    _edit_header(tmp_path, step, with_record)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 0 and report["verdict"] == "ok", report["findings"]
+  assert (report["resumes"], report["proven_exact"]) == (1, 1)

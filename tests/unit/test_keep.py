@@ -110,3 +110,32 @@ def test_a_state_that_cannot_be_read_keeps_nothing_and_says_so(tmp_path, caplog)
 def test_bad_arguments_are_refused_naming_them(tmp_path, bad, fragment):
   with pytest.raises(ckpt_iter.InvalidArgumentError, match=fragment):
     ckpt_iter.KeepResumedSteps(tmp_path, **bad)
+
+
+def _cli(*argv):
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = cli.main(list(argv))
+  return code, out.getvalue(), err.getvalue()
+
+
+def test_the_policy_keeps_what_the_data_map_needs_and_every_verb_names_it_alike(tmp_path):
+  """`which --batch` and `order` read the step each segment resumed from: the policy keeps them; without
+  it, `order` and `audit` name the same way to keep them (issue 47, item 9's end)."""
+  from ckpt_iter import datamap  # pylint: disable=g-import-not-at-top
+
+  kept = str(tmp_path / "with_policy")
+  _run(kept, policy=True, max_to_keep=1, repeat=False)
+  code, out, err = _cli("order", kept, "--out", str(tmp_path / "kept.jsonl"))
+  assert code == 0, err
+  with open(tmp_path / "kept.jsonl") as f:
+    assert len(f.readlines()) == _SEGMENTS * _STEPS_EACH  # every batch of the run numbered
+  assert _cli("which", kept, "--batch", "0")[0] == 0
+
+  gone = str(tmp_path / "max_to_keep_only")
+  _run(gone, policy=False, max_to_keep=1, repeat=False)
+  code, _, err = _cli("order", gone, "--out", str(tmp_path / "gone.jsonl"))
+  assert code == 1 and datamap.KEEP_RESUMED_STEPS in err, err
+  code, out, _ = _cli("audit", gone)
+  assert code == cli.EXIT_UNPROVEN and datamap.KEEP_RESUMED_STEPS in out, out
+  assert "ckpt_iter.KeepResumedSteps(" in datamap.KEEP_RESUMED_STEPS and "keep_period" not in err + out
