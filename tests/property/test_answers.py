@@ -6,7 +6,8 @@ saved, batches read past the last save (lost to the kill), a skip declared
 once, a mixture reweighted, with a source added or removed. At every saved
 step the Python API (with the pipeline that wrote the step), the CLI's
 `which --step --json` and the batch the chain read must be the same records;
-`order`'s rows must be the kept batches, in order. Then the steps the run
+`order`'s rows must be the kept batches, in order; `verify` and `audit` pass
+the honest root. Then the steps the run
 resumed from are deleted (as Orbax's max_to_keep does) and a single-source
 run's `order` must still be the same: a state's lineage records where each
 segment started.
@@ -122,6 +123,9 @@ def _check(segments) -> bool:
       assert api == cli_ids == trained, f"step {step}: api {api}, cli {cli_ids}, trained {trained}"
       COUNTS["steps"] += 1
     assert _order(root, os.path.join(root, "order.jsonl")) == kept
+    for verb in ("verify", "audit"):  # an honest root passes both
+      code, text = _cli(verb, root)
+      assert code == 0, f"{verb}: {text}"
     single = all(segment[5] is None for segment in segments)
     resumed_from = {w[0] for w in writers} - {writers[-1][0]}
     if single and resumed_from:
