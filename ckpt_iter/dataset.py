@@ -497,6 +497,82 @@ class GlobalBatchDataset(grain.MapDataset):
     return _records.Mixture.from_json(position.get(MIXTURE), dict(self.spec.shares), position[NEXT_RECORD],
                                       origin=origin)
 
+  # -- make_dataset's own restore: where a saved record position continues (`DataIterator` applies it)
+
+  def record_position(self, position: Mapping[str, Any], *, bare: bool, origin: str) -> dict[str, Any]:
+    """A reconciled state position as this pipeline's record position, checked.
+
+    `bare`: a state with no fingerprint (Grain's own, format 0), whose
+    `{"next_index": k}` is batch k of this pipeline as built.
+
+    Raises:
+      InvalidStateError: the position is not {NEXT_RECORD[, MIXTURE]} (or a bare index out of range).
+    """
+    if bare and set(position) == {"next_index"}:
+      position = self.position_of_index(self._bare_index(position["next_index"], origin))
+    expected = {NEXT_RECORD} | ({MIXTURE} if self.spec.is_mixture else set())
+    if set(position) != expected:
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position' is {state_lib.short_repr(dict(position))}; this make_dataset pipeline's "
+          f"position is {{'{NEXT_RECORD}': <stream records passed>"
+          + (f", '{MIXTURE}': <ledger>" if self.spec.is_mixture else "") + "}.")
+    return dict(position)
+
+  def _bare_index(self, next_index: Any, origin: str) -> int:
+    length = len(self.spec.initial_plan())
+    if not state_lib.is_int(next_index) or not 0 <= next_index <= length:
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position' is {{'next_index': {state_lib.short_repr(next_index)}}}; this pipeline's "
+          f"position is {{'next_index': 0..{length}}}.")
+    return int(next_index)
+
+  def restore_at(self, position: Mapping[str, Any], skips: _records.Skips, *, origin: str,
+                 differences: Mapping[str, Any]) -> "RecordRestore":
+    """Where a record position continues: the plan from its record under `skips`, and its batch index.
+
+    Args:
+      position: a `record_position`.
+      skips: what the restored run skips.
+      origin: what errors name.
+      differences: the saved fingerprint's differences from this pipeline's (for the refusal's words).
+
+    Raises:
+      InvalidStateError, ConfigDriftError: the record is past the end of this pipeline's stream.
+    """
+    next_record = position[NEXT_RECORD]
+    mixture = self.spec_mixture(position, origin=origin)
+    plan = self.spec.plan_at(next_record, mixture, skips)
+    next_index = plan.index_of(next_record)
+    if next_index is None or next_record > plan.stream_length or next_index > len(plan):
+      message = (f"the saved position (stream record {next_record}) is past the end of this pipeline's "
+                 f"stream ({plan.stream_length} records)")
+      if differences:
+        raise errors.ConfigDriftError(differences, origin=origin, way=(
+            f"Not a stream-preserving change: {message}, and no allow_drift moves it. Rebuild the pipeline "
+            f"with a stream that reaches past record {next_record} (e.g. more epochs), or restore an earlier step."))
+      raise errors.InvalidStateError(
+          f"{origin}: {message}. Restore it into the pipeline that wrote it, or one with more epochs.")
+    return RecordRestore(plan, mixture, next_record, next_index)
+
+  def check_batch_before(self, restore: "RecordRestore", skips: _records.Skips,
+                         check_element: Callable[[int], str]) -> str:
+    """The content check of a record position: the full batch that ends at it, produced again.
+
+    `check_element(index)` produces the pipeline's element before `index`
+    under the plan in effect and compares it (the iterator's content check).
+    Not the batch before the restored plan's first one: after a restart
+    under another batch size, an epoch's batches started at the restored
+    record, so the batch that ended an epoch is found by its end, not by the
+    epoch's first record. An epoch's short last batch cannot be found so
+    (its start depends on earlier restarts): not checked.
+    """
+    start = restore.plan.full_batch_before(restore.next_record)
+    if start is None:
+      return "not applicable (the batch before is an epoch's last, whose start depends on earlier restarts)"
+    check_plan = self.spec.plan_at(start, restore.mixture, skips)
+    with self.planned(check_plan, restore.mixture):
+      return check_element(check_plan.index_of(start) + 1)
+
   def restart_at(self, plan: _records.BatchPlan, mixture: _records.Mixture | None, next_record: int) -> int:
     """Moves the batches to `plan` (and the mixture to `mixture`) at `next_record`: a restore's apply step.
 
@@ -674,3 +750,81 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
       fields["dataset_length"] = None
   fields.update(_graph.describe_graph(dataset, described_spec_node=spec_node))
   return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordRestore:
+  """Where a restored record position continues (`GlobalBatchDataset.restore_at`)."""
+
+  plan: _records.BatchPlan
+  mixture: _records.Mixture | None
+  next_record: int
+  next_index: int
+
+
+# ---------------------------------------------------------------------------
+# The skips a restore keeps and adds: make_dataset's node owns the run's skips.
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipChange:
+  """The skips a restore settles on: all of them, those it adds, and declared ranges already read."""
+
+  effective: _records.Skips
+  added: _records.Skips
+  already_read: tuple[tuple[int, int], ...]
+
+  def lines(self) -> list[str]:
+    lines = []
+    if self.added:
+      lines.append(f"skips added at this restore: {self.added.describe()}; the run now skips "
+                   f"{self.effective.describe()}.")
+    if self.already_read:
+      shown = ", ".join(f"{a}-{b - 1}" for a, b in self.already_read)
+      lines.append(f"declared skip of stream records {shown} not applied: they were read before the "
+                   "restored position (restore an earlier step to skip them).")
+    return lines
+
+
+def merged_skips(node: "GlobalBatchDataset | _lanes.LaneDataset | None", saved: _records.Skips,
+                 from_record: int | None, position: Mapping[str, Any], origin: str) -> SkipChange:
+  """What the restored run skips: the saved skips and `node`'s declared ones from the position on.
+
+  `from_record`: the restored stream record, or None where the position
+  is no stream record (a Grain index above make_dataset, lanes): then
+  everything declared applies from the restart on.
+
+  Raises:
+    UnsupportedConfigError: skips this pipeline cannot keep (the message says why and what to do).
+  """
+  if node is None:
+    return SkipChange(saved, _records.NO_SKIPS, ())
+  spec = node.spec
+  check_skips(node, saved, origin=origin, restored=True)
+  new, already = _records.resolve(
+      node.declared, from_record=from_record, epoch_length=None if spec.is_mixture else spec.source.length,
+      shuffled=is_shuffled(spec), mixture=spec.is_mixture, origin=origin)
+  effective = saved.union(new)
+  if new:
+    check_skips(node, effective, origin=origin, saved=saved)
+  change = SkipChange(effective, effective.added_to(saved), already)
+  if isinstance(node, GlobalBatchDataset) and node.sparse:
+    check_sparse_skips(node, effective, origin)
+  if isinstance(node, _lanes.LaneDataset) and change.added:
+    _lanes.check_added_skips(node, position, change.added, origin=origin)
+  return change
+
+
+def check_sparse_skips(node: GlobalBatchDataset, skips: _records.Skips, origin: str) -> None:
+  """A make_dataset under other Grain steps skips a record by yielding None: one record per element only.
+
+  Raises:
+    UnsupportedConfigError: skips with a global batch of more than one record.
+  """
+  if skips and node.spec.global_batch_size > 1:
+    raise errors.UnsupportedConfigError(
+        f"{origin}: skipping {skips.describe()} under other Grain steps (this pipeline applies steps after "
+        f"make_dataset that are not per-batch maps, so its position is not a stream record) works only with "
+        f"a global batch of one record; this one has {node.spec.global_batch_size} "
+        f"(batch_size={node.spec.batch_size} x shard_count={node.spec.shard_count}). Batch with "
+        "make_dataset(batch_size=...) itself, or drop the records by content with make_dataset(filter=...).")

@@ -19,7 +19,6 @@ import grain
 from ckpt_iter import _drift
 from ckpt_iter import _graph
 from ckpt_iter import _item as item_lib
-from ckpt_iter import _lanes
 from ckpt_iter import _records
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import elastic
@@ -110,7 +109,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self._spec_node = dataset_lib.spec_node(dataset)
     if isinstance(self._spec_node, dataset_lib.GlobalBatchDataset) and self._records is None:
       self._spec_node.use_sparse()
-      _check_sparse_skips(self._spec_node, self._spec_node.skips, "make_dataset(skip=...)")
+      dataset_lib.check_sparse_skips(self._spec_node, self._spec_node.skips, "make_dataset(skip=...)")
     self._fingerprint = dataset_lib.describe_pipeline(dataset)
     # Before any iterator takes the workers' init function.
     if self._has_workers and not _graph.exit_workers_with_parent(self._iter_dataset):
@@ -267,7 +266,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     position = resume.position
     if self._records is not None:
       return self._check_record_position(state, position, resume, content_allowed, origin, saved_skips)
-    skips = self._merged_skips(saved_skips, None, position, origin)
+    skips = dataset_lib.merged_skips(self._spec_node, saved_skips, None, position, origin)
     if self._length is not None:
       next_index = position.get("next_index")
       if (
@@ -325,37 +324,28 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       self, state: state_lib.IteratorState, position: Mapping[str, Any], resume: _drift.Reconciled,
       content_allowed: Collection[str], origin: str, saved_skips: _records.Skips,
   ) -> Callable[[], None]:
-    """The rest of `check_restore` for a position that counts stream records (make_dataset)."""
+    """The rest of `check_restore` for a position that counts stream records: make_dataset's own
+    restore (`GlobalBatchDataset.restore_at`) and the content check of the batch before."""
     node = self._records
     current = self._fingerprint_without_skips
-    expected = {dataset_lib.NEXT_RECORD} | ({dataset_lib.MIXTURE} if node.spec.is_mixture else set())
-    if not state.fingerprint and set(position) == {"next_index"}:
-      # A bare Grain state (format 0): batch k of this pipeline as built.
-      position = node.position_of_index(self._bare_index(position["next_index"], origin))
-    if set(position) != expected:
-      raise errors.InvalidStateError(
-          f"{origin}: field 'position' is {_short(state.position)}; this make_dataset pipeline's "
-          f"position is {{'{dataset_lib.NEXT_RECORD}': <stream records passed>"
-          + (f", '{dataset_lib.MIXTURE}': <ledger>" if node.spec.is_mixture else "") + "}.")
-    next_record = position[dataset_lib.NEXT_RECORD]
-    skips = self._merged_skips(saved_skips, next_record, position, origin)
-    mixture = node.spec_mixture(position, origin=origin)
-    plan = node.spec.plan_at(next_record, mixture, skips.effective)
-    next_index = plan.index_of(next_record)
-    if next_index is None or next_record > plan.stream_length or next_index > len(plan):
-      self._refuse_past_the_end(state, next_record, plan.stream_length, origin)
+    position = node.record_position(position, bare=not state.fingerprint, origin=origin)
+    skips = dataset_lib.merged_skips(node, saved_skips, position[dataset_lib.NEXT_RECORD], position, origin)
+    restore = node.restore_at(position, skips.effective, origin=origin,
+                              differences=state_lib.differing_fields(state.fingerprint, self._fingerprint))
     # Another batch plan or process count: the saved content describes no element of this pipeline.
     changed = bool(resume.changes or state_lib.differing_fields(state.fingerprint, current))
-    content_check = self._unchecked_content(state, content_allowed, changed) or self._check_batch_before(
-        node, state.content, plan, mixture, next_record, skips, origin)
+    content_check = self._unchecked_content(state, content_allowed, changed)
+    if content_check is None:
+      content_check = node.check_batch_before(
+          restore, skips.effective, lambda index: self._check_same_content(state.content, index, origin))
 
     def apply() -> None:
       self._apply_skips(skips)
-      node.restart_at(plan, mixture, next_record)
+      node.restart_at(restore.plan, restore.mixture, restore.next_record)
       # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
       self._length = len(self._dataset)
       fresh = self._new_inner()
-      fresh.set_state({"next_index": next_index})
+      fresh.set_state({"next_index": restore.next_index})
       self._replace_inner(fresh)
       self._adopt(state, content_carried=not changed)
       self.restored_content_check = content_check
@@ -376,59 +366,13 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       return "not applicable (the pipeline changed; the stream was checked instead)"
     return None
 
-  def _check_batch_before(self, node: Any, content: Any, plan: Any, mixture: Any, next_record: int,
-                          skips: "_SkipChange", origin: str) -> str:
-    """The content check of a record position: the full batch that ends at it, produced again.
-
-    Not the batch before the restored plan's first one: after a restart
-    under another batch size, an epoch's batches started at the restored
-    record, so the batch that ended an epoch is found by its end, not by the
-    epoch's first record. An epoch's short last batch cannot be found so
-    (its start depends on earlier restarts): not checked.
-    """
-    start = plan.full_batch_before(next_record)
-    if start is None:
-      return "not applicable (the batch before is an epoch's last, whose start depends on earlier restarts)"
-    check_plan = node.spec.plan_at(start, mixture, skips.effective)
-    with node.planned(check_plan, mixture):
-      return self._check_same_content(content, check_plan.index_of(start) + 1, origin)
-
   # -- skips
 
   @property
   def _fingerprint_without_skips(self) -> dict[str, Any]:
     return {k: v for k, v in self._fingerprint.items() if k != _records.SKIPS_FIELD}
 
-  def _merged_skips(self, saved: _records.Skips, from_record: int | None, position: Mapping[str, Any],
-                    origin: str) -> "_SkipChange":
-    """What the restored run skips: the saved skips and this pipeline's declared ones from the position on.
-
-    `from_record`: the restored stream record, or None where the position
-    is no stream record (a Grain index above make_dataset, lanes): then
-    everything declared applies from the restart on.
-
-    Raises:
-      UnsupportedConfigError: skips this pipeline cannot keep (the message says why and what to do).
-    """
-    node = self._spec_node
-    if node is None:
-      return _SkipChange(saved, _records.NO_SKIPS, ())
-    spec = node.spec
-    dataset_lib.check_skips(node, saved, origin=origin, restored=True)
-    new, already = _records.resolve(
-        node.declared, from_record=from_record, epoch_length=None if spec.is_mixture else spec.source.length,
-        shuffled=dataset_lib.is_shuffled(spec), mixture=spec.is_mixture, origin=origin)
-    effective = saved.union(new)
-    if new:
-      dataset_lib.check_skips(node, effective, origin=origin, saved=saved)
-    change = _SkipChange(effective, effective.added_to(saved), already)
-    if isinstance(node, dataset_lib.GlobalBatchDataset) and node.sparse:
-      _check_sparse_skips(node, effective, origin)
-    if isinstance(node, _lanes.LaneDataset) and change.added:
-      _lanes.check_added_skips(node, position, change.added, origin=origin)
-    return change
-
-  def _apply_skips(self, change: "_SkipChange") -> None:
+  def _apply_skips(self, change: dataset_lib.SkipChange) -> None:
     """The apply half of the skips: the node skips them, the states carry them, the log says what changed."""
     if self._spec_node is None:
       return
@@ -452,28 +396,6 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       yield
     finally:
       node.set_skips(before)
-
-  def _bare_index(self, next_index: Any, origin: str) -> int:
-    """A bare Grain state's batch index, checked against this pipeline as built."""
-    length = len(self._records.spec.initial_plan())
-    if not state_lib.is_int(next_index) or not 0 <= next_index <= length:
-      raise errors.InvalidStateError(
-          f"{origin}: field 'position' is {{'next_index': {_short(next_index)}}}; this pipeline's "
-          f"position is {{'next_index': 0..{length}}}.")
-    return int(next_index)
-
-  def _refuse_past_the_end(
-      self, state: state_lib.IteratorState, next_record: int, stream_length: int, origin: str
-  ) -> None:
-    message = (f"the saved position (stream record {next_record}) is past the end of this pipeline's "
-               f"stream ({stream_length} records)")
-    differences = state_lib.differing_fields(state.fingerprint, self._fingerprint)
-    if differences:
-      raise errors.ConfigDriftError(differences, origin=origin, way=(
-          f"Not a stream-preserving change: {message}, and no allow_drift moves it. Rebuild the pipeline "
-          f"with a stream that reaches past record {next_record} (e.g. more epochs), or restore an earlier step."))
-    raise errors.InvalidStateError(
-        f"{origin}: {message}. Restore it into the pipeline that wrote it, or one with more epochs.")
 
   def _check_same_content(self, saved: Any, next_index: int, origin: str) -> str:
     """Produces the element before `next_index` again and compares it with the saved digest.
@@ -599,44 +521,11 @@ _DECLARED_CHANGES = frozenset({_drift.WEIGHTS, _drift.SOURCES})
 _CONTENT_SKIPS_ADDED = "not applicable (skips added at this restore)"
 
 
-@dataclasses.dataclass(frozen=True)
-class _SkipChange:
-  """The skips a restore settles on: all of them, those it adds, and declared ranges already read."""
-
-  effective: _records.Skips
-  added: _records.Skips
-  already_read: tuple[tuple[int, int], ...]
-
-  def lines(self) -> list[str]:
-    lines = []
-    if self.added:
-      lines.append(f"skips added at this restore: {self.added.describe()}; the run now skips "
-                   f"{self.effective.describe()}.")
-    if self.already_read:
-      shown = ", ".join(f"{a}-{b - 1}" for a, b in self.already_read)
-      lines.append(f"declared skip of stream records {shown} not applied: they were read before the "
-                   "restored position (restore an earlier step to skip them).")
-    return lines
-
-
 def _without_skips(state: state_lib.IteratorState) -> state_lib.IteratorState:
   fingerprint = {k: v for k, v in state.fingerprint.items() if k != _records.SKIPS_FIELD}
   return dataclasses.replace(state, fingerprint=fingerprint)
 
 
-def _check_sparse_skips(node: dataset_lib.GlobalBatchDataset, skips: _records.Skips, origin: str) -> None:
-  """A make_dataset under other Grain steps skips a record by yielding None: one record per element only.
-
-  Raises:
-    UnsupportedConfigError: skips with a global batch of more than one record.
-  """
-  if skips and node.spec.global_batch_size > 1:
-    raise errors.UnsupportedConfigError(
-        f"{origin}: skipping {skips.describe()} under other Grain steps (this pipeline applies steps after "
-        f"make_dataset that are not per-batch maps, so its position is not a stream record) works only with "
-        f"a global batch of one record; this one has {node.spec.global_batch_size} "
-        f"(batch_size={node.spec.batch_size} x shard_count={node.spec.shard_count}). Batch with "
-        "make_dataset(batch_size=...) itself, or drop the records by content with make_dataset(filter=...).")
 _CONTENT_LOOKBACK = 64
 
 
