@@ -136,7 +136,8 @@ def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
   global batch size and process count it was read with, so a checkpoint's last batch and the run's
   segments are known from its own lineage, whatever steps are kept. Empty for a position that counts
   no stream records (the data map does not answer those from states)."""
-  fingerprint, position, _ = state_lib.input_view(restored.kind, restored.fingerprint, restored.position)
+  inner = restored.innermost
+  fingerprint, position = inner.fingerprint, inner.position
   record = position.get(_records.NEXT_RECORD) if isinstance(position, Mapping) else None
   if not state_lib.is_int(record) or record < 0:
     return {}

@@ -57,7 +57,8 @@ def which(pipeline: Any, state: Any) -> datamap.Batch:
     InvalidStateError: the state holds no batch read (position 0) or does not fit the pipeline.
   """
   value = state if isinstance(state, state_lib.IteratorState) else state_lib.IteratorState.from_dict(state)
-  fingerprint, position = datamap.input_part(value)
+  inner = value.innermost
+  fingerprint, position = inner.fingerprint, inner.position
   node = dataset_lib.spec_node(pipeline)
   if node is None:
     raise errors.UnsupportedConfigError(

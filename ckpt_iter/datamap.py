@@ -114,12 +114,9 @@ class Batch:
     }
 
 
-def input_part(value: state_lib.IteratorState) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-  """(fingerprint, position) of the make_dataset state in `value`: itself, a repeat's parent, a learner's input."""
-  fingerprint, position, _ = state_lib.input_view(value.kind, value.fingerprint, value.position)
-  if not isinstance(position, Mapping):
-    position = {}
-  return fingerprint, position
+def _input_fields(value: state_lib.IteratorState) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+  inner = value.innermost
+  return inner.fingerprint, (inner.position if isinstance(inner.position, Mapping) else {})
 
 
 class Stream:
@@ -280,7 +277,7 @@ def last_batch_of(value: state_lib.IteratorState, *, origin: str = "the state") 
   its segment started (`segment_start`). The one answer of `ckpt_iter.which`, `ckpt-iter which --step`
   and a learner's global step."""
   recent = (value.lineage or {}).get("recent") or ()
-  fingerprint, position = input_part(value)
+  fingerprint, position = _input_fields(value)
   return last_batch(Stream(fingerprint, position, origin=origin), segment_start=segment_start(value),
                     resumed_from=recent[-1].get("step") if recent else None)
 
@@ -516,7 +513,7 @@ def _segments(last_step: int, last: Stream, restored: list[tuple[int | None, Str
 
 
 def _stream(value: state_lib.IteratorState, origin: str) -> Stream:
-  fingerprint, position = input_part(value)
+  fingerprint, position = _input_fields(value)
   return Stream(fingerprint, position, origin=origin)
 
 
@@ -583,7 +580,7 @@ def learner_step(value: state_lib.IteratorState, *, run: RunMap | None = None,
         f"{origin}: not a Tunix RL learner's state (kind {value.kind!r}, learner "
         f"{fingerprint.get('learner', fingerprint.get('trainer', fingerprint.get('agentic_learner')))!r}); "
         "global steps and repeats are an RL learner's (GRPO, PPO).")
-  _, _, own = state_lib.input_view(value.kind, fingerprint, value.position)
+  own = value.own_position
   mu = int(fingerprint.get("num_iterations") or 1)
   mini = int(fingerprint.get("mini_batch_size") or fingerprint.get("full_batch_size") or 1)
   micro = int(fingerprint.get("train_micro_batch_size") or mini)
@@ -620,7 +617,7 @@ def learner_step(value: state_lib.IteratorState, *, run: RunMap | None = None,
 
 def _full_batch(value: state_lib.IteratorState, own: Mapping[str, Any], run: RunMap | None, origin: str) -> Batch:
   """The full batch of the learner's global step: the one its position is inside, or the one it just ended."""
-  fingerprint, position = input_part(value)
+  fingerprint, position = _input_fields(value)
   stream = Stream(fingerprint, position, origin=origin)
   if not (own.get("micro_batches_taken") or own.get("rows_taken")):
     if run is not None:

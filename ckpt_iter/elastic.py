@@ -97,8 +97,9 @@ def resize_refusal(kind: str, fingerprint: Mapping[str, Any]) -> str | None:
 
 
 def data_part(state: state_lib.IteratorState) -> state_lib.IteratorState:
-  """The data state a state's position rests on: itself, or a repeat state's parent."""
-  return state.part if state.kind == "repeat" and state.part is not None else state
+  """The data state a re-sliced state's position rests on (`innermost`); a learner's state is never
+  re-sliced (`elastic.read_replicated`), so its own."""
+  return state if state.kind == "tunix" else state.innermost
 
 
 def state_refusal(state: state_lib.IteratorState) -> str | None:

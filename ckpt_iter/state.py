@@ -12,7 +12,7 @@ under `position.input` beside its own position fields, so a restore hands
 the input its state unchanged (the input's `check_restore` decides what it
 accepts) and compares the learner's own fields by itself, and a reader (the
 CLI) finds the input's position in one place for every learner
-(`input_view`). Format 1 mixed the two; `migrate_learner_v1` nests such a
+(`IteratorState.innermost`). Format 1 mixed the two; `migrate_learner_v1` nests such a
 state, the learner's fields being fixed by what format 1 ever wrote.
 
 The one describer of states in words is here too (`position_text`):
@@ -25,7 +25,7 @@ Format version history:
      fingerprint, which means "defining fields unknown, not checked".
   1  `{format_version, kind, fingerprint, position, shuffle_key, pending,
      counters}` (see docs/state_format.md).
-  2  A Tunix learner's state nests its input's (`input_view`).
+  2  A Tunix learner's state nests its input's (`IteratorState.part`).
   3  Pending items stored by structure (`_codec.encode_items`).
   4  One state all the way down: a composite state holds its part's whole
      state where Grain nests a parent's (a RepeatIterator's under
@@ -209,6 +209,23 @@ class IteratorState:
     key = NESTED.get(self.kind)
     part = None if key is None else self.position.get(key)
     return part if isinstance(part, IteratorState) else None
+
+  @property
+  def innermost(self) -> "IteratorState":
+    """The state at the bottom of this one: `part` followed down (a learner's input, a repeat's parent),
+    itself when it nests none. The one way down a composite state, as Grain follows `parent`."""
+    value = self
+    while (part := value.part) is not None:
+      value = part
+    return value
+
+  @property
+  def own_position(self) -> dict[str, Any]:
+    """This state's own position fields beside the part it nests (a learner's counts); {} when it nests none."""
+    if self.part is None:
+      return {}
+    key = NESTED[self.kind]
+    return {k: v for k, v in self.position.items() if k != key}
 
   def to_dict(self) -> dict[str, Any]:
     """Returns the Grain-protocol dict form (format_version first), as new mutable dicts."""
@@ -878,33 +895,6 @@ def learner_family(fingerprint: Mapping[str, Any]) -> str | None:
 CONTENT = "content"
 
 
-def split_learner_position(position: Any) -> tuple[Mapping[str, Any], Any, dict[str, Any]] | None:
-  """(the input's fingerprint, the input's position, the learner's own position fields).
-
-  None when `position` does not nest a well-formed input state: the caller
-  refuses it, naming the field.
-  """
-  if not isinstance(position, Mapping):
-    return None
-  state = position.get(INPUT)
-  if _is_state(state):  # a validated state: the input's is an IteratorState
-    if state.kind != INPUT_KIND:
-      return None
-    return state.fingerprint, state.position, {k: v for k, v in position.items() if k != INPUT}
-  if (
-      not isinstance(state, Mapping) or set(state) - {CONTENT} != {"kind", "fingerprint", "position"}
-      or state["kind"] != INPUT_KIND or not isinstance(state["fingerprint"], Mapping)
-      or not isinstance(state["position"], Mapping)
-  ):
-    return None
-  return state["fingerprint"], state["position"], {k: v for k, v in position.items() if k != INPUT}
-
-
-def _is_state(value: Any) -> bool:
-  # An IteratorState, without importing `state` (which imports this module).
-  return type(value).__name__ == "IteratorState" and hasattr(value, "nested_dict")
-
-
 def migrate_learner_v1(fields: Mapping[str, Any]) -> dict[str, Any]:
   """A format-1 learner state (kind "tunix") with its input's state nested.
 
@@ -935,48 +925,29 @@ def migrate_learner_v1(fields: Mapping[str, Any]) -> dict[str, Any]:
   return result
 
 
-def input_view(
-    kind: str, fingerprint: Mapping[str, Any], position: Any
-) -> tuple[Mapping[str, Any], Any, dict[str, Any]]:
-  """(the input's fingerprint, its position, the learner's own position fields) of any state.
-
-  A data or repeat state is its own input; a learner's nests it (format 2,
-  which every older state is migrated to on read). A learner state whose
-  position nests nothing well-formed shows its whole position as the input's.
-  """
-  if kind == "tunix":
-    parts = split_learner_position(position)
-    if parts is not None:
-      return parts
-  if kind == "repeat" and isinstance(position, Mapping) and _is_state(position.get("parent")):
-    part = position["parent"]
-    return part.fingerprint, part.position, {}
-  return fingerprint, position, {}
-
-
 def input_stream_skips(value: "IteratorState", *, origin: str) -> _records.Skips:
   """The skips of a state's input, its stream fields checked as its restore checks them.
 
-  `_records.check_stream_fields` of `input_view`: what the read-only CLI
+  `_records.check_stream_fields` of its innermost state: what the read-only CLI
   (`verify`, `which`, `order`, `audit`) asks of every state it reads, so it
   refuses each field a restore refuses, with the restore's message.
 
   Raises:
     InvalidStateError: a stream field of the input is malformed (the message names it).
   """
-  fingerprint, position, _ = input_view(value.kind, value.fingerprint, value.position)
-  return _records.check_stream_fields(fingerprint, position, origin=origin)
+  inner = value.innermost
+  return _records.check_stream_fields(inner.fingerprint, inner.position, origin=origin)
 
 
-def flat_fingerprint(kind: str, fingerprint: Mapping[str, Any], position: Any) -> dict[str, Any]:
+def flat_fingerprint(value: "IteratorState") -> dict[str, Any]:
   """Every fingerprint field of a state in one dict: the input's as `input.<name>` in a learner's, a
   repeat state's source's beside its own."""
-  input_fingerprint, _, _ = input_view(kind, fingerprint, position)
-  if input_fingerprint is fingerprint:
-    return dict(fingerprint)
-  if kind == "repeat":  # its own three fields never collide with its source's
-    return {**input_fingerprint, **fingerprint}
-  return {**{f"{INPUT}.{k}": v for k, v in input_fingerprint.items()}, **fingerprint}
+  inner = value.innermost
+  if inner is value:
+    return dict(value.fingerprint)
+  if value.kind == "repeat":  # its own three fields never collide with its source's
+    return {**inner.fingerprint, **value.fingerprint}
+  return {**{f"{INPUT}.{k}": v for k, v in inner.fingerprint.items()}, **value.fingerprint}
 
 
 # ---------------------------------------------------------------------------
@@ -987,11 +958,12 @@ def flat_fingerprint(kind: str, fingerprint: Mapping[str, Any], position: Any) -
 LEARNER_POSITION_FIELDS = ("micro_batches_taken", "stream_rows", "prompt_index")
 
 
-def position_fields(kind: str, fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> dict[str, Any]:
+def position_fields(value: "IteratorState") -> dict[str, Any]:
   """Where the input is: next_record with epoch and record in it, and a mixture's ledger (per source:
   records read, epoch, record in it); or a hand-built pipeline's next_index (with epoch and batch in
   it when its fingerprint says how many batches an epoch has). And a learner's own counts."""
-  fingerprint, source_position, own = input_view(kind, fingerprint, position)
+  inner, own = value.innermost, value.own_position
+  fingerprint, source_position = inner.fingerprint, inner.position
   fields: dict[str, Any] = {name: own[name] for name in LEARNER_POSITION_FIELDS if name in own}
   if not isinstance(source_position, Mapping):
     return fields
@@ -1064,7 +1036,7 @@ def position_text(kind: str, fields: Mapping[str, Any], position: Any) -> str:
 
 def summary_line(value: IteratorState) -> str:
   """One line: where the state continues, its learner counts and pending items."""
-  fields = position_fields(value.kind, value.fingerprint, value.position)
+  fields = position_fields(value)
   parts = [position_text(value.kind, fields, value.position)]
   parts += [f"{name} {fields[name]}" for name in LEARNER_POSITION_FIELDS if name in fields]
   if value.pending is not None:

@@ -502,8 +502,8 @@ def run_which(args: argparse.Namespace) -> int:
     answer = _which.which_batch(layout, args.batch, args.process)
   files = None
   if args.source:
-    fingerprint, _ = _which.datamap.input_part(_which.States(layout, args.process)[
-        answer.step if answer.step is not None else layout.steps[-1]])
+    fingerprint = _which.States(layout, args.process)[
+        answer.step if answer.step is not None else layout.steps[-1]].innermost.fingerprint
     files = _which.SourceFiles(args.source, fingerprint)
   if args.json:
     print(json.dumps(_which.answer_json(answer, files), indent=1))

@@ -234,7 +234,8 @@ def _read_step(
 
 def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved:
   value = codec.header_state(header, origin=origin)
-  input_fingerprint, input_position, own = state_lib.input_view(value.kind, value.fingerprint, value.position)
+  inner, own = value.innermost, value.own_position
+  input_fingerprint, input_position = inner.fingerprint, inner.position
   next_record = input_position.get(_records.NEXT_RECORD) if isinstance(input_position, Mapping) else None
   return Saved(
       skips=state_lib.input_stream_skips(value, origin=origin),  # a restore's refusal is an unreadable state
@@ -245,7 +246,7 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
       progress=_progress(value),
       lineage=value.lineage or item_lib.empty(),
       counters=value.counters,
-      fingerprint=state_lib.flat_fingerprint(value.kind, value.fingerprint, value.position),
+      fingerprint=state_lib.flat_fingerprint(value),
       remaining=0 if value.pending is None else len(value.pending.schedule),
       saved_step=_saved_step(header, origin),
       run=item_lib.run_of(value.lineage),
@@ -276,7 +277,7 @@ def _progress(value: state_lib.IteratorState) -> int | None:
   """How far the state is into its stream, as one number (None when its position has none)."""
   if value.kind == "repeat":
     return value.counters.get("yielded")
-  _, position, own = state_lib.input_view(value.kind, value.fingerprint, value.position)
+  position, own = value.innermost.position, value.own_position
   for name in ("stream_rows", "prompt_index"):  # Tunix RL, agentic: prompts consumed
     if state_lib.is_int(own.get(name)):
       return own[name]

@@ -354,17 +354,16 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
   """
   value = codec.header_state(header, origin=origin)
   specs = codec.array_specs(header, origin=origin)
-  input_fingerprint, _, _ = state_lib.input_view(value.kind, value.fingerprint, value.position)
-  skips = _records.Skips.from_text(input_fingerprint.get(_records.SKIPS_FIELD), origin=origin)
+  skips = _records.Skips.from_text(value.innermost.fingerprint.get(_records.SKIPS_FIELD), origin=origin)
   return {
       "format_version": header.get("format_version", 0),
       "kind": value.kind,
       "position": value.to_dict()["position"],
-      **position_fields(value.kind, value.fingerprint, value.position),
+      **position_fields(value),
       "shuffle_key": None if value.shuffle_key is None else list(value.shuffle_key),
       "pending": _pending_summary(header.get("pending"), value.pending, specs),
       "counters": dict(value.counters),
-      "fingerprint": state_lib.flat_fingerprint(value.kind, value.fingerprint, value.position),
+      "fingerprint": state_lib.flat_fingerprint(value),
       "content": None if value.content is None else value.content.get("check"),
       "resumes": 0 if value.lineage is None else value.lineage["resumes"],
       "last_resume_from": (value.lineage["recent"][-1]["step"]

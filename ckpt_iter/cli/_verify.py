@@ -182,8 +182,8 @@ def defining_differences(
     a: state_lib.IteratorState, b: state_lib.IteratorState
 ) -> dict[str, tuple[Any, Any]]:
   """Kind and fingerprint fields (per-process ones excluded) that differ."""
-  fields_a = {"kind": a.kind, **state_lib.flat_fingerprint(a.kind, a.fingerprint, a.position)}
-  fields_b = {"kind": b.kind, **state_lib.flat_fingerprint(b.kind, b.fingerprint, b.position)}
+  fields_a = {"kind": a.kind, **state_lib.flat_fingerprint(a)}
+  fields_b = {"kind": b.kind, **state_lib.flat_fingerprint(b)}
   return {
       name: (fields_a.get(name, inspection.ABSENT), fields_b.get(name, inspection.ABSENT))
       for name in sorted(set(fields_a) | set(fields_b))

@@ -307,8 +307,7 @@ def input_part(
     InvalidStateError: the position nests no input state (or, with
       `learner_fields=False`, holds more than it).
   """
-  part = value.part
-  own = {k: v for k, v in value.position.items() if k != INPUT}
+  part, own = value.part, value.own_position
   if part is None or (own and not learner_fields):
     fields = ", ...the learner's fields" if learner_fields else ""
     raise errors.InvalidStateError(

@@ -520,8 +520,7 @@ class DataSession:
     _LOG.info(
         "ckpt_iter: restored the data state of step %d: %s; %d pending trainer inputs, "
         "%d more mini-batches in this global step%s; content check: %s.",
-        step, state_lib.position_text(value.kind, state_lib.position_fields(
-            value.kind, value.fingerprint, value.position), value.position),
+        step, state_lib.position_text(value.kind, state_lib.position_fields(value), value.position),
         len(value.pending or ()), remaining,
         "" if rollout_params is None else ", the rollout weights of the last sync",
         content_check,

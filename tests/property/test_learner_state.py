@@ -11,6 +11,7 @@ import json
 from hypothesis import assume, given, settings, strategies as st
 
 from ckpt_iter import _item as item_lib
+from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
 # Each family's own fingerprint fields as format 1 wrote them (a sample: the
@@ -70,9 +71,7 @@ def test_a_format_1_learner_state_reads_nested_with_nothing_lost_or_misplaced(dr
   value = state_lib.IteratorState.from_dict(json.loads(json.dumps(header)), origin="drawn")
   assert value.format_version == state_lib.FORMAT_VERSION
   assert isinstance(value.part, state_lib.IteratorState) and value.part.kind == "data"
-  parts = state_lib.split_learner_position(value.position)
-  assert parts is not None
-  input_fingerprint, input_position, own = parts
+  input_fingerprint, input_position, own = value.innermost.fingerprint, value.innermost.position, value.own_position
   # Each field on its side: the learner's own (named by format 1's list), the rest the input's.
   assert family in value.fingerprint
   assert set(input_fingerprint) == {k for k in header["fingerprint"] if not (
@@ -82,9 +81,9 @@ def test_a_format_1_learner_state_reads_nested_with_nothing_lost_or_misplaced(dr
     assert (dict(input_position), own) == (header["position"], {})
   else:
     assert {input_key: input_position, **own} == header["position"]
-  # The CLI's one view of a state finds the same input.
-  assert state_lib.input_view("tunix", value.fingerprint, value.position) == parts
-  flat = state_lib.flat_fingerprint("tunix", value.fingerprint, value.position)
+  # The one way down a state finds the nested input.
+  assert value.innermost is value.part
+  flat = state_lib.flat_fingerprint(value)
   assert len(flat) == len(header["fingerprint"])
   # A resume format 1 recorded from this state is still recognised by the audit.
   as_written = item_lib.state_digest(state_lib.validated(json.loads(json.dumps(header)), "drawn"))
@@ -99,9 +98,9 @@ def test_nesting_then_splitting_gives_back_each_part(input_fingerprint, input_po
                                   position={"input": part, **learner_position})
   read = state_lib.IteratorState.from_dict(json.loads(json.dumps(value.to_dict())))
   assert read.format_version == state_lib.FORMAT_VERSION and read == value and read.part == part
-  fingerprint, saved_position, own = state_lib.split_learner_position(read.position)
-  assert (dict(fingerprint), own) == (input_fingerprint, learner_position)
-  assert dict(saved_position) == input_position
+  inner = read.innermost
+  assert (dict(inner.fingerprint), read.own_position) == (input_fingerprint, learner_position)
+  assert dict(inner.position) == input_position
 
 
 @given(st.one_of(st.none(), st.integers(), st.lists(st.integers(), max_size=2),
@@ -112,4 +111,9 @@ def test_a_position_without_a_well_formed_input_state_is_not_split(nested):
       isinstance(nested, dict) and set(nested) == {"kind", "fingerprint", "position"}
       and nested["kind"] == "data" and nested["fingerprint"] == {} and nested["position"] == {})
   assume(not well_formed)
-  assert state_lib.split_learner_position({"input": nested, "micro_batches_taken": 0}) is None
+  try:
+    value = state_lib.IteratorState(kind="tunix", fingerprint={"learner": "x"},
+                                    position={"input": nested, "micro_batches_taken": 0})
+  except errors.InvalidStateError:
+    return  # refused, naming the field
+  assert value.part is None and value.innermost is value and value.own_position == {}

@@ -150,7 +150,7 @@ def test_a_state_whose_rows_user_code_computes_names_the_python_api(kind, fragme
   iterator = ckpt_iter.DataIterator(pipeline)
   last = next(iterator)
   value = iterator.state()
-  fingerprint, position = datamap.input_part(value)
+  fingerprint, position = value.innermost.fingerprint, value.innermost.position
   with pytest.raises(errors.UnsupportedConfigError) as info:
     datamap.Stream(fingerprint, position, origin="step 1")
   assert fragment in str(info.value) and "ckpt_iter.which(pipeline, state)" in str(info.value)
