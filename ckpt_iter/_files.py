@@ -251,7 +251,10 @@ def check_item_directory(directory: str) -> None:
   if _storage.is_url(directory):
     return
   directory = os.path.normpath(os.fspath(directory))
-  root = os.path.dirname(os.path.dirname(directory)) or os.curdir
+  step_directory = os.path.dirname(directory)
+  if not os.path.islink(directory) and not os.path.islink(step_directory):
+    return  # <root>/<step>/<item> with no link below the root: inside it (two lstat calls, not two realpaths)
+  root = os.path.dirname(step_directory) or os.curdir
   real_root, real = os.path.realpath(root), os.path.realpath(directory)
   if real == real_root or real.startswith(os.path.join(real_root, "")):
     return

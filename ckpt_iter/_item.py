@@ -56,7 +56,7 @@ def state_digest(value: state_lib.IteratorState) -> str:
   the restore compute the same value.
   """
   return _digest_of_fields(
-      value.kind, value.fingerprint, codec.position_to_json(value.to_dict()["position"]),
+      value.kind, value.fingerprint, codec.position_to_json(value.position_dict()),
       value.shuffle_key, None if value.pending is None else value.pending.schedule, value.counters,
   )
 
@@ -104,7 +104,7 @@ def _written_digest(header: Mapping[str, Any]) -> str | None:
 
 
 def _value_digest(value: state_lib.IteratorState) -> str:
-  position = codec.position_to_json(codec.position_from_json(value.to_dict()["position"]))
+  position = codec.position_to_json(codec.position_from_json(value.position_dict()))
   return _digest_of_fields(
       value.kind, value.fingerprint, position, value.shuffle_key,
       None if value.pending is None else value.pending.schedule, value.counters,
@@ -195,7 +195,8 @@ def resumed(
 ) -> state_lib.IteratorState:
   """`restored` with the resume from `step` added to its lineage."""
   entry = resume_entry(restored, step, resized=resized)
-  return restored.with_lineage(extended(restored.lineage, entry))
+  # The restored lineage was validated when it was read: only the new entry is checked.
+  return state_lib.extended_lineage(restored, extended(restored.lineage, entry), entry)
 
 
 def step_of_item_directory(directory: str) -> int | None:

@@ -227,6 +227,10 @@ class IteratorState:
     key = NESTED[self.kind]
     return {k: v for k, v in self.position.items() if k != key}
 
+  def position_dict(self) -> Any:
+    """The position as `to_dict()` gives it (new mutable dicts), without copying the rest."""
+    return _thawed(self.position)
+
   def to_dict(self) -> dict[str, Any]:
     """Returns the Grain-protocol dict form (format_version first), as new mutable dicts."""
     pending = None
@@ -478,35 +482,86 @@ _SEGMENT_ENTRY_FIELDS = {"record": 0, "batch_size": 1, "process_count": 1}
 
 def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
   """`lineage`: {"resumes": int, "digest": str, "recent": [{"step": int|None, "state": str, ...}],
-  "run": int (optional: the step of the run's first save)}."""
+  "run": int (optional: the step of the run's first save)}.
+
+  One pass over the entries, each a flat dict of JSON scalars (a restore reads
+  up to MAX_LINEAGE_RECENT of them: the walk `_checked_copy` does for any
+  field cost 15 us per entry here).
+  """
   lineage = _decoded_text(lineage, "lineage", origin)
   if lineage is None:
     return None
   recent = lineage.get("recent") if isinstance(lineage, Mapping) else None
+  entries = None
   if (
-      not isinstance(lineage, Mapping)
-      or set(lineage) - {LINEAGE_RUN} != {"resumes", "digest", "recent"}
-      or not (LINEAGE_RUN not in lineage or (_is_int(lineage[LINEAGE_RUN]) and lineage[LINEAGE_RUN] >= 0))
-      or not _is_int(lineage["resumes"]) or lineage["resumes"] < 0
-      or not isinstance(lineage["digest"], str)
-      or not isinstance(recent, (list, tuple))
-      or len(recent) > min(MAX_LINEAGE_RECENT, lineage["resumes"])
-      or not all(
-          isinstance(entry, Mapping) and isinstance(entry.get("state"), str)
-          and (entry.get("step") is None or _is_int(entry.get("step")))
-          and all(entry.get(name) is None or (_is_int(entry[name]) and entry[name] >= low)
-                  for name, low in _SEGMENT_ENTRY_FIELDS.items())
-          and all(is_json_scalar(v) for v in entry.values())
-          for entry in recent
-      )
+      isinstance(lineage, Mapping)
+      and set(lineage) - {LINEAGE_RUN} == {"resumes", "digest", "recent"}
+      and (LINEAGE_RUN not in lineage or (_is_int(lineage[LINEAGE_RUN]) and lineage[LINEAGE_RUN] >= 0))
+      and _is_int(lineage["resumes"]) and lineage["resumes"] >= 0
+      and _valid_text(lineage["digest"])
+      and isinstance(recent, (list, tuple))
+      and len(recent) <= min(MAX_LINEAGE_RECENT, lineage["resumes"])
   ):
+    entries = [_checked_entry(entry) for entry in recent]
+  if entries is None or None in entries:
     raise errors.InvalidStateError(
         f"{origin}: field 'lineage' must be {{'resumes': int, 'digest': str, 'recent': "
         f"[at most {MAX_LINEAGE_RECENT} {{'step': int, 'state': str[, 'record': int >= 0, 'batch_size': "
         "int >= 1, 'process_count': int >= 1]}], 'run': step (optional)}, "
         f"got {_short(lineage)}."
     )
-  return FrozenDict(_checked_copy(lineage, "lineage", origin))
+  result = {"resumes": int(lineage["resumes"]), "digest": lineage["digest"], "recent": entries}
+  if LINEAGE_RUN in lineage:
+    result[LINEAGE_RUN] = int(lineage[LINEAGE_RUN])
+  return FrozenDict(result)
+
+
+def _valid_text(value: Any) -> bool:
+  """A str that is valid Unicode (no lone surrogate, which JSON's escapes can make)."""
+  if type(value) is not str and not isinstance(value, str):
+    return False
+  if value.isascii():
+    return True
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
+def _checked_entry(entry: Any) -> dict[str, Any] | None:
+  """A copy of one resume entry, or None when it is malformed."""
+  if not isinstance(entry, Mapping):
+    return None
+  for key, value in entry.items():
+    kind = type(value)
+    if kind is str:
+      if not value.isascii() and not _valid_text(value):
+        return None
+    elif not (kind is int or value is None or is_json_scalar(value)):
+      return None
+    if type(key) is not str or (not key.isascii() and not _valid_text(key)):
+      return None
+  copy = dict(entry)
+  step = copy.get("step")
+  if type(copy.get("state")) is not str or not (step is None or _is_int(step)):
+    return None
+  for name, low in _SEGMENT_ENTRY_FIELDS.items():
+    value = copy.get(name)
+    if value is not None and not (_is_int(value) and value >= low):
+      return None
+  return copy
+
+
+def extended_lineage(value: "IteratorState", lineage: Mapping[str, Any], entry: Mapping[str, Any]) -> "IteratorState":
+  """`value` with `lineage` (its own lineage, validated, with `entry` appended by `_item.extended`): only
+  the new entry is checked."""
+  if _checked_entry(entry) is None:
+    raise errors.InvalidStateError(f"IteratorState: resume entry {_short(dict(entry))} is malformed.")
+  result = object.__new__(type(value))
+  result.__dict__.update(value.__dict__)
+  object.__setattr__(result, "lineage", FrozenDict(lineage))
+  return result
 
 
 class FrozenDict(dict):

@@ -1,0 +1,147 @@
+"""Q20: one process's restore CPU against Grain's own handler, fresh and after 64 restarts; the state's bytes.
+
+The same pipeline both ways: `make_dataset` (what ckpt_iter restores) and
+its plain Grain equivalent `MapDataset.source(records).shuffle(seed).repeat()
+.batch(8)` read with `ReadOptions(num_threads=0)` (what Grain's
+`CheckpointHandler` restores). Each restore reads the step's file and moves a
+fresh iterator there, through the handler's `restore` (no Orbax manager
+around either, so the ratio is the handlers' own). CPU time
+(`time.process_time`) per restore, the median of interleaved rounds of
+`ROUNDS` restores each: the machines are shared, so only same-run ratios count.
+
+States (ckpt_iter's), the pipeline restored into unchanged:
+
+  fresh       a run never resumed, 5 batches read;
+  restarts64  the same run after 64 restores from its last step (a resume
+              record each, the lineage at its cap), 5 batches read;
+  mixture8    restarts64 over a mixture of 8 sources with 10 skip ranges.
+
+Restores without the content check (Grain checks none) and, separately, with
+it (the default: one batch produced again). `state_bytes` is what the process
+writes (its JSON header; no pending arrays here).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import _common
+import grain
+from etils import epath
+from grain import checkpoint as grain_checkpoint
+
+import ckpt_iter
+from ckpt_iter import checkpoint as checkpoint_lib
+
+RECORDS = [{"id": i, "text": f"record {i}"} for i in range(1000)]
+SOURCES = {f"s{k}": [{"id": 1000 * k + i, "text": f"record {i}"} for i in range(200)] for k in range(8)}
+RESTARTS = 64
+ROUNDS = 100
+
+
+def pipeline(kind: str):
+  if kind == "mixture8":
+    return ckpt_iter.make_dataset(SOURCES, weights={name: 1 + k % 3 for k, name in enumerate(SOURCES)},
+                                  batch_size=8, seed=0, num_epochs=None,
+                                  skip=[(500 + 40 * k, 500 + 40 * k + 3) for k in range(10)])
+  return ckpt_iter.make_dataset(RECORDS, batch_size=8, seed=0, num_epochs=None)
+
+
+def write_state(kind: str, root: str) -> str:
+  """The step a run of `kind` saved last: 5 batches read, after its restarts."""
+  handler = checkpoint_lib.IteratorCheckpointHandler(0, 1)
+  restarts = 0 if kind == "fresh" else RESTARTS
+  step = 0
+  iterator = ckpt_iter.DataIterator(pipeline(kind))
+  for _ in range(restarts + 1):
+    if step:
+      iterator = ckpt_iter.DataIterator(pipeline(kind))
+      handler.restore(os.path.join(root, str(step), "data"), ckpt_iter.IteratorRestore(iterator))
+    next(iterator)
+    step += 1
+    item = os.path.join(root, str(step), "data")
+    os.makedirs(item)
+    handler.save(item, ckpt_iter.IteratorSave(iterator))
+  for _ in range(4):
+    next(iterator)
+  step += 1
+  item = os.path.join(root, str(step), "data")
+  os.makedirs(item)
+  handler.save(item, ckpt_iter.IteratorSave(iterator))
+  return item
+
+
+def grain_item(root: str) -> epath.Path:
+  options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+  iterator = iter(grain.MapDataset.source(RECORDS).shuffle(seed=0).repeat().batch(8).to_iter_dataset(options))
+  for _ in range(5):
+    next(iterator)
+  path = epath.Path(root) / "grain"
+  path.mkdir()
+  grain_checkpoint.CheckpointHandler().save(path, args=grain_checkpoint.CheckpointSave(iterator))
+  return path
+
+
+def ours_cpu_us(kind: str, item: str, check_content: bool) -> float:
+  handler = checkpoint_lib.IteratorCheckpointHandler(0, 1)
+  target = ckpt_iter.DataIterator(pipeline(kind), check_content=check_content)
+  started = time.process_time()
+  for _ in range(ROUNDS):
+    handler.restore(item, ckpt_iter.IteratorRestore(target))
+  return (time.process_time() - started) / ROUNDS * 1e6
+
+
+def grain_cpu_us(path: epath.Path) -> float:
+  options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+  target = iter(grain.MapDataset.source(RECORDS).shuffle(seed=0).repeat().batch(8).to_iter_dataset(options))
+  handler = grain_checkpoint.CheckpointHandler()
+  started = time.process_time()
+  for _ in range(ROUNDS):
+    handler.restore(path, args=grain_checkpoint.CheckpointRestore(target))
+  return (time.process_time() - started) / ROUNDS * 1e6
+
+
+def main() -> None:
+  args = _common.parse_args(__doc__.splitlines()[0])
+  report = _common.Reporter("restore_cost", args.quick)
+  rounds = 3 if args.quick else 15
+  root = tempfile.mkdtemp(prefix="bench_restore_cost_")
+  try:
+    kinds = ["fresh", "restarts64", "mixture8"]
+    items = {kind: write_state(kind, os.path.join(root, kind)) for kind in kinds}
+    theirs = grain_item(root)
+    times: dict[str, list[float]] = {"grain": []}
+    for kind in kinds:
+      times[kind] = []
+      times[kind + "+content"] = []
+    for _ in range(rounds):  # interleaved: a load spike hits every case alike
+      times["grain"].append(grain_cpu_us(theirs))
+      for kind in kinds:
+        times[kind].append(ours_cpu_us(kind, items[kind], check_content=False))
+        times[kind + "+content"].append(ours_cpu_us(kind, items[kind], check_content=True))
+    grain_us = _common.median(times["grain"])
+    report.measurement(case="grain handler", restore_cpu_us=_common.rounded(grain_us))
+    checks = []
+    for kind in kinds:
+      size = os.path.getsize(os.path.join(items[kind], "process_0-of-1.json"))
+      plain, checked = _common.median(times[kind]), _common.median(times[kind + "+content"])
+      report.measurement(case=kind, restore_cpu_us=_common.rounded(plain),
+                         restore_checked_cpu_us=_common.rounded(checked), state_bytes=size,
+                         ratio_to_grain=_common.rounded(plain / grain_us, 3),
+                         checked_ratio_to_grain=_common.rounded(checked / grain_us, 3))
+      checks.append(_common.check(f"{kind}: restore CPU / Grain's handler (no content check)",
+                                  _common.rounded(plain / grain_us, 3), "<= 1.2", plain / grain_us <= 1.2))
+      checks.append(_common.check(f"{kind}: state bytes per process", size, "<= 1024", size <= 1024))
+    growth = _common.median(times["restarts64"]) / _common.median(times["fresh"])
+    checks.append(_common.check("restore CPU after 64 restarts / fresh", _common.rounded(growth, 3), "<= 1.1",
+                                growth <= 1.1))
+    report.summary(checks, load_average_end=_common.load_average())
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  main()
