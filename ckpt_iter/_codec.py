@@ -873,3 +873,17 @@ class _Builder:
 
 def _none(row: int) -> None:
   del row
+
+
+# ---------------------------------------------------------------------------
+# The repeat-order shuffle key (a JAX PRNG key's uint32 words) <-> the state's integers.
+
+
+def key_to_ints(key: np.ndarray | None) -> tuple[int, ...] | None:
+  """A shuffle key as the state's `shuffle_key` holds it."""
+  return None if key is None else tuple(int(k) for k in np.asarray(key).ravel())
+
+
+def key_from_ints(values: Sequence[int] | None) -> np.ndarray | None:
+  """The shuffle key a state's `shuffle_key` holds."""
+  return None if values is None else np.asarray(values, dtype=np.uint32)

@@ -284,6 +284,11 @@ def _interleave_state(next_index: int, num_workers: int) -> dict[str, Any]:
   }
 
 
+def has_workers(fingerprint: Mapping[str, Any]) -> bool:
+  """Whether a pipeline's fingerprint has an `mp_prefetch` node (worker processes)."""
+  return any(is_workers_field(name) for name in fingerprint)
+
+
 def is_workers_field(name: str) -> bool:
   """A `node[i].mp_prefetch.num_workers` field."""
   return name.startswith("node[") and name.endswith(f".{MP_PREFETCH}.{WORKERS_PARAM}")

@@ -48,7 +48,7 @@ RUN = state_lib.LINEAGE_RUN
 _START = "0" * 16  # the running digest of a run never resumed
 
 
-def state_digest(value: state_lib.IteratorState) -> str:
+def resume_digest(value: state_lib.IteratorState) -> str:
   """A digest of where `value` continues: what a resume entry records of it.
 
   Computable from a header alone (pending items are not read: the schedule
@@ -62,7 +62,7 @@ def state_digest(value: state_lib.IteratorState) -> str:
 
 
 def header_digest(header: Mapping[str, Any], *, origin: str) -> str:
-  """`state_digest` of the state a header holds, without reading its arrays."""
+  """`resume_digest` of the state a header holds, without reading its arrays."""
   return _value_digest(codec.header_state(header, origin=origin))
 
 
@@ -92,7 +92,7 @@ def header_digests(
 
 
 def _written_digest(header: Mapping[str, Any]) -> str | None:
-  """`state_digest` of a header of an older format as that format read it (no reshaping), or None."""
+  """`resume_digest` of a header of an older format as that format read it (no reshaping), or None."""
   pending = header.get("pending")
   schedule = pending.get("schedule") if isinstance(pending, Mapping) else None
   try:
@@ -124,7 +124,7 @@ def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counte
 
 def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized: bool = False) -> dict[str, Any]:
   """The entry a restore of `restored` from checkpoint `step` adds."""
-  entry: dict[str, Any] = {"step": step, "state": state_digest(restored)}
+  entry: dict[str, Any] = {"step": step, "state": resume_digest(restored)}
   entry.update(segment_fields(restored))
   if resized:
     entry["resized"] = True  # restored by another process count (elastic)
@@ -324,7 +324,7 @@ def snapshot(item: Any, step: int | None = None) -> tuple[dict[str, Any], dict[s
   """Takes the state of `item` now, saved in checkpoint `step`: a JSON header and copies of its arrays.
 
   A ckpt_iter iterator's first save names its run after `step`
-  (`lineage.started`); the iterator keeps that lineage for later saves.
+  (`_item.started`); the iterator keeps that lineage for later saves.
 
   The only copy of the pending arrays a save makes: each leaf copied once to
   host, into its group's stacked array (`_codec.encode_items`; a JAX array

@@ -441,7 +441,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
   @property
   def _has_workers(self) -> bool:
-    return any(_graph.is_workers_field(name) for name in self._fingerprint)
+    return _graph.has_workers(self._fingerprint)
 
   def _start_prefetch(self) -> None:
     """Starts the worker processes now, not at the first next() (google/grain#1211).

@@ -10,11 +10,12 @@ the repeat-order rule shared with the Tunix integration.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection
 
 import jax
 import numpy as np
 
+from ckpt_iter import _codec as codec
 from ckpt_iter import errors
 from ckpt_iter import _item as item_lib
 from ckpt_iter import iterator as iterator_lib
@@ -59,12 +60,7 @@ def repeat_schedule(
   return schedule, key
 
 
-def key_to_ints(key: np.ndarray | None) -> tuple[int, ...] | None:
-  return None if key is None else tuple(int(k) for k in np.asarray(key).ravel())
-
-
-def key_from_ints(values: Sequence[int] | None) -> np.ndarray | None:
-  return None if values is None else np.asarray(values, dtype=np.uint32)
+key_to_ints, key_from_ints = codec.key_to_ints, codec.key_from_ints
 
 
 class RepeatIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):

@@ -64,11 +64,6 @@ NESTED = {"repeat": "parent", "tunix": "input"}
 REPEAT_FIELDS = ("num_repeats", "group_size", "shuffle_seed")
 
 
-def written_version(kind: str) -> int:
-  """The format_version a state of `kind` is written with: the one place that decides it."""
-  del kind  # every kind is written in the current format
-  return FORMAT_VERSION
-
 # Fail fast on absurd inputs instead of allocating for them.
 MAX_PENDING_ITEMS = 1_000_000
 MAX_SCHEDULE_LENGTH = 10_000_000
@@ -131,7 +126,7 @@ class IteratorState:
     format_version: the format this value follows.
     content: a digest of the element produced last (`_drift.content_digest`), which
       a restore produces again and compares; or why it cannot; or None.
-    lineage: the resumes of the run that wrote it (`lineage.extended`), or None.
+    lineage: the resumes of the run that wrote it (`_item.extended`), or None.
 
   `content` and `lineage` describe how the state came about, not where the
   stream continues: equality and hashing leave them out.
@@ -164,7 +159,7 @@ class IteratorState:
       )
     for name, value in fields.items():
       object.__setattr__(self, name, value)
-    object.__setattr__(self, "format_version", written_version(fields["kind"]))
+    object.__setattr__(self, "format_version", FORMAT_VERSION)
 
   @classmethod
   def _from_checked(cls, fields: Mapping[str, Any]) -> "IteratorState":
@@ -174,7 +169,7 @@ class IteratorState:
     object.__setattr__(value, "lineage", None)
     for name, field_value in fields.items():
       object.__setattr__(value, name, field_value)
-    object.__setattr__(value, "format_version", written_version(fields["kind"]))
+    object.__setattr__(value, "format_version", FORMAT_VERSION)
     return value
 
   def with_lineage(self, lineage: Mapping[str, Any]) -> "IteratorState":
@@ -879,7 +874,7 @@ class RestorableIterator:
     return self.state().with_lineage(None)
 
   def keep_lineage(self, lineage: Mapping[str, Any] | None) -> None:
-    """Called by the save handlers after a save named this run (`lineage.started`):
+    """Called by the save handlers after a save named this run (`_item.started`):
     the iterator's later states carry that lineage."""
     self._lineage = lineage
 

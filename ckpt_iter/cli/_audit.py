@@ -69,14 +69,14 @@ class Saved:
   process_index: int
   process_count: int
   kind: str
-  digests: tuple[str, ...]  # the first is the current format's (`lineage.header_digests`)
+  digests: tuple[str, ...]  # the first is the current format's (`_item.header_digests`)
   progress: int | None  # elements (data), items yielded (repeat), prompts (Tunix)
   lineage: Mapping[str, Any]
   counters: Mapping[str, int]
   fingerprint: Mapping[str, Any]  # every field, a learner's input's as `input.<name>`
   remaining: int  # pending items still to be yielded
   saved_step: int | None  # the step it was written in, when the writer recorded it
-  run: int | None  # the step its run first saved at (`lineage.run_of`), when recorded
+  run: int | None  # the step its run first saved at (`_item.run_of`), when recorded
   skips: _records.Skips = _records.NO_SKIPS  # the records its run skips (`_records.Skips`)
   next_record: int | None = None  # its input's stream position, where the position counts stream records
   # A Tunix learner inside a full batch (micro-batches of it taken): the stream record after that batch,

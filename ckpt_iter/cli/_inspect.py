@@ -135,7 +135,7 @@ def _committed(root: str, name: str) -> bool:
 def step_directories(directory: str, *, committed: bool = True) -> dict[int, str]:
   """Step -> directory name of the step directories of `directory`.
 
-  Named as Orbax names them (`lineage.step_of_directory_name`: the number,
+  Named as Orbax names them (`_item.step_of_directory_name`: the number,
   zero-padded, or after a `step_prefix`); Orbax's tmp directories are not steps.
   At a URL, `committed` keeps only those with Orbax's commit file (one
   request each).

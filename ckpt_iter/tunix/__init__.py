@@ -116,7 +116,7 @@ class Resumable:
       # positionally) the key it made, as integers.
       self._ci_data_shuffle_seed = kwargs.get(
           "data_shuffle_seed",
-          None if self._ci_initial_key is None else list(repeat_lib.key_to_ints(self._ci_initial_key)),
+          None if self._ci_initial_key is None else list(codec.key_to_ints(self._ci_initial_key)),
       )
       self._ci_session: _session.DataSession | None = None
 
@@ -223,7 +223,7 @@ class Resumable:
         )
     finally:
       mini_batch.position_after = session.input.unsettled_position()
-      mini_batch.key_after = repeat_lib.key_to_ints(session.key)
+      mini_batch.key_after = codec.key_to_ints(session.key)
       mini_batch.done.set()
       data_queue.put(None)
 

@@ -21,9 +21,9 @@ from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
 from ckpt_iter import _drift
+from ckpt_iter import _codec as codec
 from ckpt_iter import errors
 from ckpt_iter import _item as item_lib
-from ckpt_iter import repeat as repeat_lib
 from ckpt_iter import state as state_lib
 
 _LOG = logging.getLogger("ckpt_iter")
@@ -305,7 +305,7 @@ class DataSession:
       # gets; the state records the step before it, as every other save does.
       mid_global_step = bool(pending_items) or remaining > 0
       global_steps = learner.rl_cluster.global_steps - (0 if mid_global_step else 1)
-      position, key = self.input.position(), repeat_lib.key_to_ints(self.key)
+      position, key = self.input.position(), codec.key_to_ints(self.key)
     else:
       if not mini_batch.done.wait(_PRODUCER_TIMEOUT_SECONDS):
         raise errors.CkptIterError(
@@ -494,7 +494,7 @@ class DataSession:
     on_device = [items.to_device(learner, item, origin) for item in saved_items]
     # All checks passed and everything is read: apply.
     content_check = move_input()
-    self.key = repeat_lib.key_from_ints(value.shuffle_key)
+    self.key = codec.key_from_ints(value.shuffle_key)
     self.lineage = value.lineage
     if value.pending is not None:
       self._restored_pending = [on_device[i] for i in value.pending.schedule]

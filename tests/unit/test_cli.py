@@ -152,7 +152,7 @@ def test_inspect_step_and_json(capsys, data_ckpt):
   report = json.loads(out)
   assert (report["step"], report["steps"], report["item"]) == (3, [0, 3, 5], "data")
   (process,) = report["processes"]
-  assert process["format_version"] == ckpt_iter.state.written_version("data") == ckpt_iter.FORMAT_VERSION
+  assert process["format_version"] == ckpt_iter.FORMAT_VERSION
   assert (process["kind"], process["next_record"], process["epoch"]) == ("data", 6, 0)
   assert process["fingerprint"] == ckpt_iter.DataIterator(_dataset()).fingerprint
   assert process["pending"] is None and process["shuffle_key"] is None

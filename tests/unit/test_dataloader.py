@@ -50,7 +50,7 @@ def test_state_is_a_versioned_value_and_grain_bytes_restore_too():
   iterator = ckpt_iter.DataLoaderIterator(_loader())
   _ids(iterator, 2)
   state = iterator.get_state()
-  assert state["format_version"] == ckpt_iter.state.written_version("data") and state["kind"] == "data"
+  assert state["format_version"] == ckpt_iter.FORMAT_VERSION and state["kind"] == "data"
   assert state["fingerprint"]["loader.op[0].batch_size"] == 2
   json.dumps(state)  # JSON all the way
   grain_bytes = iterator._inner.get_state()  # pylint: disable=protected-access

@@ -177,7 +177,7 @@ def test_bare_grain_state_migrates_from_version_0():
 
   value = state_lib.IteratorState.from_dict(bare)
 
-  assert value.format_version == state_lib.written_version("data") == state_lib.FORMAT_VERSION
+  assert value.format_version == state_lib.FORMAT_VERSION
   assert value.kind == "data"
   assert value.fingerprint == {}
   assert value.position == {"next_index": 4}
