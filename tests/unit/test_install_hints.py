@@ -50,3 +50,12 @@ def test_reading_array_record_without_it_names_the_extra_and_the_floor(monkeypat
   with pytest.raises(errors.InvalidArgumentError) as e:
     sources.ArrayRecordSource(str(path))
   assert "pip install 'ckpt_iter[files]'" in str(e.value) and _requirement("array-record") in str(e.value), e.value
+
+
+def test_every_runtime_requirement_has_a_floor():
+  """What a user installs (the dependencies and the user-facing extras) names the lowest version it runs on."""
+  project = tomllib.loads((_REPO / "pyproject.toml").read_text())["project"]
+  extras = project["optional-dependencies"]
+  user_facing = [r for name in ("files", "hf", "gcs", "tunix", "plot") for r in extras[name]]
+  assert [r for r in project["dependencies"] + user_facing if ">=" not in r and "==" not in r] == []
+  assert "Programming Language :: Python :: 3.12" in project["classifiers"]
