@@ -665,8 +665,11 @@ def counts(records: int, shares: Sequence[int]) -> list[int]:
 
   The interleave: of the first n records, source 0 gives n - floor(n * W1 / W0)
   where W_i is the sum of the shares from source i on, and the rest are shared
-  the same way among sources 1, 2, ... So every prefix holds each source's
-  share up to rounding, the counts sum to n, and each is non-decreasing in n.
+  the same way among sources 1, 2, ... So the counts sum to n, each is
+  non-decreasing in n, every sum(shares) records each source gives exactly
+  its share, and in between source j gives fewer than n*s_j/S + 1 and no
+  fewer than n*s_j/S - j*s_j/W_j (S = W_0): a later source may trail its share by
+  up to j records (shares 1, 1, 3: after 2 records the third has 0 of 1.2).
   """
   remaining_records, remaining_share = records, sum(shares)
   result = []

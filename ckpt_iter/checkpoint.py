@@ -116,9 +116,12 @@ class IteratorRestore(ocp.args.CheckpointArgs):
   Attributes:
     item: the iterator to restore into, built from the same pipeline.
     allow_drift: fingerprint fields that may differ from the checkpoint's.
-    elastic: resume a make_dataset pipeline with another process count; the
-      global batch size must be the same (see
+    elastic: resume a make_dataset pipeline with another process count: any
+      count that divides the global batch, which may itself change, and the
+      run continues at the first stream record not read (see
       https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/multihost.md).
+      Grain's ElasticIterator resumes with another count at the same global
+      batch size.
   """
 
   item: Any

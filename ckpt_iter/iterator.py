@@ -187,6 +187,24 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
         lineage=self._lineage,
     )
 
+  def state_dict(self) -> dict[str, Any]:
+    """`get_state()` under the name torch and Hugging Face use: the state as a plain dict.
+
+    Save it with the model as you save a `state_dict()` (it is JSON-able; a
+    checkpoint item is better: `ckpt_iter.IteratorSave(iterator)` writes it
+    in the model's Orbax step). Restore with `load_state_dict`.
+    """
+    return self.get_state()
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    """`set_state(state)` under the name torch and Hugging Face use.
+
+    Checks `state` as `set_state` does before anything changes (another
+    pipeline raises `ConfigDriftError` naming the field), then continues the
+    stream exactly where `state_dict()` was taken.
+    """
+    self.set_state(state)
+
   def content(self) -> dict[str, Any] | None:
     """The content record a state taken now holds (`_drift.content_digest` of the last element)."""
     if not self._records_last:

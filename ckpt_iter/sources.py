@@ -405,7 +405,7 @@ class ArrayRecordSource:
     except ImportError as e:
       raise errors.InvalidArgumentError(
           f"reading .array_record files needs the array_record package ({e}). "
-          "Install it with: pip install array-record"
+          "Install it with: pip install 'ckpt_iter[files]' (or 'array-record>=0.8')"
       ) from None
     self._paths = [_storage.absolute(p) for p in paths]
 
@@ -717,7 +717,7 @@ def _import_pyarrow_parquet():
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise errors.InvalidArgumentError(
-        "reading .parquet files needs pyarrow. Install it with: pip install pyarrow"
+        "reading .parquet files needs pyarrow. Install it with: pip install 'ckpt_iter[files]' (or 'pyarrow>=15')"
     ) from None
   return pq
 

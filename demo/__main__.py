@@ -143,10 +143,34 @@ def main(argv: list[str] | None = None) -> int:
   _print_weights(reference.weights, stock.weights, ours.weights)
   if args.show_state:
     _print_inspect(preempted_root, step)
-  print(f"Checkpoints are in {workdir}: `ckpt-iter inspect {preempted_root} --step {step}` shows the "
-        f"data state ckpt_iter resumed from; `ckpt-iter audit {os.path.join(workdir, 'resumed_ckpt_iter')}` "
+  command = ckpt_iter_command()
+  print(f"Checkpoints are in {workdir}: `{command} inspect {preempted_root} --step {step}` shows the "
+        f"data state ckpt_iter resumed from; `{command} audit {os.path.join(workdir, 'resumed_ckpt_iter')}` "
         "proves its resume.")
   return 0
+
+
+def ckpt_iter_command() -> str:
+  """How to run `ckpt-iter` from here, as a command that works when pasted into this shell.
+
+  `make demo` runs `.venv/bin/python`, whose `ckpt-iter` script is in
+  `.venv/bin`, rarely on PATH: the script's path then (relative to the
+  working directory when under it), `ckpt-iter` only when PATH finds that
+  very script, and `python -m ckpt_iter` where the environment has none.
+  """
+  script = os.path.join(os.path.dirname(sys.executable), "ckpt-iter")
+  if not os.access(script, os.X_OK):
+    return f"{_shown_path(sys.executable)} -m ckpt_iter"
+  found = shutil.which("ckpt-iter")
+  if found and os.path.realpath(found) == os.path.realpath(script):
+    return "ckpt-iter"
+  return _shown_path(script)
+
+
+def _shown_path(path: str) -> str:
+  """`path` relative to the working directory when it is under it (`.venv/bin/x`), else absolute."""
+  relative = os.path.relpath(path)
+  return relative if not relative.startswith("..") and os.sep in relative else os.path.abspath(path)
 
 
 def _grpo_workload(args: argparse.Namespace) -> _Workload:
@@ -310,7 +334,7 @@ def _print_weights(reference: str | None, stock: str | None, ours: str | None) -
 
 
 def _print_inspect(root: str, step: int) -> None:
-  print(f"The data state saved in checkpoint {step} (`ckpt-iter inspect {root} --step {step}`):\n")
+  print(f"The data state saved in checkpoint {step} (`{ckpt_iter_command()} inspect {root} --step {step}`):\n")
   cli.main(["inspect", root, "--step", str(step)])
 
 

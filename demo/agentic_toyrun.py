@@ -1,4 +1,4 @@
-"""A toy agentic GRPO run on CPU: the workload of `ckpt-iter demo --learner agentic`.
+"""A toy agentic GRPO run on CPU: the workload of `make demo DEMO_ARGS='--learner agentic'`.
 
 Trains Tunix's ToyTransformer with `tunix.rl.agentic.agentic_grpo_learner.GRPOLearner`
 (stock) or ckpt_iter's drop-in `ResumableAgenticGRPOLearner` on a Grain MapDataset

@@ -1,4 +1,4 @@
-"""A toy Tunix GRPO run on CPU: the workload of `ckpt-iter demo` and the benchmarks.
+"""A toy Tunix GRPO run on CPU: the workload of `make demo` and the benchmarks.
 
 It uses the toy model and vocabulary that ship in the Tunix wheel
 (`tunix.tests.test_common`), a prompt set shipped in this package, and real

@@ -331,8 +331,9 @@ def _parquet_writer(f: BinaryIO, rows: Iterator[datamap.OrderRow]) -> None:
     import pyarrow as pa  # pylint: disable=g-import-not-at-top
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise errors.InvalidArgumentError("--out FILE.parquet needs pyarrow (pip install pyarrow); or write .jsonl.") \
-        from None
+    raise errors.InvalidArgumentError(
+        "--out FILE.parquet needs pyarrow (pip install 'ckpt_iter[files]', or 'pyarrow>=15'); or write .jsonl."
+    ) from None
   schema = pa.schema([("batch", pa.int64()), ("segment", pa.int64()), ("records", pa.list_(pa.int64())),
                       ("sources", pa.list_(pa.string())), ("stream_start", pa.int64()), ("stream_stop", pa.int64())])
   sink = _Counting(f)

@@ -6,6 +6,12 @@ runnable blocks, as a reader who typed them in order would), or
 `<!-- runnable: heavy -->` (on its own, in `make test-heavy`: a real Tunix
 training of a minute). Each must check something: it holds an `assert` or
 calls `testing.assert_...`.
+
+A page that walks through commands (docs/getting_started.md) marks a Python
+block `<!-- runnable: file NAME -->` (written to NAME) and shell blocks
+`<!-- runnable: shell -->`: they run in order in one fresh directory, each
+with `bash -eu`, where `python` and `ckpt-iter` are this environment's; the
+page's shell blocks must check something (a `diff`, `cmp` or `test`).
 """
 
 import os
@@ -18,6 +24,7 @@ import pytest
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 _MARKED = re.compile(r"<!-- runnable(: continues|: heavy)? -->\n```python\n(.*?)```", re.S)
+_WALKTHROUGH = re.compile(r"<!-- runnable: (?:file ([\w.-]+)|(shell)) -->\n```(?:python|sh)\n(.*?)```", re.S)
 
 
 def _programs() -> list[tuple[str, str]]:
@@ -55,3 +62,33 @@ def test_a_runnable_block_runs_as_written(name, program):
       [sys.executable, "-c", program], capture_output=True, text=True, timeout=600, cwd="/", env=env,
   )
   assert process.returncode == 0, f"{name}:\n{process.stderr[-3000:]}"
+
+
+def _walkthroughs() -> list[tuple[str, list[tuple[str | None, str]]]]:
+  """(page, [(file name or None for a shell block, text), ...]) per page with a walkthrough."""
+  pages = []
+  for path in [_REPO / "README.md", *sorted((_REPO / "docs").glob("*.md"))]:
+    steps = [(m.group(1), m.group(3)) for m in _WALKTHROUGH.finditer(path.read_text())]
+    if steps:
+      pages.append((str(path.relative_to(_REPO)), steps))
+  return pages
+
+
+def test_the_getting_started_page_is_a_walkthrough():
+  assert "docs/getting_started.md" in dict(_walkthroughs())
+
+
+@pytest.mark.parametrize("page, steps", _walkthroughs(), ids=[page for page, _ in _walkthroughs()])
+def test_a_walkthrough_runs_as_written(page, steps, tmp_path):
+  shell = "".join(text for name, text in steps if name is None)
+  assert re.search(r"^(diff|cmp|test) |&& (diff|cmp|test) ", shell, re.M), f"{page}: its commands check nothing"
+  bin_dir = os.path.dirname(sys.executable)  # python and the ckpt-iter script of this environment
+  env = {"JAX_PLATFORMS": "cpu", "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+  env.update({k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ})  # a checkout under test
+  for index, (name, text) in enumerate(steps):
+    if name is not None:
+      (tmp_path / name).write_text(text)
+      continue
+    process = subprocess.run(["bash", "-eu", "-c", text], capture_output=True, text=True, timeout=600,
+                             cwd=tmp_path, env=env)
+    assert process.returncode == 0, f"{page} shell block {index}:\n{process.stdout[-2000:]}\n{process.stderr[-3000:]}"

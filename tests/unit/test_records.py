@@ -31,6 +31,27 @@ def test_every_prefix_holds_each_share_up_to_rounding(shares, records):
     assert abs(count - records * share / total) <= len(shares)
 
 
+@hypothesis.given(shares=st.lists(st.integers(1, 30), min_size=1, max_size=8), records=st.integers(0, 2000))
+def test_each_source_is_within_the_documented_bound_of_its_share(shares, records):
+  """docs/changing_the_run.md: never a record ahead; source j trails by less than j*s_j/W_j; exact every period."""
+  from fractions import Fraction
+  total = sum(shares)
+  for j, (count, share) in enumerate(zip(_records.counts(records, shares), shares)):
+    due = Fraction(records * share, total)
+    assert count == due or due - j * Fraction(share, sum(shares[j:])) < count < due + 1, (j, count, due)
+  assert _records.counts(records - records % total, shares) == [s * (records // total) for s in shares]
+
+
+@pytest.mark.parametrize("shares, records, source, count", [
+    ([1, 1, 3], 2, 2, 0),         # the issue's example: 0 of 1.2 due
+    ([6, 3, 1], 9, 2, 0),         # 0 of 0.9
+    ([1, 2, 4, 8], 3, 3, 0),      # 0 of 1.6
+    ([1] * 7 + [93], 7, 7, 0),    # 0 of 6.51
+])
+def test_the_measured_deviations_the_docs_quote(shares, records, source, count):
+  assert _records.counts(records, shares)[source] == count
+
+
 @pytest.mark.parametrize("weights, shares", [
     ({"a": 0.7, "b": 0.3}, {"a": 7, "b": 3}),
     ({"a": 1, "b": 1}, {"a": 1, "b": 1}),
