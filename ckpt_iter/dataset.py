@@ -448,9 +448,8 @@ class GlobalBatchDataset(grain.MapDataset):
     # each with its own permutation, as Grain's shuffle does.
     if index < 0:
       raise IndexError(f"batch index {index} is negative")
-    records = self._plan.records(index)
-    first = self.spec.shard_index * self.spec.batch_size
-    rows = records[first:first + self.spec.batch_size]
+    # This process's rows only: O(per-process batch) at any process count, with skips too.
+    rows = self._plan.rows(index, self.spec.shard_index * self.spec.batch_size, self.spec.batch_size)
     if self.sparse and self._skips and any(self._skips.skipped(g, self._epoch_length) for g in rows):
       return None  # a skipped record, dropped as Grain drops what a filter rejects
     return stack_records([self.record(g) for g in rows], batch_index=index)

@@ -275,6 +275,22 @@ def test_a_skip_leaving_one_batch_per_epoch_keeps_every_batch_full():
   assert [next(iterator)["id"].tolist() for _ in range(3)] == [[96, 97, 98, 99]] * 3
 
 
+@pytest.mark.parametrize("arguments", [
+    dict(seed=3, skip=[(5, 11), (40, 41)]),
+    dict(seed=None, skip=ckpt_iter.Skip(records=[(5, 11)], source_records=[(20, 23)])),
+    dict(seed=3, weights={"a": 2, "b": 1}, skip=[(5, 11)]),
+])
+def test_with_skips_each_process_reads_its_rows_of_the_global_batch(arguments):
+  """Each of 4 processes' batches (`BatchPlan.rows`) are its rows of the 1-process run's global batches."""
+  records = [{"id": i} for i in range(50)]
+  source = {"a": records, "b": records[:20]} if "weights" in arguments else records
+  whole = _make(source, batch_size=8, shard_index=0, shard_count=1, num_epochs=3, **arguments)
+  parts = [_make(source, batch_size=2, shard_index=i, shard_count=4, num_epochs=3, **arguments) for i in range(4)]
+  assert len(whole) == len(parts[0]) > 5
+  for index in range(len(whole)):
+    assert np.concatenate([part[index]["id"] for part in parts]).tolist() == whole[index]["id"].tolist()
+
+
 # ---------------------------------------------------------------------------
 # Sources
 
