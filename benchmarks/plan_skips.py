@@ -137,7 +137,9 @@ def main() -> None:
   finally:
     shutil.rmtree(before_dir, ignore_errors=True)
   for row in rows:
-    row.pop("ckpt_iter")
+    imported = row.pop("ckpt_iter")
+    expected = before_dir if row["code"] == "before" else _common.REPO_DIR
+    assert imported.startswith(expected), (row["code"], imported, expected)
     report.measurement(**row, commit=args.before if row["code"] == "before" else "this tree")
   checks = []
   for name in ("plan", "plan_skip"):
