@@ -927,9 +927,30 @@ class BatchPlan:
         return start, stop
       first = self.skips.stream_record_of_kept(start)
       return first, (self.skips.stream_record_of_kept(stop - 1) + 1 if stop > start else first)
+    if self._unskipped is not None:  # the common case, in a few integer operations
+      per_epoch, before, in_phase = self._unskipped
+      if index < before:
+        epoch, batch = divmod(index, per_epoch)
+        offset = batch * self.batch_size
+      elif index < before + in_phase:
+        epoch, offset = self.phase_epoch, self.phase + (index - before) * self.batch_size
+      else:
+        epoch, batch = divmod(index - in_phase + per_epoch, per_epoch)
+        offset = batch * self.batch_size
+      base = epoch * self.epoch_length
+      return base + offset, base + min(offset + self.batch_size, self.epoch_length)
     epoch, offset = self._epoch_offset(index)
     stop = min(offset + self.batch_size, self._kept(epoch))
     return self._record(epoch, offset), self._end(epoch, stop)
+
+  @functools.cached_property
+  def _unskipped(self) -> tuple[int, int, int] | None:
+    """(batches per epoch, batches before the phase epoch, batches of the phase epoch) of a single
+    source without skips (what `_epoch_offset` computes, in closed form); None otherwise."""
+    if self.skips or self.epoch_length is None or self._in_epoch(0) == 0:
+      return None
+    per_epoch = self._in_epoch(0)
+    return per_epoch, self.phase_epoch * per_epoch, self._in_epoch(self.phase)
 
   def records(self, index: int) -> Sequence[int]:
     """The stream records batch `index` holds, in order (a range without skips)."""
@@ -944,7 +965,8 @@ class BatchPlan:
     listing the global batch.
     """
     if not self.skips:
-      return range(*self.span(index))[first:first + count]
+      start, stop = self.span(index)
+      return range(min(start + first, stop), min(start + first + count, stop))
     if self.epoch_length is None:
       start = self.phase + index * self.batch_size
       stop = start + self.batch_size

@@ -426,6 +426,21 @@ def test_records_that_do_not_stack_are_refused_naming_the_field_rows_and_shapes(
     list(ckpt_iter.DataIterator(dataset))
 
 
+def test_a_batch_of_one_record_is_what_np_stack_makes_of_it():
+  """One row takes a shortcut past np.stack (`_stacked`): the same arrays, copies of the record's."""
+  record = {"i": 5, "f": 2.5, "b": True, "s": "abc", "y": b"xy", "l": [[1, 2], [3, 4]],
+            "c": np.arange(12).reshape(3, 4), "fortran": np.asfortranarray(np.arange(12).reshape(3, 4)),
+            "strided": np.arange(20)[::3], "scalar": np.float32(3), "empty": np.zeros((0, 3))}
+  batch = dataset_lib.stack_records([record])
+  for name, value in record.items():
+    expected = np.stack([np.asarray(value)])
+    got = batch[name]
+    assert got.dtype == expected.dtype and got.shape == expected.shape, name
+    assert np.array_equal(got, expected), name
+    assert got.flags.c_contiguous == expected.flags.c_contiguous and got.flags.f_contiguous == expected.flags.f_contiguous
+    assert not np.shares_memory(got, np.asarray(value)), name
+
+
 def test_jsonl_blank_lines_and_crlf_are_ignored(tmp_path):
   records = _records(13)
   path = tmp_path / "blank.jsonl"
