@@ -15,15 +15,18 @@ Per process count N (1, 64, 256, 1,024; 8 rows per process, process N // 2):
 
 over 131,072 in-memory records ({"id": i}: small, so the plan's own work is the
 largest share). cpu_us_per_batch: process CPU of `dataset[k]` for 200 batches
-in a row, divided by 200; the three cases alternate, medians of the
+in a row (1,600 of 1 row), divided by their number; the three cases alternate, medians of the
 repetitions; ratios are to `plain` in the same process. peak_kib: tracemalloc
 peak of one `dataset[k]` (apart from the timing: tracing slows what it traces).
+
+Batch size 1 (issue 49 item 2: the plan's fixed cost per batch shows most there): the
+same three cases on 1 process with 1 row per batch (`per_process: 1`).
 
 The same measurement runs twice in one invocation, in two child processes:
 on this tree's ckpt_iter (`after`) and on commit e9f37c0's (`before`, exported
 with `git archive`; its skips made each process build the whole global batch
 as a list and slice its rows). Target: `after` within 5% of plain Grain at
-every process count, with and without the skip.
+every process count, with and without the skip, and at batch size 1.
 """
 
 from __future__ import annotations
@@ -48,15 +51,15 @@ CASES = ["plain", "plan", "plan_skip"]
 TARGET = 1.05
 
 
-def datasets(process_count: int) -> dict:
+def datasets(process_count: int, per_process: int = PER_PROCESS) -> dict:
   import grain  # pylint: disable=g-import-not-at-top
   import ckpt_iter  # pylint: disable=g-import-not-at-top
 
   records = [{"id": i} for i in range(NUM_RECORDS)]
   index = process_count // 2
-  plain = grain.MapDataset.source(records).shuffle(seed=SEED)[index::process_count].repeat().batch(PER_PROCESS)
+  plain = grain.MapDataset.source(records).shuffle(seed=SEED)[index::process_count].repeat().batch(per_process)
   plan = lambda skip: ckpt_iter.make_dataset(
-      records, batch_size=PER_PROCESS, seed=SEED, num_epochs=None, shard_index=index,
+      records, batch_size=per_process, seed=SEED, num_epochs=None, shard_index=index,
       shard_count=process_count, skip=skip)
   return {"plain": plain, "plan": plan(None), "plan_skip": plan(SKIP)}
 
@@ -86,22 +89,23 @@ def worker(label: str, quick: bool) -> None:
   import ckpt_iter  # pylint: disable=g-import-not-at-top
 
   reps, count = (3, 50) if quick else (9, 200)
-  for process_count in PROCESS_COUNTS:
-    cases = datasets(process_count)
+  for process_count, per_process in [(n, PER_PROCESS) for n in PROCESS_COUNTS] + [(1, 1)]:
+    cases = datasets(process_count, per_process)
     for dataset in cases.values():
       cpu_us_per_batch(dataset, 0, 20)  # warm-up: first calls, caches
     times = {name: [] for name in cases}
+    batches = count if per_process > 1 else 8 * count  # a batch of 1 is quick: as long a measurement
     for rep in range(reps):
       for name in (CASES if rep % 2 == 0 else CASES[::-1]):
-        times[name].append(cpu_us_per_batch(cases[name], 20, count))
+        times[name].append(cpu_us_per_batch(cases[name], 20, batches))
     peaks = {name: peak_kib(dataset, 500) for name, dataset in cases.items()}
     medians = {name: _common.median(values) for name, values in times.items()}
     for name in CASES:
       print(json.dumps({
           "code": label, "ckpt_iter": os.path.dirname(ckpt_iter.__file__), "process_count": process_count,
-          "case": name, "cpu_us_per_batch": _common.rounded(medians[name]),
+          "per_process": per_process, "case": name, "cpu_us_per_batch": _common.rounded(medians[name]),
           "ratio_to_plain": _common.rounded(medians[name] / medians["plain"], 3),
-          "peak_kib": _common.rounded(peaks[name], 3), "reps": reps, "batches_per_rep": count}), flush=True)
+          "peak_kib": _common.rounded(peaks[name], 3), "reps": reps, "batches_per_rep": batches}), flush=True)
 
 
 def exported(commit: str) -> str:
@@ -142,9 +146,10 @@ def main() -> None:
     assert imported.startswith(expected), (row["code"], imported, expected)
     report.measurement(**row, commit=args.before if row["code"] == "before" else "this tree")
   checks = []
+  eights = [r for r in rows if r["per_process"] == PER_PROCESS]
   for name in ("plan", "plan_skip"):
-    after = {r["process_count"]: r for r in rows if r["code"] == "after" and r["case"] == name}
-    before = {r["process_count"]: r for r in rows if r["code"] == "before" and r["case"] == name}
+    after = {r["process_count"]: r for r in eights if r["code"] == "after" and r["case"] == name}
+    before = {r["process_count"]: r for r in eights if r["code"] == "before" and r["case"] == name}
     worst = max(after.values(), key=lambda r: r["ratio_to_plain"])
     checks.append(_common.check(
         f"{'with one skip range' if name == 'plan_skip' else 'without skips'}: per-batch CPU / plain Grain's, "
@@ -152,7 +157,19 @@ def main() -> None:
         at_processes=worst["process_count"],
         before=max(r["ratio_to_plain"] for r in before.values()),
         peak_kib_at_1024=after[1024]["peak_kib"], peak_kib_at_1024_before=before[1024]["peak_kib"]))
+  ones = {(r["code"], r["case"]): r for r in rows if r["per_process"] == 1}
+  after = max(ones["after", "plan"]["ratio_to_plain"], ones["after", "plan_skip"]["ratio_to_plain"])
+  checks.append(_common.check(
+      "batch size 1, one process: per-batch CPU / plain Grain's (worst of without and with a skip)", after,
+      "<= 1.03 (issue 49)", after <= 1.03, before=max(ones["before", "plan"]["ratio_to_plain"],
+                                                      ones["before", "plan_skip"]["ratio_to_plain"]),
+      extra_us=_extra_us(ones, "after"), extra_us_before=_extra_us(ones, "before")))
   report.summary(checks, load_average_end=_common.load_average())
+
+
+def _extra_us(rows: dict, code: str) -> float:
+  """The plan's CPU per batch beyond plain Grain's, microseconds."""
+  return _common.rounded(rows[code, "plan"]["cpu_us_per_batch"] - rows[code, "plain"]["cpu_us_per_batch"], 3)
 
 
 if __name__ == "__main__":
