@@ -1013,9 +1013,10 @@ the first of them by binary search over the sorted ranges and walks on from it: 
 batch + log ranges) at any process count (a Hypothesis property checks it against the slice of the
 whole batch, tests/unit/test_skips.py). Process N/2 of N, 8 rows each, 131,072 in-memory records
 `{{"id": i}}` shuffled, against what a user writes per process without ckpt_iter,
-`MapDataset.source(records).shuffle(seed)[i::N].repeat().batch(8)` (*plain*); *skip* is one declared
-stream range, `Skip(records=[(1000, 1064)])`. Process CPU of `dataset[k]` over 200 batches (1,600 of 1 row), the cases
-alternating, medians, ratios to plain in the same process; peak: tracemalloc peak of one `dataset[k]`.
+`MapDataset.source(records).shuffle(seed)[i::N].repeat().batch(8)` (*plain*; no `[i::N]` on one
+process); *skip* is one declared stream range, `Skip(records=[(1000, 1064)])`. Process CPU of
+`dataset[k]` over 200 batches (1,600 of 1 row), the cases alternating, medians, ratios to plain in
+the same process; peak: tracemalloc peak of one `dataset[k]`.
 The last row is one process reading batches of 1 row, where the plan's fixed cost per batch shows most
 (issue 49: +15-19% there): a single source's span without skips is now computed in closed form, the
 process's rows by arithmetic, and one row is stacked as a copy with a new axis instead of through

@@ -960,9 +960,10 @@ class BatchPlan:
     """Rows first..first+count-1 of batch `index`: `records(index)[first:first + count]`.
 
     What one process of many reads of a global batch. It costs
-    O(count + log ranges), with skips too: the kept records are found from
-    the batch's start in kept coordinates (`Skips.kept_records`), never by
-    listing the global batch.
+    O(count + log ranges), with skips too (an epoch's ranges are gathered
+    once, `Skips.of_epoch`): the kept records are found from the batch's
+    start in kept coordinates (`Skips.kept_records`), never by listing the
+    global batch.
     """
     if not self.skips:
       start, stop = self.span(index)
@@ -975,22 +976,27 @@ class BatchPlan:
       kept = range(start, max(start, stop))[first:first + count]
       return self.skips.kept_records(kept.start, kept.stop)
     epoch, offset = self._epoch_offset(index)
-    stop = min(offset + self.batch_size, self._kept(epoch))
+    skipped = self.skips.of_epoch(epoch, self.epoch_length)
+    stop = min(offset + self.batch_size, self.epoch_length - skipped.skipped_count)  # the epoch's kept end
     kept = range(offset, max(offset, stop))[first:first + count]
-    return self.skips.of_epoch(epoch, self.epoch_length).kept_records(
-        kept.start, kept.stop, base=epoch * self.epoch_length)
+    return skipped.kept_records(kept.start, kept.stop, base=epoch * self.epoch_length)
 
   def _epoch_offset(self, index: int) -> tuple[int, int]:
     """(epoch, kept offset) where batch `index` starts."""
-    before = self._before(self.phase_epoch)
+    before, in_phase, extra = self._phase_batches
     if index < before:
       epoch, batch = self._epoch_at(index, 0)
       return epoch, batch * self.batch_size
-    in_phase = self._in_epoch(self.phase, self._kept(self.phase_epoch))
     if index < before + in_phase:
       return self.phase_epoch, self.phase + (index - before) * self.batch_size
-    epoch, batch = self._epoch_at(index - self._phase_extra, self.phase_epoch + 1)
+    epoch, batch = self._epoch_at(index - extra, self.phase_epoch + 1)
     return epoch, batch * self.batch_size
+
+  @functools.cached_property
+  def _phase_batches(self) -> tuple[int, int, int]:
+    """(batches before the phase epoch, batches of it, `_phase_extra`): the same for every batch."""
+    return (self._before(self.phase_epoch), self._in_epoch(self.phase, self._kept(self.phase_epoch)),
+            self._phase_extra)
 
   def next_record(self, next_index: int) -> int:
     """The stream position after reading batches 0..next_index-1 of this plan: the end of the last.
