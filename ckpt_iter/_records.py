@@ -271,17 +271,41 @@ class Skips:
     a, b = self.records[index]
     return record - self._skipped_before[index] - (min(b, record) - a)
 
+  @functools.cached_property
+  def _kept_starts(self) -> list[int]:
+    """Kept records before range i: the kept coordinate where range i sits."""
+    return [a - before for (a, _), before in zip(self.records, self._skipped_before)]
+
   def stream_record_of_kept(self, kept: int) -> int:
-    """The stream record of the `kept`-th record not skipped (a stream without epochs)."""
-    # Range i has s_i - S_i kept records before it (S_i: records skipped before it).
-    low, high = 0, len(self.records)
-    while low < high:
-      middle = (low + high) // 2
-      if self.records[middle][0] - self._skipped_before[middle] <= kept:
-        low = middle + 1
-      else:
-        high = middle
-    return kept + self._skipped_before[low]
+    """The stream record of the `kept`-th record not skipped (a stream without epochs): O(log ranges)."""
+    return kept + self._skipped_before[bisect.bisect_right(self._kept_starts, kept)]
+
+  def kept_records(self, start: int, stop: int, *, base: int = 0) -> Sequence[int]:
+    """base + the stream records of kept records start..stop-1 (a stream without epochs), in order.
+
+    O(log ranges + records): the first is found by binary search, the rest
+    by walking on, jumping over the ranges met (merged ranges end on a kept record).
+    """
+    if stop <= start:
+      return ()
+    record = self.stream_record_of_kept(start)
+    index = bisect.bisect_right(self._starts, record)  # the first range after `record` (a kept one)
+    ranges = self.records
+    if index == len(ranges) or ranges[index][0] >= record + (stop - start):
+      return range(base + record, base + record + stop - start)
+    result = []
+    for _ in range(stop - start):
+      result.append(base + record)
+      record += 1
+      if index < len(ranges) and ranges[index][0] == record:
+        record = ranges[index][1]
+        index += 1
+    return result
+
+  @property
+  def skipped_count(self) -> int:
+    """Records of the stream ranges."""
+    return self._skipped_before[-1]
 
   def skipped(self, record: int, epoch_length: int | None) -> bool:
     """Whether stream record `record` is skipped."""
@@ -294,14 +318,23 @@ class Skips:
     return False
 
   def in_epoch(self, epoch: int, epoch_length: int) -> tuple[tuple[int, int], ...]:
-    """The skipped offsets of epoch `epoch` (records epoch*L + offset), merged (the last 256 kept)."""
+    """The skipped offsets of epoch `epoch` (records epoch*L + offset), merged."""
+    return self.of_epoch(epoch, epoch_length).records
+
+  def of_epoch(self, epoch: int, epoch_length: int) -> "Skips":
+    """The skipped offsets of epoch `epoch` as stream ranges of the epoch alone (the last 256 epochs kept).
+
+    Its kept coordinates are the epoch's: `kept_before(offset)`,
+    `stream_record_of_kept(kept)` and `kept_records` answer in O(log ranges of the epoch).
+    """
     cache = self.__dict__.setdefault("_epochs", {})
     key = (epoch, epoch_length)
-    if key not in cache:
+    found = cache.get(key)
+    if found is None:
       if len(cache) >= 256:
         cache.clear()
-      cache[key] = _in_epoch(self, epoch, epoch_length)
-    return cache[key]
+      found = cache[key] = Skips(records=_in_epoch(self, epoch, epoch_length))
+    return found
 
   def epoch_breaks(self, epoch_length: int) -> list[int]:
     """Epochs where the skipped offsets may change: between two breaks, every epoch skips the same."""
@@ -332,34 +365,6 @@ def _in_epoch(skips: Skips, epoch: int, length: int) -> tuple[tuple[int, int], .
       if start < min(b, length):
         intervals.append((start, min(b, length)))
   return merged(intervals)
-
-
-def kept_offset(intervals: Sequence[tuple[int, int]], offset: int) -> int:
-  """The kept records of an epoch before `offset`, given its skipped `intervals`."""
-  return offset - sum(min(b, offset) - a for a, b in intervals if a < offset)
-
-
-def stream_offset(intervals: Sequence[tuple[int, int]], kept: int) -> int:
-  """The offset of an epoch's `kept`-th kept record, given its skipped `intervals`."""
-  offset = kept
-  for a, b in intervals:
-    if a <= offset:
-      offset += b - a
-    else:
-      break
-  return offset
-
-
-def kept_offsets(intervals: Sequence[tuple[int, int]], start: int, stop: int) -> Iterator[int]:
-  """The offsets of kept records start..stop-1 (kept coordinates) of an epoch: O(records + intervals)."""
-  offset = stream_offset(intervals, start)
-  index = bisect.bisect_right([a for a, _ in intervals], offset)
-  for _ in range(stop - start):
-    while index < len(intervals) and intervals[index][0] <= offset:
-      offset = max(offset, intervals[index][1])
-      index += 1
-    yield offset
-    offset += 1
 
 
 # ---------------------------------------------------------------------------
@@ -884,7 +889,7 @@ class BatchPlan:
     epoch, offset = divmod(record, self.epoch_length)
     if not self.skips:
       return epoch, offset
-    kept = kept_offset(self.skips.in_epoch(epoch, self.epoch_length), offset)
+    kept = self.skips.of_epoch(epoch, self.epoch_length).kept_before(offset)
     if kept and kept == self._kept(epoch):
       return epoch + 1, 0
     return epoch, kept
@@ -893,13 +898,13 @@ class BatchPlan:
     """Kept records of epoch `epoch`."""
     if not self.skips:
       return self.epoch_length
-    return self.epoch_length - count(self.skips.in_epoch(epoch, self.epoch_length))
+    return self.epoch_length - self.skips.of_epoch(epoch, self.epoch_length).skipped_count
 
   def _record(self, epoch: int, kept: int) -> int:
     """The stream record of epoch `epoch`'s kept record `kept`."""
     if not self.skips:
       return epoch * self.epoch_length + kept
-    return epoch * self.epoch_length + stream_offset(self.skips.in_epoch(epoch, self.epoch_length), kept)
+    return epoch * self.epoch_length + self.skips.of_epoch(epoch, self.epoch_length).stream_record_of_kept(kept)
 
   def _end(self, epoch: int, kept_stop: int) -> int:
     """One past the stream record of epoch `epoch`'s kept record `kept_stop - 1` (a batch's end)."""
@@ -974,36 +979,76 @@ class BatchPlan:
         return start, stop
       first = self.skips.stream_record_of_kept(start)
       return first, (self.skips.stream_record_of_kept(stop - 1) + 1 if stop > start else first)
+    if self._unskipped is not None:  # the common case, in a few integer operations
+      per_epoch, before, in_phase = self._unskipped
+      if index < before:
+        epoch, batch = divmod(index, per_epoch)
+        offset = batch * self.batch_size
+      elif index < before + in_phase:
+        epoch, offset = self.phase_epoch, self.phase + (index - before) * self.batch_size
+      else:
+        epoch, batch = divmod(index - in_phase + per_epoch, per_epoch)
+        offset = batch * self.batch_size
+      base = epoch * self.epoch_length
+      return base + offset, base + min(offset + self.batch_size, self.epoch_length)
     epoch, offset = self._epoch_offset(index)
     stop = min(offset + self.batch_size, self._kept(epoch))
     return self._record(epoch, offset), self._end(epoch, stop)
 
+  @functools.cached_property
+  def _unskipped(self) -> tuple[int, int, int] | None:
+    """(batches per epoch, batches before the phase epoch, batches of the phase epoch) of a single
+    source without skips (what `_epoch_offset` computes, in closed form); None otherwise."""
+    if self.skips or self.epoch_length is None or self._in_epoch(0) == 0:
+      return None
+    per_epoch = self._in_epoch(0)
+    return per_epoch, self.phase_epoch * per_epoch, self._in_epoch(self.phase)
+
   def records(self, index: int) -> Sequence[int]:
     """The stream records batch `index` holds, in order (a range without skips)."""
-    start, stop = self.span(index)
+    return self.rows(index, 0, self.batch_size)
+
+  def rows(self, index: int, first: int, count: int) -> Sequence[int]:
+    """Rows first..first+count-1 of batch `index`: `records(index)[first:first + count]`.
+
+    What one process of many reads of a global batch. It costs
+    O(count + log ranges), with skips too (an epoch's ranges are gathered
+    once, `Skips.of_epoch`): the kept records are found from the batch's
+    start in kept coordinates (`Skips.kept_records`), never by listing the
+    global batch.
+    """
     if not self.skips:
-      return range(start, stop)
+      start, stop = self.span(index)
+      return range(min(start + first, stop), min(start + first + count, stop))
     if self.epoch_length is None:
-      first = self.skips.kept_before(start)
-      last = self.skips.kept_before(stop)
-      return [self.skips.stream_record_of_kept(k) for k in range(first, last)]
+      start = self.phase + index * self.batch_size
+      stop = start + self.batch_size
+      if not self.drop_remainder and self.stream_length < INFINITE:
+        stop = min(stop, self.skips.kept_before(self.stream_length))
+      kept = range(start, max(start, stop))[first:first + count]
+      return self.skips.kept_records(kept.start, kept.stop)
     epoch, offset = self._epoch_offset(index)
-    stop_offset = min(offset + self.batch_size, self._kept(epoch))
-    base = epoch * self.epoch_length
-    intervals = self.skips.in_epoch(epoch, self.epoch_length)
-    return [base + o for o in kept_offsets(intervals, offset, stop_offset)]
+    skipped = self.skips.of_epoch(epoch, self.epoch_length)
+    stop = min(offset + self.batch_size, self.epoch_length - skipped.skipped_count)  # the epoch's kept end
+    kept = range(offset, max(offset, stop))[first:first + count]
+    return skipped.kept_records(kept.start, kept.stop, base=epoch * self.epoch_length)
 
   def _epoch_offset(self, index: int) -> tuple[int, int]:
     """(epoch, kept offset) where batch `index` starts."""
-    before = self._before(self.phase_epoch)
+    before, in_phase, extra = self._phase_batches
     if index < before:
       epoch, batch = self._epoch_at(index, 0)
       return epoch, batch * self.batch_size
-    in_phase = self._in_epoch(self.phase, self._kept(self.phase_epoch))
     if index < before + in_phase:
       return self.phase_epoch, self.phase + (index - before) * self.batch_size
-    epoch, batch = self._epoch_at(index - self._phase_extra, self.phase_epoch + 1)
+    epoch, batch = self._epoch_at(index - extra, self.phase_epoch + 1)
     return epoch, batch * self.batch_size
+
+  @functools.cached_property
+  def _phase_batches(self) -> tuple[int, int, int]:
+    """(batches before the phase epoch, batches of it, `_phase_extra`): the same for every batch."""
+    return (self._before(self.phase_epoch), self._in_epoch(self.phase, self._kept(self.phase_epoch)),
+            self._phase_extra)
 
   def next_record(self, next_index: int) -> int:
     """The stream position after reading batches 0..next_index-1 of this plan: the end of the last.
@@ -1036,7 +1081,7 @@ class BatchPlan:
       if not self.drop_remainder:
         return None
     else:
-      kept = kept_offset(self.skips.in_epoch(epoch, self.epoch_length), offset) if self.skips else offset
+      kept = self.skips.of_epoch(epoch, self.epoch_length).kept_before(offset) if self.skips else offset
       if not self.drop_remainder and kept == self._kept(epoch):
         return None
     if kept < self.batch_size:

@@ -275,6 +275,22 @@ def test_a_skip_leaving_one_batch_per_epoch_keeps_every_batch_full():
   assert [next(iterator)["id"].tolist() for _ in range(3)] == [[96, 97, 98, 99]] * 3
 
 
+@pytest.mark.parametrize("arguments", [
+    dict(seed=3, skip=[(5, 11), (40, 41)]),
+    dict(seed=None, skip=ckpt_iter.Skip(records=[(5, 11)], source_records=[(20, 23)])),
+    dict(seed=3, weights={"a": 2, "b": 1}, skip=[(5, 11)]),
+])
+def test_with_skips_each_process_reads_its_rows_of_the_global_batch(arguments):
+  """Each of 4 processes' batches (`BatchPlan.rows`) are its rows of the 1-process run's global batches."""
+  records = [{"id": i} for i in range(50)]
+  source = {"a": records, "b": records[:20]} if "weights" in arguments else records
+  whole = _make(source, batch_size=8, shard_index=0, shard_count=1, num_epochs=3, **arguments)
+  parts = [_make(source, batch_size=2, shard_index=i, shard_count=4, num_epochs=3, **arguments) for i in range(4)]
+  assert len(whole) == len(parts[0]) > 5
+  for index in range(len(whole)):
+    assert np.concatenate([part[index]["id"] for part in parts]).tolist() == whole[index]["id"].tolist()
+
+
 # ---------------------------------------------------------------------------
 # Sources
 
@@ -408,6 +424,21 @@ def test_records_that_do_not_stack_are_refused_naming_the_field_rows_and_shapes(
     assert fragment in str(info.value), (fragment, str(info.value))
   with pytest.raises(ckpt_iter.InvalidArgumentError, match="batch 1"):
     list(ckpt_iter.DataIterator(dataset))
+
+
+def test_a_batch_of_one_record_is_what_np_stack_makes_of_it():
+  """One row takes a shortcut past np.stack (`_stacked`): the same arrays, copies of the record's."""
+  record = {"i": 5, "f": 2.5, "b": True, "s": "abc", "y": b"xy", "l": [[1, 2], [3, 4]],
+            "c": np.arange(12).reshape(3, 4), "fortran": np.asfortranarray(np.arange(12).reshape(3, 4)),
+            "strided": np.arange(20)[::3], "scalar": np.float32(3), "empty": np.zeros((0, 3))}
+  batch = dataset_lib.stack_records([record])
+  for name, value in record.items():
+    expected = np.stack([np.asarray(value)])
+    got = batch[name]
+    assert got.dtype == expected.dtype and got.shape == expected.shape, name
+    assert np.array_equal(got, expected), name
+    assert got.flags.c_contiguous == expected.flags.c_contiguous and got.flags.f_contiguous == expected.flags.f_contiguous
+    assert not np.shares_memory(got, np.asarray(value)), name
 
 
 def test_jsonl_blank_lines_and_crlf_are_ignored(tmp_path):

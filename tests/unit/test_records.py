@@ -207,3 +207,24 @@ def test_a_mixtures_batches_run_on_across_epochs(phase, batch_size, stream, drop
   assert len(covered) <= max(stream - phase % batch_size, 0)
   rest = max(stream - phase % batch_size, 0) - len(covered)
   assert rest == 0 or (drop and rest < batch_size)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(length=st.integers(1, 30), epochs=st.integers(1, 3), batch_size=st.integers(1, 9),
+                  drop=st.booleans(), data=st.data())
+def test_a_single_source_plans_spans_are_each_epochs_batches_from_its_phase(length, epochs, batch_size, drop, data):
+  """Without skips `span` takes a closed form; it cuts what the epochs hold, past the plan's length too."""
+  stream = length * epochs
+  plan = _records.BatchPlan.at(data.draw(st.integers(0, stream), label="restored at"), batch_size=batch_size,
+                               drop_remainder=drop, epoch_length=length, stream_length=stream)
+  expected = []
+  for epoch in range(epochs + 3):
+    for offset in range(plan.phase if epoch == plan.phase_epoch else 0, length, batch_size):
+      stop = min(offset + batch_size, length)
+      if stop - offset == batch_size or not drop:
+        expected.append((epoch * length + offset, epoch * length + stop))
+  assert [plan.span(index) for index in range(len(expected))] == expected
+  first = data.draw(st.integers(0, batch_size), label="first row")
+  count = data.draw(st.integers(0, batch_size), label="rows")
+  assert all(list(plan.rows(index, first, count)) == list(range(*span))[first:first + count]
+             for index, span in enumerate(expected))

@@ -93,6 +93,40 @@ def test_a_mixture_plan_cuts_the_kept_stream(data, stream, batch, drop):
   assert all(r >= restored for i in range(first, len(plan)) for r in plan.records(i))
 
 
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(data=st.data(), length=st.integers(1, 24), epochs=st.integers(1, 3),
+                  per_process=st.integers(1, 4), process_count=st.integers(1, 4), drop=st.booleans(),
+                  mixture=st.booleans())
+def test_a_process_rows_are_its_slice_of_the_global_batch(data, length, epochs, per_process, process_count, drop,
+                                                           mixture):
+  """`BatchPlan.rows` (one process's rows, O(per-process batch)) is the slice of the whole global batch."""
+  stream = length * epochs
+  skips = data.draw(_skip_values(stream, every_epoch=not mixture), label="skips")
+  skips = _records.Skips.of(skips.records, [(a, min(b, length), s) for a, b, s in skips.every_epoch if a < length])
+  restored = data.draw(st.integers(0, stream), label="restored at")
+  batch = per_process * process_count
+  plan = _records.BatchPlan.at(restored, batch_size=batch, drop_remainder=drop,
+                               epoch_length=None if mixture else length, stream_length=stream, skips=skips)
+  if mixture:
+    kept = [g for g in range(stream) if not skips.skipped(g, None)]
+    expected = [kept[k:k + batch] for k in range(plan.phase, len(kept), batch)]
+    expected = [chunk for chunk in expected if len(chunk) == batch or not drop]
+  else:
+    # One epoch more than the stream: batches past the plan's length go on as if the stream did.
+    expected = _oracle(length, epochs + 1, batch, drop, skips, plan.phase_epoch, plan.phase)
+  for index, chunk in enumerate(expected[:len(plan) + (0 if mixture else 3)]):
+    for process in range(process_count):
+      first = process * per_process
+      assert list(plan.rows(index, first, per_process)) == chunk[first:first + per_process], (index, process)
+    assert list(plan.records(index)) == chunk
+  # Kept records in a stream without epochs: the walk from the first agrees with counting them.
+  kept = [g for g in range(stream + 8) if not skips.skipped(g, None)]
+  start = data.draw(st.integers(0, len(kept)), label="kept start")
+  stop = data.draw(st.integers(0, len(kept)), label="kept stop")
+  assert list(skips.kept_records(start, stop)) == kept[start:stop]
+  assert [skips.stream_record_of_kept(k) for k in range(len(kept))] == kept
+
+
 def test_an_infinite_stream_with_skips_far_ahead_costs_no_walk():
   skips = _records.Skips.of([(10**12, 10**12 + 5)], [(3, 5, 0)])
   plan = _records.BatchPlan.at(10**12 - 4, batch_size=4, drop_remainder=True, epoch_length=100,
