@@ -114,7 +114,7 @@ def _traced_batch(pipeline: Any, node: Any, fingerprint: Mapping[str, Any], posi
   elements = [k for index in indices for k in _trace(outer, index, node)]
   per_process = node.spec.batch_size
   first = node.spec.shard_index * per_process
-  records = [g for k in elements for g in list(node.plan.records(k))[first:first + per_process]]
+  records = [g for k in elements for g in node.plan.rows(k, first, per_process)]
   return _stream_of(node, fingerprint).batch(records, how=how, process_index=node.spec.shard_index)
 
 
