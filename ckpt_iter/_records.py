@@ -137,6 +137,12 @@ def count(ranges: Iterable[tuple[int, int]]) -> int:
   return sum(b - a for a, b in ranges)
 
 
+def ranges_text(ranges: Any) -> str:
+  """Record ranges as every message writes them: `[start, stop)`, stop excluded, as `skip=` takes them
+  and `which --json` prints them."""
+  return ", ".join(f"[{a}, {b})" for a, b in ranges)
+
+
 @dataclasses.dataclass(frozen=True)
 class Skips:
   """The records a run skips (see the module docstring). Build with `Skips.of`.
@@ -228,15 +234,18 @@ class Skips:
     return result
 
   def describe(self, *, limit: int = 8) -> str:
-    """`stream records 100-199, 300-339; source records 5-8 of every epoch from stream record 120`."""
+    """`stream records [100, 200), [300, 340); source records [5, 9) of every epoch from stream record 120`.
+
+    Ranges are written as `skip=` takes them: [start, stop), stop excluded (`ranges_text`).
+    """
     parts = []
     if self.records:
-      shown = ", ".join(f"{a}-{b - 1}" for a, b in self.records[:limit])
+      shown = ranges_text(self.records[:limit])
       more = len(self.records) - limit
       parts.append(f"stream records {shown}{f' (+{more} more ranges)' if more > 0 else ''} "
                    f"({count(self.records)} records)")
     for start, stop, since in self.every_epoch[:limit]:
-      parts.append(f"source records {start}-{stop - 1} of every epoch from stream record {since}")
+      parts.append(f"source records {ranges_text([(start, stop)])} of every epoch from stream record {since}")
     return "; ".join(parts) or "none"
 
   # -- where the skipped records are
@@ -430,12 +439,12 @@ class Skip:
     return cls(records=tuple(records), source_records=tuple(source))
 
   def describe(self) -> str:
-    """The declaration in words, e.g. `stream records 40-55; source records 5-8`."""
+    """The declaration in words, e.g. `stream records [40, 56); source records [5, 9)`."""
     parts = []
     if self.records:
-      parts.append("stream records " + ", ".join(f"{a}-{b - 1}" for a, b in self.records))
+      parts.append("stream records " + ranges_text(self.records))
     if self.source_records:
-      parts.append("source records " + ", ".join(f"{a}-{b - 1}" for a, b in self.source_records))
+      parts.append("source records " + ranges_text(self.source_records))
     return "; ".join(parts) or "nothing"
 
 

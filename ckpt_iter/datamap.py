@@ -308,7 +308,7 @@ def _how(stream: Stream, plan: _records.BatchPlan, index: int, segment_start: in
   else:
     at = f" (resume from step {resumed_from})" if resumed_from is not None else ""
     rule = f"batches of {stream.batch_size} from the restored stream record {segment_start}{at}"
-  text = f"stream records {start}-{stop - 1}; {rule}" if stop - start > 1 else f"stream record {start}; {rule}"
+  text = f"stream records {_records.ranges_text([(start, stop)])}; {rule}"
   if short:
     text += f"; the epoch's short last batch ({records} of {stream.batch_size} records, drop_remainder=False)"
   if stream.skips and plan.skips.skipped_in_stream(start, stop) + (stop - start - records) > 0:

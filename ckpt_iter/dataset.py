@@ -791,7 +791,7 @@ class SkipChange:
       lines.append(f"skips added at this restore: {self.added.describe()}; the run now skips "
                    f"{self.effective.describe()}.")
     if self.already_read:
-      shown = ", ".join(f"{a}-{b - 1}" for a, b in self.already_read)
+      shown = _records.ranges_text(self.already_read)
       lines.append(f"declared skip of stream records {shown} not applied: they were read before the "
                    "restored position (restore an earlier step to skip them).")
     return lines

@@ -523,13 +523,13 @@ def _skip_findings(previous: Saved, saved: Saved, entries: list[Mapping[str, Any
   start = None if restored is None else restored.next_record
   early = [(a, b) for a, b in added.records if start is not None and a < start]
   if early:
-    return [Finding(BROKEN, *where, f"skips stream records {early[0][0]}-{early[0][1] - 1}, before the restored "
+    return [Finding(BROKEN, *where, f"skips stream records {_records.ranges_text(early[:1])}, before the restored "
                     f"position {start}: those records were read before the checkpoint")]
   inside = restored.inside_until if restored is not None else None
   partial = [(a, b) for a, b in added.records if inside is not None and a < inside]
   if partial:
-    return [Finding(BROKEN, *where, f"skips stream records {partial[0][0]}-{partial[0][1] - 1}, inside the full "
-                    f"batch {start}-{inside - 1} the learner had started at the restored step: part of it was "
+    return [Finding(BROKEN, *where, f"skips stream records {_records.ranges_text(partial[:1])}, inside the full "
+                    f"batch {_records.ranges_text([(start, inside)])} the learner had started at the restored step: part of it was "
                     "trained, so skipping in it changes the rest of that batch. Skip from its end on, or restore "
                     "a step at a full-batch boundary")]
   at = "" if start is None else f", all at or after the restored position {start}"

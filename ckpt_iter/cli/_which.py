@@ -193,9 +193,10 @@ def _row_json(record: datamap.SourceRecord, files: SourceFiles | None) -> dict[s
 
 def answer_lines(answer: Answer, files: SourceFiles | None) -> list[str]:
   batch = answer.batch
-  number = "" if batch.number is None else f"global batch {batch.number} of the run"
-  if batch.segment:
-    number += f" (segment {batch.segment}, read after resume {batch.segment})"
+  number = ""
+  if batch.number is not None:
+    segment = f"; segment {batch.segment}, read after resume {batch.segment}" if batch.segment else ""
+    number = f"global batch {batch.number} of the run (numbered from 0{segment})"
   if answer.step is not None:
     head = f"step {answer.step}: the last batch read before it was saved" + (f": {number}" if number else "")
     if answer.learner is not None:

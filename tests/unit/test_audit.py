@@ -399,7 +399,7 @@ def test_skips_added_at_a_resume_are_accounted_for_and_kept(tmp_path, capsys):
   assert code == 0 and report["verdict"] == "ok", report["findings"]
   added = [f for f in report["findings"] if "skips added" in f["message"]]
   assert [(f["step"], f["verdict"]) for f in added] == [(3, "ok")]
-  assert "stream records 10-11 (2 records), all at or after the restored position 8" in added[0]["message"]
+  assert "stream records [10, 12) (2 records), all at or after the restored position 8" in added[0]["message"]
   assert [p["skips"] for p in report["points"]] == [0, 0, 2, 2, 2, 2]
 
 
@@ -414,7 +414,7 @@ def _skip_before(header):
 @pytest.mark.parametrize("step, edit, fragment", [
     (5, _drop_skips, "lost skips across the resume since step 4"),
     (4, _drop_skips, "lost skips with no resume between it and step 3"),
-    (3, _skip_before, "skips stream records 2-2, before the restored position 8"),
+    (3, _skip_before, "skips stream records [2, 3), before the restored position 8"),
 ], ids=["lost at a resume", "lost without a resume", "before the position"])
 def test_a_state_that_loses_skips_or_skips_what_was_read_is_a_break(tmp_path, capsys, step, edit, fragment):
   _skip_chain(tmp_path)
@@ -437,7 +437,7 @@ def test_skips_inside_the_full_batch_a_learner_had_started_are_a_break(tmp_path,
     _edit_file(path, change)
   code, report, _ = _audit(capsys, root)
   assert code == 1
-  assert any("inside the full batch 2-2 the learner had started" in f["message"] for f in report["findings"]
+  assert any("inside the full batch [2, 3) the learner had started" in f["message"] for f in report["findings"]
              if f["verdict"] == "broken"), report["findings"]
 
 
@@ -513,7 +513,7 @@ def test_a_documented_break_is_reported_once(tmp_path, capsys):
   assert code == 1
   assert [(f["step"], f["verdict"], f["resumed_from"]) for f in report["findings"]] == [
       (4, "ok", 3), (4, "broken", None)], report["findings"]
-  assert "inside the full batch 2-2 the learner had started" in report["findings"][1]["message"]
+  assert "inside the full batch [2, 3) the learner had started" in report["findings"][1]["message"]
   assert (report["resumes"], report["proven_exact"]) == (1, 1)
 
 

@@ -540,8 +540,8 @@ def test_a_declared_skip_already_read_is_said_and_not_applied(tmp_path, caplog):
   resumed = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, skip=[(2, 12)]))
   _chain_restore(root, 2, resumed)
   assert json.loads(resumed.fingerprint["skips"]) == {"records": [[8, 12]]}
-  assert "declared skip of stream records 2-7 not applied: they were read before the restored position" in caplog.text
-  assert "skips added at this restore: stream records 8-11 (4 records)" in caplog.text
+  assert "declared skip of stream records [2, 8) not applied: they were read before the restored position" in caplog.text
+  assert "skips added at this restore: stream records [8, 12) (4 records)" in caplog.text
 
 
 def test_source_records_of_an_unshuffled_source_are_skipped_in_every_epoch_from_the_restart(tmp_path):
@@ -575,7 +575,7 @@ def _state_after_a_batch(pipeline, skips=None):
 
 @pytest.mark.parametrize("seed, skips, error, fragments", [
     (3, {"every_epoch": [[0, 100, 36]]}, ckpt_iter.UnsupportedConfigError,
-     ["fingerprint field 'skips' (source records 0-99 of every epoch from stream record 36)",
+     ["fingerprint field 'skips' (source records [0, 100) of every epoch from stream record 36)",
       "needs a single unshuffled source", "seed is set"]),
     (None, {"every_epoch": [[0, 10**30, 36]]}, ckpt_iter.InvalidStateError,
      ["fingerprint field 'skips'", f"[(0, {10**30})] of every epoch, past the source's 100 records",
@@ -604,7 +604,7 @@ def test_skips_that_leave_less_than_a_batch_only_with_this_restore_are_refused_n
   state = _state_after_a_batch(_hundred(skip=ckpt_iter.Skip(source_records=[(0, 50)])))
   with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
     ckpt_iter.DataIterator(_hundred(skip=ckpt_iter.Skip(source_records=[(50, 98)]))).set_state(state)
-  assert "skip=Skip(records=(), source_records=((50, 98),)) added to the state's skips (source records 0-49" in str(
+  assert "skip=Skip(records=(), source_records=((50, 98),)) added to the state's skips (source records [0, 50)" in str(
       info.value)
   assert "leaves 2 of the source's 100 records per epoch" in str(info.value)
 
@@ -616,7 +616,7 @@ def test_a_state_with_skips_needs_a_make_dataset_pipeline():
   state["fingerprint"] = {**state["fingerprint"], "graph": "SourceMapDataset"}
   with pytest.raises(ckpt_iter.CkptIterError) as info:
     ckpt_iter.DataIterator(grain.MapDataset.range(10)).set_state(state)
-  assert "skips stream records 1-1" in str(info.value)
+  assert "skips stream records [1, 2)" in str(info.value)
 
 
 def test_make_dataset_under_other_steps_skips_a_record_as_grains_filter_drops_one():
