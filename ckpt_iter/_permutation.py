@@ -15,12 +15,14 @@ shuffle.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import hashlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 _MODULE = "index_shuffle_module"
 _PACKAGE = "grain._src.python.experimental.index_shuffle.python"
@@ -82,3 +84,170 @@ def epoch_function(epoch: int, length: int, seed: int | None) -> Callable[[int],
     return lambda offset: int(dataset[epoch * length + offset])
   epoch_seed, last = (seed + epoch) % 2**32, length - 1
   return lambda offset: compiled(offset, last, epoch_seed, _ROUNDS)
+
+
+# ---------------------------------------------------------------------------
+# The shard-aware shuffle (make_dataset(shuffle="shards")).
+#
+# Epoch e reads the source's shards (its files, or fixed-size blocks of
+# records) in an order of its own, cut into windows of `window` consecutive
+# shards; the records of one window are read in an order of their own, before
+# any record of the next window. So a reader has at most `window` shards open
+# at a time, and reads each of them whole before it moves on; and the source
+# record at any stream index is still computed in O(log shards) from (seed,
+# epoch, index) alone, with Grain's `index_shuffle`:
+#
+#   order_e    = index_shuffle(., shards - 1, seed(seed, e, "order"))   the shards, in reading order
+#   window w   = order_e[w*window : (w+1)*window]; its records are a block of positions of the epoch
+#   in-window  = index_shuffle(., records_w - 1, seed(seed, e, w))      the window's records, in reading order
+#
+# The seeds are derived by hashing, not by adding (as Grain's per-epoch seed
+# does), so that (e, w) and (e + 1, w - 1) draw independent permutations.
+
+SHUFFLE_FIELD = "shuffle"
+WINDOW_FIELD = "shuffle_window"
+SHARDS_FIELD = "shuffle_shards"
+GLOBAL = "global"  # Grain's full shuffle: no fingerprint field says it (states written before keep their fields)
+SHARDS = "shards"
+KINDS = (GLOBAL, SHARDS)
+
+
+def _derived_seed(seed: int, *parts: object) -> int:
+  text = ":".join(str(p) for p in (seed, *parts))
+  return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
+
+
+def _index_shuffle(index: int, size: int, seed: int) -> int:
+  """Position `index` of a permutation of range(size) drawn by `seed` (Grain's index_shuffle)."""
+  if size == 1:
+    return 0
+  compiled = _compiled()
+  if compiled is None:
+    return int(_public(size, seed)[index])  # epoch 0 of Grain's shuffle: index_shuffle with `seed` itself
+  return compiled(index, size - 1, seed, _ROUNDS)
+
+
+def layout_text(offsets: Sequence[int]) -> str:
+  """The shard sizes of `offsets` ([0, end of shard 0, ..., length]), run-length encoded: "1000x59,617".
+
+  Exact for any layout, short for the usual ones (equal files, or equal
+  blocks and a shorter last one): what the fingerprint field SHARDS_FIELD holds.
+  """
+  sizes = [b - a for a, b in zip(offsets, offsets[1:])]
+  runs: list[list[int]] = []
+  for size in sizes:
+    if runs and runs[-1][0] == size:
+      runs[-1][1] += 1
+    else:
+      runs.append([size, 1])
+  return ",".join(f"{size}x{count}" if count > 1 else str(size) for size, count in runs)
+
+
+def layout_offsets(text: str) -> list[int]:
+  """The offsets a `layout_text` names ([0, ..., length]).
+
+  Raises:
+    ValueError: `text` is no layout (the caller names the field).
+  """
+  offsets = [0]
+  for run in str(text).split(","):
+    size, _, count = run.partition("x")
+    size_value, count_value = int(size), int(count) if count else 1
+    if size_value < 1 or count_value < 1:
+      raise ValueError(f"shard run {run!r} is not positive")
+    for _ in range(count_value):
+      offsets.append(offsets[-1] + size_value)
+  return offsets
+
+
+def block_offsets(length: int, shard_size: int) -> list[int]:
+  """Offsets of fixed blocks of `shard_size` records over `length` (the last block may be shorter)."""
+  return list(range(0, length, shard_size)) + [length]
+
+
+class _EpochPlan:
+  """One epoch of a ShardShuffle: the shards in reading order, the windows' first positions and seeds."""
+
+  def __init__(self, shuffle: "ShardShuffle", epoch: int):
+    offsets, count = shuffle.offsets, shuffle.shard_count
+    order_seed = _derived_seed(shuffle.seed, epoch, "order")
+    self.order = [_index_shuffle(k, count, order_seed) for k in range(count)]
+    self.window_starts = [0]
+    for first in range(0, count, shuffle.window):
+      shards = self.order[first:first + shuffle.window]
+      self.window_starts.append(self.window_starts[-1] + sum(offsets[s + 1] - offsets[s] for s in shards))
+    self._shuffle, self._epoch = shuffle, epoch
+    self._windows: dict[int, tuple[int, list[int], list[int]]] = {}
+
+  def window(self, number: int) -> tuple[int, list[int], list[int]]:
+    """(seed, shards in reading order, offsets of their records within the window) of window `number`."""
+    found = self._windows.get(number)
+    if found is None:
+      offsets, size = self._shuffle.offsets, self._shuffle.window
+      shards = self.order[number * size:(number + 1) * size]
+      starts = [0]
+      for s in shards:
+        starts.append(starts[-1] + offsets[s + 1] - offsets[s])
+      found = self._windows[number] = (_derived_seed(self._shuffle.seed, self._epoch, number), shards, starts)
+    return found
+
+  def source(self, offset: int) -> int:
+    number = bisect.bisect_right(self.window_starts, offset) - 1
+    first = self.window_starts[number]
+    seed, shards, starts = self.window(number)
+    in_window = _index_shuffle(offset - first, self.window_starts[number + 1] - first, seed)
+    k = bisect.bisect_right(starts, in_window) - 1
+    return self._shuffle.offsets[shards[k]] + in_window - starts[k]
+
+
+class ShardShuffle:
+  """make_dataset(shuffle="shards")'s order: stream index -> source record (see the comment above).
+
+  Args:
+    offsets: the shards' first records and the source's length ([0, ..., L]), increasing.
+    window: shards per window.
+    seed: the run's seed (uint32).
+  """
+
+  _EPOCHS_KEPT = 4  # a reader is in one epoch; the data map may look back at the one before
+
+  def __init__(self, offsets: Sequence[int], window: int, seed: int):
+    self.offsets = [int(o) for o in offsets]
+    if len(self.offsets) < 2 or self.offsets[0] != 0 or any(
+        b <= a for a, b in zip(self.offsets, self.offsets[1:])):
+      raise ValueError(f"shard offsets must increase from 0, got {self.offsets[:8]}...")
+    if window < 1:
+      raise ValueError(f"window={window} must be positive")
+    self.window, self.seed = int(window), int(seed)
+    self.length, self.shard_count = self.offsets[-1], len(self.offsets) - 1
+    self._epochs: dict[int, _EpochPlan] = {}
+
+  @classmethod
+  def from_layout(cls, text: str, window: int, seed: int) -> "ShardShuffle":
+    return cls(layout_offsets(text), window, seed)
+
+  def plan(self, epoch: int) -> _EpochPlan:
+    found = self._epochs.get(epoch)
+    if found is None:
+      if len(self._epochs) >= self._EPOCHS_KEPT:
+        self._epochs.pop(next(iter(self._epochs)))
+      found = self._epochs[epoch] = _EpochPlan(self, epoch)
+    return found
+
+  def source(self, index: int) -> int:
+    """The source record at stream index `index` (which may pass the length: epoch index // L)."""
+    epoch, offset = divmod(int(index), self.length)
+    return self.plan(epoch).source(offset)
+
+  def epoch_function(self, epoch: int) -> Callable[[int], int]:
+    """p -> the source record at position p of epoch `epoch`."""
+    return self.plan(epoch).source
+
+  def windows(self, epoch: int) -> list[list[int]]:
+    """The shards of epoch `epoch`, window by window, in reading order (what a cache prefetches next)."""
+    order = self.plan(epoch).order
+    return [order[first:first + self.window] for first in range(0, self.shard_count, self.window)]
+
+  def shard_of(self, record: int) -> int:
+    """The shard holding source record `record`."""
+    return bisect.bisect_right(self.offsets, record) - 1

@@ -148,10 +148,12 @@ class Stream:
     self.num_epochs = epochs if state_lib.is_int(epochs) else None
     self.skips = _records.Skips.from_text(fingerprint.get(_records.SKIPS_FIELD), origin=origin)
     shares = _records.shares_of(fingerprint)
+    self.shard_shuffle = None
     if shares is None:
       self.mixture = None
       self.length = _int_field(fingerprint, "source_length", origin)
       self.lengths = {"": self.length}
+      self.shard_shuffle = _shard_shuffle(fingerprint, self.length, self.seed, origin)
     else:
       self.mixture = _records.Mixture.from_json(position.get(_records.MIXTURE), shares, self.next_record,
                                                 origin=origin)
@@ -182,6 +184,8 @@ class Stream:
       name, own = self.mixture.source_of(stream_record)
       length = self.lengths[name]
       seed = None if self.seed is None else _records.source_seed(self.seed, name)
+    if self.shard_shuffle is not None:
+      return name, self.shard_shuffle.source(own), own // length
     return name, _permutation.shuffled(own, length, seed), own // length
 
   def source_indices(self, records: Any) -> tuple[list[int], list[str] | None]:
@@ -193,7 +197,9 @@ class Stream:
     for g in records:
       epoch, offset = divmod(g, self.length)
       if epoch != self._epoch:
-        self._epoch, self._permute = epoch, _permutation.epoch_function(epoch, self.length, self.seed)
+        self._epoch, self._permute = epoch, (
+            _permutation.epoch_function(epoch, self.length, self.seed) if self.shard_shuffle is None
+            else self.shard_shuffle.epoch_function(epoch))
       indices.append(self._permute(offset))
     return indices, None
 
@@ -210,6 +216,34 @@ class Stream:
       process = row // per_process if process_index is None else process_index
       rows.append(SourceRecord(stream_record, name, index, epoch, row, process))
     return Batch(tuple(rows), self.batch_size, self.process_count, how, number, segment)
+
+
+def _shard_shuffle(fingerprint: Mapping[str, Any], length: int, seed: Any,
+                   origin: str) -> _permutation.ShardShuffle | None:
+  """make_dataset(shuffle="shards")'s order, from the fingerprint fields that define it; None for Grain's shuffle.
+
+  Raises:
+    InvalidStateError: a shuffle kind this version does not know, or a malformed window, layout or seed.
+  """
+  kind = fingerprint.get(_permutation.SHUFFLE_FIELD, _permutation.GLOBAL)
+  if kind == _permutation.GLOBAL:
+    return None
+  if kind != _permutation.SHARDS:
+    raise errors.InvalidStateError(
+        f"{origin}: fingerprint field {_permutation.SHUFFLE_FIELD!r} is {state_lib.short_repr(kind)}; this "
+        f"version knows {list(_permutation.KINDS)}. Read the state with the ckpt_iter version that wrote it.")
+  window = _int_field(fingerprint, _permutation.WINDOW_FIELD, origin)
+  layout = fingerprint.get(_permutation.SHARDS_FIELD)
+  try:
+    offsets = _permutation.layout_offsets(layout)
+  except (TypeError, ValueError):
+    offsets = None
+  if offsets is None or offsets[-1] != length or not state_lib.is_int(seed):
+    raise errors.InvalidStateError(
+        f"{origin}: fingerprint field {_permutation.SHARDS_FIELD!r} is {state_lib.short_repr(layout)} with "
+        f"seed {state_lib.short_repr(seed)}; the data map needs shard sizes 'SIZExCOUNT,...' summing to "
+        f"source_length {length} and an integer seed (a make_dataset(shuffle=\"shards\") state has them).")
+  return _permutation.ShardShuffle(offsets, window, int(seed))
 
 
 def _refusal(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> str | None:
