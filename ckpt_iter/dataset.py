@@ -446,10 +446,12 @@ def _shard_offsets(records: Any, identity: sources_lib.SourceIdentity, shard_siz
   files = None if offsets is None else sorted(set(offsets))  # an empty file is no shard
   if files is None or len(files) < 3:
     what = "is not read from files" if offsets is None else "has one file (with records)"
+    example = -(-identity.length // 64)
     raise errors.InvalidArgumentError(
         f"shuffle=\"shards\" without shard_size: the source ({identity.description}) {what}, so it has no "
-        f"shards of its own. Pass shard_size=<records per shard> (e.g. {max(1, identity.length // 64)}, 64 "
-        "shards), or split the source into several files.")
+        f"shards of its own. Pass shard_size=<records per shard> (e.g. shard_size={example}: "
+        f"{-(-identity.length // example)} shards of its {identity.length} records), or split the source into "
+        "several files.")
   return files
 
 
