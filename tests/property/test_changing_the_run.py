@@ -9,8 +9,8 @@ saved into and restored from real item files by the Orbax handler
 global batch after global batch (the processes' rows in process order), is
 compared with an oracle built independently of the restarts:
 
-  * plain: the stream of one uninterrupted single-process run, cut by the
-    documented rule (batches keep to their epoch; a rest shorter than the
+  * plain, shards (Grain's shuffle, the shard-aware one): the stream of one
+    uninterrupted single-process run, cut by the documented rule (batches keep to their epoch; a rest shorter than the
     batch in effect at the epoch's end is dropped);
   * filter, pack: the rows each lane gives in an uninterrupted single-process
     run; a global batch takes G/num_lanes rows from each lane in order;
@@ -75,6 +75,9 @@ def _pipeline(kind, index, count, global_batch, mixture=None):
   common = dict(batch_size=global_batch // count, seed=SEED, shard_index=index, shard_count=count)
   if kind == "plain":
     return ckpt_iter.make_dataset(_RECORDS, num_epochs=2, **common)
+  if kind == "shards":  # the shard-aware shuffle: 7 shards (the last of 4 records), 3 to a window
+    return ckpt_iter.make_dataset(_RECORDS, num_epochs=2, shuffle="shards", shard_size=6, shuffle_window=3,
+                                  **common)
   if kind == "filter":
     return ckpt_iter.make_dataset(_RECORDS, num_epochs=None, filter=keep, chunk_size=5, num_lanes=LANES, **common)
   if kind == "pack":
@@ -134,8 +137,8 @@ def _run(kind, segments, directory):
 
 def _stream(kind):
   """The uninterrupted single-process stream: records as rows (plain), or each lane's rows (filter, pack)."""
-  if kind == "plain":
-    return [row for b in ckpt_iter.DataIterator(_pipeline("plain", 0, 1, 1)) for row in _rows(b)]
+  if kind in _RECORD_STREAMS:
+    return [row for b in ckpt_iter.DataIterator(_pipeline(kind, 0, 1, 1)) for row in _rows(b)]
   lanes = [[] for _ in range(LANES)]
   iterator = ckpt_iter.DataIterator(_pipeline(kind, 0, 1, LANES))
   for _ in range(_MAX_LANE_ROWS):  # one row per lane and batch; the stream has no end
@@ -145,6 +148,7 @@ def _stream(kind):
 
 
 _STREAMS = {}
+_RECORD_STREAMS = ("plain", "shards")  # one record per row, cut by the batch plan
 _MAX_LANE_ROWS = 4 * 5 * 2 * BASE_BATCH // LANES  # rows per lane a run can take: 4 segments x 5 batches of 2G
 
 
@@ -157,7 +161,7 @@ def _lane_streams(kind):
 def _oracle(kind, segments):
   """What the run must train: the uninterrupted stream cut into the segments' global batches."""
   stream = _lane_streams(kind)
-  if kind == "plain":
+  if kind in _RECORD_STREAMS:
     return _epoch_batches(stream, len(_RECORDS), [(g, b) for _, g, b, _ in segments])
   batches, taken = [], [0] * LANES
   for _, global_batch, count, _ in segments:
@@ -220,8 +224,8 @@ def _matched(trained, stream, pointer=0):
 
 def _duplicates_and_skips(kind, segments, trained):
   """Counted against the uninterrupted streams, each record of each epoch by itself."""
-  if kind == "plain":
-    return _plain_duplicates_and_skips(segments, trained)
+  if kind in _RECORD_STREAMS:
+    return _plain_duplicates_and_skips(kind, segments, trained)
   if kind == "mix":
     totals = [0, 0]
     for name in {n for _, _, _, mixture in segments for n in mixture}:
@@ -242,7 +246,7 @@ def _duplicates_and_skips(kind, segments, trained):
   return tuple(totals)
 
 
-def _plain_duplicates_and_skips(segments, trained):
+def _plain_duplicates_and_skips(kind, segments, trained):
   """(duplicates, skips) of a plain run against the uninterrupted stream of its epochs.
 
   The stream holds each record once per epoch, so a record alone does not say
@@ -251,7 +255,7 @@ def _plain_duplicates_and_skips(segments, trained):
   epoch's rest is shorter than the batch (the documented rule: not a skip);
   anything else is matched row by row (`_matched`).
   """
-  stream, epoch = _lane_streams("plain"), len(_RECORDS)
+  stream, epoch = _lane_streams(kind), len(_RECORDS)
   duplicates = skips = pointer = 0
   for batch, (_, global_batch, _, _) in zip(trained, _segment_of_each(segments)):
     next_epoch = (pointer // epoch + 1) * epoch
@@ -286,7 +290,7 @@ def _check(kind, segments):
   assert (duplicates, skips) == (0, 0)
 
 
-_PIPELINES = ["plain", "filter", "pack", "mix"]
+_PIPELINES = ["plain", "shards", "filter", "pack", "mix"]
 
 
 @pytest.mark.parametrize("kind", _PIPELINES)
