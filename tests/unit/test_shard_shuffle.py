@@ -87,6 +87,26 @@ def test_blocks_of_a_source_are_short_text():
   assert _permutation.layout_text(_permutation.block_offsets(60_617, 1_000)) == "1000x60,617"
 
 
+def test_a_window_past_the_ranked_size_is_grains_index_shuffle_itself(monkeypatch):
+  # Windows of more than RANKED_MAX records call index_shuffle per position (no list is built).
+  monkeypatch.setattr(_permutation, "RANKED_MAX", 40)
+  offsets = np.cumsum([0, 30, 25, 40, 9, 33, 27]).tolist()
+  order = _permutation.ShardShuffle(offsets, 2, 5)
+  for epoch in (0, 1):
+    records = _epoch(order, epoch)
+    assert sorted(records) == list(range(order.length))
+    plan, position = order.plan(epoch), 0
+    for number, shards in enumerate(order.windows(epoch)):
+      window = plan.window(number)
+      assert window.ranked is None  # every window holds more than 40 records
+      seed = _permutation._derived_seed(5, epoch, number)  # pylint: disable=protected-access
+      for q in range(window.starts[-1]):
+        record = _permutation._index_shuffle(q, window.starts[-1], seed)  # pylint: disable=protected-access
+        k = int(np.searchsorted(window.starts, record, side="right")) - 1
+        assert records[position + q] == offsets[shards[k]] + record - window.starts[k]
+      position += window.starts[-1]
+
+
 def test_grains_public_shuffle_answers_the_same_where_the_compiled_one_is_not_found(monkeypatch):
   offsets = _permutation.block_offsets(41, 6)
   compiled = _epoch(_permutation.ShardShuffle(offsets, 3, 11), 1)
