@@ -12,10 +12,13 @@ the field's name.
 import collections
 import json
 import os
+import pathlib
 
 import hypothesis
 from hypothesis import strategies as st
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import ckpt_iter
@@ -23,6 +26,8 @@ from ckpt_iter import _permutation
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import datamap
 from ckpt_iter import errors
+from ckpt_iter import sources
+import support
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -121,9 +126,9 @@ RECORDS = [{"id": i} for i in range(24)]
 
 
 def _pipeline(count=1, index=0, global_batch=4, *, window=2, shard_size=5, shuffle="shards", records=RECORDS,
-              **more):
+              num_epochs=3, **more):
   extra = {} if shuffle == "global" else dict(shuffle_window=window, shard_size=shard_size)
-  return ckpt_iter.make_dataset(records, batch_size=global_batch // count, seed=7, num_epochs=3,
+  return ckpt_iter.make_dataset(records, batch_size=global_batch // count, seed=7, num_epochs=num_epochs,
                                 shard_index=index, shard_count=count, shuffle=shuffle, **extra, **more)
 
 
@@ -165,6 +170,41 @@ def test_the_shards_of_a_file_source_are_its_files(tmp_path):
     span = sum(sizes[s] for s in shards)
     assert {order.shard_of(r) for r in yielded[position:position + span]} == set(shards)
     position += span
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "array_record"])
+def test_every_file_kind_gives_its_files_as_shards(tmp_path, kind):
+  sizes, paths, first = [4, 9, 2], [], 0
+  for number, size in enumerate(sizes):
+    rows = [{"id": first + i} for i in range(size)]
+    path = str(tmp_path / f"part-{number}.{kind}")
+    if kind == "jsonl":
+      pathlib.Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "parquet":  # row groups of 3: a file's offset is its first group's
+      pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)
+    else:
+      support.write_array_record(path, rows)
+    paths.append(path)
+    first += size
+  records, _ = sources.resolve_source(paths)
+  assert sources.file_offsets(records) == [0, 4, 13, 15]
+  pipeline = ckpt_iter.make_dataset(paths, batch_size=1, seed=2, num_epochs=1, shard_index=0, shard_count=1,
+                                    shuffle="shards", shuffle_window=2)
+  yielded = [i for batch in ckpt_iter.DataIterator(pipeline) for i in _ids(batch)]
+  assert yielded == _epoch(_permutation.ShardShuffle([0, 4, 13, 15], 2, 2), 0)
+
+
+def test_a_filtered_pipeline_filters_the_shard_order():
+  pipeline = _pipeline(global_batch=1, num_epochs=None, filter=lambda r: r["id"] % 3 != 0, chunk_size=4,
+                       num_lanes=1)
+  iterator = ckpt_iter.DataIterator(pipeline)
+  yielded = [_ids(next(iterator))[0] for _ in range(30)]
+  order = _permutation.ShardShuffle(_permutation.block_offsets(24, 5), 2, 7)
+  assert yielded == [r for r in (order.source(g) for g in range(3 * 24)) if r % 3][:30]
+  # which() names the records of the chunk the last row came from (the filter's input): that row among them.
+  chunk = ckpt_iter.which(pipeline, iterator.state()).records
+  assert yielded[-1] in [r.index for r in chunk]
+  assert [r.index for r in chunk] == [order.source(r.stream_record) for r in chunk]
 
 
 # ---------------------------------------------------------------------------
