@@ -120,6 +120,11 @@ RANKED_MAX = 2**16
 _KEY_DOMAIN = 2**32
 
 
+def source_shards_field(name: str) -> str:
+  """The fingerprint field of a mixture source's shard layout: `shuffle_shards[name]`."""
+  return f"{SHARDS_FIELD}[{name}]"
+
+
 def _derived_seed(seed: int, *parts: object) -> int:
   text = ":".join(str(p) for p in (seed, *parts))
   return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")

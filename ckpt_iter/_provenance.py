@@ -81,9 +81,10 @@ def which(pipeline: Any, state: Any) -> datamap.Batch:
 
 def _check_same_source(node: Any, fingerprint: Mapping[str, Any]) -> None:
   here = node.spec.fingerprint()
+  layouts = tuple(sorted({n for n in (*fingerprint, *here) if n.startswith(_permutation.SHARDS_FIELD + "[")}))
   differences = {name: (fingerprint.get(name, state_lib.ABSENT), here.get(name, state_lib.ABSENT))
-                 for name in _IDENTITY_FIELDS + _SHUFFLE_FIELDS
-                 if (name in fingerprint or name in _SHUFFLE_FIELDS and name in here)
+                 for name in _IDENTITY_FIELDS + _SHUFFLE_FIELDS + layouts
+                 if (name in fingerprint or (name in _SHUFFLE_FIELDS or name in layouts) and name in here)
                  and not state_lib.same_field_value(fingerprint.get(name), here.get(name))}
   if differences:
     raise errors.ConfigDriftError(differences, origin="which(): the state")

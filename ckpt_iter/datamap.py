@@ -148,12 +148,10 @@ class Stream:
     self.num_epochs = epochs if state_lib.is_int(epochs) else None
     self.skips = _records.Skips.from_text(fingerprint.get(_records.SKIPS_FIELD), origin=origin)
     shares = _records.shares_of(fingerprint)
-    self.shard_shuffle = None
     if shares is None:
       self.mixture = None
       self.length = _int_field(fingerprint, "source_length", origin)
       self.lengths = {"": self.length}
-      self.shard_shuffle = _shard_shuffle(fingerprint, self.length, self.seed, origin)
     else:
       self.mixture = _records.Mixture.from_json(position.get(_records.MIXTURE), shares, self.next_record,
                                                 origin=origin)
@@ -161,6 +159,8 @@ class Stream:
       # The sources its shares pick from: a source removed at a restart keeps its ledger entry
       # (`since`), but no record after the restart is its, and its length is no longer recorded.
       self.lengths = {name: _int_field(fingerprint, f"source_length[{name}]", origin) for name in shares}
+    # name -> make_dataset(shuffle="shards")'s order of that source; {} for Grain's shuffle.
+    self.shard_shuffles = _shard_shuffles(fingerprint, self.lengths, self.seed, self.mixture is not None, origin)
 
   @property
   def stream_length(self) -> int:
@@ -184,8 +184,8 @@ class Stream:
       name, own = self.mixture.source_of(stream_record)
       length = self.lengths[name]
       seed = None if self.seed is None else _records.source_seed(self.seed, name)
-    if self.shard_shuffle is not None:
-      return name, self.shard_shuffle.source(own), own // length
+    if self.shard_shuffles:
+      return name, self.shard_shuffles[name].source(own), own // length
     return name, _permutation.shuffled(own, length, seed), own // length
 
   def source_indices(self, records: Any) -> tuple[list[int], list[str] | None]:
@@ -198,8 +198,8 @@ class Stream:
       epoch, offset = divmod(g, self.length)
       if epoch != self._epoch:
         self._epoch, self._permute = epoch, (
-            _permutation.epoch_function(epoch, self.length, self.seed) if self.shard_shuffle is None
-            else self.shard_shuffle.epoch_function(epoch))
+            _permutation.epoch_function(epoch, self.length, self.seed) if not self.shard_shuffles
+            else self.shard_shuffles[""].epoch_function(epoch))
       indices.append(self._permute(offset))
     return indices, None
 
@@ -218,32 +218,40 @@ class Stream:
     return Batch(tuple(rows), self.batch_size, self.process_count, how, number, segment)
 
 
-def _shard_shuffle(fingerprint: Mapping[str, Any], length: int, seed: Any,
-                   origin: str) -> _permutation.ShardShuffle | None:
-  """make_dataset(shuffle="shards")'s order, from the fingerprint fields that define it; None for Grain's shuffle.
+def _shard_shuffles(fingerprint: Mapping[str, Any], lengths: Mapping[str, int], seed: Any, mixture: bool,
+                    origin: str) -> dict[str, _permutation.ShardShuffle]:
+  """make_dataset(shuffle="shards")'s order of each source, from the fingerprint fields that define it.
+
+  Returns:
+    name ("" for a single source) -> its order; {} for Grain's shuffle.
 
   Raises:
     InvalidStateError: a shuffle kind this version does not know, or a malformed window, layout or seed.
   """
   kind = fingerprint.get(_permutation.SHUFFLE_FIELD, _permutation.GLOBAL)
   if kind == _permutation.GLOBAL:
-    return None
+    return {}
   if kind != _permutation.SHARDS:
     raise errors.InvalidStateError(
         f"{origin}: fingerprint field {_permutation.SHUFFLE_FIELD!r} is {state_lib.short_repr(kind)}; this "
         f"version knows {list(_permutation.KINDS)}. Read the state with the ckpt_iter version that wrote it.")
   window = _int_field(fingerprint, _permutation.WINDOW_FIELD, origin)
-  layout = fingerprint.get(_permutation.SHARDS_FIELD)
-  try:
-    offsets = _permutation.layout_offsets(layout)
-  except (TypeError, ValueError):
-    offsets = None
-  if offsets is None or offsets[-1] != length or not state_lib.is_int(seed):
-    raise errors.InvalidStateError(
-        f"{origin}: fingerprint field {_permutation.SHARDS_FIELD!r} is {state_lib.short_repr(layout)} with "
-        f"seed {state_lib.short_repr(seed)}; the data map needs shard sizes 'SIZExCOUNT,...' summing to "
-        f"source_length {length} and an integer seed (a make_dataset(shuffle=\"shards\") state has them).")
-  return _permutation.ShardShuffle(offsets, window, int(seed))
+  orders = {}
+  for name, length in lengths.items():
+    field = _permutation.source_shards_field(name) if mixture else _permutation.SHARDS_FIELD
+    layout = fingerprint.get(field)
+    try:
+      offsets = _permutation.layout_offsets(layout)
+    except (TypeError, ValueError):
+      offsets = None
+    if offsets is None or offsets[-1] != length or not state_lib.is_int(seed):
+      raise errors.InvalidStateError(
+          f"{origin}: fingerprint field {field!r} is {state_lib.short_repr(layout)} with seed "
+          f"{state_lib.short_repr(seed)}; the data map needs shard sizes 'SIZExCOUNT,...' summing to the source's "
+          f"length {length} and an integer seed (a make_dataset(shuffle=\"shards\") state has them).")
+    orders[name] = _permutation.ShardShuffle(
+        offsets, window, _records.source_seed(int(seed), name) if mixture else int(seed))
+  return orders
 
 
 def _refusal(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> str | None:

@@ -63,13 +63,15 @@ class DatasetSpec:
   transform: str | None
   sources: tuple[tuple[str, sources_lib.SourceIdentity], ...] = ()
   shares: tuple[tuple[str, int], ...] = ()
-  # shuffle="shards": shards per window and the shard layout (`_permutation.layout_text`); None: Grain's shuffle.
+  # shuffle="shards": shards per window and the shard layout (`_permutation.layout_text`) of the source, or
+  # of each source of a mixture (name, layout); None and (): Grain's shuffle.
   shuffle_window: int | None = None
   shuffle_shards: str | None = None
+  source_shards: tuple[tuple[str, str], ...] = ()
 
   @property
   def shuffle(self) -> str:
-    return _permutation.GLOBAL if self.shuffle_shards is None else _permutation.SHARDS
+    return _permutation.GLOBAL if self.shuffle_window is None else _permutation.SHARDS
 
   @property
   def global_batch_size(self) -> int:
@@ -140,12 +142,12 @@ class DatasetSpec:
         "shard_count": self.shard_count,
         "transform": self.transform,
     })
-    if self.shuffle_shards is not None:  # only then: a default pipeline's fingerprint is what it always was
-      fields.update({
-          _permutation.SHUFFLE_FIELD: _permutation.SHARDS,
-          _permutation.WINDOW_FIELD: self.shuffle_window,
-          _permutation.SHARDS_FIELD: self.shuffle_shards,
-      })
+    if self.shuffle_window is not None:  # only then: a default pipeline's fingerprint is what it always was
+      fields.update({_permutation.SHUFFLE_FIELD: _permutation.SHARDS, _permutation.WINDOW_FIELD: self.shuffle_window})
+      if self.is_mixture:
+        fields.update({_permutation.source_shards_field(name): layout for name, layout in self.source_shards})
+      else:
+        fields[_permutation.SHARDS_FIELD] = self.shuffle_shards
     return fields
 
 
@@ -219,7 +221,8 @@ def make_dataset(
       shuffled together (default 8).
     shard_size: with shuffle="shards", the shards are blocks of this many
       records (the last may be shorter); default: the source's files (a source
-      of one file, or in memory, needs shard_size).
+      of one file, or in memory, needs shard_size). Each source of a mixture
+      has its own shards and its own order (from its own seed).
 
   Returns:
     A `grain.MapDataset` of dict batches of numpy arrays with a leading batch
@@ -250,14 +253,11 @@ def make_dataset(
       raise errors.InvalidArgumentError(
           f"{name}={fn!r} is not callable; pass a function (see make_dataset's docstring)."
       )
-  _check_shuffle(shuffle, shuffle_window, shard_size, seed, weights)
+  _check_shuffle(shuffle, shuffle_window, shard_size, seed)
   named = _resolve_sources(source, weights)
   if weights is None:
     (_, (records, identity)), = named.items()
-    order = None
-    if shuffle == _permutation.SHARDS:
-      window = 8 if shuffle_window is None else int(shuffle_window)
-      order = _permutation.ShardShuffle(_shard_offsets(records, identity, shard_size), window, seed)
+    order = _shard_order(shuffle, records, identity, shard_size, shuffle_window, seed)
     spec = DatasetSpec(
         source=identity, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
         drop_remainder=drop_remainder, shard_index=shard_index, shard_count=shard_count,
@@ -268,14 +268,20 @@ def make_dataset(
     parents = [_record_dataset(records, seed, transform, order)]
   else:
     shares = _records.proportions(weights)
+    seeds = {name: None if seed is None else source_seed(seed, name) for name in named}
+    orders = {name: _shard_order(shuffle, records, identity, shard_size, shuffle_window, seeds[name], name)
+              for name, (records, identity) in named.items()}
     spec = DatasetSpec(
         source=None, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
         drop_remainder=drop_remainder, shard_index=shard_index, shard_count=shard_count,
         transform=None if transform is None else _qualified_name(transform),
         sources=tuple((name, identity) for name, (_, identity) in named.items()),
         shares=tuple(shares.items()),
+        shuffle_window=None if shuffle == _permutation.GLOBAL else orders[next(iter(orders))].window,
+        source_shards=tuple((name, _permutation.layout_text(order.offsets))
+                            for name, order in orders.items() if order is not None),
     )
-    parents = [_record_dataset(records, None if seed is None else source_seed(seed, name), transform)
+    parents = [_record_dataset(records, seeds[name], transform, orders[name])
                for name, (records, _) in named.items()]
   declared = _records.Skip.of(skip) if not isinstance(skip, _records.Skip) else skip
   if filter is not None or pack is not None:
@@ -413,7 +419,7 @@ def _record_dataset(records: Any, seed: int | None, transform: Callable[[Any], A
   return dataset
 
 
-def _check_shuffle(shuffle: Any, shuffle_window: Any, shard_size: Any, seed: int | None, weights: Any) -> None:
+def _check_shuffle(shuffle: Any, shuffle_window: Any, shard_size: Any, seed: int | None) -> None:
   if shuffle not in _permutation.KINDS:
     raise errors.InvalidArgumentError(
         f"shuffle={_short(shuffle)} must be one of {list(_permutation.KINDS)} (\"global\": Grain's full shuffle, "
@@ -428,17 +434,23 @@ def _check_shuffle(shuffle: Any, shuffle_window: Any, shard_size: Any, seed: int
     raise errors.InvalidArgumentError(
         "shuffle=\"shards\" with seed=None: the shard shuffle needs a seed (pass seed=<uint32>), or drop shuffle "
         "to read the source in order.")
-  if weights is not None:
-    raise errors.UnsupportedConfigError(
-        "shuffle=\"shards\" with weights (a mixture) is not supported yet: each source would need its own shard "
-        "layout in the state. Use shuffle=\"global\" for a mixture, or read one source.")
   if shuffle_window is not None:
     _check_positive_int("shuffle_window", shuffle_window, "shards shuffled together")
   if shard_size is not None:
     _check_positive_int("shard_size", shard_size, "records per shard; pass None to use the source's files")
 
 
-def _shard_offsets(records: Any, identity: sources_lib.SourceIdentity, shard_size: int | None) -> list[int]:
+def _shard_order(shuffle: str, records: Any, identity: sources_lib.SourceIdentity, shard_size: int | None,
+                 shuffle_window: int | None, seed: int | None, name: str = "") -> _permutation.ShardShuffle | None:
+  """The order of shuffle="shards" over one source (a mixture's source `name`: its own seed); None otherwise."""
+  if shuffle != _permutation.SHARDS:
+    return None
+  window = 8 if shuffle_window is None else int(shuffle_window)
+  return _permutation.ShardShuffle(_shard_offsets(records, identity, shard_size, name), window, seed)
+
+
+def _shard_offsets(records: Any, identity: sources_lib.SourceIdentity, shard_size: int | None,
+                   name: str = "") -> list[int]:
   """The shards of shuffle="shards": blocks of `shard_size` records, or the source's non-empty files."""
   if shard_size is not None:
     return _permutation.block_offsets(identity.length, int(shard_size))
@@ -447,8 +459,9 @@ def _shard_offsets(records: Any, identity: sources_lib.SourceIdentity, shard_siz
   if files is None or len(files) < 3:
     what = "is not read from files" if offsets is None else "has one file (with records)"
     example = -(-identity.length // 64)
+    which = f"source {name!r}" if name else "the source"
     raise errors.InvalidArgumentError(
-        f"shuffle=\"shards\" without shard_size: the source ({identity.description}) {what}, so it has no "
+        f"shuffle=\"shards\" without shard_size: {which} ({identity.description}) {what}, so it has no "
         f"shards of its own. Pass shard_size=<records per shard> (e.g. shard_size={example}: "
         f"{-(-identity.length // example)} shards of its {identity.length} records), or split the source into "
         "several files.")

@@ -14,8 +14,8 @@ compared with an oracle built independently of the restarts:
     batch in effect at the epoch's end is dropped);
   * filter, pack: the rows each lane gives in an uninterrupted single-process
     run; a global batch takes G/num_lanes rows from each lane in order;
-  * a mixture whose weights and sources change: each source's own stream,
-    read in order from its first record.
+  * a mixture whose weights and sources change (Grain's shuffle or the
+    shard-aware one): each source's own stream, read in order from its first record.
 
 It then counts, per source record and epoch, how often it was trained:
 duplicates and skips (beyond the documented epoch rests and the stream's
@@ -84,7 +84,7 @@ def _pipeline(kind, index, count, global_batch, mixture=None):
     return ckpt_iter.make_dataset(_RECORDS, num_epochs=None, pack=grain_pack, chunk_size=6, num_lanes=LANES,
                                   **common)
   sources = {name: _SOURCES[name] for name in mixture}
-  return ckpt_iter.make_dataset(sources, weights=mixture, num_epochs=None, **common)
+  return ckpt_iter.make_dataset(sources, weights=mixture, num_epochs=None, **common, **_MIX_SHUFFLE[kind])
 
 
 def _rows(batch):
@@ -101,7 +101,7 @@ def _runs(draw, kind):
     global_batch = draw(st.sampled_from([BASE_BATCH // 2, BASE_BATCH, 2 * BASE_BATCH]))
     count = draw(st.sampled_from([n for n in (1, 2, 4, 8) if global_batch % n == 0]))
     mixture = None
-    if kind == "mix":
+    if kind in _MIX_SHUFFLE:
       names = draw(st.sampled_from([("a", "b"), ("a", "b", "c"), ("b", "c"), ("a", "c")]))
       mixture = {name: draw(st.sampled_from([1, 2, 3])) for name in names}
     segments.append((count, global_batch, draw(st.integers(0, 5), label="batches"), mixture))
@@ -148,6 +148,8 @@ def _stream(kind):
 
 
 _STREAMS = {}
+# A mixture's sources under Grain's shuffle or the shard-aware one (each source its own shards and order).
+_MIX_SHUFFLE = {"mix": {}, "mix_shards": dict(shuffle="shards", shard_size=5, shuffle_window=2)}
 _RECORD_STREAMS = ("plain", "shards")  # one record per row, cut by the batch plan
 _MAX_LANE_ROWS = 4 * 5 * 2 * BASE_BATCH // LANES  # rows per lane a run can take: 4 segments x 5 batches of 2G
 
@@ -189,11 +191,11 @@ def _epoch_batches(stream, epoch_length, segments):
   return batches
 
 
-def _source_stream(name, length):
+def _source_stream(kind, name, length):
   """A mixture source's own stream: its records, epoch after epoch, each epoch its own permutation."""
   seed = dataset_lib.source_seed(SEED, name)
   single = ckpt_iter.make_dataset(_SOURCES[name], batch_size=1, seed=seed, num_epochs=None, shard_index=0,
-                                  shard_count=1)
+                                  shard_count=1, **_MIX_SHUFFLE[kind])
   iterator = ckpt_iter.DataIterator(single)
   return [_rows(next(iterator))[0] for _ in range(length)]
 
@@ -226,11 +228,11 @@ def _duplicates_and_skips(kind, segments, trained):
   """Counted against the uninterrupted streams, each record of each epoch by itself."""
   if kind in _RECORD_STREAMS:
     return _plain_duplicates_and_skips(kind, segments, trained)
-  if kind == "mix":
+  if kind in _MIX_SHUFFLE:
     totals = [0, 0]
     for name in {n for _, _, _, mixture in segments for n in mixture}:
       rows = [row for batch in trained for row in batch if row[0] // 1000 == ord(name) - ord("a") + 1]
-      for i, value in enumerate(_matched(rows, _source_stream(name, len(rows) + 1))[:2]):
+      for i, value in enumerate(_matched(rows, _source_stream(kind, name, len(rows) + 1))[:2]):
         totals[i] += value
     return tuple(totals)
   totals, offset = [0, 0], 0
@@ -277,11 +279,11 @@ def _segment_of_each(segments):
 def _check(kind, segments):
   with tempfile.TemporaryDirectory() as directory:
     trained = _run(kind, segments, directory)
-  if kind == "mix":
+  if kind in _MIX_SHUFFLE:
     names = {n for _, _, _, mixture in segments for n in mixture}
     for name in names:
       got = [row for batch in trained for row in batch if row[0] // 1000 == ord(name) - ord("a") + 1]
-      assert got == _source_stream(name, len(got)), f"source {name} skipped or repeated a record"
+      assert got == _source_stream(kind, name, len(got)), f"source {name} skipped or repeated a record"
   else:
     assert trained == _oracle(kind, segments)
   duplicates, skips = _duplicates_and_skips(kind, segments, trained)
@@ -290,7 +292,7 @@ def _check(kind, segments):
   assert (duplicates, skips) == (0, 0)
 
 
-_PIPELINES = ["plain", "shards", "filter", "pack", "mix"]
+_PIPELINES = ["plain", "shards", "filter", "pack", "mix", "mix_shards"]
 
 
 @pytest.mark.parametrize("kind", _PIPELINES)
@@ -311,7 +313,7 @@ def test_any_process_count_and_global_batch_train_every_record_once_long(kind, d
 def test_the_counts_are_reported():
   """Prints the session's duplicate and skip counts (run with -s to see them)."""
   for kind in _PIPELINES:
-    _check(kind, [(1, BASE_BATCH, 2, {"a": 1, "b": 1} if kind == "mix" else None),
-                  (2, BASE_BATCH // 2, 3, {"a": 3, "b": 1, "c": 1} if kind == "mix" else None)])
+    _check(kind, [(1, BASE_BATCH, 2, {"a": 1, "b": 1} if kind in _MIX_SHUFFLE else None),
+                  (2, BASE_BATCH // 2, 3, {"a": 3, "b": 1, "c": 1} if kind in _MIX_SHUFFLE else None)])
   print({k: v for k, v in sorted(COUNTS.items())})
   assert all(v == 0 for k, v in COUNTS.items() if k.endswith(("duplicates", "skips")))

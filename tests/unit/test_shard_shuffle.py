@@ -25,6 +25,7 @@ import ckpt_iter
 from ckpt_iter import _permutation
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import datamap
+from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import errors
 from ckpt_iter import sources
 import support
@@ -300,10 +301,38 @@ def test_bad_shuffle_arguments_are_refused_with_the_fix(arguments, fragment):
   assert fragment in str(info.value)
 
 
-def test_a_mixture_with_the_shard_shuffle_is_refused_for_now():
-  with pytest.raises(errors.UnsupportedConfigError, match="mixture"):
-    ckpt_iter.make_dataset({"a": RECORDS, "b": RECORDS}, weights={"a": 1, "b": 1}, batch_size=2, seed=1,
-                           shard_index=0, shard_count=1, shuffle="shards", shard_size=4)
+SOURCES = {"a": [{"id": 1000 + i} for i in range(17)], "b": [{"id": 2000 + i} for i in range(11)],
+           "c": [{"id": 3000 + i} for i in range(13)]}
+
+
+def _mixture(names, global_batch=4, count=1, index=0):
+  return ckpt_iter.make_dataset({n: SOURCES[n] for n in names}, weights={n: 1 for n in names}, num_epochs=None,
+                                batch_size=global_batch // count, seed=7, shard_index=index, shard_count=count,
+                                shuffle="shards", shard_size=4, shuffle_window=2)
+
+
+def test_each_source_of_a_mixture_reads_its_own_shard_order_across_an_added_source(tmp_path):
+  iterator = ckpt_iter.DataIterator(_mixture("ab"))
+  trained = [_ids(next(iterator)) for _ in range(5)]
+  fields = iterator.state().fingerprint
+  assert fields["shuffle_shards[a]"] == "4x4,1" and fields["shuffle_shards[b]"] == "4x2,3"
+  assert [r.index + 1000 for r in ckpt_iter.which(_mixture("ab"), iterator.state()).records if r.source == "a"] == [
+      i for i in trained[-1] if i < 2000]
+  _save(str(tmp_path / "1"), [iterator])
+  # Restored with a source added, by two processes and another batch size: each source continues its own order.
+  restored = [ckpt_iter.DataIterator(_mixture("abc", 6, 2, i)) for i in range(2)]
+  for index, it in enumerate(restored):
+    checkpoint_lib.IteratorCheckpointHandler(index, 2).restore(
+        str(tmp_path / "1"), ckpt_iter.IteratorRestore(it, elastic=True, allow_drift={"sources"}))
+  for _ in range(6):
+    trained.append([i for it in restored for i in _ids(next(it))])
+  for name, base in (("a", 1000), ("b", 2000), ("c", 3000)):
+    read = [i - base for batch in trained for i in batch if base <= i < base + 1000]
+    order = _permutation.ShardShuffle(_permutation.block_offsets(len(SOURCES[name]), 4), 2,
+                                      dataset_lib.source_seed(7, name))
+    assert read == [order.source(g) for g in range(len(read))], name
+  answer = ckpt_iter.which(_mixture("abc", 6, 2, 0), restored[0].state())
+  assert [r.index + {"a": 1000, "b": 2000, "c": 3000}[r.source] for r in answer.records] == trained[-1]
 
 
 def test_a_state_with_an_unknown_shuffle_kind_is_named():
@@ -314,5 +343,5 @@ def test_a_state_with_an_unknown_shuffle_kind_is_named():
   with pytest.raises(errors.InvalidStateError, match="'shuffle' is 'rings'"):
     datamap.Stream(fingerprint, value.position)
   fingerprint = {**value.fingerprint, _permutation.SHARDS_FIELD: "5x4"}
-  with pytest.raises(errors.InvalidStateError, match="summing to source_length 24"):
+  with pytest.raises(errors.InvalidStateError, match="summing to the source.s length 24"):
     datamap.Stream(fingerprint, value.position)
