@@ -116,6 +116,7 @@ SHARDS_FIELD = "shuffle_shards"
 GLOBAL = "global"  # Grain's full shuffle: no fingerprint field says it (states written before keep their fields)
 SHARDS = "shards"
 KINDS = (GLOBAL, SHARDS)
+DEFAULT_WINDOW = 8  # shards a make_dataset(shuffle="shards") window holds when shuffle_window is not given
 RANKED_MAX = 2**16
 _KEY_DOMAIN = 2**32
 

@@ -445,7 +445,7 @@ def _shard_order(shuffle: str, records: Any, identity: sources_lib.SourceIdentit
   """The order of shuffle="shards" over one source (a mixture's source `name`: its own seed); None otherwise."""
   if shuffle != _permutation.SHARDS:
     return None
-  window = 8 if shuffle_window is None else int(shuffle_window)
+  window = _permutation.DEFAULT_WINDOW if shuffle_window is None else int(shuffle_window)
   return _permutation.ShardShuffle(_shard_offsets(records, identity, shard_size, name), window, seed)
 
 
