@@ -274,6 +274,13 @@ class ShardShuffle:
     self.length, self.shard_count = self.offsets[-1], len(self.offsets) - 1
     self._epochs = _Kept(self._EPOCHS_KEPT)
 
+  def __getstate__(self) -> dict[str, Any]:
+    # What defines it, not its caches (their lock does not pickle): mp_prefetch workers get a copy.
+    return {"offsets": self.offsets, "window": self.window, "seed": self.seed}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__init__(state["offsets"], state["window"], state["seed"])
+
   def plan(self, epoch: int) -> _EpochPlan:
     return self._epochs.get_or_make(epoch, lambda: _EpochPlan(self, epoch))
 

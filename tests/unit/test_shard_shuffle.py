@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import pathlib
+import pickle
 
 import hypothesis
 from hypothesis import strategies as st
@@ -111,6 +112,15 @@ def test_a_window_past_the_ranked_size_is_grains_index_shuffle_itself(monkeypatc
         k = int(np.searchsorted(window.starts, record, side="right")) - 1
         assert records[position + q] == offsets[shards[k]] + record - window.starts[k]
       position += window.starts[-1]
+
+
+def test_the_order_pickles_without_its_caches_for_mp_prefetch_workers():
+  order = _permutation.ShardShuffle(_permutation.block_offsets(41, 6), 3, 11)
+  records = _epoch(order, 1)
+  copy = pickle.loads(pickle.dumps(order))
+  assert _epoch(copy, 1) == records and (copy.offsets, copy.window, copy.seed) == (order.offsets, 3, 11)
+  pipeline = _pipeline()
+  assert _ids(pipeline[5]) == _ids(pickle.loads(pickle.dumps(pipeline))[5])
 
 
 def test_grains_public_shuffle_answers_the_same_where_the_compiled_one_is_not_found(monkeypatch):
