@@ -298,6 +298,23 @@ class ShardShuffle:
     order = self.plan(epoch).order
     return [order[first:first + self.window] for first in range(0, self.shard_count, self.window)]
 
+  def shards_ahead(self, index: int, windows: int = 2) -> list[int]:
+    """The shards a reader at stream index `index` reads next, in order: its window's and `windows` - 1 more.
+
+    Crosses into the next epoch. A shard's records are `offsets[k]` to
+    `offsets[k + 1]` (which files hold them: `sources.file_offsets`).
+    """
+    epoch, offset = divmod(int(index), self.length)
+    plan = self.plan(epoch)
+    number = bisect.bisect_right(plan.window_starts, offset) - 1
+    ahead: list[int] = []
+    for _ in range(windows):
+      if number * self.window >= self.shard_count:
+        epoch, number, plan = epoch + 1, 0, self.plan(epoch + 1)
+      ahead.extend(plan.order[number * self.window:(number + 1) * self.window])
+      number += 1
+    return ahead
+
   def shard_of(self, record: int) -> int:
     """The shard holding source record `record`."""
     return bisect.bisect_right(self.offsets, record) - 1

@@ -2,7 +2,8 @@
 
 A make_dataset run reads one deterministic stream (`_records`): stream record
 g is, for a single source of L records, record perm_{g // L}(g % L) of the
-source (Grain's per-epoch shuffle, `_permutation`), and for a weighted
+source (Grain's per-epoch shuffle, or with shuffle="shards" the shard-aware
+order its fingerprint defines: `_permutation`), and for a weighted
 mixture the record its interleave and its ledger pick (`_records.Mixture`),
 in that source's own shuffle. Batches are cut from the stream by the batch
 plan in effect (`_records.BatchPlan`: batches keep to their epoch; after a

@@ -114,6 +114,21 @@ def test_a_window_past_the_ranked_size_is_grains_index_shuffle_itself(monkeypatc
       position += window.starts[-1]
 
 
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(offsets=_layouts(), window=st.integers(1, 5), seed=SEEDS, data=st.data())
+def test_the_shards_ahead_are_the_readers_window_and_the_next(offsets, window, seed, data):
+  order = _permutation.ShardShuffle(offsets, window, seed)
+  index = data.draw(st.integers(0, 2 * order.length - 1), label="index")
+  epoch, offset = divmod(index, order.length)
+  windows = order.windows(epoch)
+  ends = np.cumsum([sum(offsets[s + 1] - offsets[s] for s in shards) for shards in windows])
+  number = int(np.searchsorted(ends, offset, side="right"))  # the window whose records hold position `offset`
+  shards = windows[number]
+  following = windows[number + 1] if number + 1 < len(windows) else order.windows(epoch + 1)[0]
+  assert order.shards_ahead(index, windows=2) == shards + following
+  assert order.shard_of(order.source(index)) in shards
+
+
 def test_the_order_pickles_without_its_caches_for_mp_prefetch_workers():
   order = _permutation.ShardShuffle(_permutation.block_offsets(41, 6), 3, 11)
   records = _epoch(order, 1)
