@@ -182,7 +182,8 @@ def _reconcile_index(
 # ---------------------------------------------------------------------------
 # make_dataset pipelines: positions that count stream records.
 
-_SOURCE_FIELD = re.compile(r"^source(?:_length|_digest)?\[(.+)\]$")
+# A mixture source's own fields (its shard layout too: an added or removed source brings or takes it).
+_SOURCE_FIELD = re.compile(r"^(?:source(?:_length|_digest)?|shuffle_shards)\[(.+)\]$")
 # Declared in allow_drift to change a mixture's weights / its set of sources.
 WEIGHTS = "weights"
 SOURCES = "sources"

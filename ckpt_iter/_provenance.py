@@ -26,6 +26,7 @@ import grain
 
 from ckpt_iter import _graph
 from ckpt_iter import _lanes
+from ckpt_iter import _permutation
 from ckpt_iter import _records
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import datamap
@@ -34,6 +35,8 @@ from ckpt_iter import state as state_lib
 
 MAX_LOOKBACK = 1024  # elements a filter may have dropped before the one read last
 _IDENTITY_FIELDS = ("source", "source_length", "source_digest", "seed")
+# Set only for shuffle="shards": a state without them read Grain's shuffle, so they are compared either way.
+_SHUFFLE_FIELDS = (_permutation.SHUFFLE_FIELD, _permutation.WINDOW_FIELD, _permutation.SHARDS_FIELD)
 
 
 def which(pipeline: Any, state: Any) -> datamap.Batch:
@@ -78,8 +81,11 @@ def which(pipeline: Any, state: Any) -> datamap.Batch:
 
 def _check_same_source(node: Any, fingerprint: Mapping[str, Any]) -> None:
   here = node.spec.fingerprint()
-  differences = {name: (fingerprint.get(name), here.get(name)) for name in _IDENTITY_FIELDS
-                 if name in fingerprint and not state_lib.same_field_value(fingerprint.get(name), here.get(name))}
+  layouts = tuple(sorted({n for n in (*fingerprint, *here) if n.startswith(_permutation.SHARDS_FIELD + "[")}))
+  differences = {name: (fingerprint.get(name, state_lib.ABSENT), here.get(name, state_lib.ABSENT))
+                 for name in _IDENTITY_FIELDS + _SHUFFLE_FIELDS + layouts
+                 if (name in fingerprint or (name in _SHUFFLE_FIELDS or name in layouts) and name in here)
+                 and not state_lib.same_field_value(fingerprint.get(name), here.get(name))}
   if differences:
     raise errors.ConfigDriftError(differences, origin="which(): the state")
 

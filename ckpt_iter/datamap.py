@@ -2,7 +2,8 @@
 
 A make_dataset run reads one deterministic stream (`_records`): stream record
 g is, for a single source of L records, record perm_{g // L}(g % L) of the
-source (Grain's per-epoch shuffle, `_permutation`), and for a weighted
+source (Grain's per-epoch shuffle, or with shuffle="shards" the shard-aware
+order its fingerprint defines: `_permutation`), and for a weighted
 mixture the record its interleave and its ledger pick (`_records.Mixture`),
 in that source's own shuffle. Batches are cut from the stream by the batch
 plan in effect (`_records.BatchPlan`: batches keep to their epoch; after a
@@ -159,6 +160,8 @@ class Stream:
       # The sources its shares pick from: a source removed at a restart keeps its ledger entry
       # (`since`), but no record after the restart is its, and its length is no longer recorded.
       self.lengths = {name: _int_field(fingerprint, f"source_length[{name}]", origin) for name in shares}
+    # name -> make_dataset(shuffle="shards")'s order of that source; {} for Grain's shuffle.
+    self.shard_shuffles = _shard_shuffles(fingerprint, self.lengths, self.seed, self.mixture is not None, origin)
 
   @property
   def stream_length(self) -> int:
@@ -182,6 +185,8 @@ class Stream:
       name, own = self.mixture.source_of(stream_record)
       length = self.lengths[name]
       seed = None if self.seed is None else _records.source_seed(self.seed, name)
+    if self.shard_shuffles:
+      return name, self.shard_shuffles[name].source(own), own // length
     return name, _permutation.shuffled(own, length, seed), own // length
 
   def source_indices(self, records: Any) -> tuple[list[int], list[str] | None]:
@@ -193,7 +198,9 @@ class Stream:
     for g in records:
       epoch, offset = divmod(g, self.length)
       if epoch != self._epoch:
-        self._epoch, self._permute = epoch, _permutation.epoch_function(epoch, self.length, self.seed)
+        self._epoch, self._permute = epoch, (
+            _permutation.epoch_function(epoch, self.length, self.seed) if not self.shard_shuffles
+            else self.shard_shuffles[""].epoch_function(epoch))
       indices.append(self._permute(offset))
     return indices, None
 
@@ -210,6 +217,42 @@ class Stream:
       process = row // per_process if process_index is None else process_index
       rows.append(SourceRecord(stream_record, name, index, epoch, row, process))
     return Batch(tuple(rows), self.batch_size, self.process_count, how, number, segment)
+
+
+def _shard_shuffles(fingerprint: Mapping[str, Any], lengths: Mapping[str, int], seed: Any, mixture: bool,
+                    origin: str) -> dict[str, _permutation.ShardShuffle]:
+  """make_dataset(shuffle="shards")'s order of each source, from the fingerprint fields that define it.
+
+  Returns:
+    name ("" for a single source) -> its order; {} for Grain's shuffle.
+
+  Raises:
+    InvalidStateError: a shuffle kind this version does not know, or a malformed window, layout or seed.
+  """
+  kind = fingerprint.get(_permutation.SHUFFLE_FIELD, _permutation.GLOBAL)
+  if kind == _permutation.GLOBAL:
+    return {}
+  if kind != _permutation.SHARDS:
+    raise errors.InvalidStateError(
+        f"{origin}: fingerprint field {_permutation.SHUFFLE_FIELD!r} is {state_lib.short_repr(kind)}; this "
+        f"version knows {list(_permutation.KINDS)}. Read the state with the ckpt_iter version that wrote it.")
+  window = _int_field(fingerprint, _permutation.WINDOW_FIELD, origin)
+  orders = {}
+  for name, length in lengths.items():
+    field = _permutation.source_shards_field(name) if mixture else _permutation.SHARDS_FIELD
+    layout = fingerprint.get(field)
+    try:
+      offsets = _permutation.layout_offsets(layout)
+    except (TypeError, ValueError):
+      offsets = None
+    if offsets is None or offsets[-1] != length or not state_lib.is_int(seed):
+      raise errors.InvalidStateError(
+          f"{origin}: fingerprint field {field!r} is {state_lib.short_repr(layout)} with seed "
+          f"{state_lib.short_repr(seed)}; the data map needs shard sizes 'SIZExCOUNT,...' summing to the source's "
+          f"length {length} and an integer seed (a make_dataset(shuffle=\"shards\") state has them).")
+    orders[name] = _permutation.ShardShuffle(
+        offsets, window, _records.source_seed(int(seed), name) if mixture else int(seed))
+  return orders
 
 
 def _refusal(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> str | None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from ckpt_iter import _graph
 from ckpt_iter import _lanes
+from ckpt_iter import _permutation
 from ckpt_iter import _records
 from ckpt_iter import _stacking
 from ckpt_iter import errors
@@ -62,6 +63,15 @@ class DatasetSpec:
   transform: str | None
   sources: tuple[tuple[str, sources_lib.SourceIdentity], ...] = ()
   shares: tuple[tuple[str, int], ...] = ()
+  # shuffle="shards": shards per window and the shard layout (`_permutation.layout_text`) of the source, or
+  # of each source of a mixture (name, layout); None and (): Grain's shuffle.
+  shuffle_window: int | None = None
+  shuffle_shards: str | None = None
+  source_shards: tuple[tuple[str, str], ...] = ()
+
+  @property
+  def shuffle(self) -> str:
+    return _permutation.GLOBAL if self.shuffle_window is None else _permutation.SHARDS
 
   @property
   def global_batch_size(self) -> int:
@@ -132,6 +142,12 @@ class DatasetSpec:
         "shard_count": self.shard_count,
         "transform": self.transform,
     })
+    if self.shuffle_window is not None:  # only then: a default pipeline's fingerprint is what it always was
+      fields.update({_permutation.SHUFFLE_FIELD: _permutation.SHARDS, _permutation.WINDOW_FIELD: self.shuffle_window})
+      if self.is_mixture:
+        fields.update({_permutation.source_shards_field(name): layout for name, layout in self.source_shards})
+      else:
+        fields[_permutation.SHARDS_FIELD] = self.shuffle_shards
     return fields
 
 
@@ -151,6 +167,9 @@ def make_dataset(
     chunk_size: int = 256,
     num_lanes: int | None = None,
     skip: Any = None,
+    shuffle: str = _permutation.GLOBAL,
+    shuffle_window: int | None = None,
+    shard_size: int | None = None,
 ) -> grain.MapDataset | grain.IterDataset:
   """Builds the batched Grain dataset of a training config.
 
@@ -192,6 +211,18 @@ def make_dataset(
       every later restore keeps them
       (https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/data_map.md).
       Batches are cut from the stream without them.
+    shuffle: "global" (Grain's full shuffle of each epoch) or "shards": each
+      epoch reads the source's shards in an order of its own, `shuffle_window`
+      shards at a time, the records of those shards shuffled among themselves,
+      so a reader reads each shard whole before it moves on (for corpora in a
+      bucket; what it gives up:
+      https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/datasets.md). Needs `seed`.
+    shuffle_window: with shuffle="shards", the shards whose records are
+      shuffled together (default 8).
+    shard_size: with shuffle="shards", the shards are blocks of this many
+      records (the last may be shorter); default: the source's files (a source
+      of one file, or in memory, needs shard_size). Each source of a mixture
+      has its own shards and its own order (from its own seed).
 
   Returns:
     A `grain.MapDataset` of dict batches of numpy arrays with a leading batch
@@ -222,25 +253,35 @@ def make_dataset(
       raise errors.InvalidArgumentError(
           f"{name}={fn!r} is not callable; pass a function (see make_dataset's docstring)."
       )
+  _check_shuffle(shuffle, shuffle_window, shard_size, seed)
   named = _resolve_sources(source, weights)
   if weights is None:
     (_, (records, identity)), = named.items()
+    order = _shard_order(shuffle, records, identity, shard_size, shuffle_window, seed)
     spec = DatasetSpec(
         source=identity, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
         drop_remainder=drop_remainder, shard_index=shard_index, shard_count=shard_count,
         transform=None if transform is None else _qualified_name(transform),
+        shuffle_window=None if order is None else order.window,
+        shuffle_shards=None if order is None else _permutation.layout_text(order.offsets),
     )
-    parents = [_record_dataset(records, seed, transform)]
+    parents = [_record_dataset(records, seed, transform, order)]
   else:
     shares = _records.proportions(weights)
+    seeds = {name: None if seed is None else source_seed(seed, name) for name in named}
+    orders = {name: _shard_order(shuffle, records, identity, shard_size, shuffle_window, seeds[name], name)
+              for name, (records, identity) in named.items()}
     spec = DatasetSpec(
         source=None, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
         drop_remainder=drop_remainder, shard_index=shard_index, shard_count=shard_count,
         transform=None if transform is None else _qualified_name(transform),
         sources=tuple((name, identity) for name, (_, identity) in named.items()),
         shares=tuple(shares.items()),
+        shuffle_window=None if shuffle == _permutation.GLOBAL else orders[next(iter(orders))].window,
+        source_shards=tuple((name, _permutation.layout_text(order.offsets))
+                            for name, order in orders.items() if order is not None),
     )
-    parents = [_record_dataset(records, None if seed is None else source_seed(seed, name), transform)
+    parents = [_record_dataset(records, seeds[name], transform, orders[name])
                for name, (records, _) in named.items()]
   declared = _records.Skip.of(skip) if not isinstance(skip, _records.Skip) else skip
   if filter is not None or pack is not None:
@@ -364,15 +405,89 @@ def _resolve_sources(source: Any, weights: Any) -> dict[str, tuple[Any, sources_
   return {name: sources_lib.resolve_source(source[name]) for name in weights}
 
 
-def _record_dataset(records: Any, seed: int | None, transform: Callable[[Any], Any] | None) -> grain.MapDataset:
+def _record_dataset(records: Any, seed: int | None, transform: Callable[[Any], Any] | None,
+                    order: _permutation.ShardShuffle | None = None) -> grain.MapDataset:
   # Index e*L + p is record perm_e(p): Grain's shuffle gives each epoch its
   # own permutation for indices past the first epoch (a source wraps around).
   dataset = grain.MapDataset.source(records)
-  if seed is not None:
+  if order is not None:
+    dataset = ShardShuffleDataset(dataset, order)
+  elif seed is not None:
     dataset = dataset.shuffle(seed=seed)
   if transform is not None:
     dataset = dataset.map(transform)
   return dataset
+
+
+def _check_shuffle(shuffle: Any, shuffle_window: Any, shard_size: Any, seed: int | None) -> None:
+  if shuffle not in _permutation.KINDS:
+    raise errors.InvalidArgumentError(
+        f"shuffle={_short(shuffle)} must be one of {list(_permutation.KINDS)} (\"global\": Grain's full shuffle, "
+        "\"shards\": whole shards, a window of them at a time).")
+  if shuffle == _permutation.GLOBAL:
+    for name, value in (("shuffle_window", shuffle_window), ("shard_size", shard_size)):
+      if value is not None:
+        raise errors.InvalidArgumentError(
+            f"{name}={_short(value)} applies to shuffle=\"shards\" only; pass shuffle=\"shards\" or drop {name}.")
+    return
+  if seed is None:
+    raise errors.InvalidArgumentError(
+        "shuffle=\"shards\" with seed=None: the shard shuffle needs a seed (pass seed=<uint32>), or drop shuffle "
+        "to read the source in order.")
+  if shuffle_window is not None:
+    _check_positive_int("shuffle_window", shuffle_window, "shards shuffled together")
+  if shard_size is not None:
+    _check_positive_int("shard_size", shard_size, "records per shard; pass None to use the source's files")
+
+
+def _shard_order(shuffle: str, records: Any, identity: sources_lib.SourceIdentity, shard_size: int | None,
+                 shuffle_window: int | None, seed: int | None, name: str = "") -> _permutation.ShardShuffle | None:
+  """The order of shuffle="shards" over one source (a mixture's source `name`: its own seed); None otherwise."""
+  if shuffle != _permutation.SHARDS:
+    return None
+  window = _permutation.DEFAULT_WINDOW if shuffle_window is None else int(shuffle_window)
+  return _permutation.ShardShuffle(_shard_offsets(records, identity, shard_size, name), window, seed)
+
+
+def _shard_offsets(records: Any, identity: sources_lib.SourceIdentity, shard_size: int | None,
+                   name: str = "") -> list[int]:
+  """The shards of shuffle="shards": blocks of `shard_size` records, or the source's non-empty files."""
+  if shard_size is not None:
+    return _permutation.block_offsets(identity.length, int(shard_size))
+  offsets = sources_lib.file_offsets(records)
+  files = None if offsets is None else sorted(set(offsets))  # an empty file is no shard
+  if files is None or len(files) < 3:
+    what = "is not read from files" if offsets is None else "has one file (with records)"
+    example = -(-identity.length // 64)
+    which = f"source {name!r}" if name else "the source"
+    raise errors.InvalidArgumentError(
+        f"shuffle=\"shards\" without shard_size: {which} ({identity.description}) {what}, so it has no "
+        f"shards of its own. Pass shard_size=<records per shard> (e.g. shard_size={example}: "
+        f"{-(-identity.length // example)} shards of its {identity.length} records), or split the source into "
+        "several files.")
+  return files
+
+
+class ShardShuffleDataset(grain.MapDataset):
+  """Its parent's records in make_dataset(shuffle="shards")'s order: element i is record order.source(i).
+
+  Past the length it continues into later epochs (each with its own order), as Grain's shuffle does.
+  """
+
+  def __init__(self, parent: grain.MapDataset, order: _permutation.ShardShuffle):
+    super().__init__(parent)
+    self.order = order
+
+  def __len__(self) -> int:
+    return self.order.length
+
+  def __str__(self) -> str:
+    return f"ShardShuffleDataset(shards={self.order.shard_count}, window={self.order.window})"
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    return self._parent[self.order.source(index)]
 
 
 class GlobalBatchDataset(grain.MapDataset):

@@ -745,3 +745,18 @@ def file_position(source: Any, index: int) -> tuple[str, str] | None:
     file_index, record = _locate(offsets, index, len(source))
     return source.paths[file_index], f"record {record}"
   return None
+
+
+def file_offsets(source: Any) -> list[int] | None:
+  """The global index of each file's first record and the total, for a file source; None for another source.
+
+  The shards of make_dataset(shuffle="shards") when no shard_size is given.
+  """
+  if isinstance(source, JsonlSource):
+    return list(source._offsets)  # pylint: disable=protected-access
+  if isinstance(source, ParquetSource):
+    groups, offsets = source._groups, source._group_offsets  # pylint: disable=protected-access
+    return [offsets[g] for g, (f, _) in enumerate(groups) if g == 0 or groups[g - 1][0] != f] + [offsets[-1]]
+  if isinstance(source, ArrayRecordSource):
+    return source.file_offsets()
+  return None

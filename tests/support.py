@@ -58,12 +58,15 @@ CHAIN_SOURCES = {"a": [{"id": 1000 + i} for i in range(17)], "b": [{"id": 2000 +
 
 
 def chain_pipeline(count: int, index: int, global_batch: int, *, seed: int | None = 5, skip: Any = None,
-                   mixture: dict[str, int] | None = None, drop: bool = True) -> Any:
-  """Process `index` of `count`'s make_dataset over CHAIN_RECORDS (4 epochs) or a mixture of CHAIN_SOURCES."""
+                   mixture: dict[str, int] | None = None, drop: bool = True, **shuffle: Any) -> Any:
+  """Process `index` of `count`'s make_dataset over CHAIN_RECORDS (4 epochs) or a mixture of CHAIN_SOURCES.
+
+  `shuffle`: make_dataset's shuffle arguments (shuffle="shards", shard_size, shuffle_window).
+  """
   import ckpt_iter  # pylint: disable=g-import-not-at-top
 
   common = dict(batch_size=global_batch // count, seed=seed, shard_index=index, shard_count=count,
-                drop_remainder=drop, skip=skip)
+                drop_remainder=drop, skip=skip, **shuffle)
   if mixture is not None:
     sources = {name: CHAIN_SOURCES[name] for name in mixture}
     return ckpt_iter.make_dataset(sources, weights=mixture, num_epochs=None, **common)

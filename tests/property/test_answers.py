@@ -3,7 +3,8 @@ and `ckpt-iter order` against what a chain of restarts actually yielded.
 
 A chain is drawn: segments with their process count, global batch, batches
 saved, batches read past the last save (lost to the kill), a skip declared
-once, a mixture reweighted, with a source added or removed. At every saved
+once, a mixture reweighted, with a source added or removed; under Grain's
+shuffle or the shard-aware one (make_dataset(shuffle="shards")). At every saved
 step the Python API (with the pipeline that wrote the step), the CLI's
 `which --step --json` and the batch the chain read must be the same records;
 `order`'s rows must be the kept batches, in order; `verify` and `audit` pass
@@ -38,6 +39,8 @@ import support
 COUNTS: collections.Counter = collections.Counter()
 _OFFSET = {"": 0, "a": 1000, "b": 2000}  # support.CHAIN_SOURCES' ids: 1000 + index in a, 2000 + in b
 _MIXTURES = [None, {"a": 1, "b": 1}, {"a": 3, "b": 1}, {"a": 1}, {"b": 2, "a": 1}]
+# Grain's shuffle, or the shard-aware one (shards of 4 records, 2 to a window): the answers are the same code.
+_SHUFFLES = {"global": {}, "shards": {"shuffle": "shards", "shard_size": 4, "shuffle_window": 2}}
 
 
 @st.composite
@@ -55,12 +58,13 @@ def _chains(draw, mixed: bool):
   return segments
 
 
-def _run(root: str, segments) -> tuple[list[list[int]], list[tuple[int, object]]]:
+def _run(root: str, segments, shuffle: str = "global") -> tuple[list[list[int]], list[tuple[int, object]]]:
   """The chain (support.run_chain with a mixture per segment); returns the kept batches and, per step,
   the arguments of the pipeline that wrote it."""
   kept, writers, step = [], [], 0
   for number, (count, global_batch, saved, lost, skip, mixture) in enumerate(segments):
-    make = lambda i: support.chain_pipeline(count, i, global_batch, skip=skip, mixture=mixture)
+    make = lambda i: support.chain_pipeline(count, i, global_batch, skip=skip, mixture=mixture,
+                                            **_SHUFFLES[shuffle])
     iterators = [ckpt_iter.DataIterator(make(i)) for i in range(count)]
     if number and step:
       for index, iterator in enumerate(iterators):
@@ -106,16 +110,17 @@ def _order(root: str, out: str) -> list[list[int]]:
           for row in rows]
 
 
-def _check(segments) -> bool:
+def _check(segments, shuffle: str = "global") -> bool:
   root = tempfile.mkdtemp(prefix="answers-")
   try:
-    kept, writers = _run(root, segments)
+    kept, writers = _run(root, segments, shuffle)
     if not kept:
       return False
     layout = inspection.find_layout(root)
     states = _which.States(layout)
     for (step, (global_batch, mixture)), trained in zip(writers, kept):
-      api = _ids(ckpt_iter.which(support.chain_pipeline(1, 0, global_batch, mixture=mixture), states[step]))
+      api = _ids(ckpt_iter.which(support.chain_pipeline(1, 0, global_batch, mixture=mixture, **_SHUFFLES[shuffle]),
+                                 states[step]))
       code, text = _cli("which", root, "--step", str(step), "--json")
       assert code == 0, text
       answer = json.loads(text[:text.rindex("}") + 1])
@@ -139,19 +144,21 @@ def _check(segments) -> bool:
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.parametrize("shuffle", list(_SHUFFLES))
 @pytest.mark.parametrize("mixed", [False, True], ids=["single", "mixture"])
 @hypothesis.settings(max_examples=10, deadline=None)
 @hypothesis.given(data=st.data())
-def test_which_api_cli_and_order_are_what_was_read(mixed, data):
-  hypothesis.assume(_check(data.draw(_chains(mixed), label="segments")))
+def test_which_api_cli_and_order_are_what_was_read(mixed, shuffle, data):
+  hypothesis.assume(_check(data.draw(_chains(mixed), label="segments"), shuffle))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shuffle", list(_SHUFFLES))
 @pytest.mark.parametrize("mixed", [False, True], ids=["single", "mixture"])
 @hypothesis.settings(max_examples=120, deadline=None)
 @hypothesis.given(data=st.data())
-def test_which_api_cli_and_order_are_what_was_read_long(mixed, data):
-  hypothesis.assume(_check(data.draw(_chains(mixed), label="segments")))
+def test_which_api_cli_and_order_are_what_was_read_long(mixed, shuffle, data):
+  hypothesis.assume(_check(data.draw(_chains(mixed), label="segments"), shuffle))
 
 
 def test_the_issue_cases_answer_what_was_read():

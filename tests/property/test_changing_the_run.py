@@ -9,13 +9,13 @@ saved into and restored from real item files by the Orbax handler
 global batch after global batch (the processes' rows in process order), is
 compared with an oracle built independently of the restarts:
 
-  * plain: the stream of one uninterrupted single-process run, cut by the
-    documented rule (batches keep to their epoch; a rest shorter than the
+  * plain, shards (Grain's shuffle, the shard-aware one): the stream of one
+    uninterrupted single-process run, cut by the documented rule (batches keep to their epoch; a rest shorter than the
     batch in effect at the epoch's end is dropped);
   * filter, pack: the rows each lane gives in an uninterrupted single-process
     run; a global batch takes G/num_lanes rows from each lane in order;
-  * a mixture whose weights and sources change: each source's own stream,
-    read in order from its first record.
+  * a mixture whose weights and sources change (Grain's shuffle or the
+    shard-aware one): each source's own stream, read in order from its first record.
 
 It then counts, per source record and epoch, how often it was trained:
 duplicates and skips (beyond the documented epoch rests and the stream's
@@ -75,13 +75,16 @@ def _pipeline(kind, index, count, global_batch, mixture=None):
   common = dict(batch_size=global_batch // count, seed=SEED, shard_index=index, shard_count=count)
   if kind == "plain":
     return ckpt_iter.make_dataset(_RECORDS, num_epochs=2, **common)
+  if kind == "shards":  # the shard-aware shuffle: 7 shards (the last of 4 records), 3 to a window
+    return ckpt_iter.make_dataset(_RECORDS, num_epochs=2, shuffle="shards", shard_size=6, shuffle_window=3,
+                                  **common)
   if kind == "filter":
     return ckpt_iter.make_dataset(_RECORDS, num_epochs=None, filter=keep, chunk_size=5, num_lanes=LANES, **common)
   if kind == "pack":
     return ckpt_iter.make_dataset(_RECORDS, num_epochs=None, pack=grain_pack, chunk_size=6, num_lanes=LANES,
                                   **common)
   sources = {name: _SOURCES[name] for name in mixture}
-  return ckpt_iter.make_dataset(sources, weights=mixture, num_epochs=None, **common)
+  return ckpt_iter.make_dataset(sources, weights=mixture, num_epochs=None, **common, **_MIX_SHUFFLE[kind])
 
 
 def _rows(batch):
@@ -98,7 +101,7 @@ def _runs(draw, kind):
     global_batch = draw(st.sampled_from([BASE_BATCH // 2, BASE_BATCH, 2 * BASE_BATCH]))
     count = draw(st.sampled_from([n for n in (1, 2, 4, 8) if global_batch % n == 0]))
     mixture = None
-    if kind == "mix":
+    if kind in _MIX_SHUFFLE:
       names = draw(st.sampled_from([("a", "b"), ("a", "b", "c"), ("b", "c"), ("a", "c")]))
       mixture = {name: draw(st.sampled_from([1, 2, 3])) for name in names}
     segments.append((count, global_batch, draw(st.integers(0, 5), label="batches"), mixture))
@@ -134,8 +137,8 @@ def _run(kind, segments, directory):
 
 def _stream(kind):
   """The uninterrupted single-process stream: records as rows (plain), or each lane's rows (filter, pack)."""
-  if kind == "plain":
-    return [row for b in ckpt_iter.DataIterator(_pipeline("plain", 0, 1, 1)) for row in _rows(b)]
+  if kind in _RECORD_STREAMS:
+    return [row for b in ckpt_iter.DataIterator(_pipeline(kind, 0, 1, 1)) for row in _rows(b)]
   lanes = [[] for _ in range(LANES)]
   iterator = ckpt_iter.DataIterator(_pipeline(kind, 0, 1, LANES))
   for _ in range(_MAX_LANE_ROWS):  # one row per lane and batch; the stream has no end
@@ -145,6 +148,9 @@ def _stream(kind):
 
 
 _STREAMS = {}
+# A mixture's sources under Grain's shuffle or the shard-aware one (each source its own shards and order).
+_MIX_SHUFFLE = {"mix": {}, "mix_shards": dict(shuffle="shards", shard_size=5, shuffle_window=2)}
+_RECORD_STREAMS = ("plain", "shards")  # one record per row, cut by the batch plan
 _MAX_LANE_ROWS = 4 * 5 * 2 * BASE_BATCH // LANES  # rows per lane a run can take: 4 segments x 5 batches of 2G
 
 
@@ -157,7 +163,7 @@ def _lane_streams(kind):
 def _oracle(kind, segments):
   """What the run must train: the uninterrupted stream cut into the segments' global batches."""
   stream = _lane_streams(kind)
-  if kind == "plain":
+  if kind in _RECORD_STREAMS:
     return _epoch_batches(stream, len(_RECORDS), [(g, b) for _, g, b, _ in segments])
   batches, taken = [], [0] * LANES
   for _, global_batch, count, _ in segments:
@@ -185,11 +191,11 @@ def _epoch_batches(stream, epoch_length, segments):
   return batches
 
 
-def _source_stream(name, length):
+def _source_stream(kind, name, length):
   """A mixture source's own stream: its records, epoch after epoch, each epoch its own permutation."""
   seed = dataset_lib.source_seed(SEED, name)
   single = ckpt_iter.make_dataset(_SOURCES[name], batch_size=1, seed=seed, num_epochs=None, shard_index=0,
-                                  shard_count=1)
+                                  shard_count=1, **_MIX_SHUFFLE[kind])
   iterator = ckpt_iter.DataIterator(single)
   return [_rows(next(iterator))[0] for _ in range(length)]
 
@@ -220,13 +226,13 @@ def _matched(trained, stream, pointer=0):
 
 def _duplicates_and_skips(kind, segments, trained):
   """Counted against the uninterrupted streams, each record of each epoch by itself."""
-  if kind == "plain":
-    return _plain_duplicates_and_skips(segments, trained)
-  if kind == "mix":
+  if kind in _RECORD_STREAMS:
+    return _plain_duplicates_and_skips(kind, segments, trained)
+  if kind in _MIX_SHUFFLE:
     totals = [0, 0]
     for name in {n for _, _, _, mixture in segments for n in mixture}:
       rows = [row for batch in trained for row in batch if row[0] // 1000 == ord(name) - ord("a") + 1]
-      for i, value in enumerate(_matched(rows, _source_stream(name, len(rows) + 1))[:2]):
+      for i, value in enumerate(_matched(rows, _source_stream(kind, name, len(rows) + 1))[:2]):
         totals[i] += value
     return tuple(totals)
   totals, offset = [0, 0], 0
@@ -242,7 +248,7 @@ def _duplicates_and_skips(kind, segments, trained):
   return tuple(totals)
 
 
-def _plain_duplicates_and_skips(segments, trained):
+def _plain_duplicates_and_skips(kind, segments, trained):
   """(duplicates, skips) of a plain run against the uninterrupted stream of its epochs.
 
   The stream holds each record once per epoch, so a record alone does not say
@@ -251,7 +257,7 @@ def _plain_duplicates_and_skips(segments, trained):
   epoch's rest is shorter than the batch (the documented rule: not a skip);
   anything else is matched row by row (`_matched`).
   """
-  stream, epoch = _lane_streams("plain"), len(_RECORDS)
+  stream, epoch = _lane_streams(kind), len(_RECORDS)
   duplicates = skips = pointer = 0
   for batch, (_, global_batch, _, _) in zip(trained, _segment_of_each(segments)):
     next_epoch = (pointer // epoch + 1) * epoch
@@ -273,11 +279,11 @@ def _segment_of_each(segments):
 def _check(kind, segments):
   with tempfile.TemporaryDirectory() as directory:
     trained = _run(kind, segments, directory)
-  if kind == "mix":
+  if kind in _MIX_SHUFFLE:
     names = {n for _, _, _, mixture in segments for n in mixture}
     for name in names:
       got = [row for batch in trained for row in batch if row[0] // 1000 == ord(name) - ord("a") + 1]
-      assert got == _source_stream(name, len(got)), f"source {name} skipped or repeated a record"
+      assert got == _source_stream(kind, name, len(got)), f"source {name} skipped or repeated a record"
   else:
     assert trained == _oracle(kind, segments)
   duplicates, skips = _duplicates_and_skips(kind, segments, trained)
@@ -286,7 +292,7 @@ def _check(kind, segments):
   assert (duplicates, skips) == (0, 0)
 
 
-_PIPELINES = ["plain", "filter", "pack", "mix"]
+_PIPELINES = ["plain", "shards", "filter", "pack", "mix", "mix_shards"]
 
 
 @pytest.mark.parametrize("kind", _PIPELINES)
@@ -307,7 +313,7 @@ def test_any_process_count_and_global_batch_train_every_record_once_long(kind, d
 def test_the_counts_are_reported():
   """Prints the session's duplicate and skip counts (run with -s to see them)."""
   for kind in _PIPELINES:
-    _check(kind, [(1, BASE_BATCH, 2, {"a": 1, "b": 1} if kind == "mix" else None),
-                  (2, BASE_BATCH // 2, 3, {"a": 3, "b": 1, "c": 1} if kind == "mix" else None)])
+    _check(kind, [(1, BASE_BATCH, 2, {"a": 1, "b": 1} if kind in _MIX_SHUFFLE else None),
+                  (2, BASE_BATCH // 2, 3, {"a": 3, "b": 1, "c": 1} if kind in _MIX_SHUFFLE else None)])
   print({k: v for k, v in sorted(COUNTS.items())})
   assert all(v == 0 for k, v in COUNTS.items() if k.endswith(("duplicates", "skips")))

@@ -41,6 +41,15 @@ def test_each_epoch_is_its_own_permutation_and_seeded(tmp_path):
   assert order != _questions(data.create_dataset(path, seed=1, num_epochs=2, prompt_key="question"))
 
 
+def test_the_shard_shuffle_is_a_data_config_field(tmp_path):
+  paths = [_write_jsonl(tmp_path / f"part-{i}.jsonl", 6) for i in range(3)]  # each file's questions q0..q5
+  order = _questions(data.create_dataset(paths, seed=0, prompt_key="question", shuffle="shards", shuffle_window=1))
+  # One file at a time: each window of 6 records is one whole file.
+  assert all(sorted(order[i:i + 6]) == [f"q{j}" for j in range(6)] for i in (0, 6, 12))
+  with pytest.raises(errors.InvalidArgumentError, match="applies to shuffle=\"shards\" only"):
+    data.create_dataset(paths, seed=0, shard_size=2)
+
+
 def test_parquet_source(tmp_path):
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top

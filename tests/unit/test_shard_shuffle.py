@@ -1,0 +1,372 @@
+"""make_dataset(shuffle="shards"): the order (_permutation.ShardShuffle), the dataset, the data map.
+
+The order is a pure function of (seed, epoch, stream index): each epoch a
+permutation of the source's shards, cut into windows of `shuffle_window`
+shards whose records are permuted among themselves. The properties below hold
+it a bijection per epoch with the locality it promises, the dataset and the
+data map (`ckpt_iter.which`) to that one function across restarts under other
+batch sizes and process counts, and a restore into another shuffle refused by
+the field's name.
+"""
+
+import collections
+import json
+import os
+import pathlib
+import pickle
+
+import hypothesis
+from hypothesis import strategies as st
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import ckpt_iter
+from ckpt_iter import _permutation
+from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import datamap
+from ckpt_iter import dataset as dataset_lib
+from ckpt_iter import errors
+from ckpt_iter import sources
+import support
+
+SEEDS = st.integers(0, 2**32 - 1)
+
+
+@st.composite
+def _layouts(draw):
+  """Shard offsets: fixed blocks with a shorter last one, or files of uneven sizes."""
+  if draw(st.booleans(), label="blocks"):
+    length = draw(st.integers(1, 200), label="length")
+    return _permutation.block_offsets(length, draw(st.integers(1, length), label="shard_size"))
+  sizes = draw(st.lists(st.integers(1, 17), min_size=1, max_size=25), label="file sizes")
+  return np.cumsum([0] + sizes).tolist()
+
+
+def _epoch(order, epoch):
+  return [order.source(epoch * order.length + p) for p in range(order.length)]
+
+
+# ---------------------------------------------------------------------------
+# The pure function.
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(offsets=_layouts(), window=st.integers(1, 9), seed=SEEDS)
+def test_every_epoch_is_a_permutation_and_epochs_differ(offsets, window, seed):
+  order = _permutation.ShardShuffle(offsets, window, seed)
+  epochs = [_epoch(order, e) for e in range(4)]
+  for records in epochs:
+    assert sorted(records) == list(range(order.length))
+  # The epoch function and the index function are one function.
+  assert [order.epoch_function(2)(p) for p in range(order.length)] == epochs[2]
+  if order.length >= 10:
+    assert any(records != epochs[0] for records in epochs[1:])
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(offsets=_layouts(), window=st.integers(1, 9), seed=SEEDS, epoch=st.integers(0, 5))
+def test_a_window_reads_exactly_its_shards_and_each_shard_in_one_window(offsets, window, seed, epoch):
+  order = _permutation.ShardShuffle(offsets, window, seed)
+  windows = order.windows(epoch)
+  assert sorted(s for shards in windows for s in shards) == list(range(order.shard_count))
+  assert all(len(shards) == window for shards in windows[:-1]) and 1 <= len(windows[-1]) <= window
+  records, position = _epoch(order, epoch), 0
+  for shards in windows:
+    span = sum(offsets[s + 1] - offsets[s] for s in shards)
+    read = records[position:position + span]
+    assert sorted(read) == sorted(r for s in shards for r in range(offsets[s], offsets[s + 1]))
+    assert {order.shard_of(r) for r in read} == set(shards)
+    position += span
+  assert position == order.length
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(offsets=_layouts())
+def test_the_layout_text_names_the_offsets(offsets):
+  text = _permutation.layout_text(offsets)
+  assert _permutation.layout_offsets(text) == offsets
+
+
+def test_blocks_of_a_source_are_short_text():
+  assert _permutation.layout_text(_permutation.block_offsets(60_000, 1_000)) == "1000x60"
+  assert _permutation.layout_text(_permutation.block_offsets(60_617, 1_000)) == "1000x60,617"
+
+
+def test_a_window_past_the_ranked_size_is_grains_index_shuffle_itself(monkeypatch):
+  # Windows of more than RANKED_MAX records call index_shuffle per position (no list is built).
+  monkeypatch.setattr(_permutation, "RANKED_MAX", 40)
+  offsets = np.cumsum([0, 30, 25, 40, 9, 33, 27]).tolist()
+  order = _permutation.ShardShuffle(offsets, 2, 5)
+  for epoch in (0, 1):
+    records = _epoch(order, epoch)
+    assert sorted(records) == list(range(order.length))
+    plan, position = order.plan(epoch), 0
+    for number, shards in enumerate(order.windows(epoch)):
+      window = plan.window(number)
+      assert window.ranked is None  # every window holds more than 40 records
+      seed = _permutation._derived_seed(5, epoch, number)  # pylint: disable=protected-access
+      for q in range(window.starts[-1]):
+        record = _permutation._index_shuffle(q, window.starts[-1], seed)  # pylint: disable=protected-access
+        k = int(np.searchsorted(window.starts, record, side="right")) - 1
+        assert records[position + q] == offsets[shards[k]] + record - window.starts[k]
+      position += window.starts[-1]
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(offsets=_layouts(), window=st.integers(1, 5), seed=SEEDS, data=st.data())
+def test_the_shards_ahead_are_the_readers_window_and_the_next(offsets, window, seed, data):
+  order = _permutation.ShardShuffle(offsets, window, seed)
+  index = data.draw(st.integers(0, 2 * order.length - 1), label="index")
+  epoch, offset = divmod(index, order.length)
+  windows = order.windows(epoch)
+  ends = np.cumsum([sum(offsets[s + 1] - offsets[s] for s in shards) for shards in windows])
+  number = int(np.searchsorted(ends, offset, side="right"))  # the window whose records hold position `offset`
+  shards = windows[number]
+  following = windows[number + 1] if number + 1 < len(windows) else order.windows(epoch + 1)[0]
+  assert order.shards_ahead(index, windows=2) == shards + following
+  assert order.shard_of(order.source(index)) in shards
+
+
+def test_the_order_pickles_without_its_caches_for_mp_prefetch_workers():
+  order = _permutation.ShardShuffle(_permutation.block_offsets(41, 6), 3, 11)
+  records = _epoch(order, 1)
+  copy = pickle.loads(pickle.dumps(order))
+  assert _epoch(copy, 1) == records and (copy.offsets, copy.window, copy.seed) == (order.offsets, 3, 11)
+  pipeline = _pipeline()
+  assert _ids(pipeline[5]) == _ids(pickle.loads(pickle.dumps(pipeline))[5])
+
+
+def test_grains_public_shuffle_answers_the_same_where_the_compiled_one_is_not_found(monkeypatch):
+  offsets = _permutation.block_offsets(41, 6)
+  compiled = _epoch(_permutation.ShardShuffle(offsets, 3, 11), 1)
+  monkeypatch.setattr(_permutation, "_compiled", lambda: None)
+  assert _epoch(_permutation.ShardShuffle(offsets, 3, 11), 1) == compiled
+
+
+# ---------------------------------------------------------------------------
+# The dataset yields what the function names.
+
+RECORDS = [{"id": i} for i in range(24)]
+
+
+def _pipeline(count=1, index=0, global_batch=4, *, window=2, shard_size=5, shuffle="shards", records=RECORDS,
+              num_epochs=3, **more):
+  extra = {} if shuffle == "global" else dict(shuffle_window=window, shard_size=shard_size)
+  return ckpt_iter.make_dataset(records, batch_size=global_batch // count, seed=7, num_epochs=num_epochs,
+                                shard_index=index, shard_count=count, shuffle=shuffle, **extra, **more)
+
+
+def _ids(batch):
+  return [int(v) for v in np.asarray(batch["id"]).reshape(-1)]
+
+
+def test_make_dataset_yields_the_records_the_function_names_epoch_after_epoch():
+  yielded = [i for batch in ckpt_iter.DataIterator(_pipeline(global_batch=1)) for i in _ids(batch)]
+  order = _permutation.ShardShuffle(_permutation.block_offsets(24, 5), 2, 7)
+  assert yielded == [order.source(g) for g in range(3 * 24)]
+  # ... and it is not Grain's full shuffle (which the default keeps, with no new fingerprint field).
+  default = ckpt_iter.DataIterator(_pipeline(global_batch=1, shuffle="global"))
+  assert [i for batch in default for i in _ids(batch)] != yielded
+  fields = ckpt_iter.DataIterator(_pipeline(shuffle="global")).state().fingerprint
+  assert not {_permutation.SHUFFLE_FIELD, _permutation.WINDOW_FIELD, _permutation.SHARDS_FIELD} & set(fields)
+
+
+def test_the_shards_of_a_file_source_are_its_files(tmp_path):
+  sizes = [7, 3, 9, 5, 1]
+  paths, first = [], 0
+  for number, size in enumerate(sizes):
+    path = tmp_path / f"part-{number}.jsonl"
+    path.write_text("".join(json.dumps({"id": first + i}) + "\n" for i in range(size)))
+    paths.append(str(path))
+    first += size
+  (tmp_path / "part-9.jsonl").write_text("")  # an empty file is no shard
+  pipeline = ckpt_iter.make_dataset(str(tmp_path / "part-*.jsonl"), batch_size=1, seed=3, num_epochs=1,
+                                    shard_index=0, shard_count=1, shuffle="shards", shuffle_window=2)
+  iterator = ckpt_iter.DataIterator(pipeline)
+  yielded = [i for batch in iterator for i in _ids(batch)]
+  assert iterator.state().fingerprint[_permutation.SHARDS_FIELD] == "7,3,9,5,1"
+  files = np.cumsum([0] + sizes).tolist()
+  order = _permutation.ShardShuffle(files, 2, 3)
+  assert yielded == _epoch(order, 0)
+  # A window's records are read before the next window's: at most two files open at a time.
+  position = 0
+  for shards in order.windows(0):
+    span = sum(sizes[s] for s in shards)
+    assert {order.shard_of(r) for r in yielded[position:position + span]} == set(shards)
+    position += span
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "array_record"])
+def test_every_file_kind_gives_its_files_as_shards(tmp_path, kind):
+  sizes, paths, first = [4, 9, 2], [], 0
+  for number, size in enumerate(sizes):
+    rows = [{"id": first + i} for i in range(size)]
+    path = str(tmp_path / f"part-{number}.{kind}")
+    if kind == "jsonl":
+      pathlib.Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "parquet":  # row groups of 3: a file's offset is its first group's
+      pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=3)
+    else:
+      support.write_array_record(path, rows)
+    paths.append(path)
+    first += size
+  records, _ = sources.resolve_source(paths)
+  assert sources.file_offsets(records) == [0, 4, 13, 15]
+  pipeline = ckpt_iter.make_dataset(paths, batch_size=1, seed=2, num_epochs=1, shard_index=0, shard_count=1,
+                                    shuffle="shards", shuffle_window=2)
+  yielded = [i for batch in ckpt_iter.DataIterator(pipeline) for i in _ids(batch)]
+  assert yielded == _epoch(_permutation.ShardShuffle([0, 4, 13, 15], 2, 2), 0)
+
+
+def test_a_filtered_pipeline_filters_the_shard_order():
+  pipeline = _pipeline(global_batch=1, num_epochs=None, filter=lambda r: r["id"] % 3 != 0, chunk_size=4,
+                       num_lanes=1)
+  iterator = ckpt_iter.DataIterator(pipeline)
+  yielded = [_ids(next(iterator))[0] for _ in range(30)]
+  order = _permutation.ShardShuffle(_permutation.block_offsets(24, 5), 2, 7)
+  assert yielded == [r for r in (order.source(g) for g in range(3 * 24)) if r % 3][:30]
+  # which() names the records of the chunk the last row came from (the filter's input): that row among them.
+  chunk = ckpt_iter.which(pipeline, iterator.state()).records
+  assert yielded[-1] in [r.index for r in chunk]
+  assert [r.index for r in chunk] == [order.source(r.stream_record) for r in chunk]
+
+
+# ---------------------------------------------------------------------------
+# One plan: the dataset and the data map agree across restarts (another batch size, another process count).
+
+# (processes, global batch, batches read): 68 of the 72 records of 3 epochs of 24; every batch size divides 24.
+SEGMENTS = [(1, 4, 3), (2, 6, 5), (3, 6, 2), (1, 2, 3), (4, 8, 1)]
+
+
+def _save(directory, iterators):
+  os.makedirs(directory)
+  for index, iterator in enumerate(iterators):
+    checkpoint_lib.IteratorCheckpointHandler(index, len(iterators)).save(directory, ckpt_iter.IteratorSave(iterator))
+
+
+def test_which_names_what_was_read_across_chained_restarts_with_no_duplicate_or_skip(tmp_path):
+  trained, step = [], None
+  for number, (count, global_batch, batches) in enumerate(SEGMENTS):
+    pipelines = [_pipeline(count, i, global_batch) for i in range(count)]
+    iterators = [ckpt_iter.DataIterator(p) for p in pipelines]
+    if step is not None:
+      for index, iterator in enumerate(iterators):
+        checkpoint_lib.IteratorCheckpointHandler(index, count).restore(
+            step, ckpt_iter.IteratorRestore(iterator, elastic=True))
+    for _ in range(batches):
+      batch = [i for iterator in iterators for i in _ids(next(iterator))]
+      trained.append(batch)
+      for pipeline, iterator in zip(pipelines, iterators):
+        answer = ckpt_iter.which(pipeline, iterator.state())
+        assert [r.index for r in answer.records] == batch
+        assert answer.batch_size == global_batch and answer.process_count == count
+    step = str(tmp_path / str(number))
+    _save(step, iterators)
+  order = _permutation.ShardShuffle(_permutation.block_offsets(24, 5), 2, 7)
+  flat = [i for batch in trained for i in batch]
+  assert flat == [order.source(g) for g in range(len(flat))]
+  # Per epoch: each record at most once (no duplicate), and every record of a finished epoch (no skip).
+  per_epoch = [collections.Counter(flat[e * 24:(e + 1) * 24]) for e in range(len(flat) // 24 + 1)]
+  assert all(max(c.values(), default=1) == 1 for c in per_epoch)
+  assert all(len(c) == 24 for c in per_epoch[:len(flat) // 24])
+  # The state alone (no pipeline) says the same.
+  value = iterators[0].state()
+  stream = datamap.Stream(value.fingerprint, value.position)
+  assert [stream.source_of(g)[1] for g in range(len(flat))] == flat
+  assert stream.source_indices(range(len(flat)))[0] == flat
+
+
+def test_skipped_stream_records_are_passed_over_in_the_shard_order():
+  order = _permutation.ShardShuffle(_permutation.block_offsets(24, 5), 2, 7)
+  pipeline = _pipeline(global_batch=1, skip=[(4, 9)])
+  yielded = [i for batch in ckpt_iter.DataIterator(pipeline) for i in _ids(batch)]
+  assert yielded == [order.source(g) for g in range(3 * 24) if not 4 <= g < 9]
+
+
+# ---------------------------------------------------------------------------
+# A restore into another shuffle is refused, by the field's name.
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(window=3), _permutation.WINDOW_FIELD),
+    (dict(shard_size=6), _permutation.SHARDS_FIELD),
+    (dict(shuffle="global"), _permutation.SHUFFLE_FIELD),
+])
+def test_a_restore_into_another_shuffle_is_refused_naming_the_field(tmp_path, change, field):
+  for number, (saved, restored) in enumerate(((_pipeline(), _pipeline(**change)),
+                                              (_pipeline(**change), _pipeline()))):
+    step = str(tmp_path / str(number))
+    writer = ckpt_iter.DataIterator(saved)
+    next(writer)
+    _save(step, [writer])
+    with pytest.raises(errors.ConfigDriftError) as info:
+      checkpoint_lib.IteratorCheckpointHandler(0, 1).restore(
+          step, ckpt_iter.IteratorRestore(ckpt_iter.DataIterator(restored)))
+    assert field in str(info.value)
+    with pytest.raises(errors.ConfigDriftError) as info:
+      ckpt_iter.which(restored, writer.state())
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize("arguments, fragment", [
+    (dict(shuffle="window"), "must be one of ['global', 'shards']"),
+    (dict(shuffle_window=4), "applies to shuffle=\"shards\" only"),
+    (dict(shard_size=4), "applies to shuffle=\"shards\" only"),
+    (dict(shuffle="shards", seed=None, shard_size=4), "needs a seed"),
+    (dict(shuffle="shards"), "Pass shard_size=<records per shard> (e.g. shard_size=1: 24 shards"),
+    (dict(shuffle="shards", shard_size=0), "shard_size=0 must be a positive integer"),
+    (dict(shuffle="shards", shard_size=4, shuffle_window=0), "shuffle_window=0 must be a positive integer"),
+])
+def test_bad_shuffle_arguments_are_refused_with_the_fix(arguments, fragment):
+  common = dict(batch_size=2, seed=1, shard_index=0, shard_count=1)
+  with pytest.raises(errors.InvalidArgumentError) as info:
+    ckpt_iter.make_dataset(RECORDS, **{**common, **arguments})
+  assert fragment in str(info.value)
+
+
+SOURCES = {"a": [{"id": 1000 + i} for i in range(17)], "b": [{"id": 2000 + i} for i in range(11)],
+           "c": [{"id": 3000 + i} for i in range(13)]}
+
+
+def _mixture(names, global_batch=4, count=1, index=0):
+  return ckpt_iter.make_dataset({n: SOURCES[n] for n in names}, weights={n: 1 for n in names}, num_epochs=None,
+                                batch_size=global_batch // count, seed=7, shard_index=index, shard_count=count,
+                                shuffle="shards", shard_size=4, shuffle_window=2)
+
+
+def test_each_source_of_a_mixture_reads_its_own_shard_order_across_an_added_source(tmp_path):
+  iterator = ckpt_iter.DataIterator(_mixture("ab"))
+  trained = [_ids(next(iterator)) for _ in range(5)]
+  fields = iterator.state().fingerprint
+  assert fields["shuffle_shards[a]"] == "4x4,1" and fields["shuffle_shards[b]"] == "4x2,3"
+  assert [r.index + 1000 for r in ckpt_iter.which(_mixture("ab"), iterator.state()).records if r.source == "a"] == [
+      i for i in trained[-1] if i < 2000]
+  _save(str(tmp_path / "1"), [iterator])
+  # Restored with a source added, by two processes and another batch size: each source continues its own order.
+  restored = [ckpt_iter.DataIterator(_mixture("abc", 6, 2, i)) for i in range(2)]
+  for index, it in enumerate(restored):
+    checkpoint_lib.IteratorCheckpointHandler(index, 2).restore(
+        str(tmp_path / "1"), ckpt_iter.IteratorRestore(it, elastic=True, allow_drift={"sources"}))
+  for _ in range(6):
+    trained.append([i for it in restored for i in _ids(next(it))])
+  for name, base in (("a", 1000), ("b", 2000), ("c", 3000)):
+    read = [i - base for batch in trained for i in batch if base <= i < base + 1000]
+    order = _permutation.ShardShuffle(_permutation.block_offsets(len(SOURCES[name]), 4), 2,
+                                      dataset_lib.source_seed(7, name))
+    assert read == [order.source(g) for g in range(len(read))], name
+  answer = ckpt_iter.which(_mixture("abc", 6, 2, 0), restored[0].state())
+  assert [r.index + {"a": 1000, "b": 2000, "c": 3000}[r.source] for r in answer.records] == trained[-1]
+
+
+def test_a_state_with_an_unknown_shuffle_kind_is_named():
+  iterator = ckpt_iter.DataIterator(_pipeline())
+  next(iterator)
+  value = iterator.state()
+  fingerprint = {**value.fingerprint, _permutation.SHUFFLE_FIELD: "rings"}
+  with pytest.raises(errors.InvalidStateError, match="'shuffle' is 'rings'"):
+    datamap.Stream(fingerprint, value.position)
+  fingerprint = {**value.fingerprint, _permutation.SHARDS_FIELD: "5x4"}
+  with pytest.raises(errors.InvalidStateError, match="summing to the source.s length 24"):
+    datamap.Stream(fingerprint, value.position)
