@@ -530,8 +530,8 @@ def _skip_findings(previous: Saved, saved: Saved, entries: list[Mapping[str, Any
   if partial:
     return [Finding(BROKEN, *where, f"skips stream records {_records.ranges_text(partial[:1])}, inside the full "
                     f"batch {_records.ranges_text([(start, inside)])} the learner had started at the restored step: "
-                    "part of it was trained, so skipping in it changes the rest of that batch. Skip from its end on, or restore "
-                    "a step at a full-batch boundary")]
+                    "part of it was trained, so skipping in it changes the rest of that batch. Skip from its end "
+                    "on, or restore a step at a full-batch boundary")]
   at = "" if start is None else f", all at or after the restored position {start}"
   return [Finding(OK, *where, f"skips added at the resume since step {previous.step}: {added.describe()}{at}; "
                   f"the run skips {saved.skips.describe()}")]
