@@ -18,13 +18,18 @@ States (ckpt_iter's), the pipeline restored into unchanged:
 
 Restores without the content check (Grain checks none) and, separately, with
 it (the default: one batch produced again). `state_bytes` is what the process
-writes (its JSON header; no pending arrays here).
+writes (its JSON header; no pending arrays here). Measured on this tree
+(`after`) and on commit e9f37c0's package (`before`, 0.2.0, exported with `git
+archive`), each in a process of its own with Grain's handler beside it: the
+ratios are what compare across the two.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 
@@ -104,43 +109,98 @@ def grain_cpu_us(path: epath.Path) -> float:
   return (time.process_time() - started) / ROUNDS * 1e6
 
 
-def main() -> None:
-  args = _common.parse_args(__doc__.splitlines()[0])
-  report = _common.Reporter("restore_cost", args.quick)
-  rounds = 3 if args.quick else 15
+KINDS = ["fresh", "restarts64", "mixture8"]
+BEFORE_COMMIT = "e9f37c0"
+
+
+def worker(label: str, quick: bool) -> None:
+  """Measures in this process (the ckpt_iter on sys.path) and prints one JSON line per case."""
+  rounds = 3 if quick else 15
   root = tempfile.mkdtemp(prefix="bench_restore_cost_")
   try:
-    kinds = ["fresh", "restarts64", "mixture8"]
-    items = {kind: write_state(kind, os.path.join(root, kind)) for kind in kinds}
+    items = {kind: write_state(kind, os.path.join(root, kind)) for kind in KINDS}
     theirs = grain_item(root)
     times: dict[str, list[float]] = {"grain": []}
-    for kind in kinds:
-      times[kind] = []
-      times[kind + "+content"] = []
+    for kind in KINDS:
+      times[kind], times[kind + "+content"] = [], []
     for _ in range(rounds):  # interleaved: a load spike hits every case alike
       times["grain"].append(grain_cpu_us(theirs))
-      for kind in kinds:
+      for kind in KINDS:
         times[kind].append(ours_cpu_us(kind, items[kind], check_content=False))
         times[kind + "+content"].append(ours_cpu_us(kind, items[kind], check_content=True))
     grain_us = _common.median(times["grain"])
-    report.measurement(case="grain handler", restore_cpu_us=_common.rounded(grain_us))
-    checks = []
-    for kind in kinds:
-      size = os.path.getsize(os.path.join(items[kind], "process_0-of-1.json"))
+    for kind in KINDS:
       plain, checked = _common.median(times[kind]), _common.median(times[kind + "+content"])
-      report.measurement(case=kind, restore_cpu_us=_common.rounded(plain),
-                         restore_checked_cpu_us=_common.rounded(checked), state_bytes=size,
-                         ratio_to_grain=_common.rounded(plain / grain_us, 3),
-                         checked_ratio_to_grain=_common.rounded(checked / grain_us, 3))
-      checks.append(_common.check(f"{kind}: restore CPU / Grain's handler (no content check)",
-                                  _common.rounded(plain / grain_us, 3), "<= 1.2", plain / grain_us <= 1.2))
-      checks.append(_common.check(f"{kind}: state bytes per process", size, "<= 1024", size <= 1024))
-    growth = _common.median(times["restarts64"]) / _common.median(times["fresh"])
-    checks.append(_common.check("restore CPU after 64 restarts / fresh", _common.rounded(growth, 3), "<= 1.1",
-                                growth <= 1.1))
-    report.summary(checks, load_average_end=_common.load_average())
+      print(json.dumps({
+          "code": label, "ckpt_iter": os.path.dirname(ckpt_iter.__file__), "case": kind,
+          "restore_cpu_us": _common.rounded(plain), "restore_checked_cpu_us": _common.rounded(checked),
+          "grain_handler_cpu_us": _common.rounded(grain_us), "ratio_to_grain": _common.rounded(plain / grain_us, 3),
+          "checked_ratio_to_grain": _common.rounded(checked / grain_us, 3),
+          "state_bytes": os.path.getsize(os.path.join(items[kind], "process_0-of-1.json"))}), flush=True)
   finally:
     shutil.rmtree(root, ignore_errors=True)
+
+
+def exported(commit: str) -> str | None:
+  """A directory holding `commit`'s ckpt_iter package (git archive), or None without git or the commit."""
+  directory = tempfile.mkdtemp(prefix=f"restore_cost_{commit}_")
+  try:
+    archive = subprocess.run(["git", "-C", _common.REPO_DIR, "archive", commit, "ckpt_iter"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
+  except (OSError, subprocess.CalledProcessError):
+    shutil.rmtree(directory, ignore_errors=True)
+    return None
+  return directory
+
+
+def run_worker(label: str, code_dir: str, quick: bool) -> list[dict]:
+  env = _common.child_env(PYTHONPATH=os.pathsep.join([code_dir, _common.REPO_DIR]))
+  command = [_common.python(), os.path.abspath(__file__), "--worker", label] + (["--quick"] if quick else [])
+  process = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=1200)
+  if process.returncode != 0:
+    raise RuntimeError(f"{label} worker failed:\n{process.stderr[-3000:]}")
+  rows = [json.loads(line) for line in process.stdout.splitlines() if line.startswith("{")]
+  for row in rows:
+    assert row.pop("ckpt_iter").startswith(code_dir), (label, code_dir)
+  return rows
+
+
+def main() -> None:
+  args = _common.parse_args(__doc__.splitlines()[0], lambda p: (
+      p.add_argument("--worker", help="internal: measure in this process, labelling the lines so"),
+      p.add_argument("--before", default=BEFORE_COMMIT, help="the commit measured as `before`")))
+  if args.worker:
+    worker(args.worker, args.quick)
+    return
+  report = _common.Reporter("restore_cost", args.quick)
+  before_dir = exported(args.before)
+  if before_dir is None:
+    report.note(f"commit {args.before} could not be exported (no git, or a shallow clone): no `before` figures")
+  try:
+    rows = run_worker("after", _common.REPO_DIR, args.quick)
+    if before_dir is not None:
+      rows += run_worker("before", before_dir, args.quick)
+  finally:
+    if before_dir is not None:
+      shutil.rmtree(before_dir, ignore_errors=True)
+  for row in rows:
+    report.measurement(**row, commit=args.before if row["code"] == "before" else "this tree")
+  found = {(r["code"], r["case"]): r for r in rows}
+  checks = []
+  for kind in KINDS:
+    row, before = found["after", kind], found.get(("before", kind), {})
+    checks.append(_common.check(f"{kind}: restore CPU / Grain's handler (no content check)", row["ratio_to_grain"],
+                                "<= 1.2", row["ratio_to_grain"] <= 1.2, before=before.get("ratio_to_grain")))
+    checks.append(_common.check(f"{kind}: state bytes per process", row["state_bytes"], "<= 1024",
+                                row["state_bytes"] <= 1024, before=before.get("state_bytes")))
+  growth = found["after", "restarts64"]["restore_cpu_us"] / found["after", "fresh"]["restore_cpu_us"]
+  before_growth = (found["before", "restarts64"]["restore_cpu_us"] / found["before", "fresh"]["restore_cpu_us"]
+                   if ("before", "fresh") in found else None)
+  checks.append(_common.check(
+      "restore CPU after 64 restarts / fresh", _common.rounded(growth, 3), "<= 1.1", growth <= 1.1,
+      before=None if before_growth is None else _common.rounded(before_growth, 3)))
+  report.summary(checks, load_average_end=_common.load_average())
 
 
 if __name__ == "__main__":

@@ -131,10 +131,16 @@ def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized
   return entry
 
 
+# The segment geometry a resume entry records (entry field, fingerprint field), each only when it changed
+# since the entry before it that recorded it (`state.carried_geometry`): a run of one batch size pays once.
+SEGMENT_GEOMETRY = (("batch_size", "global_batch_size"), ("process_count", "shard_count"))
+
+
 def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
   """Where the restored state's stream continues, for the data map: its stream record (`record`) and the
   global batch size and process count it was read with, so a checkpoint's last batch and the run's
-  segments are known from its own lineage, whatever steps are kept. Empty for a position that counts
+  segments are known from its own lineage, whatever steps are kept. The batch size and process count
+  are left out where the lineage's earlier entries carry the same. Empty for a position that counts
   no stream records (the data map does not answer those from states)."""
   inner = restored.innermost
   fingerprint, position = inner.fingerprint, inner.position
@@ -142,9 +148,11 @@ def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
   if not state_lib.is_int(record) or record < 0:
     return {}
   fields = {"record": int(record)}
-  for name, field in (("batch_size", "global_batch_size"), ("process_count", "shard_count")):
+  recent = (restored.lineage or {}).get("recent") or ()
+  carried = state_lib.carried_geometry(recent)[-1] if recent else {}
+  for name, field in SEGMENT_GEOMETRY:
     value = fingerprint.get(field)
-    if state_lib.is_int(value) and value >= 1:
+    if state_lib.is_int(value) and value >= 1 and carried.get(name) != value:
       fields[name] = int(value)
   return fields
 

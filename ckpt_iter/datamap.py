@@ -493,8 +493,9 @@ class RunMap:
           f"{len(entries)} resumes: the batches before the resume from step {entries[0]['step']} cannot be "
           "numbered. `--step` still answers for a kept step.")
     last_stream = _stream(last, f"step {last_step}")
-    restored = [(entry.get("step"), _restored_stream(entry, states, last_stream, keep_policy))
-                for entry in entries]
+    geometry = state_lib.carried_geometry(entries)
+    restored = [(entry.get("step"), _restored_stream({**entry, **carried}, states, last_stream, keep_policy))
+                for entry, carried in zip(entries, geometry)]
     return cls(_segments(last_step, last_stream, restored))
 
 

@@ -511,6 +511,19 @@ def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
   return FrozenDict(result)
 
 
+def carried_geometry(recent: Any) -> list[dict[str, int]]:
+  """Per resume entry of a lineage, its `batch_size` and `process_count`: its own, or those of the latest
+  entry before it that recorded them (an entry leaves out what did not change: `_item.segment_fields`)."""
+  carried: dict[str, int] = {}
+  result = []
+  for entry in recent:
+    for name in ("batch_size", "process_count"):
+      if _is_int(entry.get(name)):
+        carried[name] = int(entry[name])
+    result.append(dict(carried))
+  return result
+
+
 def _valid_text(value: Any) -> bool:
   """A str that is valid Unicode (no lone surrogate, which JSON's escapes can make)."""
   if type(value) is not str and not isinstance(value, str):
