@@ -139,8 +139,9 @@ SEGMENT_GEOMETRY = (("batch_size", "global_batch_size"), ("process_count", "shar
 def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
   """Where the restored state's stream continues, for the data map: its stream record (`record`) and the
   global batch size and process count it was read with, so a checkpoint's last batch and the run's
-  segments are known from its own lineage, whatever steps are kept. The batch size and process count
-  are left out where the lineage's earlier entries carry the same. Empty for a position that counts
+  segments are known from its own lineage, whatever steps are kept; for a mixture, its segment
+  (`_records.mixture_segment`). The batch size, process count and mixture are left out where the
+  lineage's earlier entries carry the same. Empty for a position that counts
   no stream records (the data map does not answer those from states)."""
   inner = restored.innermost
   fingerprint, position = inner.fingerprint, inner.position
@@ -154,6 +155,9 @@ def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
     value = fingerprint.get(field)
     if state_lib.is_int(value) and value >= 1 and carried.get(name) != value:
       fields[name] = int(value)
+  mixture = _records.mixture_segment(fingerprint, position)
+  if mixture is not None and carried.get("mixture") != mixture:
+    fields["mixture"] = mixture  # the shares, lengths and ledger: changed only where the mixture changed
   return fields
 
 

@@ -596,6 +596,50 @@ def shares_of(fingerprint: Mapping[str, Any]) -> dict[str, int] | None:
   return shares or None
 
 
+def mixture_segment(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> str | None:
+  """A mixture state's segment as one line of text, what a resume entry records of it (`_item.segment_fields`):
+  `since_record;name=share/length/since,...` (the shares in effect, each source's length, and the ledger
+  where the shares took effect). None for a state that is no mixture, or whose fields do not parse."""
+  shares, mixture = shares_of(fingerprint), position.get(MIXTURE)
+  if shares is None or not isinstance(mixture, Mapping):
+    return None
+  since, since_record = mixture.get("since"), mixture.get("since_record")
+  lengths = {name: fingerprint.get(f"source_length[{name}]") for name in shares}
+  if not (_is_count(since_record) and isinstance(since, Mapping) and all(map(_is_count, lengths.values()))
+          and all(map(_is_count, shares.values())) and all(map(_is_count, since.values()))):
+    return None
+  names = list(shares) + [name for name in since if name not in shares]
+  parts = [f"{n}={shares.get(n, 0)}/{lengths.get(n, 0)}/{since.get(n, 0)}" for n in names]
+  return f"{since_record};" + ",".join(parts)
+
+
+def parse_mixture_segment(text: Any, *, origin: str) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
+  """(shares, lengths, the position's `mixture` field) of a `mixture_segment` text.
+
+  Raises:
+    InvalidStateError: the text is not one `mixture_segment` writes.
+  """
+  try:
+    since_record, rest = text.split(";", 1)
+    shares, lengths, since = {}, {}, {}
+    for part in rest.split(","):
+      name, numbers = part.split("=", 1)
+      share, length, count = (int(v) for v in numbers.split("/"))
+      if not name.isidentifier() or min(share, length, count) < 0:
+        raise ValueError(part)
+      since[name] = count
+      if share:
+        shares[name], lengths[name] = share, length
+    mixture = {"since_record": int(since_record), "since": since}
+    if mixture["since_record"] < 0 or not shares:
+      raise ValueError(text)
+  except (AttributeError, ValueError):
+    raise errors.InvalidStateError(
+        f"{origin}: the resume record's field 'mixture' is {text!r}; expected "
+        "'since_record;name=share/length/since,...'. The state is corrupt or edited.") from None
+  return shares, lengths, mixture
+
+
 def ledger(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> dict[str, int] | None:
   """name -> records each source of a mixture has given before the position, or None (not a mixture).
 

@@ -503,17 +503,31 @@ def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.It
                      keep_policy: str) -> Stream:
   """The stream a resume restored: its step's state when kept, else what the resume entry records of it.
 
-  An entry records the restored record, batch size and process count (`_item.segment_fields`); the
-  skips are the last state's (skips only grow, and a later declaration applies from its restart on).
-  A mixture's ledger changes with each segment, so a mixture's needs its step.
+  An entry records the restored record, batch size and process count, and a mixture's segment
+  (`_item.segment_fields`, carried from earlier entries where unchanged); the skips are the last
+  state's (skips only grow, and a later declaration applies from its restart on). An entry written
+  before ckpt_iter recorded these needs its step.
   """
   step = entry.get("step")
   if step is not None and step in states:
     return _stream(states[step], f"step {step}")
   fields = {name: entry.get(name) for name in ("record", "batch_size", "process_count")}
-  if last.mixture is None and all(state_lib.is_int(v) for v in fields.values()):
+  origin = f"the resume from step {step}"
+  if all(state_lib.is_int(v) for v in fields.values()):
     fingerprint = dict(last.fingerprint, global_batch_size=fields["batch_size"], shard_count=fields["process_count"])
-    return Stream(fingerprint, {_records.NEXT_RECORD: fields["record"]}, origin=f"the resume from step {step}")
+    position: dict[str, Any] = {_records.NEXT_RECORD: fields["record"]}
+    if last.mixture is None:
+      return Stream(fingerprint, position, origin=origin)
+    if isinstance(entry.get("mixture"), str):
+      # The mixture of that segment: its shares, its sources' lengths and its ledger, as the entry records them.
+      shares, lengths, position[_records.MIXTURE] = _records.parse_mixture_segment(entry["mixture"], origin=origin)
+      fingerprint = {k: v for k, v in fingerprint.items() if not k.startswith(("weight[", "source_length["))}
+      fingerprint.update({f"weight[{n}]": v for n, v in shares.items()})
+      fingerprint.update({f"source_length[{n}]": v for n, v in lengths.items()})
+      try:
+        return Stream(fingerprint, position, origin=origin)
+      except errors.InvalidStateError:
+        pass  # a per-source field the entry does not record (a removed source's shard layout): needs the step
   policy = f" ({keep_policy})" if keep_policy else ""
   what = "a mixture's ledger" if last.mixture is not None else "where that segment started"
   raise errors.ItemNotFoundError(

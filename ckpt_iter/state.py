@@ -511,15 +511,18 @@ def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
   return FrozenDict(result)
 
 
-def carried_geometry(recent: Any) -> list[dict[str, int]]:
-  """Per resume entry of a lineage, its `batch_size` and `process_count`: its own, or those of the latest
-  entry before it that recorded them (an entry leaves out what did not change: `_item.segment_fields`)."""
-  carried: dict[str, int] = {}
+def carried_geometry(recent: Any) -> list[dict[str, Any]]:
+  """Per resume entry of a lineage, its `batch_size`, `process_count` and `mixture`: its own, or those of
+  the latest entry before it that recorded them (an entry leaves out what did not change:
+  `_item.segment_fields`)."""
+  carried: dict[str, Any] = {}
   result = []
   for entry in recent:
     for name in ("batch_size", "process_count"):
       if _is_int(entry.get(name)):
         carried[name] = int(entry[name])
+    if isinstance(entry.get("mixture"), str):
+      carried["mixture"] = entry["mixture"]
     result.append(dict(carried))
   return result
 

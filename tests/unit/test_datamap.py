@@ -6,6 +6,7 @@ shard_index/shard_count, saved into and restored from real item files
 held is compared with what the iterators actually yielded.
 """
 
+import json
 import os
 
 import grain
@@ -105,6 +106,10 @@ def test_a_reweighted_mixture_is_mapped_segment_by_segment(tmp_path):
                                                         ckpt_iter.IteratorSave(iterator))
   batches = list(_run_map(root).batches())
   assert [[(1000 if r.source == "a" else 2000) + r.index for r in b.records] for b in batches] == kept
+  # The step it resumed from deleted: the resume record carries that segment's shares and ledger.
+  os.rename(os.path.join(root, "3"), os.path.join(root, "3.orbax-checkpoint-tmp-1"))  # not a step
+  batches = list(_run_map(root).batches())
+  assert [[(1000 if r.source == "a" else 2000) + r.index for r in b.records] for b in batches] == kept
 
 
 def test_an_epochs_short_last_batch_is_placed_by_the_restored_record(tmp_path):
@@ -124,9 +129,16 @@ def test_a_step_not_kept_is_read_from_the_resume_record(tmp_path):
   assert [[r.index for r in b.records] for b in _run_map(tmp_path).batches()] == full == kept
 
 
-def test_a_mixture_step_not_kept_is_named_with_the_keep_policy(tmp_path):
+def test_a_step_not_kept_is_named_with_the_keep_policy_where_the_resume_record_lacks_the_segment(tmp_path):
+  # A state written before resume records carried the segment (0.2.0): the step it resumed from is needed.
   run_chain(str(tmp_path), [(1, 4, 2, 0, None), (1, 4, 2, 0, None)], mixture={"a": 1, "b": 1})
   os.rename(os.path.join(tmp_path, "2"), os.path.join(tmp_path, "2.orbax-checkpoint-tmp-1"))  # not a step
+  last = os.path.join(tmp_path, "4", "data", "process_0-of-1.json")
+  with open(last) as f:
+    header = json.load(f)
+  header["lineage"]["recent"] = [{"step": e["step"], "state": e["state"]} for e in header["lineage"]["recent"]]
+  with open(last, "w") as f:
+    json.dump(header, f)
   layout = inspection.find_layout(str(tmp_path))
   with pytest.raises(errors.ItemNotFoundError) as info:
     datamap.RunMap.from_states(_which.States(layout), 4, keep_policy=_which.KEEP_POLICY)

@@ -176,14 +176,27 @@ def test_order_answers_from_the_lineage_when_a_resumed_step_is_gone(chain, tmp_p
     assert [json.loads(line)["records"] for line in f] == kept
 
 
-def test_order_names_the_keep_policy_when_a_mixtures_resumed_step_is_gone(tmp_path, capsys):
+def test_order_answers_a_mixture_from_the_lineage_and_names_the_keep_policy_for_an_older_state(tmp_path, capsys):
   root = str(tmp_path / "run")
-  run_chain(root, [(1, 4, 2, 0, None), (1, 4, 2, 0, None)], mixture={"a": 1, "b": 1})
+  kept = run_chain(root, [(1, 4, 2, 0, None), (1, 4, 2, 0, None)], mixture={"a": 1, "b": 1})
   os.rename(os.path.join(root, "2"), os.path.join(root, "2.orbax-checkpoint-tmp-9"))
   code, _, err = _main(capsys, "order", root, "--out", str(tmp_path / "o.jsonl"))
+  assert code == 0, err
+  with open(tmp_path / "o.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  offset = {"a": 1000, "b": 2000}
+  assert [[offset[s] + i for i, s in zip(r["records"], r["sources"])] for r in rows] == kept
+  # A state written before resume records carried the segment: the step is needed, and named.
+  last = os.path.join(root, "4", "data", "process_0-of-1.json")
+  with open(last) as f:
+    header = json.load(f)
+  header["lineage"]["recent"] = [{"step": e["step"], "state": e["state"]} for e in header["lineage"]["recent"]]
+  with open(last, "w") as f:
+    json.dump(header, f)
+  code, _, err = _main(capsys, "order", root, "--out", str(tmp_path / "o2.jsonl"))
   assert code == 1 and "step 2, which is no longer kept" in err and "max_to_keep" in err
   assert "KeepResumedSteps" in err and "mixture's ledger" in err
-  assert not os.path.exists(tmp_path / "o.jsonl")
+  assert not os.path.exists(tmp_path / "o2.jsonl")
 
 
 def test_a_pipeline_not_built_by_make_dataset_is_refused_naming_it(capsys):
