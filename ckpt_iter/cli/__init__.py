@@ -197,7 +197,8 @@ def _add_diff(verbs: Any) -> None:
       "       %(prog)s [-h] [--item ITEM] [--json] CKPT_DIR [CKPT_DIR_B] --step STEP_A --step STEP_B",
       description=summary + ": `diff DIR A B` (or `diff DIR --step A --step B`), `diff DIR_A DIR_B` "
       "(latest steps) or `diff DIR_A DIR_B A B` (or with --step A --step B).",
-      epilog="exit codes: 0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error",
+      epilog="exit codes: 0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error, "
+      "4 a step asked for was deleted while being read (e.g. by max_to_keep)",
   )
   parser.add_argument("checkpoints", nargs="+", metavar="CKPT_DIR",
                       help="one checkpoint (with two steps) or two, then optionally the two steps")
@@ -233,7 +234,8 @@ def _add_which(verbs: Any) -> None:
       "make_dataset pipeline whose position counts stream records; elsewhere it names "
       "ckpt_iter.which(pipeline, state).",
       epilog="exit codes: 0 answered, 1 not answerable from the checkpoint (the message says why and what "
-      "answers instead: a step not kept, a pipeline whose rows user code computes), 2 usage error")
+      "answers instead: a step not kept, a pipeline whose rows user code computes), 2 usage error, 4 the step "
+      "asked for was deleted while being read (e.g. by max_to_keep)")
   _add_checkpoint_argument(parser)
   where = parser.add_mutually_exclusive_group(required=True)
   where.add_argument("--step", type=_step_number, help="the last batch read before this checkpoint was saved")
@@ -253,7 +255,8 @@ def _add_order(verbs: Any) -> None:
   parser = verbs.add_parser(
       "order", help=summary, description=summary + " (JSONL, or Parquet when FILE ends in .parquet; streamed, "
       "O(1) memory in the run's length; FILE may be gs://...).",
-      epilog="exit codes: 0 written, 1 not answerable from the checkpoint, 2 usage error")
+      epilog="exit codes: 0 written, 1 not answerable from the checkpoint, 2 usage error, 4 the steps it needs "
+      "were deleted while being read, 3 times over (e.g. by max_to_keep)")
   _add_checkpoint_argument(parser)
   parser.add_argument("--out", required=True, metavar="FILE", help="where to write (.jsonl or .parquet)")
   parser.add_argument("--from", dest="start", type=_step_number, default=0, metavar="K",
