@@ -4,7 +4,8 @@
 
 CONFIG: {"root": local path or gs://..., "log": file, "steps": N, "seconds": S,
 "max_to_keep": K or null, "async": bool, "sleep_s": pause after each save,
-"kill_in_write": step or null, "pipeline": {"mixture": {...} or null, "skip": [[a, b], ...]},
+"pipeline": {"mixture": {...} or null, "skip": [[a, b], ...], "seed": int (default 5)},
+"kill_in_write": step or null,
 "model": bool (a params array item beside the data item, as a trainer saves)}.
 
 Restores the latest step of the root when there is one (the same pipeline),
@@ -43,7 +44,8 @@ import support  # pylint: disable=g-import-not-at-top,wrong-import-position
 def build_iterator(pipeline: dict) -> ckpt_iter.DataIterator:
   """The run's input: process 0 of 1, global batch 4, over support.CHAIN_* (a mixture or 4 epochs)."""
   skip = _records.Skip(records=tuple(tuple(r) for r in pipeline.get("skip") or ()))
-  return ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, skip=skip or None, mixture=pipeline.get("mixture")))
+  return ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, seed=pipeline.get("seed", 5), skip=skip or None,
+                                                      mixture=pipeline.get("mixture")))
 
 
 class _Log:
