@@ -5,8 +5,8 @@
 CONFIG: {"root": local path or gs://..., "log": file, "steps": N, "seconds": S,
 "max_to_keep": K or null, "async": bool, "sleep_s": pause after each save,
 "pipeline": {"mixture": {...} or null, "skip": [[a, b], ...], "seed": int (default 5)},
-"kill_in_write": step or null,
-"model": bool (a params array item beside the data item, as a trainer saves)}.
+"kill_in_write": step or null, "restore": false to start afresh whatever the root holds,
+"model": bool (a params item beside the data item, as a trainer saves: {"w": step, "job": seed})}.
 
 Restores the latest step of the root when there is one (the same pipeline),
 then reads one global batch per step and saves it as step `restored + k`
@@ -76,7 +76,7 @@ def main() -> None:
   options = ocp.CheckpointManagerOptions(max_to_keep=config.get("max_to_keep"),
                                          enable_async_checkpointing=config.get("async", True))
   manager = ocp.CheckpointManager(root, options=options)
-  restored = manager.latest_step() or 0
+  restored = (manager.latest_step() or 0) if config.get("restore", True) else 0
   if restored:
     items = {"data": ckpt_iter.IteratorRestore(iterator)}
     if config.get("model"):
@@ -93,7 +93,8 @@ def main() -> None:
     log.line(f"S {step} {','.join(map(str, ids))}")
     items = {"data": ckpt_iter.IteratorSave(iterator)}
     if config.get("model"):
-      items["model"] = ocp.args.StandardSave({"w": np.full((4,), step, np.float32)})
+      items["model"] = ocp.args.StandardSave({"w": np.full((4,), step, np.float32),
+                                              "job": np.int32(config["pipeline"].get("seed", 5))})
     manager.save(step, args=ocp.args.Composite(**items))
     if step == restored + 1:
       manager.wait_until_finished()
