@@ -27,7 +27,10 @@ What ckpt_iter makes of the mix (no silent mix):
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -41,6 +44,9 @@ from ckpt_iter import errors
 import ledger_writer
 import support
 
+_WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "ledger_writer.py")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TIMEOUT_S = 240
 STEPS = 8
 PIPELINES = {seed: {"mixture": {"a": 2, "b": 1}, "skip": [[5, 9]], "seed": seed} for seed in (5, 6)}
 
@@ -100,3 +106,23 @@ def test_two_jobs_in_one_root_are_told_apart_never_mixed(tmp_path, capsys):
     reference = ledger_writer.build_iterator(pipeline)
     expected = [support.batch_ids(next(reference)) for _ in range(latest + 4)][latest:]
     assert [support.batch_ids(next(iterator)) for _ in range(4)] == expected
+
+
+def test_a_second_job_started_on_a_root_another_job_writes_is_refused_naming_the_field(tmp_path):
+  """Real processes: job 5 saves 3 steps; job 6, started on the same root as a trainer starts (restore
+  the latest step), stops before it saves anything: ConfigDriftError naming the seed and the step's file."""
+  root = str(tmp_path / "root")
+  done = {}
+  for seed in (5, 6):
+    config = tmp_path / f"job_{seed}.json"
+    config.write_text(json.dumps({"root": root, "log": str(tmp_path / f"job_{seed}.log"), "steps": 3,
+                                  "seconds": 60, "async": True, "model": True, "pipeline": PIPELINES[seed]}))
+    done[seed] = subprocess.run([sys.executable, _WORKER, str(config)], capture_output=True, text=True,
+                                cwd=_REPO, timeout=_TIMEOUT_S)
+  assert done[5].returncode == 0, done[5].stderr[-3000:]
+  assert done[6].returncode != 0 and done[6].stdout == ""
+  assert (f"ConfigDriftError: {root}/3/data/process_0-of-1.json was written by a different pipeline: seed=5 "
+          "there, seed=6 here.") in done[6].stderr, done[6].stderr[-3000:]
+  with ocp.CheckpointManager(root) as manager:
+    assert manager.all_steps() == [1, 2, 3]  # job 5's steps, untouched
+  assert cli.main(["audit", root]) == cli.EXIT_OK
