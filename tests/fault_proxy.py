@@ -9,8 +9,10 @@ matches it (method and a substring of the request target, e.g. ".npz"):
 - "reset": closes the connection without an answer;
 - "truncate": forwards, then sends half of the answer's body and closes.
 
-A rule applies `times` times (None: always). Every wait is bounded, and
-`stop()` releases stalled handlers, so no test can hang on the proxy.
+A rule may also ask for a substring of the request body (`body`: a simple
+upload names its object only there). A rule applies `times` times (None:
+always). Every wait is bounded, and `stop()` (or `release()`) releases
+stalled handlers, so no test can hang on the proxy.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Rule:
   method: str | None = None
   status: int = 503
   times: int | None = None
+  body: bytes | None = None
 
 
 class FaultProxy:
@@ -58,7 +61,7 @@ class FaultProxy:
       def _handle(self):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        rule = proxy._match(self.command, self.path)  # pylint: disable=protected-access
+        rule = proxy._match(self.command, self.path, body)  # pylint: disable=protected-access
         if rule is None:
           return self._forward(body)
         proxy.hits.append((rule.action, self.command, self.path))
@@ -115,18 +118,23 @@ class FaultProxy:
     return self
 
   def add(self, action: str, contains: str, *, method: str | None = None, status: int = 503,
-          times: int | None = None) -> None:
+          times: int | None = None, body: bytes | None = None) -> None:
     with self._lock:
-      self._rules.append(Rule(action, contains, method, status, times))
+      self._rules.append(Rule(action, contains, method, status, times, body))
 
   def clear(self) -> None:
     with self._lock:
       self._rules.clear()
 
-  def _match(self, method: str, target: str) -> Rule | None:
+  def release(self) -> None:
+    """Ends every stall now (each closes its connection unanswered); later stalls do not wait."""
+    self._released.set()
+
+  def _match(self, method: str, target: str, body: bytes = b"") -> Rule | None:
     with self._lock:
       for rule in self._rules:
-        if rule.contains in target and rule.method in (None, method):
+        if (rule.contains in target and rule.method in (None, method)
+            and (rule.body is None or rule.body in body)):
           if rule.times is not None:
             if rule.times <= 0:
               continue

@@ -92,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_OK
   except inspection.UsageError as e:
     return _fail(str(e), EXIT_USAGE)
+  except _NothingToAnswer as e:
+    return _fail(str(e), EXIT_NOTHING)
   except (errors.CkptIterError, OSError) as e:
     return _fail(str(e), EXIT_PROBLEMS)
 
@@ -195,7 +197,8 @@ def _add_diff(verbs: Any) -> None:
       "       %(prog)s [-h] [--item ITEM] [--json] CKPT_DIR [CKPT_DIR_B] --step STEP_A --step STEP_B",
       description=summary + ": `diff DIR A B` (or `diff DIR --step A --step B`), `diff DIR_A DIR_B` "
       "(latest steps) or `diff DIR_A DIR_B A B` (or with --step A --step B).",
-      epilog="exit codes: 0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error",
+      epilog="exit codes: 0 compared (whether or not they differ), 1 a state file is unreadable, 2 usage error, "
+      "4 a step asked for was deleted while being read (e.g. by max_to_keep)",
   )
   parser.add_argument("checkpoints", nargs="+", metavar="CKPT_DIR",
                       help="one checkpoint (with two steps) or two, then optionally the two steps")
@@ -231,7 +234,8 @@ def _add_which(verbs: Any) -> None:
       "make_dataset pipeline whose position counts stream records; elsewhere it names "
       "ckpt_iter.which(pipeline, state).",
       epilog="exit codes: 0 answered, 1 not answerable from the checkpoint (the message says why and what "
-      "answers instead: a step not kept, a pipeline whose rows user code computes), 2 usage error")
+      "answers instead: a step not kept, a pipeline whose rows user code computes), 2 usage error, 4 the step "
+      "asked for was deleted while being read (e.g. by max_to_keep)")
   _add_checkpoint_argument(parser)
   where = parser.add_mutually_exclusive_group(required=True)
   where.add_argument("--step", type=_step_number, help="the last batch read before this checkpoint was saved")
@@ -251,7 +255,8 @@ def _add_order(verbs: Any) -> None:
   parser = verbs.add_parser(
       "order", help=summary, description=summary + " (JSONL, or Parquet when FILE ends in .parquet; streamed, "
       "O(1) memory in the run's length; FILE may be gs://...).",
-      epilog="exit codes: 0 written, 1 not answerable from the checkpoint, 2 usage error")
+      epilog="exit codes: 0 written, 1 not answerable from the checkpoint, 2 usage error, 4 the steps it needs "
+      "were deleted while being read, 3 times over (e.g. by max_to_keep)")
   _add_checkpoint_argument(parser)
   parser.add_argument("--out", required=True, metavar="FILE", help="where to write (.jsonl or .parquet)")
   parser.add_argument("--from", dest="start", type=_step_number, default=0, metavar="K",
@@ -495,16 +500,25 @@ def run_audit(args: argparse.Namespace) -> int:
 def run_which(args: argparse.Namespace) -> int:
   from ckpt_iter.cli import _which  # pylint: disable=g-import-not-at-top  (Grain's shuffle, loaded when asked)
 
-  layout = inspection.find_layout(args.checkpoint, args.item)
-  if args.step is not None:
-    answer = _which.which_step(layout, layout.choose_step(args.step), args.process)
-  else:
-    answer = _which.which_batch(layout, args.batch, args.process)
-  files = None
-  if args.source:
-    fingerprint = _which.States(layout, args.process)[
-        answer.step if answer.step is not None else layout.steps[-1]].innermost.fingerprint
-    files = _which.SourceFiles(args.source, fingerprint)
+  def attempt() -> tuple[Any, Any]:
+    layout = inspection.find_layout(args.checkpoint, args.item)
+    states = _which.States(layout, args.process)
+    named = [] if args.step is None else [layout.choose_step(args.step)]
+
+    def answer() -> tuple[Any, Any]:
+      if args.step is not None:
+        found = _which.which_step(layout, named[0], args.process, states)
+      else:
+        found = _which.which_batch(layout, args.batch, args.process, states)
+      files = None
+      if args.source:
+        fingerprint = states[found.step if found.step is not None else layout.steps[-1]].innermost.fingerprint
+        files = _which.SourceFiles(args.source, fingerprint)
+      return found, files
+
+    return _read_or_gone(layout, lambda: states.asked, answer, named)
+
+  answer, files = _retrying(attempt)
   if args.json:
     print(json.dumps(_which.answer_json(answer, files), indent=1))
   else:
@@ -515,10 +529,75 @@ def run_which(args: argparse.Namespace) -> int:
 def run_order(args: argparse.Namespace) -> int:
   from ckpt_iter.cli import _which  # pylint: disable=g-import-not-at-top
 
-  layout = inspection.find_layout(args.checkpoint, args.item)
-  written = _which.write_order(layout, args.out, process_index=args.process, start=args.start, limit=args.limit)
+  def attempt() -> int:
+    layout = inspection.find_layout(args.checkpoint, args.item)
+    states = _which.States(layout, args.process)
+    return _read_or_gone(layout, lambda: states.asked, lambda: _which.write_order(
+        layout, args.out, process_index=args.process, start=args.start, limit=args.limit, states=states))
+
+  written = _retrying(attempt)
   print(f"{args.out}: {_plural(written, 'global batch', 'global batches')} from batch {args.start}")
   return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# Steps a writer's retention deletes while which, order or diff reads them.
+
+# A verb that reads from the latest step lists the root again at most this many times.
+READ_ATTEMPTS = 3
+_GONE = "deleted while being read (by the writer's retention, e.g. Orbax's max_to_keep)"
+
+
+class _StepsRemoved(Exception):
+  """Steps of `layout` a verb read were deleted meanwhile (not damaged: deleted); listing again answers."""
+
+  def __init__(self, layout: inspection.Layout, steps: list[int]):
+    super().__init__(steps)
+    self.layout, self.steps = layout, steps
+
+
+class _NothingToAnswer(Exception):
+  """The step the user asked about was deleted while it was read: exit 4 with this message."""
+
+
+def _read_or_gone(layout: inspection.Layout, asked: Any, read: Any, named: Sequence[int] = ()) -> Any:
+  """`read()`; when it fails and a step it read (`asked()`) was deleted meanwhile: `_NothingToAnswer`
+  when the user named that step (`named`), else `_StepsRemoved` (the caller lists the root again).
+
+  A step that stays but lost its files is damaged: the error stands (`inspection.removed_while_read`).
+  """
+  try:
+    return read()
+  except (errors.CkptIterError, OSError, inspection.UsageError) as e:
+    gone = [step for step in sorted(set(asked()) | set(named)) if inspection.removed_while_read(layout, step)]
+    if [step for step in gone if step in named]:
+      raise _NothingToAnswer(_gone_text(layout, [step for step in gone if step in named])) from None
+    if gone:
+      raise _StepsRemoved(layout, gone) from e
+    raise
+
+
+def _retrying(attempt: Any) -> Any:
+  """`attempt()`, again over a fresh listing when a step it read was deleted meanwhile
+  (at most READ_ATTEMPTS times; then `_NothingToAnswer`)."""
+  for number in range(READ_ATTEMPTS):
+    try:
+      return attempt()
+    except _StepsRemoved as e:
+      if number == READ_ATTEMPTS - 1:
+        raise _NothingToAnswer(_gone_text(e.layout, e.steps, attempts=READ_ATTEMPTS)) from None
+  raise AssertionError("unreachable")
+
+
+def _gone_text(layout: inspection.Layout, steps: list[int], attempts: int = 1) -> str:
+  try:
+    kept = inspection.format_steps(list(inspection.step_directories(layout.root))) or "none"
+  except (errors.CkptIterError, OSError):
+    kept = "unknown"
+  what = f"step {steps[0]} of {layout.root} was" if len(steps) == 1 else (
+      f"steps {inspection.format_steps(steps)} of {layout.root} were")
+  again = f" on each of {attempts} attempts" if attempts > 1 else ""
+  return f"{what} {_GONE}{again}; ask about a step kept now (steps: {kept})."
 
 
 # ---------------------------------------------------------------------------
@@ -526,7 +605,11 @@ def run_order(args: argparse.Namespace) -> int:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-  sides = [(layout, step, inspection.read_summaries(layout, step)) for layout, step in _diff_sides(args)]
+  sides = [(layout, step, _read_or_gone(layout, lambda: (), lambda: inspection.read_summaries(layout, step), [step]))
+           for layout, step in _diff_sides(args)]
+  for layout, step, processes in sides:  # a header deleted under the read is no damage
+    if any(p.error is not None for p in processes) and inspection.removed_while_read(layout, step):
+      raise _NothingToAnswer(_gone_text(layout, [step]))
   failed = [p for _, _, processes in sides for p in processes if p.error is not None]
   for process in failed:
     print(f"{PROG}: {process.error}", file=sys.stderr)

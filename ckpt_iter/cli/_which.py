@@ -44,11 +44,13 @@ class States(collections.abc.Mapping):
   def __init__(self, layout: inspection.Layout, process_index: int = 0):
     self._layout, self._process = layout, process_index
     self._read: dict[int, state_lib.IteratorState] = {}
+    self.asked: set[int] = set()  # the steps a reader tried to read (asked when a read fails)
 
   def __getitem__(self, step: int) -> state_lib.IteratorState:
     if step not in self._read:
       if step not in self._layout.steps:
         raise KeyError(step)
+      self.asked.add(step)
       item_dir = self._layout.item_dir(step)
       files = dict(inspection._process_files_or_none(item_dir))  # pylint: disable=protected-access
       if self._process not in files:
@@ -136,9 +138,10 @@ class Answer:
   note: str | None = None
 
 
-def which_step(layout: inspection.Layout, step: int, process_index: int = 0) -> Answer:
+def which_step(layout: inspection.Layout, step: int, process_index: int = 0,
+               states: States | None = None) -> Answer:
   """The last batch read before checkpoint `step` (and a Tunix learner's global step)."""
-  states = States(layout, process_index)
+  states = States(layout, process_index) if states is None else states
   if step not in states:
     raise inspection.UsageError(f"step {step} of {layout.root} holds no data state of process {process_index}.")
   value = states[step]
@@ -156,9 +159,10 @@ def which_step(layout: inspection.Layout, step: int, process_index: int = 0) -> 
   return Answer(step, datamap.last_batch_of(value, origin=f"step {step}"), None, note)
 
 
-def which_batch(layout: inspection.Layout, number: int, process_index: int = 0) -> Answer:
+def which_batch(layout: inspection.Layout, number: int, process_index: int = 0,
+                states: States | None = None) -> Answer:
   """Global batch `number` of the run the latest step ends."""
-  states = States(layout, process_index)
+  states = States(layout, process_index) if states is None else states
   last = _latest_with_state(layout, states)
   run = datamap.RunMap.from_states(states, last, keep_policy=KEEP_POLICY)
   return Answer(None, run.batch(number), note=f"the run up to step {last}: {run.total} global batches")
@@ -280,7 +284,7 @@ PARQUET_ROWS_PER_GROUP = 8192
 
 
 def write_order(layout: inspection.Layout, out: str, *, process_index: int = 0, start: int = 0,
-                limit: int | None = None, progress: Progress | None = None) -> int:
+                limit: int | None = None, progress: Progress | None = None, states: States | None = None) -> int:
   """Writes the run's global batches in order to `out` (Parquet if it ends in .parquet, else JSONL).
 
   One batch at a time (a Parquet row group of at most PARQUET_ROWS_PER_GROUP
@@ -290,7 +294,7 @@ def write_order(layout: inspection.Layout, out: str, *, process_index: int = 0, 
   Returns:
     The batches written.
   """
-  states = States(layout, process_index)
+  states = States(layout, process_index) if states is None else states
   last = _latest_with_state(layout, states)
   run = datamap.RunMap.from_states(states, last, keep_policy=KEEP_POLICY)
   stop = run.total if limit is None else min(run.total, start + limit)
