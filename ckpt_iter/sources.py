@@ -31,6 +31,7 @@ import numpy as np
 
 from ckpt_iter import _shard_cache
 from ckpt_iter import _storage
+from ckpt_iter._shard_cache import ShardCache
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -49,8 +50,6 @@ INDEX_CACHE_ENV = "CKPT_ITER_INDEX_CACHE_DIR"
 _INDEX_CHUNK_BYTES = 16 * 2**20
 _DIGEST_SAMPLES = 64
 _LISTED_FILES = 4
-
-ShardCache = _shard_cache.ShardCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +195,8 @@ class JsonlSource(_FileReader):
     self._open: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
     self._open_lock = threading.Lock()
     self._open_pid = os.getpid()
+    # Files this process asked to prefetch (each is asked for once).
+    self._prefetched: set[int] = set()
 
   def prefetch(self, file_indices: Sequence[int]) -> None:
     """Downloads these files (indices into `paths`, modulo their count) and their indexes in the background.
@@ -207,8 +208,14 @@ class JsonlSource(_FileReader):
     if self._cache is None or not file_indices:
       return
     count = len(self._paths)
-    chosen = [(self._paths[i % count], self._identities[i % count]) for i in file_indices]
-    self._cache.prefetch(chosen, then=self._prepare_index)
+    with self._open_lock:
+      if self._open_pid != os.getpid():
+        self._init_open()
+      wanted = [i % count for i in file_indices]
+      wanted = [i for i in dict.fromkeys(wanted) if i not in self._prefetched and i not in self._open]
+      self._prefetched.update(wanted)
+    if wanted:
+      self._cache.prefetch([(self._paths[i], self._identities[i]) for i in wanted], then=self._prepare_index)
 
   def _cached_counts(self) -> list[int]:
     """Each file's line count: stored in the cache, else counted from a download (in parallel)."""
@@ -249,11 +256,6 @@ class JsonlSource(_FileReader):
     return starts, ends
 
   def _cached_read(self, file_index: int, line: int) -> bytes:
-    if getattr(self._local, "file_index", None) != file_index:
-      self._local.file_index = file_index
-      if self._prefetch_files:
-        self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
-      self._cache.touch(self._paths[file_index], self._identities[file_index])
     copy = self._open_copy(file_index)
     try:
       start, end = int(copy.starts[line]), int(copy.ends[line])
@@ -272,6 +274,9 @@ class JsonlSource(_FileReader):
         self._open.move_to_end(file_index)
         copy.readers += 1
         return copy
+    # Entering a file this process has not open: the next ones are downloaded ahead.
+    if self._prefetch_files:
+      self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
     path, found = self._paths[file_index], self._identities[file_index]
     fd = self._cache.open(path, found)
     try:
@@ -289,6 +294,7 @@ class JsonlSource(_FileReader):
         for other in [i for i, c in self._open.items() if c.readers == 0 and i != file_index]:
           if len(self._open) <= self._max_open_files:
             break
+          self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
           os.close(self._open.pop(other).fd)
       copy.readers += 1
       return copy
