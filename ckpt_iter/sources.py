@@ -396,7 +396,7 @@ def index_cache_path(path: str, cache_dir: str) -> str:
 
 def _cached_line_index(path: str, cache_dir: str | None,
                        identity: _storage.Identity | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """The line index of `path` (`identity`: its identity, if just read): from its cache when valid, else built and cached."""
+  """The line index of `path` (`identity`: its identity, if just read): from its cache if valid, else built."""
   identity = identity or _storage.identity(path)
   if cache_dir is None or identity.size < INDEX_CACHE_MIN_BYTES or identity.version is None:
     return _index_lines(path)
