@@ -5,9 +5,10 @@ behind the tests' proxy (tests/fault_proxy.py) adding a fixed 20 ms to every
 request, as a round trip to a real bucket costs. Every gs:// client request
 goes through the proxy, which counts them.
 
-Corpus: 20,000 records of ~1 KB in 4 JSONL files (5 MB each); --quick reads
-fewer records of it. Batch 32, through `ckpt_iter.DataIterator`, shuffled
-(seed 7) and sequential (seed None). Cases:
+Corpus: 20,000 records of ~1 KB in 4 JSONL files (5 MB each), and the same
+records in 4 ArrayRecord files (shuffled only); --quick reads fewer records.
+Batch 32, through `ckpt_iter.DataIterator`, shuffled (seed 7) and sequential
+(seed None). Cases:
 
   gs:// in place    `make_dataset("gs://...")`: one ranged GET per record,
                     read threads 0 (DataIterator's default) and 16
@@ -126,6 +127,35 @@ class Case:
             "first_id": int(batch["id"][0])}
 
 
+def array_record(proxy, work: str, remote_jsonl: str, quick: bool, report: _common.Reporter) -> dict:
+  """The same corpus as ArrayRecord files (one JSON record each), shuffled: in place, cached, local."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  remote = remote_jsonl.replace(".jsonl", ".array_record")
+  local = []
+  for part, data in enumerate(corpus_files()):
+    path = os.path.join(work, "local", f"part-{part}.array_record")
+    writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+    for line in data.splitlines():
+      writer.write(line)
+    writer.close()
+    with open(path, "rb") as f:
+      _storage.write_bytes(remote.replace("*", str(part)), f.read())
+    local.append(path)
+  cache_dir = os.path.join(work, "cache_array_record")
+  cached = lambda: sources.ArrayRecordSource(remote, cache=sources.ShardCache(cache_dir, 2**30))
+  records = 6_400 if quick else FILES * PER_FILE
+  figures = {}
+  for name, case, count in (
+      ("array_record gs:// in place, 0 read threads", Case(proxy, lambda: remote), 96 if quick else 320),
+      ("array_record gs:// cache cold", Case(proxy, cached), records),
+      ("array_record gs:// cache warm", Case(proxy, cached), records),
+      ("array_record local disk", Case(proxy, lambda: local), records)):
+    figures[f"{name}, shuffled"] = result = case.read(7, count)
+    report.measurement(case=name, order="shuffled", **result)
+  return figures
+
+
 def settle(proxy: fault_proxy.FaultProxy) -> None:
   """Waits until no request has reached the bucket for 0.5 s (read threads' read-ahead ends), at most 60 s."""
   deadline = time.monotonic() + 60
@@ -161,6 +191,7 @@ def main() -> None:
     with gcs_emulator.GcsEmulator() as emulator:
       proxy = fault_proxy.FaultProxy(emulator.url, delay_seconds=DELAY_SECONDS).start()
       os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+      os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = proxy.url  # array_record's own reader
       remote = f"gs://{gcs_emulator.BUCKET}/bench-{os.getpid()}/part-*.jsonl"
       local = []
       for part, data in enumerate(corpus_files()):
@@ -212,6 +243,7 @@ def main() -> None:
       seconds, reads = content_sampled_digest_seconds(remote)
       report.measurement(case="0.2.0's content-sampled source digest on this bucket",
                          seconds=_common.rounded(seconds), sequential_reads=reads)
+      figures.update(array_record(proxy, work, remote, args.quick, report))
       proxy.stop()
   finally:
     shutil.rmtree(work, ignore_errors=True)
@@ -233,6 +265,10 @@ def main() -> None:
                     restores["gs:// cache warm"]["first_batch_s"], "< 1",
                     restores["gs:// cache warm"]["first_batch_s"] < 1),
   ]
+  checks.append(_common.check(
+      "array_record: cache warm / local disk records/s, shuffled",
+      ratio("array_record gs:// cache warm, shuffled", "array_record local disk, shuffled"), ">= 0.5",
+      ratio("array_record gs:// cache warm, shuffled", "array_record local disk, shuffled") >= 0.5))
   report.summary(checks, restores=restores)
 
 

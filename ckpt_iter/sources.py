@@ -505,6 +505,40 @@ def _write_index_cache(
       pass
 
 
+class _HeldCopies:
+  """Local copies in a ShardCache of every file of a source, held open (in use) while this lives.
+
+  Downloaded in parallel (the cache's prefetch threads) when made. Picklable:
+  a Grain worker holds its own, fetching again a copy evicted meanwhile.
+  """
+
+  def __init__(self, cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity]):
+    self.cache, self.paths, self.identities = cache, list(paths), list(identities)
+    self._hold()
+
+  def _hold(self) -> None:
+    files = list(zip(self.paths, self.identities))
+    if len(files) > 1:
+      self.cache.prefetch(files)
+      self.cache.wait()
+    self.fds: list[int] = []
+    for path, found in files:
+      self.fds.append(self.cache.open(path, found))
+    self.local_paths = [self.cache.entry_path(path, found) for path, found in files]
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"cache": self.cache, "paths": self.paths, "identities": self.identities}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._hold()
+
+  def __del__(self) -> None:
+    for fd in getattr(self, "fds", ()):
+      with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 class ParquetSource(_FileReader):
   """Records of one or more Parquet files, decoded one row group at a time.
 
@@ -516,16 +550,27 @@ class ParquetSource(_FileReader):
   Args:
     paths: the Parquet files (local or gs://), in order: one path, a glob,
       or a list of them (a glob's matches sorted).
+    cache: a `ShardCache`: every file is downloaded whole into it when the
+      source is built (in parallel) and read there, held in use while the
+      source lives; None reads them in place.
   """
 
-  def __init__(self, paths: PathsArg):
+  def __init__(self, paths: PathsArg, *, cache: _shard_cache.ShardCache | None = None):
     """Opens `paths` (their footers, pinned to their current generation on gs://); see the class docstring."""
     pq = _import_pyarrow_parquet()
     self._paths = [_storage.absolute(p) for p in _expand_paths(paths, "ParquetSource")]
-    # On an object store each file's generation now: every later read is of it.
-    self._generations = [_storage.pinned_generation(p) for p in self._paths]
+    self._cache = cache
+    if cache is not None:
+      self._identities = _storage.identities(self._paths)
+      self._copies = _HeldCopies(cache, self._paths, self._identities)
+      self._read_paths = self._copies.local_paths
+      self._generations: list[str | None] = [None] * len(self._paths)
+    else:
+      self._read_paths = self._paths
+      # On an object store each file's generation now: every later read is of it.
+      self._generations = [_storage.pinned_generation(p) for p in self._paths]
     group_rows = []
-    for path, generation in zip(self._paths, self._generations):
+    for path, generation in zip(self._read_paths, self._generations):
       with _parquet_file(pq, path, generation) as parquet:
         metadata = parquet.metadata
       group_rows.append(
@@ -546,11 +591,20 @@ class ParquetSource(_FileReader):
     if cached is None or cached[0] != group or getattr(self._local, "pid", None) != os.getpid():
       pq = _import_pyarrow_parquet()
       file_index, group_index = self._groups[group]
-      with _parquet_file(pq, self._paths[file_index], self._generations[file_index]) as parquet:
+      with _parquet_file(pq, self._read_paths[file_index], self._generations[file_index]) as parquet:
         table = parquet.read_row_group(group_index)
       cached = self._local.cache = (group, table)
       self._local.pid = os.getpid()
     return cached[1].slice(row, 1).to_pylist()[0]
+
+  @property
+  def cache(self) -> _shard_cache.ShardCache | None:
+    """The `ShardCache` the files are read through, or None."""
+    return self._cache
+
+  def identities(self) -> list[_storage.Identity] | None:
+    """Each file's size and version as read when built through a cache; None without one."""
+    return list(self._identities) if self._cache is not None else None
 
 
 
@@ -571,15 +625,26 @@ class ArrayRecordSource:
     paths: the ArrayRecord files (local or gs://, read by array_record's own
       reader), in order: one path, a glob, or a list of them (a glob's
       matches sorted).
+    cache: a `ShardCache`: every file is downloaded whole into it when the
+      source is built (in parallel) and read there, held in use while the
+      source lives; None reads them in place.
   """
 
-  def __init__(self, paths: PathsArg):
+  def __init__(self, paths: PathsArg, *, cache: _shard_cache.ShardCache | None = None):
     """Opens `paths` with array_record's reader; see the class docstring."""
     import grain  # pylint: disable=g-import-not-at-top
 
     paths = _expand_paths(paths, "ArrayRecordSource")
+    self._cache = cache
+    self._copies = None
+    read_paths = list(paths)
+    if cache is not None:
+      self._identities = _storage.identities([_storage.absolute(p) for p in paths])
+      self._copies = _HeldCopies(cache, [_storage.absolute(p) for p in paths], self._identities)
+      read_paths = self._copies.local_paths
+    self._read_paths = read_paths
     try:
-      self._source = grain.sources.ArrayRecordDataSource(paths)
+      self._source = grain.sources.ArrayRecordDataSource(read_paths)
     except ImportError as e:
       raise errors.InvalidArgumentError(
           f"reading .array_record files needs the array_record package ({e}). "
@@ -598,11 +663,20 @@ class ArrayRecordSource:
     """The files, in the order their records are numbered."""
     return list(self._paths)
 
+  @property
+  def cache(self) -> _shard_cache.ShardCache | None:
+    """The `ShardCache` the files are read through, or None."""
+    return self._cache
+
+  def identities(self) -> list[_storage.Identity] | None:
+    """Each file's size and version as read when built through a cache; None without one."""
+    return list(self._identities) if self._cache is not None else None
+
   def file_offsets(self) -> list[int]:
     """The global index of each file's first record, and the total (each file's length read once)."""
     import grain  # pylint: disable=g-import-not-at-top
 
-    lengths = [len(grain.sources.ArrayRecordDataSource([path])) for path in self._paths]
+    lengths = [len(grain.sources.ArrayRecordDataSource([path])) for path in self._read_paths]
     return np.cumsum([0] + lengths).tolist()
 
   def __repr__(self) -> str:
@@ -743,18 +817,17 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
           f"({', '.join(FILE_SUFFIXES)})."
       )
     suffix = kinds.pop()
-    if suffix == ".jsonl":
-      # On an object store, the shard cache the environment names (ShardCache.from_env), if any.
-      cache = _shard_cache.ShardCache.from_env() if any(_storage.is_url(p) for p in paths) else None
-      resolved = JsonlSource(paths, cache=cache)
-    else:
-      resolved = {".parquet": ParquetSource, ".array_record": ArrayRecordSource}[suffix](paths)
+    # On an object store, the shard cache the environment names (ShardCache.from_env), if any.
+    cache = _shard_cache.ShardCache.from_env() if any(_storage.is_url(p) for p in paths) else None
+    reader = {".jsonl": JsonlSource, ".parquet": ParquetSource, ".array_record": ArrayRecordSource}[suffix]
+    resolved = reader(paths, cache=cache)
     description = _describe_files(suffix[1:], paths, _identities_of(resolved))
-  elif isinstance(source, JsonlSource) and source.cache is not None:
+  elif isinstance(source, (JsonlSource, ParquetSource, ArrayRecordSource)) and source.cache is not None:
     # Described by its files, as the same paths given to make_dataset are: a run may turn
     # its cache on or off.
     resolved = source
-    description = _describe_files("jsonl", source.paths, source.identities())
+    kind = os.path.splitext(source.paths[0])[1][1:]
+    description = _describe_files(kind, source.paths, source.identities())
   elif isinstance(source, HuggingFaceSource) or _is_hf_dataset(source):
     resolved = source if isinstance(source, HuggingFaceSource) else HuggingFaceSource(dataset=source)
     description = resolved.description
@@ -880,7 +953,9 @@ def _is_random_access(source: Any) -> bool:
 
 def _identities_of(source: Any) -> list[_storage.Identity] | None:
   """The identities a file source fetched when built, if it keeps them."""
-  return source.identities() if isinstance(source, JsonlSource) else None
+  if isinstance(source, (JsonlSource, ParquetSource, ArrayRecordSource)):
+    return source.identities()
+  return None
 
 
 def _remote_files(source: Any) -> list[str] | None:

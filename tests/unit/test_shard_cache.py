@@ -186,3 +186,28 @@ def test_the_cache_takes_its_place_from_the_environment(tmp_path, monkeypatch):
   assert cache.max_bytes == 10**6 and cache.directory == str(tmp_path / "c")
   with pytest.raises(errors.InvalidArgumentError):
     sources.ShardCache("gs://bucket/cache", 10)
+
+
+def test_parquet_and_array_record_sources_read_their_copies_in_the_cache(tmp_path):
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  parquet, array_record = [], []
+  for part in range(2):
+    records = [{"id": part * 30 + i, "text": f"r{i}"} for i in range(30)]
+    parquet.append(str(tmp_path / f"p-{part}.parquet"))
+    pq.write_table(pa.Table.from_pylist(records), parquet[-1], row_group_size=8)
+    array_record.append(str(tmp_path / f"a-{part}.array_record"))
+    writer = array_record_module.ArrayRecordWriter(array_record[-1], "group_size:1")
+    for record in records:
+      writer.write(json.dumps(record).encode())
+    writer.close()
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  for kind, paths in ((sources.ParquetSource, parquet), (sources.ArrayRecordSource, array_record)):
+    plain, cached = kind(paths), kind(paths, cache=cache)
+    assert [cached[i] for i in range(60)] == [plain[i] for i in range(60)]
+    assert sources.resolve_source(cached)[1] == sources.resolve_source(paths)[1]
+    again = pickle.loads(pickle.dumps(cached))
+    assert again[59] == plain[59]
+  assert len(cache.entries()) == 4
