@@ -9,10 +9,12 @@ cache), and cut the requests to about one per file.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -106,3 +108,35 @@ def test_a_process_killed_mid_file_resumes_exactly_from_the_cache(corpus, gcs_em
   # The files the killed process had read come from the cache.
   reads = [r.name for r in gcs_emulator.requests(mark) if r.kind == "read"]
   assert not any(name.endswith(("part-0.jsonl", "part-1.jsonl")) for name in reads), reads
+
+
+def _fetch_in_a_process(directory, path, barrier, out):
+  cache = sources.ShardCache(directory, 10**7)
+  calls = []
+  real = _storage.download
+
+  def slow(*args):
+    calls.append(1)
+    time.sleep(0.3)
+    return real(*args)
+
+  _storage.download = slow
+  barrier.wait()
+  entry = cache.fetch(path)
+  with open(entry, "rb") as copy, open(path, "rb") as original:
+    out.put((len(calls), copy.read() == original.read()))
+
+
+def test_two_processes_download_a_file_once(tmp_path):
+  path = tmp_path / "part-0.jsonl"
+  path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(100)))
+  context = multiprocessing.get_context("fork")
+  barrier, out = context.Barrier(2), context.Queue()
+  workers = [context.Process(target=_fetch_in_a_process, args=(str(tmp_path / "cache"), str(path), barrier, out))
+             for _ in range(2)]
+  for worker in workers:
+    worker.start()
+  results = [out.get(timeout=60) for _ in workers]
+  for worker in workers:
+    worker.join(60)
+  assert sorted(calls for calls, _ in results) == [0, 1] and all(same for _, same in results)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing
 import os
 import pickle
+import threading
 import time
 
 import pytest
@@ -136,8 +136,10 @@ def test_a_full_disk_is_an_error_naming_the_cache_and_the_bytes_needed(tmp_path,
   assert not [n for n in os.listdir(cache.directory) if ".tmp-" in n]
 
 
-def _fetch_in_a_process(directory, path, barrier, out):
-  cache = sources.ShardCache(directory, 10**7)
+def test_two_threads_download_a_file_once_and_both_read_the_copy(tmp_path, shards, monkeypatch):
+  # Each thread its own cache object, as two processes have: the download lock is an
+  # flock on the entry's .lock file, which two opens of it exclude (tests/integration/
+  # test_bucket_cache.py checks two processes).
   calls = []
   real = _storage.download
 
@@ -146,23 +148,20 @@ def _fetch_in_a_process(directory, path, barrier, out):
     time.sleep(0.3)
     return real(*args)
 
-  _storage.download = slow
-  barrier.wait()
-  entry = cache.fetch(path)
-  out.put((len(calls), open(entry, "rb").read() == open(path, "rb").read()))
+  monkeypatch.setattr(_storage, "download", slow)
+  barrier, found = threading.Barrier(2), []
 
+  def fetch():
+    cache = sources.ShardCache(tmp_path / "cache", 10**7)
+    barrier.wait()
+    found.append(open(cache.fetch(shards[0]), "rb").read())
 
-def test_two_processes_download_a_file_once(tmp_path, shards):
-  context = multiprocessing.get_context("fork")
-  barrier, out = context.Barrier(2), context.Queue()
-  workers = [context.Process(target=_fetch_in_a_process, args=(str(tmp_path / "cache"), shards[0], barrier, out))
-             for _ in range(2)]
-  for worker in workers:
-    worker.start()
-  results = [out.get(timeout=60) for _ in workers]
-  for worker in workers:
-    worker.join(60)
-  assert sorted(calls for calls, _ in results) == [0, 1] and all(same for _, same in results)
+  threads = [threading.Thread(target=fetch) for _ in range(2)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(60)
+  assert len(calls) == 1 and found == [open(shards[0], "rb").read()] * 2
 
 
 def test_prefetch_downloads_the_next_files_in_the_background(tmp_path, shards):
