@@ -308,9 +308,9 @@ class ShardCache:
     A failed prefetch is logged and forgotten: the read that needs the file
     fetches it and raises the error.
     """
+    if self._pid != os.getpid():  # a forked worker: the parent's threads and lock state are not its own
+      self._init_local()
     with self._lock:
-      if self._pid != os.getpid():  # a forked worker: the parent's threads are not here
-        self._init_local()
       for path, found in files:
         entry = self.entry_path(path, found)
         if entry in self._pending or (then is None and _complete(entry, found.size)):

@@ -208,9 +208,9 @@ class JsonlSource(_FileReader):
     if self._cache is None or not file_indices:
       return
     count = len(self._paths)
+    if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
+      self._init_open()
     with self._open_lock:
-      if self._open_pid != os.getpid():
-        self._init_open()
       wanted = [i % count for i in file_indices]
       wanted = [i for i in dict.fromkeys(wanted) if i not in self._prefetched and i not in self._open]
       self._prefetched.update(wanted)
@@ -266,9 +266,9 @@ class JsonlSource(_FileReader):
 
   def _open_copy(self, file_index: int) -> "_OpenCopy":
     """This process's open copy of a file, one reader more (the caller releases it)."""
+    if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
+      self._init_open()
     with self._open_lock:
-      if self._open_pid != os.getpid():  # a forked worker: its own descriptors
-        self._init_open()
       copy = self._open.get(file_index)
       if copy is not None:
         self._open.move_to_end(file_index)

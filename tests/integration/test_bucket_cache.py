@@ -9,7 +9,6 @@ cache), and cut the requests to about one per file.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -110,33 +109,35 @@ def test_a_process_killed_mid_file_resumes_exactly_from_the_cache(corpus, gcs_em
   assert not any(name.endswith(("part-0.jsonl", "part-1.jsonl")) for name in reads), reads
 
 
-def _fetch_in_a_process(directory, path, barrier, out):
-  cache = sources.ShardCache(directory, 10**7)
-  calls = []
-  real = _storage.download
-
-  def slow(*args):
-    calls.append(1)
-    time.sleep(0.3)
-    return real(*args)
-
-  _storage.download = slow
-  barrier.wait()
-  entry = cache.fetch(path)
-  with open(entry, "rb") as copy, open(path, "rb") as original:
-    out.put((len(calls), copy.read() == original.read()))
+_FETCH = """
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from ckpt_iter import _storage, sources
+calls = []
+real = _storage.download
+def slow(*args):
+  calls.append(1)
+  time.sleep(0.3)
+  return real(*args)
+_storage.download = slow
+open(os.path.join({ready!r}, str(os.getpid())), "w").close()
+while not os.path.exists({go!r}):
+  time.sleep(0.005)
+entry = sources.ShardCache({cache!r}, 10**7).fetch({path!r})
+print(json.dumps([len(calls), open(entry, "rb").read() == open({path!r}, "rb").read()]))
+"""
 
 
 def test_two_processes_download_a_file_once(tmp_path):
   path = tmp_path / "part-0.jsonl"
   path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(100)))
-  context = multiprocessing.get_context("fork")
-  barrier, out = context.Barrier(2), context.Queue()
-  workers = [context.Process(target=_fetch_in_a_process, args=(str(tmp_path / "cache"), str(path), barrier, out))
-             for _ in range(2)]
-  for worker in workers:
-    worker.start()
-  results = [out.get(timeout=60) for _ in workers]
-  for worker in workers:
-    worker.join(60)
+  (tmp_path / "ready").mkdir()
+  code = _FETCH.format(repo=os.path.dirname(os.path.dirname(_HERE)), go=str(tmp_path / "go"),
+                       ready=str(tmp_path / "ready"), cache=str(tmp_path / "cache"), path=str(path))
+  workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+  deadline = time.monotonic() + 120
+  while len(os.listdir(tmp_path / "ready")) < 2 and time.monotonic() < deadline:  # both waiting to fetch
+    time.sleep(0.01)
+  (tmp_path / "go").touch()  # both fetch at once; a download takes 0.3 s: the second waits on the lock
+  results = [json.loads(worker.communicate(timeout=120)[0]) for worker in workers]
   assert sorted(calls for calls, _ in results) == [0, 1] and all(same for _, same in results)
