@@ -161,10 +161,13 @@ class Identity:
       ctime (ctime cannot be set back: `touch -r`, `cp -p`, `rsync -t` keep
       the mtime of an edited file, not its ctime). Object store: the
       object's generation (GCS), version id or ETag, with its checksum.
+    generation: the object's GCS generation, which reads can pin (as
+      `pinned_generation` gives it); None locally or without one.
   """
 
   size: int
   version: str | None
+  generation: str | None = dataclasses.field(default=None, compare=False)
 
 
 def absolute(path: str | os.PathLike[str]) -> str:
@@ -273,6 +276,61 @@ def identity(path: str) -> Identity:
   return _backend(path).identity(path)
 
 
+def identities(paths: list[str], *, threads: int = 16) -> list[Identity]:
+  """`identity` of each path, fetched in parallel (at most `threads` requests at once) for URLs.
+
+  One metadata request per object (generation, size, crc32c on GCS): what a
+  source's identity on a bucket is made of, instead of reads of its content.
+  Local paths are stat'ed in order (no threads).
+
+  Raises:
+    FileNotFoundError: naming the first missing path.
+  """
+  if not any(is_url(p) for p in paths) or len(paths) <= 1:
+    return [identity(p) for p in paths]
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
+
+  with futures.ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
+    return list(pool.map(identity, paths))
+
+
+# The most bytes `download` asks for in one request (a larger file takes several).
+DOWNLOAD_CHUNK_BYTES = 256 * 2**20
+
+
+def download(path: str, f: BinaryIO, found: Identity) -> None:
+  """Copies the whole file `path` described by `found` (from `identity`) into open local file `f`.
+
+  On an object store one bounded, typed ranged GET per DOWNLOAD_CHUNK_BYTES
+  (one for most shards), each of `found.generation` when the store has one:
+  an object replaced since `found` is refused (`InvalidStateError`), never
+  copied half old, half new. A local file is read through a descriptor
+  checked to be the file `found` described.
+
+  Raises:
+    InvalidStateError: the file changed since `found`, or holds fewer bytes.
+    OSError: a write to `f` failed (e.g. ENOSPC), or the store's typed errors.
+  """
+  backend = _backend(path)
+  if is_url(path):
+    pin: Any = found.generation
+  else:
+    pin = backend.pin(path)
+    if backend.identity(path) != found:
+      raise _replaced_error(path, "its size or version changed since it was described", "file")
+  local = threading.local()
+  start = 0
+  while start < found.size:
+    end = min(found.size, start + DOWNLOAD_CHUNK_BYTES)
+    data = backend.read_range(path, pin, start, end, local)
+    if len(data) != end - start:
+      raise _replaced_error(path, f"{start + len(data):,} bytes where {found.size:,} were described", "file")
+    f.write(data)
+    start = end
+  if getattr(local, "fd", None) is not None:
+    os.close(local.fd)
+
+
 def version_digest(version: str) -> int:
   """A version string as a signed int64 (the JSONL index cache stores int64s)."""
   return int.from_bytes(hashlib.blake2b(version.encode(), digest_size=8).digest(), "little", signed=True)
@@ -290,10 +348,14 @@ class RangeReader:
   over, the pin is.
   """
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, found: Identity | None = None):
+    """`found`: the object's identity (from `identity`) to pin, saving the request `pin` makes."""
     self.path = path
     self._backend = _backend(path)
-    self._pin = self._backend.pin(path)
+    if found is not None and found.generation is not None and is_url(path):
+      self._pin = found.generation
+    else:
+      self._pin = self._backend.pin(path)
     self._local = threading.local()
 
   def __getstate__(self) -> dict[str, Any]:
@@ -543,7 +605,9 @@ class _ObjectStoreBackend:
     fs.invalidate_cache(key)
     info = _bounded(fs, path, "stat", fs.info, key)
     parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
-    return Identity(int(info["size"]), ",".join(parts) or None)
+    generation = info.get("generation")
+    pinnable = generation not in (None, "") and type(fs).__module__.startswith("gcsfs")
+    return Identity(int(info["size"]), ",".join(parts) or None, str(generation) if pinnable else None)
 
   def pin(self, path: str) -> str | None:
     return self.generation(path)

@@ -17,6 +17,7 @@ which opens gs:// itself.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -28,7 +29,9 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
+from ckpt_iter import _shard_cache
 from ckpt_iter import _storage
+from ckpt_iter._shard_cache import ShardCache
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -37,6 +40,7 @@ __all__ = [
     "HuggingFaceSource",
     "JsonlSource",
     "ParquetSource",
+    "ShardCache",
     "SourceIdentity",
     "resolve_source",
 ]
@@ -56,7 +60,10 @@ class SourceIdentity:
     description: kind and file names with byte sizes (not absolute paths, so
       a checkpoint survives moving the data to another mount point).
     length: number of records.
-    digest: sha256 prefix over up to 64 evenly spaced records.
+    digest: sha256 prefix over up to 64 evenly spaced records; for files
+      on an object store, over each file's name, size and version
+      (generation and crc32c) instead, from metadata fetched in parallel
+      (`sample_digest`): a rewritten object changes it either way.
   """
 
   description: str
@@ -93,44 +100,214 @@ class JsonlSource(_FileReader):
   The line index of each file is cached (see `_index_cache`), so a restart
   reads a few bytes per unchanged file instead of the whole file.
 
+  With `cache` (a `ShardCache`), each file is downloaded whole into the cache
+  on its first read and read there: its line index is built from the local
+  copy and kept beside it (evicted with it), so no index of the whole corpus
+  is held; a restart on the same host reads only the files' metadata. When a
+  record's file differs from the one this thread read before, the next
+  `prefetch_files` files (by index) are downloaded in the background.
+
   Args:
     paths: the JSONL files, in order: one path (str or os.PathLike), a glob,
       or a list of them, local or gs:// (a glob's matches sorted).
     index_cache_dir: where line indexes are cached. None: the directory in
       the CKPT_ITER_INDEX_CACHE_DIR environment variable, else
       `~/.cache/ckpt_iter/jsonl_index` (not next to the data, which may be
-      read-only or shared). "" disables the cache.
+      read-only or shared). "" disables the cache. Not used with `cache`.
+    cache: a `ShardCache` to copy the files into (local files too), or None
+      to read them in place (one ranged GET per record on gs://).
+    prefetch_files: with `cache`, how many files after the current one to
+      download ahead (0: none).
+    max_open_files: with `cache`, how many local copies a process keeps open
+      (in use, so never evicted) at most.
   """
 
-  def __init__(self, paths: PathsArg, *, index_cache_dir: str | None = None):
+  def __init__(self, paths: PathsArg, *, index_cache_dir: str | None = None,
+               cache: _shard_cache.ShardCache | None = None, prefetch_files: int = 2,
+               max_open_files: int = 16):
     """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
     self._paths = [_storage.absolute(p) for p in _expand_paths(paths, "JsonlSource")]
-    self._starts: list[np.ndarray] = []
-    self._ends: list[np.ndarray] = []
-    self._readers: list[_storage.RangeReader] = []
-    cache_dir = index_cache_location(index_cache_dir)
-    for path in self._paths:
-      starts, ends = _cached_line_index(path, cache_dir)
-      self._starts.append(starts)
-      self._ends.append(ends)
-      # Made right after the index: it pins the file the index describes.
-      self._readers.append(_storage.RangeReader(path))
-    self._offsets = np.cumsum([0] + [len(s) for s in self._starts]).tolist()
+    # One metadata request per file, in parallel on an object store.
+    self._identities = _storage.identities(self._paths)
+    self._cache = cache
+    self._prefetch_files = max(0, int(prefetch_files))
+    self._max_open_files = max(1, int(max_open_files))
+    self._local = threading.local()
+    self._init_open()
+    if cache is not None:
+      counts = self._cached_counts()
+      self._starts: list[np.ndarray] = []
+      self._ends: list[np.ndarray] = []
+      self._readers: list[_storage.RangeReader] = []
+    else:
+      cache_dir = index_cache_location(index_cache_dir)
+      self._starts, self._ends, self._readers = [], [], []
+      for path, found in zip(self._paths, self._identities):
+        starts, ends = _cached_line_index(path, cache_dir, found)
+        self._starts.append(starts)
+        self._ends.append(ends)
+        # Pinned to the version the index was made of.
+        self._readers.append(_storage.RangeReader(path, found))
+      counts = [len(s) for s in self._starts]
+    self._offsets = np.cumsum([0] + counts).tolist()
+
+  @property
+  def cache(self) -> _shard_cache.ShardCache | None:
+    """The `ShardCache` the files are read through, or None."""
+    return self._cache
+
+  def identities(self) -> list[_storage.Identity]:
+    """Each file's size and version (generation and crc32c on an object store), as read when built."""
+    return list(self._identities)
 
   def __len__(self) -> int:
     return self._offsets[-1]
 
   def __getitem__(self, index: int) -> Any:
     file_index, line = _locate(self._offsets, index, len(self))
-    start = int(self._starts[file_index][line])
-    end = int(self._ends[file_index][line])
-    data = self._readers[file_index].read(start, end)
+    if self._cache is not None:
+      data = self._cached_read(file_index, line)
+    else:
+      start = int(self._starts[file_index][line])
+      end = int(self._ends[file_index][line])
+      data = self._readers[file_index].read(start, end)
     try:
       return json.loads(data)
     except ValueError as e:
       raise errors.InvalidStateError(
           f"{self._paths[file_index]} line {line + 1}: not valid JSON ({e})."
       ) from None
+
+  # -- through a ShardCache --------------------------------------------------
+
+  def __getstate__(self):
+    state = super().__getstate__()
+    for name in ("_open", "_open_lock", "_open_pid"):
+      state.pop(name, None)
+    return state
+
+  def __setstate__(self, state):
+    super().__setstate__(state)
+    self._init_open()
+
+  def _init_open(self) -> None:
+    # This process's open local copies: file index -> _OpenCopy, least recently used first.
+    self._open: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
+    self._open_lock = threading.Lock()
+    self._open_pid = os.getpid()
+    # Files this process asked to prefetch (each is asked for once).
+    self._prefetched: set[int] = set()
+
+  def prefetch(self, file_indices: Sequence[int]) -> None:
+    """Downloads these files (indices into `paths`, modulo their count) and their indexes in the background.
+
+    With no `cache` it does nothing. The reader calls it with the next
+    `prefetch_files` files when it enters a file; a plan that knows its next
+    files (a shard-aware shuffle) may call it with them.
+    """
+    if self._cache is None or not file_indices:
+      return
+    count = len(self._paths)
+    if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
+      self._init_open()
+    with self._open_lock:
+      wanted = [i % count for i in file_indices]
+      wanted = [i for i in dict.fromkeys(wanted) if i not in self._prefetched and i not in self._open]
+      self._prefetched.update(wanted)
+    if wanted:
+      self._cache.prefetch([(self._paths[i], self._identities[i]) for i in wanted], then=self._prepare_index)
+
+  def _cached_counts(self) -> list[int]:
+    """Each file's line count: stored in the cache, else counted from a download (in parallel)."""
+    cache = self._cache
+    counts = [cache.read_count(p, f) for p, f in zip(self._paths, self._identities)]
+    missing = [i for i, c in enumerate(counts) if c is None]
+    if len(missing) > 1:
+      cache.prefetch([(self._paths[i], self._identities[i]) for i in missing], then=self._prepare_index)
+      cache.wait()
+    for i in missing:
+      counts[i] = cache.read_count(self._paths[i], self._identities[i])
+      if counts[i] is None:  # not prefetched, or its prefetch failed: again here, raising its error
+        self._prepare_index(self._paths[i], self._identities[i])
+        counts[i] = cache.read_count(self._paths[i], self._identities[i])
+    return counts
+
+  def _prepare_index(self, path: str, found: _storage.Identity) -> None:
+    fd = self._cache.open(path, found)
+    try:
+      self._load_index(path, found)
+    finally:
+      os.close(fd)
+
+  def _load_index(self, path: str, found: _storage.Identity) -> tuple[np.ndarray, np.ndarray]:
+    """The line index of the local copy of `path` (held open by the caller): beside it, or built there."""
+    entry = self._cache.entry_path(path, found)
+    index_path = entry + ".index.npy"
+    try:
+      array = np.load(index_path, mmap_mode="r", allow_pickle=False)
+      if array.dtype == np.int64 and array.ndim == 2 and array.shape[0] == 2:
+        return array[0], array[1]
+    except (OSError, ValueError, EOFError):
+      pass
+    starts, ends = _index_lines(entry)
+    array = np.stack([starts, ends]) if len(starts) else np.zeros((2, 0), np.int64)
+    self._cache.write_atomic(index_path, lambda f: np.save(f, array, allow_pickle=False))
+    self._cache.write_count(path, found, len(starts))
+    return starts, ends
+
+  def _cached_read(self, file_index: int, line: int) -> bytes:
+    copy = self._open_copy(file_index)
+    try:
+      start, end = int(copy.starts[line]), int(copy.ends[line])
+      return os.pread(copy.fd, end - start, start)
+    finally:
+      with self._open_lock:
+        copy.readers -= 1
+
+  def _open_copy(self, file_index: int) -> "_OpenCopy":
+    """This process's open copy of a file, one reader more (the caller releases it)."""
+    if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
+      self._init_open()
+    with self._open_lock:
+      copy = self._open.get(file_index)
+      if copy is not None:
+        self._open.move_to_end(file_index)
+        copy.readers += 1
+        return copy
+    # Entering a file this process has not open: the next ones are downloaded ahead.
+    if self._prefetch_files:
+      self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
+    path, found = self._paths[file_index], self._identities[file_index]
+    fd = self._cache.open(path, found)
+    try:
+      starts, ends = self._load_index(path, found)
+    except BaseException:
+      os.close(fd)
+      raise
+    with self._open_lock:
+      copy = self._open.get(file_index)
+      if copy is not None:  # another thread opened it meanwhile
+        os.close(fd)
+      else:
+        copy = self._open[file_index] = _OpenCopy(fd, starts, ends)
+        # Past the limit, close idle copies (least recently used first): they may be evicted.
+        for other in [i for i, c in self._open.items() if c.readers == 0 and i != file_index]:
+          if len(self._open) <= self._max_open_files:
+            break
+          self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
+          os.close(self._open.pop(other).fd)
+      copy.readers += 1
+      return copy
+
+
+@dataclasses.dataclass
+class _OpenCopy:
+  """A local copy a process holds open (a shared flock: in use), with its line index."""
+
+  fd: int
+  starts: np.ndarray
+  ends: np.ndarray
+  readers: int = 0
 
 
 
@@ -217,9 +394,10 @@ def index_cache_path(path: str, cache_dir: str) -> str:
   return os.path.join(cache_dir, f"{key}.{os.path.basename(path)}.ckpt_iter-index.npy")
 
 
-def _cached_line_index(path: str, cache_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
-  """The line index of `path`: from its cache when valid, else built and cached."""
-  identity = _storage.identity(path)
+def _cached_line_index(path: str, cache_dir: str | None,
+                       identity: _storage.Identity | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """The line index of `path` (`identity`: its identity, if just read): from its cache if valid, else built."""
+  identity = identity or _storage.identity(path)
   if cache_dir is None or identity.size < INDEX_CACHE_MIN_BYTES or identity.version is None:
     return _index_lines(path)
   cache_path = index_cache_path(path, cache_dir)
@@ -327,6 +505,40 @@ def _write_index_cache(
       pass
 
 
+class _HeldCopies:
+  """Local copies in a ShardCache of every file of a source, held open (in use) while this lives.
+
+  Downloaded in parallel (the cache's prefetch threads) when made. Picklable:
+  a Grain worker holds its own, fetching again a copy evicted meanwhile.
+  """
+
+  def __init__(self, cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity]):
+    self.cache, self.paths, self.identities = cache, list(paths), list(identities)
+    self._hold()
+
+  def _hold(self) -> None:
+    files = list(zip(self.paths, self.identities))
+    if len(files) > 1:
+      self.cache.prefetch(files)
+      self.cache.wait()
+    self.fds: list[int] = []
+    for path, found in files:
+      self.fds.append(self.cache.open(path, found))
+    self.local_paths = [self.cache.entry_path(path, found) for path, found in files]
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"cache": self.cache, "paths": self.paths, "identities": self.identities}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._hold()
+
+  def __del__(self) -> None:
+    for fd in getattr(self, "fds", ()):
+      with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 class ParquetSource(_FileReader):
   """Records of one or more Parquet files, decoded one row group at a time.
 
@@ -338,16 +550,27 @@ class ParquetSource(_FileReader):
   Args:
     paths: the Parquet files (local or gs://), in order: one path, a glob,
       or a list of them (a glob's matches sorted).
+    cache: a `ShardCache`: every file is downloaded whole into it when the
+      source is built (in parallel) and read there, held in use while the
+      source lives; None reads them in place.
   """
 
-  def __init__(self, paths: PathsArg):
+  def __init__(self, paths: PathsArg, *, cache: _shard_cache.ShardCache | None = None):
     """Opens `paths` (their footers, pinned to their current generation on gs://); see the class docstring."""
     pq = _import_pyarrow_parquet()
     self._paths = [_storage.absolute(p) for p in _expand_paths(paths, "ParquetSource")]
-    # On an object store each file's generation now: every later read is of it.
-    self._generations = [_storage.pinned_generation(p) for p in self._paths]
+    self._cache = cache
+    if cache is not None:
+      self._identities = _storage.identities(self._paths)
+      self._copies = _HeldCopies(cache, self._paths, self._identities)
+      self._read_paths = self._copies.local_paths
+      self._generations: list[str | None] = [None] * len(self._paths)
+    else:
+      self._read_paths = self._paths
+      # On an object store each file's generation now: every later read is of it.
+      self._generations = [_storage.pinned_generation(p) for p in self._paths]
     group_rows = []
-    for path, generation in zip(self._paths, self._generations):
+    for path, generation in zip(self._read_paths, self._generations):
       with _parquet_file(pq, path, generation) as parquet:
         metadata = parquet.metadata
       group_rows.append(
@@ -368,11 +591,20 @@ class ParquetSource(_FileReader):
     if cached is None or cached[0] != group or getattr(self._local, "pid", None) != os.getpid():
       pq = _import_pyarrow_parquet()
       file_index, group_index = self._groups[group]
-      with _parquet_file(pq, self._paths[file_index], self._generations[file_index]) as parquet:
+      with _parquet_file(pq, self._read_paths[file_index], self._generations[file_index]) as parquet:
         table = parquet.read_row_group(group_index)
       cached = self._local.cache = (group, table)
       self._local.pid = os.getpid()
     return cached[1].slice(row, 1).to_pylist()[0]
+
+  @property
+  def cache(self) -> _shard_cache.ShardCache | None:
+    """The `ShardCache` the files are read through, or None."""
+    return self._cache
+
+  def identities(self) -> list[_storage.Identity] | None:
+    """Each file's size and version as read when built through a cache; None without one."""
+    return list(self._identities) if self._cache is not None else None
 
 
 
@@ -393,15 +625,26 @@ class ArrayRecordSource:
     paths: the ArrayRecord files (local or gs://, read by array_record's own
       reader), in order: one path, a glob, or a list of them (a glob's
       matches sorted).
+    cache: a `ShardCache`: every file is downloaded whole into it when the
+      source is built (in parallel) and read there, held in use while the
+      source lives; None reads them in place.
   """
 
-  def __init__(self, paths: PathsArg):
+  def __init__(self, paths: PathsArg, *, cache: _shard_cache.ShardCache | None = None):
     """Opens `paths` with array_record's reader; see the class docstring."""
     import grain  # pylint: disable=g-import-not-at-top
 
     paths = _expand_paths(paths, "ArrayRecordSource")
+    self._cache = cache
+    self._copies = None
+    read_paths = list(paths)
+    if cache is not None:
+      self._identities = _storage.identities([_storage.absolute(p) for p in paths])
+      self._copies = _HeldCopies(cache, [_storage.absolute(p) for p in paths], self._identities)
+      read_paths = self._copies.local_paths
+    self._read_paths = read_paths
     try:
-      self._source = grain.sources.ArrayRecordDataSource(paths)
+      self._source = grain.sources.ArrayRecordDataSource(read_paths)
     except ImportError as e:
       raise errors.InvalidArgumentError(
           f"reading .array_record files needs the array_record package ({e}). "
@@ -420,11 +663,20 @@ class ArrayRecordSource:
     """The files, in the order their records are numbered."""
     return list(self._paths)
 
+  @property
+  def cache(self) -> _shard_cache.ShardCache | None:
+    """The `ShardCache` the files are read through, or None."""
+    return self._cache
+
+  def identities(self) -> list[_storage.Identity] | None:
+    """Each file's size and version as read when built through a cache; None without one."""
+    return list(self._identities) if self._cache is not None else None
+
   def file_offsets(self) -> list[int]:
     """The global index of each file's first record, and the total (each file's length read once)."""
     import grain  # pylint: disable=g-import-not-at-top
 
-    lengths = [len(grain.sources.ArrayRecordDataSource([path])) for path in self._paths]
+    lengths = [len(grain.sources.ArrayRecordDataSource([path])) for path in self._read_paths]
     return np.cumsum([0] + lengths).tolist()
 
   def __repr__(self) -> str:
@@ -565,10 +817,17 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
           f"({', '.join(FILE_SUFFIXES)})."
       )
     suffix = kinds.pop()
-    reader = {".jsonl": JsonlSource, ".parquet": ParquetSource,
-              ".array_record": ArrayRecordSource}[suffix]
-    resolved = reader(paths)
-    description = _describe_files(suffix[1:], paths)
+    # On an object store, the shard cache the environment names (ShardCache.from_env), if any.
+    cache = _shard_cache.ShardCache.from_env() if any(_storage.is_url(p) for p in paths) else None
+    reader = {".jsonl": JsonlSource, ".parquet": ParquetSource, ".array_record": ArrayRecordSource}[suffix]
+    resolved = reader(paths, cache=cache)
+    description = _describe_files(suffix[1:], paths, _identities_of(resolved))
+  elif isinstance(source, (JsonlSource, ParquetSource, ArrayRecordSource)) and source.cache is not None:
+    # Described by its files, as the same paths given to make_dataset are: a run may turn
+    # its cache on or off.
+    resolved = source
+    kind = os.path.splitext(source.paths[0])[1][1:]
+    description = _describe_files(kind, source.paths, source.identities())
   elif isinstance(source, HuggingFaceSource) or _is_hf_dataset(source):
     resolved = source if isinstance(source, HuggingFaceSource) else HuggingFaceSource(dataset=source)
     description = resolved.description
@@ -593,13 +852,15 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
   return resolved, SourceIdentity(description, length, sample_digest(resolved, length))
 
 
-def _describe_files(kind: str, paths: list[str]) -> str:
+def _describe_files(kind: str, paths: list[str], identities: list[_storage.Identity] | None = None) -> str:
   """Names and byte sizes of the files, not their directory; short for many files.
 
   Beyond a few files the list is summarized by count, first and last name
   and a digest of all names and sizes, so a state stays well under 1 KB.
+  `identities`: the files' (`_storage.identities`), when already fetched.
   """
-  entries = [f"{os.path.basename(p)}:{_storage.identity(p).size}" for p in paths]
+  identities = identities or _storage.identities(paths)
+  entries = [f"{os.path.basename(p)}:{found.size}" for p, found in zip(paths, identities)]
   if len(entries) <= _LISTED_FILES:
     return f"{kind}[{','.join(entries)}]"
   digest = hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
@@ -670,11 +931,14 @@ def _expanded(candidates: list[str], owner: str) -> _ExpandedPaths:
   """Globs expanded (sorted), every file checked to exist; errors name `owner`."""
   paths = _ExpandedPaths()
   for candidate in candidates:
-    matches = _storage.glob(candidate) if _storage.has_magic(candidate) else [candidate]
+    magic = _storage.has_magic(candidate)
+    matches = _storage.glob(candidate) if magic else [candidate]
     if not matches:
       raise errors.InvalidArgumentError(f"{owner} glob {candidate!r} matches no file.")
     for match in matches:
-      if not _storage.is_file(match):
+      # An object a listing found exists: no metadata request per match (the source's
+      # identities, fetched in parallel, fail on one that went away).
+      if not (magic and _storage.is_url(match)) and not _storage.is_file(match):
         where = "" if _storage.is_url(match) else f" (working directory {os.getcwd()!r})"
         raise errors.InvalidArgumentError(f"{owner} file {match!r} does not exist{where}.")
     paths.extend(matches)
@@ -687,12 +951,42 @@ def _is_random_access(source: Any) -> bool:
   )
 
 
+def _identities_of(source: Any) -> list[_storage.Identity] | None:
+  """The identities a file source fetched when built, if it keeps them."""
+  if isinstance(source, (JsonlSource, ParquetSource, ArrayRecordSource)):
+    return source.identities()
+  return None
+
+
+def _remote_files(source: Any) -> list[str] | None:
+  """The files of a file source when any is on an object store; None otherwise."""
+  if isinstance(source, (_FileReader, ArrayRecordSource)):
+    paths = source.paths
+    if any(_storage.is_url(p) for p in paths):
+      return paths
+  return None
+
+
+def metadata_digest(paths: list[str], identities: list[_storage.Identity]) -> str:
+  """sha256 prefix over each file's name, size and version (generation, crc32c): no content read."""
+  digest = hashlib.sha256(b"files-by-metadata\n")
+  for path, found in zip(paths, identities):
+    digest.update(f"{os.path.basename(path)}:{found.size}:{found.version}\n".encode())
+  return digest.hexdigest()[:16]
+
+
 def sample_digest(source: Any, length: int) -> str:
   """sha256 prefix over up to 64 evenly spaced records and the last one.
 
   The one source digest: make_dataset's `source_digest` and the graph
-  fingerprint's `SourceMapDataset.digest` are both this.
+  fingerprint's `SourceMapDataset.digest` are both this. For a file source
+  with files on an object store, `metadata_digest` of its files instead
+  (one metadata request per file, in parallel, or none when the source kept
+  them): a read of 65 records there is 65 sequential round trips.
   """
+  remote = _remote_files(source)
+  if remote is not None:
+    return metadata_digest(remote, _identities_of(source) or _storage.identities(remote))
   count = min(length, _DIGEST_SAMPLES)
   indices = sorted({(i * length) // count for i in range(count)} | {length - 1})
   digest = hashlib.sha256()

