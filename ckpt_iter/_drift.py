@@ -268,13 +268,28 @@ def _refuse_lanes_mixture_change(saved: Mapping[str, Any], current: Mapping[str,
       name for name in set(saved) | set(current) if (m := _SOURCE_FIELD.match(name)) and m.group(1) in names}
   differences = {f: (saved.get(f, _ABSENT), current.get(f, _ABSENT)) for f in sorted(fields)
                  if not state_lib.same_field_value(saved.get(f, _ABSENT), current.get(f, _ABSENT))}
-  shown = lambda shares: ":".join(f"{n} {v}" for n, v in shares.items())
   raise errors.ConfigDriftError(differences, origin=origin, way=(
-      f"(The mixture's proportions: {shown(saved_shares)} there, {shown(current_shares)} here.) "
+      f"(The mixture's {_fractions_line(saved_shares, current_shares)}, there -> here.) "
       "The weights and sources of a filtered or packed mixture (make_dataset with filter= or pack=) cannot "
       "change at a restart, and no allow_drift continues it without repeating and skipping records: its "
       "lanes read chunks at different stream records. Rebuild the pipeline with the saved weights and sources "
       "(or reweight an unfiltered mixture, which continues each source from its own next record)."))
+
+
+def _fraction(shares: Mapping[str, Any], name: str) -> str:
+  """`name`'s part of the mix, as a user writes weights: 0.8, 0.333 (three significant digits), 0 if absent."""
+  total = sum(shares.values())
+  return f"{shares.get(name, 0) / total:.3g}" if total else "0"
+
+
+def _fractions_line(saved_shares: Mapping[str, Any], current_shares: Mapping[str, Any]) -> str:
+  """The weights as fractions of the mix, every source whose fraction changed named with both values: a
+  reweight of one source changes every other one's part too (a 0.5 -> 0.8 makes b 0.5 -> 0.2), and integer
+  shares (1 -> 4) do not say so."""
+  names = list(saved_shares) + [n for n in current_shares if n not in saved_shares]
+  moved = [n for n in names if _fraction(saved_shares, n) != _fraction(current_shares, n)]
+  return "weights (fractions of the mix) " + ", ".join(
+      f"{n} {_fraction(saved_shares, n)} -> {_fraction(current_shares, n)}" for n in moved)
 
 
 def _mixture_change(
@@ -307,7 +322,7 @@ def _mixture_change(
     needed.append(SOURCES)
   lines = []
   if reweighted:
-    lines.append("weights " + ", ".join(f"{n} {saved_shares[n]} -> {current_shares[n]}" for n in reweighted))
+    lines.append(_fractions_line(saved_shares, current_shares))
   if added:
     lines.append("sources added: " + ", ".join(added) + " (each from its first record, or where it was left)")
   if removed:

@@ -8,6 +8,7 @@ catch one class to handle every expected problem with a data checkpoint.
 from __future__ import annotations
 
 import heapq
+import re
 from typing import Any, Mapping
 
 # How much of one value a message shows; longer ones are cut, their length shown.
@@ -100,13 +101,9 @@ class ConfigDriftError(CkptIterError):
       super().__init__(f"{origin} was written by a different pipeline: {'; '.join(parts)}{more}. {way}")
       return
     if not hidden:
-      rebuild = ", ".join(
-          f"{shown_name(name)}={shown_value(saved, SHOWN_DRIFT_VALUE_CHARS)}" for name, (saved, _) in shown)
-      super().__init__(
-          f"{origin} was written by a different pipeline: {'; '.join(parts)}. "
-          f"Rebuild the pipeline with {rebuild}, or pass allow_drift={{{names}}} "
-          "to accept the change."
-      )
+      super().__init__(f"{origin} was written by a different pipeline: {'; '.join(parts)}. "
+                       f"{_way_back(shown)}, or pass allow_drift={{{names}}} to accept the change"
+                       f"{_ACCEPTED_DIGEST if any(is_digest_field(n) for n, _ in shown) else ''}.")
       return
     super().__init__(
         f"{origin} was written by a different pipeline: {len(self.differences):,} fields differ, the "
@@ -115,6 +112,34 @@ class ConfigDriftError(CkptIterError):
         "or accept the changes you made on purpose: allow_drift=set(error.differences) accepts all "
         f"{len(self.differences):,} (from the caught error), allow_drift={{{names}}} the {len(shown)} shown."
     )
+
+
+# A field whose value is a digest of what the pipeline reads or runs (a source's records, a function's code):
+# a user sets it back by restoring the data or the code, never by passing the value.
+_DIGEST_FIELD = re.compile(r"(?:^|[.\]])(?:source_digest|digest|fn_code|transform_code|code)(?:\[[^\]]*\])?$")
+_ACCEPTED_DIGEST = (" (the run continues at its saved position and reads what is there now; what was read "
+                    "before it is not read again)")
+
+
+def is_digest_field(name: Any) -> bool:
+  """Whether `name` is a fingerprint field holding a digest of records or code rather than a setting."""
+  return isinstance(name, str) and _DIGEST_FIELD.search(name) is not None
+
+
+def _way_back(shown: list[tuple[str, tuple[Any, Any]]]) -> str:
+  """How to build the checkpoint's pipeline again: the settings to pass back, and for a digest what to
+  restore (no one can pass a digest to a constructor)."""
+  settings = [(name, saved) for name, (saved, _) in shown if not is_digest_field(name)]
+  digests = [name for name, _ in shown if is_digest_field(name)]
+  ways = []
+  if settings:
+    ways.append("Rebuild the pipeline with " + ", ".join(
+        f"{shown_name(name)}={shown_value(saved, SHOWN_DRIFT_VALUE_CHARS)}" for name, saved in settings))
+  if digests:
+    ways.append(f"{'Restore' if not settings else 'restore'} the records or code the run was saved with "
+                f"({', '.join(map(shown_name, digests))}: a digest of what the pipeline reads or runs, "
+                "which changed)")
+  return "; ".join(ways)
 
 
 class ContentDriftError(ConfigDriftError):

@@ -669,11 +669,13 @@ def test_a_reweighted_mixture_is_refused_undeclared_and_continues_each_source_wh
   state = saved.get_state()
   with pytest.raises(ckpt_iter.ConfigDriftError) as info:
     ckpt_iter.DataIterator(_mix({"a": 4, "b": 1})).set_state(state)
-  assert "weights a 1 -> 4" in str(info.value) and "allow_drift={'weights'}" in str(info.value)
+  # In the user's terms: fractions of the mix, and b named too (its part fell though its share did not).
+  assert "weights (fractions of the mix) a 0.5 -> 0.8, b 0.5 -> 0.2" in str(info.value)
+  assert "allow_drift={'weights'}" in str(info.value)
   resumed = ckpt_iter.DataIterator(_mix({"a": 4, "b": 1}), allow_drift={"weights"})
   with caplog.at_level("INFO", logger="ckpt_iter"):
     resumed.set_state(state)
-  assert any("weights a 1 -> 4" in r.getMessage() for r in caplog.records)
+  assert any("a 0.5 -> 0.8, b 0.5 -> 0.2" in r.getMessage() for r in caplog.records)
   later = _read(resumed, 5)  # 20 records: 16 of a, 4 of b
   assert (sum(i < 2000 for i in later), sum(i >= 2000 for i in later)) == (16, 4)
   # Each source goes on from its own next record: its own stream, uninterrupted.
@@ -683,6 +685,26 @@ def test_a_reweighted_mixture_is_refused_undeclared_and_continues_each_source_wh
     got = [i for i in first + later if low <= i < low + 1000]
     assert got == _read(alone, len(got))
   assert resumed.get_state()["position"]["mixture"] == {"since_record": 20, "since": {"a": 10, "b": 10}}
+
+
+def test_an_edited_record_is_refused_with_a_way_a_user_can_take_and_the_declared_way_continues_once():
+  """A digest cannot be passed back to make_dataset: the message says to restore the data, or what
+  accepting it does, and accepting it continues at the saved record with nothing read twice."""
+  records = _records(12)
+  saved = ckpt_iter.DataIterator(_make(records, batch_size=2, seed=3))
+  first = _ids(itertools.islice(saved, 2))
+  state = saved.get_state()
+  edited = [dict(r, text="edited") if r["id"] == 11 else r for r in records]
+  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
+    ckpt_iter.DataIterator(_make(edited, batch_size=2, seed=3)).set_state(state)
+  message = str(info.value)
+  assert "source_digest" in info.value.differences and "Rebuild the pipeline with source_digest" not in message
+  assert "Restore the records or code the run was saved with (source_digest" in message
+  assert "allow_drift={'source_digest'}" in message and "reads what is there now" in message
+  resumed = ckpt_iter.DataIterator(_make(edited, batch_size=2, seed=3), allow_drift={"source_digest"})
+  resumed.set_state(state)
+  rest = _ids(resumed)
+  assert sorted(first + rest) == list(range(12))  # each record once, the edited one in its new form
 
 
 def test_a_source_added_or_removed_must_be_declared_and_keeps_its_ledger():

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import os
 
 import pyarrow.parquet as pq
@@ -136,10 +137,37 @@ def test_the_progress_bar_draws_on_a_terminal():
       return True
 
   stream = Terminal()
+  progress = _which.Progress(total=4, stream=stream, use_tqdm=False)
+  for done in range(1, 5):
+    progress.update(done)
+  text = stream.getvalue()
+  assert "[" + "#" * 30 + "] 4/4 batches, " in text and text.endswith(" left\n")
+  assert re.search(r"4/4 batches, [\d,]+ batches/s, 0:00:00 left\n$", text)
+
+
+def test_the_progress_bar_on_a_terminal_is_tqdm_where_it_is_installed():
+  """Tunix, Grain and Hugging Face installs bring tqdm; the lowest-versions venv may not."""
+  pytest.importorskip("tqdm")
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+
+  stream = Terminal()
   progress = _which.Progress(total=4, stream=stream)
   for done in range(1, 5):
     progress.update(done)
-  assert stream.getvalue().endswith("[" + "#" * 30 + "] 4/4 batches\n")
+  assert re.search(r"order: 100%.*4/4 \[.*batch/s\]", stream.getvalue().splitlines()[-1].split("\r")[-1])
+
+
+def test_the_progress_line_in_a_log_says_the_rate_and_time_left():
+  stream = io.StringIO()
+  progress = _which.Progress(total=4, stream=stream, every=2)
+  for done in range(1, 5):
+    progress.update(done)
+  lines = stream.getvalue().splitlines()
+  assert [line.split(",")[0] for line in lines] == ["order: 2/4 batches", "order: 4/4 batches"]
+  assert lines[-1].endswith("0:00:00 left")
 
 
 def test_which_of_a_tunix_root_names_the_global_step_and_each_repeat(capsys):
