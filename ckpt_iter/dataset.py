@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import numbers
 from typing import Any, Callable, Iterator, Mapping
 
@@ -41,6 +42,8 @@ from ckpt_iter import state as state_lib
 # A fingerprint field saying the position means the same on every process
 # (set for Grain's ElasticIterator; make_dataset says it by global_batch_size).
 POSITION_SCOPE_FIELD = "position_scope"
+# ckpt_iter's one logger (the restore's INFO lines; docs/getting_started.md shows how to see them).
+LOGGER = logging.getLogger("ckpt_iter")
 NEXT_RECORD = _records.NEXT_RECORD
 MIXTURE = _records.MIXTURE
 
@@ -690,6 +693,24 @@ class GlobalBatchDataset(grain.MapDataset):
     with self.planned(check_plan, restore.mixture):
       return check_element(check_plan.index_of(start) + 1)
 
+  def check_record_restore(self, position: Mapping[str, Any], saved_skips: _records.Skips, *, bare: bool,
+                           differences: Mapping[str, Any], check_element: Callable[[int], str] | None,
+                           origin: str) -> "RecordRestore":
+    """make_dataset's own restore of a reconciled position, checked (the check half; `restart_at` applies it).
+
+    The record position (`record_position`), the skips the restored run keeps and adds (`merged_skips`),
+    where it continues (`restore_at`) and, given `check_element`, the content check of the batch before
+    (`check_batch_before`).
+
+    Raises:
+      InvalidStateError, ConfigDriftError, UnsupportedConfigError: the position, the skips or the content.
+    """
+    position = self.record_position(position, bare=bare, origin=origin)
+    skips = merged_skips(self, saved_skips, position[NEXT_RECORD], position, origin)
+    restore = self.restore_at(position, skips.effective, origin=origin, differences=differences)
+    content = None if check_element is None else self.check_batch_before(restore, skips.effective, check_element)
+    return dataclasses.replace(restore, skips=skips, content_check=content)
+
   def restart_at(self, plan: _records.BatchPlan, mixture: _records.Mixture | None, next_record: int) -> int:
     """Moves the batches to `plan` (and the mixture to `mixture`) at `next_record`: a restore's apply step.
 
@@ -880,12 +901,53 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class RecordRestore:
-  """Where a restored record position continues (`GlobalBatchDataset.restore_at`)."""
+  """Where a restored record position continues (`GlobalBatchDataset.check_record_restore`): its plan,
+  mixture, record and batch index, the skips it settles on, and what its content check found."""
 
   plan: _records.BatchPlan
   mixture: _records.Mixture | None
   next_record: int
   next_index: int
+  skips: "SkipChange | None" = None
+  content_check: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineNodes:
+  """make_dataset's nodes of a pipeline, as an iterator reads it (`pipeline_nodes`)."""
+
+  spec: DatasetSpec | None
+  # make_dataset's node anywhere on the chain of single parents: it owns the run's skips.
+  spec_node: "GlobalBatchDataset | _lanes.LaneDataset | None"
+  # The same node when a position of the pipeline counts its stream records (`record_node`), else None.
+  record_node: "GlobalBatchDataset | None"
+
+
+def pipeline_nodes(dataset: Any) -> PipelineNodes:
+  """make_dataset's nodes of `dataset`; a node under other Grain steps is set to yield one record per
+  element (`use_sparse`), its declared skips checked for that.
+
+  Raises:
+    UnsupportedConfigError: skips under other Grain steps with a global batch of more than one record.
+  """
+  node = spec_node(dataset)
+  records = record_node(dataset)
+  if isinstance(node, GlobalBatchDataset) and records is None:
+    node.use_sparse()
+    check_sparse_skips(node, node.skips, "make_dataset(skip=...)")
+  return PipelineNodes(None if node is None else node.spec, node, records)
+
+
+def apply_skips(node: "GlobalBatchDataset | _lanes.LaneDataset", change: "SkipChange") -> str | None:
+  """A restore's apply step for its skips: `node` skips them, the log says what changed.
+
+  Returns:
+    The skips' fingerprint text (`_records.SKIPS_FIELD`), or None when the run skips nothing.
+  """
+  node.set_skips(change.effective)
+  for line in change.lines():
+    LOGGER.info(line)
+  return change.effective.to_text() if change.effective else None
 
 
 # ---------------------------------------------------------------------------

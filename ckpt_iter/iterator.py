@@ -102,14 +102,12 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           "or grain.MapDataset.source(...)."
       )
     self._dataset = dataset
-    self._spec, _ = dataset_lib.find_spec(dataset)
+    nodes = dataset_lib.pipeline_nodes(dataset)
+    self._spec = nodes.spec
     # make_dataset's node when the position can count its stream records.
-    self._records = dataset_lib.record_node(dataset)
+    self._records = nodes.record_node
     # make_dataset's node anywhere on the chain: it owns the run's skips (`_records.Skips`).
-    self._spec_node = dataset_lib.spec_node(dataset)
-    if isinstance(self._spec_node, dataset_lib.GlobalBatchDataset) and self._records is None:
-      self._spec_node.use_sparse()
-      dataset_lib.check_sparse_skips(self._spec_node, self._spec_node.skips, "make_dataset(skip=...)")
+    self._spec_node = nodes.spec_node
     self._fingerprint = dataset_lib.describe_pipeline(dataset)
     # Before any iterator takes the workers' init function.
     if self._has_workers and not _graph.exit_workers_with_parent(self._iter_dataset):
@@ -343,22 +341,19 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       content_allowed: Collection[str], origin: str, saved_skips: _records.Skips,
   ) -> Callable[[], None]:
     """The rest of `check_restore` for a position that counts stream records: make_dataset's own
-    restore (`GlobalBatchDataset.restore_at`) and the content check of the batch before."""
+    restore (`GlobalBatchDataset.check_record_restore`), given this iterator's content check."""
     node = self._records
-    current = self._fingerprint_without_skips
-    position = node.record_position(position, bare=not state.fingerprint, origin=origin)
-    skips = dataset_lib.merged_skips(node, saved_skips, position[dataset_lib.NEXT_RECORD], position, origin)
-    restore = node.restore_at(position, skips.effective, origin=origin,
-                              differences=state_lib.differing_fields(state.fingerprint, self._fingerprint))
     # Another batch plan or process count: the saved content describes no element of this pipeline.
-    changed = bool(resume.changes or state_lib.differing_fields(state.fingerprint, current))
-    content_check = self._unchecked_content(state, content_allowed, changed)
-    if content_check is None:
-      content_check = node.check_batch_before(
-          restore, skips.effective, lambda index: self._check_same_content(state.content, index, origin))
+    changed = bool(resume.changes or state_lib.differing_fields(state.fingerprint, self._fingerprint_without_skips))
+    unchecked = self._unchecked_content(state, content_allowed, changed)
+    restore = node.check_record_restore(
+        position, saved_skips, bare=not state.fingerprint, origin=origin,
+        differences=state_lib.differing_fields(state.fingerprint, self._fingerprint),
+        check_element=None if unchecked else lambda index: self._check_same_content(state.content, index, origin))
+    content_check = unchecked or restore.content_check
 
     def apply() -> None:
-      self._apply_skips(skips)
+      self._apply_skips(restore.skips)
       node.restart_at(restore.plan, restore.mixture, restore.next_record)
       # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
       self._length = len(self._dataset)
@@ -394,12 +389,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     """The apply half of the skips: the node skips them, the states carry them, the log says what changed."""
     if self._spec_node is None:
       return
-    self._spec_node.set_skips(change.effective)
+    text = dataset_lib.apply_skips(self._spec_node, change)
     self._fingerprint = self._fingerprint_without_skips
-    if change.effective:
-      self._fingerprint[_records.SKIPS_FIELD] = change.effective.to_text()
-    for line in change.lines():
-      _drift.LOGGER.info(line)
+    if text is not None:
+      self._fingerprint[_records.SKIPS_FIELD] = text
 
   @contextlib.contextmanager
   def _spec_node_skipping(self, skips: _records.Skips) -> Any:

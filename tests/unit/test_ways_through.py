@@ -100,7 +100,7 @@ def test_a_filtered_mixture_reweighted_has_no_way_through_and_recommends_none(al
   with pytest.raises(ckpt_iter.ConfigDriftError) as refusal:
     _restore(item, _mixture({"a": 0.8, "b": 0.2}, **lanes), allow_drift=allow_drift)
   assert _recommended(refusal.value) is None
-  assert "filtered or packed mixture" in str(refusal.value) and "a 1:b 1 there, a 4:b 1 here" in str(refusal.value)
+  assert "filtered or packed mixture" in str(refusal.value) and "weights (fractions of the mix) a 0.5 -> 0.8, b 0.5 -> 0.2, there -> here" in str(refusal.value)
 
 
 def test_a_position_past_the_end_recommends_no_allow_drift(tmp_path):
