@@ -973,7 +973,7 @@ def _skip_ranges(rows: list[dict]) -> str:
 
 `benchmarks/skip_ranges.py` ([data_map.md](data_map.md)). A state's fingerprint field `skips` holds up
 to 10,000 ranges; a restore parses them, merges them with the ones the pipeline declares and works
-out what it adds (`Skips.of`, `union`, `added_to`, `_records.subtract`). make_dataset over 100,000
+out what it adds (`Skips.of`, `union`, `added_to`, `skips.subtract`). make_dataset over 100,000
 in-memory records, batch 4, restored after one batch with k ranges of 5 records, 10 apart, that the
 restoring pipeline declares again: stream ranges (`Skip(records=...)`) or source records of every
 epoch (`Skip(source_records=...)`). Process CPU of `set_state` and the first `next()`, medians.

@@ -1,9 +1,9 @@
 """Q18: restore CPU vs the number of skip ranges a state carries.
 
 A state's fingerprint field `skips` holds up to 10,000 ranges
-(`_records.MAX_RANGES`). A restore parses them, merges them with the ones the
+(`skips_lib.MAX_RANGES`). A restore parses them, merges them with the ones the
 pipeline declares and computes what it adds (`Skips.of`, `Skips.union`,
-`Skips.added_to`, `_records.subtract`), then cuts the plan around them. Both
+`Skips.added_to`, `skips_lib.subtract`), then cuts the plan around them. Both
 range lists are sorted, so all of it can be O(k log k) in k ranges.
 
 Pipeline: `make_dataset` over 100,000 in-memory records, batch_size 4,

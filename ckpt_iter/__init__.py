@@ -21,7 +21,7 @@ from ckpt_iter.errors import StateVersionError
 from ckpt_iter.errors import StorageError
 from ckpt_iter.errors import StorageTimeoutError
 from ckpt_iter.errors import UnsupportedConfigError
-from ckpt_iter._records import Skip
+from ckpt_iter.skips import Skip
 from ckpt_iter.datamap import Batch
 from ckpt_iter.datamap import LearnerStep
 from ckpt_iter.datamap import RunMap

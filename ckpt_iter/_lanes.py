@@ -29,6 +29,7 @@ from ckpt_iter import _graph
 from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
+from ckpt_iter import skips as skips_lib
 
 LANES = _records.LANES  # the position field: [[chunk in lane, rows taken], ...] of this process's lanes
 FIRST_LANE = _records.FIRST_LANE
@@ -102,17 +103,17 @@ class LaneDataset(grain.IterDataset):
     self.stack = stack  # rows -> one batch (make_dataset's `stack_records`)
     self._names = [name for name, _ in spec.sources]
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
-    self.declared = _records.Skip()  # what `declare` was given
-    self.skips = _records.NO_SKIPS  # stream records no chunk yields (filtered before `filter`)
+    self.declared = skips_lib.Skip()  # what `declare` was given
+    self.skips = skips_lib.NO_SKIPS  # stream records no chunk yields (filtered before `filter`)
 
-  def declare(self, skip: _records.Skip) -> None:
+  def declare(self, skip: skips_lib.Skip) -> None:
     """Records to skip, for a fresh run from its first record on (`dataset.with_skip`)."""
     self.declared = skip
-    self.skips, _ = _records.resolve(
+    self.skips, _ = skips_lib.resolve(
         skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
         shuffled=self.spec.seed is not None, mixture=self.spec.is_mixture, origin="make_dataset(skip=...)")
 
-  def set_skips(self, skips: _records.Skips) -> None:
+  def set_skips(self, skips: skips_lib.Skips) -> None:
     self.skips = skips
 
   def __str__(self) -> str:
@@ -224,7 +225,7 @@ def _is_count(value: Any) -> bool:
   return state_lib.is_int(value) and value >= 0
 
 
-def check_added_skips(dataset: LaneDataset, position: Any, added: _records.Skips, *, origin: str) -> None:
+def check_added_skips(dataset: LaneDataset, position: Any, added: skips_lib.Skips, *, origin: str) -> None:
   """Refuses skips added at a restore that touch a chunk one of this process's lanes is inside.
 
   A chunk's rows are computed from all its records at once: a lane that took

@@ -8,7 +8,7 @@ mixture the record its interleave and its ledger pick (`_records.Mixture`),
 in that source's own shuffle. Batches are cut from the stream by the batch
 plan in effect (`_records.BatchPlan`: batches keep to their epoch; after a
 restart under another batch size the restored epoch's batches start at the
-restored record), without the records the run skips (`_records.Skips`). A state's
+restored record), without the records the run skips (`skips_lib.Skips`). A state's
 position is the stream record after the last batch read.
 
 So from a state alone (no data, no model, no user code) this module says
@@ -44,6 +44,7 @@ from ckpt_iter import _permutation
 from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
+from ckpt_iter import skips as skips_lib
 
 LANES_SCOPE = "lanes"
 # What the CLI and the errors name as the way through where a state alone cannot answer.
@@ -103,7 +104,7 @@ class Batch:
   @property
   def stream_ranges(self) -> tuple[tuple[int, int], ...]:
     """Its stream records as [start, stop) ranges: what `Skip(records=...)` takes to skip it."""
-    return _records.merged((r.stream_record, r.stream_record + 1) for r in self.records)
+    return skips_lib.merged((r.stream_record, r.stream_record + 1) for r in self.records)
 
   def to_json(self) -> dict[str, Any]:
     """This batch as a JSON object (`which --json`, one line of `order`)."""
@@ -147,7 +148,7 @@ class Stream:
     self.seed = fingerprint.get("seed")
     epochs = fingerprint.get("num_epochs")
     self.num_epochs = epochs if state_lib.is_int(epochs) else None
-    self.skips = _records.Skips.from_text(fingerprint.get(_records.SKIPS_FIELD), origin=origin)
+    self.skips = skips_lib.Skips.from_text(fingerprint.get(skips_lib.SKIPS_FIELD), origin=origin)
     shares = _records.shares_of(fingerprint)
     if shares is None:
       self.mixture = None
@@ -351,7 +352,7 @@ def _how(stream: Stream, plan: _records.BatchPlan, index: int, segment_start: in
   else:
     at = f" (resume from step {resumed_from})" if resumed_from is not None else ""
     rule = f"batches of {stream.batch_size} from the restored stream record {segment_start}{at}"
-  text = f"stream records {_records.ranges_text([(start, stop)])}; {rule}"
+  text = f"stream records {skips_lib.ranges_text([(start, stop)])}; {rule}"
   if short:
     text += f"; the epoch's short last batch ({records} of {stream.batch_size} records, drop_remainder=False)"
   if stream.skips and plan.skips.skipped_in_stream(start, stop) + (stop - start - records) > 0:

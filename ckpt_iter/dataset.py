@@ -38,6 +38,7 @@ from ckpt_iter import _stacking
 from ckpt_iter import errors
 from ckpt_iter import sources as sources_lib
 from ckpt_iter import state as state_lib
+from ckpt_iter import skips as skips_lib
 
 # A fingerprint field saying the position means the same on every process
 # (set for Grain's ElasticIterator; make_dataset says it by global_batch_size).
@@ -99,7 +100,7 @@ class DatasetSpec:
     return self.plan_at(0, None)
 
   def plan_at(self, next_record: int, mixture: _records.Mixture | None,
-              skips: _records.Skips = _records.NO_SKIPS) -> _records.BatchPlan:
+              skips: skips_lib.Skips = skips_lib.NO_SKIPS) -> _records.BatchPlan:
     """The batches of this pipeline that start at stream record `next_record`, the records `skips` removed."""
     if self.is_mixture:
       stream_length = (mixture or self.initial_mixture()).length(self.source_limits())
@@ -286,7 +287,7 @@ def make_dataset(
     )
     parents = [_record_dataset(records, seeds[name], transform, orders[name])
                for name, (records, _) in named.items()]
-  declared = _records.Skip.of(skip) if not isinstance(skip, _records.Skip) else skip
+  declared = skips_lib.Skip.of(skip) if not isinstance(skip, skips_lib.Skip) else skip
   if filter is not None or pack is not None:
     lanes = _lanes.LaneSpec.of(spec, filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes)
     lane_dataset = _lanes.LaneDataset(parents, spec, lanes, stack_records)
@@ -325,7 +326,7 @@ def with_skip(dataset: Any, skip: Any) -> Any:
     InvalidArgumentError: `skip` is malformed, or names source records of a
       shuffled source or a mixture.
   """
-  declared = _records.Skip.of(skip)
+  declared = skips_lib.Skip.of(skip)
   node = spec_node(dataset)
   if node is None:
     raise errors.UnsupportedConfigError(
@@ -335,9 +336,9 @@ def with_skip(dataset: Any, skip: Any) -> Any:
   return dataset
 
 
-def check_skips(node: "GlobalBatchDataset | _lanes.LaneDataset", skips: _records.Skips, *, origin: str,
-                restored: bool = False, saved: _records.Skips | None = None) -> None:
-  """`_records.check_skips` of `skips` against make_dataset's node `node`.
+def check_skips(node: "GlobalBatchDataset | _lanes.LaneDataset", skips: skips_lib.Skips, *, origin: str,
+                restored: bool = False, saved: skips_lib.Skips | None = None) -> None:
+  """`skips_lib.check_skips` of `skips` against make_dataset's node `node`.
 
   Args:
     node: make_dataset's node.
@@ -352,12 +353,12 @@ def check_skips(node: "GlobalBatchDataset | _lanes.LaneDataset", skips: _records
   """
   spec = node.spec
   if restored:
-    named = f"the state's fingerprint field {_records.SKIPS_FIELD!r} ({skips.describe(limit=4)})"
+    named = f"the state's fingerprint field {skips_lib.SKIPS_FIELD!r} ({skips.describe(limit=4)})"
   else:
     named = f"skip={errors.shown_value(node.declared, 120)}"
     if saved:
       named += f" added to the state's skips ({saved.describe(limit=4)})"
-  _records.check_skips(
+  skips_lib.check_skips(
       skips, epoch_length=None if spec.is_mixture else spec.source.length, shuffled=is_shuffled(spec),
       mixture=spec.is_mixture, named=named, origin=origin, restored=restored,
       global_batch_size=spec.global_batch_size if isinstance(node, GlobalBatchDataset) else None,
@@ -511,8 +512,8 @@ class GlobalBatchDataset(grain.MapDataset):
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
     # (batch index, stream record) of the last restart: the position until a batch is read.
     self._origin = (0, 0)
-    self.declared = _records.Skip()  # what `declare` was given
-    self._skips = _records.NO_SKIPS  # what the run skips now
+    self.declared = skips_lib.Skip()  # what `declare` was given
+    self._skips = skips_lib.NO_SKIPS  # what the run skips now
     # Sparse: element k is record k of the stream or None (Grain's filter form), for a
     # pipeline whose position is not a stream record (set by DataIterator).
     self.sparse = False
@@ -522,28 +523,28 @@ class GlobalBatchDataset(grain.MapDataset):
     return self._plan
 
   @property
-  def skips(self) -> _records.Skips:
+  def skips(self) -> skips_lib.Skips:
     return self._skips
 
-  def declare(self, skip: _records.Skip) -> None:
+  def declare(self, skip: skips_lib.Skip) -> None:
     """Records to skip: for a fresh run from its first record on (see `with_skip`)."""
     self.declared = skip
-    self._skips, _ = _records.resolve(
+    self._skips, _ = skips_lib.resolve(
         skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
         shuffled=is_shuffled(self.spec), mixture=self.spec.is_mixture, origin="make_dataset(skip=...)")
     check_skips(self, self._skips, origin="make_dataset")
     self._plan = self.spec.plan_at(0, self._mixture, self._plan_skips)
 
   @property
-  def _plan_skips(self) -> _records.Skips:
-    return _records.NO_SKIPS if self.sparse else self._skips
+  def _plan_skips(self) -> skips_lib.Skips:
+    return skips_lib.NO_SKIPS if self.sparse else self._skips
 
   def use_sparse(self) -> None:
     """Element k is stream record k, or None where it is skipped (before the pipeline is read)."""
     self.sparse = True
     self._plan = self.spec.plan_at(0, self._mixture)
 
-  def set_skips(self, skips: _records.Skips) -> None:
+  def set_skips(self, skips: skips_lib.Skips) -> None:
     """The skips a restore settled on (its apply step; the plan is set by `restart_at`)."""
     self._skips = skips
 
@@ -646,7 +647,7 @@ class GlobalBatchDataset(grain.MapDataset):
           f"position is {{'next_index': 0..{length}}}.")
     return int(next_index)
 
-  def restore_at(self, position: Mapping[str, Any], skips: _records.Skips, *, origin: str,
+  def restore_at(self, position: Mapping[str, Any], skips: skips_lib.Skips, *, origin: str,
                  differences: Mapping[str, Any]) -> "RecordRestore":
     """Where a record position continues: the plan from its record under `skips`, and its batch index.
 
@@ -674,7 +675,7 @@ class GlobalBatchDataset(grain.MapDataset):
           f"{origin}: {message}. Restore it into the pipeline that wrote it, or one with more epochs.")
     return RecordRestore(plan, mixture, next_record, next_index)
 
-  def check_batch_before(self, restore: "RecordRestore", skips: _records.Skips,
+  def check_batch_before(self, restore: "RecordRestore", skips: skips_lib.Skips,
                          check_element: Callable[[int], str]) -> str:
     """The content check of a record position: the full batch that ends at it, produced again.
 
@@ -693,7 +694,7 @@ class GlobalBatchDataset(grain.MapDataset):
     with self.planned(check_plan, restore.mixture):
       return check_element(check_plan.index_of(start) + 1)
 
-  def check_record_restore(self, position: Mapping[str, Any], saved_skips: _records.Skips, *, bare: bool,
+  def check_record_restore(self, position: Mapping[str, Any], saved_skips: skips_lib.Skips, *, bare: bool,
                            differences: Mapping[str, Any], check_element: Callable[[int], str] | None,
                            origin: str) -> "RecordRestore":
     """make_dataset's own restore of a reconciled position, checked (the check half; `restart_at` applies it).
@@ -722,7 +723,7 @@ class GlobalBatchDataset(grain.MapDataset):
     return next_index
 
   @contextlib.contextmanager
-  def skipping(self, skips: _records.Skips) -> Iterator[None]:
+  def skipping(self, skips: skips_lib.Skips) -> Iterator[None]:
     """Reads with `skips` for the duration (its plan re-cut from its origin), then as before."""
     before = self._plan, self._skips
     self._skips = skips
@@ -878,7 +879,7 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
     if isinstance(spec_node, _lanes.LaneDataset):
       fields.update(spec_node.lanes.fingerprint())
     if spec_node.skips:
-      fields[_records.SKIPS_FIELD] = spec_node.skips.to_text()
+      fields[skips_lib.SKIPS_FIELD] = spec_node.skips.to_text()
   if type(dataset).__name__ == "ElasticIterator":
     # Its state ({"global_next_index"}) is the same on every process and for
     # every process count: the position is global (elastic.resize_refusal).
@@ -889,7 +890,7 @@ def describe_pipeline(dataset: Any) -> dict[str, Any]:
       pass
   fields["pipeline"] = "<".join(above) if above else ""
   # As built, without skips: they have their own field, and a restore may add to them.
-  with (spec_node.skipping(_records.NO_SKIPS) if isinstance(spec_node, GlobalBatchDataset)
+  with (spec_node.skipping(skips_lib.NO_SKIPS) if isinstance(spec_node, GlobalBatchDataset)
         else contextlib.nullcontext()):
     try:
       fields["dataset_length"] = len(dataset)
@@ -942,7 +943,7 @@ def apply_skips(node: "GlobalBatchDataset | _lanes.LaneDataset", change: "SkipCh
   """A restore's apply step for its skips: `node` skips them, the log says what changed.
 
   Returns:
-    The skips' fingerprint text (`_records.SKIPS_FIELD`), or None when the run skips nothing.
+    The skips' fingerprint text (`skips_lib.SKIPS_FIELD`), or None when the run skips nothing.
   """
   node.set_skips(change.effective)
   for line in change.lines():
@@ -958,8 +959,8 @@ def apply_skips(node: "GlobalBatchDataset | _lanes.LaneDataset", change: "SkipCh
 class SkipChange:
   """The skips a restore settles on: all of them, those it adds, and declared ranges already read."""
 
-  effective: _records.Skips
-  added: _records.Skips
+  effective: skips_lib.Skips
+  added: skips_lib.Skips
   already_read: tuple[tuple[int, int], ...]
 
   def lines(self) -> list[str]:
@@ -968,13 +969,13 @@ class SkipChange:
       lines.append(f"skips added at this restore: {self.added.describe()}; the run now skips "
                    f"{self.effective.describe()}.")
     if self.already_read:
-      shown = _records.ranges_text(self.already_read)
+      shown = skips_lib.ranges_text(self.already_read)
       lines.append(f"declared skip of stream records {shown} not applied: they were read before the "
                    "restored position (restore an earlier step to skip them).")
     return lines
 
 
-def merged_skips(node: "GlobalBatchDataset | _lanes.LaneDataset | None", saved: _records.Skips,
+def merged_skips(node: "GlobalBatchDataset | _lanes.LaneDataset | None", saved: skips_lib.Skips,
                  from_record: int | None, position: Mapping[str, Any], origin: str) -> SkipChange:
   """What the restored run skips: the saved skips and `node`'s declared ones from the position on.
 
@@ -986,10 +987,10 @@ def merged_skips(node: "GlobalBatchDataset | _lanes.LaneDataset | None", saved: 
     UnsupportedConfigError: skips this pipeline cannot keep (the message says why and what to do).
   """
   if node is None:
-    return SkipChange(saved, _records.NO_SKIPS, ())
+    return SkipChange(saved, skips_lib.NO_SKIPS, ())
   spec = node.spec
   check_skips(node, saved, origin=origin, restored=True)
-  new, already = _records.resolve(
+  new, already = skips_lib.resolve(
       node.declared, from_record=from_record, epoch_length=None if spec.is_mixture else spec.source.length,
       shuffled=is_shuffled(spec), mixture=spec.is_mixture, origin=origin)
   effective = saved.union(new)
@@ -1003,7 +1004,7 @@ def merged_skips(node: "GlobalBatchDataset | _lanes.LaneDataset | None", saved: 
   return change
 
 
-def check_sparse_skips(node: GlobalBatchDataset, skips: _records.Skips, origin: str) -> None:
+def check_sparse_skips(node: GlobalBatchDataset, skips: skips_lib.Skips, origin: str) -> None:
   """A make_dataset under other Grain steps skips a record by yielding None: one record per element only.
 
   Raises:

@@ -25,6 +25,7 @@ from ckpt_iter import elastic
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
+from ckpt_iter import skips as skips_lib
 
 # Reading in the calling thread: on small records Grain's 16 default threads
 # cost more than they save on 2 cores, and make the first next() after a
@@ -106,7 +107,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self._spec = nodes.spec
     # make_dataset's node when the position can count its stream records.
     self._records = nodes.record_node
-    # make_dataset's node anywhere on the chain: it owns the run's skips (`_records.Skips`).
+    # make_dataset's node anywhere on the chain: it owns the run's skips (`skips_lib.Skips`).
     self._spec_node = nodes.spec_node
     self._fingerprint = dataset_lib.describe_pipeline(dataset)
     # Before any iterator takes the workers' init function.
@@ -239,10 +240,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       fail.
     """
     state_lib.check_kind(state, "data", "DataIterator", origin)
-    # The run's skips are no defining field: a restore keeps the saved ones and adds the declared (`_records.Skips`).
+    # The run's skips are no defining field: a restore keeps the saved ones and adds the declared (`skips_lib.Skips`).
     # The stream fields first, by the one check `ckpt-iter verify` also asks (`_records.check_stream_fields`).
     saved_skips = _records.check_stream_fields(state.fingerprint, state.position, origin=origin)
-    if _records.SKIPS_FIELD in state.fingerprint:
+    if skips_lib.SKIPS_FIELD in state.fingerprint:
       state = _without_skips(state)
     if saved_skips and self._spec_node is None:
       raise errors.InvalidStateError(
@@ -251,7 +252,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     return self._check_restore_fields(state, allow_drift, origin, saved_skips)
 
   def _check_restore_fields(
-      self, state: state_lib.IteratorState, allow_drift: Collection[str], origin: str, saved_skips: _records.Skips,
+      self, state: state_lib.IteratorState, allow_drift: Collection[str], origin: str, saved_skips: skips_lib.Skips,
   ) -> Callable[[], None]:
     """`check_restore` of a state without skips against this pipeline's fingerprint without them."""
     current = self._fingerprint_without_skips
@@ -338,7 +339,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
   def _check_record_position(
       self, state: state_lib.IteratorState, position: Mapping[str, Any], resume: _drift.Reconciled,
-      content_allowed: Collection[str], origin: str, saved_skips: _records.Skips,
+      content_allowed: Collection[str], origin: str, saved_skips: skips_lib.Skips,
   ) -> Callable[[], None]:
     """The rest of `check_restore` for a position that counts stream records: make_dataset's own
     restore (`GlobalBatchDataset.check_record_restore`), given this iterator's content check."""
@@ -383,7 +384,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
   @property
   def _fingerprint_without_skips(self) -> dict[str, Any]:
-    return {k: v for k, v in self._fingerprint.items() if k != _records.SKIPS_FIELD}
+    return {k: v for k, v in self._fingerprint.items() if k != skips_lib.SKIPS_FIELD}
 
   def _apply_skips(self, change: dataset_lib.SkipChange) -> None:
     """The apply half of the skips: the node skips them, the states carry them, the log says what changed."""
@@ -392,10 +393,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     text = dataset_lib.apply_skips(self._spec_node, change)
     self._fingerprint = self._fingerprint_without_skips
     if text is not None:
-      self._fingerprint[_records.SKIPS_FIELD] = text
+      self._fingerprint[skips_lib.SKIPS_FIELD] = text
 
   @contextlib.contextmanager
-  def _spec_node_skipping(self, skips: _records.Skips) -> Any:
+  def _spec_node_skipping(self, skips: skips_lib.Skips) -> Any:
     """The make_dataset node skips `skips` for the duration (a restore's content check)."""
     node = self._spec_node
     if node is None:
@@ -533,7 +534,7 @@ _CONTENT_SKIPS_ADDED = "not applicable (skips added at this restore)"
 
 
 def _without_skips(state: state_lib.IteratorState) -> state_lib.IteratorState:
-  fingerprint = {k: v for k, v in state.fingerprint.items() if k != _records.SKIPS_FIELD}
+  fingerprint = {k: v for k, v in state.fingerprint.items() if k != skips_lib.SKIPS_FIELD}
   return dataclasses.replace(state, fingerprint=fingerprint)
 
 

@@ -48,6 +48,7 @@ from typing import Any, Callable, Collection
 
 from ckpt_iter import _records
 from ckpt_iter import errors
+from ckpt_iter import skips as skips_lib
 
 
 # ---------------------------------------------------------------------------
@@ -991,7 +992,7 @@ def migrate_learner_v1(fields: Mapping[str, Any]) -> dict[str, Any]:
   return result
 
 
-def input_stream_skips(value: "IteratorState", *, origin: str) -> _records.Skips:
+def input_stream_skips(value: "IteratorState", *, origin: str) -> skips_lib.Skips:
   """The skips of a state's input, its stream fields checked as its restore checks them.
 
   `_records.check_stream_fields` of its innermost state: what the read-only CLI

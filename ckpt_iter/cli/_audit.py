@@ -55,6 +55,7 @@ from ckpt_iter import errors
 from ckpt_iter import _item as item_lib
 from ckpt_iter import state as state_lib
 from ckpt_iter.cli import _inspect as inspection
+from ckpt_iter import skips as skips_lib
 
 OK, BROKEN, UNPROVABLE = "ok", "broken", "unprovable"
 # The report's verdicts beyond a finding's: nothing was left to prove, or some resume was not proven.
@@ -77,7 +78,7 @@ class Saved:
   remaining: int  # pending items still to be yielded
   saved_step: int | None  # the step it was written in, when the writer recorded it
   run: int | None  # the step its run first saved at (`_item.run_of`), when recorded
-  skips: _records.Skips = _records.NO_SKIPS  # the records its run skips (`_records.Skips`)
+  skips: skips_lib.Skips = skips_lib.NO_SKIPS  # the records its run skips (`skips_lib.Skips`)
   next_record: int | None = None  # its input's stream position, where the position counts stream records
   # A Tunix learner inside a full batch (micro-batches of it taken): the stream record after that batch,
   # before which a resume must not add skips (the learner continues that very batch).
@@ -523,13 +524,13 @@ def _skip_findings(previous: Saved, saved: Saved, entries: list[Mapping[str, Any
   start = None if restored is None else restored.next_record
   early = [(a, b) for a, b in added.records if start is not None and a < start]
   if early:
-    return [Finding(BROKEN, *where, f"skips stream records {_records.ranges_text(early[:1])}, before the restored "
+    return [Finding(BROKEN, *where, f"skips stream records {skips_lib.ranges_text(early[:1])}, before the restored "
                     f"position {start}: those records were read before the checkpoint")]
   inside = restored.inside_until if restored is not None else None
   partial = [(a, b) for a, b in added.records if inside is not None and a < inside]
   if partial:
-    return [Finding(BROKEN, *where, f"skips stream records {_records.ranges_text(partial[:1])}, inside the full "
-                    f"batch {_records.ranges_text([(start, inside)])} the learner had started at the restored step: "
+    return [Finding(BROKEN, *where, f"skips stream records {skips_lib.ranges_text(partial[:1])}, inside the full "
+                    f"batch {skips_lib.ranges_text([(start, inside)])} the learner had started at the restored step: "
                     "part of it was trained, so skipping in it changes the rest of that batch. Skip from its end "
                     "on, or restore a step at a full-batch boundary")]
   at = "" if start is None else f", all at or after the restored position {start}"
@@ -623,7 +624,7 @@ def report_json(report: Report) -> dict[str, Any]:
       "points": [
           {"step": p.step, "process_index": p.process_index, "kind": p.kind, "progress": p.progress,
            "resumes": p.lineage["resumes"], "pending": p.remaining, "run": p.run,
-           "skips": _records.count(p.skips.records)}
+           "skips": skips_lib.count(p.skips.records)}
           for p in report.points
       ],
   }

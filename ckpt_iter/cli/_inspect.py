@@ -24,12 +24,12 @@ import time
 from typing import Any, Collection, Mapping
 
 from ckpt_iter import _files
-from ckpt_iter import _records
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
+from ckpt_iter import skips as skips_lib
 
 DEFAULT_ITEM = "data"
 TUNIX_ACTOR_DIR = "actor"
@@ -354,7 +354,7 @@ def summarize(header: Any, *, origin: str) -> dict[str, Any]:
   """
   value = codec.header_state(header, origin=origin)
   specs = codec.array_specs(header, origin=origin)
-  skips = _records.Skips.from_text(value.innermost.fingerprint.get(_records.SKIPS_FIELD), origin=origin)
+  skips = skips_lib.Skips.from_text(value.innermost.fingerprint.get(skips_lib.SKIPS_FIELD), origin=origin)
   return {
       "format_version": header.get("format_version", 0),
       "kind": value.kind,

@@ -28,11 +28,11 @@ import sys
 from typing import Any, Iterator, Mapping, Sequence
 
 from ckpt_iter import _urls
-from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import tunix as ckpt_tunix
 from ckpt_iter.dataset import with_skip
 from ckpt_iter.tunix import _api as api
+from ckpt_iter import skips as skips_lib
 
 PROG = "python -m ckpt_iter.tunix.cli"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -220,7 +220,7 @@ def train_options(kind: str, config: str, overrides: Sequence[str]) -> tuple[dic
     options["allow_drift"] = tuple(fields)
   if section.get("skip"):
     try:
-      options["skip"] = _records.Skip.parse(str(section["skip"]))
+      options["skip"] = skips_lib.Skip.parse(str(section["skip"]))
     except errors.InvalidArgumentError as e:
       raise _Usage(f"{OPTIONS_SECTION}.skip: {e}") from None
   return options, rest

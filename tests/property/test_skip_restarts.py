@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 import pytest
 
 import ckpt_iter
-from ckpt_iter import _records
 from ckpt_iter import datamap
 from ckpt_iter.cli import _inspect as inspection
 from ckpt_iter.cli import _which
+from ckpt_iter import skips as skips_lib
 import support
 
 EPOCH = len(support.CHAIN_RECORDS)
@@ -68,14 +68,14 @@ def _oracle(segments):
   """(the batches the run must train, the skips its last state must hold, whether the stream ends,
   the restores that kept skips declared before them), without restarts."""
   stream = _STREAM or _STREAM.extend(_stream()) or _STREAM
-  skips, batches, kept_over = _records.NO_SKIPS, [], 0
+  skips, batches, kept_over = skips_lib.NO_SKIPS, [], 0
   epoch, offset = 0, 0  # the next kept record: its epoch, and its offset among the epoch's kept records
   position = 0  # the stream record after the last batch trained
   for number, (count, global_batch, saved, _, skip) in enumerate(segments):
     del count
     kept_over += bool(number and batches and skips)
     if skip and saved:  # a segment that saves nothing leaves no state: the next restores without its skips
-      declared, _ = _records.resolve(_records.Skip(records=skip), from_record=position, epoch_length=EPOCH,
+      declared, _ = skips_lib.resolve(skips_lib.Skip(records=skip), from_record=position, epoch_length=EPOCH,
                                    shuffled=True, mixture=False, origin="oracle")
       skips = skips.union(declared)
     for _ in range(saved):
@@ -100,13 +100,13 @@ def _check(segments, expected, skips, kept_over):
       return
     last = sorted(glob.glob(f"{root}/{len(trained)}/data/process_0-of-*.json"))[0]
     with open(last) as f:
-      saved = _records.Skips.from_text(json.load(f)["fingerprint"].get("skips"), origin=last)
+      saved = skips_lib.Skips.from_text(json.load(f)["fingerprint"].get("skips"), origin=last)
     assert saved == skips
     layout = inspection.find_layout(root)
     run = datamap.RunMap.from_states(_which.States(layout), layout.steps[-1])
     assert [[r.index for r in b.records] for b in run.batches()] == trained
   COUNTS.update({"runs": 1, "batches": len(trained), "skip ranges": len(skips),
-                 "records skipped": _records.count(skips.records), "restores that kept skips": kept_over,
+                 "records skipped": skips_lib.count(skips.records), "restores that kept skips": kept_over,
                  "runs whose skips survived 2+ restores": int(kept_over >= 2)})
 
 
@@ -133,6 +133,6 @@ def test_a_skip_survives_two_resumes_and_the_counts_are_reported():
   """A fixed run: skip declared at the first restart, two more restarts (4, 2 and 1 processes) keep it."""
   segments = [(1, 4, 2, 1, None), (4, 8, 2, 0, [(14, 20)]), (2, 4, 2, 1, None), (1, 8, 2, 0, None)]
   expected, skips, ends, kept_over = _oracle(segments)
-  assert not ends and skips == _records.Skips.of([(14, 20)]) and kept_over == 2  # restored twice after it
+  assert not ends and skips == skips_lib.Skips.of([(14, 20)]) and kept_over == 2  # restored twice after it
   _check(segments, expected, skips, kept_over)
   print({k: v for k, v in sorted(COUNTS.items())})

@@ -6,6 +6,7 @@ import pytest
 
 from ckpt_iter import _records
 from ckpt_iter import errors
+from ckpt_iter import skips as skips_lib
 
 
 @st.composite
@@ -17,7 +18,7 @@ def _skip_values(draw, stream, every_epoch=True):
     for a, n, since in draw(st.lists(st.tuples(st.integers(0, 8), st.integers(1, 4), st.integers(0, stream)),
                                      max_size=2)):
       every.append((a, a + n, since))
-  return _records.Skips.of(ranges, every)
+  return skips_lib.Skips.of(ranges, every)
 
 
 def _kept_epoch(skips, epoch, length):
@@ -43,7 +44,7 @@ def test_a_single_source_plan_cuts_the_kept_records_of_each_epoch(data, length, 
   stream = length * epochs
   skips = data.draw(_skip_values(stream), label="skips")
   every = [(a, min(b, length), s) for a, b, s in skips.every_epoch if a < length]
-  skips = _records.Skips.of(skips.records, every)
+  skips = skips_lib.Skips.of(skips.records, every)
   restored = data.draw(st.integers(0, stream), label="restored at")
   plan = _records.BatchPlan.at(restored, batch_size=batch, drop_remainder=drop, epoch_length=length,
                                stream_length=stream, skips=skips)
@@ -102,7 +103,7 @@ def test_a_process_rows_are_its_slice_of_the_global_batch(data, length, epochs, 
   """`BatchPlan.rows` (one process's rows, O(per-process batch)) is the slice of the whole global batch."""
   stream = length * epochs
   skips = data.draw(_skip_values(stream, every_epoch=not mixture), label="skips")
-  skips = _records.Skips.of(skips.records, [(a, min(b, length), s) for a, b, s in skips.every_epoch if a < length])
+  skips = skips_lib.Skips.of(skips.records, [(a, min(b, length), s) for a, b, s in skips.every_epoch if a < length])
   restored = data.draw(st.integers(0, stream), label="restored at")
   batch = per_process * process_count
   plan = _records.BatchPlan.at(restored, batch_size=batch, drop_remainder=drop,
@@ -128,7 +129,7 @@ def test_a_process_rows_are_its_slice_of_the_global_batch(data, length, epochs, 
 
 
 def test_an_infinite_stream_with_skips_far_ahead_costs_no_walk():
-  skips = _records.Skips.of([(10**12, 10**12 + 5)], [(3, 5, 0)])
+  skips = skips_lib.Skips.of([(10**12, 10**12 + 5)], [(3, 5, 0)])
   plan = _records.BatchPlan.at(10**12 - 4, batch_size=4, drop_remainder=True, epoch_length=100,
                                stream_length=_records.INFINITE, skips=skips)
   index = plan.index_of(10**12 - 4)
@@ -144,24 +145,24 @@ def test_an_infinite_stream_with_skips_far_ahead_costs_no_walk():
     ([(4, 4), (7, 8)], ((7, 8),)),
 ])
 def test_ranges_are_merged(records, expected):
-  assert _records.Skips.of(records).records == expected
+  assert skips_lib.Skips.of(records).records == expected
 
 
 def test_the_fingerprint_text_round_trips_and_bad_text_is_refused_naming_the_field():
-  skips = _records.Skips.of([(100, 200), (300, 340)], [(5, 9, 120)])
-  assert _records.Skips.from_text(skips.to_text(), origin="s") == skips
-  assert _records.Skips.from_text(None, origin="s") == _records.NO_SKIPS
+  skips = skips_lib.Skips.of([(100, 200), (300, 340)], [(5, 9, 120)])
+  assert skips_lib.Skips.from_text(skips.to_text(), origin="s") == skips
+  assert skips_lib.Skips.from_text(None, origin="s") == skips_lib.NO_SKIPS
   for bad in ('{"records": [[5, 2]]}', "[1, 2]", '{"records": [[1, 2, 3]]}', "nope", 7, '{"other": []}'):
     with pytest.raises(errors.InvalidStateError) as info:
-      _records.Skips.from_text(bad, origin="step 3")
+      skips_lib.Skips.from_text(bad, origin="step 3")
     assert "fingerprint field 'skips'" in str(info.value) and "step 3" in str(info.value)
 
 
 def test_covers_and_added_to():
-  before = _records.Skips.of([(10, 20)])
-  after = _records.Skips.of([(10, 20), (30, 40)], [(1, 2, 50)])
+  before = skips_lib.Skips.of([(10, 20)])
+  after = skips_lib.Skips.of([(10, 20), (30, 40)], [(1, 2, 50)])
   assert after.covers(before) and not before.covers(after)
-  assert after.added_to(before) == _records.Skips(records=((30, 40),), every_epoch=((1, 2, 50),))
+  assert after.added_to(before) == skips_lib.Skips(records=((30, 40),), every_epoch=((1, 2, 50),))
 
 
 def _pairwise_subtract(ranges, minus):
@@ -202,16 +203,16 @@ _EVERY = st.lists(st.tuples(st.integers(0, 12), st.integers(1, 6), st.integers(0
 @hypothesis.settings(max_examples=400, deadline=None)
 @hypothesis.given(ranges=_RANGES, minus=_RANGES, every=_EVERY, every_before=_EVERY)
 def test_the_sweeps_answer_what_comparing_every_pair_answers(ranges, minus, every, every_before):
-  ranges, minus = _records.merged(ranges), _records.merged(minus)
-  assert _records.subtract(ranges, minus) == _pairwise_subtract(ranges, minus)
-  after, before = _records.Skips.of(ranges, every), _records.Skips.of(minus, every_before)
+  ranges, minus = skips_lib.merged(ranges), skips_lib.merged(minus)
+  assert skips_lib.subtract(ranges, minus) == _pairwise_subtract(ranges, minus)
+  after, before = skips_lib.Skips.of(ranges, every), skips_lib.Skips.of(minus, every_before)
   assert after.every_epoch == _pairwise_every_epoch(every)
-  assert after.added_to(before) == _records.Skips(
+  assert after.added_to(before) == skips_lib.Skips(
       records=_pairwise_subtract(ranges, minus),
       every_epoch=tuple(e for e in after.every_epoch if not _pairwise_covers(e, before.every_epoch)))
   assert after.covers(before) == (not _pairwise_subtract(minus, ranges) and all(
       _pairwise_covers(e, after.every_epoch) for e in before.every_epoch))
-  assert _records.covered(every, every_before) == [_pairwise_covers(e, every_before) for e in every]
+  assert skips_lib.covered(every, every_before) == [_pairwise_covers(e, every_before) for e in every]
 
 
 @pytest.mark.parametrize("text, records, source", [
@@ -220,7 +221,7 @@ def test_the_sweeps_answer_what_comparing_every_pair_answers(ranges, minus, ever
     (" source:2 ", (), ((2, 3),)),
 ])
 def test_parse(text, records, source):
-  skip = _records.Skip.parse(text)
+  skip = skips_lib.Skip.parse(text)
   assert (skip.records, skip.source_records) == (records, source)
 
 
@@ -232,23 +233,23 @@ def test_parse(text, records, source):
 ])
 def test_parse_refuses_naming_the_part(text, fragment):
   with pytest.raises(errors.InvalidArgumentError) as info:
-    _records.Skip.parse(text)
+    skips_lib.Skip.parse(text)
   assert fragment in str(info.value)
 
 
 @pytest.mark.parametrize("value", [[(5, 5)], [(-1, 3)], [(1,)], "1-3", [(1.5, 3)]])
 def test_a_bad_declaration_is_refused(value):
   with pytest.raises(errors.InvalidArgumentError) as info:
-    _records.Skip(records=value)
+    skips_lib.Skip(records=value)
   assert "Skip(records=" in str(info.value)
 
 
 def test_resolve_clips_what_was_read_and_refuses_source_records_of_a_shuffled_source():
-  skips, already = _records.resolve(_records.Skip(records=[(90, 120)], source_records=[(3, 5)]), from_record=100,
+  skips, already = skips_lib.resolve(skips_lib.Skip(records=[(90, 120)], source_records=[(3, 5)]), from_record=100,
                                   epoch_length=50, shuffled=False, mixture=False, origin="o")
-  assert skips == _records.Skips.of([(100, 120)], [(3, 5, 100)])
+  assert skips == skips_lib.Skips.of([(100, 120)], [(3, 5, 100)])
   assert already == ((90, 100),)
   with pytest.raises(errors.UnsupportedConfigError) as info:
-    _records.resolve(_records.Skip(source_records=[(3, 5)]), from_record=0, epoch_length=50, shuffled=True,
+    skips_lib.resolve(skips_lib.Skip(source_records=[(3, 5)]), from_record=0, epoch_length=50, shuffled=True,
                    mixture=False, origin="o")
   assert "shuffled" in str(info.value) and "stream_records" in str(info.value)

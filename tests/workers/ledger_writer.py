@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 
 import ckpt_iter
 from ckpt_iter import _files
-from ckpt_iter import _records
+from ckpt_iter import skips as skips_lib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import support  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -43,7 +43,7 @@ import support  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 def build_iterator(pipeline: dict) -> ckpt_iter.DataIterator:
   """The run's input: process 0 of 1, global batch 4, over support.CHAIN_* (a mixture or 4 epochs)."""
-  skip = _records.Skip(records=tuple(tuple(r) for r in pipeline.get("skip") or ()))
+  skip = skips_lib.Skip(records=tuple(tuple(r) for r in pipeline.get("skip") or ()))
   return ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, seed=pipeline.get("seed", 5), skip=skip or None,
                                                       mixture=pipeline.get("mixture")))
 
