@@ -722,9 +722,9 @@ class HuggingFaceSource:
       dataset = _one_split(dataset, split, label)
     if not isinstance(dataset, datasets.Dataset):
       from ckpt_iter import streaming  # pylint: disable=g-import-not-at-top  (the refusal's words)
-    if streaming.is_hf_streaming(dataset):
-      raise errors.InvalidArgumentError(streaming.hf_streaming_refusal(dataset, f"HuggingFaceSource({label!r})"))
-    raise errors.InvalidArgumentError(
+      if streaming.is_hf_streaming(dataset):
+        raise errors.InvalidArgumentError(streaming.hf_streaming_refusal(dataset, f"HuggingFaceSource({label!r})"))
+      raise errors.InvalidArgumentError(
           f"Hugging Face source {label!r} is a {type(dataset).__qualname__}, not a datasets.Dataset; "
           "pass one split of a dataset loaded without streaming."
       )

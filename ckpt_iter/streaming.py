@@ -29,6 +29,7 @@ import os
 from typing import Any, Callable, Collection, Iterable, Mapping
 
 from ckpt_iter import _item as item_lib
+from ckpt_iter import _stacking
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -207,8 +208,7 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
     records = list(itertools.islice(self._iterator, self._batch_size))
     if not records or (self._drop_remainder and len(records) < self._batch_size):
       raise StopIteration
-    from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top  (jax, on first batch)
-    return dataset_lib.stack_records(records, batch_index=self._elements), len(records)
+    return _stacking.stack_records(records, batch_index=self._elements), len(records)
 
   def _describe(self) -> dict[str, Any]:
     fields: dict[str, Any] = {"source": SOURCE_PREFIX + (self._name or _source_name(self._source)),
