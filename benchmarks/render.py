@@ -58,6 +58,7 @@ TITLES = {
     "skip_ranges": "18. Skip ranges: restore CPU vs the number of ranges a state carries",
     "plan_skips": "19. The global plan per process, with and without a skip range, against plain Grain",
     "restore_cost": "20. One process's restore against Grain's handler: fresh, after 64 restarts, a mixture",
+    "streaming_restore": "21. A Hugging Face stream restored at a deep position: its own state vs replay",
 }
 
 
@@ -1069,6 +1070,32 @@ map's segment start, issue 47), the batch size and process count only where they
 """
 
 
+def _streaming_restore(rows: list[dict]) -> str:
+  summary = _summary(rows)
+  table = [[f"{r['depth_records']:,}", _fmt(r["stream_restore_s"] * 1000), _fmt(r["replay_restore_s"] * 1000),
+            f"{_fmt(r['ratio'])}x", r["stream_state_bytes"]] for r in _measurements(rows)]
+  return f"""## {TITLES['streaming_restore']}
+
+`benchmarks/streaming_restore.py` (issue 52). A local JSONL corpus of 200,000 records of about
+120 bytes in 4 files, loaded with `datasets.load_dataset("json", ..., streaming=True)` (no
+network), read in batches of 8. At each depth a run reads that many records and saves; a fresh
+iterator over a freshly loaded stream is restored from the state's stored form and reads one batch.
+*stream*: `ckpt_iter.StreamingIterator`, whose state is Hugging Face's own `state_dict()` taken at
+the batch boundary; its restore is one `load_state_dict`. *replay*: `ckpt_iter.ReplayIterator` over
+the same batches, which reads every batch up to the position again. Wall time of restore plus the
+first batch, medians of interleaved rounds; every first batch was checked against the
+uninterrupted run's.
+
+The stream's restore does no Python work per record read before, but Hugging Face seeks inside the
+file it was in by reading that file from its start in Arrow chunks (`shard_example_idx`), so its
+time grows with the position inside one file, not with the files before it: split a corpus into
+files of bounded size. Replay grows with the whole position.
+
+{_table(["records read before the save", "stream, ms", "replay, ms", "replay / stream", "state bytes"], table)}
+{_checks(summary)}
+"""
+
+
 def _common_ratio(a: Any, b: Any) -> Any:
   return round(a / b, 3) if a and b else None
 
@@ -1077,7 +1104,7 @@ def _reproduce() -> str:
   return """## How to reproduce
 
 ```sh
-make bench                                  # all twenty, then this page (about 17 minutes on 2 cores)
+make bench                                  # all twenty-one, then this page (about 17 minutes on 2 cores)
 .venv/bin/python benchmarks/run_all.py --quick   # smoke pass (results and page in a temp dir)
 .venv/bin/python benchmarks/restore_latency.py   # one question; each script takes --quick
 .venv/bin/python benchmarks/run_all.py --docs-only   # re-render this page from results.jsonl
@@ -1110,4 +1137,5 @@ SECTIONS = [
     ("skip_ranges", _skip_ranges),
     ("plan_skips", _plan_skips),
     ("restore_cost", _restore_cost),
+    ("streaming_restore", _streaming_restore),
 ]

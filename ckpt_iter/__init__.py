@@ -50,6 +50,7 @@ _LAZY = {
     "DataLoaderIterator": "ckpt_iter._loader",
     "RepeatIterator": "ckpt_iter.repeat",
     "ReplayIterator": "ckpt_iter.replay",
+    "StreamingIterator": "ckpt_iter.streaming",
     "register_pytree_dataclass": "ckpt_iter._codec",
     "which": "ckpt_iter._provenance",
     "with_skip": "ckpt_iter.dataset",
@@ -70,6 +71,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselve
   from ckpt_iter.keep import KeepResumedSteps
   from ckpt_iter.repeat import RepeatIterator
   from ckpt_iter.replay import ReplayIterator
+  from ckpt_iter.streaming import StreamingIterator
 
 
 def __getattr__(name: str):
@@ -119,6 +121,7 @@ __all__ = [
     "StorageTimeoutError",
     "StoreBounds",
     "Stream",
+    "StreamingIterator",
     "UnsupportedConfigError",
     "last_batch",
     "learner_step",

@@ -140,8 +140,9 @@ class IteratorRestore(ocp.args.CheckpointArgs):
 _WHAT_TO_PASS = (
     "Pass the iterator the training loop reads: ckpt_iter.DataIterator(dataset) over a Grain "
     "MapDataset or IterDataset (make_dataset's included), a RepeatIterator, "
-    "ckpt_iter.DataLoaderIterator(loader) for a grain.DataLoader, or "
-    "ckpt_iter.ReplayIterator(iterable) for a list or generator."
+    "ckpt_iter.DataLoaderIterator(loader) for a grain.DataLoader, "
+    "ckpt_iter.StreamingIterator(stream) for a stream with state_dict() (a Hugging Face "
+    "IterableDataset), or ckpt_iter.ReplayIterator(iterable) for a list or generator."
 )
 
 

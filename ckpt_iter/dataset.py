@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterator, Mapping
 
 import grain
 import jax
-import numpy as np
 
 from ckpt_iter import _graph
 from ckpt_iter import _lanes
@@ -759,33 +758,7 @@ def record_node(dataset: Any) -> "GlobalBatchDataset | None":
   return node
 
 
-def stack_records(records: list[Any], *, batch_index: int | None = None) -> Any:
-  """Stacks records into one batch: leaves gain a leading batch dimension.
-
-  Raises:
-    InvalidArgumentError: the records' fields differ in shape or keys; names
-      the field, the rows and their shapes (`_stacking`).
-  """
-  if not records:
-    raise ValueError("cannot stack an empty list of records")
-  # A list in a record is data (a JSON array, a Parquet list), not structure:
-  # it becomes one array with the batch dimension in front.
-  try:
-    return jax.tree.map(_stacked, *records, is_leaf=_is_list)
-  except (ValueError, TypeError) as e:  # diagnosed only now: the happy path pays nothing
-    raise _stacking.unstackable_error(records, batch_index, e) from None
-
-
-def _stacked(*leaves: Any) -> np.ndarray:
-  if len(leaves) == 1:
-    # What np.stack makes of one row (same dtype, shape, values, memory order; a copy), at a
-    # quarter of its cost: batches of one record are common (RL prompts per process).
-    return np.asarray(leaves[0])[np.newaxis].copy(order="K")
-  return np.stack([np.asarray(x) for x in leaves])
-
-
-def _is_list(value: Any) -> bool:
-  return isinstance(value, list)
+stack_records = _stacking.stack_records
 
 
 def find_spec(dataset: Any) -> tuple[DatasetSpec | None, list[str]]:

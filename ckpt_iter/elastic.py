@@ -78,6 +78,14 @@ def resize_refusal(kind: str, fingerprint: Mapping[str, Any]) -> str | None:
     )
   if fingerprint.get("position_scope") == "global":
     return None  # set only for a bare ElasticIterator (dataset.describe_pipeline)
+  if str(fingerprint.get("source", "")).startswith(state_lib.STREAM_SOURCE_PREFIX):
+    return (
+        "is refused for a streaming source (StreamingIterator): each process's position is its "
+        "own stream's state (Hugging Face's split_dataset_by_node gives each rank its shards or "
+        "every world_size-th example, by the count), which no other process count continues. "
+        "Resume with the saved process count, or read the files through ckpt_iter.make_dataset, "
+        "whose position is global."
+    )
   if "global_batch_size" not in fingerprint:
     return (
         "needs a pipeline built by ckpt_iter.make_dataset, whose position is "

@@ -129,8 +129,8 @@ class ReplayIterator(state_lib.RestorableIterator):
     if count and not self._warned:
       _LOG.warning(
           "ckpt_iter: the input is a plain iterable, so its position is restored by "
-          "replaying %d elements. Pass a Grain dataset (ckpt_iter.make_dataset) to "
-          "restore in O(1).", count,
+          "replaying %d elements. Pass a Grain dataset (ckpt_iter.make_dataset), or read a "
+          "stream that has state_dict() with ckpt_iter.StreamingIterator, to restore in O(1).", count,
       )
       self._warned = True
     if count == 0:

@@ -721,10 +721,12 @@ class HuggingFaceSource:
     if isinstance(dataset, datasets.DatasetDict):
       dataset = _one_split(dataset, split, label)
     if not isinstance(dataset, datasets.Dataset):
+      from ckpt_iter import streaming  # pylint: disable=g-import-not-at-top  (the refusal's words)
+      if streaming.is_hf_streaming(dataset):
+        raise errors.InvalidArgumentError(streaming.hf_streaming_refusal(dataset, f"HuggingFaceSource({label!r})"))
       raise errors.InvalidArgumentError(
-          f"Hugging Face source {label!r} is a {type(dataset).__qualname__}, not a "
-          "datasets.Dataset: an IterableDataset (streaming) has no random access, so "
-          "its position cannot be restored. Load it without streaming."
+          f"Hugging Face source {label!r} is a {type(dataset).__qualname__}, not a datasets.Dataset; "
+          "pass one split of a dataset loaded without streaming."
       )
     self._dataset = dataset
     parts = [label] + ([name] if name else []) + ([split] if split else [])
@@ -802,6 +804,13 @@ def _is_hf_dataset(source: Any) -> bool:
   return module.split(".")[0] == "datasets" and type(source).__name__ in ("Dataset", "DatasetDict")
 
 
+def _is_iterable_only(source: Any) -> bool:
+  """An iterable with no random access (a generator, a stream), which make_dataset cannot place records in."""
+  if isinstance(source, (str, bytes, dict)) or (type(source).__module__ or "").startswith("grain"):
+    return False
+  return hasattr(source, "__iter__") or type(source).__name__ == "IterableDatasetDict"
+
+
 def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
   """Turns the `source` argument of make_dataset into a random-access source.
 
@@ -837,6 +846,9 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
       description = "records"
     else:
       description = f"{type(source).__module__}.{type(source).__qualname__}"
+  elif _is_iterable_only(source):
+    from ckpt_iter import streaming  # pylint: disable=g-import-not-at-top  (the refusal's words)
+    raise errors.InvalidArgumentError(streaming.make_dataset_refusal(source, "make_dataset(source=...)"))
   else:
     raise errors.InvalidArgumentError(
         f"source={_short(source)} is not supported. Pass a list of records "

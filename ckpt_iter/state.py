@@ -83,6 +83,13 @@ JsonScalar = None | bool | int | float | str
 GRAPH_FIELD = "graph"
 _GRAPH_FIELD_PREFIX = "node["
 
+# A streaming source's state (`streaming.StreamingIterator`): its fingerprint's `source` starts with
+# the prefix; its position counts what was read beside the source's own state, which restores it.
+STREAM_SOURCE_PREFIX = "stream:"
+STREAM_ELEMENTS_READ = "elements_read"
+STREAM_RECORDS_READ = "records_read"
+STREAM_SOURCE_STATE = "source_state"
+
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
@@ -1053,6 +1060,9 @@ def position_fields(value: "IteratorState") -> dict[str, Any]:
     if is_int(per_epoch) and per_epoch > 0:
       fields["epoch"], fields["batch_in_epoch"] = divmod(next_index, per_epoch)
       fields["batches_per_epoch"] = per_epoch
+  elif STREAM_SOURCE_STATE in source_position and is_int(source_position.get(STREAM_RECORDS_READ)):
+    fields[STREAM_ELEMENTS_READ] = source_position.get(STREAM_ELEMENTS_READ)
+    fields[STREAM_RECORDS_READ] = source_position[STREAM_RECORDS_READ]
   elif is_int(source_position.get("full_batches_read")):
     fields["full_batches_read"] = source_position["full_batches_read"]
   return fields
@@ -1096,6 +1106,9 @@ def position_text(kind: str, fields: Mapping[str, Any], position: Any) -> str:
     )
   if "next_index" in fields:
     return f"{source}next_index {fields['next_index']}"
+  if STREAM_RECORDS_READ in fields:
+    return (f"{source}{fields[STREAM_ELEMENTS_READ]} elements, {fields[STREAM_RECORDS_READ]} records read "
+            "(the stream's own state; restored without replay)")
   if "full_batches_read" in fields:
     return f"{source}{fields['full_batches_read']} elements read (replayed on restore)"
   return json.dumps(position, sort_keys=True, default=repr)

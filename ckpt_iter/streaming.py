@@ -1,0 +1,433 @@
+"""StreamingIterator: a stream that keeps its own position, restored in O(1).
+
+A streaming source has no random access, so make_dataset cannot jump into
+it; but some streams can say where they are. A Hugging Face
+`datasets.IterableDataset` (and any source with `state_dict()` /
+`load_state_dict()`, as torchdata's StatefulDataLoader) hands out its
+position as a small dict and continues from it. A StreamingIterator reads
+such a source, optionally cuts it into stacked batches, and checkpoints the
+source's own state taken at the boundary of the element it yielded last, so
+a restore loads that state and reads on: no element is replayed.
+
+The state is kind "data":
+  fingerprint  {"source": "stream:...", "batch_size", "drop_remainder", ...}
+  position     {"elements_read": K, "records_read": N, "source_state": {...}}
+
+What cannot resume exactly is refused by name where it is built: a Hugging
+Face shuffle buffer (its examples are lost on resume), a batched `map` under
+an Arrow format (may skip a batch), a source state that JSON would change.
+A plain generator has no position at all: `refusal` says what to use.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import math
+import os
+from typing import Any, Callable, Collection, Iterable, Mapping
+
+from ckpt_iter import _item as item_lib
+from ckpt_iter import _stacking
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+
+ELEMENTS_READ = state_lib.STREAM_ELEMENTS_READ
+RECORDS_READ = state_lib.STREAM_RECORDS_READ
+SOURCE_STATE = state_lib.STREAM_SOURCE_STATE
+SOURCE_PREFIX = state_lib.STREAM_SOURCE_PREFIX
+_POSITION_FIELDS = frozenset({ELEMENTS_READ, RECORDS_READ, SOURCE_STATE})
+_SHOWN_FILES = 4
+_NOTHING = object()
+
+
+class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
+  """Reads a stream that restores its own position (`state_dict` / `load_state_dict`).
+
+  Args:
+    source: a Hugging Face `datasets.IterableDataset` (streaming), or any
+      iterable with `state_dict()` and `load_state_dict(state)` whose state
+      is the position after the records its iterator yielded (torchdata's
+      StatefulDataLoader, your own class). Its state must be JSON: dicts
+      with string keys, lists, strings, numbers, booleans, None.
+    batch_size: None yields records as the source gives them; an integer
+      stacks that many records per element (dict batches of numpy arrays,
+      as make_dataset's).
+    drop_remainder: with `batch_size`, drop a last batch shorter than it.
+    name: how the fingerprint names the source (default: a Hugging Face
+      dataset's builder, configuration and split; else the source's type).
+
+  Guarantees:
+    The state of element k is the source's own state taken right after the
+    records of elements 0..k were read, never later (a `peek`ed element is
+    not counted), so after a restore into a fresh iterator over the same
+    source the elements are exactly those the saving run would have yielded
+    next, for as long as the source's `load_state_dict` is exact. Restoring
+    costs one `load_state_dict`: O(1) in the position. The iterator must be
+    the source's only reader: a Hugging Face dataset keeps one position per
+    object, that of its newest iterator.
+
+  Raises:
+    UnsupportedConfigError: a Hugging Face shuffle buffer, or a batched map
+      under an Arrow format, which Hugging Face itself does not resume exactly.
+    InvalidArgumentError: `source` has no `state_dict` (see `refusal`), or a
+      bad `batch_size`.
+  """
+
+  def __init__(self, source: Any, *, batch_size: int | None = None, drop_remainder: bool = True,
+               name: str | None = None):
+    """Wraps `source` at its start; see the class docstring for the arguments."""
+    why = refusal(source, "StreamingIterator(source=...)")
+    if why is not None:
+      raise errors.InvalidArgumentError(why)
+    if batch_size is not None and (not state_lib.is_int(batch_size) or batch_size < 1):
+      raise errors.InvalidArgumentError(
+          f"StreamingIterator(batch_size={errors.shown_value(batch_size, 40)}): batch_size must be a "
+          "positive integer, or None to yield records one by one.")
+    if not isinstance(drop_remainder, bool):
+      raise errors.InvalidArgumentError(
+          f"StreamingIterator(drop_remainder={errors.shown_value(drop_remainder, 40)}): pass True or False.")
+    if name is not None and (not isinstance(name, str) or not name):
+      raise errors.InvalidArgumentError(
+          f"StreamingIterator(name={errors.shown_value(name, 40)}): name must be a non-empty string.")
+    if _is_hf_iterable(source):
+      _refuse_inexact_hf(source)
+    self._source = source
+    self._batch_size = batch_size
+    self._drop_remainder = drop_remainder
+    self._name = name
+    self._iterator: Any = None  # the source's, made at the first read (after a restore's load)
+    self._elements = 0
+    self._records = 0
+    # The source's state at the last element boundary: what state() saves.
+    self._source_state = source.state_dict()
+    self._lookahead: Any = _NOTHING  # a peeked element, with the counts and state after it
+    self._fingerprint = self._describe()
+
+  # -- the state ---------------------------------------------------------------
+
+  @property
+  def source(self) -> Any:
+    """The stream read."""
+    return self._source
+
+  @property
+  def fingerprint(self) -> dict[str, Any]:
+    """The source's name and layout, and the batching: what a restore checks."""
+    return dict(self._fingerprint)
+
+  def position(self) -> dict[str, Any]:
+    """Elements and records yielded, and the source's own state right after them."""
+    return {ELEMENTS_READ: self._elements, RECORDS_READ: self._records,
+            SOURCE_STATE: json_state(self._source_state, SOURCE_STATE)}
+
+  def state(self) -> state_lib.IteratorState:
+    """The current state as an immutable value.
+
+    Raises:
+      InvalidArgumentError: the source's state is not JSON (names the field).
+    """
+    return state_lib.IteratorState(
+        kind="data", fingerprint=self._fingerprint, position=self.position(), lineage=self._lineage)
+
+  def check_restore(
+      self, state: state_lib.IteratorState, *, allow_drift: Collection[str] = (), origin: str = "the state"
+  ) -> Callable[[], None]:
+    """Validates `state`; the returned step loads its source state (nothing is read).
+
+    Raises:
+      InvalidStateError: the state is not a streaming iterator's.
+      ConfigDriftError: the source, its layout or the batching differ
+        (`allow_drift={"batch_size"}` continues at the next record with
+        another batch size).
+    """
+    state_lib.check_kind(state, "data", "StreamingIterator", origin)
+    state_lib.check_fingerprint(state.fingerprint, self._fingerprint, allow_drift=allow_drift, origin=origin)
+    position = state.position
+    elements, records = position.get(ELEMENTS_READ), position.get(RECORDS_READ)
+    saved = position.get(SOURCE_STATE)
+    if (set(position) != _POSITION_FIELDS or not state_lib.is_int(elements) or elements < 0
+        or not state_lib.is_int(records) or records < elements
+        or not isinstance(saved, Mapping)):
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position' is {state_lib.short_repr(position)}; a streaming source's position is "
+          f"{{'{ELEMENTS_READ}': K, '{RECORDS_READ}': N, '{SOURCE_STATE}': {{...}}}} (N >= 0, K >= 0).")
+    saved = _plain(saved)
+    epoch = saved.get("epoch") if _is_hf_iterable(self._source) else None
+
+    def apply() -> None:
+      if state_lib.is_int(epoch) and epoch != self._source.epoch:
+        # Hugging Face ignores a state of another epoch and would restart the stream silently.
+        self._source.set_epoch(epoch)
+      self._source.load_state_dict(saved)
+      self._iterator, self._lookahead = None, _NOTHING
+      self._elements, self._records = int(elements), int(records)
+      self._source_state = _plain(saved)
+      self._lineage = state.lineage
+
+    return apply
+
+  # -- reading ---------------------------------------------------------------
+
+  def __iter__(self) -> "StreamingIterator":
+    return self
+
+  def __next__(self) -> Any:
+    if self._lookahead is not _NOTHING:
+      element, (self._elements, self._records, self._source_state) = self._lookahead
+      self._lookahead = _NOTHING
+      return element
+    element, read = self._read()
+    self._elements += 1
+    self._records += read
+    self._source_state = self._source.state_dict()
+    return element
+
+  def peek(self) -> Any:
+    """The next element, left to be yielded: the state stays that before it."""
+    if self._lookahead is _NOTHING:
+      element, read = self._read()
+      self._lookahead = (element, (self._elements + 1, self._records + read, self._source.state_dict()))
+    return self._lookahead[0]
+
+  def skip(self, count: int) -> None:
+    """Reads past `count` elements (what a stock resume's `next()` loop does; a restore needs none)."""
+    for _ in range(count):
+      try:
+        next(self)
+      except StopIteration:
+        return
+
+  def _read(self) -> tuple[Any, int]:
+    """The next element and how many records it holds."""
+    if self._iterator is None:
+      self._iterator = iter(self._source)
+    if self._batch_size is None:
+      return next(self._iterator), 1
+    records = list(itertools.islice(self._iterator, self._batch_size))
+    if not records or (self._drop_remainder and len(records) < self._batch_size):
+      raise StopIteration
+    return _stacking.stack_records(records, batch_index=self._elements), len(records)
+
+  def _describe(self) -> dict[str, Any]:
+    fields: dict[str, Any] = {"source": SOURCE_PREFIX + (self._name or _source_name(self._source)),
+                              "batch_size": self._batch_size, "drop_remainder": self._drop_remainder}
+    if _is_hf_iterable(self._source):
+      fields["source_shards"] = int(self._source.num_shards)
+      fields["source_pipeline"] = _state_types(self._source_state)
+      files = _hf_files(self._source)
+      if files:
+        fields["source_files"] = _files_text(files)
+      distributed = getattr(self._source, "_distributed", None)  # split_dataset_by_node's
+      if distributed is not None:
+        fields["shard_index"], fields["shard_count"] = int(distributed.rank), int(distributed.world_size)
+    return fields
+
+
+# ---------------------------------------------------------------------------
+# What a stream that cannot resume is told.
+
+
+def refusal(source: Any, where: str) -> str | None:
+  """Why `source` cannot be read by a StreamingIterator, and what to do; None if it can.
+
+  `where` names the call the value was passed to, e.g. "make_dataset(source=...)".
+  """
+  shown = _shown(source)
+  if type(source).__name__ == "IterableDatasetDict" and _is_hf_iterable(source):
+    return (f"{where}: {shown} is a datasets.IterableDatasetDict of splits {sorted(source)}; pass one "
+            "split, e.g. source['train'].")
+  if _is_hf_iterable(source) and not callable(getattr(source, "state_dict", None)):
+    return (f"{where}: {shown} is a streaming datasets.IterableDataset of a datasets release without "
+            "state_dict() (before 2.18), so its position cannot be saved. Upgrade datasets "
+            "(pip install -U datasets), or load it without streaming=True (a datasets.Dataset for "
+            "make_dataset).")
+  if callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None)):
+    if hasattr(source, "__iter__"):
+      return None
+    return f"{where}: {shown} has state_dict() but is not iterable; pass the object records are read from."
+  kind = ("generator" if inspect.isgenerator(source) else "one-shot iterator" if _is_one_shot(source)
+          else f"{type(source).__qualname__} iterable")
+  return (
+      f"{where}: {shown} is a {kind} without state_dict()/load_state_dict(), so nothing says where "
+      "it is: the only way back to record N is to read the first N again. Ways through: "
+      "ckpt_iter.ReplayIterator(iterable) resumes it exactly by replaying (O(position) at every "
+      "restore); a list, files or any object with __len__ and __getitem__ go to "
+      "ckpt_iter.make_dataset (O(1) restore, shuffled or not); an iterable with "
+      "state_dict()/load_state_dict() (a Hugging Face streaming IterableDataset) goes to "
+      "ckpt_iter.StreamingIterator(source, batch_size=...) (O(1) restore).")
+
+
+def hf_streaming_refusal(source: Any, where: str) -> str:
+  """make_dataset's refusal of a Hugging Face streaming dataset: what it needs, and both ways through."""
+  shuffled = "BufferShuffledExamplesIterable" in {
+      type(p).__name__ for p in _hf_chain(getattr(source, "_ex_iterable", None))}
+  stream = ("(its shuffle buffer cannot be restored: stream it without .shuffle() for that)" if shuffled
+            else "(unshuffled)")
+  return (
+      f"{where}: {_shown(source)} is a streaming datasets.IterableDataset, which has no "
+      "random access, so make_dataset cannot place records (nor shuffle them globally). Ways "
+      "through: ckpt_iter.StreamingIterator(source, batch_size=...) resumes it in O(1) through "
+      f"its own state_dict() {stream}; load it without streaming=True for a datasets.Dataset; or, "
+      f"shuffled, pass its files to make_dataset{_files_hint(source)} with seed=... and "
+      "shuffle='shards' (whole files, a window at a time, O(1) restore).")
+
+
+def make_dataset_refusal(source: Any, where: str) -> str:
+  """Why make_dataset cannot take the iterable `source` (no random access), and what reads it instead."""
+  if _is_hf_iterable(source) and type(source).__name__ == "IterableDataset":
+    return hf_streaming_refusal(source, where)
+  return refusal(source, where) or (
+      f"{where}: {errors.shown_value(source, 60)} is a stream with its own state_dict(), but no random "
+      "access, so make_dataset cannot place its records. Read it with "
+      "ckpt_iter.StreamingIterator(source, batch_size=...) (O(1) restore through that state).")
+
+
+def _refuse_inexact_hf(source: Any) -> None:
+  chain = list(_hf_chain(getattr(source, "_ex_iterable", None)))
+  names = [type(part).__name__ for part in chain]
+  if "BufferShuffledExamplesIterable" in names:
+    buffer = next(getattr(p, "buffer_size", None) for p in chain
+                  if type(p).__name__ == "BufferShuffledExamplesIterable")
+    raise errors.UnsupportedConfigError(
+        f"StreamingIterator(source=...): the dataset is shuffled with a buffer "
+        f"(IterableDataset.shuffle(buffer_size={buffer})). Hugging Face's state_dict() does not hold "
+        "the buffer: on resume its examples are lost and it is refilled from later ones, so a "
+        "restore would skip records. Ways through: make_dataset over the files, "
+        f"make_dataset({_files_hint(source, bare=True) or 'files'}, seed=..., shuffle='shards') (a "
+        "shard-aware shuffle that resumes exactly in O(1)); or load without streaming=True and "
+        "pass the datasets.Dataset to make_dataset(..., seed=...); or stream without .shuffle().")
+  formatting = getattr(source, "_formatting", None)
+  table = bool(getattr(formatting, "is_table", False)) or getattr(formatting, "format_type", None) == "arrow"
+  if table and any(n == "MappedExamplesIterable" and getattr(p, "batched", False) for n, p in zip(names, chain)):
+    raise errors.UnsupportedConfigError(
+        f"StreamingIterator(source=...): the dataset applies a batched map() under the "
+        f"{formatting.format_type!r} format, which Hugging Face's state_dict() may resume one batch "
+        "late (a skip). Map without batched=True, or set the format after the map "
+        "(.map(...).with_format(...)), or use make_dataset(transform=...).")
+
+
+def _hf_chain(part: Any) -> Iterable[Any]:
+  """The examples-iterable layers of a Hugging Face dataset, outermost first."""
+  seen = 0
+  while part is not None and seen < 256:
+    yield part
+    seen += 1
+    for inner in getattr(part, "ex_iterables", None) or ():
+      yield from _hf_chain(inner)
+    part = getattr(part, "ex_iterable", None)
+
+
+def _hf_files(source: Any) -> list[str]:
+  files: list[str] = []
+  for part in _hf_chain(getattr(source, "_ex_iterable", None)):
+    kwargs = getattr(part, "kwargs", None)
+    if isinstance(kwargs, Mapping):
+      found = kwargs.get("base_files") or kwargs.get("files")
+      if isinstance(found, (list, tuple)) and all(isinstance(f, str) for f in found):
+        files.extend(found)
+  return files
+
+
+def _files_hint(source: Any, *, bare: bool = False) -> str:
+  files = _hf_files(source) if _is_hf_iterable(source) else []
+  if not files:
+    return "" if bare else "(paths, ...)"
+  shown = repr(files[:_SHOWN_FILES])[:-1] + (", ...]" if len(files) > _SHOWN_FILES else "]")
+  return shown if bare else f"({shown}, ...)"
+
+
+def _files_text(files: list[str]) -> str:
+  names = [os.path.basename(f.rstrip("/")) for f in files]
+  if len(names) <= _SHOWN_FILES:
+    return ",".join(names)
+  return f"{len(names)} files {names[0]}..{names[-1]}"
+
+
+def _shown(source: Any) -> str:
+  if _is_hf_iterable(source) and type(source).__name__ == "IterableDataset":
+    return f"IterableDataset {_source_name(source)}"
+  return errors.shown_value(source, 60)
+
+
+def _source_name(source: Any) -> str:
+  if _is_hf_iterable(source):
+    info = getattr(source, "info", None)
+    parts = [getattr(info, "dataset_name", None), getattr(info, "config_name", None), getattr(source, "split", None)]
+    return f"hf[{':'.join(str(p) for p in parts if p)}]"
+  return f"{type(source).__module__}.{type(source).__qualname__}"
+
+
+def _state_types(value: Any) -> str:
+  """The layer types a Hugging Face state names, outermost first (`Formatted<Mapped<Arrow`)."""
+  types: list[str] = []
+
+  def walk(node: Any) -> None:
+    if isinstance(node, Mapping):
+      if isinstance(node.get("type"), str):
+        types.append(node["type"].replace("ExamplesIterable", ""))
+      for key, inner in node.items():
+        if key not in ("previous_state", "previous_states"):
+          walk(inner)
+    elif isinstance(node, list):
+      for inner in node:
+        walk(inner)
+
+  walk(value)
+  return "<".join(types)
+
+
+def _is_hf_iterable(source: Any) -> bool:
+  """A datasets.IterableDataset, recognised without importing datasets."""
+  module = type(source).__module__ or ""
+  return module.split(".")[0] == "datasets" and type(source).__name__ in ("IterableDataset", "IterableDatasetDict")
+
+
+def is_hf_streaming(source: Any) -> bool:
+  """Whether `source` is a Hugging Face streaming dataset (or dict of them)."""
+  return _is_hf_iterable(source)
+
+
+def _is_one_shot(source: Any) -> bool:
+  try:
+    return iter(source) is source
+  except TypeError:
+    return False
+
+
+# ---------------------------------------------------------------------------
+# The source's state as JSON, unchanged by the trip.
+
+
+def json_state(value: Any, path: str) -> Any:
+  """`value` if JSON stores and reads it back unchanged; else InvalidArgumentError naming the leaf."""
+  if value is None or isinstance(value, (bool, str)):
+    return value
+  if isinstance(value, int) and type(value) is int:
+    return value
+  if type(value) is float and math.isfinite(value):
+    return value
+  if isinstance(value, Mapping):
+    for key in value:
+      if not isinstance(key, str):
+        raise _not_json(path, f"has the key {key!r} ({type(key).__name__}), which JSON would turn into a string")
+    return {key: json_state(inner, f"{path}.{key}") for key, inner in value.items()}
+  if isinstance(value, list):
+    return [json_state(inner, f"{path}[{i}]") for i, inner in enumerate(value)]
+  if isinstance(value, tuple):
+    raise _not_json(path, "is a tuple, which JSON would give back as a list")
+  raise _not_json(path, f"is {errors.shown_value(value, 40)} of type {type(value).__qualname__}")
+
+
+def _not_json(path: str, what: str) -> errors.InvalidArgumentError:
+  return errors.InvalidArgumentError(
+      f"the source's state_dict() field {path!r} {what}; a checkpoint holds the state as JSON, so "
+      "it would not restore as saved. Make the source's state plain JSON (str keys, lists, ints, "
+      "finite floats, strings, None), or read the source with ckpt_iter.ReplayIterator (exact, "
+      "O(position) restore).")
+
+
+def _plain(value: Any) -> Any:
+  """A mutable deep copy (a restored state is read-only; a source may update what it loads)."""
+  return json.loads(json.dumps(value))

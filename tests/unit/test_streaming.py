@@ -1,0 +1,309 @@
+"""StreamingIterator: a stream restored through its own state_dict, in O(1); what cannot resume, refused.
+
+The sources are Hugging Face streaming datasets read from local files (no
+network) and a small class of our own with `state_dict`/`load_state_dict`.
+"""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import ckpt_iter
+import conftest
+from ckpt_iter import elastic
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+from ckpt_iter import streaming
+from ckpt_iter import testing
+
+datasets = pytest.importorskip("datasets", reason=conftest.NEEDS_DATASETS)
+
+NUM_RECORDS = 37  # split over 3 files: 13, 12, 12 (3 shards)
+
+
+@pytest.fixture(scope="module")
+def jsonl_files(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("stream")
+  paths, bounds = [], [0, 13, 25, NUM_RECORDS]
+  for i in range(3):
+    path = directory / f"part-{i}.jsonl"
+    path.write_text("".join(json.dumps({"id": n, "tokens": [n, n * 2]}) + "\n"
+                            for n in range(bounds[i], bounds[i + 1])))
+    paths.append(str(path))
+  return paths
+
+
+_LOADED = {}
+
+
+def _hf(files):
+  """A fresh streaming dataset over `files` (a copy of one loaded once: a new object, at its start)."""
+  key = tuple(files)
+  if key not in _LOADED:
+    _LOADED[key] = datasets.load_dataset("json", data_files=list(files), split="train", streaming=True)
+  return copy.deepcopy(_LOADED[key])
+
+
+def _ids(element):
+  return np.atleast_1d(np.asarray(element["id"])).tolist()
+
+
+def _round_trip(state):
+  return ckpt_iter.IteratorState.from_dict(testing.stored_round_trip(state.to_dict()))
+
+
+class CountingStream:
+  """A stream of our own: its state is the next index (and a nested dict, as real ones have)."""
+
+  def __init__(self, count, state_value=None):
+    self._count = count
+    self._next = 0
+    self._state_value = state_value
+
+  def __iter__(self):
+    while self._next < self._count:
+      self._next += 1
+      yield {"id": self._next - 1}
+
+  def state_dict(self):
+    if self._state_value is not None:
+      return {"next": self._next, "extra": self._state_value}
+    return {"next": self._next, "inner": {"kind": "counting", "seen": [self._next]}}
+
+  def load_state_dict(self, state):
+    self._next = state["next"]
+
+
+# ---------------------------------------------------------------------------
+# Exact resume, counted over drawn batch sizes, stop points and chained restarts.
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch_size=st.integers(1, 6), drop_remainder=st.booleans(), mapped=st.booleans(),
+       stops=st.lists(st.integers(0, 8), min_size=1, max_size=4))
+def test_chained_restarts_train_every_record_once_bit_for_bit(jsonl_files, batch_size, drop_remainder, mapped, stops):
+  def make():
+    source = _hf(jsonl_files)
+    if mapped:
+      source = source.map(lambda r: {"square": r["id"] ** 2})
+    return streaming.StreamingIterator(source, batch_size=batch_size, drop_remainder=drop_remainder)
+
+  uninterrupted = list(make())
+  trained, state = [], None
+  for stop in stops:  # each run reads `stop` elements, saves, and the next run starts in a fresh iterator
+    run = make()
+    if state is not None:
+      run.restore_state(_round_trip(state))
+    for _ in range(stop):
+      try:
+        trained.append(next(run))
+      except StopIteration:
+        break
+    state = run.state()
+  last = make()
+  last.restore_state(_round_trip(state))
+  trained.extend(last)
+  ids = [i for element in trained for i in _ids(element)]
+  assert len(ids) == len(set(ids))  # no record twice
+  expected = NUM_RECORDS - (NUM_RECORDS % batch_size if drop_remainder else 0)
+  assert sorted(ids) == list(range(expected))  # none skipped
+  testing.assert_trees_equal(trained, uninterrupted)  # the same stream, bit for bit
+  assert state.position[streaming.RECORDS_READ] <= expected
+
+
+def test_the_public_checker_passes_at_every_element_of_a_stream(jsonl_files):
+  testing.assert_exact_resume(lambda: streaming.StreamingIterator(_hf(jsonl_files), batch_size=5),
+                              checkpoint_at=range(8))
+  testing.assert_exact_resume(lambda: ckpt_iter.StreamingIterator(CountingStream(9)), checkpoint_at=range(10))
+
+
+def test_the_state_is_taken_at_the_boundary_of_the_element_yielded_not_a_peek(jsonl_files):
+  iterator = streaming.StreamingIterator(_hf(jsonl_files), batch_size=4)
+  next(iterator)
+  before = iterator.state()
+  peeked = iterator.peek()
+  assert iterator.state() == before
+  assert before.position[streaming.ELEMENTS_READ] == 1 and before.position[streaming.RECORDS_READ] == 4
+  resumed = streaming.StreamingIterator(_hf(jsonl_files), batch_size=4)
+  resumed.restore_state(_round_trip(before))
+  testing.assert_trees_equal(next(resumed), peeked)
+  testing.assert_trees_equal(next(iterator), peeked)
+  assert iterator.state() == resumed.state()
+
+
+def test_a_restore_loads_the_state_and_replays_nothing(jsonl_files):
+  saving = streaming.StreamingIterator(_hf(jsonl_files), batch_size=2)
+  for _ in range(15):
+    next(saving)
+  source = _hf(jsonl_files)
+  reads = []
+  original = source.load_state_dict
+  source.load_state_dict = lambda state: (reads.append(state), original(state))[1]
+  resumed = streaming.StreamingIterator(source, batch_size=2)
+  resumed.restore_state(_round_trip(saving.state()))
+  assert len(reads) == 1 and resumed.state() == saving.state()
+  assert _ids(next(resumed)) == [30, 31]
+
+
+def test_a_state_of_a_later_epoch_restores_into_that_epoch(jsonl_files):
+  source = _hf(jsonl_files)
+  source.set_epoch(2)  # Hugging Face reorders its shards each epoch
+  saving = streaming.StreamingIterator(source, batch_size=3)
+  next(saving)
+  state = _round_trip(saving.state())
+  expected = list(saving)
+  resumed = streaming.StreamingIterator(_hf(jsonl_files), batch_size=3)  # epoch 0 here
+  resumed.restore_state(state)
+  testing.assert_trees_equal(list(resumed), expected)
+
+
+def test_a_split_by_node_stream_resumes_per_rank_and_refuses_another_world_size(jsonl_files):
+  from datasets.distributed import split_dataset_by_node
+
+  def make(rank, world_size):
+    return streaming.StreamingIterator(split_dataset_by_node(_hf(jsonl_files), rank=rank, world_size=world_size),
+                                       batch_size=2)
+
+  for rank in range(3):
+    testing.assert_exact_resume(lambda rank=rank: make(rank, 3), checkpoint_at=[0, 1, 3])
+  saving = make(1, 3)
+  next(saving)
+  assert saving.fingerprint["shard_index"] == 1 and saving.fingerprint["shard_count"] == 3
+  with pytest.raises(errors.ConfigDriftError, match="shard_count=3 there, shard_count=2 here"):
+    make(1, 2).restore_state(_round_trip(saving.state()))
+  why = elastic.resize_refusal("data", saving.fingerprint)
+  assert "streaming source" in why and "saved process count" in why
+
+
+def test_another_batch_size_is_refused_by_name_and_allowed_continues_at_the_next_record(jsonl_files):
+  saving = streaming.StreamingIterator(_hf(jsonl_files), batch_size=4)
+  next(saving)
+  next(saving)
+  resumed = streaming.StreamingIterator(_hf(jsonl_files), batch_size=3)
+  with pytest.raises(errors.ConfigDriftError, match=r"batch_size=4 there, batch_size=3 here.*allow_drift"):
+    resumed.restore_state(_round_trip(saving.state()))
+  resumed.restore_state(_round_trip(saving.state()), allow_drift={"batch_size"})
+  assert _ids(next(resumed)) == [8, 9, 10]
+
+
+def test_another_source_layout_is_refused_naming_the_field(jsonl_files):
+  saving = streaming.StreamingIterator(_hf(jsonl_files))
+  next(saving)
+  state = _round_trip(saving.state())
+  with pytest.raises(errors.ConfigDriftError, match="source_shards"):
+    streaming.StreamingIterator(_hf(jsonl_files[:2])).restore_state(state)
+  with pytest.raises(errors.ConfigDriftError, match="source_pipeline"):
+    streaming.StreamingIterator(_hf(jsonl_files).map(lambda r: r)).restore_state(state)
+
+
+def test_the_state_goes_through_orbax_and_inspect_says_where(jsonl_files, ckpt_dir):
+  import support
+
+  saving = streaming.StreamingIterator(_hf(jsonl_files), batch_size=4)
+  for _ in range(3):
+    next(saving)
+  support.orbax_save(ckpt_dir, 3, data=ckpt_iter.IteratorSave(saving))
+  header = json.loads((ckpt_dir / "3" / "data" / "process_0-of-1.json").read_text())
+  assert header["position"][streaming.RECORDS_READ] == 12
+  assert header["fingerprint"]["source"] == "stream:hf[json:default:train]"
+  resumed = streaming.StreamingIterator(_hf(jsonl_files), batch_size=4)
+  support.orbax_restore(ckpt_dir, 3, data=ckpt_iter.IteratorRestore(resumed))
+  testing.assert_trees_equal(list(resumed), list(saving))
+  assert state_lib.summary_line(ckpt_iter.IteratorState.from_dict(header)) == (
+      "3 elements, 12 records read (the stream's own state; restored without replay)")
+
+
+# ---------------------------------------------------------------------------
+# What cannot resume exactly is refused where it is built, saying why and what to do.
+
+
+def test_a_shuffle_buffer_is_refused_naming_the_buffer_and_the_shard_shuffle(jsonl_files):
+  with pytest.raises(errors.UnsupportedConfigError) as refused:
+    streaming.StreamingIterator(_hf(jsonl_files).shuffle(seed=0, buffer_size=16))
+  message = str(refused.value)
+  assert "shuffle(buffer_size=16)" in message and "skip records" in message
+  assert "shuffle='shards'" in message and "part-0.jsonl" in message
+
+
+def test_a_batched_map_under_an_arrow_format_is_refused(jsonl_files):
+  source = _hf(jsonl_files).with_format("arrow").map(lambda t: t, batched=True)
+  with pytest.raises(errors.UnsupportedConfigError, match="batched map.*'arrow'"):
+    streaming.StreamingIterator(source)
+
+
+_GENERATOR_FIX = r"ReplayIterator\(iterable\) resumes it exactly by replaying.*make_dataset.*StreamingIterator"
+
+
+@pytest.mark.parametrize("make_source, pattern", [
+    (lambda files: (r for r in [{"id": 0}]), r"is a generator without state_dict\(\).*" + _GENERATOR_FIX),
+    (lambda files: iter([{"id": 0}]), r"one-shot iterator without state_dict\(\).*" + _GENERATOR_FIX),
+    (lambda files: _hf(files), r"streaming datasets.IterableDataset.*StreamingIterator\(source, batch_size=...\)"
+                                r".*without streaming=True.*part-0.jsonl.*shuffle='shards'"),
+    (lambda files: _hf(files).shuffle(seed=1, buffer_size=4), r"shuffle buffer cannot be restored"),
+    (lambda files: CountingStream(3), r"own state_dict\(\).*StreamingIterator"),
+], ids=["generator", "iterator", "hf-stream", "hf-shuffled", "state-dict-stream"])
+def test_make_dataset_refuses_a_stream_saying_why_and_what_reads_it(jsonl_files, make_source, pattern):
+  with pytest.raises(errors.InvalidArgumentError, match=r"make_dataset\(source=...\): .*" + pattern):
+    ckpt_iter.make_dataset(make_source(jsonl_files), batch_size=2, shard_index=0, shard_count=1)
+
+
+def test_a_hugging_face_source_of_a_streaming_dataset_points_at_the_streaming_iterator(jsonl_files):
+  with pytest.raises(errors.InvalidArgumentError, match=r"HuggingFaceSource\('dataset'\).*StreamingIterator"):
+    ckpt_iter.sources.HuggingFaceSource(dataset=_hf(jsonl_files))
+
+
+def test_a_generator_is_refused_by_the_streaming_iterator_with_the_same_ways_through():
+  with pytest.raises(errors.InvalidArgumentError, match=r"StreamingIterator\(source=...\).*" + _GENERATOR_FIX):
+    streaming.StreamingIterator(x for x in range(3))
+
+
+@pytest.mark.parametrize("value, field, what", [
+    ((1, 2), "source_state.extra", "is a tuple"),
+    ({1: 2}, "source_state.extra", "has the key 1 (int)"),
+    (np.int64(3), "source_state.extra", "of type int64"),
+    (float("nan"), "source_state.extra", "of type float"),
+], ids=["tuple", "int-key", "numpy", "nan"])
+def test_a_source_state_json_would_change_is_refused_at_save_naming_the_field(value, field, what):
+  iterator = streaming.StreamingIterator(CountingStream(3, state_value=value))
+  next(iterator)
+  with pytest.raises(errors.InvalidArgumentError) as refused:
+    iterator.state()
+  message = str(refused.value)
+  assert f"field {field!r} " in message and what in message and "ReplayIterator" in message
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"batch_size": 0}, "batch_size must be a positive integer"),
+    ({"batch_size": 2.0}, "batch_size must be a positive integer"),
+    ({"drop_remainder": "yes"}, r"drop_remainder='yes'"),
+    ({"name": ""}, "name must be a non-empty string"),
+])
+def test_bad_arguments_are_refused_naming_them(kwargs, pattern):
+  with pytest.raises(errors.InvalidArgumentError, match=pattern):
+    streaming.StreamingIterator(CountingStream(3), **kwargs)
+
+
+@pytest.mark.parametrize("position", [
+    {"elements_read": 1, "records_read": 1},
+    {"elements_read": -1, "records_read": 1, "source_state": {"next": 1}},
+    {"elements_read": 2, "records_read": 1, "source_state": {"next": 1}},
+    {"elements_read": 1, "records_read": 1, "source_state": [1]},
+], ids=["no-source-state", "negative", "fewer-records", "not-a-dict"])
+def test_a_bad_position_is_refused_and_changes_nothing(position):
+  iterator = streaming.StreamingIterator(CountingStream(5))
+  next(iterator)
+  before = iterator.state()
+  state = ckpt_iter.IteratorState(kind="data", fingerprint=iterator.fingerprint, position=position)
+  with pytest.raises(errors.InvalidStateError, match="a streaming source's position is"):
+    iterator.restore_state(state)
+  assert iterator.state() == before and next(iterator) == {"id": 1}
+
+
+def test_a_named_stream_is_fingerprinted_by_its_name():
+  assert streaming.StreamingIterator(CountingStream(2), name="corpus-v3").fingerprint["source"] == "stream:corpus-v3"
+  assert streaming.StreamingIterator(CountingStream(2)).fingerprint["source"].endswith(".CountingStream")
