@@ -100,7 +100,7 @@ class LaneDataset(grain.IterDataset):
     super().__init__(list(parents))
     self.spec = spec
     self.lanes = lanes
-    self.stack = stack  # rows -> one batch (make_dataset's `stack_records`)
+    self.stack = stack  # rows -> one batch (`_stacking.stack_records`)
     self._names = [name for name, _ in spec.sources]
     self._mixture = spec.initial_mixture() if spec.is_mixture else None
     self.declared = skips_lib.Skip()  # what `declare` was given

@@ -289,7 +289,7 @@ def make_dataset(
   declared = skips_lib.Skip.of(skip) if not isinstance(skip, skips_lib.Skip) else skip
   if filter is not None or pack is not None:
     lanes = _lanes.LaneSpec.of(spec, filter=filter, pack=pack, chunk_size=chunk_size, num_lanes=num_lanes)
-    lane_dataset = _lanes.LaneDataset(parents, spec, lanes, stack_records)
+    lane_dataset = _lanes.LaneDataset(parents, spec, lanes, _stacking.stack_records)
     with_skip(lane_dataset, declared)
     return lane_dataset
   if len(spec.initial_plan()) == 0:
@@ -572,8 +572,8 @@ class GlobalBatchDataset(grain.MapDataset):
       return None  # a skipped record, dropped as Grain drops what a filter rejects
     if self._mixture is None:
       parent = self._parent
-      return stack_records([parent[g] for g in rows], batch_index=index)
-    return stack_records([self.record(g) for g in rows], batch_index=index)
+      return _stacking.stack_records([parent[g] for g in rows], batch_index=index)
+    return _stacking.stack_records([self.record(g) for g in rows], batch_index=index)
 
   @property
   def _epoch_length(self) -> int | None:
@@ -756,9 +756,6 @@ def record_node(dataset: Any) -> "GlobalBatchDataset | None":
   if not isinstance(node, GlobalBatchDataset) or any(kind not in _records.RECORD_ADDRESSED_ABOVE for kind in above):
     return None
   return node
-
-
-stack_records = _stacking.stack_records
 
 
 def find_spec(dataset: Any) -> tuple[DatasetSpec | None, list[str]]:

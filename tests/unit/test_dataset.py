@@ -16,6 +16,7 @@ import pytest
 import conftest
 
 import ckpt_iter
+from ckpt_iter import _stacking
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import testing
 from ckpt_iter import sources as sources_lib
@@ -431,7 +432,7 @@ def test_a_batch_of_one_record_is_what_np_stack_makes_of_it():
   record = {"i": 5, "f": 2.5, "b": True, "s": "abc", "y": b"xy", "l": [[1, 2], [3, 4]],
             "c": np.arange(12).reshape(3, 4), "fortran": np.asfortranarray(np.arange(12).reshape(3, 4)),
             "strided": np.arange(20)[::3], "scalar": np.float32(3), "empty": np.zeros((0, 3))}
-  batch = dataset_lib.stack_records([record])
+  batch = _stacking.stack_records([record])
   for name, value in record.items():
     expected = np.stack([np.asarray(value)])
     got = batch[name]
