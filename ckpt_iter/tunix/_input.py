@@ -30,6 +30,7 @@ from ckpt_iter import errors
 from ckpt_iter import iterator as iterator_lib
 from ckpt_iter import replay as replay_lib
 from ckpt_iter import state as state_lib
+from ckpt_iter import streaming
 
 _LOG = logging.getLogger("ckpt_iter")
 # Where a learner's position holds its input's state.
@@ -139,13 +140,14 @@ class _RestorableSource:
 
 
 class GrainSource(_RestorableSource):
-  """Full batches from a Grain dataset or DataLoader; positions restored in O(1).
+  """Full batches from a Grain dataset or DataLoader, or a stream with its own state; positions restored in O(1).
 
-  Wraps a `DataIterator` or a `DataLoaderIterator`: both restore an exact
-  position through their own `check_restore`.
+  Wraps a `DataIterator`, a `DataLoaderIterator` or a `StreamingIterator`:
+  each restores an exact position through its own `check_restore`.
   """
 
-  def __init__(self, data_iterator: iterator_lib.DataIterator | loader_lib.DataLoaderIterator):
+  def __init__(self, data_iterator: iterator_lib.DataIterator | loader_lib.DataLoaderIterator
+               | streaming.StreamingIterator):
     super().__init__(data_iterator)
     self._lookahead: Any = _NOTHING  # a batch `peek` read, and the state before it
 
@@ -273,7 +275,8 @@ class ReplaySource(_RestorableSource):
 
 
 def make_source(train_ds: Any) -> GrainSource | ReplaySource:
-  if isinstance(train_ds, (iterator_lib.DataIterator, loader_lib.DataLoaderIterator)):
+  # A StreamingIterator restores through its stream's own state_dict: O(1) too, no replay.
+  if isinstance(train_ds, (iterator_lib.DataIterator, loader_lib.DataLoaderIterator, streaming.StreamingIterator)):
     return GrainSource(train_ds)
   if isinstance(train_ds, (grain.MapDataset, grain.IterDataset)):
     return GrainSource(iterator_lib.DataIterator(train_ds))
