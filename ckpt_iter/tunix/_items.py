@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from tunix.rl import rl_learner
 
 from ckpt_iter.tunix import _api as api
+from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter import _files
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import _item as item_lib
@@ -458,7 +459,7 @@ def _across_tunix_versions(error: errors.PendingTypeError, data_dir: str) -> err
   saved = None
   try:
     header = _files.read_header(_files.header_path(data_dir, 0, _files.saved_process_count(data_dir)))
-    saved = api.saved_tunix_version(header.get("fingerprint") or {})
+    saved = settings_lib.saved_tunix_version(header.get("fingerprint") or {})
   except (OSError, errors.CkptIterError):
     pass  # the version is only named when the header says it
   written = f"google-tunix {saved}" if saved else "another google-tunix (not recorded)"

@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from ckpt_iter.tunix import _api as api
+from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
 from ckpt_iter import _drift
@@ -187,8 +188,8 @@ class DataSession:
       self.fingerprint["max_seq_token_per_tpu"] = int(self.packing)
     # Changeable on resume, with a warning (not compared as the fields above are).
     settings: dict[str, Any] = api.algorithm_settings(learner)
-    settings[api.TUNIX_VERSION] = api.tunix_version()
-    self.fingerprint[api.SETTINGS_FIELD] = api.encode_settings(settings)
+    settings[settings_lib.TUNIX_VERSION] = api.tunix_version()
+    self.fingerprint[settings_lib.SETTINGS_FIELD] = settings_lib.encode_settings(settings)
 
   def tunix_input(self) -> list[Any]:
     """What Tunix's train() reads to size its batches (nothing else is read)."""
@@ -478,8 +479,8 @@ class DataSession:
           f"{origin}: counter 'eval_items' is {eval_items!r}; it must count trailing "
           "pending items the schedule does not use (the mini-batch's evaluation input)."
       )
-    saved_settings = api.split_settings(value.fingerprint)[1]
-    current_settings = api.split_settings(self.fingerprint)[1]
+    saved_settings = settings_lib.split_settings(value.fingerprint)[1]
+    current_settings = settings_lib.split_settings(self.fingerprint)[1]
     move_input = self._continuation(value, allow_drift, origin)
     critic_state = items.read_critic_state(learner, step, origin)
     mid_global_step = value.pending is not None or counters["remaining_mini_batches"] > 0
@@ -516,7 +517,7 @@ class DataSession:
       items.apply_critic_state(learner, critic_state, step)
     self._restore_rollout_weights(rollout_params)
     learner.rl_cluster.global_steps = global_steps
-    api.warn_settings_changes(api.settings_changes(saved_settings, current_settings), origin)
+    settings_lib.warn_settings_changes(settings_lib.settings_changes(saved_settings, current_settings), origin)
     _LOG.info(
         "ckpt_iter: restored the data state of step %d: %s; %d pending trainer inputs, "
         "%d more mini-batches in this global step%s; content check: %s.",
@@ -584,8 +585,8 @@ class DataSession:
       InvalidStateError: the position is malformed.
     """
     saved_input, position = _input.input_part(value, origin)
-    saved, _ = api.split_settings(value.fingerprint)
-    current, _ = api.split_settings(self.fingerprint)
+    saved, _ = settings_lib.split_settings(value.fingerprint)
+    current, _ = settings_lib.split_settings(self.fingerprint)
     resplit = self._resplit_micro_batches(value, saved, allow_drift, origin)
     position = _position_in_micro_batches(position, saved.get("train_micro_batch_size"), self.micro_batch_size)
     _input.MicroBatchInput.check_position(position, origin)
