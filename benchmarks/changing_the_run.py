@@ -18,14 +18,21 @@ Three questions:
 3. State bytes per process (no pending items): plain, a mixture of three
    weighted sources after a reweight (its ledger), lanes on 1 and on 8
    processes. Target: under 1 KB.
+4. Lanes after the pod shrank: a 256-host run's position (256 lanes, each one
+   row into its chunk) restored on one process, its first batch (one row of
+   each lane): CPU time and peak traced memory, with rows computed as a batch
+   takes them against each chunk computed whole (what 0.2.x did; the same
+   code asked for the whole list), in the same run; and the state's bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import time
+import tracemalloc
 
 import _common
 
@@ -33,6 +40,7 @@ import grain
 import numpy as np
 
 import ckpt_iter
+from ckpt_iter import _lanes
 from ckpt_iter import checkpoint as checkpoint_lib
 
 NUM_RECORDS = 4096
@@ -190,10 +198,64 @@ def state_sizes(report) -> list[dict]:
   return checks
 
 
+SHRUNK_LANES = 256
+
+
+@contextlib.contextmanager
+def whole_chunks():
+  """Each chunk computed whole when a lane starts it, as 0.2.x did (the same rows, all at once)."""
+  as_needed = _lanes.LaneDataset.chunk_row_iter
+  _lanes.LaneDataset.chunk_row_iter = lambda self, chunk: iter(list(as_needed(self, chunk)))
+  try:
+    yield
+  finally:
+    _lanes.LaneDataset.chunk_row_iter = as_needed
+
+
+def shrunk_pod(report, quick: bool) -> list[dict]:
+  data = records()
+  build = lambda: ckpt_iter.make_dataset(
+      data, batch_size=SHRUNK_LANES, seed=1, num_epochs=None, filter=keep, pack=packer, chunk_size=CHUNK,
+      num_lanes=SHRUNK_LANES, shard_index=0, shard_count=1)
+  state = ckpt_iter.DataIterator(build()).get_state()
+  state["position"] = {"first_lane": 0, "lanes": [[3, 1] for _ in range(SHRUNK_LANES)]}
+  results: dict[str, list[tuple[float, float]]] = {"as_needed": [], "whole_chunks": []}
+  first_batches = {}
+  for rep in range(2 if quick else 5):
+    for name in (["as_needed", "whole_chunks"] if rep % 2 == 0 else ["whole_chunks", "as_needed"]):
+      with whole_chunks() if name == "whole_chunks" else contextlib.nullcontext():
+        iterator = ckpt_iter.DataIterator(build())
+        tracemalloc.start()
+        started = time.process_time()
+        iterator.set_state(state)
+        first = next(iterator)
+        cpu_ms = (time.process_time() - started) * 1e3
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+      first_batches[name] = first
+      results[name].append((cpu_ms, peak / 2**20))
+  np.testing.assert_array_equal(first_batches["as_needed"]["tokens"], first_batches["whole_chunks"]["tokens"])
+  medians = {name: (_common.median([cpu for cpu, _ in runs]), _common.median([mib for _, mib in runs]))
+             for name, runs in results.items()}
+  with tempfile.TemporaryDirectory() as step:
+    checkpoint_lib.IteratorCheckpointHandler(0, 1).save(step, ckpt_iter.IteratorSave(iterator))
+    state_bytes = os.path.getsize(os.path.join(step, "process_0-of-1.json"))
+  for name, (cpu_ms, mib) in medians.items():
+    report.measurement(question="shrunk_pod", rows=name, lanes=SHRUNK_LANES, chunk_size=CHUNK,
+                       first_batch_cpu_ms=_common.rounded(cpu_ms), peak_mib=_common.rounded(mib),
+                       state_bytes=state_bytes)
+  ratio = medians["as_needed"][0] / medians["whole_chunks"][0]
+  return [_common.check("256 lanes on one process: first batch CPU, rows as needed / chunks whole", f"{ratio:.3f}",
+                        "<= 0.25 (what the rows taken need, not the chunks)", ratio <= 0.25,
+                        as_needed_ms=_common.rounded(medians["as_needed"][0]),
+                        whole_chunks_ms=_common.rounded(medians["whole_chunks"][0]), state_bytes=state_bytes)]
+
+
 def main() -> None:
   args = _common.parse_args(__doc__.splitlines()[0])
   report = _common.Reporter("changing_the_run", args.quick)
-  checks = throughput(report, args.quick) + restore_times(report, args.quick) + state_sizes(report)
+  checks = (throughput(report, args.quick) + restore_times(report, args.quick) + state_sizes(report)
+            + shrunk_pod(report, args.quick))
   report.summary(checks)
 
 

@@ -21,7 +21,7 @@ position is (chunk number in the lane, rows taken from it): O(1) to restore
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import grain
 
@@ -37,6 +37,7 @@ FIRST_LANE = _records.FIRST_LANE
 # mistake (it would read the whole stream for nothing), not waited out.
 MAX_EMPTY_CHUNKS = 10_000
 _NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+_END = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,17 +141,36 @@ class LaneDataset(grain.IterDataset):
     return range(chunk * self.lanes.chunk_size, (chunk + 1) * self.lanes.chunk_size)
 
   def chunk_rows(self, chunk: int) -> list[Any]:
-    """Chunk `chunk` filtered and packed: the same rows whoever computes them, whenever."""
+    """Chunk `chunk` filtered and packed, whole: the same rows whoever computes them, whenever."""
+    return list(self.chunk_row_iter(chunk))
+
+  def chunk_row_iter(self, chunk: int) -> Iterator[Any]:
+    """Chunk `chunk`'s rows, computed as they are asked for: a record is read, filtered and packed only
+    when a row needs it (a lane restored inside a chunk, or the first batch after 256 lanes land on one
+    host, computes the rows it takes, not every chunk whole)."""
     length = None if self.spec.is_mixture else self.spec.source.length
-    records = [self.record(g) for g in self.chunk_records(chunk) if not (self.skips and self.skips.skipped(g, length))]
+    kept = [g for g in self.chunk_records(chunk) if not (self.skips and self.skips.skipped(g, length))]
+    records = grain.MapDataset.source(_ChunkRecords(self, kept))
     if self.lanes.filter is not None:
-      records = [r for r in records if self.lanes.filter(r)]
-    if self.lanes.pack is None or not records:
-      return records
-    return list(self.lanes.pack(grain.MapDataset.source(records).to_iter_dataset(_NO_THREADS)))
+      records = records.filter(self.lanes.filter)
+    rows = records.to_iter_dataset(_NO_THREADS)
+    return iter(rows if self.lanes.pack is None else self.lanes.pack(rows))
 
   def __iter__(self) -> "LaneIterator":
     return LaneIterator(self)
+
+
+class _ChunkRecords:
+  """A chunk's kept stream records as a sequence read on demand (Grain's source protocol)."""
+
+  def __init__(self, dataset: LaneDataset, stream_records: list[int]):
+    self._dataset, self._stream_records = dataset, stream_records
+
+  def __len__(self) -> int:
+    return len(self._stream_records)
+
+  def __getitem__(self, index: int) -> Any:
+    return self._dataset.record(self._stream_records[index])
 
 
 class _Lane:
@@ -159,33 +179,46 @@ class _Lane:
   def __init__(self, dataset: LaneDataset, lane: int, chunk_in_lane: int = 0, rows_taken: int = 0):
     self._dataset, self.lane = dataset, lane
     self.chunk_in_lane, self.rows_taken = chunk_in_lane, rows_taken
-    self._rows: list[Any] | None = None  # the current chunk's rows, computed when first needed
+    # The current chunk's rows computed so far, from its row iterator (None: the chunk is not started here).
+    self._rows: list[Any] = []
+    self._source: Iterator[Any] | None = None
 
   @property
   def chunk(self) -> int:
     return self.chunk_in_lane * self._dataset.lanes.num_lanes + self.lane
 
+  def _computed(self, count: int) -> bool:
+    """Computes the current chunk's rows up to `count`; whether it has that many."""
+    if self._source is None:
+      self._source, self._rows = self._dataset.chunk_row_iter(self.chunk), []
+    while len(self._rows) < count:
+      row = next(self._source, _END)
+      if row is _END:
+        return False
+      self._rows.append(row)
+    return True
+
   def take(self, count: int) -> list[Any]:
-    """The lane's next `count` rows."""
+    """The lane's next `count` rows. A chunk is left once its last row is taken (a saved position is
+    then the next chunk's [m + 1, 0], whether its rows were computed whole or as needed)."""
     rows: list[Any] = []
     empty = 0
     while len(rows) < count:
-      if self._rows is None:
-        self._rows = self._dataset.chunk_rows(self.chunk)
-        if self.rows_taken > len(self._rows):
-          raise errors.InvalidStateError(
-              f"lane {self.lane}: the position takes {self.rows_taken} rows of chunk {self.chunk}, which "
-              f"has {len(self._rows)}: the filter or packer gives other rows than when it was saved.")
+      if self._source is None and not self._computed(self.rows_taken):
+        raise errors.InvalidStateError(
+            f"lane {self.lane}: the position takes {self.rows_taken} rows of chunk {self.chunk}, which "
+            f"has {len(self._rows)}: the filter or packer gives other rows than when it was saved.")
+      self._computed(self.rows_taken + count - len(rows))
       available = self._rows[self.rows_taken:self.rows_taken + count - len(rows)]
       rows.extend(available)
       self.rows_taken += len(available)
-      if self.rows_taken == len(self._rows):
+      if not self._computed(self.rows_taken + 1):  # its last row taken: on to the lane's next chunk
         empty = empty + 1 if not self._rows else 0
         if empty > MAX_EMPTY_CHUNKS:
           raise errors.InvalidArgumentError(
               f"filter dropped every record of {MAX_EMPTY_CHUNKS} chunks in a row (lane {self.lane}, up to "
               f"chunk {self.chunk}); check the filter.")
-        self.chunk_in_lane, self.rows_taken, self._rows = self.chunk_in_lane + 1, 0, None
+        self.chunk_in_lane, self.rows_taken, self._rows, self._source = self.chunk_in_lane + 1, 0, [], None
     return rows
 
   def position(self) -> list[int]:

@@ -763,6 +763,38 @@ def test_a_filter_that_drops_everything_is_named_not_waited_out(monkeypatch):
     next(ckpt_iter.DataIterator(dataset))
 
 
+class _CountingRecords:
+  """Records that count how many were read (a bucket's cost is per record read)."""
+
+  def __init__(self, count):
+    self.records, self.reads = _records(count), 0
+
+  def __len__(self):
+    return len(self.records)
+
+  def __getitem__(self, index):
+    self.reads += 1
+    return self.records[index]
+
+
+def test_lanes_landing_on_one_host_compute_only_the_rows_their_first_batch_takes():
+  """256 lanes of a 256-host run restarted on one host: the first batch takes one row of each lane, and
+  reads a record and the next of each lane's chunk (the next tells whether the chunk goes on), not every
+  chunk whole (issue 49 item 5: 28 s of CPU before the first batch)."""
+  source = _CountingRecords(256 * 64)
+  lanes = dict(batch_size=256, num_epochs=None, filter=lambda r: True, chunk_size=64, num_lanes=256)
+  iterator = ckpt_iter.DataIterator(_make(source, **lanes))
+  built = source.reads  # the source's sampled digest
+  first = next(iterator)
+  assert source.reads - built == 2 * 256  # before: 256 * 64 = 16,384
+  # The same rows, and later the same positions, as a lane computing its chunk whole.
+  whole = iterator.dataset
+  assert list(first["id"]) == [whole.chunk_rows(lane)[0]["id"] for lane in range(256)]
+  for _ in range(63):
+    next(iterator)
+  assert iterator.get_state()["position"]["lanes"][:2] == [[1, 0], [1, 0]]  # each chunk left once taken
+
+
 def test_a_lane_states_position_is_small_and_per_process():
   dataset = _make(_records(400), batch_size=8, num_epochs=None, filter=lambda r: r["id"] % 2 == 0,
                   chunk_size=16, num_lanes=8, shard_index=1, shard_count=2)
