@@ -757,14 +757,11 @@ def content_difference(saved: Mapping[str, Any], element: Any) -> tuple[tuple[st
 # ---------------------------------------------------------------------------
 # Read only: the digests ckpt_iter 0.2.0 wrote where states now hold a content record.
 
-# The position field of a replayed iterable that held `legacy_batch_digest` of
-# the last batch read (now `replay.LAST_FIELD`, a content record).
-LEGACY_BATCH_DIGEST_FIELD = "last_batch_digest"
 _LEGACY_MAX_DEPTH = 64
 
 
 def legacy_batch_digest(batch: Any) -> str:
-  """The 16-hex-digit `last_batch_digest` of one batch, as 0.2.0 computed it, to check a state it wrote.
+  """The 16-hex-digit digest of one batch 0.2.0 wrote (`replay.LEGACY_LAST_FIELD`), to check a state it wrote.
 
   Dicts (keys in sorted order), lists and tuples are structure; arrays (numpy,
   JAX, anything with `__array__`) are hashed by dtype, shape and bytes, object
@@ -806,6 +803,7 @@ def _legacy_hash_tree(node: Any, digest: Any, depth: int) -> None:
 
 
 def legacy_prompts_digest(prompts: Iterable[Any]) -> str:
-  """The `last_rows` digest of a Tunix learner's last prompts, as 0.2.0 computed it, to check a state it wrote."""
+  """The digest of a Tunix learner's last prompts 0.2.0 wrote (`tunix/_input.LEGACY_LAST_ROWS`), to check a state
+  it wrote."""
   text = "\x00".join(str(p) for p in prompts)
   return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]

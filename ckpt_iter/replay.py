@@ -30,9 +30,11 @@ from ckpt_iter import state as state_lib
 
 _LOG = logging.getLogger("ckpt_iter")
 COUNT_FIELD = "full_batches_read"
-# The content record of the last element read; 0.2.0 held `_drift.LEGACY_BATCH_DIGEST_FIELD` instead.
+# The content record of the last element read, and the field ckpt_iter 0.2.0 held
+# `_drift.legacy_batch_digest` of it in instead (read, never written).
 LAST_FIELD = "last_batch"
-_POSITION_FIELDS = frozenset({COUNT_FIELD, LAST_FIELD, _drift.LEGACY_BATCH_DIGEST_FIELD})
+LEGACY_LAST_FIELD = "last_batch_digest"
+_POSITION_FIELDS = frozenset({COUNT_FIELD, LAST_FIELD, LEGACY_LAST_FIELD})
 
 
 def refuses_stream(differences: Mapping[str, Any]) -> bool:
@@ -122,7 +124,7 @@ class ReplayIterator(state_lib.RestorableIterator):
   def _check(self, fingerprint: Any, position: Any, *, allow_drift: Collection[str], origin: str) -> Any:
     state_lib.check_fingerprint(fingerprint, self.fingerprint, allow_drift=allow_drift, origin=origin)
     count = position.get(COUNT_FIELD) if isinstance(position, Mapping) else None
-    legacy = position.get(_drift.LEGACY_BATCH_DIGEST_FIELD) if isinstance(position, Mapping) else None
+    legacy = position.get(LEGACY_LAST_FIELD) if isinstance(position, Mapping) else None
     if (
         not isinstance(position, Mapping)
         or COUNT_FIELD not in position or not set(position) <= _POSITION_FIELDS
@@ -221,7 +223,7 @@ def _check_replayed(saved: Mapping[str, Any] | None, legacy: str | None, last: A
     before, after = legacy, _drift.legacy_batch_digest(last)
     if before == after:
       return
-    field = _drift.LEGACY_BATCH_DIGEST_FIELD
+    field = LEGACY_LAST_FIELD
   else:
     return
   error = errors.ConfigDriftError({field: (before, after)}, origin=origin)

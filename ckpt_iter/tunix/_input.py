@@ -408,20 +408,18 @@ def saved_last_rows(position: Mapping[str, Any]) -> LastRows | None:
 
 def _check_last_rows(position: Mapping[str, Any], origin: str) -> None:
   """Checks the record of the last prompts, if the position holds one (`check_position`)."""
-  for field, digest_key in ((LAST_PROMPTS, "content"), (LEGACY_LAST_ROWS, "digest")):
+  for field, key, shape in ((LAST_PROMPTS, "content", "<content record>"), (LEGACY_LAST_ROWS, "digest", "'<hex>'")):
     saved = position.get(field)
     if saved is None:
       continue
-    if (not isinstance(saved, Mapping) or set(saved) != {"count", digest_key}
-        or not state_lib.is_int(saved["count"]) or saved["count"] < 0):
+    if (not isinstance(saved, Mapping) or set(saved) != {"count", key}
+        or not state_lib.is_int(saved["count"]) or saved["count"] < 0
+        or (field == LEGACY_LAST_ROWS and not isinstance(saved[key], str))):
       raise errors.InvalidStateError(
           f"{origin}: field 'position.{field}' is {state_lib.short_repr(saved)}; expected "
-          f"{{'count': N, '{digest_key}': ...}}.")
-    if field == LEGACY_LAST_ROWS and not isinstance(saved["digest"], str):
-      raise errors.InvalidStateError(
-          f"{origin}: field 'position.{field}.digest' is {state_lib.short_repr(saved['digest'])}; expected text.")
+          f"{{'count': N, '{key}': {shape}}}.")
     if field == LAST_PROMPTS:
-      state_lib.checked_content_record(saved["content"], f"position.{field}.content", origin)
+      state_lib.checked_content_record(saved[key], f"position.{field}.{key}", origin)
 
 
 def _batch_rows(batch: Any) -> int:
