@@ -15,7 +15,7 @@ Two questions of issue 27, each measured in one run:
    (`_input.MicroBatchInput`, as the producer thread reads it). Each repetition
    times a bare Grain `next()` of the same dataset (what any reader pays), one
    `next_micro_batch()` (now: no digest), the digest of its prompts
-   that every micro-batch used to pay (`prompts_digest`), and the digests a save
+   that every micro-batch used to pay (0.2.0's, `_drift.legacy_prompts_digest`), and the digests a save
    now pays once (`settled`: the prompts' and the content check's record of the
    full batch before the position). Medians over interleaved repetitions.
 """
@@ -86,6 +86,7 @@ def _producer(length: int, repetitions: int) -> dict:
   import grain  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
+  from ckpt_iter import _drift  # pylint: disable=g-import-not-at-top
   from ckpt_iter.tunix import _input  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(length)
@@ -101,7 +102,7 @@ def _producer(length: int, repetitions: int) -> dict:
     grain_ms.append(_common.timed_ms(lambda: next(bare))[0])
     elapsed, batch = _common.timed_ms(source.next_micro_batch)
     read_ms.append(elapsed)
-    old_digest_ms.append(_common.timed_ms(lambda: _input.prompts_digest(batch["prompts"]))[0])
+    old_digest_ms.append(_common.timed_ms(lambda: _drift.legacy_prompts_digest(batch["prompts"]))[0])
     unsettled = source.unsettled_position()
     save_digest_ms.append(_common.timed_ms(lambda: _input.settled(unsettled))[0])
   return {

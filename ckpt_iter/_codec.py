@@ -142,8 +142,8 @@ def encode_state(state: IteratorState) -> tuple[dict[str, Any], dict[str, np.nda
 def state_parts(state: IteratorState) -> dict[str, str]:
   """A SHA-256 of each part of a state as it is stored: its header fields and each array.
 
-  Two states are bit-identical exactly when their parts are; `state_digest`
-  joins them into one digest, and comparing parts names what differs.
+  Two states are bit-identical exactly when their parts are, and comparing
+  parts names what differs.
   """
   header, arrays = encode_state(state)
   parts = header_parts(header)
@@ -164,11 +164,6 @@ def header_parts(header: Mapping[str, Any]) -> dict[str, str]:
     else:
       parts[name] = _json_digest(value)
   return parts
-
-
-def state_digest(state: IteratorState) -> str:
-  """One SHA-256 of everything a state stores (equal digests: bit-identical states)."""
-  return _json_digest(sorted(state_parts(state).items()))
 
 
 def _json_digest(value: Any) -> str:

@@ -25,17 +25,19 @@ the field. Only states whose position is `{"next_index": n}` (MapDataset
 pipelines, and `to_iter_dataset` on top of one) can change; a multiprocess or
 other IterDataset position is refused on any change.
 
-A plain iterable has no fingerprint beyond its type and is restored by
-replaying it; `batch_digest` and `check_replayed` tell whether the replay
-reproduced the last batch the saving run consumed.
-
 A fingerprint names how a pipeline is built, not what it yields: a changed
 vocabulary file or record, or a library upgrade that changes a map function's
 output, keeps it. So a state also records a digest of the element produced
-last (`content_digest`, per leaf, taken from the element already in memory), and a
-restore of a random-access pipeline produces that element again (one element,
-O(1)) and compares (`iterator.DataIterator.check_restore`); a mismatch names
-the first field that differs (`first_difference`).
+last (the content record: `content_digest`, per leaf, taken from the element
+already in memory), and a restore of a random-access pipeline produces that
+element again (one element, O(1)) and compares (`iterator.DataIterator.check_restore`);
+a mismatch names the first field that differs (`first_difference`). The
+content record is the one answer to "is this the same element or batch"
+(`content_difference`): for that content check, for a replayed plain iterable's
+last batch (`replay.ReplayIterator`, whose fingerprint is only its type) and
+for the prompts a Tunix RL learner trained last (`tunix/_input`). The digests
+ckpt_iter 0.2.0 wrote there instead are read, never written (`legacy_batch_digest`,
+`legacy_prompts_digest`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import struct
 import sys
 import zlib
 from collections.abc import Mapping
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterable
 
 import numpy as np
 
@@ -597,89 +599,6 @@ def _canonical(nodes: list[_Node]) -> tuple[list[_Node], dict[int, tuple[Any, st
 
 
 # ---------------------------------------------------------------------------
-# Replayed plain iterables.
-
-# The position field of a replayed iterable that holds `batch_digest` of the
-# last batch read; states written before it have none and are not checked.
-REPLAY_DIGEST_FIELD = "last_batch_digest"
-_DIGEST_HEX = 16
-_MAX_DEPTH = 64
-
-
-def batch_digest(batch: Any) -> str:
-  """A 16-hex-digit digest of one batch: its tree structure and every leaf's value.
-
-  Dicts (keys in sorted order), lists and tuples are structure; arrays (numpy,
-  JAX, anything with `__array__`) are hashed by dtype, shape and bytes; Python
-  scalars, strings and bytes by type and value. So the same batch read by two
-  runs has the same digest, and any changed value, dtype, shape or key changes
-  it. A leaf of another type is hashed by its type name only (its repr may
-  hold a memory address): a change inside it is not seen.
-  """
-  digest = hashlib.blake2b(digest_size=_DIGEST_HEX // 2)
-  _hash_tree(batch, digest, 0)
-  return digest.hexdigest()
-
-
-def _hash_tree(node: Any, digest: Any, depth: int) -> None:
-  if depth > _MAX_DEPTH:
-    raise errors.InvalidArgumentError(f"a batch nested deeper than {_MAX_DEPTH} levels cannot be digested.")
-  if isinstance(node, Mapping):
-    digest.update(b"{%d" % len(node))
-    for key in sorted(node, key=lambda k: (type(k).__name__, str(k))):
-      _hash_tree(key, digest, depth + 1)
-      _hash_tree(node[key], digest, depth + 1)
-  elif isinstance(node, (list, tuple)):
-    digest.update(b"[%d" % len(node) if isinstance(node, list) else b"(%d" % len(node))
-    for item in node:
-      _hash_tree(item, digest, depth + 1)
-  elif node is None or (isinstance(node, (bool, numbers.Number, str)) and not isinstance(node, np.generic)):
-    digest.update(f"{type(node).__name__}:{node!r};".encode("utf-8", "surrogatepass"))
-  elif isinstance(node, bytes):
-    digest.update(b"bytes:%d:" % len(node) + node)
-  elif isinstance(node, (np.ndarray, np.generic)) or hasattr(node, "__array__"):
-    array = np.asarray(node)
-    if array.dtype.hasobject:  # e.g. an array of Python strings: element by element
-      digest.update(f"objects{array.shape};".encode())
-      for item in array.ravel().tolist():
-        _hash_tree(item, digest, depth + 1)
-      return
-    digest.update(f"array:{array.dtype.str}{array.shape};".encode())
-    digest.update(np.ascontiguousarray(array).view(np.uint8).ravel().data)
-  else:
-    digest.update(f"<{type(node).__module__}.{type(node).__qualname__}>;".encode())
-
-
-def check_replayed(saved_digest: Any, last_batch: Any, count: int, *, origin: str = "the state") -> None:
-  """Checks that a replay of `count` batches ended with the batch the saving run read last.
-
-  Args:
-    saved_digest: the state's `last_batch_digest`, or None when the state
-      predates the field (then nothing is checked).
-    last_batch: batch `count - 1` of this iterable (ignored when count is 0).
-    count: batches replayed.
-    origin: what the error names.
-
-  Raises:
-    ConfigDriftError: the digests differ: this iterable yields another stream.
-  """
-  if saved_digest is None or count == 0:
-    return
-  here = batch_digest(last_batch)
-  if here == saved_digest:
-    return
-  error = errors.ConfigDriftError({REPLAY_DIGEST_FIELD: (saved_digest, here)}, origin=origin)
-  error.args = (
-      f"{origin} was written after reading {count} batches of a plain iterable, the last with "
-      f"{REPLAY_DIGEST_FIELD}={saved_digest!r}; replaying this iterable gives batch {count - 1} "
-      f"{REPLAY_DIGEST_FIELD}={here!r}, so it is not the stream the checkpoint's run read. "
-      "Pass the iterable the checkpoint's run read (the same batches in the same order), or "
-      "a Grain dataset (ckpt_iter.make_dataset), whose fingerprint names what changed.",
-  )
-  raise error
-
-
-# ---------------------------------------------------------------------------
 # What a pipeline produced, as a digest: the content check of a restore.
 
 # How a state says its element can be produced again: by its index in a
@@ -688,6 +607,7 @@ BY_INDEX = "index"
 ITER_DATASET = "unavailable: an IterDataset cannot produce an element again"
 _NPY_OBJECT, _NPY_VOID = np.dtype(object).num, np.dtype("V1").num
 WHOLE_ELEMENT = "element"
+_SCALARS = (bool, int, float, complex)
 _CONTENT_MAX_DEPTH = 32
 
 
@@ -762,9 +682,9 @@ def _leaf_crc(node: Any) -> int:
   if type(node) is np.ndarray or isinstance(node, np.ndarray):
     # As few dtype attributes as possible: each costs microseconds cold.
     kind = node.dtype.num
-    if kind == _NPY_OBJECT:
-      raise Undigestible("an object array")
     header = struct.pack(f"<{node.ndim + 1}q", kind, *node.shape)
+    if kind == _NPY_OBJECT:
+      return _object_array_crc(node, header)
     if kind == _NPY_VOID:  # structured or opaque: its layout and fields too
       if node.dtype.hasobject:
         raise Undigestible(f"an object array ({node.dtype})")
@@ -780,13 +700,24 @@ def _leaf_crc(node: Any) -> int:
       return zlib.crc32(node.data, crc)  # C-contiguous: its buffer, without a copy
     except (ValueError, TypeError):  # dtypes with no buffer format (datetime64, ...)
       return zlib.crc32(node.reshape(-1).view(np.uint8).data, crc)
-  if node is None or isinstance(node, (bool, int, float, complex)):
+  if node is None or isinstance(node, _SCALARS):
     return zlib.crc32(f"{type(node).__name__}:{node!r}".encode("ascii"))
   if isinstance(node, str):
     return zlib.crc32(node.encode("utf-8", "surrogatepass"), zlib.crc32(b"str:"))
   if isinstance(node, bytes):
     return zlib.crc32(node, zlib.crc32(b"bytes:"))
   raise Undigestible(f"a {type(node).__qualname__}")
+
+
+def _object_array_crc(array: np.ndarray, header: bytes) -> int:
+  """An object array (of Python strings, say): its shape, then each item's CRC; items must be
+  None, Python scalars, str or bytes."""
+  crc = zlib.crc32(header)
+  for item in array.ravel().tolist():
+    if not (item is None or isinstance(item, (*_SCALARS, str, bytes))):
+      raise Undigestible(f"an object array holding a {type(item).__qualname__}")
+    crc = zlib.crc32(struct.pack("<I", _leaf_crc(item)), crc)
+  return crc
 
 
 def first_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[str, str, str] | None:
@@ -804,3 +735,75 @@ def first_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tu
     if before != after:
       return name, before, after
   return WHOLE_ELEMENT, str(saved.get("digest")), str(current.get("digest"))
+
+
+def content_difference(saved: Mapping[str, Any], element: Any) -> tuple[tuple[str, str, str] | None, str | None]:
+  """Whether `element` is the one the content record `saved` describes: the content check, a replay's
+  last batch and a learner's last prompts all ask this.
+
+  Returns:
+    (`first_difference` of the two records, or None; None, or why nothing
+    was compared: the saved record holds no digest, or `element` cannot be
+    digested, either said in the record's `check`).
+  """
+  if saved.get("check") != BY_INDEX:
+    return None, f"not recorded ({saved.get('check')})"
+  current = content_digest(element)
+  if current.get("check") != BY_INDEX:
+    return None, f"not applicable ({current.get('check')})"
+  return first_difference(saved, current), None
+
+
+# ---------------------------------------------------------------------------
+# Read only: the digests ckpt_iter 0.2.0 wrote where states now hold a content record.
+
+_LEGACY_MAX_DEPTH = 64
+
+
+def legacy_batch_digest(batch: Any) -> str:
+  """The 16-hex-digit digest of one batch 0.2.0 wrote (`replay.LEGACY_LAST_FIELD`), to check a state it wrote.
+
+  Dicts (keys in sorted order), lists and tuples are structure; arrays (numpy,
+  JAX, anything with `__array__`) are hashed by dtype, shape and bytes, object
+  arrays element by element; Python scalars, strings and bytes by type and
+  value; a leaf of another type by its type name only.
+  """
+  digest = hashlib.blake2b(digest_size=8)
+  _legacy_hash_tree(batch, digest, 0)
+  return digest.hexdigest()
+
+
+def _legacy_hash_tree(node: Any, digest: Any, depth: int) -> None:
+  if depth > _LEGACY_MAX_DEPTH:
+    raise errors.InvalidArgumentError(f"a batch nested deeper than {_LEGACY_MAX_DEPTH} levels cannot be digested.")
+  if isinstance(node, Mapping):
+    digest.update(b"{%d" % len(node))
+    for key in sorted(node, key=lambda k: (type(k).__name__, str(k))):
+      _legacy_hash_tree(key, digest, depth + 1)
+      _legacy_hash_tree(node[key], digest, depth + 1)
+  elif isinstance(node, (list, tuple)):
+    digest.update(b"[%d" % len(node) if isinstance(node, list) else b"(%d" % len(node))
+    for item in node:
+      _legacy_hash_tree(item, digest, depth + 1)
+  elif node is None or (isinstance(node, (bool, numbers.Number, str)) and not isinstance(node, np.generic)):
+    digest.update(f"{type(node).__name__}:{node!r};".encode("utf-8", "surrogatepass"))
+  elif isinstance(node, bytes):
+    digest.update(b"bytes:%d:" % len(node) + node)
+  elif isinstance(node, (np.ndarray, np.generic)) or hasattr(node, "__array__"):
+    array = np.asarray(node)
+    if array.dtype.hasobject:  # e.g. an array of Python strings: element by element
+      digest.update(f"objects{array.shape};".encode())
+      for item in array.ravel().tolist():
+        _legacy_hash_tree(item, digest, depth + 1)
+      return
+    digest.update(f"array:{array.dtype.str}{array.shape};".encode())
+    digest.update(np.ascontiguousarray(array).view(np.uint8).ravel().data)
+  else:
+    digest.update(f"<{type(node).__module__}.{type(node).__qualname__}>;".encode())
+
+
+def legacy_prompts_digest(prompts: Iterable[Any]) -> str:
+  """The digest of a Tunix learner's last prompts 0.2.0 wrote (`tunix/_input.LEGACY_LAST_ROWS`), to check a state
+  it wrote."""
+  text = "\x00".join(str(p) for p in prompts)
+  return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]

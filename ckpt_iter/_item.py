@@ -61,15 +61,15 @@ def resume_digest(value: state_lib.IteratorState) -> str:
   )
 
 
-def header_digest(header: Mapping[str, Any], *, origin: str) -> str:
+def header_resume_digest(header: Mapping[str, Any], *, origin: str) -> str:
   """`resume_digest` of the state a header holds, without reading its arrays."""
   return _value_digest(codec.header_state(header, origin=origin))
 
 
-def header_digests(
+def header_resume_digests(
     header: Mapping[str, Any], *, origin: str, value: state_lib.IteratorState | None = None
 ) -> tuple[str, ...]:
-  """Every digest a restore of this header may have recorded: `header_digest`, and for a
+  """Every digest a restore of this header may have recorded: `header_resume_digest`, and for a
   header of an older format that migration reshapes (a format-1 Tunix state), the digest
   of it as written, which a ckpt_iter of that format recorded when it resumed from it.
 

@@ -429,10 +429,9 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
         break
     else:
       return "not applicable (no element before the position)"
-    current = _drift.content_digest(element)
-    if current.get("check") != _drift.BY_INDEX:
-      return f"not applicable ({current.get('check')})"
-    difference = _drift.first_difference(saved, current)
+    difference, unchecked = _drift.content_difference(saved, element)
+    if unchecked is not None:
+      return unchecked
     if difference is not None:
       raise errors.ContentDriftError(*difference, index=index, origin=origin)
     return f"same element at index {index}"

@@ -2,16 +2,19 @@
 
 An input that is not a Grain dataset (a list of batch dicts, a generator)
 has no position to jump to: the only way back to element N is to read the
-first N again. A ReplayIterator counts what it yielded and digests the last
-element (`_drift.batch_digest`), so a restore replays N elements and refuses
-the stream when element N-1 differs: it is not the saved one. It is the
-input of a Tunix learner given a plain iterable; a Grain dataset
-(`make_dataset`, `DataIterator`) restores in O(1) instead.
+first N again. A ReplayIterator counts what it yielded and records the
+content record of the last element (`_drift.content_digest`, a CRC per leaf,
+as the content check of a Grain pipeline does), so a restore replays N
+elements and refuses the stream when element N-1 differs, naming the first
+leaf that does: it is not the saved one. It is the input of a Tunix learner
+given a plain iterable; a Grain dataset (`make_dataset`, `DataIterator`)
+restores in O(1) instead.
 
 The state is kind "data": fingerprint `{"source": "iterable:<type>"}`,
-position `{"full_batches_read": N, "last_batch_digest": "<16 hex>"}` (the
-field names of the first Tunix learners' states; an element is a full batch
-there).
+position `{"full_batches_read": N, "last_batch": <content record>}` (the
+count's name is the first Tunix learners'; an element is a full batch
+there). A state of ckpt_iter 0.2.0 holds `last_batch_digest` instead, which
+is checked with the digest 0.2.0 took (`_drift.legacy_batch_digest`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ from ckpt_iter import state as state_lib
 
 _LOG = logging.getLogger("ckpt_iter")
 COUNT_FIELD = "full_batches_read"
+# The content record of the last element read, and the field ckpt_iter 0.2.0 held
+# `_drift.legacy_batch_digest` of it in instead (read, never written).
+LAST_FIELD = "last_batch"
+LEGACY_LAST_FIELD = "last_batch_digest"
+_POSITION_FIELDS = frozenset({COUNT_FIELD, LAST_FIELD, LEGACY_LAST_FIELD})
+
+
+def refuses_stream(differences: Mapping[str, Any]) -> bool:
+  """Whether a `ConfigDriftError`'s differences are a replay's: the iterable is not the saved stream."""
+  return any(name in _POSITION_FIELDS or name.startswith(f"{LAST_FIELD}.") for name in differences)
 
 
 class ReplayIterator(state_lib.RestorableIterator):
@@ -44,7 +57,7 @@ class ReplayIterator(state_lib.RestorableIterator):
     # A generator is its own iterator: it cannot be read again from the start.
     self._one_shot = self._iterator is iterable
     self._read = 0
-    self._last_digest: str | None = None
+    self._last_record: Mapping[str, Any] | None = None
     self._lookahead: collections.deque[Any] = collections.deque()
     self._warned = False
     self._spent = False  # a generator read by a refused restore
@@ -55,10 +68,11 @@ class ReplayIterator(state_lib.RestorableIterator):
     return {"source": f"iterable:{type(self._iterable).__qualname__}"}
 
   def position(self) -> dict[str, Any]:
-    """How many elements were read, and a digest of the last one (a restore checks the element it replays to)."""
+    """How many elements were read, and the content record of the last one (a restore checks the element it
+    replays to)."""
     position: dict[str, Any] = {COUNT_FIELD: self._read}
-    if self._last_digest is not None:
-      position[_drift.REPLAY_DIGEST_FIELD] = self._last_digest
+    if self._last_record is not None:
+      position[LAST_FIELD] = self._last_record
     return position
 
   def state(self) -> state_lib.IteratorState:
@@ -96,8 +110,8 @@ class ReplayIterator(state_lib.RestorableIterator):
     self._check_not_spent()
     element = self._lookahead.popleft() if self._lookahead else next(self._iterator)
     self._read += 1
-    # Hashed when read: the consumer may change the element afterwards.
-    self._last_digest = _drift.batch_digest(element)
+    # Digested when read: the consumer may change the element afterwards.
+    self._last_record = _drift.content_digest(element)
     return element
 
   def peek(self) -> Any:
@@ -110,17 +124,20 @@ class ReplayIterator(state_lib.RestorableIterator):
   def _check(self, fingerprint: Any, position: Any, *, allow_drift: Collection[str], origin: str) -> Any:
     state_lib.check_fingerprint(fingerprint, self.fingerprint, allow_drift=allow_drift, origin=origin)
     count = position.get(COUNT_FIELD) if isinstance(position, Mapping) else None
-    digest = position.get(_drift.REPLAY_DIGEST_FIELD) if isinstance(position, Mapping) else None
+    legacy = position.get(LEGACY_LAST_FIELD) if isinstance(position, Mapping) else None
     if (
         not isinstance(position, Mapping)
-        or not {COUNT_FIELD} <= set(position) <= {COUNT_FIELD, _drift.REPLAY_DIGEST_FIELD}
+        or COUNT_FIELD not in position or not set(position) <= _POSITION_FIELDS
         or not state_lib.is_int(count) or count < 0
-        or not (digest is None or isinstance(digest, str))
+        or not (legacy is None or isinstance(legacy, str))
     ):
       raise errors.InvalidStateError(
           f"{origin}: field 'position' is {state_lib.short_repr(position)}; an iterable's position is "
-          f"{{'{COUNT_FIELD}': N[, '{_drift.REPLAY_DIGEST_FIELD}': '<hex>']}}."
+          f"{{'{COUNT_FIELD}': N[, '{LAST_FIELD}': {{<content record>}}]}}."
       )
+    saved_last = position.get(LAST_FIELD)
+    if saved_last is not None:
+      saved_last = state_lib.checked_content_record(saved_last, f"position.{LAST_FIELD}", origin)
     if self._read:
       raise errors.CkptIterError(
           f"cannot move an iterable input that already yielded {self._read} elements; "
@@ -160,21 +177,21 @@ class ReplayIterator(state_lib.RestorableIterator):
             "Pass the same data in the same order.",
         )
         raise error
-      _drift.check_replayed(digest, last, count, origin=origin)
+      _check_replayed(saved_last, legacy, last, count, origin)
     except errors.ConfigDriftError as refused:
       if self._one_shot:
         self._spent = True
         refused.args = (f"{refused.args[0]} (This generator was read by the replay: pass a new one.)",)
       raise
-    return fresh, count, _drift.batch_digest(last)
+    return fresh, count, _drift.content_digest(last)
 
   def _apply(self, checked: Any) -> None:
-    fresh, count, digest = checked
+    fresh, count, record = checked
     if fresh is not None:
       self._iterator = fresh
       self._lookahead.clear()
     self._read = count
-    self._last_digest = digest
+    self._last_record = record
 
   def _check_not_spent(self) -> None:
     if self._spent:
@@ -182,3 +199,39 @@ class ReplayIterator(state_lib.RestorableIterator):
           "this generator input was read by a refused restore, so it no longer starts "
           "where its position says; pass a new generator (or a Grain dataset)."
       )
+
+
+def _check_replayed(saved: Mapping[str, Any] | None, legacy: str | None, last: Any, count: int, origin: str) -> None:
+  """Checks that a replay of `count` elements ended with the element the saving run read last.
+
+  `saved`: the state's content record of it (`LAST_FIELD`); `legacy`: the
+  digest a state of ckpt_iter 0.2.0 holds instead; neither in a state that
+  predates both (then nothing is checked).
+
+  Raises:
+    ConfigDriftError: naming the field that differs: this iterable yields another stream.
+  """
+  if count == 0:
+    return
+  if saved is not None:
+    difference, _ = _drift.content_difference(saved, last)
+    if difference is None:
+      return
+    leaf, before, after = difference
+    field = f"{LAST_FIELD}.{leaf}"
+  elif legacy is not None:
+    before, after = legacy, _drift.legacy_batch_digest(last)
+    if before == after:
+      return
+    field = LEGACY_LAST_FIELD
+  else:
+    return
+  error = errors.ConfigDriftError({field: (before, after)}, origin=origin)
+  error.args = (
+      f"{origin} was written after reading {count} batches of a plain iterable; replaying this "
+      f"iterable gives another batch {count - 1}: field {errors.shown_value(field)} has digest "
+      f"{before} there, {after} here, so it is not the stream the checkpoint's run read. Pass the "
+      "iterable the checkpoint's run read (the same batches in the same order), or a Grain dataset "
+      "(ckpt_iter.make_dataset), whose fingerprint names what changed.",
+  )
+  raise error

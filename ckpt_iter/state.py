@@ -458,8 +458,15 @@ def _decoded_text(value: Any, name: str, origin: str) -> Any:
 def _checked_content(content: Any, origin: str) -> FrozenDict | None:
   """`content`: {"check": str, "digest": str, "fields": {name: str}} (digest and fields optional)."""
   content = _decoded_text(content, "content", origin)
-  if content is None:
-    return None
+  return None if content is None else checked_content_record(content, "content", origin)
+
+
+def checked_content_record(content: Any, field: str, origin: str) -> FrozenDict:
+  """A content record (`_drift.content_digest`'s form) held in `field`, checked and copied.
+
+  Raises:
+    InvalidStateError: naming `field`.
+  """
   fields = content.get("fields", {}) if isinstance(content, Mapping) else None
   if (
       not isinstance(content, Mapping)
@@ -471,10 +478,10 @@ def _checked_content(content: Any, origin: str) -> FrozenDict | None:
       or not all(isinstance(k, str) and isinstance(v, str) for k, v in fields.items())
   ):
     raise errors.InvalidStateError(
-        f"{origin}: field 'content' must be {{'check': str, 'digest': str, 'fields': "
+        f"{origin}: field {field!r} must be {{'check': str, 'digest': str, 'fields': "
         f"{{name: str}} (at most {MAX_CONTENT_FIELDS})}}, got {_short(content)}."
     )
-  return FrozenDict(_checked_copy(content, "content", origin))
+  return FrozenDict(_checked_copy(content, field, origin))
 
 
 # What a resume entry records of where the data map's segment starts (a make_dataset position):

@@ -70,7 +70,7 @@ class Saved:
   process_index: int
   process_count: int
   kind: str
-  digests: tuple[str, ...]  # the first is the current format's (`_item.header_digests`)
+  digests: tuple[str, ...]  # the first is the current format's (`_item.header_resume_digests`)
   progress: int | None  # elements (data), items yielded (repeat), prompts (Tunix)
   lineage: Mapping[str, Any]
   counters: Mapping[str, int]
@@ -243,7 +243,7 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
       next_record=next_record if state_lib.is_int(next_record) else None,
       inside_until=_inside_until(input_fingerprint, input_position, own, origin),
       step=step, process_index=index, process_count=count, kind=value.kind,
-      digests=item_lib.header_digests(header, origin=origin, value=value),
+      digests=item_lib.header_resume_digests(header, origin=origin, value=value),
       progress=_progress(value),
       lineage=value.lineage or item_lib.empty(),
       counters=value.counters,
@@ -460,7 +460,7 @@ def _edited_record(
   (a lineage's running digest covers only the resumes since, and `which` and
   `order` follow each record's step). The first that differs is judged
   against the step it names: the state it records restoring, against the
-  state that step holds (`_item.header_digests`).
+  state that step holds (`_item.header_resume_digests`).
   """
   mine = list(previous.lineage["recent"])[len(previous.lineage["recent"]) - len(older):] if older else []
   if len(mine) == len(older) and all(_record_text(a) == _record_text(b) for a, b in zip(older, mine)):

@@ -18,12 +18,12 @@ by replaying what was read.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from typing import Any, Callable, Collection, Iterable, Mapping
 
 import grain
 
+from ckpt_iter import _drift
 from ckpt_iter import _loader as loader_lib
 from ckpt_iter import _records
 from ckpt_iter import errors
@@ -36,6 +36,10 @@ _LOG = logging.getLogger("ckpt_iter")
 # Where a learner's position holds its input's state.
 INPUT = state_lib.NESTED["tunix"]
 NEXT_RECORD = _records.NEXT_RECORD
+# The RL learner's record of the prompts of the micro-batch before its position (`LastRows`), and
+# the field ckpt_iter 0.2.0 held them in, read and carried but never written anew.
+LAST_PROMPTS = "last_prompts"
+LEGACY_LAST_ROWS = "last_rows"
 _NOTHING = object()
 
 
@@ -200,14 +204,14 @@ class GrainSource(_RestorableSource):
       except StopIteration:
         return  # the input ran out, as it would have for stock
 
-  def row_boundary(self, stream_rows: int, last_rows: Mapping[str, Any] | None) -> tuple[int | None, str | None]:
+  def row_boundary(self, stream_rows: int, last_rows: LastRows | None) -> tuple[int | None, str | None]:
     """The batch of this pipeline that starts at row `stream_rows` of its stream, or why there is none.
 
     For an input whose position is a batch index (a hand-built MapDataset of
     batches): the prompt count continuation of `_session.DataSession._continuation`.
     The batch is that row's if one starts there and this stream's rows just
-    before it are the ones the checkpoint's run consumed last (`last_rows`
-    digest).
+    before it are the ones the checkpoint's run consumed last (`last_rows`,
+    `saved_last_rows` of the checkpoint's position).
 
     Returns:
       (batch index, None) or (None, reason).
@@ -228,8 +232,8 @@ class GrainSource(_RestorableSource):
     next_index = stream_rows // batch_rows
     if next_index > len(dataset):
       return None, f"this input has {len(dataset)} batches of {batch_rows}, fewer than {stream_rows} prompts"
-    if last_rows:
-      count = int(last_rows["count"])
+    if last_rows is not None:
+      count = last_rows.count
       first = stream_rows - count
       if first < 0:
         return None, "the checkpoint's last prompts lie before this input's start"
@@ -237,7 +241,7 @@ class GrainSource(_RestorableSource):
       for index in range(first // batch_rows, (stream_rows - 1) // batch_rows + 1):
         prompts.extend(dataset[index]["prompts"])
       offset = first - (first // batch_rows) * batch_rows
-      if prompts_digest(prompts[offset:offset + count]) != last_rows["digest"]:
+      if last_rows.differs_from(prompts[offset:offset + count]):
         return None, (
             f"the {count} prompts before row {stream_rows} differ from those the "
             "checkpoint's run trained last, so its stream is not a prefix of this one"
@@ -354,29 +358,71 @@ def check_learner_state(
   return source.check(saved_input, allow_drift=allow_drift - learner_fields, origin=origin)
 
 
-def prompts_digest(prompts: Iterable[Any]) -> str:
-  """A short digest of prompts, to tell whether two streams hold the same rows."""
-  text = "\x00".join(str(p) for p in prompts)
-  return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-class _LastRows:
-  """The prompts of the micro-batch read last, digested only when a checkpoint asks.
+class LastRows:
+  """The prompts of the micro-batch read last, as a checkpoint records them: their count and
+  content record (`_drift.content_digest` of the prompts as text), digested only when a
+  checkpoint asks.
 
   Digesting reads every prompt's text: done per micro-batch on the producer's
   path it grew with sequence length, so it waits for a save (once per
-  micro-batch at most, cached).
+  micro-batch at most, cached). A state of ckpt_iter 0.2.0 holds them under
+  `LEGACY_LAST_ROWS` as a count and a digest, checked with the digest 0.2.0
+  took (`_drift.legacy_prompts_digest`) and carried on as it is.
   """
 
-  def __init__(self, prompts: Any = None, *, saved: Mapping[str, Any] | None = None):
+  def __init__(self, prompts: Any = None, *, field: str = LAST_PROMPTS, saved: Mapping[str, Any] | None = None):
     self._prompts = prompts
+    self.field = field
     self._json = saved
+
+  @property
+  def count(self) -> int:
+    return len(self._prompts) if self._json is None else int(self._json["count"])
 
   def to_json(self) -> dict[str, Any]:
     if self._json is None:
-      self._json = {"count": len(self._prompts), "digest": prompts_digest(self._prompts)}
+      self._json = {"count": len(self._prompts), "content": _drift.content_digest(_as_text(self._prompts))}
       self._prompts = None
     return dict(self._json)
+
+  def differs_from(self, prompts: list[Any]) -> bool:
+    """Whether `prompts` (`count` of them) are not the prompts recorded."""
+    saved = self.to_json()
+    if self.field == LEGACY_LAST_ROWS:
+      return _drift.legacy_prompts_digest(prompts) != saved["digest"]
+    difference, _ = _drift.content_difference(saved["content"], _as_text(prompts))
+    return difference is not None
+
+
+def _as_text(prompts: Any) -> list[str]:
+  # A micro-batch holds its prompts as a list or an array, and `row_boundary` gathers another
+  # pipeline's as a list of the arrays' items: as text, the same prompts have one record.
+  return [str(prompt) for prompt in prompts]
+
+
+def saved_last_rows(position: Mapping[str, Any]) -> LastRows | None:
+  """The record of the last prompts a checkpoint's position holds (`LAST_PROMPTS`, or 0.2.0's
+  `LEGACY_LAST_ROWS`), or None."""
+  for field in (LAST_PROMPTS, LEGACY_LAST_ROWS):
+    if position.get(field) is not None:
+      return LastRows(field=field, saved=position[field])
+  return None
+
+
+def _check_last_rows(position: Mapping[str, Any], origin: str) -> None:
+  """Checks the record of the last prompts, if the position holds one (`check_position`)."""
+  for field, key, shape in ((LAST_PROMPTS, "content", "<content record>"), (LEGACY_LAST_ROWS, "digest", "'<hex>'")):
+    saved = position.get(field)
+    if saved is None:
+      continue
+    if (not isinstance(saved, Mapping) or set(saved) != {"count", key}
+        or not state_lib.is_int(saved["count"]) or saved["count"] < 0
+        or (field == LEGACY_LAST_ROWS and not isinstance(saved[key], str))):
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position.{field}' is {state_lib.short_repr(saved)}; expected "
+          f"{{'count': N, '{key}': {shape}}}.")
+    if field == LAST_PROMPTS:
+      state_lib.checked_content_record(saved[key], f"position.{field}.{key}", origin)
 
 
 def _batch_rows(batch: Any) -> int:
@@ -388,7 +434,7 @@ def _drop_rows(batch: Any, count: int) -> Any:
   return {key: values[count:] for key, values in batch.items()}
 
 
-_OPTIONAL_POSITION_KEYS = frozenset({"rows_taken", "stream_rows", "last_rows"})
+_OPTIONAL_POSITION_KEYS = frozenset({"rows_taken", "stream_rows", LAST_PROMPTS, LEGACY_LAST_ROWS})
 
 
 def settled(position: Mapping[str, Any]) -> dict[str, Any]:
@@ -396,14 +442,10 @@ def settled(position: Mapping[str, Any]) -> dict[str, Any]:
   result = dict(position)
   if INPUT in result:
     result[INPUT] = settled_state(result[INPUT])
-  if isinstance(result.get("last_rows"), _LastRows):
-    result["last_rows"] = result["last_rows"].to_json()
+  for field in (LAST_PROMPTS, LEGACY_LAST_ROWS):
+    if isinstance(result.get(field), LastRows):
+      result[field] = result[field].to_json()
   return result
-
-
-def _saved_last_rows(position: Mapping[str, Any]) -> _LastRows | None:
-  saved = position.get("last_rows")
-  return None if saved is None else _LastRows(saved=saved)
 
 
 class MicroBatchInput:
@@ -432,7 +474,7 @@ class MicroBatchInput:
     self._rebatch = rebatch
     self._start_rows = 0  # rows of the first full batch read before the stream
     self._stream_rows_base: int | None = 0  # source rows before the stream (None: unknown)
-    self._last_rows: _LastRows | None = None
+    self._last_rows: LastRows | None = None
     self._reset()
 
   def _reset(self) -> None:
@@ -468,13 +510,13 @@ class MicroBatchInput:
     if self._micro_batch_size is None:
       micro_batch = next(self._source)
       self._rows_yielded += _batch_rows(micro_batch)
-      self._last_rows = _LastRows(micro_batch["prompts"])
+      self._last_rows = LastRows(micro_batch["prompts"])
       return micro_batch
     if self._stream is None:
       self._stream = iter(self._rebatch(self._full_batches(self._start_rows), self._micro_batch_size))
     micro_batch = next(self._stream)
     self._rows_yielded += _batch_rows(micro_batch)
-    self._last_rows = _LastRows(micro_batch["prompts"])
+    self._last_rows = LastRows(micro_batch["prompts"])
     # Keep only the full batches the next micro-batch can still start in.
     while len(self._read) > 1 and self._read[1][2] <= self._rows_yielded:
       self._read.pop(0)
@@ -485,7 +527,7 @@ class MicroBatchInput:
 
     Besides the input's state and the micro-batches taken of its full batch:
     `stream_rows`, how many rows (prompts) of the source precede it, and
-    `last_rows`, a digest of the micro-batch just before it; they let a
+    `LAST_PROMPTS`, the record of the micro-batch just before it; they let a
     resume continue in a changed pipeline that cannot count records but
     holds the same rows (`GrainSource.row_boundary`).
     """
@@ -500,7 +542,7 @@ class MicroBatchInput:
     if self._stream_rows_base is not None:
       result["stream_rows"] = self._stream_rows_base + self._rows_yielded
     if self._last_rows is not None:
-      result["last_rows"] = self._last_rows
+      result[self._last_rows.field] = self._last_rows
     return result
 
   def _buffered_position(self) -> dict[str, Any]:
@@ -538,8 +580,10 @@ class MicroBatchInput:
     ):
       raise errors.InvalidStateError(
           f"{origin}: field 'position' holds {state_lib.short_repr(dict(position))} beside "
-          f"'{INPUT}'; expected 'micro_batches_taken': N[, 'rows_taken': R, 'stream_rows': N, 'last_rows': {{...}}]."
+          f"'{INPUT}'; expected 'micro_batches_taken': N[, 'rows_taken': R, 'stream_rows': N, "
+          f"'{LAST_PROMPTS}': {{...}}]."
       )
+    _check_last_rows(position, origin)
 
   def apply(self, checked: Callable[[], None], position: Mapping[str, Any]) -> None:
     """Runs the input's checked apply step; `position`: the learner's own fields (`check_position`'s)."""
@@ -558,7 +602,7 @@ class MicroBatchInput:
     self._reset()
     self._start_rows = rows
     self._stream_rows_base = position.get("stream_rows")
-    self._last_rows = _saved_last_rows(position)
+    self._last_rows = saved_last_rows(position)
 
   def seek_micro_batches(self, count: int, micro_per_full: int) -> None:
     """Moves past the first `count` micro-batches (legacy fast-forward)."""

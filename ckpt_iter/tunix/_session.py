@@ -21,10 +21,10 @@ from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
-from ckpt_iter import _drift
 from ckpt_iter import _codec as codec
 from ckpt_iter import errors
 from ckpt_iter import _item as item_lib
+from ckpt_iter import replay as replay_lib
 from ckpt_iter import state as state_lib
 
 _LOG = logging.getLogger("ckpt_iter")
@@ -641,7 +641,7 @@ class DataSession:
     if isinstance(drift, errors.ContentDriftError) or _input.counts_records(saved_input):
       # The same pipeline produced other data, or the input's own rule refused the change.
       raise drift
-    if _drift.REPLAY_DIGEST_FIELD in drift.differences or "full_batches_read" in drift.differences:
+    if replay_lib.refuses_stream(drift.differences):
       raise drift  # a replayed iterable that is not the saved stream: its message says why
     blocking = (set(drift.differences) & set(self.fingerprint)) - _CONTINUABLE_LEARNER_FIELDS
     reason = None
@@ -652,7 +652,7 @@ class DataSession:
     if reason is None and not isinstance(position.get("stream_rows"), int):
       reason = "the checkpoint does not record how many prompts were consumed (written by an older ckpt_iter)"
     if reason is None:
-      next_index, reason = self.input.source.row_boundary(position["stream_rows"], position.get("last_rows"))
+      next_index, reason = self.input.source.row_boundary(position["stream_rows"], _input.saved_last_rows(position))
     if reason is not None:
       raise errors.ConfigDriftError(
           drift.differences, origin=f"{origin} (it cannot continue here: {reason})") from None

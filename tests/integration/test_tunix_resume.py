@@ -110,15 +110,16 @@ def test_plain_iterable_input_is_replayed_with_a_warning(tmp_path, jax_cache):
   assert "restored by replaying 2 elements" in segments[1].stderr
 
 
-def test_another_plain_iterable_is_refused_naming_the_last_batch_digest(tmp_path, jax_cache):
+def test_another_plain_iterable_is_refused_naming_the_field_of_the_last_batch(tmp_path, jax_cache):
   # An iterable's fingerprint is its type name: the same generator type over
-  # another order of prompts is caught by the digest of the last batch replayed.
+  # another order of prompts is caught by the content record of the last batch
+  # replayed, which names the first field that differs.
   config = dict(num_iterations=1, batch_size=2, input_kind="iterable")
   root = str(tmp_path / "ckpt")
   harness.run_toy(dict(config, max_steps=2), root, str(tmp_path / "0.npz"), cache_dir=jax_cache)
   refused = harness.run_toy(dict(config, max_steps=4, dataset_seed=5), root, str(tmp_path / "1.npz"),
                             cache_dir=jax_cache, expect_failure=True)
-  assert "ConfigDriftError" in refused.stderr and "last_batch_digest" in refused.stderr, refused.stderr[-2000:]
+  assert "ConfigDriftError" in refused.stderr and "field 'last_batch." in refused.stderr, refused.stderr[-2000:]
   resumed = harness.run_toy(dict(config, max_steps=4), root, str(tmp_path / "2.npz"), cache_dir=jax_cache)
   assert resumed.meta["restored_step"] == 2 and resumed.labels == ["EF", "GH"]
 

@@ -493,7 +493,7 @@ def _tunix_chain_with_a_skip_inside_a_started_batch(root):
     step3 = json.load(f)
 
   def resumed_with_a_skip(header):
-    entry = {"step": 3, "state": item_lib.header_digests(step3, origin="step 3")[-1]}
+    entry = {"step": 3, "state": item_lib.header_resume_digests(step3, origin="step 3")[-1]}
     header["lineage"]["recent"] = [entry]
     header["lineage"]["digest"] = item_lib.fold(item_lib.empty()["digest"], entry)
     header["fingerprint"]["skips"] = '{"records":[[2,3]]}'

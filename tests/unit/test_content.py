@@ -213,6 +213,34 @@ def test_digest_names_the_first_differing_leaf_and_refuses_objects():
   assert _drift.content_digest({"o": object()})["check"].startswith("unavailable: the element holds a object")
 
 
+def test_the_record_sees_every_value_dtype_shape_key_and_string_of_a_batch():
+  """What a replayed iterable's last batch and a learner's last prompts are compared by, too."""
+  def batch(ids, texts=None):
+    return {"ids": np.asarray(ids, np.int32), "prompts": list(texts or [f"p{i}" for i in ids])}
+
+  def digest(element):
+    return _drift.content_digest(element)["digest"]
+
+  base = digest(batch([1, 2]))
+  assert digest({"prompts": ["p1", "p2"], "ids": np.array([1, 2], np.int32)}) == base  # rebuilt, keys reordered
+  changed = [
+      batch([1, 3]),                                               # a value
+      {**batch([1, 2]), "ids": np.asarray([1, 2], np.int64)},      # a dtype
+      {**batch([1, 2]), "ids": np.asarray([[1, 2]], np.int32)},    # a shape
+      batch([1, 2], ["p1", "q2"]),                                 # a string
+      {"id": np.asarray([1, 2], np.int32), "prompts": ["p1", "p2"]},  # a key
+      {**batch([1, 2]), "extra": None},                            # one more leaf
+  ]
+  digests = [digest(element) for element in changed]
+  assert base not in digests and len(set(digests)) == len(digests)
+  # An object array of Python strings and scalars is one leaf, digested item by item (not by address).
+  assert digest(np.array(["a", 1], dtype=object)) == digest(np.array(["a", 1], dtype=object))
+  assert digest(np.array(["a", 1], dtype=object)) != digest(np.array(["a", 2], dtype=object))
+  assert digest(np.array(["a", 1], dtype=object)) != digest(np.array(["a", "1"], dtype=object))
+  assert _drift.content_digest(np.array([object()]))["check"] == (
+      "unavailable: the element holds an object array holding a object")
+
+
 def test_content_and_lineage_fields_are_validated():
   good = {"kind": "data", "fingerprint": {}, "position": {"next_index": 1}}
   for bad in ({"check": 3}, {"check": "index", "fields": {"a": 1}}, {"check": "index", "extra": ""}):

@@ -12,7 +12,6 @@ import pytest
 
 
 import ckpt_iter
-from ckpt_iter import _drift
 from ckpt_iter import testing
 import support
 
@@ -405,50 +404,6 @@ def test_a_repeat_after_make_dataset_reads_every_epoch_and_resumes_exactly():
       lambda: ckpt_iter.DataIterator(once.repeat(2)), checkpoint_at=[0, 2, 3, 5, 6], num_elements=6)
   with pytest.raises(IndexError):
     once[-1]  # pylint: disable=pointless-statement
-
-
-# ---------------------------------------------------------------------------
-# Replayed plain iterables: the digest of the last batch read.
-
-
-def _batch(ids, texts=None):
-  return {"ids": np.asarray(ids, np.int32), "prompts": list(texts or [f"p{i}" for i in ids])}
-
-
-def test_batch_digest_is_stable_and_sees_every_value_dtype_shape_and_key():
-  digest = _drift.batch_digest
-  base = digest(_batch([1, 2]))
-  assert isinstance(base, str) and len(base) == 16 and int(base, 16) >= 0
-  # Rebuilt, with keys in another order: the same.
-  assert digest({"prompts": ["p1", "p2"], "ids": np.array([1, 2], np.int32)}) == base
-  changed = [
-      _batch([1, 3]),                                    # a value
-      {**_batch([1, 2]), "ids": np.asarray([1, 2], np.int64)},  # a dtype
-      {**_batch([1, 2]), "ids": np.asarray([[1, 2]], np.int32)},  # a shape
-      _batch([1, 2], ["p1", "q2"]),                      # a string
-      {"id": np.asarray([1, 2], np.int32), "prompts": ["p1", "p2"]},  # a key
-      {**_batch([1, 2]), "prompts": ("p1", "p2")},       # list -> tuple
-      {**_batch([1, 2]), "extra": None},                 # one more leaf
-  ]
-  digests = [digest(batch) for batch in changed]
-  assert base not in digests and len(set(digests)) == len(digests)
-  # Arrays of Python objects are hashed element by element, not by address.
-  assert digest(np.array(["a", 1], dtype=object)) == digest(np.array(["a", 1], dtype=object))
-  assert digest(np.array(["a", 1], dtype=object)) != digest(np.array(["a", 2], dtype=object))
-
-
-def test_check_replayed_refuses_another_last_batch_naming_the_field_and_both_digests():
-  saved = _drift.batch_digest(_batch([4, 5]))
-  _drift.check_replayed(saved, _batch([4, 5]), 3, origin="the input")  # the same: accepted
-  _drift.check_replayed(None, _batch([9]), 3, origin="the input")  # a state without the field
-  with pytest.raises(ckpt_iter.ConfigDriftError) as info:
-    _drift.check_replayed(saved, _batch([4, 6]), 3, origin="the input")
-  here = _drift.batch_digest(_batch([4, 6]))
-  field = _drift.REPLAY_DIGEST_FIELD
-  assert info.value.differences == {field: (saved, here)}
-  message = str(info.value)
-  assert f"{field}={saved!r}" in message and f"{field}={here!r}" in message
-  assert "batch 2" in message and "the same batches in the same order" in message
 
 
 # ---------------------------------------------------------------------------

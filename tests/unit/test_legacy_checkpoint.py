@@ -165,8 +165,8 @@ def test_a_resume_recorded_by_format_1_is_still_proven_by_the_audit(tmp_path):
   step_3 = _header("grpo/root/actor/3/data")
   assert resumed_at_4["step"] == 3
   # The old code digested step 3 as it was written; today's reads it nested.
-  assert item_lib.header_digest(step_3, origin="step 3") != resumed_at_4["state"]
-  assert resumed_at_4["state"] in item_lib.header_digests(step_3, origin="step 3")
+  assert item_lib.header_resume_digest(step_3, origin="step 3") != resumed_at_4["state"]
+  assert resumed_at_4["state"] in item_lib.header_resume_digests(step_3, origin="step 3")
   root = tmp_path / "grpo"
   shutil.copytree(os.path.join(_V1_ROOTS, "grpo", "root"), root)
   assert cli.main(["audit", str(root), "--json"]) == 0

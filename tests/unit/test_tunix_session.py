@@ -123,11 +123,11 @@ def _record_input(batch_size):
   return ckpt_iter.make_dataset(_PROMPTS, batch_size=batch_size, seed=None, num_epochs=1)
 
 
-def _batch_index_input(batch_size):
+def _batch_index_input(batch_size, prompts=None):
   """A hand-built MapDataset of batches: its position is Grain's batch index."""
   import grain  # pylint: disable=g-import-not-at-top
 
-  return grain.MapDataset.source(_PROMPTS).batch(batch_size)
+  return grain.MapDataset.source(_PROMPTS if prompts is None else prompts).batch(batch_size)
 
 
 def _session_over(dataset, full_batch_size):
@@ -181,6 +181,50 @@ def test_a_batch_size_that_does_not_divide_the_prompts_consumed_is_refused_for_a
   with pytest.raises(errors.ConfigDriftError, match="not a whole number of this input's batches of 3"):
     _session_over(_batch_index_input(3), 3)._continuation(value, frozenset(), "checkpoint step 2")  # pylint: disable=protected-access
   assert _continued(value, _session_over(_batch_index_input(4), 4)) == ["P04", "P05", "P06"]
+
+
+# The prompts with prompt 3 edited: the last the saved run (full batches of 2, two of them) trained.
+_EDITED = [dict(p, prompts="X03") if i == 3 else p for i, p in enumerate(_PROMPTS)]
+
+
+def _with_last_rows_of_0_2_0(value):
+  """`value` as ckpt_iter 0.2.0 wrote it: its last prompts ("P02", "P03") as a count and that release's digest."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  position = {k: v for k, v in value.position.items() if k != "last_prompts"}
+  position["last_rows"] = {"count": 2, "digest": "54a857c2fc97704e"}
+  return dataclasses.replace(value, position=position)
+
+
+@pytest.mark.parametrize("written_by", ["this release", "0.2.0"])
+def test_a_hand_built_input_continues_only_where_it_holds_the_prompts_trained_last(written_by):
+  """The prompt count continuation compares the prompts before that point with the checkpoint's record
+  of them: its content record, or the digest 0.2.0 wrote."""
+  from ckpt_iter import errors  # pylint: disable=g-import-not-at-top
+
+  value = _saved_after(_session_over(_batch_index_input(2), 2), full_batches=2)
+  assert value.position["last_prompts"]["count"] == 2
+  assert list(value.position["last_prompts"]["content"]["fields"]) == ["[0]", "[1]"]
+  if written_by == "0.2.0":
+    value = _with_last_rows_of_0_2_0(value)
+  with pytest.raises(errors.ConfigDriftError, match="prompts before row 4 differ from those the checkpoint's run"):
+    _session_over(_batch_index_input(4, _EDITED), 4)._continuation(value, frozenset(), "checkpoint step 2")  # pylint: disable=protected-access
+  session = _session_over(_batch_index_input(4), 4)
+  assert _continued(value, session) == ["P04", "P05", "P06"]
+  # The next save records the prompts trained last in this release's form.
+  assert set(session.input.position()) == {"input", "micro_batches_taken", "stream_rows", "last_prompts"}
+
+
+def test_a_malformed_record_of_the_last_prompts_is_refused_naming_the_field():
+  from ckpt_iter import errors  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _input  # pylint: disable=g-import-not-at-top
+
+  for field, record in [("last_prompts", {"count": 2, "digest": "54a857c2fc97704e"}),
+                        ("last_prompts.content", {"count": 2, "content": {"check": 1}}),
+                        ("last_rows", {"count": -1, "digest": "54a857c2fc97704e"})]:
+    with pytest.raises(errors.InvalidStateError, match=f"field 'position.{field}'"):
+      _input.MicroBatchInput.check_position(
+          {"micro_batches_taken": 0, field.split(".")[0]: record}, "checkpoint step 2")
 
 
 @pytest.mark.parametrize("make_input", [_record_input, _batch_index_input])
