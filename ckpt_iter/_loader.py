@@ -18,6 +18,7 @@ import grain
 
 from ckpt_iter import _codec as codec
 from ckpt_iter import _graph
+from ckpt_iter import _workers
 from ckpt_iter import _item as item_lib
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -52,8 +53,8 @@ class DataLoaderIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator
     self._fingerprint = _graph.describe_loader(loader)
     self._allow_drift = frozenset(allow_drift)
     # Before any iterator takes the workers' init function.
-    if self._fingerprint["loader.worker_count"] > 0 and not _graph.exit_loader_workers_with_parent(loader):
-      logging.getLogger("ckpt_iter").warning(_graph.WORKERS_NOT_WATCHED)
+    if self._fingerprint["loader.worker_count"] > 0 and not _workers.exit_loader_workers_with_parent(loader):
+      logging.getLogger("ckpt_iter").warning(_workers.WORKERS_NOT_WATCHED)
     self._inner = iter(loader)
 
   @property

@@ -18,6 +18,7 @@ import grain
 
 from ckpt_iter import _drift
 from ckpt_iter import _graph
+from ckpt_iter import _workers
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _records
 from ckpt_iter import dataset as dataset_lib
@@ -66,7 +67,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     before the saved position is no longer the one saved raises
     ContentDriftError (`check_content`). A `make_dataset` pipeline under
     `mp_prefetch` also resumes with another worker count, at the next element in the same order
-    (`_graph.resume_workers`); other pipelines need the saved count. After a
+    (`_workers.resume_workers`); other pipelines need the saved count. After a
     restore of a pipeline with worker processes (`mp_prefetch`), prefetching
     starts at once (google/grain#1211).
   """
@@ -111,8 +112,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self._spec_node = nodes.spec_node
     self._fingerprint = dataset_lib.describe_pipeline(dataset)
     # Before any iterator takes the workers' init function.
-    if self._has_workers and not _graph.exit_workers_with_parent(self._iter_dataset):
-      _drift.LOGGER.warning(_graph.WORKERS_NOT_WATCHED)
+    if self._has_workers and not _workers.exit_workers_with_parent(self._iter_dataset):
+      _drift.LOGGER.warning(_workers.WORKERS_NOT_WATCHED)
     self._inner = self._new_inner()
     super().__init__(self._inner)
     self._allow_drift = frozenset(allow_drift)
@@ -264,8 +265,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     declared = allowed & _DECLARED_CHANGES
     # Before the general check, and whatever allow_drift says: another
     # mp_prefetch worker count is translated to this one, or refused with the
-    # reason (_graph.resume_workers, docs/guarantees.md "Worker processes").
-    workers = _graph.resume_workers(
+    # reason (_workers.resume_workers, docs/guarantees.md "Worker processes").
+    workers = _workers.resume_workers(
         state.fingerprint, current, state.position, self._dataset, origin=origin
     )
     allowed |= workers.accepted

@@ -12,7 +12,7 @@ slice, repeat). For each generated graph:
 - read by `mp_prefetch` with 1-4 worker processes (over the hand-built graph,
   or over `make_dataset` followed by the graph's steps), a restore at a random
   point with the same worker count is exact; with another count it is exact
-  for a `make_dataset` pipeline without a filter (`_graph.resume_workers`) and
+  for a `make_dataset` pipeline without a filter (`_workers.resume_workers`) and
   refused naming the worker-count field otherwise.
 """
 

@@ -15,6 +15,7 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import _graph
+from ckpt_iter import _workers
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import state as state_lib
 from ckpt_iter import testing
@@ -375,7 +376,7 @@ def _interleave_position(counts):
 def test_the_worker_translation_keeps_the_global_position(counts, workers, expected):
   saved = dataset_lib.describe_pipeline(_mp(len(counts)))
   current = dataset_lib.describe_pipeline(_mp(workers))
-  resume = _graph.resume_workers(saved, current, _interleave_position(counts), _mp(workers), origin="s")
+  resume = _workers.resume_workers(saved, current, _interleave_position(counts), _mp(workers), origin="s")
   position = resume.position
   assert [s["next_index"] for s in position["iterators_in_use_states"]] == expected
   assert position["next_index_in_cycle"] == sum(counts) % workers
@@ -387,7 +388,7 @@ def test_the_worker_translation_keeps_the_global_position(counts, workers, expec
 def test_the_same_worker_count_keeps_the_position_as_it_is():
   fields = dataset_lib.describe_pipeline(_mp(2))
   position = _interleave_position([4, 3])
-  resume = _graph.resume_workers(fields, fields, position, _mp(2), origin="s")
+  resume = _workers.resume_workers(fields, fields, position, _mp(2), origin="s")
   assert resume.position == position and not resume.accepted and not resume.changes
 
 
@@ -396,7 +397,7 @@ def test_worker_positions_that_are_not_a_round_robin_prefix_are_refused(counts):
   saved = dataset_lib.describe_pipeline(_mp(2))
   current = dataset_lib.describe_pipeline(_mp(3))
   with pytest.raises(ckpt_iter.InvalidStateError, match="Restore it with the worker count"):
-    _graph.resume_workers(saved, current, _interleave_position(counts), _mp(3), origin="s")
+    _workers.resume_workers(saved, current, _interleave_position(counts), _mp(3), origin="s")
 
 
 @pytest.mark.heavy  # make test resumes another worker count in a fresh process (test_mp_prefetch_process)
@@ -489,12 +490,12 @@ def test_mp_prefetch_workers_are_watched_once_around_their_own_init_function():
   that pickled it, its parent."""
   dataset = grain.MapDataset.range(8).to_iter_dataset().mp_prefetch(
       grain.MultiprocessingOptions(num_workers=2), worker_init_fn=lambda i, n: None)
-  shards = [s for node in _graph.walk_nodes(dataset) for s in _graph._worker_shards(node)]  # pylint: disable=protected-access
+  shards = [s for node in _graph.walk_nodes(dataset) for s in _graph.worker_shards(node)]  # pylint: disable=protected-access
   originals = [shard._worker_init_fn for shard in shards]  # pylint: disable=protected-access
   assert len(shards) == 2 and all(callable(init) for init in originals)
-  assert _graph.exit_workers_with_parent(dataset) and _graph.exit_workers_with_parent(dataset)
+  assert _workers.exit_workers_with_parent(dataset) and _workers.exit_workers_with_parent(dataset)
   wrapped = [shard._worker_init_fn for shard in shards]  # pylint: disable=protected-access
-  assert all(type(w) is _graph._ExitWithParent for w in wrapped)  # pylint: disable=protected-access
+  assert all(type(w) is _workers._ExitWithParent for w in wrapped)  # pylint: disable=protected-access
   assert all(w._init is init for w, init in zip(wrapped, originals))  # pylint: disable=protected-access
   assert wrapped[0]._parent_pid is None  # pylint: disable=protected-access
   assert pickle.loads(cloudpickle.dumps(wrapped[0]))._parent_pid == os.getpid()  # pylint: disable=protected-access
