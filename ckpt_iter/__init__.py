@@ -32,8 +32,8 @@ from ckpt_iter.datamap import learner_step
 from ckpt_iter.state import FORMAT_VERSION
 from ckpt_iter.state import IteratorState
 from ckpt_iter.state import Pending
-from ckpt_iter._storage import StoreBounds
-from ckpt_iter._storage import set_object_store_bounds
+from ckpt_iter._object_store import StoreBounds
+from ckpt_iter._object_store import set_object_store_bounds
 
 # The names that need JAX, Grain or Orbax are imported on first use, so that
 # `import ckpt_iter` (and the read-only `ckpt-iter inspect/verify/diff`,

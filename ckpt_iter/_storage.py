@@ -17,9 +17,9 @@ chosen once per call by the path's form:
   fsspec directly for the two operations epath makes costly on an object
   store: a whole-object read is one ranged GET (epath's open() first fetches
   the object's metadata) and a write is one upload (epath's open("wb") starts
-  a two-request resumable upload). Every call is bounded (`StoreBounds`) and
-  goes through `_guarded`, whose `_translate` is the one place a store's
-  error becomes ckpt_iter's.
+  a two-request resumable upload). Every call is made through
+  `_object_store`, the store client: bounded (`StoreBounds`), and guarded by
+  its `translate`, the one place a store's error becomes ckpt_iter's.
 
 Object stores have no rename, so nothing here writes a temporary and renames
 it: atomicity comes from the caller's commit (Orbax's step commit, see
@@ -38,97 +38,15 @@ import stat
 import threading
 from typing import Any, BinaryIO, Callable, Protocol
 
-from ckpt_iter import errors
+from ckpt_iter import _object_store as store
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-# What to install for a scheme whose fsspec implementation is missing.
-_PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}
-_GCS_SCHEMES = ("gs", "gcs")
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
   """A `scheme://...` location (an object store), as opposed to a local path."""
   return bool(_URL.match(os.fspath(path)))
 
-
-# ---------------------------------------------------------------------------
-# How long an object store may take.
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreBounds:
-  """How long ckpt_iter waits on an object store, in seconds.
-
-  Attributes:
-    request_seconds: one HTTP request, from connecting to the last byte of
-      its answer (the client retries a request that runs past it).
-    operation_seconds: one operation (a read, a write, a listing), retries
-      included; past it the call raises `StorageTimeoutError`.
-  """
-
-  request_seconds: float = 60.0
-  operation_seconds: float = 300.0
-
-
-# Where a process (e.g. a worker a launcher starts) takes its bounds from:
-# "request=SECONDS,operation=SECONDS", either part optional.
-BOUNDS_ENV = "CKPT_ITER_OBJECT_STORE_BOUNDS"
-
-
-def _positive_seconds(name: str, value: Any, where: str) -> float:
-  try:
-    seconds = float(value)
-  except (TypeError, ValueError):
-    seconds = float("nan")
-  if not (seconds > 0 and seconds != float("inf")):
-    raise errors.InvalidArgumentError(
-        f"{where}: {name} is {value!r}; it must be a positive number of seconds.")
-  return seconds
-
-
-def _bounds_from_env() -> StoreBounds:
-  text = os.environ.get(BOUNDS_ENV, "").strip()
-  fields: dict[str, float] = {}
-  for part in filter(None, (p.strip() for p in text.split(","))):
-    name, _, value = part.partition("=")
-    name = {"request": "request_seconds", "operation": "operation_seconds"}.get(name.strip())
-    if name is None:
-      raise errors.InvalidArgumentError(
-          f"{BOUNDS_ENV}={text!r}: expected 'request=SECONDS,operation=SECONDS', got part {part!r}.")
-    fields[name] = _positive_seconds(name, value, BOUNDS_ENV)
-  return StoreBounds(**fields)
-
-
-_bounds = _bounds_from_env()
-
-
-def set_object_store_bounds(
-    *, request_seconds: float | None = None, operation_seconds: float | None = None
-) -> StoreBounds:
-  """Sets how long ckpt_iter waits on an object store (gs://); returns the bounds now in force.
-
-  Every object-store call ckpt_iter makes (its data items, the CLI, gs://
-  sources) is bounded: a request by `request_seconds` (default 60), an
-  operation with its retries by `operation_seconds` (default 300). A call
-  past its bound raises `ckpt_iter.StorageTimeoutError` (an OSError) naming
-  the object and the operation: a stalled connection ends in an error, never
-  a hang. The defaults come from the environment variable
-  CKPT_ITER_OBJECT_STORE_BOUNDS ("request=60,operation=300") when set.
-  """
-  global _bounds
-  changes = {}
-  if request_seconds is not None:
-    changes["request_seconds"] = _positive_seconds("request_seconds", request_seconds, "set_object_store_bounds")
-  if operation_seconds is not None:
-    changes["operation_seconds"] = _positive_seconds(
-        "operation_seconds", operation_seconds, "set_object_store_bounds")
-  _bounds = dataclasses.replace(_bounds, **changes)
-  return _bounds
-
-
-def object_store_bounds() -> StoreBounds:
-  """The bounds in force (`set_object_store_bounds`)."""
-  return _bounds
 
 
 # ---------------------------------------------------------------------------
@@ -317,14 +235,14 @@ def download(path: str, f: BinaryIO, found: Identity) -> None:
   else:
     pin = backend.pin(path)
     if backend.identity(path) != found:
-      raise _replaced_error(path, "its size or version changed since it was described", "file")
+      raise store.replaced_error(path, "its size or version changed since it was described", "file")
   local = threading.local()
   start = 0
   while start < found.size:
     end = min(found.size, start + DOWNLOAD_CHUNK_BYTES)
     data = backend.read_range(path, pin, start, end, local)
     if len(data) != end - start:
-      raise _replaced_error(path, f"{start + len(data):,} bytes where {found.size:,} were described", "file")
+      raise store.replaced_error(path, f"{start + len(data):,} bytes where {found.size:,} were described", "file")
     f.write(data)
     start = end
   if getattr(local, "fd", None) is not None:
@@ -370,11 +288,6 @@ class RangeReader:
     return self._backend.read_range(self.path, self._pin, start, end, self._local)
 
 
-def _replaced_error(path: str, evidence: str, kind: str) -> errors.InvalidStateError:
-  """The refusal of a file (`kind` "file" or "object") replaced since a reader pinned it."""
-  return errors.InvalidStateError(
-      f"{path}: replaced or rewritten since this source indexed it ({evidence}); its records would "
-      f"mix two versions. Build the source again (make_dataset) to read the new {kind}.")
 
 
 # ---------------------------------------------------------------------------
@@ -483,7 +396,7 @@ class _LocalBackend:
       found = _file_key(os.fstat(fd))
       if found != pin:
         os.close(fd)
-        raise _replaced_error(path, f"size, inode or mtime changed: {pin} then, {found} now", "file")
+        raise store.replaced_error(path, f"size, inode or mtime changed: {pin} then, {found} now", "file")
       local.fd, local.pid = fd, os.getpid()
     return os.pread(local.fd, end - start, start)
 
@@ -524,38 +437,34 @@ def _read_into_bytearray(f: Any, path: str, size: int) -> bytearray:
   return data
 
 
-# A streamed object of at most this many bytes is sent as one simple upload
-# (one request) from memory; a larger one as a resumable upload (two requests
-# at least), its first bytes sent from this buffer.
-SMALL_UPLOAD_BYTES = 16 * 2**20
 
 
 class _ObjectStoreBackend:
-  """URLs through fsspec: every call bounded by `StoreBounds`, its errors typed by `_translate`."""
+  """URLs through fsspec: every call bounded by `StoreBounds`, its errors typed by `_object_store.translate`."""
 
   def absolute(self, path: str) -> str:
     return path
 
   def read_bytes(self, path: str, max_bytes: int, writable: bool) -> bytes | bytearray:
-    fs, key = _filesystem(path)
+    fs, key = store.filesystem(path)
     # One ranged request: a larger object shows itself by the extra byte.
-    data = _bounded(fs, path, "read", fs.cat_file, key, start=0, end=max_bytes + 1)
+    data = store.bounded(fs, path, "read", fs.cat_file, key, start=0, end=max_bytes + 1)
     if len(data) > max_bytes:
       raise TooLargeError(path, len(data), max_bytes, exact=False)
     return bytearray(data) if writable else data
 
   def write_bytes(self, path: str, data: bytes) -> None:
-    fs, key = _filesystem(path)
-    _bounded(fs, path, "write", fs.pipe_file, key, data)
+    fs, key = store.filesystem(path)
+    store.bounded(fs, path, "write", fs.pipe_file, key, data)
 
   def write_stream(self, path: str, produce: Callable[[BinaryIO], None]) -> None:
-    fs, key = _filesystem(path)
-    spool = _Spool(lambda: _StoreFile(
-        _guarded((path, "write", None), fs.open, key, "wb", **_file_bound(fs)), path, "write"))
+    fs, key = store.filesystem(path)
+    spool = store.Spool(lambda: store.StoreFile(
+        store.guarded((path, "write", None), fs.open, key, "wb", **store.file_bound(fs)), path, "write"))
     try:
       produce(spool)  # type: ignore[arg-type]
       if spool.stream is None:  # small: one simple upload, as write_bytes makes
-        _bounded(fs, path, "write", fs.pipe_file, key, bytes(spool.buffer))
+        store.bounded(fs, path, "write", fs.pipe_file, key, bytes(spool.buffer))
       else:
         spool.stream.close()
     except BaseException:
@@ -563,10 +472,10 @@ class _ObjectStoreBackend:
       raise
 
   def list_entries(self, directory: str) -> list[tuple[str, bool]]:
-    fs, key = _filesystem(directory)
+    fs, key = store.filesystem(directory)
     fs.invalidate_cache(key)  # another client (Orbax's) may have written since
     found = []
-    for info in _bounded(fs, directory, "list", fs.ls, key, detail=True):
+    for info in store.bounded(fs, directory, "list", fs.ls, key, detail=True):
       name = info["name"].rstrip("/").rsplit("/", 1)[-1]
       if info["name"].rstrip("/") != key.rstrip("/"):  # ls of a file lists the file
         found.append((name, info.get("type") == "directory"))
@@ -576,34 +485,34 @@ class _ObjectStoreBackend:
     return [name for name, _ in self.list_entries(directory)]
 
   def is_dir(self, path: str) -> bool:
-    fs, key = _filesystem(path)
+    fs, key = store.filesystem(path)
     fs.invalidate_cache(key)
-    return _bounded(fs, path, "list", fs.isdir, key)
+    return store.bounded(fs, path, "list", fs.isdir, key)
 
   def is_file(self, path: str) -> bool:
-    fs, key = _filesystem(path)
-    return _bounded(fs, path, "stat", fs.isfile, key)
+    fs, key = store.filesystem(path)
+    return store.bounded(fs, path, "stat", fs.isfile, key)
 
   def glob(self, pattern: str) -> list[str]:
-    fs, key = _filesystem(pattern)
-    return sorted(fs.unstrip_protocol(match) for match in _bounded(fs, pattern, "list", fs.glob, key))
+    fs, key = store.filesystem(pattern)
+    return sorted(fs.unstrip_protocol(match) for match in store.bounded(fs, pattern, "list", fs.glob, key))
 
   def open_read(self, path: str, generation: str | None) -> BinaryIO:
-    fs, key = _filesystem(path, versioned=bool(generation))
+    fs, key = store.filesystem(path, versioned=bool(generation))
     target = f"{key}#{generation}" if generation else key
-    f = _guarded((path, "read", generation), fs.open, target, "rb", **_file_bound(fs))
-    return _StoreFile(f, path, "read", generation)  # type: ignore[return-value]
+    f = store.guarded((path, "read", generation), fs.open, target, "rb", **store.file_bound(fs))
+    return store.StoreFile(f, path, "read", generation)  # type: ignore[return-value]
 
   def generation(self, path: str) -> str | None:
-    fs, key = _filesystem(path)
+    fs, key = store.filesystem(path)
     fs.invalidate_cache(key)
-    generation = _bounded(fs, path, "stat", fs.info, key).get("generation")
+    generation = store.bounded(fs, path, "stat", fs.info, key).get("generation")
     return str(generation) if generation not in (None, "") and type(fs).__module__.startswith("gcsfs") else None
 
   def identity(self, path: str) -> Identity:
-    fs, key = _filesystem(path)
+    fs, key = store.filesystem(path)
     fs.invalidate_cache(key)
-    info = _bounded(fs, path, "stat", fs.info, key)
+    info = store.bounded(fs, path, "stat", fs.info, key)
     parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
     generation = info.get("generation")
     pinnable = generation not in (None, "") and type(fs).__module__.startswith("gcsfs")
@@ -614,9 +523,9 @@ class _ObjectStoreBackend:
 
   def read_range(self, path: str, pin: Any, start: int, end: int, local: threading.local) -> bytes:
     del local  # one request per read: no state kept
-    fs, key = _filesystem(path)
+    fs, key = store.filesystem(path)
     pinned = {"generation": pin} if pin else {}
-    return _bounded(fs, path, "read", fs.cat_file, key, start=start, end=end, reads_generation=pin, **pinned)
+    return store.bounded(fs, path, "read", fs.cat_file, key, start=start, end=end, reads_generation=pin, **pinned)
 
 
 _VERSION_KEYS = ("generation", "version_id", "VersionId", "ETag", "etag", "crc32c", "md5Hash")
@@ -628,182 +537,3 @@ def _backend(path: str | os.PathLike[str]) -> _Backend:
   """The backend of a path: the one place a local path and a URL part ways."""
   return _OBJECT_STORE if is_url(path) else _LOCAL
 
-
-# ---------------------------------------------------------------------------
-# Object-store plumbing: the filesystem, bounds, and the one error translator.
-
-
-def _filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:
-  """The fsspec filesystem of a URL (fsspec caches instances, per process) and its key.
-
-  On gs:// every HTTP request is bounded (`StoreBounds.request_seconds`);
-  `versioned`: one that reads `key#generation` as that generation.
-  """
-  scheme = url.split("://", 1)[0]
-  try:
-    import fsspec  # pylint: disable=g-import-not-at-top
-
-    options = {"requests_timeout": _bounds.request_seconds} if scheme in _GCS_SCHEMES else {}
-    if versioned and scheme in _GCS_SCHEMES:
-      options["version_aware"] = True
-    return fsspec.core.url_to_fs(url, **options)
-  except ImportError as e:
-    package = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
-    raise ImportError(
-        f"{url}: reading or writing {scheme}:// needs {package} ({e}). Install it with: "
-        f"pip install {package}" + (" (or ckpt_iter[gcs])" if package == "gcsfs" else "")
-    ) from None
-
-
-def _file_bound(fs: Any) -> dict[str, Any]:
-  """What bounds each request of a gcsfs file (its `timeout`); other stores take none."""
-  return {"timeout": _bounds.operation_seconds} if type(fs).__module__.startswith("gcsfs") else {}
-
-
-def _bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, reads_generation: str | None = None,
-             **kwargs: Any) -> Any:
-  """`call(*args, **kwargs)`, a method of `fs`, within the operation bound, through `_guarded`.
-
-  An asynchronous fsspec filesystem (gcsfs) runs each call on its own event
-  loop: given `timeout`, the call is cancelled there when the bound passes.
-  `reads_generation`: the one the call reads (a missing object is then a replaced one).
-  """
-  from fsspec import asyn  # pylint: disable=g-import-not-at-top
-
-  if isinstance(fs, asyn.AsyncFileSystem):
-    kwargs["timeout"] = _bounds.operation_seconds
-  return _guarded((path, operation, reads_generation), call, *args, **kwargs)
-
-
-def _guarded(where: tuple[str, str, str | None], call: Any, *args: Any, **kwargs: Any) -> Any:
-  """`call(*args, **kwargs)`, a store call, its errors translated by `_translate(*where, error)`.
-
-  `where`: the path the call is about, the operation, and the generation it
-  reads (None: the newest).
-  """
-  try:
-    return call(*args, **kwargs)
-  except Exception as e:  # pylint: disable=broad-except
-    translated = _translate(*where, e)
-    if translated is None:
-      raise
-    raise translated from (e if isinstance(translated, errors.StorageError) else None)
-
-
-class _StoreFile:
-  """A store file (for streamed reads or writes) whose every call is `_guarded`, naming the file."""
-
-  def __init__(self, f: Any, path: str, operation: str, generation: str | None = None):
-    self._f = f
-    self._where = (path, operation, generation)
-
-  def read(self, *args: Any) -> bytes:
-    return _guarded(self._where, self._f.read, *args)
-
-  def readinto(self, buffer: Any) -> int:
-    return _guarded(self._where, self._f.readinto, buffer)
-
-  def readline(self, *args: Any) -> bytes:
-    return _guarded(self._where, self._f.readline, *args)
-
-  def seek(self, *args: Any) -> int:
-    return _guarded(self._where, self._f.seek, *args)
-
-  def write(self, data: Any) -> int:
-    return _guarded(self._where, self._f.write, data)
-
-  def flush(self) -> None:
-    _guarded(self._where, self._f.flush)
-
-  def close(self) -> None:
-    _guarded(self._where, self._f.close)
-
-  def __iter__(self) -> Any:
-    return iter(self.readline, b"")
-
-  def __enter__(self) -> "_StoreFile":
-    return self
-
-  def __exit__(self, *exc_info: Any) -> None:
-    self.close()
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._f, name)
-
-
-class _Spool:
-  """A write-only stream that keeps its first SMALL_UPLOAD_BYTES; past them it opens `open_stream()`."""
-
-  def __init__(self, open_stream: Callable[[], Any]):
-    self._open_stream = open_stream
-    self.buffer = bytearray()
-    self.stream: Any = None
-
-  def write(self, data: Any) -> int:
-    view = memoryview(data).cast("B")
-    if self.stream is None:
-      if len(self.buffer) + len(view) <= SMALL_UPLOAD_BYTES:
-        self.buffer += view
-        return len(view)
-      self.stream = self._open_stream()
-      self.stream.write(bytes(self.buffer))
-      self.buffer = bytearray()
-    self.stream.write(view)
-    return len(view)
-
-  def flush(self) -> None:
-    if self.stream is not None:
-      self.stream.flush()
-
-  def discard(self) -> None:
-    """Cancels the upload begun, if any: no partial object is published."""
-    discard = getattr(self.stream, "discard", None)
-    if discard is not None:
-      try:
-        discard()
-      except Exception:  # pylint: disable=broad-except
-        pass
-
-
-def _translate(path: str, operation: str, generation: str | None, error: Exception) -> Exception | None:
-  """`error` of a store call about `path` as ckpt_iter's error; None to raise it as it is.
-
-  The one translator: a missing object stays `FileNotFoundError` (None),
-  unless the call read a pinned `generation`, which is then gone (replaced);
-  the store's own errors become `StorageError` with the cause and a hint;
-  anything else is not the store's (None).
-  """
-  import asyncio  # pylint: disable=g-import-not-at-top
-
-  from fsspec import exceptions as fsspec_exceptions  # pylint: disable=g-import-not-at-top
-
-  if isinstance(error, FileNotFoundError):
-    return _replaced_error(path, f"generation {generation} is gone", "object") if generation else None
-  if isinstance(error, errors.StorageError):
-    return error
-  if isinstance(error, (fsspec_exceptions.FSTimeoutError, asyncio.TimeoutError, TimeoutError)):
-    return errors.StorageTimeoutError(
-        f"{path}: {operation} did not finish within its bound ({_bounds.operation_seconds:g} s an "
-        f"operation, {_bounds.request_seconds:g} s a request): the object store stalled or cannot be "
-        "reached. Retry; the checkpoint being restored, or the last committed one, is intact. For a "
-        f"slow store raise the bounds (ckpt_iter.set_object_store_bounds, or {BOUNDS_ENV}).",
-        path=path, operation=operation, cause="timeout")
-  code = getattr(error, "code", None) if type(error).__name__ == "HttpError" else None
-  text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-  if isinstance(error, PermissionError) or code in (401, 403) or text.startswith("Forbidden"):
-    cause, hint = "permission", (
-        f"the credentials in use may not {operation} it: grant them access to the bucket, or "
-        "use credentials that have it")
-  elif code == 429:
-    cause, hint = "throttled", "the store throttled the requests beyond the client's retries: retry later"
-  elif isinstance(code, int) and code >= 500 or type(error).__name__ == "ProxyError":
-    cause, hint = "server", "the store kept failing beyond the client's retries: retry later"
-  elif isinstance(code, int) or (isinstance(error, ValueError) and text.startswith("Bad Request")):
-    cause, hint = "request", "the store refused the request; check the path and the bucket"
-  elif isinstance(error, (ConnectionError, OSError)) or type(error).__module__.startswith(("aiohttp", "requests")):
-    cause, hint = "network", "the connection to the store failed beyond the client's retries: retry"
-  else:
-    return None
-  shown = f"HTTP {code}: {text}" if code else f"{type(error).__name__}: {text}"
-  return errors.StorageError(
-      f"{path}: cannot {operation} it ({shown}): {hint}.", path=path, operation=operation, cause=cause)

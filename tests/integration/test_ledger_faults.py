@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import ckpt_iter
-from ckpt_iter import _storage
+from ckpt_iter import _object_store
 from ckpt_iter import errors
 
 import ledger_writer
@@ -52,7 +52,7 @@ def proxy(gcs_emulator, monkeypatch):
 
   running = fault_proxy.FaultProxy(gcs_emulator.url).start()
   monkeypatch.setenv("STORAGE_EMULATOR_HOST", running.url)
-  before = _storage.object_store_bounds()
+  before = _object_store.object_store_bounds()
   ckpt_iter.set_object_store_bounds(request_seconds=REQUEST_SECONDS, operation_seconds=OPERATION_SECONDS)
   try:
     yield running

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 
+from ckpt_iter import _object_store
 from ckpt_iter import _storage
 from ckpt_iter import errors
 
@@ -112,14 +113,14 @@ def test_an_overwritten_object_gets_a_new_identity_and_a_new_jsonl_index(gcs_roo
   assert len(built) == 2 and source[1] == {"id": 4}
 
 
-@pytest.mark.parametrize("small_upload_bytes, npz_writes", [(_storage.SMALL_UPLOAD_BYTES, 1), (1024, 2)])
+@pytest.mark.parametrize("small_upload_bytes, npz_writes", [(_object_store.SMALL_UPLOAD_BYTES, 1), (1024, 2)])
 def test_an_npz_up_to_the_small_upload_size_is_one_upload_and_a_larger_one_streamed(
     gcs_emulator, gcs_root, monkeypatch, small_upload_bytes, npz_writes):
   from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
   from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
   from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(_storage, "SMALL_UPLOAD_BYTES", small_upload_bytes)
+  monkeypatch.setattr(_object_store, "SMALL_UPLOAD_BYTES", small_upload_bytes)
   value = state_lib.IteratorState(
       kind="repeat", fingerprint={}, position={"next_index": 1},
       pending=state_lib.Pending(items=tuple({"ids": np.arange(1024, dtype=np.int32) * i} for i in range(3)),

@@ -18,7 +18,7 @@ import pytest
 import ckpt_iter
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
-from ckpt_iter import _storage
+from ckpt_iter import _object_store
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -34,7 +34,7 @@ def proxy(gcs_emulator, monkeypatch):
 
   running = fault_proxy.FaultProxy(gcs_emulator.url).start()
   monkeypatch.setenv("STORAGE_EMULATOR_HOST", running.url)
-  before = _storage.object_store_bounds()
+  before = _object_store.object_store_bounds()
   ckpt_iter.set_object_store_bounds(request_seconds=REQUEST_SECONDS, operation_seconds=OPERATION_SECONDS)
   try:
     yield running
@@ -88,7 +88,7 @@ def test_a_stalled_read_ends_in_a_typed_timeout_naming_the_object(proxy, gcs_roo
 def test_a_stalled_upload_fails_the_save_and_commits_no_step(proxy, gcs_root, monkeypatch):
   # Every npz as a streamed (resumable) upload, whose requests name the object: a small one
   # is otherwise one multipart upload, named only in its body, which the proxy does not read.
-  monkeypatch.setattr(_storage, "SMALL_UPLOAD_BYTES", 0)
+  monkeypatch.setattr(_object_store, "SMALL_UPLOAD_BYTES", 0)
   manager = ocp.CheckpointManager(
       gcs_root, item_handlers={"data": ckpt_iter.IteratorCheckpointHandler()},
       options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
