@@ -34,6 +34,7 @@ import numpy as np
 
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
+from ckpt_iter import _npz
 from ckpt_iter import _records
 from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
@@ -302,12 +303,12 @@ def share_arrays(
   if client is None:
     return header, arrays
   key = f"ckpt_iter/arrays_sha256/{directory}"
-  digest = _files.arrays_sha256(arrays) if arrays else ""
+  digest = _npz.arrays_sha256(arrays) if arrays else ""
   if index == 0:
     client.key_value_set(key, digest or "none", allow_overwrite=True)
   if not digest:
     return header, arrays
-  header = {**header, _files.ARRAYS_SHA256: digest}
+  header = {**header, _npz.ARRAYS_SHA256: digest}
   if index == 0:
     return header, arrays
   try:

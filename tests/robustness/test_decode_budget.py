@@ -26,6 +26,7 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import _files
+from ckpt_iter import _npz
 from ckpt_iter import _codec
 
 STEP = 4
@@ -80,7 +81,7 @@ def hostile_roots(tmp_path_factory) -> dict[str, str]:
     group, arrays = make()
     header.update(format_version=3, pending={"groups": [group], "schedule": [0]},
                   arrays={n: {"dtype": a.dtype.str, "shape": list(a.shape)} for n, a in arrays.items()})
-    header.pop(_files.ARRAYS_DIGEST, None)
+    header.pop(_npz.ARRAYS_DIGEST, None)
     _files.write_files(item_dir, header, arrays, process_index=0, process_count=1)
   return roots
 

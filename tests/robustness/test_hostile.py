@@ -26,6 +26,7 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import _files
+from ckpt_iter import _npz
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
 from ckpt_iter import state as state_lib
@@ -247,7 +248,7 @@ def test_an_npz_padded_with_unlisted_members_is_refused_before_its_directory_is_
     z.writestr("a0.npy", _npy(np.zeros(2, np.uint8)))
     for i in range(50_000):
       z.writestr(f"p{i}", b"")
-  assert os.path.getsize(os.path.join(item_dir, STEM + ".npz")) < _files.npz_size_bound(
+  assert os.path.getsize(os.path.join(item_dir, STEM + ".npz")) < _npz.npz_size_bound(
       {"a0": codec.ArraySpec("|u1", (2**26,))})
   original = zipfile.ZipFile.__init__
   parsed = []

@@ -20,6 +20,7 @@ import pytest
 
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
+from ckpt_iter import _npz
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _storage
 from ckpt_iter import elastic
@@ -37,7 +38,7 @@ def _write(directory, value, index: int, count: int, *, shared_from: int | None 
   """Writes process `index`'s files as `item_lib.share_arrays` leaves them."""
   header, arrays = codec.encode_state(value)
   if count > 1:
-    header[_files.ARRAYS_SHA256] = _files.arrays_sha256(arrays)
+    header[_npz.ARRAYS_SHA256] = _npz.arrays_sha256(arrays)
   if shared_from is not None:
     header[_files.ARRAYS_FROM] = shared_from
     arrays = {}
@@ -57,9 +58,9 @@ def test_a_large_npz_is_streamed_and_bound_to_its_header(tmp_path):
   rows = np.arange(3 * 2**20, dtype=np.int32).reshape(1024, -1)
   value = _state({"ids": rows, "mask": rows % 3 == 0})
   _write(tmp_path, value, 0, 1)
-  stream_digest = json.loads((tmp_path / "process_0-of-1.json").read_text())[_files.ARRAYS_DIGEST]
+  stream_digest = json.loads((tmp_path / "process_0-of-1.json").read_text())[_npz.ARRAYS_DIGEST]
   data = (tmp_path / "process_0-of-1.npz").read_bytes()
-  assert stream_digest == _files._directory_digest(data)  # pylint: disable=protected-access
+  assert stream_digest == _npz.directory_digest(data)
   with np.load(tmp_path / "process_0-of-1.npz") as npz:  # numpy reads it as its own
     assert sorted(npz.files) == ["a0", "a1"] and npz["a0"].tobytes() == rows.tobytes()
   _arrays_equal(_files.read_state(str(tmp_path), 0, 1).pending.items[0], value.pending.items[0])
@@ -109,7 +110,7 @@ def test_a_process_sharing_process_0s_arrays_reads_them_and_checks_their_digest(
     (_files.ARRAYS_FROM, 1, "must name another process"),
     (_files.ARRAYS_FROM, 7, "must name another process"),
     (_files.ARRAYS_FROM, "0", "must name another process"),
-    (_files.ARRAYS_SHA256, "abc", "not a SHA-256"),
+    (_npz.ARRAYS_SHA256, "abc", "not a SHA-256"),
 ])
 def test_a_garbled_sharing_field_is_refused_naming_it(tmp_path, field, value, says):
   value_state = _state({"ids": np.arange(4, dtype=np.int32)})
@@ -173,7 +174,7 @@ def test_arrays_are_read_in_place_from_the_aligned_npz_and_copied_from_an_unalig
   with open(npz, "wb") as f:
     np.savez(f, **rewritten)
   header = json.loads((tmp_path / "process_0-of-1.json").read_text())
-  header.pop(_files.ARRAYS_DIGEST)  # numpy's directory is not the one this header was written with
+  header.pop(_npz.ARRAYS_DIGEST)  # numpy's directory is not the one this header was written with
   (tmp_path / "process_0-of-1.json").write_text(json.dumps(header))
   reread = _files.read_state(str(tmp_path), 0, 1)
   for before, after in zip(read.pending.items, reread.pending.items):
