@@ -11,25 +11,24 @@ Everything is read from the state files: no model is restored, no array is
 loaded by `inspect` or `diff`, and neither JAX, Grain, Orbax nor Tunix is
 imported (verify imports ckpt_iter.tunix only for a state holding Tunix
 items). Errors go to stderr as `ckpt-iter: <message>`; a closed pipe
-(`| head`) ends the output quietly.
+(`| head`) ends the output quietly. This module holds the parser, the
+dispatch and the verbs; what they print is `_text`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import re
 import sys
 import textwrap
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from ckpt_iter import state
 from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter.cli import _audit as auditing
 from ckpt_iter.cli import _inspect as inspection
+from ckpt_iter.cli import _text
 from ckpt_iter.cli import _verify as verification
 
 PROG = "ckpt-iter"
@@ -37,7 +36,6 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 # audit: no check failed, but not every resume was proven; audit and verify: nothing to check (no
 # data state; for verify, every step was deleted while being read).
 EXIT_UNPROVEN, EXIT_NOTHING = 3, 4
-_SCHEDULE_SHOWN = 16
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -82,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_USAGE
   try:
     if args.verb in _READING_VERBS:
-      with _escaped_output():
+      with _text.escaped_output():
         return args.run(args)
     return args.run(args)
   except BrokenPipeError:
@@ -100,46 +98,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # The verbs that print what checkpoint files hold: their output is escaped.
 _READING_VERBS = ("inspect", "verify", "diff", "audit", "which", "order")
-# What a checkpoint's string could use to rewrite what the operator sees:
-# control characters (escape sequences, carriage return, backspace...),
-# invisible and direction-changing format characters, lone surrogates.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
-                     "\u2060-\u2069\ufeff\ud800-\udfff]")
-_UNSAFE_OR_NEWLINE = re.compile(_UNSAFE.pattern[:-1] + "\n]")
-
-
-def terminal_safe(text: str, *, newlines: bool = True) -> str:
-  """`text` with every character that could rewrite a terminal shown as an escape (\\x1b).
-
-  `newlines=False` escapes line breaks too: for a value inside a line.
-  """
-  pattern = _UNSAFE if newlines else _UNSAFE_OR_NEWLINE
-  return pattern.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii")
-                     if ord(m.group()) < 0xd800 or ord(m.group()) > 0xdfff else f"\\u{ord(m.group()):04x}", text)
-
-
-class _EscapingStream:
-  """A text stream that writes `terminal_safe` text to `stream`."""
-
-  def __init__(self, stream: Any):
-    self._stream = stream
-
-  def write(self, text: str) -> int:
-    return self._stream.write(terminal_safe(text))
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._stream, name)
-
-
-@contextlib.contextmanager
-def _escaped_output() -> Any:
-  """stdout and stderr escaped while a reading verb runs (a crafted state cannot rewrite the screen)."""
-  saved = sys.stdout, sys.stderr
-  sys.stdout, sys.stderr = _EscapingStream(sys.stdout), _EscapingStream(sys.stderr)
-  try:
-    yield
-  finally:
-    sys.stdout, sys.stderr = saved
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,7 +261,7 @@ def run_inspect(args: argparse.Namespace) -> int:
   if args.json:
     print(json.dumps(_inspect_json(layout, step, processes), indent=1))
   else:
-    print("\n".join(render_inspect(layout, step, processes)))
+    print("\n".join(_text.render_inspect(layout, step, processes)))
   failed = [p for p in processes if p.error is not None]
   for process in failed:
     print(f"{PROG}: {process.error}", file=sys.stderr)
@@ -333,98 +291,6 @@ def _process_json(process: inspection.ProcessState) -> dict[str, Any]:
   return value
 
 
-def render_inspect(layout: inspection.Layout, step: int, processes: list[inspection.ProcessState]) -> list[str]:
-  """The text report of `inspect`: aligned `key  value` lines."""
-  latest = " (latest)" if step == layout.steps[-1] else ""
-  lines = _aligned([
-      ("checkpoint", layout.root),
-      ("step", f"{step}{latest}; steps: {inspection.format_steps(layout.steps)}"),
-      ("item", f"{layout.item}, {_plural(len(processes), 'process', 'processes')}"),
-  ])
-  readable = [p.summary for p in processes if p.summary is not None]
-  shared = _shared_fields([s["fingerprint"] for s in readable])
-  for process in processes:
-    lines.append("")
-    lines.append(f"process {process.process_index} of {process.process_count}  {process.path}")
-    if process.error is not None:
-      lines.append(f"  error: {process.error}")
-      continue
-    lines.extend(_aligned(_state_rows(process.summary, shared), indent=2))
-  if readable:
-    title = "fingerprint" if len(readable) == 1 else "fingerprint (same in every process)"
-    lines.append("")
-    lines.append(title)
-    lines.extend(_aligned([(k, _scalar(v)) for k, v in shared.items()], indent=2))
-  return lines
-
-
-def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[tuple[str, str]]:
-  rows = [
-      ("format_version", str(summary["format_version"])),
-      ("kind", summary["kind"]),
-      ("position", describe_position(summary)),
-  ]
-  rows.extend((name, _scalar(summary[name])) for name in inspection.LEARNER_POSITION_FIELDS if name in summary)
-  rows.append(("shuffle_key", _NO_SHUFFLE_KEY.get(summary["kind"], "none") if summary["shuffle_key"] is None
-               else str(summary["shuffle_key"])))
-  if summary.get("skips"):
-    rows.append(("skips", summary["skips"]["text"] + " (kept by every restore; ckpt-iter audit accounts for them)"))
-  rows.append(("pending", describe_pending(summary["pending"])))
-  if summary["pending"] is not None:
-    rows.append(("pending schedule", _schedule(summary["pending"]["schedule"])))
-    if summary["pending"]["item_types"]:
-      rows.append(("pending types", ", ".join(summary["pending"]["item_types"])))
-  rows.extend((f"counter {k}", str(v)) for k, v in summary["counters"].items())
-  if summary["content"] is not None:
-    rows.append(("content check", "by index (checked on restore)" if summary["content"] == "index"
-                 else summary["content"]))
-  resumes = summary["resumes"]
-  run = summary["run_first_saved_at"]
-  rows.append(("resumes", ("none" if not resumes else
-               f"{resumes} (last from step {_scalar(summary['last_resume_from'])}); ckpt-iter audit checks them")
-               + ("" if run is None else f"; the run first saved at step {_scalar(run)}")))
-  rows.extend(
-      (f"fingerprint {k}", _scalar(v)) for k, v in summary["fingerprint"].items() if k not in shared
-  )
-  return rows
-
-
-# Why a state has no shuffle key: only the repeat order has one.
-_NO_SHUFFLE_KEY = {
-    "data": "none (the key of the repeat order; a data pipeline's order is its seed, in the fingerprint)",
-    "repeat": "none (shuffle_seed=None: repeats in the order produced)",
-    "tunix": "none (data_shuffle_seed=None: repeats in the order produced)",
-}
-
-
-def describe_position(summary: Mapping[str, Any]) -> str:
-  """`epoch 1, 5 of 64 batches read (next_index 69)`, or the raw Grain state."""
-  return state.position_text(summary["kind"], summary, summary["position"])
-
-
-def describe_pending(pending: Mapping[str, Any] | None) -> str:
-  if pending is None:
-    return "none"
-  return (
-      f"{_plural(pending['items'], 'item')}, {pending['remaining']} still to yield; "
-      f"{_plural(pending['arrays'], 'array')}, {_bytes(pending['array_bytes'])}"
-  )
-
-
-def _schedule(schedule: list[int]) -> str:
-  shown = " ".join(map(str, schedule[:_SCHEDULE_SHOWN]))
-  more = len(schedule) - _SCHEDULE_SHOWN
-  return f"[{shown}{f' ... +{more} more' if more > 0 else ''}]"
-
-
-def _shared_fields(fingerprints: list[Mapping[str, Any]]) -> dict[str, Any]:
-  if not fingerprints:
-    return {}
-  first = fingerprints[0]
-  return {
-      k: v for k, v in first.items()
-      if all(k in other and inspection.changed_fields({k: v}, {k: other[k]}) == {} for other in fingerprints)
-  }
 
 
 # ---------------------------------------------------------------------------
@@ -450,18 +316,19 @@ def run_verify(args: argparse.Namespace) -> int:
     return code
   for problem in problems:
     print(problem.line())
-  gone = (f"; {_plural(len(removed), 'step')} ({inspection.format_steps(removed)}) removed while reading "
+  gone = (f"; {_text.plural(len(removed), 'step')} ({inspection.format_steps(removed)}) removed while reading "
           "(deleted by the writer's retention, e.g. Orbax's max_to_keep), not checked") if removed else ""
   if problems:
-    print(f"{PROG}: {_plural(len(problems), 'problem')} in {layout.root}{gone}", file=sys.stderr)
+    print(f"{PROG}: {_text.plural(len(problems), 'problem')} in {layout.root}{gone}", file=sys.stderr)
   elif not steps:
-    print(f"{PROG}: nothing checked in {layout.root}: {_plural(len(removed), 'step')} "
+    print(f"{PROG}: nothing checked in {layout.root}: {_text.plural(len(removed), 'step')} "
           f"({inspection.format_steps(removed)}) removed while reading (deleted by the writer's retention, "
           "e.g. Orbax's max_to_keep); verify the steps kept now", file=sys.stderr)
   else:
     print(
-        f"ok: {layout.root}: {_plural(len(steps), 'step')} ({inspection.format_steps(steps)}), "
-        f"item {layout.item!r}, {_plural(files, 'state file')}, {_plural(arrays, 'pending array')} checked{gone}"
+        f"ok: {layout.root}: {_text.plural(len(steps), 'step')} ({inspection.format_steps(steps)}), "
+        f"item {layout.item!r}, {_text.plural(files, 'state file')}, "
+        f"{_text.plural(arrays, 'pending array')} checked{gone}"
     )
   return code
 
@@ -536,7 +403,7 @@ def run_order(args: argparse.Namespace) -> int:
         layout, args.out, process_index=args.process, start=args.start, limit=args.limit, states=states))
 
   written = _retrying(attempt)
-  print(f"{args.out}: {_plural(written, 'global batch', 'global batches')} from batch {args.start}")
+  print(f"{args.out}: {_text.plural(written, 'global batch', 'global batches')} from batch {args.start}")
   return EXIT_OK
 
 
@@ -627,7 +494,7 @@ def run_diff(args: argparse.Namespace) -> int:
         ],
     }, indent=1))
     return EXIT_OK
-  lines = _aligned([
+  lines = _text.aligned([
       ("a", f"{layout_a.root} step {step_a} (item {layout_a.item})"),
       ("b", f"{layout_b.root} step {step_b} (item {layout_b.item})"),
   ])
@@ -637,7 +504,7 @@ def run_diff(args: argparse.Namespace) -> int:
   for index, x, y in pairs:
     lines.append("")
     lines.append(f"process {index}")
-    lines.extend(_aligned(diff_rows(x, y), indent=2))
+    lines.extend(_text.aligned(_text.diff_rows(x, y), indent=2))
   print("\n".join(lines))
   return EXIT_OK
 
@@ -686,68 +553,5 @@ def _process_pairs(
   return [(p.process_index, p.summary, by_index[p.process_index]) for p in a if p.process_index in by_index]
 
 
-def diff_rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, str]]:
-  """`key  before -> after` rows for what differs between two summaries."""
-  differences = inspection.diff_summaries(a, b)
-  if not differences:
-    return [("state", "identical")]
-  rows = []
-  fingerprint = differences.get("fingerprint", {})
-  if not fingerprint:
-    rows.append(("fingerprint", f"same ({_plural(len(a['fingerprint']), 'field')})"))
-  rows.extend((f"fingerprint {k}", _change(x, y)) for k, (x, y) in fingerprint.items())
-  rows.extend((f"fingerprint {k}", f"{_change(x, y)} (the same code: the same function, no pipeline change)")
-              for k, (x, y) in differences.get("fingerprint_same_function", {}).items())
-  if "kind" in differences:
-    rows.append(("kind", _change(a["kind"], b["kind"])))
-  if "position" in differences:
-    rows.append(("position", f"{describe_position(a)} -> {describe_position(b)}"))
-    rows.extend((name, _change(*differences["position"][name], delta=True))
-                for name in inspection.LEARNER_POSITION_FIELDS if name in differences["position"])
-  if "shuffle_key" in differences:
-    rows.append(("shuffle_key", _change(a["shuffle_key"], b["shuffle_key"])))
-  if "pending" in differences:
-    rows.append(("pending", f"{describe_pending(a['pending'])} -> {describe_pending(b['pending'])}"))
-  rows.extend((f"counter {k}", _change(x, y, delta=True)) for k, (x, y) in differences.get("counters", {}).items())
-  return rows
 
 
-def _change(before: Any, after: Any, *, delta: bool = False) -> str:
-  text = f"{_scalar(before)} -> {_scalar(after)}"
-  if delta and inspection.is_int(before) and inspection.is_int(after):
-    text += f" ({after - before:+d})"
-  return text
-
-
-# ---------------------------------------------------------------------------
-# Text helpers.
-
-
-def _aligned(rows: list[tuple[str, str]], indent: int = 0) -> list[str]:
-  if not rows:
-    return []
-  # A value is one line: a newline inside one could forge the next row.
-  rows = [(terminal_safe(key, newlines=False), terminal_safe(value, newlines=False)) for key, value in rows]
-  width = max(len(key) for key, _ in rows)
-  return [f"{' ' * indent}{key.ljust(width)}  {value}" for key, value in rows]
-
-
-def _scalar(value: Any) -> str:
-  if value is None:
-    return "none"
-  if isinstance(value, bool):
-    return "true" if value else "false"
-  if isinstance(value, str):
-    return value if value and value == value.strip() else repr(value)
-  return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-
-
-def _plural(count: int, singular: str, plural: str | None = None) -> str:
-  return f"{count} {singular if count == 1 else (plural or singular + 's')}"
-
-
-def _bytes(count: int) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if count >= size:
-      return f"{count / size:.1f} {unit} ({count} B)"
-  return f"{count} B"
