@@ -21,6 +21,7 @@ from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _settings as settings_lib
 from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
+from ckpt_iter.tunix import _shardings as shardings
 from ckpt_iter import _codec as codec
 from ckpt_iter import errors
 from ckpt_iter import _item as item_lib
@@ -333,7 +334,7 @@ class DataSession:
       origin = f"checkpoint step {step}"
       stored = [distinct[i] for i in range(len(distinct))] + list(eval_input)
       pending = state_lib.Pending(
-          items=tuple(items.for_checkpoint(learner, item, origin) for item in stored),
+          items=tuple(shardings.for_checkpoint(learner, item, origin) for item in stored),
           schedule=tuple(first_index[id(example)] for example in pending_items),
       )
     else:
@@ -488,11 +489,11 @@ class DataSession:
     # States written before the counter existed always hold the weights mid-step.
     if learner.should_sync_weights and mid_global_step and counters.get(ROLLOUT_WEIGHTS_COUNTER, 1):
       rollout_params = items.read_rollout_params(learner, step, origin)
-    layouts = items.read_saved_layouts(trainer, step)
+    layouts = shardings.read_saved_layouts(trainer, step)
     # Placed before anything is applied: a pending global array whose mesh
     # this cluster lacks fails here, with nothing changed.
     saved_items = value.pending.items if value.pending is not None else ()
-    on_device = [items.to_device(learner, item, origin) for item in saved_items]
+    on_device = [shardings.to_device(learner, item, origin) for item in saved_items]
     # All checks passed and everything is read: apply.
     content_check = move_input()
     self.key = codec.key_from_ints(value.shuffle_key)
@@ -512,7 +513,7 @@ class DataSession:
       # gradient_accumulation_steps of them (what Tunix restores).
       api.set_trainer_steps(trainer, step, int(counters["actor_iter_steps"]))
     api.set_learner_iter_steps(learner, int(trainer.iter_steps))
-    items.apply_saved_layouts(trainer, layouts)
+    shardings.apply_saved_layouts(trainer, layouts)
     if critic_state is not None:
       items.apply_critic_state(learner, critic_state, step)
     self._restore_rollout_weights(rollout_params)

@@ -21,7 +21,7 @@ already differs.
 
 Both Tunix versions: `make test-full` runs it on 0.1.7, `make test-tunix-main`
 on main (0.1.8), where Tunix saves through Orbax v1 and the saved shardings
-are read from v1's metadata (`tunix._items.read_saved_layouts`)."""
+are read from v1's metadata (`tunix._shardings.read_saved_layouts`)."""
 
 from __future__ import annotations
 
@@ -390,11 +390,11 @@ def _write_sharded_states(data_dir: Path, blocks_of: list[dict], *, position=(2,
   from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
   from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
   from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _shardings as shardings  # pylint: disable=g-import-not-at-top
 
   data_dir.mkdir(parents=True)
   for index, blocks in enumerate(blocks_of):
-    leaf = items.ShardedArray(blocks=blocks, shape=(2, 3), mesh_role="actor", spec=("fsdp",))
+    leaf = shardings.ShardedArray(blocks=blocks, shape=(2, 3), mesh_role="actor", spec=("fsdp",))
     value = state_lib.IteratorState(
         kind="tunix", fingerprint={"learner": "GRPOLearner"},
         position={"next_index": position[index]}, counters={"train_steps": 3},
@@ -413,6 +413,7 @@ def test_the_rows_two_processes_held_of_a_sharded_leaf_are_joined_for_one_proces
   import jax  # pylint: disable=g-import-not-at-top
 
   from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _shardings as shardings  # pylint: disable=g-import-not-at-top
 
   data_dir = tmp_path / "actor" / "3" / "data"
   _write_sharded_states(data_dir, [{"0:1,0:3": ROWS[:1]}, {"1:2,0:3": ROWS[1:]}])
@@ -421,7 +422,7 @@ def test_the_rows_two_processes_held_of_a_sharded_leaf_are_joined_for_one_proces
   (item,) = value.pending.items
   assert sorted(item["logps"].blocks) == ["0:1,0:3", "1:2,0:3"]
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-  placed = items.to_device(_learner_with_meshes(actor=mesh), item, "test")
+  placed = shardings.to_device(_learner_with_meshes(actor=mesh), item, "test")
   assert placed["logps"].sharding.spec == jax.sharding.PartitionSpec("fsdp")
   np.testing.assert_array_equal(np.asarray(placed["logps"]), ROWS)
 
@@ -455,12 +456,12 @@ def test_processes_whose_sharded_rows_disagree_or_that_fed_other_data_are_refuse
 def test_a_malformed_sharded_leaf_is_refused_naming_what(blocks, shape, message):
   import jax  # pylint: disable=g-import-not-at-top
 
-  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _shardings as shardings  # pylint: disable=g-import-not-at-top
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-  leaf = items.ShardedArray(blocks=blocks, shape=shape, mesh_role="actor", spec=("fsdp",))
+  leaf = shardings.ShardedArray(blocks=blocks, shape=shape, mesh_role="actor", spec=("fsdp",))
   with pytest.raises(ckpt_iter.InvalidStateError, match=message):
-    items.to_device(_learner_with_meshes(actor=mesh), {"logps": leaf}, "checkpoint step 3")
+    shardings.to_device(_learner_with_meshes(actor=mesh), {"logps": leaf}, "checkpoint step 3")
 
 
 # ---------------------------------------------------------------------------
@@ -477,26 +478,26 @@ def _learner_with_meshes(**meshes) -> types.SimpleNamespace:
 def test_single_process_pending_items_are_stored_as_before():
   import jax  # pylint: disable=g-import-not-at-top
 
-  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _shardings as shardings  # pylint: disable=g-import-not-at-top
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
   learner = _learner_with_meshes(actor=mesh)
   replicated = jax.device_put(np.arange(6.0, dtype=np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   tree = {"logps": replicated, "ids": jax.device_put(np.arange(3)), "none": None}
-  wrapped = items.for_checkpoint(learner, tree, "test")
+  wrapped = shardings.for_checkpoint(learner, tree, "test")
   assert wrapped["logps"] is replicated and wrapped["ids"] is tree["ids"] and wrapped["none"] is None
 
 
 def test_global_array_is_recreated_on_its_role_mesh_with_its_spec():
   import jax  # pylint: disable=g-import-not-at-top
 
-  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _shardings as shardings  # pylint: disable=g-import-not-at-top
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
   learner = _learner_with_meshes(actor=mesh, reference=mesh)
   value = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
-  restored = items.to_device(learner, {
-      "logps": items.GlobalArray(value=value, mesh_role="reference", spec=(None, "fsdp")),
+  restored = shardings.to_device(learner, {
+      "logps": shardings.GlobalArray(value=value, mesh_role="reference", spec=(None, "fsdp")),
       "ids": np.arange(3),
   }, "test")
   logps = restored["logps"]
@@ -510,11 +511,11 @@ def test_global_array_is_recreated_on_its_role_mesh_with_its_spec():
 def test_global_array_of_a_role_the_cluster_lacks_is_refused():
   import jax  # pylint: disable=g-import-not-at-top
 
-  from ckpt_iter.tunix import _items as items  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _shardings as shardings  # pylint: disable=g-import-not-at-top
   from ckpt_iter import errors  # pylint: disable=g-import-not-at-top
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
   learner = _learner_with_meshes(actor=mesh)
-  leaf = items.GlobalArray(value=np.zeros(2, np.float32), mesh_role="critic", spec=())
+  leaf = shardings.GlobalArray(value=np.zeros(2, np.float32), mesh_role="critic", spec=())
   with pytest.raises(errors.InvalidStateError, match=r"role 'critic', which this cluster does not have \(roles: \['actor'\]\)"):
-    items.to_device(learner, {"values": leaf}, "checkpoint step 7")
+    shardings.to_device(learner, {"values": leaf}, "checkpoint step 7")
