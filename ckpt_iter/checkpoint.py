@@ -20,7 +20,10 @@ it to Orbax's handler and args (v0) and checkpointable (v1) APIs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import math
+import threading
 from typing import Any, Collection
 
 from etils import epath
@@ -54,11 +57,7 @@ class IteratorCheckpointHandler(ocp.AsyncCheckpointHandler):
       _await_step_directories()
       raise
     index, count = self._process()
-
-    async def write_files() -> None:
-      _item.write(directory, header, arrays, index, count)
-
-    return [ocp.future.CommitFutureAwaitingContractedSignals(write_files(), name="ckpt_iter_save")]
+    return [_WriteWhenAwaited(lambda: _item.write(directory, header, arrays, index, count))]
 
   def save(self, directory: epath.Path, args: "IteratorSave") -> None:
     """Takes the state and writes this process's files into `directory` before returning."""
@@ -194,6 +193,84 @@ def _check_restore_options(allow_drift: Any, elastic: Any, args_name: str) -> No
         f"{args_name}(elastic={errors.shown_value(elastic, 60)}): elastic is of type "
         f"{type(elastic).__qualname__}, not bool; pass True or False."
     )
+
+
+class _WriteWhenAwaited:
+  """The background write of this process's files, as the future Orbax awaits before it commits the step.
+
+  Orbax awaits the futures of a step's items one after the other in its
+  background save thread (`async_save`), and the first of them creates the
+  step's directories. The write runs there, at the first `result()`, once
+  the directories exist (the same signals
+  `CommitFutureAwaitingContractedSignals` waits for, captured here, at
+  save time): no thread and no event loop of its own per save, and nothing
+  of it runs while `save()` still blocks the training loop. Its error is
+  raised by every `result()`, so Orbax does not commit the step.
+  """
+
+  def __init__(self, write: Any):
+    self._write = write
+    self._lock = threading.Lock()
+    self._state = "pending"  # -> "cancelled" | "done" | "failed"
+    self._error: BaseException | None = None
+    self._signals = _contracted_signals()
+    if self._signals is None:  # an Orbax without them: its own thread, as before
+      async def write_files() -> None:
+        write()
+
+      self._thread_future = ocp.future.CommitFutureAwaitingContractedSignals(write_files(), name="ckpt_iter_save")
+
+  def result(self, timeout: float | None = None) -> None:
+    if self._signals is None:
+      return self._thread_future.result(timeout=timeout)
+    with self._lock:
+      if self._state == "pending":
+        try:
+          self._signals.wait(timeout)
+          self._write()
+          self._state = "done"
+        except BaseException as e:  # pylint: disable=broad-except  (raised below, and on every later call)
+          self._state, self._error = "failed", e
+      if self._state == "cancelled":
+        raise concurrent.futures.CancelledError()
+      if self._error is not None:
+        raise self._error
+    return None
+
+  def cancel(self) -> bool:
+    if self._signals is None:
+      return self._thread_future.cancel()
+    with self._lock:
+      if self._state == "pending":
+        self._state = "cancelled"
+    return self._state == "cancelled"
+
+
+class _Signals:
+  """The Orbax signals (the step's directories created) a write of this save waits for."""
+
+  def __init__(self, future_lib: Any, operation_id: str):
+    self._future_lib = future_lib
+    self._operation_id = operation_id
+    self._signals = future_lib.AwaitableSignalsContract.get_awaitable_signals_from_contract(operation_id=operation_id)
+
+  def wait(self, timeout: float | None) -> None:
+    if not self._signals:
+      return
+    timeout_secs = self._future_lib.multihost.coordination_timeout() if timeout is None else max(1, math.ceil(timeout))
+    self._future_lib.wait_for_signals(self._signals, timeout_secs=timeout_secs, operation_id=self._operation_id)
+
+
+def _contracted_signals() -> _Signals | None:
+  """This save's signals, taken now (at save time, as Orbax's own commit futures do); None on an Orbax without them."""
+  try:
+    from orbax.checkpoint._src.futures import future as future_lib  # pylint: disable=g-import-not-at-top
+    from orbax.checkpoint._src.futures import synchronization  # pylint: disable=g-import-not-at-top
+
+    operation_id = synchronization.OperationIdGenerator.get_current_operation_id()
+    return _Signals(future_lib, operation_id)
+  except (ImportError, AttributeError):
+    return None
 
 
 def _await_step_directories() -> None:

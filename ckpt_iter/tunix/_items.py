@@ -192,7 +192,10 @@ class _SavingManager(_DataSaver):
 
   def _write(self, step, items, custom_metadata, force, extra) -> bool:
     args = {}
-    for name, item in items.items():
+    # The data item first: Orbax awaits the items' writes in this order in its
+    # background thread, and the data item's write runs when awaited
+    # (`checkpoint._WriteWhenAwaited`), so it overlaps the model's.
+    for name, item in sorted(items.items(), key=lambda entry: entry[0] != DATA_ITEM):
       if isinstance(item, Snapshot):
         item = checkpoint_lib.IteratorSave(item)
       elif isinstance(item, Pytree):

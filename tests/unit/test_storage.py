@@ -99,3 +99,22 @@ def test_a_range_reader_reads_ranges_and_survives_pickling(tmp_path):
   assert reader.read(2, 5) == b"cde"
   clone = pickle.loads(pickle.dumps(reader))  # into a Grain worker: no descriptor carried over
   assert clone.read(0, 3) == b"abc" and clone.path == path
+
+
+def test_a_whole_file_is_one_open_write_fsync_and_close_of_its_descriptor(tmp_path, monkeypatch):
+  """Each small file of a save (a state header, the count file) costs the calls it needs, no buffered file."""
+  calls = []
+  for name in ("open", "fstat", "write", "fsync", "close"):
+    original = getattr(os, name)
+    monkeypatch.setattr(os, name, lambda *a, _name=name, _original=original, **k: (
+        calls.append(_name), _original(*a, **k))[1])
+
+  def no_buffered_open(*args, **kwargs):
+    raise AssertionError("a buffered file object was opened")
+
+  monkeypatch.setattr(_storage, "open", no_buffered_open, raising=False)
+  path = str(tmp_path / "process_0-of-1.json")
+  _storage.write_bytes(path, b'{"format_version":4}')
+  assert calls == ["open", "fstat", "write", "fsync", "close"]
+  with open(path, "rb") as f:
+    assert f.read() == b'{"format_version":4}'

@@ -33,3 +33,32 @@ def test_the_warning_is_dropped_only_for_own_items_inside_tunix_s_restore(caplog
   with caplog.at_level(logging.WARNING, logger="absl"):
     _warn_from(filename, item)
   assert any(f'Item "{item}" was found' in r.getMessage() for r in caplog.records) == shown
+
+
+def test_the_data_item_is_the_first_item_orbax_awaits():
+  """Orbax awaits the items' writes in the Composite's order; the data item's write runs when awaited,
+  so it comes first, overlapping the model's writes instead of following them."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  saved = []
+
+  class Real:
+    def save(self, step, args=None, **kwargs):
+      saved.append(list(args.keys()))
+      return True
+
+  class Items:
+    def add_items(self, step, items, custom_metadata):
+      items[_items.DATA_ITEM] = _items.Snapshot(state_lib.IteratorState(kind="tunix", fingerprint={}, position={}))
+      return custom_metadata
+
+    def critic(self):
+      return None
+
+  saving = _items._SavingManager(Real(), Items())  # pylint: disable=protected-access
+  tree = {"w": 1.0}
+  assert saving.save(3, args=ocp.args.Composite(
+      model_params=ocp.args.PyTreeSave(tree), optimizer_state=ocp.args.PyTreeSave(tree)), custom_metadata={})
+  assert saved == [[_items.DATA_ITEM, "model_params", "optimizer_state"]]
