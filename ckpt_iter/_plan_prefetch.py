@@ -10,7 +10,9 @@ already: nothing to do.
 
 Bounded: the files of the reader's window and of the next window, and never
 more bytes than the cache's `max_bytes` (so a prefetch never evicts a file
-the plan needs sooner; a copy in use is never evicted anyway).
+the plan needs sooner; a copy in use is never evicted anyway). Entering a
+window, the source closes its idle copies of every other file (`release`),
+so that they, not the files prefetched, make room.
 
 Only a speed-up: which record an index reads never depends on it. A failure
 here is logged and forgotten: the read that needs a file fetches it itself,
@@ -28,7 +30,8 @@ from ckpt_iter import _permutation
 
 _log = logging.getLogger(__name__)
 
-ENABLED = True  # benchmarks/bucket.py turns it off to measure the reader's own prefetch by file index
+# benchmarks/bucket.py turns it off (before make_dataset) to measure the source's own prefetch by file index.
+ENABLED = True
 _WINDOWS = 2  # the reader's window and the next one
 _SCAN = 1024  # positions scanned to order the current window's shards by first use
 _SEEN_KEPT = 64
@@ -68,7 +71,7 @@ class PlanPrefetch:
 
     follow = getattr(records, "follow_plan", None)
     cache = getattr(records, "cache", None)
-    if not callable(follow) or cache is None or not getattr(records, "prefetch_files", 0):
+    if not ENABLED or not callable(follow) or cache is None or not getattr(records, "prefetch_files", 0):
       return None
     offsets = sources.file_offsets(records)
     if offsets is None:
@@ -100,6 +103,7 @@ class PlanPrefetch:
         while len(self._seen) > _SEEN_KEPT:
           self._seen.pop(next(iter(self._seen)))
       files = self.files_ahead(index)
+      self.records.release(files)  # the others closed where idle: their copies, not these, make room
       if files:
         self.records.prefetch(files)
     except Exception as e:  # pylint: disable=broad-except

@@ -237,6 +237,19 @@ class JsonlSource(_FileReader):
     if missing:
       self._cache.prefetch(missing, then=self._prepare_index)
 
+  def release(self, keep: Sequence[int]) -> None:
+    """Closes this process's copies of the files not in `keep` that no read holds: a plan is done with them.
+
+    A closed copy is no longer in use, so the cache may evict it (its last
+    use is left as it was: it goes before the files read now).
+    """
+    if self._cache is None or self._open_pid != os.getpid():
+      return
+    kept = set(keep)
+    with self._open_lock:
+      for i in [i for i, copy in self._open.items() if copy.readers == 0 and i not in kept]:
+        os.close(self._open.pop(i).fd)
+
   def _cached_counts(self) -> list[int]:
     """Each file's line count: stored in the cache, else counted from a download (in parallel)."""
     cache = self._cache

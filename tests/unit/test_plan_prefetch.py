@@ -58,14 +58,16 @@ def _dataset(source, calls=None):
 
 
 def _ids(dataset):
-  return [batch["id"].tolist() for batch in dataset]
+  """Every batch's ids, read one at a time as DataIterator reads (iter() would read ahead in threads)."""
+  return [dataset[number]["id"].tolist() for number in range(len(dataset))]
 
 
-def _evict_copies(source):
-  """Closes `source`'s copies and removes every copy (their line counts stay): a cache holding other files."""
-  for copy in source._open.values():  # pylint: disable=protected-access
-    os.close(copy.fd)
-  source._open.clear()  # pylint: disable=protected-access
+def _evict_copies(source, *others):
+  """Closes the sources' copies and removes every copy (their line counts stay): a cache holding other files."""
+  for each in (source, *others):
+    for copy in each._open.values():  # pylint: disable=protected-access
+      os.close(copy.fd)
+    each._open.clear()  # pylint: disable=protected-access
   for entry, _, _ in source.cache.entries():
     assert _shard_cache._evict(entry)  # pylint: disable=protected-access
 
@@ -210,3 +212,22 @@ def test_no_prefetch_without_a_cache_or_with_prefetch_off_and_it_pickles(tmp_pat
   prefetch.at(0)
   copy = pickle.loads(pickle.dumps(prefetch))
   assert not copy._seen and copy.files_ahead(0) == prefetch.files_ahead(0)  # pylint: disable=protected-access
+
+
+def test_a_window_left_is_released_so_a_small_cache_downloads_each_file_once(tmp_path, files, monkeypatch):
+  size = max(os.path.getsize(path) for path in files)
+  source = _cached(tmp_path, files, max_bytes=6 * size)
+  expected = _ids(_dataset(files))
+  again = _cached(tmp_path, files, max_bytes=6 * size)  # max_open_files 16: without release all would stay open
+  dataset = _dataset(again)
+  _evict_copies(source, again)  # and the copies a local source's digest read: reading starts with none
+  downloads, real = [], _storage.download
+  monkeypatch.setattr(_storage, "download", lambda path, f, found: (downloads.append(path), real(path, f, found)))
+  ids = []
+  for number in range(len(dataset)):
+    ids.append(dataset[number]["id"].tolist())
+    again.cache.wait()
+    assert len(again._open) <= 2 * WINDOW  # pylint: disable=protected-access  # this window's and the last
+  assert ids == expected
+  assert sorted(downloads) == sorted(files)  # none evicted before it was read, none read twice
+  assert len(again.cache.entries()) <= 6  # the limit in copies (their line indexes, written after, come on top)
