@@ -27,7 +27,9 @@ Batch 32, through `ckpt_iter.DataIterator`, shuffled (seed 7) and sequential
                     (line counts known, no copy): prefetch by plan (the
                     default), by file index (the source's own, as before the
                     plan drove it), off (prefetch_files=0); and local disk.
-                    Each case 3 times, interleaved, the median reported.
+                    Each case 3 times, interleaved, the median reported,
+                    with the time the reader waited for its files (in
+                    ShardCache.open).
   Mosaic Streaming  the same records as 4 MDS shards from the same bucket
                     (benchmarks/_bucket_mosaic.py), where mosaicml-streaming
                     imports: cache cold and warm, local disk, and a resume
@@ -56,6 +58,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import _bucket_mosaic
@@ -71,6 +74,7 @@ import grain  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import ckpt_iter  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import _plan_prefetch  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import sources  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -205,6 +209,30 @@ def plain_grain(proxy, remote_array_record: str, local: list[str], quick: bool, 
   return figures
 
 
+class WaitedForFiles:
+  """While entered: the time the main thread spends in ShardCache.open (waiting for a copy to be there)."""
+
+  def __init__(self):
+    self.seconds, self._real = 0.0, _shard_cache.ShardCache.open
+
+  def __enter__(self):
+    self.seconds, real = 0.0, self._real
+
+    def timed(cache, path, found=None):
+      started = time.perf_counter()
+      try:
+        return real(cache, path, found)
+      finally:
+        if threading.current_thread() is threading.main_thread():
+          self.seconds += time.perf_counter() - started
+
+    _shard_cache.ShardCache.open = timed
+    return self
+
+  def __exit__(self, *exc):
+    _shard_cache.ShardCache.open = self._real
+
+
 def count_only_copy(source_dir: str, target_dir: str) -> None:
   """A cache directory holding only the line counts of `source_dir`'s files: no copy of any file."""
   shutil.rmtree(target_dir, ignore_errors=True)
@@ -251,6 +279,7 @@ def prefetch_cases(proxy, work: str, quick: bool, report: _common.Reporter) -> t
     next(iterator)
   state = iterator.get_state()
   iterator.close()
+  waited = WaitedForFiles()
   modes = {"by plan": (True, 2), "by file index (before)": (False, 2), "off": (True, 0)}
   records = 6_400 if quick else FILES * PER_FILE
   reads: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -262,7 +291,9 @@ def prefetch_cases(proxy, work: str, quick: bool, report: _common.Reporter) -> t
         case = Case(proxy, lambda prefetch_files=prefetch_files: source(prefetch_files))
         case.make_dataset = dataset
         count_only_copy(counts_dir, cache_dir)
-        reads[mode].append(case.read(7, records))
+        with waited:
+          reads[mode].append(case.read(7, records))
+        reads[mode][-1]["waited_for_files_s"] = _common.rounded(waited.seconds)
         count_only_copy(counts_dir, cache_dir)
         restored[mode].append(case.restore(state))
       finally:

@@ -9,8 +9,9 @@ position. Parquet and ArrayRecord sources through a cache hold every file
 already: nothing to do.
 
 Bounded: the files of the reader's window and of the next window, and never
-more bytes than the cache's `max_bytes` (so a prefetch never evicts a file
-the plan needs sooner; a copy in use is never evicted anyway). Entering a
+more bytes than the cache's `max_bytes` (a JSONL file's copy with its line
+index: `cached_bytes`), so that a prefetch never evicts a file the plan
+needs sooner (a copy in use is never evicted anyway). Entering a
 window, the source closes its idle copies of every other file (`release`),
 so that they, not the files prefetched, make room.
 
@@ -77,7 +78,9 @@ class PlanPrefetch:
     if offsets is None:
       return None
     follow()  # the plan, not the file index, says what comes next
-    return cls(order, records, offsets, [found.size for found in records.identities()], cache.max_bytes)
+    sizes = records.cached_bytes() if callable(getattr(records, "cached_bytes", None)) else [
+        found.size for found in records.identities()]
+    return cls(order, records, offsets, sizes, cache.max_bytes)
 
   def at(self, index: int) -> None:
     """A read of stream index `index`: on entering a window not seen yet, prefetch what comes next."""
