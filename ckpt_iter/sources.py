@@ -105,7 +105,8 @@ class JsonlSource(_FileReader):
   copy and kept beside it (evicted with it), so no index of the whole corpus
   is held; a restart on the same host reads only the files' metadata. When a
   record's file differs from the one this thread read before, the next
-  `prefetch_files` files (by index) are downloaded in the background.
+  `prefetch_files` files (by index) are downloaded in the background; read
+  by make_dataset(shuffle="shards"), the files the plan reads next instead.
 
   Args:
     paths: the JSONL files, in order: one path (str or os.PathLike), a glob,
@@ -117,7 +118,7 @@ class JsonlSource(_FileReader):
     cache: a `ShardCache` to copy the files into (local files too), or None
       to read them in place (one ranged GET per record on gs://).
     prefetch_files: with `cache`, how many files after the current one to
-      download ahead (0: none).
+      download ahead (0: none, neither by index nor by a shard plan).
     max_open_files: with `cache`, how many local copies a process keeps open
       (in use, so never evicted) at most.
   """
@@ -131,6 +132,7 @@ class JsonlSource(_FileReader):
     self._identities = _storage.identities(self._paths)
     self._cache = cache
     self._prefetch_files = max(0, int(prefetch_files))
+    self._planned = False  # `follow_plan`: prefetch by plan, not by file index
     self._max_open_files = max(1, int(max_open_files))
     self._local = threading.local()
     self._init_open()
@@ -195,15 +197,27 @@ class JsonlSource(_FileReader):
     self._open: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
     self._open_lock = threading.Lock()
     self._open_pid = os.getpid()
-    # Files this process asked to prefetch (each is asked for once).
-    self._prefetched: set[int] = set()
+
+  @property
+  def prefetch_files(self) -> int:
+    """How many files ahead a cached source downloads (0: no prefetch, by file index or by plan)."""
+    return self._prefetch_files if self._cache is not None else 0
+
+  def follow_plan(self) -> None:
+    """Stops prefetching the next files by index: a plan that knows its next files prefetches them instead.
+
+    make_dataset(shuffle="shards") calls it (see `_plan_prefetch`).
+    """
+    self._planned = True
 
   def prefetch(self, file_indices: Sequence[int]) -> None:
     """Downloads these files (indices into `paths`, modulo their count) and their indexes in the background.
 
-    With no `cache` it does nothing. The reader calls it with the next
-    `prefetch_files` files when it enters a file; a plan that knows its next
-    files (a shard-aware shuffle) may call it with them.
+    With no `cache` it does nothing. Files this process has open are
+    skipped; files already cached are marked as just used (so eviction
+    spares them), the others queued in the given order. The reader calls it
+    with the next `prefetch_files` files when it enters a file; a plan that
+    knows its next files (a shard-aware shuffle) calls it with them.
     """
     if self._cache is None or not file_indices:
       return
@@ -211,11 +225,35 @@ class JsonlSource(_FileReader):
     if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
       self._init_open()
     with self._open_lock:
-      wanted = [i % count for i in file_indices]
-      wanted = [i for i in dict.fromkeys(wanted) if i not in self._prefetched and i not in self._open]
-      self._prefetched.update(wanted)
-    if wanted:
-      self._cache.prefetch([(self._paths[i], self._identities[i]) for i in wanted], then=self._prepare_index)
+      wanted = [i for i in dict.fromkeys(i % count for i in file_indices) if i not in self._open]
+    missing = []
+    for i in wanted:
+      path, found = self._paths[i], self._identities[i]
+      entry = self._cache.entry_path(path, found)
+      if self._cache.has(path, found) and os.path.exists(entry + ".index.npy"):
+        self._cache.touch(path, found)
+      else:
+        missing.append((path, found))
+    if missing:
+      self._cache.prefetch(missing, then=self._prepare_index)
+
+  def cached_bytes(self) -> list[int]:
+    """What each file takes in the cache: its copy and its line index (16 bytes a line and a header)."""
+    counts = np.diff(self._offsets).tolist()
+    return [found.size + 16 * count + 128 for found, count in zip(self._identities, counts)]
+
+  def release(self, keep: Sequence[int]) -> None:
+    """Closes this process's copies of the files not in `keep` that no read holds: a plan is done with them.
+
+    A closed copy is no longer in use, so the cache may evict it (its last
+    use is left as it was: it goes before the files read now).
+    """
+    if self._cache is None or self._open_pid != os.getpid():
+      return
+    kept = set(keep)
+    with self._open_lock:
+      for i in [i for i, copy in self._open.items() if copy.readers == 0 and i not in kept]:
+        os.close(self._open.pop(i).fd)
 
   def _cached_counts(self) -> list[int]:
     """Each file's line count: stored in the cache, else counted from a download (in parallel)."""
@@ -274,8 +312,8 @@ class JsonlSource(_FileReader):
         self._open.move_to_end(file_index)
         copy.readers += 1
         return copy
-    # Entering a file this process has not open: the next ones are downloaded ahead.
-    if self._prefetch_files:
+    # Entering a file this process has not open: the next ones are downloaded ahead (unless a plan says).
+    if self._prefetch_files and not self._planned:
       self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
     path, found = self._paths[file_index], self._identities[file_index]
     fd = self._cache.open(path, found)

@@ -1,0 +1,124 @@
+"""bucket.py's Mosaic Streaming cases: the same records as MDS shards, from the same emulator and proxy.
+
+`streaming.StreamingDataset` (mosaicml-streaming) with its own local cache,
+shuffled (shuffle_seed 7, its default algorithm), batch 32 through its
+`StreamingDataLoader` in the main process (num_workers=0, as DataIterator
+reads with no threads). Cases: from gs:// with an empty local cache (its
+shards downloaded as it reads), again with the cache filled, and from local
+disk (remote=None); the first batch after resuming at the same deep
+position (its `state_dict(DEEP_RECORD, from_beginning=True)` loaded into a
+new dataset), cache warm and cold.
+
+Streaming's GCS downloader asks for Application Default Credentials; against
+the emulator it is given the storage client the emulator's environment
+variable makes (anonymous), its download otherwise unchanged.
+
+Not installable beside ckpt_iter's own extras: mosaicml-streaming 0.13.0
+requires google-cloud-storage<3.3 and numpy<2.2, the gcs extra's
+gcsfs>=2026.10.1 google-cloud-storage>=3.14.1 (docs/bucket.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+
+def available() -> str | None:
+  """None if streaming imports here, else why not."""
+  try:
+    importlib.import_module("streaming")
+  except Exception as e:  # pylint: disable=broad-except
+    return f"{type(e).__name__}: {e}"
+  return None
+
+
+def _anonymous_client(self) -> None:
+  from google.cloud import storage  # pylint: disable=g-import-not-at-top
+
+  self._gcs_client = storage.Client()  # pylint: disable=protected-access  # the emulator's, anonymous
+
+
+def write_shards(lines: list[bytes], directory: str, shard_bytes: int) -> list[str]:
+  """The records as MDS shards (columns id, text; no compression); the files written."""
+  from streaming import MDSWriter  # pylint: disable=g-import-not-at-top
+
+  with MDSWriter(out=directory, columns={"id": "int64", "text": "str"}, size_limit=shard_bytes) as writer:
+    for line in lines:
+      record = json.loads(line)
+      writer.write({"id": record["id"], "text": record["text"]})
+  return sorted(os.listdir(directory))
+
+
+def cases(proxy: Any, work: str, lines: list[bytes], remote: str, upload: Callable[[str, bytes], None],
+          settle: Callable[[Any], None], *, batch: int, records: int, deep_record: int,
+          shard_bytes: int) -> tuple[dict, dict]:
+  """Records/s and the first batch after a resume at `deep_record`, Mosaic Streaming's way."""
+  import streaming  # pylint: disable=g-import-not-at-top
+  from streaming.base import util  # pylint: disable=g-import-not-at-top
+  from streaming.base.storage import download  # pylint: disable=g-import-not-at-top
+
+  download.GCSDownloader._create_gcs_client = _anonymous_client  # pylint: disable=protected-access
+  local = os.path.join(work, "mds_local")
+  names = write_shards(lines, local, shard_bytes)
+  for name in names:
+    with open(os.path.join(local, name), "rb") as f:
+      upload(f"{remote}/{name}", f.read())
+  cache = os.path.join(work, "mds_cache")
+
+  def make(from_bucket: bool, directory: str = cache):
+    util.clean_stale_shared_memory()
+    if from_bucket:
+      dataset = streaming.StreamingDataset(remote=remote, local=directory, shuffle=True, shuffle_seed=7,
+                                           batch_size=batch)
+    else:
+      dataset = streaming.StreamingDataset(local=local, shuffle=True, shuffle_seed=7, batch_size=batch)
+    return dataset
+
+  def read(from_bucket: bool) -> dict:
+    before = proxy.count
+    started = time.perf_counter()
+    dataset = make(from_bucket)
+    loader = streaming.StreamingDataLoader(dataset, batch_size=batch, num_workers=0)
+    batches = iter(loader)
+    setup = time.perf_counter() - started
+    read_started, count = time.perf_counter(), 0
+    while count < records:
+      count += len(next(batches)["id"])
+    reading = time.perf_counter() - read_started
+    requests = proxy.count - before
+    del batches, loader, dataset
+    settle(proxy)
+    return {"records": count, "setup_s": round(setup, 3), "records_per_s": round(count / reading, 1),
+            "requests_per_record": round(requests / count, 5), "requests": requests}
+
+  def restore(from_bucket: bool, state: dict, directory: str = cache) -> dict:
+    before = proxy.count
+    started = time.perf_counter()
+    dataset = make(from_bucket, directory)
+    dataset.load_state_dict(state)
+    loader = streaming.StreamingDataLoader(dataset, batch_size=batch, num_workers=0)
+    first = next(iter(loader))
+    seconds = time.perf_counter() - started
+    requests = proxy.count - before
+    del loader, dataset
+    settle(proxy)
+    return {"first_batch_s": round(seconds, 3), "requests": requests, "first_id": int(first["id"][0])}
+
+  figures, restores = {}, {}
+  shutil.rmtree(cache, ignore_errors=True)
+  figures["mosaic gs:// cache cold"] = read(True)
+  figures["mosaic gs:// cache warm"] = read(True)
+  figures["mosaic local disk"] = read(False)
+  # The state of a run that read `deep_record` samples of epoch 0 (the same for every case).
+  state = make(False).state_dict(deep_record, from_beginning=True)
+  restores["mosaic gs:// cache warm"] = restore(True, state)
+  # Cold: a directory of its own (streaming keeps what a directory holds in shared memory per process).
+  restores["mosaic gs:// cache cold"] = restore(True, state, os.path.join(work, "mds_cache_cold"))
+  restores["mosaic local disk"] = restore(False, state)
+  util.clean_stale_shared_memory()
+  return figures, restores

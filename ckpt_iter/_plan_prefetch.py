@@ -1,0 +1,196 @@
+"""Prefetch by plan: make_dataset(shuffle="shards") tells a cached source which files it reads next.
+
+A shard-aware shuffle knows, from (seed, epoch, index) alone, the shards a
+reader reads next: the rest of its window, then the next window. When the
+source reads through a `ShardCache` and can prefetch (`JsonlSource`), the
+reader asks it for the files of those shards, in the order it needs them, as
+it enters each window; a restore asks first for the files at the restored
+position. Parquet and ArrayRecord sources through a cache hold every file
+already: nothing to do.
+
+Bounded: the files of the reader's window and of the next window, and never
+more bytes than the cache's `max_bytes` (a JSONL file's copy with its line
+index: `cached_bytes`), so that a prefetch never evicts a file the plan
+needs sooner (a copy in use is never evicted anyway). Entering a
+window, the source closes its idle copies of every other file (`release`),
+so that they, not the files prefetched, make room.
+
+Only a speed-up: which record an index reads never depends on it. A failure
+here is logged and forgotten: the read that needs a file fetches it itself,
+raising the store's typed errors as without prefetch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from typing import Any, Sequence
+
+from ckpt_iter import _permutation
+
+_log = logging.getLogger(__name__)
+
+# benchmarks/bucket.py turns it off (before make_dataset) to measure the source's own prefetch by file index.
+ENABLED = True
+_WINDOWS = 2  # the reader's window and the next one
+_SCAN = 1024  # positions scanned to order the current window's shards by first use
+_SEEN_KEPT = 64
+_MIXTURE_SCAN = 4096  # stream records a restore looks through for each mixture source's first one
+
+
+class PlanPrefetch:
+  """Prefetches, for one source read in a ShardShuffle's order, the files the plan reads next.
+
+  Made by `for_source` (None when the source has nothing to prefetch).
+  Picklable: a Grain worker gets its own, with nothing seen yet.
+  """
+
+  def __init__(self, order: _permutation.ShardShuffle, records: Any, file_offsets: list[int],
+               file_sizes: list[int], max_bytes: int):
+    self.order, self.records = order, records
+    self.file_offsets, self.file_sizes, self.max_bytes = list(file_offsets), list(file_sizes), int(max_bytes)
+    self._init_local()
+
+  def _init_local(self) -> None:
+    self._seen: dict[tuple[int, int], None] = {}  # (epoch, window) already prefetched for, oldest first
+    self._lock = threading.Lock()
+
+  def __getstate__(self) -> dict[str, Any]:
+    state = self.__dict__.copy()
+    state.pop("_seen"), state.pop("_lock")
+    return state
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._init_local()
+
+  @classmethod
+  def for_source(cls, order: _permutation.ShardShuffle, records: Any) -> "PlanPrefetch | None":
+    """The prefetcher of `records` read in `order`, or None (no cache, prefetch off, or nothing to fetch)."""
+    from ckpt_iter import sources  # pylint: disable=g-import-not-at-top
+
+    follow = getattr(records, "follow_plan", None)
+    cache = getattr(records, "cache", None)
+    if not ENABLED or not callable(follow) or cache is None or not getattr(records, "prefetch_files", 0):
+      return None
+    offsets = sources.file_offsets(records)
+    if offsets is None:
+      return None
+    follow()  # the plan, not the file index, says what comes next
+    sizes = records.cached_bytes() if callable(getattr(records, "cached_bytes", None)) else [
+        found.size for found in records.identities()]
+    return cls(order, records, offsets, sizes, cache.max_bytes)
+
+  def at(self, index: int) -> None:
+    """A read of stream index `index`: on entering a window not seen yet, prefetch what comes next."""
+    epoch, offset = divmod(index, self.order.length)
+    starts = self.order.plan(epoch).window_starts
+    key = (epoch, bisect.bisect_right(starts, offset) - 1)
+    if key in self._seen:
+      return
+    self.start_from(index, key)
+
+  def start_from(self, index: int, key: tuple[int, int] | None = None) -> None:
+    """Prefetches the files a reader at `index` reads next (a restore calls it before the first read)."""
+    if not ENABLED:
+      return
+    try:
+      if key is None:
+        epoch, offset = divmod(index, self.order.length)
+        key = (epoch, bisect.bisect_right(self.order.plan(epoch).window_starts, offset) - 1)
+      with self._lock:
+        if key in self._seen:
+          return
+        self._seen[key] = None
+        while len(self._seen) > _SEEN_KEPT:
+          self._seen.pop(next(iter(self._seen)))
+      files = self.files_ahead(index)
+      self.records.release(files)  # the others closed where idle: their copies, not these, make room
+      if files:
+        self.records.prefetch(files)
+    except Exception as e:  # pylint: disable=broad-except
+      _log.info("prefetch by plan at stream index %d failed (%s); reads fetch their files themselves", index, e)
+
+  def files_ahead(self, index: int) -> list[int]:
+    """The files a reader at `index` reads next, in the order it first needs them, bounded."""
+    shards = self.shards_ahead(index)
+    files: list[int] = []
+    total = 0
+    for shard in shards:
+      for f in self._files_of(shard):
+        if f in files:
+          continue
+        if total + self.file_sizes[f] > self.max_bytes:
+          return files
+        total += self.file_sizes[f]
+        files.append(f)
+    return files
+
+  def shards_ahead(self, index: int) -> list[int]:
+    """The shards of the reader's window, by first read at or after `index`, then the next window's."""
+    ahead = self.order.shards_ahead(index, windows=_WINDOWS)
+    current = set(ahead[:self._window_size(index)])
+    needed: list[int] = []
+    epoch, offset = divmod(index, self.order.length)
+    plan = self.order.plan(epoch)
+    end = plan.window_starts[bisect.bisect_right(plan.window_starts, offset)]
+    for position in range(offset, min(end, offset + _SCAN)):
+      shard = self.order.shard_of(plan.source(position))
+      if shard not in needed:
+        needed.append(shard)
+        if len(needed) == len(current):
+          break
+    return needed + [s for s in ahead if s not in needed]
+
+  def _window_size(self, index: int) -> int:
+    epoch, offset = divmod(index, self.order.length)
+    plan = self.order.plan(epoch)
+    number = bisect.bisect_right(plan.window_starts, offset) - 1
+    return len(plan.order[number * self.order.window:(number + 1) * self.order.window])
+
+  def _files_of(self, shard: int) -> list[int]:
+    """The files holding shard `shard`'s records (one, unless shards are blocks across files)."""
+    first, end = self.order.offsets[shard], self.order.offsets[shard + 1]
+    offsets = self.file_offsets
+    low, high = bisect.bisect_right(offsets, first) - 1, bisect.bisect_left(offsets, end)
+    return [f for f in range(low, high) if offsets[f + 1] > offsets[f]]  # not a file without records
+
+
+def of_chain(dataset: Any) -> PlanPrefetch | None:
+  """The PlanPrefetch in a source's dataset chain (its ShardShuffleDataset's), or None."""
+  while True:
+    found = getattr(dataset, "plan_prefetch", None)
+    if isinstance(found, PlanPrefetch):
+      return found
+    parents = getattr(dataset, "parents", ())
+    if len(parents) != 1:
+      return None
+    dataset = parents[0]
+
+
+def start_restore(parents: Sequence[Any], names: Sequence[str], stream_record: int, mixture: Any) -> None:
+  """A restore's prefetch: each cached source's files read from stream record `stream_record` on, first.
+
+  `parents`: make_dataset's source chains (`names`: a mixture's source
+  names, in that order); `mixture`: the restored `_records.Mixture`, or None.
+  """
+  prefetches = [of_chain(parent) for parent in parents]
+  if not ENABLED or all(p is None for p in prefetches):
+    return
+  try:
+    if mixture is None:
+      firsts = {0: stream_record}
+    else:  # each source's first record at or after it
+      firsts = {}
+      for record in range(stream_record, stream_record + _MIXTURE_SCAN):
+        name, index = mixture.source_of(record)
+        firsts.setdefault(list(names).index(name), index)
+        if len(firsts) == len(prefetches):
+          break
+  except Exception as e:  # pylint: disable=broad-except
+    _log.info("prefetch by plan at a restore (stream record %d) failed (%s)", stream_record, e)
+    return
+  for number, index in firsts.items():
+    if prefetches[number] is not None:
+      prefetches[number].start_from(index)
