@@ -102,8 +102,8 @@ def test_the_write_runs_in_orbax_s_background_save_thread(ckpt_dir, monkeypatch)
   assert len(writers) == 2
   assert all(thread is not threading.main_thread() for thread in writers)
   assert [thread.name for thread in writers] == ["async_save", "async_save"]
-  assert sorted(os.listdir(ckpt_dir / "2" / "data")) == [
-      "ckpt_iter.json", "commit_success.txt", "process_0-of-1.json"]
+  # Orbax's own commit_success.txt is there on the releases that write one per item (not 0.11.40).
+  assert set(os.listdir(ckpt_dir / "2" / "data")) - {"commit_success.txt"} == {"ckpt_iter.json", "process_0-of-1.json"}
 
 
 def test_a_failed_write_fails_the_save_and_keeps_the_step_before(ckpt_dir, monkeypatch):
