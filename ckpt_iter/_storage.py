@@ -36,7 +36,7 @@ import os
 import re
 import stat
 import threading
-from typing import Any, BinaryIO, Callable, Protocol
+from typing import Any, BinaryIO, Callable, NoReturn, Protocol
 
 from ckpt_iter import _object_store as store
 
@@ -347,25 +347,16 @@ class _LocalBackend:
       raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
     regular = False
     try:
-      regular = stat.S_ISREG(os.fstat(fd).st_mode)
-      view = memoryview(data)
-      while view:
-        view = view[os.write(fd, view):]
-      os.fsync(fd)
-    except BaseException as e:
-      os.close(fd)
-      fd = -1
-      if regular:  # a partial file of ours; never a device a symlink pointed to
-        try:
-          os.unlink(path)
-        except OSError:
-          pass
-      if isinstance(e, OSError):
-        raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
-      raise
-    finally:
-      if fd >= 0:
+      try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        view = memoryview(data)
+        while view:
+          view = view[os.write(fd, view):]
+        os.fsync(fd)
+      finally:
         os.close(fd)
+    except BaseException as e:
+      _failed_write(path, regular, e)
 
   def write_stream(self, path: str, produce: Callable[[BinaryIO], None]) -> None:
     regular = False
@@ -376,14 +367,7 @@ class _LocalBackend:
         f.flush()
         os.fsync(f.fileno())
     except BaseException as e:
-      if regular:  # a partial file of ours; never a device a symlink pointed to
-        try:
-          os.unlink(path)
-        except OSError:
-          pass
-      if isinstance(e, OSError):
-        raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
-      raise
+      _failed_write(path, regular, e)
 
   def list_entries(self, directory: str) -> list[tuple[str, bool]]:
     with os.scandir(directory) as entries:
@@ -563,3 +547,15 @@ def _backend(path: str | os.PathLike[str]) -> _Backend:
   """The backend of a path: the one place a local path and a URL part ways."""
   return _OBJECT_STORE if is_url(path) else _LOCAL
 
+
+def _failed_write(path: str, regular: bool, error: BaseException) -> NoReturn:
+  """Removes the partial file a failed local write left (only a regular file of ours, never a device a
+  symlink pointed to) and raises: an OSError named for the file, anything else as it is."""
+  if regular:
+    try:
+      os.unlink(path)
+    except OSError:
+      pass
+  if isinstance(error, OSError):
+    raise OSError(error.errno, f"cannot write it ({error.strerror or error})", path) from error
+  raise error
