@@ -17,6 +17,7 @@ from typing import Any, Callable, Collection, Mapping
 import grain
 
 from ckpt_iter import _drift
+from ckpt_iter import _global_batch
 from ckpt_iter import _graph
 from ckpt_iter import _workers
 from ckpt_iter import _item as item_lib
@@ -284,7 +285,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     position = resume.position
     if self._records is not None:
       return self._check_record_position(state, position, resume, content_allowed, origin, saved_skips)
-    skips = dataset_lib.merged_skips(self._spec_node, saved_skips, None, position, origin)
+    skips = _global_batch.merged_skips(self._spec_node, saved_skips, None, position, origin)
     if self._length is not None:
       next_index = position.get("next_index")
       if (
@@ -387,11 +388,11 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
   def _fingerprint_without_skips(self) -> dict[str, Any]:
     return {k: v for k, v in self._fingerprint.items() if k != skips_lib.SKIPS_FIELD}
 
-  def _apply_skips(self, change: dataset_lib.SkipChange) -> None:
+  def _apply_skips(self, change: _global_batch.SkipChange) -> None:
     """The apply half of the skips: the node skips them, the states carry them, the log says what changed."""
     if self._spec_node is None:
       return
-    text = dataset_lib.apply_skips(self._spec_node, change)
+    text = _global_batch.apply_skips(self._spec_node, change)
     self._fingerprint = self._fingerprint_without_skips
     if text is not None:
       self._fingerprint[skips_lib.SKIPS_FIELD] = text
