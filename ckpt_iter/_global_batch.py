@@ -190,10 +190,8 @@ class GlobalBatchDataset(grain.MapDataset):
     super().__init__(parents)
     self.spec = spec
     self._names = [name for name, _ in spec.sources]
-    self._plan = spec.initial_plan()
-    self._mixture = spec.initial_mixture() if spec.is_mixture else None
-    # (batch index, stream record) of the last restart: the position until a batch is read.
-    self._origin = (0, 0)
+    # Where it reads (a value, replaced as a whole): the plan, the mixture, the last restart.
+    self.cursor = _records.Cursor(spec.initial_plan(), spec.initial_mixture() if spec.is_mixture else None)
     self.declared = skips_lib.Skip()  # what `declare` was given
     self._skips = skips_lib.NO_SKIPS  # what the run skips now
     # Sparse: element k is record k of the stream or None (Grain's filter form), for a
@@ -202,7 +200,7 @@ class GlobalBatchDataset(grain.MapDataset):
 
   @property
   def plan(self) -> _records.BatchPlan:
-    return self._plan
+    return self.cursor.plan
 
   @property
   def skips(self) -> skips_lib.Skips:
@@ -215,7 +213,7 @@ class GlobalBatchDataset(grain.MapDataset):
         skip, from_record=0, epoch_length=None if self.spec.is_mixture else self.spec.source.length,
         shuffled=is_shuffled(self.spec), mixture=self.spec.is_mixture, origin="make_dataset(skip=...)")
     check_node_can_skip(self, self._skips, origin="make_dataset")
-    self._plan = self.spec.plan_at(0, self._mixture, self._plan_skips)
+    self._replan(self.spec.plan_at(0, self.mixture, self._plan_skips))
 
   @property
   def _plan_skips(self) -> skips_lib.Skips:
@@ -224,7 +222,10 @@ class GlobalBatchDataset(grain.MapDataset):
   def use_sparse(self) -> None:
     """Element k is stream record k, or None where it is skipped (before the pipeline is read)."""
     self.sparse = True
-    self._plan = self.spec.plan_at(0, self._mixture)
+    self._replan(self.spec.plan_at(0, self.mixture))
+
+  def _replan(self, plan: _records.BatchPlan) -> None:
+    self.cursor = dataclasses.replace(self.cursor, plan=plan)
 
   def set_skips(self, skips: skips_lib.Skips) -> None:
     """The skips a restore settled on (its apply step; the plan is set by `restart_at`)."""
@@ -232,10 +233,10 @@ class GlobalBatchDataset(grain.MapDataset):
 
   @property
   def mixture(self) -> _records.Mixture | None:
-    return self._mixture
+    return self.cursor.mixture
 
   def __len__(self) -> int:
-    return len(self._plan)
+    return len(self.cursor.plan)
 
   def __str__(self) -> str:
     shard = f"{self.spec.shard_index}/{self.spec.shard_count}"
@@ -250,10 +251,10 @@ class GlobalBatchDataset(grain.MapDataset):
     if index < 0:
       raise IndexError(f"batch index {index} is negative")
     # This process's rows only: O(per-process batch) at any process count, with skips too.
-    rows = self._plan.rows(index, self.spec.shard_index * self.spec.batch_size, self.spec.batch_size)
+    rows = self.cursor.plan.rows(index, self.spec.shard_index * self.spec.batch_size, self.spec.batch_size)
     if self.sparse and self._skips and any(self._skips.skipped(g, self._epoch_length) for g in rows):
       return None  # a skipped record, dropped as Grain drops what a filter rejects
-    if self._mixture is None:
+    if self.mixture is None:
       parent = self._parent
       return _stacking.stack_records([parent[g] for g in rows], batch_index=index)
     return _stacking.stack_records([self.record(g) for g in rows], batch_index=index)
@@ -264,34 +265,23 @@ class GlobalBatchDataset(grain.MapDataset):
 
   def record(self, stream_record: int) -> Any:
     """Record `stream_record` of the global stream."""
-    if self._mixture is None:
+    if self.mixture is None:
       return self._parent[stream_record]
-    name, index = self._mixture.source_of(stream_record)
+    name, index = self.mixture.source_of(stream_record)
     return self.parents[self._names.index(name)][index]
 
   def locate(self, stream_record: int) -> tuple[str, int]:
     """(source name, index in that source's own stream) of a stream record ("" for a single source)."""
-    if self._mixture is None:
+    if self.mixture is None:
       return "", stream_record
-    return self._mixture.source_of(stream_record)
+    return self.mixture.source_of(stream_record)
 
-  # -- the position a state holds
-
-  def position(self, next_index: int) -> dict[str, Any]:
-    """The state position of batch `next_index`: the stream record it starts at (and the mixture's ledger)."""
-    origin_index, origin_record = self._origin
-    next_record = origin_record if next_index == origin_index else self._plan.next_record(next_index)
-    position: dict[str, Any] = {NEXT_RECORD: next_record}
-    if self._mixture is not None:
-      position[MIXTURE] = self._mixture.to_json()
-    return position
+  # -- the position a state holds: `cursor.position(next_index)`
 
   def position_of_index(self, next_index: int) -> dict[str, Any]:
     """The position of batch `next_index` of this pipeline as built (plan and mixture from the start)."""
-    position: dict[str, Any] = {NEXT_RECORD: self.spec.initial_plan().next_record(next_index)}
-    if self.spec.is_mixture:
-      position[MIXTURE] = self.spec.initial_mixture().to_json()
-    return position
+    mixture = self.spec.initial_mixture() if self.spec.is_mixture else None
+    return _records.Cursor(self.spec.initial_plan(), mixture).position(next_index)
 
   def spec_mixture(self, position: Mapping[str, Any], *, origin: str) -> _records.Mixture | None:
     """The mixture a reconciled position continues (None for a single source)."""
@@ -358,7 +348,7 @@ class GlobalBatchDataset(grain.MapDataset):
     # The files at the restored position first (the batch before it is read first, by the content check).
     before = plan.full_batch_before(next_record)
     _plan_prefetch.start_restore(self.parents, self._names, next_record if before is None else before, mixture)
-    return RecordRestore(plan, mixture, next_record, next_index)
+    return RecordRestore(plan, mixture, next_record, next_index, before)
 
   def check_batch_before(self, restore: "RecordRestore", skips: skips_lib.Skips,
                          check_element: Callable[[int], str]) -> str:
@@ -372,7 +362,7 @@ class GlobalBatchDataset(grain.MapDataset):
     epoch's first record. An epoch's short last batch cannot be found so
     (its start depends on earlier restarts): not checked.
     """
-    start = restore.plan.full_batch_before(restore.next_record)
+    start = restore.batch_before
     if start is None:
       return "not applicable (the batch before is an epoch's last, whose start depends on earlier restarts)"
     check_plan = self.spec.plan_at(start, restore.mixture, skips)
@@ -397,47 +387,43 @@ class GlobalBatchDataset(grain.MapDataset):
     content = None if check_element is None else self.check_batch_before(restore, skips.effective, check_element)
     return dataclasses.replace(restore, skips=skips, content_check=content)
 
-  def restart_at(self, plan: _records.BatchPlan, mixture: _records.Mixture | None, next_record: int) -> int:
-    """Moves the batches to `plan` (and the mixture to `mixture`) at `next_record`: a restore's apply step.
-
-    Returns:
-      The batch index that starts there.
-    """
-    next_index = plan.index_of(next_record)
-    self._plan, self._mixture, self._origin = plan, mixture, (next_index, next_record)
-    return next_index
+  def restart_at(self, restore: "RecordRestore") -> None:
+    """Moves the batches to the restore's plan and mixture, batch `next_index` at `next_record`: its apply step."""
+    self.cursor = _records.Cursor(restore.plan, restore.mixture, (restore.next_index, restore.next_record))
 
   @contextlib.contextmanager
   def skipping(self, skips: skips_lib.Skips) -> Iterator[None]:
     """Reads with `skips` for the duration (its plan re-cut from its origin), then as before."""
-    before = self._plan, self._skips
+    before = self.cursor, self._skips
     self._skips = skips
-    self._plan = self.spec.plan_at(self._origin[1], self._mixture, self._plan_skips)
+    self._replan(self.spec.plan_at(self.cursor.origin[1], self.mixture, self._plan_skips))
     try:
       yield
     finally:
-      self._plan, self._skips = before
+      self.cursor, self._skips = before
 
   @contextlib.contextmanager
   def planned(self, plan: _records.BatchPlan, mixture: _records.Mixture | None) -> Iterator[None]:
     """Reads under `plan` for the duration (a restore's content check), then as before."""
-    before = self._plan, self._mixture, self._origin
-    self._plan, self._mixture = plan, mixture
+    before = self.cursor
+    self.cursor = dataclasses.replace(before, plan=plan, mixture=mixture)
     try:
       yield
     finally:
-      self._plan, self._mixture, self._origin = before
+      self.cursor = before
 
 
 @dataclasses.dataclass(frozen=True)
 class RecordRestore:
   """Where a restored record position continues (`GlobalBatchDataset.check_record_restore`): its plan,
-  mixture, record and batch index, the skips it settles on, and what its content check found."""
+  mixture, record and batch index, where the full batch before it starts (None: an epoch's short last
+  batch, not checked), the skips it settles on, and what its content check found."""
 
   plan: _records.BatchPlan
   mixture: _records.Mixture | None
   next_record: int
   next_index: int
+  batch_before: int | None = None
   skips: "SkipChange | None" = None
   content_check: str | None = None
 

@@ -632,6 +632,26 @@ class BatchPlan:
     return first + batch if rest == 0 else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+  """Where make_dataset's node reads: its plan, its mixture (None: one source) and its last restart
+  (`origin`: batch index, stream record), the position until a batch is read (the record may lie in an
+  epoch's dropped rest, which the plan's next batch passes over)."""
+
+  plan: BatchPlan
+  mixture: Mixture | None = None
+  origin: tuple[int, int] = (0, 0)
+
+  def position(self, next_index: int) -> dict[str, Any]:
+    """The state position of batch `next_index`: the stream record it starts at (and a mixture's ledger)."""
+    origin_index, origin_record = self.origin
+    next_record = origin_record if next_index == origin_index else self.plan.next_record(next_index)
+    position: dict[str, Any] = {NEXT_RECORD: next_record}
+    if self.mixture is not None:
+      position[MIXTURE] = self.mixture.to_json()
+    return position
+
+
 # ---------------------------------------------------------------------------
 # Lanes (`_lanes`): a filtered or packed stream's positions.
 

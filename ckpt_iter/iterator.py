@@ -174,7 +174,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     """
     grain_position = self._inner.get_state()
     if self._records is not None:
-      return self._records.position(grain_position["next_index"])
+      return self._records.cursor.position(grain_position["next_index"])
     # Through JSON and back: the state holds what a checkpoint would.
     return codec.position_from_json(codec.position_to_json(grain_position))
 
@@ -357,7 +357,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
     def apply() -> None:
       self._apply_skips(restore.skips)
-      node.restart_at(restore.plan, restore.mixture, restore.next_record)
+      node.restart_at(restore)
       # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
       self._length = len(self._dataset)
       fresh = self._new_inner()

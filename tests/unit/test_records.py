@@ -228,3 +228,14 @@ def test_a_single_source_plans_spans_are_each_epochs_batches_from_its_phase(leng
   count = data.draw(st.integers(0, batch_size), label="rows")
   assert all(list(plan.rows(index, first, count)) == list(range(*span))[first:first + count]
              for index, span in enumerate(expected))
+
+
+def test_a_cursor_holds_its_restart_record_until_a_batch_is_read_then_the_plans_next_start():
+  """Restarted inside an epoch's dropped rest (record 9 of 10, batches of 4): batch 2 starts epoch 1."""
+  plan = _records.BatchPlan.at(9, batch_size=4, drop_remainder=True, epoch_length=10, stream_length=20)
+  next_index = plan.index_of(9)
+  cursor = _records.Cursor(plan, None, (next_index, 9))
+  assert cursor.position(next_index) == {_records.NEXT_RECORD: 9}
+  assert cursor.position(next_index + 1) == {_records.NEXT_RECORD: plan.next_record(next_index + 1)}
+  mixed = _records.Cursor(plan, _records.Mixture(shares={"a": 1}))
+  assert set(mixed.position(0)) == {_records.NEXT_RECORD, _records.MIXTURE}
