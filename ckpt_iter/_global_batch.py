@@ -6,8 +6,9 @@ element, this process's rows of it; `DatasetSpec` holds the defining fields
 that make the plan and the fingerprint. A restore of a record position is the
 node's own (`check_record_restore`: the position, the skips the restored run
 keeps and adds, where it continues, the content check of the batch before),
-applied by `restart_at`. Building the pipeline from make_dataset's arguments
-is `dataset`'s.
+applied by `restart_at`. An iterator finds the node in any pipeline, with the
+pipeline's fingerprint, by one call (`pipeline_nodes`). Building the pipeline
+from make_dataset's arguments is `dataset`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import grain
 
+from ckpt_iter import _graph
 from ckpt_iter import _lanes
 from ckpt_iter import _permutation
 from ckpt_iter import _plan_prefetch
@@ -506,3 +508,139 @@ def check_sparse_skips(node: GlobalBatchDataset, skips: skips_lib.Skips, origin:
         f"a global batch of one record; this one has {node.spec.global_batch_size} "
         f"(batch_size={node.spec.batch_size} x shard_count={node.spec.shard_count}). Batch with "
         "make_dataset(batch_size=...) itself, or drop the records by content with make_dataset(filter=...).")
+
+
+# ---------------------------------------------------------------------------
+# make_dataset's node in a pipeline, and the pipeline's fingerprint.
+
+# A fingerprint field saying the position means the same on every process
+# (set for Grain's ElasticIterator; make_dataset says it by global_batch_size).
+POSITION_SCOPE_FIELD = "position_scope"
+
+
+def spec_node(dataset: Any) -> "GlobalBatchDataset | _lanes.LaneDataset | None":
+  """make_dataset's node of `dataset` on its chain of single parents, or None."""
+  return _find_spec_node(dataset)[0]
+
+
+def record_node(dataset: Any) -> "GlobalBatchDataset | None":
+  """make_dataset's node, when a position of `dataset` can count its stream records.
+
+  That holds when every node above it maps one batch index to the same index
+  (`_records.RECORD_ADDRESSED_ABOVE`), so batch k of the pipeline is batch k
+  of make_dataset's plan.
+  """
+  if not isinstance(dataset, grain.MapDataset):
+    return None
+  node, above = _find_spec_node(dataset)
+  if not isinstance(node, GlobalBatchDataset) or any(kind not in _records.RECORD_ADDRESSED_ABOVE for kind in above):
+    return None
+  return node
+
+
+def find_spec(dataset: Any) -> tuple[DatasetSpec | None, list[str]]:
+  """Finds the make_dataset spec of a pipeline and the node types above it.
+
+  Returns:
+    (spec or None, class names of the nodes between `dataset` and the
+    make_dataset node, outermost first; the whole chain when there is none).
+  """
+  node, above = _find_spec_node(dataset)
+  return (None if node is None else node.spec), above
+
+
+def _find_spec_node(dataset: Any) -> tuple["GlobalBatchDataset | _lanes.LaneDataset | None", list[str]]:
+  # Follows single parents only: `pipeline` (elastic.resize_refusal parses
+  # it) keeps the meaning it had when older states were written.
+  above: list[str] = []
+  node = dataset
+  while node is not None:
+    if isinstance(node, (GlobalBatchDataset, _lanes.LaneDataset)):
+      return node, above
+    above.append(type(node).__name__)
+    parents = getattr(node, "parents", ())
+    node = parents[0] if len(parents) == 1 else None
+  return None, above
+
+
+# The fingerprint field of a state saved from a plain Grain iterator (`iter(dataset)`): the iterator
+# classes above the MapDataset it reads ("" for `iter(map_dataset)` itself).
+GRAIN_ITERATOR_FIELD = "grain_iterator"
+
+
+def describe_grain_iterator(iterator: Any) -> dict[str, Any] | None:
+  """The fingerprint of a plain Grain iterator: its MapDataset's (`describe_pipeline`) and the iterator
+  steps above it (`GRAIN_ITERATOR_FIELD`); None where its dataset cannot be found (`_graph.iterator_dataset`)."""
+  found = _graph.iterator_dataset(iterator)
+  if found is None:
+    return None
+  dataset, above = found
+  return {**describe_pipeline(dataset), GRAIN_ITERATOR_FIELD: "<".join(above)}
+
+
+def describe_pipeline(dataset: Any) -> dict[str, Any]:
+  """The fingerprint fields of any Grain dataset (make_dataset or hand-built).
+
+  Returns:
+    make_dataset's spec fields (when the pipeline has its node on a chain of
+    single parents), `pipeline` (class names of the nodes above that node, or
+    of the whole chain, joined by "<"), `dataset_length`, and the graph fields
+    of `_graph.describe_graph` (`graph`, `node[i].Kind.param`): every node's
+    kind and defining parameters, through mp_prefetch.
+  """
+  spec_node, above = _find_spec_node(dataset)
+  fields: dict[str, Any] = {}
+  if spec_node is not None:
+    fields.update(spec_node.spec.fingerprint())
+    if isinstance(spec_node, _lanes.LaneDataset):
+      fields.update(spec_node.lanes.fingerprint())
+    if spec_node.skips:
+      fields[skips_lib.SKIPS_FIELD] = spec_node.skips.to_text()
+  if type(dataset).__name__ == "ElasticIterator":
+    # Its state ({"global_next_index"}) is the same on every process and for
+    # every process count: the position is global (elastic.resize_refusal).
+    try:
+      fields.update(_graph.elastic_fields(dataset))
+      fields[POSITION_SCOPE_FIELD] = "global"
+    except AttributeError:  # another Grain release: no elastic resume
+      pass
+  fields["pipeline"] = "<".join(above) if above else ""
+  # As built, without skips: they have their own field, and a restore may add to them.
+  with (spec_node.skipping(skips_lib.NO_SKIPS) if isinstance(spec_node, GlobalBatchDataset)
+        else contextlib.nullcontext()):
+    try:
+      fields["dataset_length"] = len(dataset)
+    except TypeError:
+      fields["dataset_length"] = None
+  fields.update(_graph.describe_graph(dataset, described_spec_node=spec_node))
+  return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineNodes:
+  """make_dataset's nodes of a pipeline, as an iterator reads it (`pipeline_nodes`)."""
+
+  spec: DatasetSpec | None
+  # make_dataset's node anywhere on the chain of single parents: it owns the run's skips.
+  spec_node: "GlobalBatchDataset | _lanes.LaneDataset | None"
+  # The same node when a position of the pipeline counts its stream records (`record_node`), else None.
+  record_node: "GlobalBatchDataset | None"
+  # The pipeline's fingerprint (`describe_pipeline`), with the node set as the iterator reads it.
+  fingerprint: dict[str, Any]
+
+
+def pipeline_nodes(dataset: Any) -> PipelineNodes:
+  """make_dataset's nodes of `dataset` and its fingerprint; a node under other Grain steps is set to yield
+  one record per element (`use_sparse`), its declared skips checked for that.
+
+  Raises:
+    UnsupportedConfigError: skips under other Grain steps with a global batch of more than one record.
+  """
+  node = spec_node(dataset)
+  records = record_node(dataset)
+  if isinstance(node, GlobalBatchDataset) and records is None:
+    node.use_sparse()
+    check_sparse_skips(node, node.skips, "make_dataset(skip=...)")
+  return PipelineNodes(None if node is None else node.spec, node, records, describe_pipeline(dataset))
+
+

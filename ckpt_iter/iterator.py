@@ -22,7 +22,6 @@ from ckpt_iter import _graph
 from ckpt_iter import _workers
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _records
-from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import elastic
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
@@ -105,13 +104,13 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           "or grain.MapDataset.source(...)."
       )
     self._dataset = dataset
-    nodes = dataset_lib.pipeline_nodes(dataset)
+    nodes = _global_batch.pipeline_nodes(dataset)
     self._spec = nodes.spec
     # make_dataset's node when the position can count its stream records.
     self._records = nodes.record_node
     # make_dataset's node anywhere on the chain: it owns the run's skips (`skips_lib.Skips`).
     self._spec_node = nodes.spec_node
-    self._fingerprint = dataset_lib.describe_pipeline(dataset)
+    self._fingerprint = nodes.fingerprint
     # Before any iterator takes the workers' init function.
     if self._has_workers and not _workers.exit_workers_with_parent(self._iter_dataset):
       _drift.LOGGER.warning(_workers.WORKERS_NOT_WATCHED)
@@ -140,7 +139,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     return dict(self._fingerprint)
 
   @property
-  def spec(self) -> dataset_lib.DatasetSpec | None:
+  def spec(self) -> _global_batch.DatasetSpec | None:
     """The make_dataset spec of the pipeline, if it was built by make_dataset."""
     return self._spec
 
@@ -499,7 +498,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           "same shard_count."
       )
     # Only Grain's ElasticIterator counts its position in global batches of a fixed size.
-    if (fingerprint.get(dataset_lib.POSITION_SCOPE_FIELD) == "global"
+    if (fingerprint.get(_global_batch.POSITION_SCOPE_FIELD) == "global"
         and fingerprint.get("global_batch_size") != self._fingerprint.get("global_batch_size")):
       saved = fingerprint.get("global_batch_size")
       here = self._fingerprint.get("global_batch_size")
@@ -562,7 +561,7 @@ class GrainIteratorView:
 
   def check_restore(self, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (),
                     origin: str = "the checkpoint") -> Callable[[], None]:
-    if dataset_lib.GRAIN_ITERATOR_FIELD not in value.fingerprint:
+    if _global_batch.GRAIN_ITERATOR_FIELD not in value.fingerprint:
       return item_lib.check_restore_into(self._iterator, value, allow_drift=allow_drift, origin=origin)
     state_lib.check_fingerprint(value.fingerprint, self._fingerprint, allow_drift=allow_drift, origin=origin)
     return lambda: self._iterator.set_state(dict(value.position))
@@ -572,7 +571,7 @@ def grain_iterator_view(item: Any) -> Any:
   """`item` as ckpt_iter saves and restores it: a plain Grain iterator whose dataset is known as a
   `GrainIteratorView`, anything else unchanged."""
   if isinstance(item, grain.DatasetIterator) and not hasattr(item, "check_restore"):
-    fingerprint = dataset_lib.describe_grain_iterator(item)
+    fingerprint = _global_batch.describe_grain_iterator(item)
     if fingerprint is not None:
       return GrainIteratorView(item, fingerprint)
   return item

@@ -16,7 +16,7 @@ import pytest
 import ckpt_iter
 from ckpt_iter import _graph
 from ckpt_iter import _workers
-from ckpt_iter import dataset as dataset_lib
+from ckpt_iter import _global_batch
 from ckpt_iter import state as state_lib
 from ckpt_iter import testing
 
@@ -232,14 +232,14 @@ def test_code_digest_of_callable_objects_and_bound_methods():
 def test_unknown_node_kinds_are_recorded_by_class_name_only():
   left = grain.MapDataset.range(5)
   mixed = grain.MapDataset.concatenate([left, grain.MapDataset.range(3)])
-  fields = dataset_lib.describe_pipeline(mixed)
+  fields = _global_batch.describe_pipeline(mixed)
   assert fields["graph"] == "ConcatenateMapDataset<RangeMapDataset<RangeMapDataset"
   assert not [k for k in fields if k.startswith("node[0].")]
   assert fields["node[2].RangeMapDataset.stop"] == 3
 
 
 def test_make_dataset_spec_fields_are_not_repeated_under_its_node(make_pipeline):
-  fields = dataset_lib.describe_pipeline(make_pipeline().map(double))
+  fields = _global_batch.describe_pipeline(make_pipeline().map(double))
   assert fields["pipeline"] == "MapMapDataset"  # the meaning elastic.resize_refusal parses
   assert fields["graph"] == "MapMapDataset<GlobalBatchDataset"
   assert not [k for k in fields if k.startswith("node[1].")]
@@ -304,7 +304,7 @@ def _unstarted_state(dataset):
 
 
 def test_mp_prefetch_records_the_worker_count_and_sees_through_to_the_pipeline():
-  fields = dataset_lib.describe_pipeline(_mp(2))
+  fields = _global_batch.describe_pipeline(_mp(2))
   assert fields["pipeline"] == "WithOptionsIterDataset<InterleaveIterDataset"  # unchanged meaning
   assert fields["graph"] == "WithOptionsIterDataset<mp_prefetch<PrefetchIterDataset<GlobalBatchDataset"
   assert fields["node[1].mp_prefetch.num_workers"] == 2
@@ -374,8 +374,8 @@ def _interleave_position(counts):
     ([3, 3, 2], 2, [4, 4]),
 ])
 def test_the_worker_translation_keeps_the_global_position(counts, workers, expected):
-  saved = dataset_lib.describe_pipeline(_mp(len(counts)))
-  current = dataset_lib.describe_pipeline(_mp(workers))
+  saved = _global_batch.describe_pipeline(_mp(len(counts)))
+  current = _global_batch.describe_pipeline(_mp(workers))
   resume = _workers.resume_workers(saved, current, _interleave_position(counts), _mp(workers), origin="s")
   position = resume.position
   assert [s["next_index"] for s in position["iterators_in_use_states"]] == expected
@@ -386,7 +386,7 @@ def test_the_worker_translation_keeps_the_global_position(counts, workers, expec
 
 
 def test_the_same_worker_count_keeps_the_position_as_it_is():
-  fields = dataset_lib.describe_pipeline(_mp(2))
+  fields = _global_batch.describe_pipeline(_mp(2))
   position = _interleave_position([4, 3])
   resume = _workers.resume_workers(fields, fields, position, _mp(2), origin="s")
   assert resume.position == position and not resume.accepted and not resume.changes
@@ -394,8 +394,8 @@ def test_the_same_worker_count_keeps_the_position_as_it_is():
 
 @pytest.mark.parametrize("counts", [[4, 1], [2, 3], [1, 1, 1]])
 def test_worker_positions_that_are_not_a_round_robin_prefix_are_refused(counts):
-  saved = dataset_lib.describe_pipeline(_mp(2))
-  current = dataset_lib.describe_pipeline(_mp(3))
+  saved = _global_batch.describe_pipeline(_mp(2))
+  current = _global_batch.describe_pipeline(_mp(3))
   with pytest.raises(ckpt_iter.InvalidStateError, match="Restore it with the worker count"):
     _workers.resume_workers(saved, current, _interleave_position(counts), _mp(3), origin="s")
 

@@ -266,9 +266,9 @@ def test_a_jsonl_source_keeps_its_public_name_in_a_graphs_fingerprint_and_in_a_p
   """Its code lives in _jsonl; a state saved over `MapDataset.source(JsonlSource(...))` names ckpt_iter.sources."""
   import pickle  # pylint: disable=g-import-not-at-top
   import grain  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _global_batch  # pylint: disable=g-import-not-at-top
 
   source = _source(jsonl, cache_dir)
-  fields = dataset_lib.describe_pipeline(grain.MapDataset.source(source))
+  fields = _global_batch.describe_pipeline(grain.MapDataset.source(source))
   assert fields["node[0].SourceMapDataset.source"] == "ckpt_iter.sources.JsonlSource"
   assert b"ckpt_iter.sources" in pickle.dumps(source) and pickle.loads(pickle.dumps(source))[7] == source[7]
