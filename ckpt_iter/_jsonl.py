@@ -35,7 +35,7 @@ _INDEX_CHUNK_BYTES = 16 * 2**20
 class JsonlSource(_source_files.FileReader):
   """Records of one or more JSONL files, indexed by line offset.
 
-  The line index of each file is cached (see `_index_cache`), so a restart
+  The line index of each file is cached (see `index_cache_location`), so a restart
   reads a few bytes per unchanged file instead of the whole file.
 
   With `cache` (a `ShardCache`), each file is downloaded whole into the cache

@@ -45,7 +45,7 @@ def expand_paths(paths: PathsArg, owner: str) -> list[str]:
     return list(paths)
   candidates = path_strings(paths)
   if candidates is None:
-    shown = "[]" if isinstance(paths, (list, tuple)) and not paths else short(paths)
+    shown = "[]" if isinstance(paths, (list, tuple)) and not paths else short_repr(paths)
     raise errors.InvalidArgumentError(
         f"{owner}: paths={shown} ({type(paths).__name__}) names no file. Pass a path "
         "(str or os.PathLike, local or gs://), a glob such as 'data/part-*.jsonl', "
@@ -88,6 +88,10 @@ def expanded(candidates: list[str], owner: str) -> ExpandedPaths:
 
 
 def locate(offsets: list[int], index: int, length: int) -> tuple[int, int]:
+  """(block, offset in it) of record `index` of `length`, the blocks (files, row groups) starting at `offsets`.
+
+  A negative index counts from the end, as a list's does.
+  """
   if not isinstance(index, (int, np.integer)):
     raise TypeError(f"record index must be an integer, got {type(index).__name__}")
   index = int(index)
@@ -121,6 +125,6 @@ class FileReader:
     return f"{type(self).__name__}({len(self._paths)} files, {len(self)} records)"
 
 
-
-def short(value: Any) -> str:
+def short_repr(value: Any) -> str:
+  """A value as a source's errors show it: its repr, cut to 60 characters."""
   return state_lib.short_repr(value, limit=60)

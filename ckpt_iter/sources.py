@@ -413,7 +413,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     raise errors.InvalidArgumentError(streaming.make_dataset_refusal(source, "make_dataset(source=...)"))
   else:
     raise errors.InvalidArgumentError(
-        f"source={_source_files.short(source)} is not supported. Pass a list of records "
+        f"source={_source_files.short_repr(source)} is not supported. Pass a list of records "
         f"(dicts), a path, glob or list of paths to {', '.join(FILE_SUFFIXES)} "
         "files, a Hugging Face datasets.Dataset (or HuggingFaceSource), or a "
         "random-access data source (with __len__ and __getitem__)."
