@@ -639,3 +639,18 @@ def test_a_pending_type_that_would_change_meaning_is_refused_as_another_version(
     codec.decode_pytree(_versioned(**fields), lambda name: None, origin="test")
   assert "another version of the library" in str(refused.value)
   assert isinstance(refused.value, errors.InvalidStateError)
+
+
+_GEOMETRY_ENTRY = st.fixed_dictionaries(
+    {"step": st.integers(0, 100), "state": st.just("0" * 16)},
+    optional={"batch_size": st.integers(1, 64), "process_count": st.integers(1, 8),
+              "mixture": st.sampled_from(["0;a=1/10/0", "5;a=1/10/3,b=2/4/1"])})
+
+
+@hypothesis.given(recent=st.lists(_GEOMETRY_ENTRY, max_size=20), with_mixture=st.booleans())
+def test_the_latest_geometry_read_back_is_the_last_carried_one(recent, with_mixture):
+  # A resume reads only as far back as it needs (its cost does not grow with the restarts before it);
+  # the answer is the whole walk's.
+  names = ["batch_size", "process_count"] + (["mixture"] if with_mixture else [])
+  carried = state_lib.carried_geometry(recent)[-1] if recent else {}
+  assert state_lib.latest_geometry(recent, names) == {k: v for k, v in carried.items() if k in names}
