@@ -1,4 +1,4 @@
-"""Tests for ckpt_iter.datamap (and _permutation, _provenance): which records a run read, from its states.
+"""Tests for ckpt_iter.datamap (and _provenance): which records a run read, from its states.
 
 Runs are trained in this process: "processes" are iterators built with
 shard_index/shard_count, saved into and restored from real item files
@@ -9,13 +9,11 @@ held is compared with what the iterators actually yielded.
 import json
 import os
 
-import grain
 import pytest
 
 import ckpt_iter
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
-from ckpt_iter import _permutation
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import datamap
 from ckpt_iter import errors
@@ -33,30 +31,6 @@ run_chain = support.run_chain
 def _run_map(root, process=0):
   layout = inspection.find_layout(str(root))
   return datamap.RunMap.from_states(_which.States(layout, process), layout.steps[-1])
-
-
-# ---------------------------------------------------------------------------
-# Grain's shuffle, without Grain.
-
-
-@pytest.mark.parametrize("length, seed", [(1, 0), (7, 3), (1000, 2**32 - 1), (23, 5)])
-def test_the_permutation_is_grains_shuffle_in_every_epoch(length, seed):
-  shuffled = grain.MapDataset.range(length).shuffle(seed=seed)
-  for index in list(range(min(length, 50))) + [length, length + 1, 3 * length + length // 2]:
-    # A range wraps: its value at index e*L + p is epoch e's record at p.
-    assert _permutation.shuffled(index, length, seed) == shuffled[index]
-    assert _permutation.epoch_function(index // length, length, seed)(index % length) == shuffled[index]
-
-
-def test_the_public_path_gives_the_same(monkeypatch):
-  monkeypatch.setattr(_permutation, "_compiled", lambda: None)
-  shuffled = grain.MapDataset.range(9).shuffle(seed=4)
-  assert [_permutation.shuffled(i, 9, 4) for i in range(30)] == [shuffled[i] for i in range(30)]
-  assert [_permutation.epoch_function(2, 9, 4)(p) for p in range(9)] == [shuffled[18 + p] for p in range(9)]
-
-
-def test_no_seed_is_the_source_order():
-  assert [_permutation.shuffled(i, 5, None) for i in range(7)] == [0, 1, 2, 3, 4, 0, 1]
 
 
 # ---------------------------------------------------------------------------
