@@ -24,6 +24,7 @@ import re
 import pytest
 
 import ckpt_iter
+import test_docs_guard as docs_guard
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 _PACKAGE = pathlib.Path(ckpt_iter.__file__).resolve().parent
@@ -62,22 +63,9 @@ def rows(markdown: str) -> list[tuple[int, list[str]]]:
     if line.startswith("#"):
       break
     if line.startswith("|") and not re.match(r"^\|[\s|:-]+\|$", line):
-      result.append((number, [cell.strip() for cell in _split(line)]))
+      cells = docs_guard._cells(line)  # pylint: disable=protected-access
+      result.append((number, [cell.strip() for cell in cells]))
   return result[1:]  # the header
-
-
-def _split(row: str) -> list[str]:
-  """The cells of `row`: `|` splits outside code spans."""
-  cells, cell, in_code = [], "", False
-  for char in row.strip()[1:-1]:
-    if char == "`":
-      in_code = not in_code
-    if char == "|" and not in_code:
-      cells.append(cell)
-      cell = ""
-    else:
-      cell += char
-  return cells + [cell]
 
 
 @functools.cache
