@@ -150,13 +150,14 @@ def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
   if not state_lib.is_int(record) or record < 0:
     return {}
   fields = {"record": int(record)}
+  mixture = _records.mixture_segment(fingerprint, position)
   recent = (restored.lineage or {}).get("recent") or ()
-  carried = state_lib.carried_geometry(recent)[-1] if recent else {}
+  names = [name for name, _ in SEGMENT_GEOMETRY] + ([] if mixture is None else ["mixture"])
+  carried = state_lib.latest_geometry(recent, names)
   for name, field in SEGMENT_GEOMETRY:
     value = fingerprint.get(field)
     if state_lib.is_int(value) and value >= 1 and carried.get(name) != value:
       fields[name] = int(value)
-  mixture = _records.mixture_segment(fingerprint, position)
   if mixture is not None and carried.get("mixture") != mixture:
     fields["mixture"] = mixture  # the shares, lengths and ledger: changed only where the mixture changed
   return fields
@@ -165,11 +166,12 @@ def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
 def extended(lineage: Mapping[str, Any] | None, entry: Mapping[str, Any]) -> dict[str, Any]:
   """`lineage` with one more resume."""
   lineage = lineage or empty()
-  recent = [dict(e) for e in lineage["recent"]] + [dict(entry)]
+  # The entries before are shared, not copied: a state's lineage is read-only (a resume's cost stays flat).
+  recent = [*lineage["recent"], dict(entry)][-MAX_RECENT:]
   result = {
       "resumes": lineage["resumes"] + 1,
       "digest": fold(lineage["digest"], entry),
-      "recent": recent[-MAX_RECENT:],
+      "recent": recent,
   }
   if RUN in lineage:
     result[RUN] = lineage[RUN]  # the same run, resumed
@@ -461,6 +463,8 @@ def check_restore_saved(
 
   def apply_and_log() -> None:
     apply()
+    if not _log.isEnabledFor(logging.INFO):
+      return  # the summary is formatted only for a log that shows it
     content = getattr(item, "restored_content_check", None)
     _log.info(
         "ckpt_iter: restored the %s state of step %s%s: %s%s (%s)",

@@ -64,6 +64,11 @@ _WEIGHT_DENOMINATOR = 1000
 
 def shares_of(fingerprint: Mapping[str, Any]) -> dict[str, int] | None:
   """A mixture's name -> share from its make_dataset fingerprint (`weight[name]` fields), or None."""
+  try:
+    if "\0weight[" not in "\0" + "\0".join(fingerprint):
+      return None  # no mixture: one scan in C (a restore asks four times)
+  except TypeError:
+    pass  # a name that is no string: the walk below
   shares = {}
   for name, value in fingerprint.items():
     if name.startswith("weight[") and name.endswith("]"):

@@ -44,7 +44,7 @@ import math
 import numbers
 import typing
 from collections.abc import Mapping  # not typing's: its isinstance is ~3x slower
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 from ckpt_iter import _records
 from ckpt_iter import errors
@@ -363,13 +363,19 @@ def _checked_fields(value: Mapping[str, Any], origin: str, depth: int = 0) -> di
         f"{origin}: field 'kind' is {_short(kind)}, expected one of {list(KINDS)}."
     )
   fingerprint = require(value, "fingerprint", Mapping, origin)
-  _checked_copy(fingerprint, "fingerprint", origin)  # keys and strings are valid Unicode
+  # One pass over flat fields (no recursive copy: a restore's critical path): names are
+  # strings, values JSON scalars, every string valid Unicode.
   for name, field_value in fingerprint.items():
-    if not isinstance(name, str):
+    if not (type(name) is str and name.isascii()) and not _valid_text(name):
+      if isinstance(name, str):
+        _checked_copy(name, "fingerprint", origin)  # raises, naming the lone surrogate
       raise errors.InvalidStateError(
           f"{origin}: fingerprint field names must be strings, got {_short(name)}."
       )
-    if type(field_value) not in _JSON_SCALAR_TYPES and not is_json_scalar(field_value):
+    if isinstance(field_value, str):
+      if not field_value.isascii() and not _valid_text(field_value):
+        _checked_copy(field_value, "fingerprint", origin)  # raises, naming the lone surrogate
+    elif type(field_value) not in _JSON_SCALAR_TYPES and not is_json_scalar(field_value):
       raise errors.InvalidStateError(
           f"{origin}: fingerprint field {name!r} must be a JSON scalar (a finite float, no NaN), "
           f"got {_short(field_value)}."
@@ -542,6 +548,25 @@ def carried_geometry(recent: Any) -> list[dict[str, Any]]:
   return result
 
 
+def latest_geometry(recent: Sequence[Mapping[str, Any]], names: Collection[str]) -> dict[str, Any]:
+  """`carried_geometry(recent)[-1]` of the fields `names`: read back from the latest entry only as far as
+  needed (a resume adds an entry: its cost must not grow with the restarts before it)."""
+  found: dict[str, Any] = {}
+  for entry in reversed(recent):
+    for name in names:
+      value = entry.get(name)
+      if value is None or name in found:  # most entries record no geometry
+        continue
+      if name == "mixture":
+        if isinstance(value, str):
+          found[name] = value
+      elif _is_int(value):
+        found[name] = int(value)
+    if len(found) == len(names):
+      break
+  return found
+
+
 def _valid_text(value: Any) -> bool:
   """A str that is valid Unicode (no lone surrogate, which JSON's escapes can make)."""
   if type(value) is not str and not isinstance(value, str):
@@ -628,6 +653,11 @@ def _checked_copy(value: Any, field: str, origin: str, depth: int = 0) -> Any:
     raise errors.InvalidStateError(
         f"{origin}: field {field!r} is nested deeper than {MAX_NESTING} levels; no iterator "
         "state is. The state is corrupt or hostile: restore an earlier step.")
+  kind = type(value)
+  if kind is str and value.isascii():
+    return value  # the common case, without the encode
+  if kind is int or kind is bool or value is None:
+    return value  # nor the ABC checks below
   if isinstance(value, str):
     try:
       value.encode("utf-8")
@@ -637,7 +667,7 @@ def _checked_copy(value: Any, field: str, origin: str, depth: int = 0) -> Any:
           f"surrogate): {value.encode('utf-8', 'backslashreplace').decode('ascii', 'replace')[:80]!r}. "
           "The state is corrupt or hostile: restore an earlier step.") from None
     return value
-  if isinstance(value, Mapping):
+  if kind is dict or isinstance(value, Mapping):
     return {_checked_copy(k, field, origin, depth + 1): _checked_copy(v, field, origin, depth + 1)
             for k, v in value.items()}
   if isinstance(value, list):
@@ -739,6 +769,8 @@ def differing_fields(
   """
   if GRAPH_FIELD not in saved:
     current = {k: v for k, v in current.items() if not is_graph_field(k)}
+  elif saved == current and all(type(value) is type(current[name]) for name, value in saved.items()):
+    return {}  # a restore's common case, asked once per concern: one comparison in C, then the types
   differences = {}
   # Usually both have the same fields: no union set to build then.
   names = saved.keys() if saved.keys() == current.keys() else saved.keys() | current.keys()

@@ -2,7 +2,7 @@
 
 Reads each kept step's data state header (small reads; no array, no model)
 and checks the chain step by step, for each process:
-  * a state whose lineage records new resumes (`ckpt_iter.lineage`): each
+  * a state whose lineage records new resumes (its `lineage` field): each
     resume restored exactly the state its step saved (the digest recorded at
     the restore equals the digest of the state kept there), from the latest
     step saved before it, so no element is skipped or trained twice;
@@ -244,7 +244,7 @@ def _saved(step: int, index: int, count: int, header: Any, origin: str) -> Saved
       inside_until=_inside_until(input_fingerprint, input_position, own, origin),
       step=step, process_index=index, process_count=count, kind=value.kind,
       digests=item_lib.header_resume_digests(header, origin=origin, value=value),
-      progress=_progress(value),
+      progress=_progress(value, inner.position, own),
       lineage=value.lineage or item_lib.empty(),
       counters=value.counters,
       fingerprint=state_lib.flat_fingerprint(value),
@@ -274,11 +274,13 @@ def _saved_step(header: Mapping[str, Any], origin: str) -> int | None:
   return step
 
 
-def _progress(value: state_lib.IteratorState) -> int | None:
-  """How far the state is into its stream, as one number (None when its position has none)."""
+def _progress(value: state_lib.IteratorState, position: Any, own: Mapping[str, Any]) -> int | None:
+  """How far the state is into its stream, as one number (None when its position has none).
+
+  `position`: its innermost state's position; `own`: its own position fields (as `_saved` read them).
+  """
   if value.kind == "repeat":
     return value.counters.get("yielded")
-  position, own = value.innermost.position, value.own_position
   for name in ("stream_rows", "prompt_index"):  # Tunix RL, agentic: prompts consumed
     if state_lib.is_int(own.get(name)):
       return own[name]
