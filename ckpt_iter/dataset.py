@@ -26,6 +26,8 @@ fingerprint are `_global_batch`'s.
 
 from __future__ import annotations
 
+import fractions
+import math
 import numbers
 from typing import Any, Callable, Mapping
 
@@ -161,7 +163,7 @@ def make_dataset(
     )
     parents = [_record_dataset(records, seed, transform, order)]
   else:
-    shares = _records.proportions(weights)
+    shares = proportions(weights)
     seeds = {name: None if seed is None else source_seed(seed, name) for name in named}
     orders = {name: _shard_order(shuffle, records, identity, shard_size, shuffle_window, seeds[name], name)
               for name, (records, identity) in named.items()}
@@ -224,6 +226,43 @@ def with_skip(dataset: Any, skip: Any) -> Any:
         "(its node on a chain of single parents) knows its records. Build it with make_dataset(...).")
   node.declare(declared)
   return dataset
+
+
+# Weights are read to three significant decimals of their ratio.
+_WEIGHT_DENOMINATOR = 1000
+
+
+def proportions(weights: Mapping[str, Any]) -> dict[str, int]:
+  """make_dataset's `weights` as integer proportions (a mixture's shares), in lowest terms, same order.
+
+  0.7 and 0.3 give 7 and 3; weights are read to three significant decimals
+  of their ratio (1/3 and 2/3 give 1 and 2).
+
+  Raises:
+    InvalidArgumentError: a weight is not a positive finite number, or the
+      proportions need more than _records.MAX_PROPORTION_TOTAL in total.
+  """
+  if not weights:
+    raise errors.InvalidArgumentError("weights is empty; a mixture needs at least one source.")
+  if len(weights) > _records.MAX_SOURCES:
+    raise errors.InvalidArgumentError(
+        f"a mixture has {len(weights)} sources; at most {_records.MAX_SOURCES} are supported.")
+  for name, weight in weights.items():
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) or weight <= 0:
+      raise errors.InvalidArgumentError(
+          f"weights[{name!r}]={weight!r} must be a positive finite number (a relative weight).")
+  smallest = min(float(w) for w in weights.values())
+  ratios = {name: fractions.Fraction(float(w) / smallest).limit_denominator(_WEIGHT_DENOMINATOR)
+            for name, w in weights.items()}
+  denominator = math.lcm(*(r.denominator for r in ratios.values()))
+  ints = {name: int(r * denominator) for name, r in ratios.items()}
+  divisor = math.gcd(*ints.values())
+  ints = {name: value // divisor for name, value in ints.items()}
+  if sum(ints.values()) > _records.MAX_PROPORTION_TOTAL:
+    raise errors.InvalidArgumentError(
+        f"weights {dict(weights)} need integer proportions {ints}, more than {_records.MAX_PROPORTION_TOTAL} "
+        "in total; round them (e.g. to two decimals).")
+  return ints
 
 
 def _describe_length(spec: DatasetSpec) -> str:

@@ -52,32 +52,6 @@ def test_the_measured_deviations_the_docs_quote(shares, records, source, count):
   assert _records.counts(records, shares)[source] == count
 
 
-@pytest.mark.parametrize("weights, shares", [
-    ({"a": 0.7, "b": 0.3}, {"a": 7, "b": 3}),
-    ({"a": 1, "b": 1}, {"a": 1, "b": 1}),
-    ({"a": 1 / 3, "b": 2 / 3}, {"a": 1, "b": 2}),
-    ({"a": 0.5, "b": 0.25, "c": 0.25}, {"a": 2, "b": 1, "c": 1}),
-    ({"x": 3}, {"x": 1}),
-])
-def test_proportions_are_integer_ratios_in_lowest_terms(weights, shares):
-  assert _records.proportions(weights) == shares
-
-
-@pytest.mark.parametrize("weights, fragment", [
-    ({}, "weights is empty"),
-    ({"a": 0}, "weights['a']=0"),
-    ({"a": -1.0}, "weights['a']=-1.0"),
-    ({"a": float("nan")}, "weights['a']=nan"),
-    ({"a": True}, "weights['a']=True"),
-    ({"a": "1"}, "weights['a']='1'"),
-    ({"a": 1, "b": 1e-9}, "more than"),
-])
-def test_bad_weights_are_refused_naming_them(weights, fragment):
-  with pytest.raises(errors.InvalidArgumentError) as info:
-    _records.proportions(weights)
-  assert fragment in str(info.value)
-
-
 _NAMES = "abcd"
 
 
