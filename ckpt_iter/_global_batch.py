@@ -479,6 +479,9 @@ def merged_skips(node: "GlobalBatchDataset | _lanes.LaneDataset | None", saved: 
   """
   if node is None:
     return SkipChange(saved, skips_lib.NO_SKIPS, ())
+  declared = node.declared
+  if not saved and not declared.records and not declared.source_records:
+    return SkipChange(saved, skips_lib.NO_SKIPS, ())  # nothing saved or declared: nothing to check or add
   spec = node.spec
   check_node_can_skip(node, saved, origin=origin, restored=True)
   new, already = skips_lib.resolve(
