@@ -37,17 +37,19 @@ _POINTER = re.compile(r"([A-Za-z_][\w/]*(?:\.[A-Za-z_]\w*)*)(?:\(.*\))?:?")
 _FILE_SUFFIXES = (".json", ".txt", ".md", ".yml", ".yaml", ".toml")
 
 
-def _modules() -> dict[str, str]:
-  """Every module of the package by its path under ckpt_iter/, without `.py` (`tunix/_items`)."""
-  result = {}
+def _modules() -> tuple[dict[str, str], dict[str, pathlib.Path]]:
+  """Every module of the package by its path under ckpt_iter/, without `.py` (`tunix/_items`), and its file."""
+  names, files = {}, {}
   for path in _PACKAGE.rglob("*.py"):
     relative = path.relative_to(_PACKAGE).with_suffix("")
     parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
-    result["/".join(parts)] = ".".join(("ckpt_iter", *parts))
-  return result
+    names["/".join(parts)] = ".".join(("ckpt_iter", *parts))
+    files[names["/".join(parts)]] = path
+  return names, files
 
 
-_MODULES = _modules()
+# Files are read by path: finding ckpt_iter.tunix's modules by import would need Tunix installed.
+_MODULES, _FILES = _modules()
 _BY_LAST_NAME: dict[str, list[str]] = {}
 for _path, _name in _MODULES.items():
   if _path:
@@ -120,10 +122,36 @@ def _has_attribute(owner, name: str) -> bool:
   return name in fields
 
 
+def _defined_in(body: list[ast.stmt], name: str) -> ast.stmt | None:
+  """The statement of `body` that defines `name` (a def, a class, an assignment or an annotated field)."""
+  for node in body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+      return node
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    if any(isinstance(target, ast.Name) and target.id == name for target in targets):
+      return node
+    if isinstance(node, (ast.Import, ast.ImportFrom)) and any((alias.asname or alias.name) == name for alias in node.names):
+      return node
+  return None
+
+
+def _resolve_in_source(module_name: str, attributes: list[str]) -> str | None:
+  """`_resolve` read from the module's file: ckpt_iter.tunix's modules cannot be imported without Tunix."""
+  body = ast.parse(_FILES[module_name].read_text()).body
+  for index, name in enumerate(attributes):
+    node = _defined_in(body, name)
+    if node is None:
+      return f"{module_name}.{'.'.join(attributes[:index + 1])} does not exist"
+    if not isinstance(node, ast.ClassDef):
+      return None  # an attribute of a value: only an import could tell
+    body = node.body
+  return None
+
+
 def _resolve(module_name: str, attributes: list[str]) -> str | None:
-  """Why `module_name` + `attributes` is no attribute chain, or None (also when Tunix is absent)."""
+  """Why `module_name` + `attributes` is no attribute chain, or None."""
   if module_name.startswith("ckpt_iter.tunix") and importlib.util.find_spec("tunix") is None:
-    return None
+    return _resolve_in_source(module_name, attributes)
   owner = importlib.import_module(module_name)
   for index, name in enumerate(attributes):
     if not _has_attribute(owner, name):
@@ -136,7 +164,7 @@ def _defining_modules(name: str) -> list[str]:
   """The package's modules that define a top-level `name` (a class or constant named without its module)."""
   found = []
   for module_name in _MODULES.values():
-    source = pathlib.Path(importlib.util.find_spec(module_name).origin).read_text()
+    source = _FILES[module_name].read_text()
     if re.search(rf"^(?:class|def) {name}\b|^{name}\b[^=\n]*=", source, re.M):
       found.append(module_name)
   return found
