@@ -19,6 +19,7 @@ from etils import epath
 
 import ckpt_iter
 from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _files
 from ckpt_iter import _item as item_lib
 from ckpt_iter import cli
 import support
@@ -60,9 +61,9 @@ def _edit_header(root, step, change):
 
 
 def _edit_file(path, change):
-  """Rewrites a process's header file after `change(header)`."""
-  with open(path) as f:
-    header = json.load(f)
+  """Rewrites a process's header file after `change(header)`, whole (as a process whose pod part
+  differs writes it: the fingerprint and lineage in the header itself, no reference to the count file)."""
+  header = json.loads(json.dumps(_files.read_header(path)))
   change(header)
   with open(path, "w") as f:
     json.dump(header, f)
