@@ -302,17 +302,10 @@ def _with_pod_part(header: dict[str, Any], path: str, count: CountFile | None) -
         f"{path}: refers to the pod part in {COUNT_FILE} ({POD_SHA256!r}) but holds {problem}. "
         "The file is garbled: restore an earlier step."
     )
-  shared = pod["fingerprint"]
-  both = fingerprint.keys() & shared.keys()
-  if both:
-    raise errors.InvalidStateError(
-        f"{path}: fingerprint field {sorted(both)[0]!r} is both in this header and in the pod part of "
-        f"{count.path}; a header holds only its per-process fields. Restore an earlier step."  # type: ignore[union-attr]
-    )
   whole: dict[str, Any] = {}
   for key, value in header.items():
     if key == "fingerprint":
-      whole[key] = {**shared, **fingerprint}
+      whole[key] = {**pod["fingerprint"], **fingerprint}  # (a field in both: the header's own)
     elif key == POD_SHA256:
       if pod.get("lineage") is not None:
         whole["lineage"] = pod["lineage"]

@@ -200,6 +200,32 @@ def test_lineage_stays_bounded_and_its_running_digest_covers_every_resume():
   assert item_lib.step_of_item_directory("/x/ckpt/data") is None
 
 
+def test_resume_entries_leave_out_per_process_fields_and_format_4_s_still_prove():
+  """A pod's processes record the same entry (format 5); the whole-fingerprint digest formats 1-4
+  recorded is still one a restore of such a header may have recorded."""
+  from ckpt_iter import _codec  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  def state(index, kind):
+    data = {"kind": "data", "fingerprint": {"seed": 0, "shard_index": index, "shard_count": 2},
+            "position": {"next_record": 16}}
+    if kind == "data":
+      return state_lib.IteratorState(**data)
+    return state_lib.IteratorState(kind="repeat", fingerprint={"num_repeats": 2, "group_size": 1, "shuffle_seed": 0},
+                                   position={"parent": state_lib.IteratorState(**data)})
+
+  for kind in ("data", "repeat"):
+    first, second = state(0, kind), state(1, kind)
+    assert item_lib.resume_digest(first) == item_lib.resume_digest(second), kind
+    header = _codec.encode_state(first)[0]
+    assert item_lib.header_resume_digests(header, origin="now") == (item_lib.resume_digest(first),)
+    old = {**header, "format_version": 4}
+    digests = item_lib.header_resume_digests(old, origin="format 4")
+    assert len(digests) == 2 and digests[0] == item_lib.resume_digest(first), kind
+    assert item_lib.header_resume_digests(_codec.encode_state(second)[0] | {"format_version": 4},
+                                          origin="format 4")[1] != digests[1]  # shard_index was in it
+
+
 def test_grain_form_carries_content_and_lineage_as_text_in_one_structure(tmp_path):
   fresh = ckpt_iter.DataIterator(_dataset())
   first = fresh.get_state()  # before any element: the same keys, "null" text
