@@ -1069,7 +1069,8 @@ def _restore_cost(rows: list[dict]) -> str:
     after, before = found.get(("after", case), {}), found.get(("before", case), {})
     table.append([case, after.get("restore_cpu_us"), f"{_fmt(after.get('ratio_to_grain'))}x",
                   f"{_fmt(before.get('ratio_to_grain'))}x", after.get("restore_checked_cpu_us"),
-                  after.get("state_bytes"), before.get("state_bytes")])
+                  after.get("state_bytes"), before.get("state_bytes"), after.get("pod_bytes"),
+                  before.get("pod_bytes")])
   grain_us = found.get(("after", "fresh"), {}).get("grain_handler_cpu_us")
   return f"""## {TITLES['restore_cost']}
 
@@ -1093,7 +1094,7 @@ restarts is larger than 0.2.0's: each resume entry records the stream record it 
 map's segment start, issue 47), the batch size and process count only where they changed.
 
 {_table(["state", "restore CPU, us", "/ Grain's handler", f"at {commit}", "with the content check, us",
-         "bytes per process", f"at {commit}"], table)}
+         "bytes per process", f"at {commit}", "once per pod", f"at {commit}"], table)}
 {_checks(summary)}
 """
 

@@ -49,7 +49,7 @@ RUN = state_lib.LINEAGE_RUN
 _START = "0" * 16  # the running digest of a run never resumed
 
 
-def resume_digest(value: state_lib.IteratorState) -> str:
+def resume_digest(value: state_lib.IteratorState, *, per_process: bool = False) -> str:
   """A digest of where `value` continues: what a resume entry records of it.
 
   Computable from a header alone (pending items are not read: the schedule
@@ -58,11 +58,13 @@ def resume_digest(value: state_lib.IteratorState) -> str:
   per-process fields (`elastic.PER_PROCESS_FIELDS`, in the state and in the
   one it nests): the processes of a pod that read the same stream record the
   same entries, so their lineage is written once for the pod (format 5).
-  Formats 1-4 digested the whole fingerprint; `header_resume_digests` knows both.
+  Formats 1-4 digested the whole fingerprint (`per_process=True`);
+  `header_resume_digests` knows both.
   """
   return _digest_of_fields(
       value.kind, value.fingerprint, codec.position_to_json(value.position_dict()),
       value.shuffle_key, None if value.pending is None else value.pending.schedule, value.counters,
+      per_process=per_process,
   )
 
 
