@@ -569,7 +569,7 @@ def process_set_problems(
 
 
 def count_file_problems(
-    directory: str, present: Sequence[tuple[int, int]]
+    directory: str, present: Sequence[tuple[int, int]], *, count_files: dict[str, CountFile | None] | None = None
 ) -> list[tuple[str, str]]:
   """What is wrong with `COUNT_FILE` next to a sound set of process files, as (path, message).
 
@@ -578,7 +578,10 @@ def count_file_problems(
   """
   path = os.path.join(directory, COUNT_FILE)
   try:
-    recorded = _read_count_file(directory)
+    record = read_count_file(directory)
+    if count_files is not None:
+      count_files[directory] = record  # the headers read next refer to it
+    recorded = None if record is None else record.process_count
   except errors.InvalidStateError as e:
     return [(path, str(e).removeprefix(f"{path}: "))]
   except OSError as e:
@@ -667,9 +670,3 @@ def saved_process_count(
         "restore an earlier step."
     )
   return present[0][1]
-
-
-def _read_count_file(directory: str) -> int | None:
-  """The process count `COUNT_FILE` records, or None if the item has none."""
-  record = read_count_file(directory)
-  return None if record is None else record.process_count

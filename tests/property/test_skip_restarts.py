@@ -21,7 +21,6 @@ and the records each skip named were never trained after it was declared.
 
 import collections
 import glob
-import json
 import tempfile
 
 import hypothesis
