@@ -125,31 +125,40 @@ def split_header(
   """A header as a process writes it when the count file holds its pod part; that part's text and SHA-256.
 
   The pod part is what every process of a pod that reads the same stream holds
-  alike: the fingerprint without its `per_process` fields, and the lineage
-  (`{"fingerprint": {...}, "lineage": {...}}`, compact JSON). The header keeps
-  the rest, its fingerprint only the `per_process` fields, and `POD_SHA256`
-  where its lineage was, so `read_header` puts the header back together in its
-  own order. Whether a process may refer to process 0's pod part (theirs the
-  same) is the caller's to decide (`_item.write`).
+  alike: the fingerprints without their `per_process` fields, the state's own
+  and those of the states it nests (a repeat's parent, a learner's input,
+  outermost first), and the lineage (`{"fingerprints": [...], "lineage": {...}}`,
+  compact JSON). The header keeps the rest, each fingerprint with only its
+  `per_process` fields, and `POD_SHA256` where its lineage was, so
+  `read_header` puts the header back together in its own order. Whether a
+  process may refer to process 0's pod part (theirs the same) is the
+  caller's to decide (`_item.write`).
   """
-  fingerprint = header.get("fingerprint") or {}
-  pod: dict[str, Any] = {"fingerprint": {k: v for k, v in fingerprint.items() if k not in per_process}}
+  own, fingerprints = _split_state(header, per_process)
+  pod: dict[str, Any] = {"fingerprints": fingerprints}
   if header.get("lineage") is not None:
     pod["lineage"] = header["lineage"]
   text = json.dumps(pod, separators=(",", ":"), allow_nan=False).encode()
   digest = hashlib.sha256(text).hexdigest()
-  own: dict[str, Any] = {}
-  for key, value in header.items():
-    if key == "fingerprint":
-      own[key] = {k: v for k, v in fingerprint.items() if k in per_process}
-    elif key == "lineage":
-      own[POD_SHA256] = digest
-    else:
-      own[key] = value
+  own = {POD_SHA256 if key == "lineage" else key: digest if key == "lineage" else value
+         for key, value in own.items()}
   own.setdefault(POD_SHA256, digest)  # a state without a lineage
   return own, text, digest
 
 
+def _split_state(state: Mapping[str, Any], per_process: Collection[str]) -> tuple[dict[str, Any], list[dict]]:
+  """`state` with each fingerprint down its nesting cut to the `per_process` fields; the rest, outermost first."""
+  fingerprint = state.get("fingerprint") or {}
+  shared = [{k: v for k, v in fingerprint.items() if k not in per_process}]
+  own = {**state, "fingerprint": {k: v for k, v in fingerprint.items() if k in per_process}}
+  key = state_lib.NESTED.get(state.get("kind"))  # type: ignore[arg-type]
+  position = state.get("position")
+  part = position.get(key) if key is not None and isinstance(position, Mapping) else None
+  if isinstance(part, Mapping) and isinstance(part.get("fingerprint"), Mapping):
+    own_part, nested = _split_state(part, per_process)
+    own["position"] = {**position, key: own_part}  # type: ignore[dict-item]
+    shared += nested
+  return own, shared
 
 
 def check_item_directory(directory: str) -> None:
@@ -289,28 +298,43 @@ def read_count_file(directory: str) -> CountFile | None:
 # check of their lineage. Bounded; never trusted by the digest a file claims, only by the text's own.
 _CHECKED_PODS: dict[str, dict[str, Any]] = {}
 _CHECKED_PODS_KEPT = 16
+_MAX_NESTED_FINGERPRINTS = 8  # a state and the states it nests (a few; a state refuses more than 4 deep)
 
 
 def _with_pod_part(header: dict[str, Any], path: str, count: CountFile | None) -> dict[str, Any]:
   """`header` with its step's pod part put back: the header as if written whole."""
   pod = _pod_part(header[POD_SHA256], path, count)
-  fingerprint = header.get("fingerprint")
-  if type(fingerprint) is not dict or "lineage" in header:
-    problem = ("field 'lineage' beside it" if "lineage" in header
-               else f"field 'fingerprint' {state_lib.short_repr(fingerprint)}, not its per-process fields")
+  if "lineage" in header:
     raise errors.InvalidStateError(
-        f"{path}: refers to the pod part in {COUNT_FILE} ({POD_SHA256!r}) but holds {problem}. "
-        "The file is garbled: restore an earlier step."
-    )
-  whole: dict[str, Any] = {}
-  for key, value in header.items():
-    if key == "fingerprint":
-      whole[key] = {**pod["fingerprint"], **fingerprint}  # (a field in both: the header's own)
-    elif key == POD_SHA256:
-      if pod.get("lineage") is not None:
-        whole["lineage"] = pod["lineage"]
-    else:
-      whole[key] = value
+        f"{path}: refers to the pod part in {COUNT_FILE} ({POD_SHA256!r}) but holds field 'lineage' beside "
+        "it. The file is garbled: restore an earlier step.")
+  whole = _merged_state(header, pod["fingerprints"], path, "")
+  if pod.get("lineage") is None:
+    del whole[POD_SHA256]
+  else:  # in the reference's place
+    whole = {"lineage" if key == POD_SHA256 else key: pod["lineage"] if key == POD_SHA256 else value
+             for key, value in whole.items()}
+  return whole
+
+
+def _merged_state(state: dict[str, Any], fingerprints: list[dict], path: str, prefix: str) -> dict[str, Any]:
+  """`state` with `fingerprints` (its own, then those of the states it nests) put back in place."""
+  fingerprint = state.get("fingerprint")
+  if type(fingerprint) is not dict:
+    raise errors.InvalidStateError(
+        f"{path}: field '{prefix}fingerprint' is {state_lib.short_repr(fingerprint)}; a header that refers to "
+        f"the pod part in {COUNT_FILE} holds its per-process fields there. The file is garbled: restore an "
+        "earlier step.")
+  whole = {**state, "fingerprint": {**fingerprints[0], **fingerprint}}  # (a field in both: the header's own)
+  if len(fingerprints) > 1:
+    key = state_lib.NESTED.get(state.get("kind"))  # type: ignore[arg-type]
+    position = state.get("position")
+    part = position.get(key) if key is not None and type(position) is dict else None
+    if type(part) is not dict:
+      raise errors.InvalidStateError(
+          f"{path}: the pod part in {COUNT_FILE} holds the fingerprint of a state nested in "
+          f"'{prefix}position', which holds none. The files come from different saves: restore an earlier step.")
+    whole["position"] = {**position, key: _merged_state(part, fingerprints[1:], path, f"{prefix}position.{key}.")}
   return whole
 
 
@@ -345,13 +369,14 @@ def _pod_part(digest: Any, path: str, count: CountFile | None) -> dict[str, Any]
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
     raise errors.InvalidStateError(
         f"{origin}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); restore an earlier step.") from None
-  if not (type(value) is dict and set(value) - {"lineage"} == {"fingerprint"}
-          and type(value["fingerprint"]) is dict):
+  fingerprints = value.get("fingerprints") if type(value) is dict else None
+  if not (set(value) - {"lineage"} == {"fingerprints"} and type(fingerprints) is list  # type: ignore[arg-type]
+          and 1 <= len(fingerprints) <= _MAX_NESTED_FINGERPRINTS and all(type(f) is dict for f in fingerprints)):
     raise errors.InvalidStateError(
-        f"{origin}: must be {{'fingerprint': {{...}}, 'lineage': {{...}} (optional)}}, got "
+        f"{origin}: must be {{'fingerprints': [{{...}}, ...], 'lineage': {{...}} (optional)}}, got "
         f"{state_lib.short_repr(value)}. Restore an earlier step.")
-  # Checked here once per text (the fingerprint's flat fields are checked with each state, as ever).
-  pod = {"fingerprint": value["fingerprint"], "lineage": state_lib.checked_lineage(value.get("lineage"), origin)}
+  # Checked here once per text (the fingerprints' flat fields are checked with each state, as ever).
+  pod = {"fingerprints": fingerprints, "lineage": state_lib.checked_lineage(value.get("lineage"), origin)}
   if len(_CHECKED_PODS) >= _CHECKED_PODS_KEPT:
     _CHECKED_PODS.clear()  # (one dict operation each: safe from any thread)
   _CHECKED_PODS[text_digest] = pod

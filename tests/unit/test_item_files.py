@@ -351,7 +351,7 @@ def _lineage(resumes: int) -> dict:
 
 
 def _pod_state(index: int, count: int, *, resumes: int = 3, sources: int = 2, skips: int = 1,
-               arrays: dict | None = None) -> state_lib.IteratorState:
+               arrays: dict | None = None, repeat: bool = False) -> state_lib.IteratorState:
   fingerprint = {"source": f"mixture[{','.join(f's{k}' for k in range(sources))}]"}
   for k in range(sources):
     fingerprint.update({f"source[s{k}]": "records", f"source_length[s{k}]": 200, f"weight[s{k}]": k + 1})
@@ -359,11 +359,18 @@ def _pod_state(index: int, count: int, *, resumes: int = 3, sources: int = 2, sk
   if skips:
     fingerprint["skips"] = json.dumps({"records": [[500 + 40 * k, 503 + 40 * k] for k in range(skips)]},
                                       separators=(",", ":"))
-  return state_lib.IteratorState(
-      kind="data", fingerprint=fingerprint, position={"next_record": 96},
-      pending=None if arrays is None else state_lib.Pending(items=(arrays,), schedule=(0,)),
-      content={"check": "index", "digest": f"{index:016x}", "fields": {}},
-      lineage=_lineage(resumes) if resumes else None)
+  content = {"check": "index", "digest": f"{index:016x}", "fields": {}}
+  pending = None if arrays is None else state_lib.Pending(items=(arrays,), schedule=(0,))
+  lineage = _lineage(resumes) if resumes else None
+  if repeat:  # its source's fingerprint nested in its position: in the pod part too
+    parent = state_lib.IteratorState(kind="data", fingerprint=fingerprint, position={"next_record": 96},
+                                     content=content)
+    return state_lib.IteratorState(
+        kind="repeat", fingerprint={"num_repeats": 2, "group_size": 1, "shuffle_seed": 0},
+        position={"parent": parent}, shuffle_key=(1, 2), pending=pending, counters={"yielded": 3, "produced": 2},
+        lineage=lineage)
+  return state_lib.IteratorState(kind="data", fingerprint=fingerprint, position={"next_record": 96},
+                                 pending=pending, content=content, lineage=lineage)
 
 
 def _save(directory, value, index, count):
@@ -389,8 +396,8 @@ def test_the_pod_part_is_written_once_and_each_process_refers_to_it(tmp_path, ke
   for index, value in enumerate(states):
     _save(tmp_path, value, index, 3)
   count_file = json.loads((tmp_path / _files.COUNT_FILE).read_text())
-  assert count_file["process_count"] == 3 and set(count_file["pod"]) == {"fingerprint", "lineage"}
-  assert "shard_index" not in count_file["pod"]["fingerprint"]
+  assert count_file["process_count"] == 3 and set(count_file["pod"]) == {"fingerprints", "lineage"}
+  assert "shard_index" not in count_file["pod"]["fingerprints"][0] and "seed" in count_file["pod"]["fingerprints"][0]
   for index, value in enumerate(states):
     written = json.loads((tmp_path / f"process_{index}-of-3.json").read_text())
     # Only this process's own fields, and the reference where the lineage was.
@@ -501,23 +508,27 @@ def test_a_process_reads_the_count_file_once_for_its_count_and_its_pod_part(tmp_
 
 @settings(max_examples=40, deadline=None)
 @given(resumes=st.integers(0, 64), sources=st.integers(1, 8), skips=st.integers(0, 10),
-       count=st.integers(1, 3), data=st.data())
-def test_a_referring_header_reads_as_the_whole_one(tmp_path_factory, resumes, sources, skips, count, data):
+       count=st.integers(1, 3), repeat=st.booleans(), data=st.data())
+def test_a_referring_header_reads_as_the_whole_one(tmp_path_factory, resumes, sources, skips, count, repeat, data):
   index = data.draw(st.integers(0, count - 1))
-  value = _pod_state(index, count, resumes=resumes, sources=sources, skips=skips)
+  drawn = {"resumes": resumes, "sources": sources, "skips": skips, "repeat": repeat}
+  value = _pod_state(index, count, **drawn)
   referring, whole = tmp_path_factory.mktemp("referring"), tmp_path_factory.mktemp("whole")
   store = _KeyValueStore()
   original = item_lib._distributed_client  # pylint: disable=protected-access
   item_lib._distributed_client = lambda count: store  # pylint: disable=protected-access
   try:
     if index:  # process 0 of the same pod first (its count file holds the pod part)
-      _save(referring, _pod_state(0, count, resumes=resumes, sources=sources, skips=skips), 0, count)
+      _save(referring, _pod_state(0, count, **drawn), 0, count)
     _save(referring, value, index, count)
   finally:
     item_lib._distributed_client = original  # pylint: disable=protected-access
   header, _ = codec.encode_state(value)
   _files.write_files(str(whole), header, {}, process_index=index, process_count=count)
-  assert _files.POD_SHA256 in json.loads((referring / f"process_{index}-of-{count}.json").read_text())
+  written = json.loads((referring / f"process_{index}-of-{count}.json").read_text())
+  assert _files.POD_SHA256 in written and "lineage" not in written
+  own = written["position"]["parent"]["fingerprint"] if repeat else written["fingerprint"]
+  assert own == {"shard_index": index}  # every other fingerprint field is the pod's
   a, b = _files.read_state(str(referring), index, count), _files.read_state(str(whole), index, count)
   assert a == b == value
   assert (a.lineage, a.content, dict(a.fingerprint)) == (b.lineage, b.content, dict(b.fingerprint))

@@ -128,7 +128,7 @@ def test_an_iterator_is_itself_a_v1_checkpointable_in_ckpt_iters_format(tmp_path
   header = _files.read_header(os.path.join(item, "process_0-of-1.json"))
   assert header["format_version"] == ckpt_iter.FORMAT_VERSION and header["fingerprint"]
   count_file = json.load(open(os.path.join(item, _files.COUNT_FILE)))
-  assert count_file["process_count"] == 1 and count_file["pod"]["fingerprint"]  # the pod part, once
+  assert count_file["process_count"] == 1 and count_file["pod"]["fingerprints"][0]  # the pod part, once
   expected = [next(iterator) for _ in range(4)]
 
   resumed = make()
