@@ -207,9 +207,10 @@ default (`num_threads=0`): {_fmt(summary['first_next_ratio_grain_default_vs_ckpt
 def _state_size(rows: list[dict]) -> str:
   summary = _summary(rows)
   table = _table(
-      ["source", "iterator", "state_bytes (file)", "compact JSON bytes", "fingerprint bytes",
-       "largest fingerprint fields (bytes)", "≤ 1 KB?"],
-      [[r["source"], r["iterator"], r["state_bytes"], r["compact_json_bytes"], r["field_bytes"]["fingerprint"],
+      ["source", "iterator", "state_bytes (file)", "once per pod (count file)", "whole header, compact JSON bytes",
+       "fingerprint bytes", "largest fingerprint fields (bytes)", "≤ 1 KB?"],
+      [[r["source"], r["iterator"], r["state_bytes"], r.get("pod_bytes"), r["compact_json_bytes"],
+        r["field_bytes"]["fingerprint"],
         ", ".join(f"{k} {v}" for k, v in r["largest_fingerprint_fields"].items()),
         "yes" if r["state_bytes"] <= 1024 else "**no**"] for r in _measurements(rows)],
   )
@@ -231,7 +232,11 @@ def _state_size(rows: list[dict]) -> str:
 is written when nothing is pending. The file is compact JSON. The `ResumableGRPOLearner data item` row is
 the `data` item of a real toy Tunix checkpoint at a global-step boundary. A RepeatIterator's and
 a learner's fingerprint holds only their own fields: the state of the part they read (its
-fingerprint, position and content record) is nested in their `position` (format 4).
+fingerprint, position and content record) is nested in their `position` (format 4). From format 5
+the fingerprints without their per-process fields and the lineage, the same on every process of a
+pod, are written once per pod in the count file (*once per pod*), and each process's header refers
+to them ([state_format.md](state_format.md#the-pod-part-written-once-format-5)); *whole header* is
+the header as readers see it, both put together. The target is on what each process writes.
 
 {table}
 {verdict}
