@@ -213,7 +213,7 @@ def read_header(path: str, *, count_files: dict[str, "CountFile | None"] | None 
     if count_files is not None and directory in count_files:
       count = count_files[directory]
     else:
-      count = read_count_file(directory)
+      count = read_count_file(directory, directory_checked=True)
       if count_files is not None:
         count_files[directory] = count
     return _with_pod_part(header, path, count)
@@ -258,14 +258,17 @@ class CountFile:
   pod_text: bytes | None = None  # exactly the bytes `pod_sha256` covers
 
 
-def read_count_file(directory: str) -> CountFile | None:
+def read_count_file(directory: str, *, directory_checked: bool = False) -> CountFile | None:
   """The item's `COUNT_FILE`, or None if it has none (written before it existed, or without the handler).
+
+  `directory_checked`: the caller just read a header there (`check_item_directory` asked).
 
   Raises:
     InvalidStateError: unreadable or garbled (naming it and what to do).
   """
   path = os.path.join(directory, COUNT_FILE)
-  check_item_directory(directory)
+  if not directory_checked:
+    check_item_directory(directory)
   try:
     data = _read_bytes(path)
   except FileNotFoundError:
@@ -298,6 +301,7 @@ def read_count_file(directory: str) -> CountFile | None:
 # check of their lineage. Bounded; never trusted by the digest a file claims, only by the text's own.
 _CHECKED_PODS: dict[str, dict[str, Any]] = {}
 _CHECKED_PODS_KEPT = 16
+_CHECKED_POD_MAX_BYTES = 2**20
 _MAX_NESTED_FINGERPRINTS = 8  # a state and the states it nests (a few; a state refuses more than 4 deep)
 
 
@@ -377,9 +381,10 @@ def _pod_part(digest: Any, path: str, count: CountFile | None) -> dict[str, Any]
         f"{state_lib.short_repr(value)}. Restore an earlier step.")
   # Checked here once per text (the fingerprints' flat fields are checked with each state, as ever).
   pod = {"fingerprints": fingerprints, "lineage": state_lib.checked_lineage(value.get("lineage"), origin)}
-  if len(_CHECKED_PODS) >= _CHECKED_PODS_KEPT:
-    _CHECKED_PODS.clear()  # (one dict operation each: safe from any thread)
-  _CHECKED_PODS[text_digest] = pod
+  if len(count.pod_text) <= _CHECKED_POD_MAX_BYTES:  # (a pod part is a few KB; a huge one is not kept)
+    if len(_CHECKED_PODS) >= _CHECKED_PODS_KEPT:
+      _CHECKED_PODS.clear()  # (one dict operation each: safe from any thread)
+    _CHECKED_PODS[text_digest] = pod
   return pod
 
 

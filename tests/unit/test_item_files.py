@@ -570,3 +570,21 @@ def test_after_64_restarts_a_mixture_of_8_with_10_skips_writes_under_1_kb_per_pr
     target = iterator()
     handler.restore(directory, ckpt_iter.IteratorRestore(target))
     assert target.state() == a
+
+
+def test_a_pod_part_rewritten_with_a_matching_digest_is_still_checked_entry_by_entry(tmp_path):
+  """The digest binds the files, it does not vouch for them: whoever writes both can match it. A pod
+  part is checked the first time its text is read (then kept by that text's own SHA-256)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+
+  _save(tmp_path, _pod_state(0, 1), 0, 1)
+  assert _files.read_state(str(tmp_path), 0, 1).lineage["resumes"] == 3  # read (and kept) once
+  data = (tmp_path / _files.COUNT_FILE).read_bytes()
+  text = data.split(b'"pod":', 1)[1][:-1].replace(b'"state":"0000000000000002"', b'"state":2')
+  digest = hashlib.sha256(text).hexdigest()
+  (tmp_path / _files.COUNT_FILE).write_bytes(
+      b'{"process_count":1,"pod_sha256":"%s","pod":%s}' % (digest.encode(), text))
+  header = json.loads((tmp_path / "process_0-of-1.json").read_text())
+  (tmp_path / "process_0-of-1.json").write_text(json.dumps({**header, _files.POD_SHA256: digest}))
+  with pytest.raises(errors.InvalidStateError, match=r"ckpt_iter.json \(pod part\): field 'lineage' must be"):
+    _files.read_state(str(tmp_path), 0, 1)
