@@ -374,7 +374,7 @@ def _pod_part(digest: Any, path: str, count: CountFile | None) -> dict[str, Any]
     raise errors.InvalidStateError(
         f"{origin}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); restore an earlier step.") from None
   fingerprints = value.get("fingerprints") if type(value) is dict else None
-  if not (set(value) - {"lineage"} == {"fingerprints"} and type(fingerprints) is list  # type: ignore[arg-type]
+  if not (type(fingerprints) is list and set(value) - {"lineage"} == {"fingerprints"}
           and 1 <= len(fingerprints) <= _MAX_NESTED_FINGERPRINTS and all(type(f) is dict for f in fingerprints)):
     raise errors.InvalidStateError(
         f"{origin}: must be {{'fingerprints': [{{...}}, ...], 'lineage': {{...}} (optional)}}, got "

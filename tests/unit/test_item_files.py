@@ -588,3 +588,17 @@ def test_a_pod_part_rewritten_with_a_matching_digest_is_still_checked_entry_by_e
   (tmp_path / "process_0-of-1.json").write_text(json.dumps({**header, _files.POD_SHA256: digest}))
   with pytest.raises(errors.InvalidStateError, match=r"ckpt_iter.json \(pod part\): field 'lineage' must be"):
     _files.read_state(str(tmp_path), 0, 1)
+
+
+@pytest.mark.parametrize("pod", [b'[{"a":1}]', b'{"fingerprints":{}}', b'{"fingerprints":[]}', b'{"fingerprints":[1]}',
+                                 b'{"fingerprints":[{}],"extra":1}', b'{"fingerprints":[{}],"lineage":[]}'])
+def test_a_malformed_pod_part_with_its_own_digest_is_refused_naming_it(tmp_path, pod):
+  import hashlib  # pylint: disable=g-import-not-at-top
+
+  _save(tmp_path, _pod_state(0, 1), 0, 1)
+  digest = hashlib.sha256(pod).hexdigest()
+  (tmp_path / _files.COUNT_FILE).write_bytes(b'{"process_count":1,"pod_sha256":"%s","pod":%s}' % (digest.encode(), pod))
+  header = json.loads((tmp_path / "process_0-of-1.json").read_text())
+  (tmp_path / "process_0-of-1.json").write_text(json.dumps({**header, _files.POD_SHA256: digest}))
+  with pytest.raises(errors.InvalidStateError, match=r"ckpt_iter.json \(pod part\)"):
+    _files.read_state(str(tmp_path), 0, 1)
