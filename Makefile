@@ -109,7 +109,8 @@ test-tunix-main: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
 	  tests/integration/test_tunix_packing.py tests/integration/test_tunix_cli.py \
 	  tests/integration/test_tunix_object_store.py tests/integration/test_tunix_audit.py \
 	  tests/integration/test_tunix_multihost.py \
-	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py tests/unit/test_tunix_layouts.py
+	  tests/unit/test_tunix_api.py tests/unit/test_tunix_signature.py tests/unit/test_tunix_input.py \
+	  tests/unit/test_tunix_shardings.py
 	CKPT_ITER_CONFORMANCE_EXAMPLES=$(TUNIX_MAIN_CONFORMANCE_EXAMPLES) \
 	  CKPT_ITER_AGENTIC_CONFORMANCE_EXAMPLES=$(TUNIX_MAIN_CONFORMANCE_EXAMPLES) $(TUNIX_MAIN_VENV)/bin/python -m pytest \
 	  -q -p no:cacheprovider --run-slow -s tests/integration/test_tunix_conformance.py
@@ -122,6 +123,7 @@ test-tunix-main-core: $(TUNIX_MAIN_VENV)/.installed $(STAMP)
 	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --run-slow \
 	  tests/integration/test_tunix_main.py tests/integration/test_tunix_agentic.py \
 	  tests/integration/test_tunix_packing.py \
-	  tests/unit/test_tunix_api.py tests/unit/test_tunix_input.py tests/unit/test_tunix_layouts.py
+	  tests/unit/test_tunix_api.py tests/unit/test_tunix_signature.py tests/unit/test_tunix_input.py \
+	  tests/unit/test_tunix_shardings.py
 	$(TUNIX_MAIN_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) --run-heavy \
 	  tests/integration/test_tunix_conformance.py

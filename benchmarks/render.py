@@ -938,13 +938,29 @@ into Grain's compiled `index_shuffle` each) and the file's encoding.
 """
 
 
-# The walks at commit 3dde9c3 (the same script, before iterator.py asked make_dataset's node once per concern
-# and the skip ranges, the Tunix settings field and the large modules were split): files, lines, calls across.
-_WALKS_BEFORE = {"save": (10, 676, 14), "restore": (12, 2115, 63), "audit": (10, 1534, 46), "which": (12, 1735, 47),
-                 "grpo_restore": (16, 3844, 140)}
+# The walks at commit efc4d89 (the same script, before sources.py and dataset.py were split and make_dataset's
+# node kept where it reads in one value, `_records.Cursor`): files, lines, calls across.
+_WALKS_BEFORE = {"save": (10, 704, 14), "restore": (15, 2164, 71), "audit": (12, 1540, 49), "which": (14, 1741, 55),
+                 "grpo_restore": (23, 3963, 151)}
 _WALK_NAMES = {"save": "save (Orbax, make_dataset)", "restore": "restore (Orbax, make_dataset)",
                "audit": "`ckpt-iter audit`", "which": "`ckpt-iter which --step`",
                "grpo_restore": "Tunix GRPO resume, to the first trainer input"}
+
+
+# The modules at commit efc4d89 (the same count, before sources.py and dataset.py were split): count, p90 lines.
+_MODULES_BEFORE = (55, 722.6)
+
+
+def _module_sizes(rows: list[dict]) -> str:
+  """The module-size paragraph of section 17 (`restore_walk.module_sizes`), with the figures before."""
+  found = _measurements(rows, name="module_sizes")
+  if not found:
+    return ""
+  sizes = found[0]
+  over = ", ".join(f"`{m['module']}` {m['lines']:,}" for m in sizes["over"]) or "none"
+  return (f"Module sizes (`wc -l` of every `ckpt_iter/**/*.py`, the 90th percentile by numpy's linear "
+          f"interpolation): {sizes['modules']} modules, p90 {sizes['p90_lines']} lines (before: "
+          f"{_MODULES_BEFORE[1]} over {_MODULES_BEFORE[0]} modules); over 700 lines: {over}.\n")
 
 
 _WALK_COLUMNS = ["walk", "files", "lines followed", "calls across files", "pairs with >= 10 calls",
@@ -975,9 +991,10 @@ thing a user does under `sys.setprofile` (and `threading.setprofile`, for Orbax'
 function of `ckpt_iter/` it enters: the files entered; the lines a reader follows (the union of the line spans
 of the functions entered, per file); the calls across files (distinct caller and callee functions: a call in a
 loop is followed once); the pairs of files with 10 or more such calls; the files entered by one call that runs
-at most 10 of their lines. A count of code, not of time. In brackets: the same script at commit 3dde9c3,
-before `iterator.py` asked make_dataset's node once per concern and the large modules were split (the GRPO
-walk ran 17 files at 56df783's measure, `repeat.py` included: the key conversion has since moved into the codec).
+at most 10 of their lines. A count of code, not of time. In brackets: the same script at commit efc4d89,
+before `sources.py` and `dataset.py` were split (make_dataset's node, its restore and the pipeline's fingerprint
+now in `_global_batch.py`) and the save asked `_records.Cursor` for the position (the walks at 3dde9c3, before
+the earlier splits: [architecture.md](architecture.md#the-walks-file-by-file)).
 
 {_table(_WALK_COLUMNS, table)}
 
@@ -985,6 +1002,7 @@ Files, in the order first entered:
 
 {listed}
 
+{_module_sizes(rows)}
 {_checks(summary)}
 """
 

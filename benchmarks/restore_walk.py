@@ -18,14 +18,18 @@ of the line spans of the functions entered, per file); the calls from one
 file of the package into another, per pair of files (distinct caller and
 callee functions: a call in a loop is followed once); and the files entered by
 one call that runs at most TRIVIAL_LINES lines of them (a file a reader opens
-for one trivial call). A measure of code, not of time: the figures do not
-depend on the machine (docs/architecture.md, "The walks").
+for one trivial call). And the size of the modules: how many, the 90th
+percentile of their line counts (`wc -l` of every ckpt_iter/**/*.py, numpy's
+linear interpolation) and those over MODULE_LINES. A measure of code, not of
+time: the figures do not depend on the machine (docs/architecture.md, "The
+walks").
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import glob
 import io
 import json
 import os
@@ -35,6 +39,8 @@ import tempfile
 import threading
 from typing import Any, Callable
 
+import numpy as np
+
 from _common import REPO_DIR, Reporter, parse_args
 
 PACKAGE_DIR = os.path.join(REPO_DIR, "ckpt_iter") + os.sep
@@ -42,6 +48,8 @@ PREEMPT_STEP = 3
 TRIVIAL_LINES = 10
 # A pair of files with this many calls across it is one concern split in two (issue 51's measure).
 PAIR_LIMIT = 10
+# A module past this many lines holds more than a reader takes in at once (issue 51's measure: the p90 at most this).
+MODULE_LINES = 700
 
 
 class _FirstTrainerInput(Exception):
@@ -111,6 +119,17 @@ class Walk:
         "heavy_pairs": heavy,
         "trivial_files": trivial,
     }
+
+
+def module_sizes() -> dict[str, Any]:
+  """The modules of the package: their count, the 90th percentile of their lines, those over MODULE_LINES."""
+  lines = {}
+  for path in sorted(glob.glob(os.path.join(PACKAGE_DIR, "**", "*.py"), recursive=True)):
+    with open(path, "rb") as f:
+      lines[os.path.relpath(path, PACKAGE_DIR)] = f.read().count(b"\n")  # as `wc -l` counts
+  over = sorted(((name, count) for name, count in lines.items() if count > MODULE_LINES), key=lambda item: -item[1])
+  return {"modules": len(lines), "p90_lines": round(float(np.percentile(list(lines.values()), 90)), 1),
+          "over": [{"module": name, "lines": count} for name, count in over]}
 
 
 def _package_file(path: str) -> str | None:
@@ -199,6 +218,8 @@ def main() -> None:
         check=True, cwd=REPO_DIR, stdout=subprocess.DEVNULL)
     summaries["grpo_restore"] = _measure("grpo_restore", lambda: _grpo_walk(root), report)
   print(json.dumps({name: s["files"] for name, s in summaries.items()}), file=sys.stderr)
+  sizes = module_sizes()
+  report.measurement(name="module_sizes", value=sizes["p90_lines"], **sizes)
   checks = []
   for name, s in summaries.items():
     checks.append({"name": f"{name}: files entered for one trivial call", "value": len(s["trivial_files"]),
@@ -206,6 +227,10 @@ def main() -> None:
     checks.append({"name": f"{name}: file pairs with >= {PAIR_LIMIT} calls across", "value": len(s["heavy_pairs"]),
                    "target": "0 (the codec's validators apart)",
                    "met": all(p["files"][1] == "_codec.py" or p["files"][0] == "_codec.py" for p in s["heavy_pairs"])})
+  over = ", ".join(f"{m['module']} {m['lines']}" for m in sizes["over"]) or "none"
+  checks.append({"name": f"module p90 lines ({sizes['modules']} modules)", "value": sizes["p90_lines"],
+                 "target": f"<= {MODULE_LINES}", "met": sizes["p90_lines"] <= MODULE_LINES,
+                 f"over {MODULE_LINES}": over})
   report.summary(checks)
 
 

@@ -53,7 +53,7 @@ def describe_graph(dataset: Any, *, described_spec_node: Any = None) -> dict[str
   Args:
     dataset: a `grain.MapDataset` or `grain.IterDataset`.
     described_spec_node: the make_dataset node whose spec fields are already
-      top-level fingerprint fields (`dataset.find_spec`), so they are not
+      top-level fingerprint fields (`_global_batch.find_spec`), so they are not
       repeated under its node. Any other make_dataset node (e.g. behind
       `mp_prefetch`) records its spec fields as node parameters.
 
@@ -112,7 +112,7 @@ def _describe_node(node: Any, described_spec_node: Any) -> tuple[str, dict[str, 
     return MP_PREFETCH, _mp_prefetch_params(shards), [unwrap_worker(shards[0])]
   if kind == "ElasticIterator":
     # Grain's ElasticIterator keeps its input as `_ds`, not as a parent. Its
-    # sharding is in the top-level fields (`dataset.describe_pipeline`).
+    # sharding is in the top-level fields (`_global_batch.describe_pipeline`).
     return kind, _elastic_params(node), [node._ds]  # pylint: disable=protected-access
   if kind in ("GlobalBatchDataset", "LaneDataset"):
     # make_dataset's node: its spec defines everything below it.

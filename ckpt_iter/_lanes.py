@@ -52,7 +52,7 @@ class LaneSpec:
   @classmethod
   def of(cls, spec: Any, *, filter: Any, pack: Any, chunk_size: Any,  # pylint: disable=redefined-builtin
          num_lanes: Any) -> "LaneSpec":
-    """Validates the lane arguments of make_dataset against its spec (a `dataset.DatasetSpec`)."""
+    """Validates the lane arguments of make_dataset against its spec (a `_global_batch.DatasetSpec`)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
       raise errors.InvalidArgumentError(f"chunk_size={chunk_size!r} must be a positive integer (records).")
     if num_lanes is None:

@@ -9,7 +9,7 @@ file under Grain's own module name, without importing Grain's package (which
 imports JAX: 1.5 s for a command that reads a few headers); a later `import
 grain` finds it loaded. Where the file is not found (another Grain
 layout), Grain's public `MapDataset.range(L).shuffle(seed)` answers instead
-(same values, slower). tests/unit/test_datamap.py holds both equal to Grain's
+(same values, slower). tests/unit/test_permutation.py holds both equal to Grain's
 shuffle.
 """
 

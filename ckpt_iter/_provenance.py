@@ -28,7 +28,7 @@ from ckpt_iter import _graph
 from ckpt_iter import _lanes
 from ckpt_iter import _permutation
 from ckpt_iter import _records
-from ckpt_iter import dataset as dataset_lib
+from ckpt_iter import _global_batch
 from ckpt_iter import datamap
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -62,7 +62,7 @@ def which(pipeline: Any, state: Any) -> datamap.Batch:
   value = state if isinstance(state, state_lib.IteratorState) else state_lib.IteratorState.from_dict(state)
   inner = value.innermost
   fingerprint, position = inner.fingerprint, inner.position
-  node = dataset_lib.spec_node(pipeline)
+  node = _global_batch.spec_node(pipeline)
   if node is None:
     raise errors.UnsupportedConfigError(
         f"which() traces records to a ckpt_iter.make_dataset node; {type(pipeline).__name__} has none on its "

@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import fractions
 import functools
 import hashlib
-import math
-import numbers
 import sys
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -59,7 +56,6 @@ RECORD_ADDRESSED_ABOVE = frozenset({
 # A mixture's integer proportions stay small enough to multiply by any record index.
 MAX_PROPORTION_TOTAL = 10**6
 MAX_SOURCES = 64
-_WEIGHT_DENOMINATOR = 1000
 
 
 def shares_of(fingerprint: Mapping[str, Any]) -> dict[str, int] | None:
@@ -166,38 +162,6 @@ def source_seed(seed: int, name: str) -> int:
   """The shuffle seed of a mixture's source `name`: its own, derived from the run's seed."""
   digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
   return int.from_bytes(digest, "little")
-
-
-def proportions(weights: Mapping[str, Any]) -> dict[str, int]:
-  """Integer proportions of positive weights, in lowest terms, same order.
-
-  0.7 and 0.3 give 7 and 3; weights are read to three significant decimals
-  of their ratio (1/3 and 2/3 give 1 and 2).
-
-  Raises:
-    InvalidArgumentError: a weight is not a positive finite number, or the
-      proportions need more than MAX_PROPORTION_TOTAL in total.
-  """
-  if not weights:
-    raise errors.InvalidArgumentError("weights is empty; a mixture needs at least one source.")
-  if len(weights) > MAX_SOURCES:
-    raise errors.InvalidArgumentError(f"a mixture has {len(weights)} sources; at most {MAX_SOURCES} are supported.")
-  for name, weight in weights.items():
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) or weight <= 0:
-      raise errors.InvalidArgumentError(
-          f"weights[{name!r}]={weight!r} must be a positive finite number (a relative weight).")
-  smallest = min(float(w) for w in weights.values())
-  ratios = {name: fractions.Fraction(float(w) / smallest).limit_denominator(_WEIGHT_DENOMINATOR)
-            for name, w in weights.items()}
-  denominator = math.lcm(*(r.denominator for r in ratios.values()))
-  ints = {name: int(r * denominator) for name, r in ratios.items()}
-  divisor = math.gcd(*ints.values())
-  ints = {name: value // divisor for name, value in ints.items()}
-  if sum(ints.values()) > MAX_PROPORTION_TOTAL:
-    raise errors.InvalidArgumentError(
-        f"weights {dict(weights)} need integer proportions {ints}, more than {MAX_PROPORTION_TOTAL} "
-        "in total; round them (e.g. to two decimals).")
-  return ints
 
 
 def counts(records: int, shares: Sequence[int]) -> list[int]:
@@ -635,6 +599,26 @@ class BatchPlan:
       first, phase = self._before(epoch) + self._phase_extra, 0
     batch, rest = divmod(offset - phase, self.batch_size)
     return first + batch if rest == 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+  """Where make_dataset's node reads: its plan, its mixture (None: one source) and its last restart
+  (`origin`: batch index, stream record), the position until a batch is read (the record may lie in an
+  epoch's dropped rest, which the plan's next batch passes over)."""
+
+  plan: BatchPlan
+  mixture: Mixture | None = None
+  origin: tuple[int, int] = (0, 0)
+
+  def position(self, next_index: int) -> dict[str, Any]:
+    """The state position of batch `next_index`: the stream record it starts at (and a mixture's ledger)."""
+    origin_index, origin_record = self.origin
+    next_record = origin_record if next_index == origin_index else self.plan.next_record(next_index)
+    position: dict[str, Any] = {NEXT_RECORD: next_record}
+    if self.mixture is not None:
+      position[MIXTURE] = self.mixture.to_json()
+    return position
 
 
 # ---------------------------------------------------------------------------

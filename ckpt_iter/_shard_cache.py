@@ -128,15 +128,27 @@ class ShardCache:
         directory and the bytes needed; or the store's typed errors.
       InvalidStateError: the file changed since `found` described it.
     """
-    found = found or _storage.identity(path)
+    entry, held = self._fetch_held(path, found or _storage.identity(path))
+    if held is not None:
+      os.close(held)
+    return entry
+
+  def _fetch_held(self, path: str, found: _storage.Identity) -> tuple[str, int | None]:
+    """`fetch`, and for a copy downloaded now a descriptor holding its shared lock (None for one found).
+
+    The lock is taken before the copy is published: another thread's or
+    process's eviction cannot remove it between the download and the
+    reader's own open (a race a cache that holds few files lost repeatedly).
+    """
     entry = self.entry_path(path, found)
     if _complete(entry, found.size):
-      return entry
+      return entry, None
     with self._download_lock(entry):
       if _complete(entry, found.size):  # another process or thread downloaded it meanwhile
-        return entry
+        return entry, None
       self.make_room(found.size)
       temporary = f"{entry}.tmp-{os.getpid()}-{threading.get_ident()}"
+      held = None
       try:
         with open(temporary, "wb") as f:
           _storage.download(path, f, found)
@@ -146,14 +158,18 @@ class ShardCache:
         if written != found.size:
           raise errors.InvalidStateError(
               f"{path}: downloaded {written:,} bytes into the shard cache, {found.size:,} expected.")
+        held = os.open(temporary, os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_SH)  # nobody else knows the temporary: never blocks
         os.replace(temporary, entry)
       except BaseException as e:
+        if held is not None:
+          os.close(held)
         with contextlib.suppress(OSError):
           os.unlink(temporary)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
           raise self.no_space_error(path, found.size, e) from e
         raise
-    return entry
+    return entry, held
 
   def open(self, path: str, found: _storage.Identity | None = None) -> int:
     """A read-only descriptor of the local copy of `path` (fetched if missing), held "in use".
@@ -164,26 +180,37 @@ class ShardCache:
     """
     found = found or _storage.identity(path)
     for _ in range(8):
-      entry = self.fetch(path, found)
+      entry, held = self._fetch_held(path, found)
       try:
-        fd = os.open(entry, os.O_RDONLY)
-      except FileNotFoundError:
-        continue  # evicted between the fetch and the open
-      try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-      except BlockingIOError:
-        os.close(fd)  # being evicted right now
-        continue
-      if os.fstat(fd).st_nlink == 0:  # evicted before the lock was taken
-        os.close(fd)
-        continue
-      with contextlib.suppress(OSError):
-        os.utime(entry)
-      return fd
+        fd = self._open_locked(entry)
+      finally:
+        if held is not None:
+          os.close(held)  # the reader's own descriptor holds the lock now
+      if fd is not None:
+        return fd
     raise errors.StorageError(
         f"{path}: its copy in the shard cache {self.directory} was evicted 8 times while being opened: "
         f"the cache ({self.max_bytes:,} bytes) is too small for the files read at once; raise max_bytes.",
         path=self.directory, operation="cache", cause="no_space")
+
+  @staticmethod
+  def _open_locked(entry: str) -> int | None:
+    """A descriptor of `entry` holding its shared lock, or None when it was evicted meanwhile."""
+    try:
+      fd = os.open(entry, os.O_RDONLY)
+    except FileNotFoundError:
+      return None  # evicted between the fetch and the open
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)  # being evicted right now
+      return None
+    if os.fstat(fd).st_nlink == 0:  # evicted before the lock was taken
+      os.close(fd)
+      return None
+    with contextlib.suppress(OSError):
+      os.utime(entry)
+    return fd
 
   def has(self, path: str, found: _storage.Identity) -> bool:
     """Whether the complete local copy of `path` is in the cache now."""

@@ -77,7 +77,7 @@ def resize_refusal(kind: str, fingerprint: Mapping[str, Any]) -> str | None:
         "when every saved process holds the same state (`read_replicated`)."
     )
   if fingerprint.get("position_scope") == "global":
-    return None  # set only for a bare ElasticIterator (dataset.describe_pipeline)
+    return None  # set only for a bare ElasticIterator (_global_batch.describe_pipeline)
   if str(fingerprint.get("source", "")).startswith(state_lib.STREAM_SOURCE_PREFIX):
     return (
         "is refused for a streaming source (StreamingIterator): each process's position is its "

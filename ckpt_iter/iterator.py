@@ -17,11 +17,11 @@ from typing import Any, Callable, Collection, Mapping
 import grain
 
 from ckpt_iter import _drift
+from ckpt_iter import _global_batch
 from ckpt_iter import _graph
 from ckpt_iter import _workers
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _records
-from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import elastic
 from ckpt_iter import errors
 from ckpt_iter import _codec as codec
@@ -104,13 +104,13 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           "or grain.MapDataset.source(...)."
       )
     self._dataset = dataset
-    nodes = dataset_lib.pipeline_nodes(dataset)
+    nodes = _global_batch.pipeline_nodes(dataset)
     self._spec = nodes.spec
     # make_dataset's node when the position can count its stream records.
     self._records = nodes.record_node
     # make_dataset's node anywhere on the chain: it owns the run's skips (`skips_lib.Skips`).
     self._spec_node = nodes.spec_node
-    self._fingerprint = dataset_lib.describe_pipeline(dataset)
+    self._fingerprint = nodes.fingerprint
     # Before any iterator takes the workers' init function.
     if self._has_workers and not _workers.exit_workers_with_parent(self._iter_dataset):
       _drift.LOGGER.warning(_workers.WORKERS_NOT_WATCHED)
@@ -139,7 +139,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     return dict(self._fingerprint)
 
   @property
-  def spec(self) -> dataset_lib.DatasetSpec | None:
+  def spec(self) -> _global_batch.DatasetSpec | None:
     """The make_dataset spec of the pipeline, if it was built by make_dataset."""
     return self._spec
 
@@ -173,7 +173,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     """
     grain_position = self._inner.get_state()
     if self._records is not None:
-      return self._records.position(grain_position["next_index"])
+      return self._records.cursor.position(grain_position["next_index"])
     # Through JSON and back: the state holds what a checkpoint would.
     return codec.position_from_json(codec.position_to_json(grain_position))
 
@@ -284,7 +284,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     position = resume.position
     if self._records is not None:
       return self._check_record_position(state, position, resume, content_allowed, origin, saved_skips)
-    skips = dataset_lib.merged_skips(self._spec_node, saved_skips, None, position, origin)
+    skips = _global_batch.merged_skips(self._spec_node, saved_skips, None, position, origin)
     if self._length is not None:
       next_index = position.get("next_index")
       if (
@@ -356,7 +356,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
     def apply() -> None:
       self._apply_skips(restore.skips)
-      node.restart_at(restore.plan, restore.mixture, restore.next_record)
+      node.restart_at(restore)
       # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
       self._length = len(self._dataset)
       fresh = self._new_inner()
@@ -387,11 +387,11 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
   def _fingerprint_without_skips(self) -> dict[str, Any]:
     return {k: v for k, v in self._fingerprint.items() if k != skips_lib.SKIPS_FIELD}
 
-  def _apply_skips(self, change: dataset_lib.SkipChange) -> None:
+  def _apply_skips(self, change: _global_batch.SkipChange) -> None:
     """The apply half of the skips: the node skips them, the states carry them, the log says what changed."""
     if self._spec_node is None:
       return
-    text = dataset_lib.apply_skips(self._spec_node, change)
+    text = _global_batch.apply_skips(self._spec_node, change)
     self._fingerprint = self._fingerprint_without_skips
     if text is not None:
       self._fingerprint[skips_lib.SKIPS_FIELD] = text
@@ -498,7 +498,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
           "same shard_count."
       )
     # Only Grain's ElasticIterator counts its position in global batches of a fixed size.
-    if (fingerprint.get(dataset_lib.POSITION_SCOPE_FIELD) == "global"
+    if (fingerprint.get(_global_batch.POSITION_SCOPE_FIELD) == "global"
         and fingerprint.get("global_batch_size") != self._fingerprint.get("global_batch_size")):
       saved = fingerprint.get("global_batch_size")
       here = self._fingerprint.get("global_batch_size")
@@ -561,7 +561,7 @@ class GrainIteratorView:
 
   def check_restore(self, value: state_lib.IteratorState, *, allow_drift: Collection[str] = (),
                     origin: str = "the checkpoint") -> Callable[[], None]:
-    if dataset_lib.GRAIN_ITERATOR_FIELD not in value.fingerprint:
+    if _global_batch.GRAIN_ITERATOR_FIELD not in value.fingerprint:
       return item_lib.check_restore_into(self._iterator, value, allow_drift=allow_drift, origin=origin)
     state_lib.check_fingerprint(value.fingerprint, self._fingerprint, allow_drift=allow_drift, origin=origin)
     return lambda: self._iterator.set_state(dict(value.position))
@@ -571,7 +571,7 @@ def grain_iterator_view(item: Any) -> Any:
   """`item` as ckpt_iter saves and restores it: a plain Grain iterator whose dataset is known as a
   `GrainIteratorView`, anything else unchanged."""
   if isinstance(item, grain.DatasetIterator) and not hasattr(item, "check_restore"):
-    fingerprint = dataset_lib.describe_grain_iterator(item)
+    fingerprint = _global_batch.describe_grain_iterator(item)
     if fingerprint is not None:
       return GrainIteratorView(item, fingerprint)
   return item

@@ -6,7 +6,7 @@ deletes it a few saves later, and the audit of a root kept that way says
 "not proven" (exit 3). `KeepResumedSteps` is an Orbax preservation policy
 (`CheckpointManagerOptions(preservation_policy=...)`) that keeps what
 `max_to_keep` keeps plus every step a kept step's data state records a
-resume from (its lineage, `ckpt_iter.lineage`): a few more steps, one per
+resume from (its `lineage`, which `_item` extends at each restore): a few more steps, one per
 preemption.
 
 Orbax asks the policy when a save starts, before that step is written, so

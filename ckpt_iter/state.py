@@ -367,7 +367,7 @@ def _checked_fields(value: Mapping[str, Any], origin: str, depth: int = 0) -> di
   # One pass over flat fields (no recursive copy: a restore's critical path): names are
   # strings, values JSON scalars, every string valid Unicode.
   for name, field_value in fingerprint.items():
-    if not _valid_text(name):
+    if not (type(name) is str and name.isascii()) and not _valid_text(name):
       if isinstance(name, str):
         _checked_copy(name, "fingerprint", origin)  # raises, naming the lone surrogate
       raise errors.InvalidStateError(
@@ -667,8 +667,11 @@ def _checked_copy(value: Any, field: str, origin: str, depth: int = 0) -> Any:
     raise errors.InvalidStateError(
         f"{origin}: field {field!r} is nested deeper than {MAX_NESTING} levels; no iterator "
         "state is. The state is corrupt or hostile: restore an earlier step.")
-  if type(value) is str and value.isascii():
+  kind = type(value)
+  if kind is str and value.isascii():
     return value  # the common case, without the encode
+  if kind is int or kind is bool or value is None:
+    return value  # nor the ABC checks below
   if isinstance(value, str):
     try:
       value.encode("utf-8")
@@ -678,7 +681,7 @@ def _checked_copy(value: Any, field: str, origin: str, depth: int = 0) -> Any:
           f"surrogate): {value.encode('utf-8', 'backslashreplace').decode('ascii', 'replace')[:80]!r}. "
           "The state is corrupt or hostile: restore an earlier step.") from None
     return value
-  if isinstance(value, Mapping):
+  if kind is dict or isinstance(value, Mapping):
     return {_checked_copy(k, field, origin, depth + 1): _checked_copy(v, field, origin, depth + 1)
             for k, v in value.items()}
   if isinstance(value, list):

@@ -113,3 +113,33 @@ def run_chain(root: str, segments: Sequence[tuple[int, int, int, int, Any]], **p
       for iterator in iterators:
         next(iterator, None)  # read past the last save (the stream may end there)
   return kept
+
+
+def pending_state(arrays: dict[str, Any], **fingerprint: Any) -> state_lib.IteratorState:
+  """A learner's state whose one pending item holds `arrays`."""
+  return state_lib.IteratorState(
+      kind="tunix", fingerprint={"learner": "GRPOLearner", **fingerprint}, position={"next_index": 3},
+      pending=state_lib.Pending(items=(arrays,), schedule=(0,)), counters={"train_steps": 3})
+
+
+def write_process_files(directory: Any, value: state_lib.IteratorState, index: int, count: int, *,
+                        shared_from: int | None = None) -> None:
+  """Writes process `index`'s files as `_item.share_arrays` leaves them (no npz when `shared_from`)."""
+  from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _npz  # pylint: disable=g-import-not-at-top
+
+  header, arrays = codec.encode_state(value)
+  if count > 1:
+    header[_npz.ARRAYS_SHA256] = _npz.arrays_sha256(arrays)
+  if shared_from is not None:
+    header[_files.ARRAYS_FROM] = shared_from
+    arrays = {}
+  _files.write_files(str(directory), header, arrays, process_index=index, process_count=count, count_file=True)
+
+
+def assert_arrays_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
+  """The same names, dtypes, shapes and bytes."""
+  assert a.keys() == b.keys()
+  for name in a:
+    assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+    assert a[name].tobytes() == b[name].tobytes(), name

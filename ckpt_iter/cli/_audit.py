@@ -2,7 +2,7 @@
 
 Reads each kept step's data state header (small reads; no array, no model)
 and checks the chain step by step, for each process:
-  * a state whose lineage records new resumes (`ckpt_iter.lineage`): each
+  * a state whose lineage records new resumes (its `lineage` field): each
     resume restored exactly the state its step saved (the digest recorded at
     the restore equals the digest of the state kept there), from the latest
     step saved before it, so no element is skipped or trained twice;

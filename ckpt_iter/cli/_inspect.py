@@ -3,7 +3,7 @@
 Finds the steps and the data item of an Orbax or Tunix checkpoint, summarizes
 each process's state from its JSON header alone (no array and no model is
 loaded, Tunix is not imported) and compares states. Checking a step in full
-is `ckpt_iter.verification`.
+is `cli/_verify`'s.
 
 Layouts understood:
   <root>/<step>/<item>/process_<i>-of-<n>.json  (+ .npz)   plain Orbax root

@@ -9,7 +9,7 @@ saved state and back.
 
 It imports no Tunix, JAX or threads. What it needs done it asks of a `Port`:
 the agentic driver (`_agentic_loop.ConsumerLoop`) is the one for Tunix, and
-`tests/unit/test_agentic_schedule.py` drives it with a toy one to check its
+`tests/unit/test_tunix_agentic_schedule.py` drives it with a toy one to check its
 guarantees by property (every arrival order trains the same sequence; a kill
 inside any update or replay chunk, resumed, trains the rest of that sequence).
 """

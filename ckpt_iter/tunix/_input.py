@@ -585,13 +585,18 @@ class MicroBatchInput:
       )
     _check_last_rows(position, origin)
 
-  def apply(self, checked: Callable[[], None], position: Mapping[str, Any]) -> None:
-    """Runs the input's checked apply step; `position`: the learner's own fields (`check_position`'s)."""
+  def apply(self, checked: Callable[[], None], position: Mapping[str, Any]) -> str:
+    """Runs the input's checked apply step; `position`: the learner's own fields (`check_position`'s).
+
+    Returns:
+      What the input's restore found of its content (its `restored_content_check`), for the log line.
+    """
     self._source.apply(checked)
     rows = position.get("rows_taken")
     if rows is None:
       rows = position["micro_batches_taken"] * (self._micro_batch_size or 0)
     self._start_at(rows, position)
+    return self._source.restored_content_check()
 
   def continue_at(self, next_index: int, position: Mapping[str, Any]) -> None:
     """Moves to batch `next_index` of a changed pipeline, which starts at `position`'s row."""

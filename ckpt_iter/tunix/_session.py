@@ -608,8 +608,7 @@ class DataSession:
       return self._prompt_count_continuation(value, saved_input, position, refused, origin)
     if not regeometry:
       def apply() -> str:
-        self.input.apply(checked, position)
-        return self.input.source.restored_content_check()
+        return self.input.apply(checked, position)
       return apply
     _LOG.warning(
         "ckpt_iter: %s: the batch geometry changed at a global-step boundary (%s); the input's own "
@@ -618,8 +617,7 @@ class DataSession:
     )
 
     def apply_regeometry() -> str:
-      self.input.apply(checked, position)
-      return f"{self.input.source.restored_content_check()} (the batches are cut anew from the saved record)"
+      return f"{self.input.apply(checked, position)} (the batches are cut anew from the saved record)"
 
     return apply_regeometry
 

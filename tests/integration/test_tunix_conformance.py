@@ -411,7 +411,7 @@ def agentic_deliberate_difference(config: dict) -> str | None:
   drop-in's order (the drop-in may run with 8). With one model for actor and
   rollout, stock rolls out the next prompts while it trains, with weights
   that depend on timing; the drop-in rolls out every fed prompt before the
-  next update (tests/unit/test_agentic_schedule.py checks it).
+  next update (tests/unit/test_tunix_agentic_schedule.py checks it).
   """
   if not config["separate_rollout"]:
     return "shared actor and rollout weights: the drop-in rolls out every fed prompt before an update"

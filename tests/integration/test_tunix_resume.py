@@ -319,3 +319,17 @@ def test_a_dataloader_input_is_restored_in_o1_not_replayed(tmp_path, jax_cache):
   for segment in segments[1:]:
     assert "replaying" not in segment.stderr and "plain iterable" not in segment.stderr, segment.stderr[-2000:]
   assert len(set(reference.labels)) > 1
+
+
+def test_a_hugging_face_stream_resumes_from_its_own_state_in_fresh_processes(tmp_path, jax_cache):
+  """A streaming IterableDataset given as train_ds (ckpt_iter.StreamingIterator) resumes exactly, mid-repeat
+  included, from the stream's own state_dict: no replay, each prompt once, in the uninterrupted order."""
+  pytest.importorskip("datasets", reason="Hugging Face datasets is not installed (pip install 'ckpt_iter[hf]')")
+  config = dict(num_iterations=2, max_steps=6, input_kind="hf_stream", num_epochs=1, learner="ckpt_iter")
+  reference = harness.run_toy(config, str(tmp_path / "reference"), str(tmp_path / "reference.npz"),
+                              cache_dir=jax_cache)
+  segments, resumed = harness.chain(config, str(tmp_path), [1, 3], jax_cache)  # both inside a repeat
+  harness.assert_same_inputs(resumed, reference.inputs, "Hugging Face stream, killed after 1 and 3")
+  for segment in segments[1:]:
+    assert "replaying" not in segment.stderr and "plain iterable" not in segment.stderr, segment.stderr[-2000:]
+  assert reference.labels == ["A", "A", "B", "B", "C", "C"]  # the stream in order, each prompt mu=2 times

@@ -33,7 +33,7 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import _graph
-from ckpt_iter import dataset as dataset_lib
+from ckpt_iter import _global_batch
 from ckpt_iter import testing
 
 # jax >= 0.10 makes mp_prefetch read absl flags (google/grain#1355); the
@@ -212,8 +212,8 @@ def test_a_restore_into_a_changed_graph_is_refused_naming_the_field(graph, data)
   state = _state_at(graph, point)
   changed, field = _changed(data.draw, graph)
   fingerprint_changed = (
-      dataset_lib.describe_pipeline(build(changed)).get(field)
-      != dataset_lib.describe_pipeline(build(graph)).get(field)
+      _global_batch.describe_pipeline(build(changed)).get(field)
+      != _global_batch.describe_pipeline(build(graph)).get(field)
   )
   iterator = ckpt_iter.DataIterator(build(changed))
   try:
@@ -239,8 +239,8 @@ def test_a_restore_into_a_changed_graph_is_refused_naming_the_field(graph, data)
   new_index = iterator.get_state()["position"]["next_index"]
   testing.assert_trees_equal(list(iterator), _stream_of(build(changed)[new_index:]))
   if field.endswith(".batch_size"):
-    old_size = dataset_lib.describe_pipeline(build(graph))[field]
-    new_size = dataset_lib.describe_pipeline(build(changed))[field]
+    old_size = _global_batch.describe_pipeline(build(graph))[field]
+    new_size = _global_batch.describe_pipeline(build(changed))[field]
     # Elements of the batch's input consumed before and after: the same. A
     # stream read to its end may have had a short last batch (drop_remainder=False).
     where = len(graph.steps) - 1 - int(field[len("node["):field.index("]")])

@@ -1,4 +1,4 @@
-"""Tests for ckpt_iter.datamap (and _permutation, _provenance): which records a run read, from its states.
+"""Tests for ckpt_iter.datamap: which records a run read, from its states.
 
 Runs are trained in this process: "processes" are iterators built with
 shard_index/shard_count, saved into and restored from real item files
@@ -9,13 +9,11 @@ held is compared with what the iterators actually yielded.
 import json
 import os
 
-import grain
 import pytest
 
 import ckpt_iter
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
-from ckpt_iter import _permutation
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import datamap
 from ckpt_iter import errors
@@ -33,30 +31,6 @@ run_chain = support.run_chain
 def _run_map(root, process=0):
   layout = inspection.find_layout(str(root))
   return datamap.RunMap.from_states(_which.States(layout, process), layout.steps[-1])
-
-
-# ---------------------------------------------------------------------------
-# Grain's shuffle, without Grain.
-
-
-@pytest.mark.parametrize("length, seed", [(1, 0), (7, 3), (1000, 2**32 - 1), (23, 5)])
-def test_the_permutation_is_grains_shuffle_in_every_epoch(length, seed):
-  shuffled = grain.MapDataset.range(length).shuffle(seed=seed)
-  for index in list(range(min(length, 50))) + [length, length + 1, 3 * length + length // 2]:
-    # A range wraps: its value at index e*L + p is epoch e's record at p.
-    assert _permutation.shuffled(index, length, seed) == shuffled[index]
-    assert _permutation.epoch_function(index // length, length, seed)(index % length) == shuffled[index]
-
-
-def test_the_public_path_gives_the_same(monkeypatch):
-  monkeypatch.setattr(_permutation, "_compiled", lambda: None)
-  shuffled = grain.MapDataset.range(9).shuffle(seed=4)
-  assert [_permutation.shuffled(i, 9, 4) for i in range(30)] == [shuffled[i] for i in range(30)]
-  assert [_permutation.epoch_function(2, 9, 4)(p) for p in range(9)] == [shuffled[18 + p] for p in range(9)]
-
-
-def test_no_seed_is_the_source_order():
-  assert [_permutation.shuffled(i, 5, None) for i in range(7)] == [0, 1, 2, 3, 4, 0, 1]
 
 
 # ---------------------------------------------------------------------------
@@ -145,51 +119,6 @@ def test_a_step_not_kept_is_named_with_the_keep_policy_where_the_resume_record_l
   # A step's own batch is still answered, unnumbered, from its state alone.
   answer = _which.which_step(layout, 4)
   assert answer.batch.number is None and "no longer kept" in answer.note
-
-
-@pytest.mark.parametrize("kind, fragment", [
-    ("lanes", "filtered or packed make_dataset"),
-    ("batched", "not a stream record"),
-])
-def test_a_state_whose_rows_user_code_computes_names_the_python_api(kind, fragment):
-  if kind == "lanes":
-    pipeline = ckpt_iter.make_dataset(RECORDS, batch_size=2, seed=1, num_epochs=None, shard_index=0, shard_count=1,
-                                      filter=lambda r: r["id"] % 2 == 0, chunk_size=4, num_lanes=2)
-  else:
-    pipeline = ckpt_iter.make_dataset(RECORDS, batch_size=1, seed=1, num_epochs=1, shard_index=0,
-                                      shard_count=1).batch(3)
-  iterator = ckpt_iter.DataIterator(pipeline)
-  last = next(iterator)
-  value = iterator.state()
-  fingerprint, position = value.innermost.fingerprint, value.innermost.position
-  with pytest.raises(errors.UnsupportedConfigError) as info:
-    datamap.Stream(fingerprint, position, origin="step 1")
-  assert fragment in str(info.value) and "ckpt_iter.which(pipeline, state)" in str(info.value)
-  # ... which answers with the pipeline.
-  batch = ckpt_iter.which(pipeline, value)
-  if kind == "lanes":
-    assert set(_ids(last)) <= {r.index for r in batch.records}
-    assert "lane 0" in batch.how
-  else:
-    assert [r.index for r in batch.records] == _ids(last)
-
-
-def test_which_traces_tunix_cli_pipelines_through_filter_and_iter_batches():
-  pipeline = (ckpt_iter.make_dataset(RECORDS, batch_size=1, seed=2, num_epochs=1, shard_index=0, shard_count=1)
-              .filter(lambda b: b["id"][0] % 3 != 0).repeat(2).to_iter_dataset().batch(4))
-  iterator = ckpt_iter.DataIterator(pipeline)
-  for _ in range(7):  # into the second repeat
-    last = next(iterator)
-  batch = ckpt_iter.which(pipeline, iterator.state())
-  assert [r.index for r in batch.records] == _ids(last)
-
-
-def test_which_refuses_another_source():
-  iterator = ckpt_iter.DataIterator(_pipeline(1, 0, 4))
-  next(iterator)
-  with pytest.raises(errors.ConfigDriftError) as info:
-    ckpt_iter.which(_pipeline(1, 0, 4, seed=6), iterator.state())
-  assert "seed" in str(info.value)
 
 
 # ---------------------------------------------------------------------------

@@ -804,3 +804,32 @@ def test_a_lane_states_position_is_small_and_per_process():
   state = iterator.get_state()
   assert state["position"]["first_lane"] == 4 and len(state["position"]["lanes"]) == 4
   assert len(json.dumps(state["position"])) < 100
+
+
+# make_dataset's weights as a mixture's integer shares (`dataset.proportions`).
+
+
+@pytest.mark.parametrize("weights, shares", [
+    ({"a": 0.7, "b": 0.3}, {"a": 7, "b": 3}),
+    ({"a": 1, "b": 1}, {"a": 1, "b": 1}),
+    ({"a": 1 / 3, "b": 2 / 3}, {"a": 1, "b": 2}),
+    ({"a": 0.5, "b": 0.25, "c": 0.25}, {"a": 2, "b": 1, "c": 1}),
+    ({"x": 3}, {"x": 1}),
+])
+def test_proportions_are_integer_ratios_in_lowest_terms(weights, shares):
+  assert dataset_lib.proportions(weights) == shares
+
+
+@pytest.mark.parametrize("weights, fragment", [
+    ({}, "weights is empty"),
+    ({"a": 0}, "weights['a']=0"),
+    ({"a": -1.0}, "weights['a']=-1.0"),
+    ({"a": float("nan")}, "weights['a']=nan"),
+    ({"a": True}, "weights['a']=True"),
+    ({"a": "1"}, "weights['a']='1'"),
+    ({"a": 1, "b": 1e-9}, "more than"),
+])
+def test_bad_weights_are_refused_naming_them(weights, fragment):
+  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
+    dataset_lib.proportions(weights)
+  assert fragment in str(info.value)

@@ -453,7 +453,7 @@ def test_a_reweighted_grain_iter_mix_continues_each_source_when_declared():
 
 
 # ---------------------------------------------------------------------------
-# Skips (ckpt_iter._skips): declared at a restore, kept by every later one.
+# Skips (ckpt_iter.skips): declared at a restore, kept by every later one.
 
 
 def _chain_restore(root, step, iterator, **args):

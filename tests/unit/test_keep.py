@@ -135,7 +135,7 @@ def test_the_policy_keeps_what_the_data_map_needs_and_every_verb_names_it_alike(
   gone = str(tmp_path / "max_to_keep_only")
   _run(gone, policy=False, max_to_keep=1, repeat=False)
   # A single source's segments are in the resume records (their start, batch size, processes): `order`
-  # numbers the run from the latest step alone; a mixture's ledger needs the steps (test_which).
+  # numbers the run from the latest step alone; a mixture's ledger needs the steps (test_cli_which).
   code, _, err = _cli("order", gone, "--out", str(tmp_path / "gone.jsonl"))
   assert code == 0, err
   with open(tmp_path / "gone.jsonl") as f, open(tmp_path / "kept.jsonl") as g:

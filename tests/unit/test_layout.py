@@ -1,7 +1,9 @@
-"""The package's import graph: acyclic, and layered as docs/architecture.md says.
+"""The package's import graph: acyclic, and layered as docs/architecture.md says; and its tests' layout.
 
 Read from the source with `ast` (imports inside functions included), so a
-cycle that only bites at call time is found too.
+cycle that only bites at call time is found too. Every module has a unit test
+file of its name (`cli/_audit.py`: tests/unit/test_cli_audit.py), but the few
+listed in `_NO_UNIT_TEST_FILE` with where they are tested instead.
 """
 
 import ast
@@ -296,3 +298,69 @@ def test_the_package_never_imports_the_demo():
               for name in _imported_names(path, module, modules) if name == "demo" or name.startswith("demo.")]
   assert offences == []
   assert "ckpt_iter.demo" not in modules and not os.path.exists(os.path.join(_PACKAGE_DIR, "demo"))
+
+
+# ---------------------------------------------------------------------------
+# Every module has a unit test file of its name.
+
+# Module (path under ckpt_iter/, without .py) -> why it has no tests/unit/test_<name>.py.
+_NO_UNIT_TEST_FILE = {
+    "__main__": "the entry point's dispatch, run by test_cli.py's entry point test",
+    "_global_batch": "make_dataset's node, tested in test_dataset.py with the builder that makes it (and its "
+                     "fingerprint in test_graph.py)",
+    "_jsonl": "JsonlSource, public as ckpt_iter.sources.JsonlSource: test_sources.py (its line index and cache)",
+    "_lanes": "make_dataset's lanes, tested in test_dataset.py with the dataset that builds them",
+    "_source_files": "the paths every file source takes: test_sources.py and test_dataset.py (globs, missing files)",
+    "_stacking": "make_dataset's batches, tested in test_dataset.py (ragged records refused by the field)",
+    "_object_store": "needs a store: tests/integration/test_object_store.py and test_store_faults.py (GCS emulator)",
+    "_urls": "addresses only; test_doc_links.py checks each against the repository's files and headings",
+    "cli/_inspect": "read through the verbs: test_cli.py (inspect, diff), test_cli_which.py, test_cli_audit.py",
+    "cli/_text": "what the verbs print: test_cli.py, and tests/robustness/test_hostile.py (terminal escaping)",
+    "tunix/_agentic": "drives a Tunix agentic learner, which a unit test may not train: "
+                      "tests/integration/test_tunix_agentic.py",
+}
+# tests/integration holds test_tunix_sft.py and test_tunix_cli.py; pytest's rootdir imports need unique names.
+_SUFFIXED_UNIT_TEST_FILE = {"tunix/_sft": "test_tunix_sft_feed.py", "tunix/cli": "test_tunix_cli_options.py"}
+
+
+def unit_test_file(module_path):
+  """`cli/_audit.py` -> `test_cli_audit.py`: the path's parts without their leading underscore."""
+  parts = module_path[: -len(".py")].split("/")
+  return "test_" + "_".join(part.lstrip("_") for part in parts) + ".py"
+
+
+def missing_unit_test_files(module_paths, test_files, exempt, suffixed):
+  """The modules (paths under the package, `__init__.py` aside) with no unit test file of their name."""
+  missing = []
+  for path in module_paths:
+    name = path[: -len(".py")]
+    if os.path.basename(path) == "__init__.py" or name in exempt:
+      continue
+    if suffixed.get(name, unit_test_file(path)) not in test_files:
+      missing.append(f"ckpt_iter/{path}: no tests/unit/{unit_test_file(path)}")
+  return missing
+
+
+def _module_paths():
+  return sorted(os.path.relpath(path, _PACKAGE_DIR).replace(os.sep, "/") for path in _package_modules().values())
+
+
+def test_every_module_has_a_unit_test_file_of_its_name():
+  """Named as `unit_test_file` says; the few exempt modules are listed above with where they are tested."""
+  test_files = set(os.listdir(os.path.join(_TESTS_DIR, "unit")))
+  paths = _module_paths()
+  missing = missing_unit_test_files(paths, test_files, _NO_UNIT_TEST_FILE, _SUFFIXED_UNIT_TEST_FILE)
+  assert missing == [], "\n".join(missing)
+  # The lists stay true: every entry is a module, and an exempt module that gains its file leaves the list.
+  names = {path[: -len(".py")] for path in paths}
+  assert set(_NO_UNIT_TEST_FILE) | set(_SUFFIXED_UNIT_TEST_FILE) <= names
+  gained = [name for name in _NO_UNIT_TEST_FILE if unit_test_file(name + ".py") in test_files]
+  assert gained == [], f"{gained} now have their unit test file: take them out of _NO_UNIT_TEST_FILE"
+  assert set(_SUFFIXED_UNIT_TEST_FILE.values()) <= test_files
+
+
+def test_a_module_without_its_test_file_is_named():
+  paths = ["__init__.py", "state.py", "_codec.py", "cli/__init__.py", "cli/_audit.py", "tunix/_sft.py", "__main__.py"]
+  files = {"test_state.py", "test_codec_old.py", "test_audit.py", "test_tunix_sft_feed.py"}
+  assert missing_unit_test_files(paths, files, {"__main__"}, {"tunix/_sft": "test_tunix_sft_feed.py"}) == [
+      "ckpt_iter/_codec.py: no tests/unit/test_codec.py", "ckpt_iter/cli/_audit.py: no tests/unit/test_cli_audit.py"]

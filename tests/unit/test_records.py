@@ -52,32 +52,6 @@ def test_the_measured_deviations_the_docs_quote(shares, records, source, count):
   assert _records.counts(records, shares)[source] == count
 
 
-@pytest.mark.parametrize("weights, shares", [
-    ({"a": 0.7, "b": 0.3}, {"a": 7, "b": 3}),
-    ({"a": 1, "b": 1}, {"a": 1, "b": 1}),
-    ({"a": 1 / 3, "b": 2 / 3}, {"a": 1, "b": 2}),
-    ({"a": 0.5, "b": 0.25, "c": 0.25}, {"a": 2, "b": 1, "c": 1}),
-    ({"x": 3}, {"x": 1}),
-])
-def test_proportions_are_integer_ratios_in_lowest_terms(weights, shares):
-  assert _records.proportions(weights) == shares
-
-
-@pytest.mark.parametrize("weights, fragment", [
-    ({}, "weights is empty"),
-    ({"a": 0}, "weights['a']=0"),
-    ({"a": -1.0}, "weights['a']=-1.0"),
-    ({"a": float("nan")}, "weights['a']=nan"),
-    ({"a": True}, "weights['a']=True"),
-    ({"a": "1"}, "weights['a']='1'"),
-    ({"a": 1, "b": 1e-9}, "more than"),
-])
-def test_bad_weights_are_refused_naming_them(weights, fragment):
-  with pytest.raises(errors.InvalidArgumentError) as info:
-    _records.proportions(weights)
-  assert fragment in str(info.value)
-
-
 _NAMES = "abcd"
 
 
@@ -228,3 +202,14 @@ def test_a_single_source_plans_spans_are_each_epochs_batches_from_its_phase(leng
   count = data.draw(st.integers(0, batch_size), label="rows")
   assert all(list(plan.rows(index, first, count)) == list(range(*span))[first:first + count]
              for index, span in enumerate(expected))
+
+
+def test_a_cursor_holds_its_restart_record_until_a_batch_is_read_then_the_plans_next_start():
+  """Restarted inside an epoch's dropped rest (record 9 of 10, batches of 4): batch 2 starts epoch 1."""
+  plan = _records.BatchPlan.at(9, batch_size=4, drop_remainder=True, epoch_length=10, stream_length=20)
+  next_index = plan.index_of(9)
+  cursor = _records.Cursor(plan, None, (next_index, 9))
+  assert cursor.position(next_index) == {_records.NEXT_RECORD: 9}
+  assert cursor.position(next_index + 1) == {_records.NEXT_RECORD: plan.next_record(next_index + 1)}
+  mixed = _records.Cursor(plan, _records.Mixture(shares={"a": 1}))
+  assert set(mixed.position(0)) == {_records.NEXT_RECORD, _records.MIXTURE}

@@ -1,4 +1,4 @@
-"""Tests for ckpt_iter._skips and the batch plan over a stream with skipped records (`_records.BatchPlan`)."""
+"""Tests for ckpt_iter.skips and the batch plan over a stream with skipped records (`_records.BatchPlan`)."""
 
 import hypothesis
 from hypothesis import strategies as st

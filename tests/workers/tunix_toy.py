@@ -42,7 +42,8 @@ class RunConfig(toyrun.RunConfig):
   # make_dataset pipeline `.to_iter_dataset()`; "iter_batched": "map" batched
   # after `.to_iter_dataset()` (Tunix's CLI form); "dataloader": a
   # grain.DataLoader over it; "list": a list of the batches; "iterable": a
-  # one-shot generator of them (the last two restored by replay).
+  # one-shot generator of them (the last two restored by replay); "hf_stream": the prompts as a
+  # Hugging Face streaming IterableDataset, one pass, through ckpt_iter.StreamingIterator.
   input_kind: str = "grain"
   # Passes over the prompts (None: repeat forever, so max_steps ends the run).
   num_epochs: int | None = None
@@ -208,13 +209,20 @@ def make_train_dataset(config: RunConfig) -> Any:
     )
   if config.input_kind == "iterable":
     return (dataset[index] for index in range(len(dataset)))
+  if config.input_kind == "hf_stream":
+    import datasets  # pylint: disable=g-import-not-at-top
+
+    import ckpt_iter  # pylint: disable=g-import-not-at-top
+    rows = toyrun.load_prompts(config.num_prompts)
+    stream = datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=2)
+    return ckpt_iter.StreamingIterator(stream, batch_size=config.batch_size)
   if config.input_kind == "list":
     if config.num_epochs is None:
       raise ValueError("input_kind='list' needs num_epochs (a finite list of batches).")
     return [dataset[index] for index in range(len(dataset))]
   raise ValueError(
       f"input_kind={config.input_kind!r}: expected 'grain', 'map', 'iter', 'iter_batched', "
-      "'dataloader', 'list' or 'iterable'."
+      "'dataloader', 'list', 'iterable' or 'hf_stream'."
   )
 
 

@@ -1,4 +1,4 @@
-"""The JSONL line-index cache (ckpt_iter/sources.py): used when valid, never trusted blindly."""
+"""The JSONL line-index cache (ckpt_iter/_jsonl.py): used when valid, never trusted blindly."""
 
 import builtins
 import json
@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 import ckpt_iter
+from ckpt_iter import _jsonl as jsonl_lib
 from ckpt_iter import _storage as storage_lib
 from ckpt_iter import sources as sources_lib
 
 
 class _ByteCounter:
-  """Wraps `open` in ckpt_iter.sources and _storage: counts the bytes read from data files."""
+  """Wraps `open` in ckpt_iter._jsonl and _storage: counts the bytes read from data files."""
 
   def __init__(self):
     self.bytes_read = 0
@@ -37,13 +38,13 @@ class _ByteCounter:
 @pytest.fixture(autouse=True)
 def cache_small_files(monkeypatch):
   """These tests' files are small; the cache skips files under 1 MiB otherwise."""
-  monkeypatch.setattr(sources_lib, "INDEX_CACHE_MIN_BYTES", 0)
+  monkeypatch.setattr(jsonl_lib, "INDEX_CACHE_MIN_BYTES", 0)
 
 
 @pytest.fixture
 def counter(monkeypatch):
   counter = _ByteCounter()
-  monkeypatch.setattr(sources_lib, "open", counter.open, raising=False)
+  monkeypatch.setattr(jsonl_lib, "open", counter.open, raising=False)
   monkeypatch.setattr(storage_lib, "open", counter.open, raising=False)
   return counter
 
@@ -72,7 +73,7 @@ def _source(path, cache_dir):
 
 
 def _cache_file(path, cache_dir):
-  return sources_lib.index_cache_path(path, cache_dir)
+  return jsonl_lib.index_cache_path(path, cache_dir)
 
 
 def test_a_second_start_reads_a_few_bytes_not_the_file(jsonl, cache_dir, counter):
@@ -179,7 +180,7 @@ def test_a_corrupt_cache_is_ignored_and_rebuilt(jsonl, cache_dir, counter, corru
 
 
 def test_small_files_are_not_cached(jsonl, cache_dir, monkeypatch):
-  monkeypatch.setattr(sources_lib, "INDEX_CACHE_MIN_BYTES", os.path.getsize(jsonl) + 1)
+  monkeypatch.setattr(jsonl_lib, "INDEX_CACHE_MIN_BYTES", os.path.getsize(jsonl) + 1)
   _source(jsonl, cache_dir)
   assert not os.path.exists(cache_dir)
 
@@ -194,7 +195,7 @@ def test_an_unwritable_cache_location_falls_back_to_no_cache(jsonl, tmp_path):
 def test_an_empty_cache_dir_disables_the_cache_and_the_env_var_chooses_it(jsonl, tmp_path, monkeypatch):
   _source(jsonl, "")
   assert not list(tmp_path.glob("**/*.ckpt_iter-index.npy"))
-  monkeypatch.setenv(sources_lib.INDEX_CACHE_ENV, str(tmp_path / "from_env"))
+  monkeypatch.setenv(jsonl_lib.INDEX_CACHE_ENV, str(tmp_path / "from_env"))
   ckpt_iter.make_dataset(jsonl, batch_size=4)
   assert os.path.exists(_cache_file(jsonl, str(tmp_path / "from_env")))
 
@@ -259,3 +260,15 @@ def test_a_file_replaced_under_a_live_source_is_refused_by_new_threads(jsonl, ca
   thread.join()
   assert len(errors_seen) == 1 and "replaced or rewritten since this source indexed it" in errors_seen[0]
   assert jsonl in errors_seen[0]
+
+
+def test_a_jsonl_source_keeps_its_public_name_in_a_graphs_fingerprint_and_in_a_pickle(jsonl, cache_dir):
+  """Its code lives in _jsonl; a state saved over `MapDataset.source(JsonlSource(...))` names ckpt_iter.sources."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  import grain  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _global_batch  # pylint: disable=g-import-not-at-top
+
+  source = _source(jsonl, cache_dir)
+  fields = _global_batch.describe_pipeline(grain.MapDataset.source(source))
+  assert fields["node[0].SourceMapDataset.source"] == "ckpt_iter.sources.JsonlSource"
+  assert b"ckpt_iter.sources" in pickle.dumps(source) and pickle.loads(pickle.dumps(source))[7] == source[7]

@@ -1,5 +1,7 @@
 """The content check: a restore produces the element before the saved position again and compares.
 
+The record and its comparison are `_drift`'s (`content_digest`, `first_difference`).
+
 Each case saves a real Orbax step, changes what the pipeline produces while
 its definition (and so its fingerprint) stays the same, and restores into a
 fresh iterator over the same pipeline.

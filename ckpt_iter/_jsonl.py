@@ -1,0 +1,485 @@
+"""JSONL files as a record source: `JsonlSource`, each file's line index and the index's cache.
+
+A JSONL file is indexed by the byte offsets of its lines (16 bytes per line,
+scanned in 16 MiB chunks, blank lines left out), cached between runs (see
+`index_cache_location`), and each record is read by its byte range
+(`os.pread` locally, one ranged GET on an object store). Through a
+`ShardCache`, each file is copied whole on its first read and its index kept
+beside the copy; a process keeps a bounded number of copies open.
+
+`JsonlSource` is public as `ckpt_iter.sources.JsonlSource`, and named so.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from ckpt_iter import _shard_cache
+from ckpt_iter import _source_files
+from ckpt_iter import _storage
+from ckpt_iter import errors
+
+INDEX_CACHE_ENV = "CKPT_ITER_INDEX_CACHE_DIR"
+_INDEX_CHUNK_BYTES = 16 * 2**20
+
+
+class JsonlSource(_source_files.FileReader):
+  """Records of one or more JSONL files, indexed by line offset.
+
+  The line index of each file is cached (see `index_cache_location`), so a restart
+  reads a few bytes per unchanged file instead of the whole file.
+
+  With `cache` (a `ShardCache`), each file is downloaded whole into the cache
+  on its first read and read there: its line index is built from the local
+  copy and kept beside it (evicted with it), so no index of the whole corpus
+  is held; a restart on the same host reads only the files' metadata. When a
+  record's file differs from the one this thread read before, the next
+  `prefetch_files` files (by index) are downloaded in the background; read
+  by make_dataset(shuffle="shards"), the files the plan reads next instead.
+
+  Args:
+    paths: the JSONL files, in order: one path (str or os.PathLike), a glob,
+      or a list of them, local or gs:// (a glob's matches sorted).
+    index_cache_dir: where line indexes are cached. None: the directory in
+      the CKPT_ITER_INDEX_CACHE_DIR environment variable, else
+      `~/.cache/ckpt_iter/jsonl_index` (not next to the data, which may be
+      read-only or shared). "" disables the cache. Not used with `cache`.
+    cache: a `ShardCache` to copy the files into (local files too), or None
+      to read them in place (one ranged GET per record on gs://).
+    prefetch_files: with `cache`, how many files after the current one to
+      download ahead (0: none, neither by index nor by a shard plan).
+    max_open_files: with `cache`, how many local copies a process keeps open
+      (in use, so never evicted) at most.
+  """
+
+  # Its public home: a hand-built Grain graph's fingerprint names its source by module and class
+  # (`_graph._source_params`), and pickles name the class by it, as they did before this module existed.
+  __module__ = "ckpt_iter.sources"
+
+  def __init__(self, paths: _source_files.PathsArg, *, index_cache_dir: str | None = None,
+               cache: _shard_cache.ShardCache | None = None, prefetch_files: int = 2,
+               max_open_files: int = 16):
+    """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
+    self._paths = [_storage.absolute(p) for p in _source_files.expand_paths(paths, "JsonlSource")]
+    # One metadata request per file, in parallel on an object store.
+    self._identities = _storage.identities(self._paths)
+    self._cache = cache
+    self._prefetch_files = max(0, int(prefetch_files))
+    self._planned = False  # `follow_plan`: prefetch by plan, not by file index
+    self._max_open_files = max(1, int(max_open_files))
+    self._local = threading.local()
+    self._init_open()
+    if cache is not None:
+      counts = self._cached_counts()
+      self._starts: list[np.ndarray] = []
+      self._ends: list[np.ndarray] = []
+      self._readers: list[_storage.RangeReader] = []
+    else:
+      cache_dir = index_cache_location(index_cache_dir)
+      self._starts, self._ends, self._readers = [], [], []
+      for path, found in zip(self._paths, self._identities):
+        starts, ends = _cached_line_index(path, cache_dir, found)
+        self._starts.append(starts)
+        self._ends.append(ends)
+        # Pinned to the version the index was made of.
+        self._readers.append(_storage.RangeReader(path, found))
+      counts = [len(s) for s in self._starts]
+    self._offsets = np.cumsum([0] + counts).tolist()
+
+  @property
+  def cache(self) -> _shard_cache.ShardCache | None:
+    """The `ShardCache` the files are read through, or None."""
+    return self._cache
+
+  def identities(self) -> list[_storage.Identity]:
+    """Each file's size and version (generation and crc32c on an object store), as read when built."""
+    return list(self._identities)
+
+  def __len__(self) -> int:
+    return self._offsets[-1]
+
+  def __getitem__(self, index: int) -> Any:
+    file_index, line = _source_files.locate(self._offsets, index, len(self))
+    if self._cache is not None:
+      data = self._cached_read(file_index, line)
+    else:
+      start = int(self._starts[file_index][line])
+      end = int(self._ends[file_index][line])
+      data = self._readers[file_index].read(start, end)
+    try:
+      return json.loads(data)
+    except ValueError as e:
+      raise errors.InvalidStateError(
+          f"{self._paths[file_index]} line {line + 1}: not valid JSON ({e})."
+      ) from None
+
+  # -- through a ShardCache --------------------------------------------------
+
+  def __getstate__(self):
+    state = super().__getstate__()
+    for name in ("_open", "_open_lock", "_open_pid"):
+      state.pop(name, None)
+    return state
+
+  def __setstate__(self, state):
+    super().__setstate__(state)
+    self._init_open()
+
+  def _init_open(self) -> None:
+    # This process's open local copies: file index -> _OpenCopy, least recently used first.
+    self._open: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
+    self._open_lock = threading.Lock()
+    self._open_pid = os.getpid()
+
+  @property
+  def prefetch_files(self) -> int:
+    """How many files ahead a cached source downloads (0: no prefetch, by file index or by plan)."""
+    return self._prefetch_files if self._cache is not None else 0
+
+  def follow_plan(self) -> None:
+    """Stops prefetching the next files by index: a plan that knows its next files prefetches them instead.
+
+    make_dataset(shuffle="shards") calls it (see `_plan_prefetch`).
+    """
+    self._planned = True
+
+  def prefetch(self, file_indices: Sequence[int]) -> None:
+    """Downloads these files (indices into `paths`, modulo their count) and their indexes in the background.
+
+    With no `cache` it does nothing. Files this process has open are
+    skipped; files already cached are marked as just used (so eviction
+    spares them), the others queued in the given order. The reader calls it
+    with the next `prefetch_files` files when it enters a file; a plan that
+    knows its next files (a shard-aware shuffle) calls it with them.
+    """
+    if self._cache is None or not file_indices:
+      return
+    count = len(self._paths)
+    if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
+      self._init_open()
+    with self._open_lock:
+      wanted = [i for i in dict.fromkeys(i % count for i in file_indices) if i not in self._open]
+    missing = []
+    for i in wanted:
+      path, found = self._paths[i], self._identities[i]
+      entry = self._cache.entry_path(path, found)
+      if self._cache.has(path, found) and os.path.exists(entry + ".index.npy"):
+        self._cache.touch(path, found)
+      else:
+        missing.append((path, found))
+    if missing:
+      self._cache.prefetch(missing, then=self._prepare_index)
+
+  def cached_bytes(self) -> list[int]:
+    """What each file takes in the cache: its copy and its line index (16 bytes a line and a header)."""
+    counts = np.diff(self._offsets).tolist()
+    return [found.size + 16 * count + 128 for found, count in zip(self._identities, counts)]
+
+  def release(self, keep: Sequence[int]) -> None:
+    """Closes this process's copies of the files not in `keep` that no read holds: a plan is done with them.
+
+    A closed copy is no longer in use, so the cache may evict it (its last
+    use is left as it was: it goes before the files read now).
+    """
+    if self._cache is None or self._open_pid != os.getpid():
+      return
+    kept = set(keep)
+    with self._open_lock:
+      for i in [i for i, copy in self._open.items() if copy.readers == 0 and i not in kept]:
+        os.close(self._open.pop(i).fd)
+
+  def _cached_counts(self) -> list[int]:
+    """Each file's line count: stored in the cache, else counted from a download (in parallel)."""
+    cache = self._cache
+    counts = [cache.read_count(p, f) for p, f in zip(self._paths, self._identities)]
+    missing = [i for i, c in enumerate(counts) if c is None]
+    if len(missing) > 1:
+      cache.prefetch([(self._paths[i], self._identities[i]) for i in missing], then=self._prepare_index)
+      cache.wait()
+    for i in missing:
+      counts[i] = cache.read_count(self._paths[i], self._identities[i])
+      if counts[i] is None:  # not prefetched, or its prefetch failed: again here, raising its error
+        self._prepare_index(self._paths[i], self._identities[i])
+        counts[i] = cache.read_count(self._paths[i], self._identities[i])
+    return counts
+
+  def _prepare_index(self, path: str, found: _storage.Identity) -> None:
+    fd = self._cache.open(path, found)
+    try:
+      self._load_index(path, found)
+    finally:
+      os.close(fd)
+
+  def _load_index(self, path: str, found: _storage.Identity) -> tuple[np.ndarray, np.ndarray]:
+    """The line index of the local copy of `path` (held open by the caller): beside it, or built there."""
+    entry = self._cache.entry_path(path, found)
+    index_path = entry + ".index.npy"
+    try:
+      array = np.load(index_path, mmap_mode="r", allow_pickle=False)
+      if array.dtype == np.int64 and array.ndim == 2 and array.shape[0] == 2:
+        return array[0], array[1]
+    except (OSError, ValueError, EOFError):
+      pass
+    starts, ends = _index_lines(entry)
+    array = np.stack([starts, ends]) if len(starts) else np.zeros((2, 0), np.int64)
+    self._cache.write_atomic(index_path, lambda f: np.save(f, array, allow_pickle=False))
+    self._cache.write_count(path, found, len(starts))
+    return starts, ends
+
+  def _cached_read(self, file_index: int, line: int) -> bytes:
+    copy = self._open_copy(file_index)
+    try:
+      start, end = int(copy.starts[line]), int(copy.ends[line])
+      return os.pread(copy.fd, end - start, start)
+    finally:
+      with self._open_lock:
+        copy.readers -= 1
+
+  def _open_copy(self, file_index: int) -> "_OpenCopy":
+    """This process's open copy of a file, one reader more (the caller releases it)."""
+    if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
+      self._init_open()
+    with self._open_lock:
+      copy = self._open.get(file_index)
+      if copy is not None:
+        self._open.move_to_end(file_index)
+        copy.readers += 1
+        return copy
+    # Entering a file this process has not open: the next ones are downloaded ahead (unless a plan says).
+    if self._prefetch_files and not self._planned:
+      self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
+    path, found = self._paths[file_index], self._identities[file_index]
+    fd = self._cache.open(path, found)
+    try:
+      starts, ends = self._load_index(path, found)
+    except BaseException:
+      os.close(fd)
+      raise
+    with self._open_lock:
+      copy = self._open.get(file_index)
+      if copy is not None:  # another thread opened it meanwhile
+        os.close(fd)
+      else:
+        copy = self._open[file_index] = _OpenCopy(fd, starts, ends)
+        # Past the limit, close idle copies (least recently used first): they may be evicted.
+        for other in [i for i, c in self._open.items() if c.readers == 0 and i != file_index]:
+          if len(self._open) <= self._max_open_files:
+            break
+          self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
+          os.close(self._open.pop(other).fd)
+      copy.readers += 1
+      return copy
+
+
+@dataclasses.dataclass
+class _OpenCopy:
+  """A local copy a process holds open (a shared flock: in use), with its line index."""
+
+  fd: int
+  starts: np.ndarray
+  ends: np.ndarray
+  readers: int = 0
+
+
+
+def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
+  """Returns start and end byte offsets of the non-blank lines of a file.
+
+  Reads the file in 16 MiB chunks: memory is 16 bytes per line, not the file.
+  """
+  starts, ends = [], []
+  position = 0
+  line_start = 0
+  with _storage.open_read(path) as f:
+    while True:
+      chunk = f.read(_INDEX_CHUNK_BYTES)
+      if not chunk:
+        break
+      newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + position
+      if len(newlines):
+        chunk_starts = np.concatenate([[line_start], newlines[:-1] + 1])
+        starts.append(chunk_starts)
+        ends.append(newlines)
+        line_start = int(newlines[-1]) + 1
+      position += len(chunk)
+  if line_start < position:
+    starts.append(np.array([line_start]))
+    ends.append(np.array([position]))
+  if not starts:
+    return np.zeros(0, np.int64), np.zeros(0, np.int64)
+  start = np.concatenate(starts).astype(np.int64)
+  end = np.concatenate(ends).astype(np.int64)
+  # Drop blank lines ("" or "\r"); a record line is never that short.
+  keep = end - start > 1
+  short = np.flatnonzero(end - start == 1)
+  if len(short):
+    with _storage.open_read(path) as f:
+      for i in short:
+        f.seek(int(start[i]))
+        keep[i] = f.read(1) not in (b"\r", b" ", b"\t")
+  return start[keep], end[keep]
+
+
+# ---------------------------------------------------------------------------
+# The JSONL line-index cache: one local .npy per file, an int64 array
+#   [magic, version, size, version_digest, line_count, starts..., ends...]
+# written atomically, read with allow_pickle=False, and used only when the
+# file's size and version (`_storage.identity`: inode, mtime and ctime of a
+# local file; generation and checksum of an object) match, and, for a local
+# file, the offsets agree with spot-checked bytes of the file. An object's
+# generation changes with every write, so a remote file is not spot-checked
+# (each check would be a request).
+
+# Smaller files are scanned every time: that takes about a millisecond, and
+# caching them would only litter the cache directory.
+INDEX_CACHE_MIN_BYTES = 2**20
+_CACHE_MAGIC = 0x636B70746964780A  # "ckptidx\n"
+_CACHE_VERSION = 2
+_CACHE_HEADER = 5
+_CACHE_SPOT_CHECKS = 8
+_CACHE_MAX_TAIL_BYTES = 64 * 2**10
+_LINE_SPACE = frozenset(b"\r\n \t")
+
+_log = logging.getLogger(__name__)
+
+
+def index_cache_location(index_cache_dir: str | None = None) -> str | None:
+  """The directory JSONL line indexes are cached in, or None when disabled."""
+  if index_cache_dir is None:
+    index_cache_dir = os.environ.get(INDEX_CACHE_ENV)
+  if index_cache_dir is None:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    index_cache_dir = os.path.join(base, "ckpt_iter", "jsonl_index")
+  if index_cache_dir and _storage.is_url(index_cache_dir):
+    raise errors.InvalidArgumentError(
+        f"index_cache_dir={index_cache_dir!r}: the JSONL index cache must be a local directory "
+        f"(it is memory-mapped); pass a local path, or set {INDEX_CACHE_ENV} to one."
+    )
+  return index_cache_dir or None
+
+
+def index_cache_path(path: str, cache_dir: str) -> str:
+  """The cache file of one JSONL file: keyed by its absolute path or URL."""
+  path = _storage.absolute(path)
+  key = hashlib.sha256(path.encode()).hexdigest()[:24]
+  return os.path.join(cache_dir, f"{key}.{os.path.basename(path)}.ckpt_iter-index.npy")
+
+
+def _cached_line_index(path: str, cache_dir: str | None,
+                       identity: _storage.Identity | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """The line index of `path` (`identity`: its identity, if just read): from its cache if valid, else built."""
+  identity = identity or _storage.identity(path)
+  if cache_dir is None or identity.size < INDEX_CACHE_MIN_BYTES or identity.version is None:
+    return _index_lines(path)
+  cache_path = index_cache_path(path, cache_dir)
+  cached = _read_index_cache(cache_path, path, identity)
+  if cached is not None:
+    return cached
+  starts, ends = _index_lines(path)
+  # Cache only an index of a file that did not change while it was read.
+  if _storage.identity(path) == identity:
+    _write_index_cache(cache_path, identity, starts, ends)
+  return starts, ends
+
+
+def _read_index_cache(
+    cache_path: str, path: str, identity: _storage.Identity
+) -> tuple[np.ndarray, np.ndarray] | None:
+  """The cached (starts, ends) if the cache is intact and matches the file."""
+  try:
+    # Mapped, not read: the checks below touch the offsets once, and the
+    # index is then used in place (no copy of 16 bytes per line).
+    array = np.load(cache_path, mmap_mode="r", allow_pickle=False)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError, EOFError) as e:  # truncated, not an .npy, pickled
+    _log.info("ignoring the unreadable JSONL index cache %s (%s)", cache_path, e)
+    return None
+  if (
+      array.dtype != np.int64 or array.ndim != 1 or len(array) < _CACHE_HEADER
+      or array[0] != _CACHE_MAGIC or array[1] != _CACHE_VERSION
+  ):
+    _log.info("ignoring the JSONL index cache %s: not a version %d index", cache_path, _CACHE_VERSION)
+    return None
+  size, version, count = (int(v) for v in array[2:5])
+  if (size, version) != (identity.size, _storage.version_digest(identity.version)):
+    return None  # stale: the file changed since it was indexed
+  if len(array) != _CACHE_HEADER + 2 * count:
+    return None
+  starts = array[_CACHE_HEADER:_CACHE_HEADER + count]
+  ends = array[_CACHE_HEADER + count:]
+  if not _storage.is_url(path) and not _offsets_agree_with_file(path, size, starts, ends):
+    _log.info("ignoring the JSONL index cache %s: it disagrees with %s", cache_path, path)
+    return None
+  return np.asarray(starts), np.asarray(ends)
+
+
+def _offsets_agree_with_file(path: str, size: int, starts: np.ndarray, ends: np.ndarray) -> bool:
+  """Offsets ordered and in range; spot-checked lines start and end at newlines.
+
+  Reads at most a few dozen bytes plus the tail after the last line: the last
+  line must end where the file's records end (only blank space after it).
+  """
+  count = len(starts)
+  if count == 0:
+    return _only_space(path, 0, size)
+  if starts[0] < 0 or ends[-1] > size or np.any(ends <= starts):
+    return False
+  if count > 1 and np.any(starts[1:] <= ends[:-1]):
+    return False
+  checks = sorted({(i * count) // _CACHE_SPOT_CHECKS for i in range(_CACHE_SPOT_CHECKS)} | {count - 1})
+  with _storage.open_read(path) as f:
+    for i in checks:
+      start, end = int(starts[i]), int(ends[i])
+      if start > 0:
+        f.seek(start - 1)
+        if f.read(1) != b"\n":
+          return False
+      if end < size:
+        f.seek(end)
+        if f.read(1) != b"\n":
+          return False
+  return _only_space(path, int(ends[-1]), size)
+
+
+def _only_space(path: str, start: int, size: int) -> bool:
+  if size - start > _CACHE_MAX_TAIL_BYTES:
+    return False
+  with _storage.open_read(path) as f:
+    f.seek(start)
+    return all(byte in _LINE_SPACE for byte in f.read(size - start))
+
+
+def _write_index_cache(
+    cache_path: str, identity: _storage.Identity, starts: np.ndarray, ends: np.ndarray
+) -> None:
+  """Writes the cache atomically; a directory that is not writable is skipped."""
+  header = np.array([
+      _CACHE_MAGIC, _CACHE_VERSION, identity.size, _storage.version_digest(identity.version), len(starts)
+  ], np.int64)
+  temporary = f"{cache_path}.tmp-{os.getpid()}-{threading.get_ident()}"
+  try:
+    os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+    with open(temporary, "wb") as f:
+      # One .npy array written in parts: no second copy of the index in memory.
+      np.lib.format.write_array_header_1_0(f, {
+          "descr": np.dtype(np.int64).str, "fortran_order": False,
+          "shape": (len(header) + 2 * len(starts),)})
+      for part in (header, starts, ends):
+        np.ascontiguousarray(part, dtype=np.int64).tofile(f)
+    os.replace(temporary, cache_path)
+  except OSError as e:
+    _log.info("not caching the JSONL line index at %s (%s)", cache_path, e)
+    try:
+      os.unlink(temporary)
+    except OSError:
+      pass

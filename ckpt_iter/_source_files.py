@@ -1,0 +1,130 @@
+"""The files a file source reads: the paths it is given, and where a record is among them.
+
+A file source (JSONL, Parquet, ArrayRecord) takes one path, a glob or a list
+of them, local or on an object store: `expand_paths` expands each glob (its
+matches sorted) and checks every file exists, in the words errors name the
+source by. Its records are numbered across its files in order (`locate`), and
+its per-thread reading state stays out of a pickle (`FileReader`), so Grain's
+worker processes open their own.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from typing import Any, Sequence, Union
+
+import numpy as np
+
+from ckpt_iter import _storage
+from ckpt_iter import errors
+from ckpt_iter import state as state_lib
+
+
+# What the file sources take: one path, a glob, or a list of them.
+PathsArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+class ExpandedPaths(list):
+  """Paths already expanded: not globbed again (a file's name may hold `[` or `*`)."""
+
+
+def expand_paths(paths: PathsArg, owner: str) -> list[str]:
+  """The files a file source reads, in order: each glob's matches sorted.
+
+  One path (str or os.PathLike, local or gs://), a glob, or a list of them,
+  as make_dataset takes them. A single string is one path, never a sequence
+  of characters.
+
+  Raises:
+    InvalidArgumentError: `paths` is not paths, names no file, or a file
+      or glob match is missing; the message names `owner`.
+  """
+  if isinstance(paths, ExpandedPaths):
+    return list(paths)
+  candidates = path_strings(paths)
+  if candidates is None:
+    shown = "[]" if isinstance(paths, (list, tuple)) and not paths else short_repr(paths)
+    raise errors.InvalidArgumentError(
+        f"{owner}: paths={shown} ({type(paths).__name__}) names no file. Pass a path "
+        "(str or os.PathLike, local or gs://), a glob such as 'data/part-*.jsonl', "
+        "or a non-empty list of them."
+    )
+  return expanded(candidates, owner)
+
+
+def path_strings(source: Any) -> list[str] | None:
+  """The path strings of a path or non-empty list of paths; None for anything else."""
+  if isinstance(source, os.PathLike):
+    source = os.fspath(source)
+  if isinstance(source, str):
+    return [source]
+  if isinstance(source, (list, tuple)) and source and all(
+      isinstance(s, (str, os.PathLike)) for s in source
+  ):
+    strings = [os.fspath(s) for s in source]
+    return strings if all(isinstance(s, str) for s in strings) else None
+  return None
+
+
+def expanded(candidates: list[str], owner: str) -> ExpandedPaths:
+  """Globs expanded (sorted), every file checked to exist; errors name `owner`."""
+  paths = ExpandedPaths()
+  for candidate in candidates:
+    magic = _storage.has_magic(candidate)
+    matches = _storage.glob(candidate) if magic else [candidate]
+    if not matches:
+      raise errors.InvalidArgumentError(f"{owner} glob {candidate!r} matches no file.")
+    for match in matches:
+      # An object a listing found exists: no metadata request per match (the source's
+      # identities, fetched in parallel, fail on one that went away).
+      if not (magic and _storage.is_url(match)) and not _storage.is_file(match):
+        where = "" if _storage.is_url(match) else f" (working directory {os.getcwd()!r})"
+        raise errors.InvalidArgumentError(f"{owner} file {match!r} does not exist{where}.")
+    paths.extend(matches)
+  return paths
+
+
+
+def locate(offsets: list[int], index: int, length: int) -> tuple[int, int]:
+  """(block, offset in it) of record `index` of `length`, the blocks (files, row groups) starting at `offsets`.
+
+  A negative index counts from the end, as a list's does.
+  """
+  if not isinstance(index, (int, np.integer)):
+    raise TypeError(f"record index must be an integer, got {type(index).__name__}")
+  index = int(index)
+  if not -length <= index < length:
+    raise IndexError(f"record index {index} out of range for {length} records")
+  index %= length
+  block = bisect.bisect_right(offsets, index) - 1
+  return block, index - offsets[block]
+
+
+class FileReader:
+  """Per-thread reading state that survives pickling (for Grain workers)."""
+
+  _paths: list[str]
+
+  def __getstate__(self):
+    state = self.__dict__.copy()
+    state.pop("_local", None)
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._local = threading.local()
+
+  @property
+  def paths(self) -> list[str]:
+    """The files, in the order their records are numbered."""
+    return list(self._paths)
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({len(self._paths)} files, {len(self)} records)"
+
+
+def short_repr(value: Any) -> str:
+  """A value as a source's errors show it: its repr, cut to 60 characters."""
+  return state_lib.short_repr(value, limit=60)
