@@ -7,8 +7,11 @@ for a DataIterator and a RepeatIterator (num_repeats 2, shuffle_seed 0) at a
 group boundary. In a full run also the data item of a toy Tunix GRPO
 checkpoint at a global-step boundary (ResumableGRPOLearner).
 
-Reports the file size, the size of the same JSON without indentation, and the
-bytes of each top-level field and of the largest fingerprint fields.
+Reports the size of what the process writes (its header file), of what is
+written once per pod (the count file `ckpt_iter.json`: from format 5 it holds
+the fingerprints and the lineage every process shares, which the header refers
+to), of the whole header as readers see it (compact JSON), and the bytes of
+each top-level field and of the largest fingerprint fields of the whole header.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import _common
 import numpy as np
 
 import ckpt_iter
+from ckpt_iter import _files
 from ckpt_iter import checkpoint as checkpoint_lib
 
 TARGET_BYTES = 1024
@@ -77,13 +81,13 @@ def repeat_iterator(source) -> ckpt_iter.RepeatIterator:
 def measure_file(directory: str) -> dict[str, object]:
   names = sorted(os.listdir(directory))
   path = os.path.join(directory, "process_0-of-1.json")
-  with open(path, "rb") as f:
-    header = json.loads(f.read())
+  header = _files.read_header(path)  # whole: with the pod part it refers to put back
   compact = lambda v: len(json.dumps(v, separators=(",", ":")).encode())  # pylint: disable=unnecessary-lambda-assignment
   fingerprint = header.get("fingerprint", {})
   largest = sorted(fingerprint.items(), key=lambda kv: -compact({kv[0]: kv[1]}))[:3]
   return {
       "state_bytes": os.path.getsize(path),
+      "pod_bytes": os.path.getsize(os.path.join(directory, _files.COUNT_FILE)),
       "compact_json_bytes": compact(header),
       "files": names,
       "field_bytes": {k: compact({k: v}) - 2 for k, v in header.items()},

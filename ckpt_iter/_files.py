@@ -3,7 +3,11 @@
 Plus `ckpt_iter.json`, written by process 0 through the checkpoint handler:
 `{"process_count": n}`, so an elastic restore learns the saved count from
 one small file instead of listing the 2n names (items written before it
-existed are listed, as before).
+existed are listed, as before). From format 5 it also holds the pod part
+of the headers (`split_header`): the fingerprint without its per-process
+fields, and the lineage, which every process of a pod holds alike. It is
+written there once, and a header that refers to it (`POD_SHA256`) is read
+whole again by `read_header`, the one place every reader passes through.
 
 This module is the only one that names, lists, writes or reads them (the npz's
 contents through `_npz`), through `_storage` (a local directory or an object store). A file is written in one
@@ -21,11 +25,13 @@ The npz's format (written aligned, read as slices of one buffer) is `_npz`'s.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -44,8 +50,15 @@ ARRAYS_FROM = "arrays_from"
 # names one), which `ckpt-iter audit` compares with the step holding it.
 # Not part of the state: readers that predate it ignore it.
 SAVED_STEP = "saved_step"
+# Header field of a process whose pod part is in `COUNT_FILE` (format 5): the pod part's SHA-256,
+# where the header's `lineage` was. The count file holds the same digest and the part itself.
+POD_SHA256 = "pod_sha256"
 # Far above any pod; a larger value is a garbled file, not a job.
 MAX_PROCESS_COUNT = 2**24
+# A count file with a pod part, exactly as `write_files` lays it out: the digest covers the
+# bytes after `"pod":` up to the closing brace, so it is checked without serializing anything.
+_POD_COUNT_FILE = re.compile(rb'\{"process_count":([1-9][0-9]{0,8}),"pod_sha256":"([0-9a-f]{64})","pod":')
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _PROCESS_FILE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
 _PROCESS_FILES_IN_LISTING = re.compile(r"^process_(\d+)-of-(\d+)\.json$", re.MULTILINE)
 
@@ -68,6 +81,7 @@ def write_files(
     process_index: int,
     process_count: int,
     count_file: bool = False,
+    pod_text: bytes | None = None,
 ) -> None:
   """Writes one process's files: one object each (header, npz, count file).
 
@@ -75,7 +89,8 @@ def write_files(
   memory). A header that shares another process's arrays (`ARRAYS_FROM`,
   see `_item.share_arrays`) comes with no arrays, and no npz is written.
   With `count_file` (the checkpoint handler), process 0 also writes
-  `COUNT_FILE`, the saved process count an elastic restore reads.
+  `COUNT_FILE`, the saved process count an elastic restore reads, and
+  `pod_text` in it (`split_header`), which headers refer to by its digest.
 
   Raises:
     OSError: naming the file that could not be written (nothing partial of
@@ -96,10 +111,54 @@ def write_files(
   text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
   _storage.write_bytes(os.path.join(directory, stem + ".json"), text)
   if count_file and process_index == 0:
-    count = json.dumps({"process_count": process_count}).encode()
+    if pod_text is None:
+      count = json.dumps({"process_count": process_count}).encode()
+    else:
+      digest = hashlib.sha256(pod_text).hexdigest()
+      count = b'{"process_count":%d,"pod_sha256":"%s","pod":%s}' % (process_count, digest.encode(), pod_text)
     _storage.write_bytes(os.path.join(directory, COUNT_FILE), count)
 
 
+def split_header(
+    header: Mapping[str, Any], per_process: Collection[str]
+) -> tuple[dict[str, Any], bytes, str]:
+  """A header as a process writes it when the count file holds its pod part; that part's text and SHA-256.
+
+  The pod part is what every process of a pod that reads the same stream holds
+  alike: the fingerprints without their `per_process` fields, the state's own
+  and those of the states it nests (a repeat's parent, a learner's input,
+  outermost first), and the lineage (`{"fingerprints": [...], "lineage": {...}}`,
+  compact JSON). The header keeps the rest, each fingerprint with only its
+  `per_process` fields, and `POD_SHA256` where its lineage was, so
+  `read_header` puts the header back together in its own order. Whether a
+  process may refer to process 0's pod part (theirs the same) is the
+  caller's to decide (`_item.write`).
+  """
+  own, fingerprints = _split_state(header, per_process)
+  pod: dict[str, Any] = {"fingerprints": fingerprints}
+  if header.get("lineage") is not None:
+    pod["lineage"] = header["lineage"]
+  text = json.dumps(pod, separators=(",", ":"), allow_nan=False).encode()
+  digest = hashlib.sha256(text).hexdigest()
+  own = {POD_SHA256 if key == "lineage" else key: digest if key == "lineage" else value
+         for key, value in own.items()}
+  own.setdefault(POD_SHA256, digest)  # a state without a lineage
+  return own, text, digest
+
+
+def _split_state(state: Mapping[str, Any], per_process: Collection[str]) -> tuple[dict[str, Any], list[dict]]:
+  """`state` with each fingerprint down its nesting cut to the `per_process` fields; the rest, outermost first."""
+  fingerprint = state.get("fingerprint") or {}
+  shared = [{k: v for k, v in fingerprint.items() if k not in per_process}]
+  own = {**state, "fingerprint": {k: v for k, v in fingerprint.items() if k in per_process}}
+  key = state_lib.NESTED.get(state.get("kind"))  # type: ignore[arg-type]
+  position = state.get("position")
+  part = position.get(key) if key is not None and isinstance(position, Mapping) else None
+  if isinstance(part, Mapping) and isinstance(part.get("fingerprint"), Mapping):
+    own_part, nested = _split_state(part, per_process)
+    own["position"] = {**position, key: own_part}  # type: ignore[dict-item]
+    shared += nested
+  return own, shared
 
 
 def check_item_directory(directory: str) -> None:
@@ -135,16 +194,49 @@ def check_item_directory(directory: str) -> None:
       "out of it. Move or copy the directory into the root, or restore another step.")
 
 
-def read_header(path: str) -> dict[str, Any]:
+def read_header(path: str, *, count_files: dict[str, "CountFile | None"] | None = None) -> dict[str, Any]:
   """Reads and parses a state header file, with errors that name the file.
+
+  A header that refers to its step's pod part (`POD_SHA256`, format 5) is
+  returned whole, as if it had been written whole: the pod part is read from
+  the count file next to it, checked against the digest both files record,
+  and put back in place. Callers that read several headers of one item pass
+  one `count_files` dict (keyed by directory) to read the count file once.
 
   Raises:
     FileNotFoundError: there is no such file (the caller says what that means).
     InvalidStateError: anything else, and a directory outside its root (`check_item_directory`).
   """
+  header = _read_json(path)
+  if type(header) is dict and POD_SHA256 in header:
+    directory = os.path.dirname(path)
+    if count_files is not None and directory in count_files:
+      count = count_files[directory]
+    else:
+      count = read_count_file(directory, directory_checked=True)
+      if count_files is not None:
+        count_files[directory] = count
+    return _with_pod_part(header, path, count)
+  return header
+
+
+def _read_json(path: str) -> Any:
+  """One JSON file read whole (bounded) and parsed, with errors that name it."""
   check_item_directory(os.path.dirname(path))
+  data = _read_bytes(path)
   try:
-    data = _storage.read_bytes(path, max_bytes=MAX_HEADER_BYTES)
+    return _DECODER.decode(data.decode("utf-8"))
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    # RecursionError: JSON nested deeper than the parser's recursion limit.
+    raise errors.InvalidStateError(
+        f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); the file "
+        "is truncated or garbled. Restore an earlier step."
+    ) from None
+
+
+def _read_bytes(path: str) -> bytes:
+  try:
+    return _storage.read_bytes(path, max_bytes=MAX_HEADER_BYTES)
   except (FileNotFoundError, errors.StorageError):
     raise  # a missing file or the store's own error: the caller / the message says it
   except _storage.TooLargeError as e:
@@ -154,14 +246,146 @@ def read_header(path: str) -> dict[str, Any]:
     ) from None
   except OSError as e:
     raise errors.InvalidStateError(f"{path}: cannot read the state file ({e.strerror or e}).") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class CountFile:
+  """An item's `COUNT_FILE` as read: the saved process count, and the pod part's text when it holds one."""
+
+  path: str
+  process_count: int
+  pod_sha256: str | None = None
+  pod_text: bytes | None = None  # exactly the bytes `pod_sha256` covers
+
+
+def read_count_file(directory: str, *, directory_checked: bool = False) -> CountFile | None:
+  """The item's `COUNT_FILE`, or None if it has none (written before it existed, or without the handler).
+
+  `directory_checked`: the caller just read a header there (`check_item_directory` asked).
+
+  Raises:
+    InvalidStateError: unreadable or garbled (naming it and what to do).
+  """
+  path = os.path.join(directory, COUNT_FILE)
+  if not directory_checked:
+    check_item_directory(directory)
   try:
-    return _DECODER.decode(data.decode("utf-8"))
+    data = _read_bytes(path)
+  except FileNotFoundError:
+    return None
+  match = _POD_COUNT_FILE.match(data)
+  if match is not None and data.endswith(b"}"):
+    count = int(match.group(1))
+    if count <= MAX_PROCESS_COUNT:
+      return CountFile(path, count, match.group(2).decode("ascii"), data[match.end():-1])
+  try:
+    value = _DECODER.decode(data.decode("utf-8"))
   except (UnicodeDecodeError, ValueError, RecursionError) as e:
-    # RecursionError: JSON nested deeper than the parser's recursion limit.
     raise errors.InvalidStateError(
-        f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); the file "
-        "is truncated or garbled. Restore an earlier step."
+        f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); the file is truncated or garbled. "
+        f"Restore an earlier step, or delete {COUNT_FILE} if no header refers to it (no {POD_SHA256!r})."
     ) from None
+  count = value.get("process_count") if isinstance(value, dict) else None
+  if not state_lib.is_int(count) or not 1 <= count <= MAX_PROCESS_COUNT:
+    shown = state_lib.short_repr(count if isinstance(value, dict) else value)
+    raise errors.InvalidStateError(
+        f"{path}: field 'process_count' is {shown}, expected the number of processes that "
+        "wrote this step (an integer >= 1). The file is garbled: restore an earlier step, or "
+        f"delete {COUNT_FILE} to have the process files listed instead (if no header refers to it)."
+    )
+  return CountFile(path, int(count))
+
+
+# Pod parts already parsed and checked, by the SHA-256 of their text: the same bytes give the same
+# checked value, so the N headers of a pod, or the steps a run saved between two resumes, cost one
+# check of their lineage. Bounded; never trusted by the digest a file claims, only by the text's own.
+_CHECKED_PODS: dict[str, dict[str, Any]] = {}
+_CHECKED_PODS_KEPT = 16
+_CHECKED_POD_MAX_BYTES = 2**20
+_MAX_NESTED_FINGERPRINTS = 8  # a state and the states it nests (a few; a state refuses more than 4 deep)
+
+
+def _with_pod_part(header: dict[str, Any], path: str, count: CountFile | None) -> dict[str, Any]:
+  """`header` with its step's pod part put back: the header as if written whole."""
+  pod = _pod_part(header[POD_SHA256], path, count)
+  if "lineage" in header:
+    raise errors.InvalidStateError(
+        f"{path}: refers to the pod part in {COUNT_FILE} ({POD_SHA256!r}) but holds field 'lineage' beside "
+        "it. The file is garbled: restore an earlier step.")
+  whole = _merged_state(header, pod["fingerprints"], path, "")
+  if pod.get("lineage") is None:
+    del whole[POD_SHA256]
+  else:  # in the reference's place
+    whole = {"lineage" if key == POD_SHA256 else key: pod["lineage"] if key == POD_SHA256 else value
+             for key, value in whole.items()}
+  return whole
+
+
+def _merged_state(state: dict[str, Any], fingerprints: list[dict], path: str, prefix: str) -> dict[str, Any]:
+  """`state` with `fingerprints` (its own, then those of the states it nests) put back in place."""
+  fingerprint = state.get("fingerprint")
+  if type(fingerprint) is not dict:
+    raise errors.InvalidStateError(
+        f"{path}: field '{prefix}fingerprint' is {state_lib.short_repr(fingerprint)}; a header that refers to "
+        f"the pod part in {COUNT_FILE} holds its per-process fields there. The file is garbled: restore an "
+        "earlier step.")
+  whole = {**state, "fingerprint": {**fingerprints[0], **fingerprint}}  # (a field in both: the header's own)
+  if len(fingerprints) > 1:
+    key = state_lib.NESTED.get(state.get("kind"))  # type: ignore[arg-type]
+    position = state.get("position")
+    part = position.get(key) if key is not None and type(position) is dict else None
+    if type(part) is not dict:
+      raise errors.InvalidStateError(
+          f"{path}: the pod part in {COUNT_FILE} holds the fingerprint of a state nested in "
+          f"'{prefix}position', which holds none. The files come from different saves: restore an earlier step.")
+    whole["position"] = {**position, key: _merged_state(part, fingerprints[1:], path, f"{prefix}position.{key}.")}
+  return whole
+
+
+def _pod_part(digest: Any, path: str, count: CountFile | None) -> dict[str, Any]:
+  """The pod part `path` refers to by `digest`: read from its count file, its digest checked, parsed once."""
+  if type(digest) is not str or not _SHA256.fullmatch(digest):
+    raise errors.InvalidStateError(
+        f"{path}: field {POD_SHA256!r} is {state_lib.short_repr(digest)}, not a SHA-256; the file is "
+        "garbled: restore an earlier step.")
+  count_path = os.path.join(os.path.dirname(path), COUNT_FILE)
+  if count is None or count.pod_text is None:
+    held = "is missing" if count is None else "holds no pod part (or not as ckpt_iter writes it)"
+    raise errors.InvalidStateError(
+        f"{path}: its fingerprint and lineage are in the pod part of {count_path} ({POD_SHA256!r}), "
+        f"but that file {held}. The checkpoint is incomplete or was edited: restore an earlier step.")
+  text_digest = hashlib.sha256(count.pod_text).hexdigest()
+  if text_digest != count.pod_sha256:
+    raise errors.InvalidStateError(
+        f"{count.path}: its pod part (the fingerprint and lineage every process's header shares) does not "
+        f"hash to its field {POD_SHA256!r} {count.pod_sha256[:16]}... ({text_digest[:16]}... now), so it is "
+        f"not what the save wrote for {path}: the file was edited or is garbled. Restore an earlier step.")
+  if digest != text_digest:
+    raise errors.InvalidStateError(
+        f"{path}: field {POD_SHA256!r} is {digest[:16]}..., but the pod part in {count.path} is "
+        f"{text_digest[:16]}...: the two files come from different saves. Restore an earlier step.")
+  pod = _CHECKED_PODS.get(text_digest)
+  if pod is not None:
+    return pod
+  origin = f"{count.path} (pod part)"
+  try:
+    value = _DECODER.decode(count.pod_text.decode("utf-8"))
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    raise errors.InvalidStateError(
+        f"{origin}: not valid JSON ({type(e).__name__}: {str(e)[:200]}); restore an earlier step.") from None
+  fingerprints = value.get("fingerprints") if type(value) is dict else None
+  if not (type(fingerprints) is list and set(value) - {"lineage"} == {"fingerprints"}
+          and 1 <= len(fingerprints) <= _MAX_NESTED_FINGERPRINTS and all(type(f) is dict for f in fingerprints)):
+    raise errors.InvalidStateError(
+        f"{origin}: must be {{'fingerprints': [{{...}}, ...], 'lineage': {{...}} (optional)}}, got "
+        f"{state_lib.short_repr(value)}. Restore an earlier step.")
+  # Checked here once per text (the fingerprints' flat fields are checked with each state, as ever).
+  pod = {"fingerprints": fingerprints, "lineage": state_lib.checked_lineage(value.get("lineage"), origin)}
+  if len(count.pod_text) <= _CHECKED_POD_MAX_BYTES:  # (a pod part is a few KB; a huge one is not kept)
+    if len(_CHECKED_PODS) >= _CHECKED_PODS_KEPT:
+      _CHECKED_PODS.clear()  # (one dict operation each: safe from any thread)
+    _CHECKED_PODS[text_digest] = pod
+  return pod
 
 
 def _reject_constant(name: str) -> Any:
@@ -186,6 +410,7 @@ def read_state(
     *,
     load_arrays: bool = True,
     count_is_saved: bool = False,
+    count_files: dict[str, CountFile | None] | None = None,
 ) -> state_lib.IteratorState:
   """Reads and validates one process's state (header and arrays).
 
@@ -196,7 +421,7 @@ def read_state(
 
   `count_is_saved`: `process_count` is the one the item records
   (`saved_process_count`), so a missing file means an incomplete step, not
-  a restore with another process count.
+  a restore with another process count. `count_files`: see `read_header`.
 
   Raises:
     ItemNotFoundError: the directory holds no state file at all.
@@ -205,7 +430,7 @@ def read_state(
   directory = os.fspath(directory)
   stem = process_file_stem(process_index, process_count)
   json_path = os.path.join(directory, stem + ".json")
-  header = _read_process_header(directory, process_index, process_count, count_is_saved)
+  header = _read_process_header(directory, process_index, process_count, count_is_saved, count_files)
   if not load_arrays or (isinstance(header, dict) and not header.get("arrays")):
     # No manifest, no array to load (a pending node naming one is refused by
     # decode_state first), so the npz is not looked for.
@@ -223,7 +448,8 @@ def read_state(
 
 
 def read_saved_header(
-    directory: str | os.PathLike[str], process_index: int, process_count: int
+    directory: str | os.PathLike[str], process_index: int, process_count: int,
+    *, count_files: dict[str, CountFile | None] | None = None,
 ) -> tuple[dict[str, Any], str | None]:
   """A saved process's header, validated, without what binds it to its files; and its arrays' SHA-256.
 
@@ -231,19 +457,24 @@ def read_saved_header(
   `_item.share_arrays`): "" when the state has no arrays, None when it was
   saved without the digest (one process, or an older ckpt_iter). Two
   processes hold the same state exactly when both are equal.
-  `process_count` is the saved count.
+  `process_count` is the saved count. A header that refers to its pod part
+  is given whole (`read_header`), so a process that wrote its header whole
+  and one that referred to the pod part compare equal when their states are.
   """
   directory = os.fspath(directory)
-  header = _read_process_header(directory, process_index, process_count, True)
+  header = _read_process_header(directory, process_index, process_count, True, count_files)
   codec.decode_state(header, _stand_in, origin=header_path(directory, process_index, process_count))
   digest = header.get(_npz.ARRAYS_SHA256) if header.get("arrays") else ""
   fields = {k: v for k, v in header.items() if k not in (_npz.ARRAYS_DIGEST, ARRAYS_FROM, _npz.ARRAYS_SHA256)}
   return fields, digest if isinstance(digest, str) else None
 
 
-def _read_process_header(directory: str, process_index: int, process_count: int, count_is_saved: bool) -> Any:
+def _read_process_header(
+    directory: str, process_index: int, process_count: int, count_is_saved: bool,
+    count_files: dict[str, CountFile | None] | None = None,
+) -> Any:
   try:
-    return read_header(header_path(directory, process_index, process_count))
+    return read_header(header_path(directory, process_index, process_count), count_files=count_files)
   except FileNotFoundError:
     if count_is_saved:
       raise incomplete_set_error(directory, process_index, process_count) from None
@@ -368,7 +599,7 @@ def process_set_problems(
 
 
 def count_file_problems(
-    directory: str, present: Sequence[tuple[int, int]]
+    directory: str, present: Sequence[tuple[int, int]], *, count_files: dict[str, CountFile | None] | None = None
 ) -> list[tuple[str, str]]:
   """What is wrong with `COUNT_FILE` next to a sound set of process files, as (path, message).
 
@@ -377,7 +608,10 @@ def count_file_problems(
   """
   path = os.path.join(directory, COUNT_FILE)
   try:
-    recorded = _read_count_file(directory)
+    record = read_count_file(directory)
+    if count_files is not None:
+      count_files[directory] = record  # the headers read next refer to it
+    recorded = None if record is None else record.process_count
   except errors.InvalidStateError as e:
     return [(path, str(e).removeprefix(f"{path}: "))]
   except OSError as e:
@@ -428,7 +662,9 @@ def require_headers(directory: str, process_count: int, indices: Sequence[int]) 
       raise incomplete_set_error(directory, index, process_count)
 
 
-def saved_process_count(directory: str | os.PathLike[str]) -> int:
+def saved_process_count(
+    directory: str | os.PathLike[str], *, count_files: dict[str, CountFile | None] | None = None
+) -> int:
   """The number of processes that wrote the item in `directory`.
 
   From `COUNT_FILE` when the item has one (one small file: O(1) in the
@@ -443,9 +679,11 @@ def saved_process_count(directory: str | os.PathLike[str]) -> int:
       the set is empty, mixed or incomplete (names the file).
   """
   directory = os.fspath(directory)
-  count = _read_count_file(directory)
-  if count is not None:
-    return count
+  record = read_count_file(directory)
+  if count_files is not None:
+    count_files[directory] = record  # the headers read next refer to it
+  if record is not None:
+    return record.process_count
   try:
     present = list_process_files(directory)
   except errors.StorageError:
@@ -462,21 +700,3 @@ def saved_process_count(directory: str | os.PathLike[str]) -> int:
         "restore an earlier step."
     )
   return present[0][1]
-
-
-def _read_count_file(directory: str) -> int | None:
-  """The process count `COUNT_FILE` records, or None if the item has none."""
-  path = os.path.join(directory, COUNT_FILE)
-  try:
-    value = read_header(path)
-  except FileNotFoundError:
-    return None
-  count = value.get("process_count") if isinstance(value, dict) else None
-  if not state_lib.is_int(count) or not 1 <= count <= MAX_PROCESS_COUNT:
-    shown = state_lib.short_repr(count if isinstance(value, dict) else value)
-    raise errors.InvalidStateError(
-        f"{path}: field 'process_count' is {shown}, expected the number of processes that "
-        "wrote this step (an integer >= 1). The file is garbled: restore an earlier step, or "
-        f"delete {COUNT_FILE} to have the process files listed instead."
-    )
-  return int(count)

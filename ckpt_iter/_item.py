@@ -49,16 +49,22 @@ RUN = state_lib.LINEAGE_RUN
 _START = "0" * 16  # the running digest of a run never resumed
 
 
-def resume_digest(value: state_lib.IteratorState) -> str:
+def resume_digest(value: state_lib.IteratorState, *, per_process: bool = False) -> str:
   """A digest of where `value` continues: what a resume entry records of it.
 
   Computable from a header alone (pending items are not read: the schedule
   and the arrays' digest in the header stand for them), so the audit and
-  the restore compute the same value.
+  the restore compute the same value. It leaves out the fingerprint's
+  per-process fields (`elastic.PER_PROCESS_FIELDS`, in the state and in the
+  one it nests): the processes of a pod that read the same stream record the
+  same entries, so their lineage is written once for the pod (format 5).
+  Formats 1-4 digested the whole fingerprint (`per_process=True`);
+  `header_resume_digests` knows both.
   """
   return _digest_of_fields(
       value.kind, value.fingerprint, codec.position_to_json(value.position_dict()),
       value.shuffle_key, None if value.pending is None else value.pending.schedule, value.counters,
+      per_process=per_process,
   )
 
 
@@ -80,7 +86,11 @@ def header_resume_digests(
     value = codec.header_state(header, origin=origin)
   digests = (_value_digest(value),)
   version = header.get("format_version")
-  if state_lib.is_int(version) and version < state_lib.FORMAT_VERSION:
+  if state_lib.is_int(version) and version < PER_PROCESS_LEFT_OUT_VERSION:
+    # Formats 1-4 digested the whole fingerprint, the per-process fields with it.
+    whole = _value_digest(value, per_process=True)
+    digests += () if whole in digests else (whole,)
+  if state_lib.is_int(version) and version < 4:
     # A ckpt_iter of that format recorded the digest of the state as it read it:
     # as written, and a format-1 learner state nested as formats 2-3 read it.
     forms = [header]
@@ -99,20 +109,27 @@ def _written_digest(header: Mapping[str, Any]) -> str | None:
   try:
     position = codec.position_to_json(codec.position_from_json(header.get("position")))
     return _digest_of_fields(header.get("kind"), header.get("fingerprint"), position, header.get("shuffle_key"),
-                             schedule, header.get("counters") or {})
+                             schedule, header.get("counters") or {}, per_process=True)
   except (errors.CkptIterError, TypeError, ValueError):
     return None
 
 
-def _value_digest(value: state_lib.IteratorState) -> str:
+def _value_digest(value: state_lib.IteratorState, *, per_process: bool = False) -> str:
   position = codec.position_to_json(codec.position_from_json(value.position_dict()))
   return _digest_of_fields(
       value.kind, value.fingerprint, position, value.shuffle_key,
-      None if value.pending is None else value.pending.schedule, value.counters,
+      None if value.pending is None else value.pending.schedule, value.counters, per_process=per_process,
   )
 
 
-def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counters) -> str:
+# The first format whose resume entries digest a state without its per-process fields.
+PER_PROCESS_LEFT_OUT_VERSION = 5
+
+
+def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counters, *, per_process=False) -> str:
+  """The one digest of a resume entry's `state`; `per_process`: as formats 1-4 took it (every field)."""
+  if not per_process:
+    fingerprint, position = _pod_common(kind, fingerprint, position)
   # In the header's own key order (both sides read the same header), so no
   # sorting: a restore computes this once, on its critical path.
   text = json.dumps(
@@ -121,6 +138,20 @@ def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counte
       separators=(",", ":"), default=repr,
   )
   return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _pod_common(kind: Any, fingerprint: Any, position: Any) -> tuple[Any, Any]:
+  """The fingerprint and position JSON without the per-process fingerprint fields, in the state and the
+  states it nests (their key order kept); anything malformed as it is (the digest then differs)."""
+  if isinstance(fingerprint, Mapping) and not elastic_lib.PER_PROCESS_FIELDS.isdisjoint(fingerprint):
+    fingerprint = {k: v for k, v in fingerprint.items() if k not in elastic_lib.PER_PROCESS_FIELDS}
+  key = state_lib.NESTED.get(kind) if isinstance(kind, str) else None
+  part = position.get(key) if key is not None and isinstance(position, Mapping) else None
+  if isinstance(part, Mapping):
+    part_fingerprint, part_position = _pod_common(part.get("kind"), part.get("fingerprint"), part.get("position"))
+    if part_fingerprint is not part.get("fingerprint") or part_position is not part.get("position"):
+      position = {**position, key: {**part, "fingerprint": part_fingerprint, "position": part_position}}
+  return fingerprint, position
 
 
 def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized: bool = False) -> dict[str, Any]:
@@ -271,8 +302,18 @@ def write(directory: Any, header: dict[str, Any], arrays: dict[str, np.ndarray],
   if step is not None:
     # Where the state belongs: `ckpt-iter audit` refuses it in another step's directory.
     header = {**header, _files.SAVED_STEP: step}
-  header, arrays = share_arrays(os.fspath(directory), header, arrays, index, count)
-  _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True)
+  referring, pod_text, pod_digest = _files.split_header(header, elastic_lib.PER_PROCESS_FIELDS)
+  header, arrays, leader_pod = share_arrays(os.fspath(directory), header, arrays, index, count, pod_digest=pod_digest)
+  if leader_pod == pod_digest:
+    # Process 0's count file holds the same pod part: only the reference is written here.
+    referring = {**referring, **{k: header[k] for k in _SHARING_FIELDS if k in header}}
+    header = referring
+  _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True,
+                     pod_text=pod_text if index == 0 and leader_pod == pod_digest else None)
+
+
+# What `share_arrays` adds to a header: kept beside a reference to the pod part.
+_SHARING_FIELDS = (_npz.ARRAYS_SHA256, _files.ARRAYS_FROM)
 
 
 # How long a process waits for process 0's digest before writing its own copy.
@@ -280,8 +321,9 @@ SHARE_WAIT_SECONDS = 120
 
 
 def share_arrays(
-    directory: str, header: dict[str, Any], arrays: dict[str, np.ndarray], index: int, count: int
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    directory: str, header: dict[str, Any], arrays: dict[str, np.ndarray], index: int, count: int,
+    *, pod_digest: str | None = None,
+) -> tuple[dict[str, Any], dict[str, np.ndarray], str | None]:
   """A snapshot as this process writes it: arrays identical to process 0's are not written again.
 
   In a JAX job of several processes that all feed the same data (Tunix's
@@ -294,35 +336,40 @@ def share_arrays(
   written by their process, as before. So the pod writes each distinct array
   set once, and `save()` does not wait for any of it.
 
-  Without a JAX job of `count` processes (one process, or a process index
-  given by hand) it changes nothing. If process 0's digest does not come
-  within SHARE_WAIT_SECONDS, this process writes its own copy (exact, only
-  larger).
+  The same exchange carries the digest of the header's pod part
+  (`pod_digest`, `_files.split_header`): the third value returned is process
+  0's, which process 0 writes in the count file; a process whose own is the
+  same refers to it instead of writing its fingerprint and lineage (`write`).
+  With one process it is `pod_digest` itself.
+
+  Without a JAX job of `count` processes (a process index given by hand) it
+  changes nothing and returns no pod digest: every process writes its header
+  whole. If process 0's digests do not come within SHARE_WAIT_SECONDS, this
+  process writes its own copy of both (exact, only larger).
   """
   if count < 2:
-    return header, arrays
+    return header, arrays, pod_digest
   client = _distributed_client(count)
   if client is None:
-    return header, arrays
-  key = f"ckpt_iter/arrays_sha256/{directory}"
+    return header, arrays, None
+  key = f"ckpt_iter/digests/{directory}"
   digest = _npz.arrays_sha256(arrays) if arrays else ""
   if index == 0:
-    client.key_value_set(key, digest or "none", allow_overwrite=True)
-  if not digest:
-    return header, arrays
-  header = {**header, _npz.ARRAYS_SHA256: digest}
+    client.key_value_set(key, f"{digest or 'none'} {pod_digest or 'none'}", allow_overwrite=True)
+  if digest:
+    header = {**header, _npz.ARRAYS_SHA256: digest}
   if index == 0:
-    return header, arrays
+    return header, arrays, pod_digest
   try:
-    leader = client.blocking_key_value_get(key, SHARE_WAIT_SECONDS * 1000)
+    leader_arrays, _, leader_pod = client.blocking_key_value_get(key, SHARE_WAIT_SECONDS * 1000).partition(" ")
   except Exception as e:  # pylint: disable=broad-except
     # The store's errors are not typed; a missing digest only costs bytes.
-    _log.warning("%s: process 0's arrays digest did not come (%s); this process writes its "
-                 "own copy of its pending arrays.", directory, e)
-    return header, arrays
-  if leader != digest:
-    return header, arrays
-  return {**header, _files.ARRAYS_FROM: 0}, {}
+    _log.warning("%s: process 0's digests did not come (%s); this process writes its own copy of "
+                 "its header's pod part and of its pending arrays.", directory, e)
+    return header, arrays, None
+  if digest and leader_arrays == digest:
+    header, arrays = {**header, _files.ARRAYS_FROM: 0}, {}
+  return header, arrays, leader_pod
 
 
 def _distributed_client(count: int) -> Any:
@@ -404,9 +451,10 @@ def read_item(
         origin=_files.header_path(directory, process_index, process_count),
         step=step,
     )
-  saved_count = _files.saved_process_count(directory)
+  count_files: dict[str, Any] = {}  # the count file, read once for the count and the pod part
+  saved_count = _files.saved_process_count(directory, count_files=count_files)
   value = elastic_lib.read_for_process(
-      directory, process_index, process_count, saved_count=saved_count
+      directory, process_index, process_count, saved_count=saved_count, count_files=count_files
   )
   # With the saved process count an elastic restore is an exact one: each
   # process gets its own file, so per-process fields are checked as usual

@@ -123,6 +123,7 @@ def read_for_process(
     process_count: int,
     *,
     saved_count: int | None = None,
+    count_files: dict[str, Any] | None = None,
 ) -> state_lib.IteratorState:
   """The state process `process_index` of `process_count` resumes from.
 
@@ -154,22 +155,26 @@ def read_for_process(
     raise errors.InvalidArgumentError(
         f"process_index={process_index} is not in [0, {process_count})."
     )
-  if saved_count is None:  # a caller that already read it passes it
-    saved_count = _files.saved_process_count(directory)
+  # The count file is read once: for the count, then for the pod part the headers refer to.
+  count_files = {} if count_files is None else count_files
+  if saved_count is None:  # a caller that already read it passes it (and its count_files)
+    saved_count = _files.saved_process_count(directory, count_files=count_files)
   checked = checked_files(saved_count, process_index, process_count)
   if saved_count == process_count:
     # Its own file only, as a plain restore; the rest of its window must
     # exist (a stat each), so an incomplete set is refused by some process.
     _files.require_headers(directory, saved_count, [i for i in checked if i != process_index])
-    return _files.read_state(directory, process_index, process_count, count_is_saved=True)
+    return _files.read_state(directory, process_index, process_count, count_is_saved=True,
+                             count_files=count_files)
   rows_from = overlapping_files(saved_count, process_index, process_count)
   # Process 0's header first, alone: if the kind of state cannot be resized
   # the refusal then gives the real reason, before any other file is read.
-  states = {0: _read(directory, 0, saved_count, load_arrays=0 in rows_from)}
+  states = {0: _read(directory, 0, saved_count, load_arrays=0 in rows_from, count_files=count_files)}
   _check_resizable(directory, states[0], saved_count, process_count)
   for index in checked:
     if index not in states:
-      states[index] = _read(directory, index, saved_count, load_arrays=index in rows_from)
+      states[index] = _read(directory, index, saved_count, load_arrays=index in rows_from,
+                            count_files=count_files)
   _check_agree(directory, states, saved_count)
   return _resliced(
       states, rows_from, saved_count, process_index, process_count,
@@ -196,13 +201,16 @@ def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> stat
     InvalidStateError: a saved file is missing or corrupt.
   """
   directory = os.fspath(directory)
-  saved = [_files.read_saved_header(directory, index, saved_count) for index in range(saved_count)]
+  count_files: dict[str, Any] = {}  # the pod part the headers refer to: read once
+  saved = [_files.read_saved_header(directory, index, saved_count, count_files=count_files)
+           for index in range(saved_count)]
   if all(digest is not None for _, digest in saved):
     # Each header records its arrays' SHA-256: the N headers and one npz are read.
     parts_of = [{**codec.header_parts(header), "arrays": digest} for header, digest in saved]
     states = None
   else:  # saved before the digest was recorded: every process's arrays are read
-    states = [_read(directory, index, saved_count, load_arrays=True) for index in range(saved_count)]
+    states = [_read(directory, index, saved_count, load_arrays=True, count_files=count_files)
+              for index in range(saved_count)]
     parts_of = [codec.state_parts(state) for state in states]
   first = parts_of[0]
   for index, parts in enumerate(parts_of[1:], start=1):
@@ -215,11 +223,15 @@ def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> stat
         "the processes fed different data, so no saved state is the one a process of "
         f"another count would hold. Resume with {saved_count} processes."
     )
-  return states[0] if states is not None else _read(directory, 0, saved_count, load_arrays=True)
+  return states[0] if states is not None else _read(directory, 0, saved_count, load_arrays=True,
+                                                     count_files=count_files)
 
 
-def _read(directory: str, index: int, saved_count: int, *, load_arrays: bool) -> state_lib.IteratorState:
-  return _files.read_state(directory, index, saved_count, load_arrays=load_arrays, count_is_saved=True)
+def _read(
+    directory: str, index: int, saved_count: int, *, load_arrays: bool, count_files: dict[str, Any] | None = None
+) -> state_lib.IteratorState:
+  return _files.read_state(directory, index, saved_count, load_arrays=load_arrays, count_is_saved=True,
+                           count_files=count_files)
 
 
 def overlapping_files(saved_count: int, process_index: int, process_count: int) -> range:

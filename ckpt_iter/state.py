@@ -54,7 +54,7 @@ from ckpt_iter import skips as skips_lib
 # ---------------------------------------------------------------------------
 # The state value.
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """The newest data-state `format_version`: this release reads every version up to it (migrating older ones),
 refuses a newer one (StateVersionError) and writes every state in it."""
 KINDS = ("data", "repeat", "tunix")
@@ -311,6 +311,7 @@ def migrate(value: Any, *, origin: str = "the state") -> dict[str, Any]:
     value = migrate_learner_v1(value)
   if version < 4:
     return _to_v4(value)
+  # 4 -> 5 changed only how a step's files hold a header (the pod part, `_files`), not its fields.
   return dict(value)
 
 
@@ -504,6 +505,8 @@ def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
   up to MAX_LINEAGE_RECENT of them: the walk `_checked_copy` does for any
   field cost 15 us per entry here).
   """
+  if type(lineage) is _CheckedLineage:
+    return lineage  # checked already, and read-only since (`checked_lineage`)
   lineage = _decoded_text(lineage, "lineage", origin)
   if lineage is None:
     return None
@@ -529,7 +532,14 @@ def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
   result = {"resumes": int(lineage["resumes"]), "digest": lineage["digest"], "recent": entries}
   if LINEAGE_RUN in lineage:
     result[LINEAGE_RUN] = int(lineage[LINEAGE_RUN])
-  return FrozenDict(result)
+  return _CheckedLineage(result)
+
+
+def checked_lineage(lineage: Any, origin: str) -> Mapping[str, Any] | None:
+  """A lineage read from a file, checked: a state built with the result does not walk its entries
+  again (the pod part a step's processes share, `_files`, is checked once per text read, not once
+  per state that holds it)."""
+  return _checked_lineage(lineage, origin)
 
 
 def carried_geometry(recent: Any) -> list[dict[str, Any]]:
@@ -637,6 +647,10 @@ class FrozenDict(dict):
 
   def __deepcopy__(self, memo: Any) -> dict:
     return _thawed(self)
+
+
+class _CheckedLineage(FrozenDict):
+  """A lineage `_checked_lineage` built: read-only, so checking it again returns it unchanged."""
 
 
 def _checked_copy(value: Any, field: str, origin: str, depth: int = 0) -> Any:

@@ -217,10 +217,11 @@ def _read_step(
   except (FileNotFoundError, NotADirectoryError):
     names = []
   result, findings = {}, []
+  count_files: dict[str, Any] = {}  # the pod part the step's headers refer to: read once
   for index, count in _files.process_files_in(names):
     path = _files.header_path(item_dir, index, count)
     try:
-      header = _files.read_header(path)
+      header = _files.read_header(path, count_files=count_files)
       result[index] = _saved(step, index, count, header, path)
     except (errors.CkptIterError, OSError) as e:
       message = str(e) if isinstance(e, errors.CkptIterError) else f"{path}: cannot read it ({e.strerror or e})"

@@ -74,8 +74,10 @@ def verify_step(layout: inspection.Layout, step: int) -> StepCheck:
 def _check_files(step: int, item_dir: str, files: list[tuple[int, int]]) -> StepCheck:
   """Checks the process files `files` of one step's item directory."""
   problems = [Problem(step, path, message) for path, message in _files.process_set_problems(item_dir, files)]
+  count_files: dict[str, Any] = {}  # the count file (and the pod part the headers refer to), read once
   if not problems:  # the count file is judged against a sound set only
-    problems = [Problem(step, path, message) for path, message in _files.count_file_problems(item_dir, files)]
+    problems = [Problem(step, path, message)
+                for path, message in _files.count_file_problems(item_dir, files, count_files=count_files)]
   states: dict[tuple[int, int], state_lib.IteratorState] = {}
   arrays_read = 0
   for index, count in files:
@@ -83,7 +85,7 @@ def _check_files(step: int, item_dir: str, files: list[tuple[int, int]]) -> Step
       continue  # reported as a process set problem
     path = _files.header_path(item_dir, index, count)
     try:
-      states[(index, count)], num_arrays = _read_full_state(item_dir, index, count)
+      states[(index, count)], num_arrays = _read_full_state(item_dir, index, count, count_files)
       arrays_read += num_arrays
     except errors.CkptIterError as e:
       problems.append(_problem_from_error(step, path, str(e)))
@@ -110,18 +112,20 @@ def _agreement_problems(
   return []
 
 
-def _read_full_state(item_dir: str, index: int, count: int) -> tuple[state_lib.IteratorState, int]:
+def _read_full_state(
+    item_dir: str, index: int, count: int, count_files: dict[str, Any] | None = None
+) -> tuple[state_lib.IteratorState, int]:
   """_files.read_state (with the pending item types it needs registered).
 
   Returns:
     (the state, how many arrays its header lists; read_state read them all).
   """
   path = _files.header_path(item_dir, index, count)
-  header = _files.read_header(path)
+  header = _files.read_header(path, count_files=count_files)
   manifest = header.get("arrays") if isinstance(header, Mapping) else None
   if isinstance(header, Mapping):
     _register_item_types(inspection.dataclass_names(header.get("pending")), path)
-  value = _files.read_state(item_dir, index, count)
+  value = _files.read_state(item_dir, index, count, count_files=count_files)
   # What a restore checks of the state before it compares a pipeline, by the restore's own check.
   state_lib.input_stream_skips(value, origin=path)
   return value, len(manifest) if isinstance(manifest, Mapping) else 0

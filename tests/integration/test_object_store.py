@@ -169,6 +169,37 @@ def test_one_step_costs_the_same_object_operations_however_many_steps_are_kept(g
   assert sum(counts[32].values()) <= 16, counts[32]  # verify: 4 reads, 3 metadata, 8 listings here
 
 
+def test_a_restore_reads_the_pod_part_its_header_refers_to_once(gcs_emulator, gcs_root):
+  """Format 5: the fingerprint and lineage are in the count file, once per pod. A same-count restore
+  reads it after the header: one more GET than format 4's header alone (1 -> 2 reads here; 2 -> 3
+  with pending arrays, docs/benchmarks.md section 9). An elastic restore reads it once, for the saved
+  count and the pod part. Nothing is listed."""
+  import gcs_emulator as emulator_lib  # pylint: disable=g-import-not-at-top
+
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  pipeline = lambda: ckpt_iter.make_dataset([{"id": i} for i in range(64)], batch_size=4, seed=0,  # noqa: E731
+                                            num_epochs=None)
+  handler = checkpoint_lib.IteratorCheckpointHandler(0, 1)
+  item = None
+  for step in (1, 2):  # restored once in between: the pod part holds a lineage
+    iterator = ckpt_iter.DataIterator(pipeline())
+    if item is not None:
+      handler.restore(item, ckpt_iter.IteratorRestore(iterator))
+    next(iterator)
+    item = f"{gcs_root}/pod/{step}/data"
+    handler.save(item, ckpt_iter.IteratorSave(iterator))
+  header = _files.read_header(f"{item}/process_0-of-1.json")
+  assert header["lineage"]["resumes"] == 1 and "seed" in header["fingerprint"]
+  for elastic in (False, True):
+    since = gcs_emulator.mark()
+    handler.restore(item, ckpt_iter.IteratorRestore(ckpt_iter.DataIterator(pipeline()), elastic=elastic))
+    counts = emulator_lib.count_by_kind(gcs_emulator.requests(since, under=item))
+    assert (counts["read"], counts["list"]) == (2, 0), (elastic, counts)
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
 def test_a_source_class_takes_one_url_or_a_url_glob(gcs_root, kind):
   # One gs:// string is one object (not its characters as paths); a glob lists the bucket.

@@ -122,6 +122,10 @@ def test_checkpoint_keeps_the_global_pending_leaves_global(runs, step):
   assert sorted(p.name for p in data_dir.glob("*.npz")) == [f"process_0-of-{NUM_PROCESSES}.npz"]
   assert "arrays_from" not in headers[0] and headers[1]["arrays_from"] == 0
   assert headers[0]["arrays_sha256"] == headers[1]["arrays_sha256"]
+  # So are the fingerprints and lineage they share (one exchange for both digests): in the count file.
+  assert headers[0]["pod_sha256"] == headers[1]["pod_sha256"]
+  assert headers[1]["position"]["input"]["fingerprint"] == {"shard_index": 0}
+  assert json.loads((data_dir / "ckpt_iter.json").read_text())["pod_sha256"] == headers[0]["pod_sha256"]
 
 
 @_JOBS

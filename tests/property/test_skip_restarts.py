@@ -21,7 +21,6 @@ and the records each skip named were never trained after it was declared.
 
 import collections
 import glob
-import json
 import tempfile
 
 import hypothesis
@@ -29,6 +28,7 @@ from hypothesis import strategies as st
 import pytest
 
 import ckpt_iter
+from ckpt_iter import _files
 from ckpt_iter import datamap
 from ckpt_iter.cli import _inspect as inspection
 from ckpt_iter.cli import _which
@@ -99,8 +99,7 @@ def _check(segments, expected, skips, kept_over):
     if not trained:
       return
     last = sorted(glob.glob(f"{root}/{len(trained)}/data/process_0-of-*.json"))[0]
-    with open(last) as f:
-      saved = skips_lib.Skips.from_text(json.load(f)["fingerprint"].get("skips"), origin=last)
+    saved = skips_lib.Skips.from_text(_files.read_header(last)["fingerprint"].get("skips"), origin=last)
     assert saved == skips
     layout = inspection.find_layout(root)
     run = datamap.RunMap.from_states(_which.States(layout), layout.steps[-1])

@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import ckpt_iter
+from ckpt_iter import _files
 from ckpt_iter import cli
 from ckpt_iter import errors
 
@@ -96,7 +97,8 @@ def _tree_in_a_column(group: dict) -> dict:
 
 def _craft(root, mutate, step_dir: str = "2") -> str:
   path = root / step_dir / "data" / HEADER
-  header = json.loads(path.read_text())
+  # Whole, as a process whose pod part differs writes it (the fingerprints and lineage in the header).
+  header = json.loads(json.dumps(_files.read_header(str(path))))
   # json.dumps escapes a lone surrogate as \\ud800, which the reader decodes back.
   path.write_text(json.dumps(mutate(header)))
   return str(path)

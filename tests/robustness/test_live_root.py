@@ -75,7 +75,7 @@ class _Deleter:
     self._read_header = _files.read_header
     monkeypatch.setattr(_files, "read_header", self._hooked)
 
-  def _hooked(self, path: str):
+  def _hooked(self, path: str, **kwargs):
     if not self.fired and os.fspath(path).startswith(self._step_dir + os.sep):
       self.fired = True
       if self._files_first:
@@ -86,7 +86,7 @@ class _Deleter:
         self._later.start()
       else:
         shutil.rmtree(self._step_dir)
-    return self._read_header(path)
+    return self._read_header(path, **kwargs)
 
   def join(self) -> None:
     if self._later is not None:
@@ -150,10 +150,10 @@ def test_a_step_that_stays_but_loses_its_state_file_is_still_an_error(root, monk
   header = os.path.join(root, str(GONE), "data", "process_0-of-1.json")
   real = _files.read_header
 
-  def delete_the_header(path):
+  def delete_the_header(path, **kwargs):
     if os.fspath(path) == header and os.path.exists(header):
       os.remove(header)
-    return real(path)
+    return real(path, **kwargs)
 
   monkeypatch.setattr(_files, "read_header", delete_the_header)
   code, out, err = _run(verb, root)

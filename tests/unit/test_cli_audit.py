@@ -18,6 +18,7 @@ from etils import epath
 
 import ckpt_iter
 from ckpt_iter import checkpoint as checkpoint_lib
+from ckpt_iter import _files
 from ckpt_iter import _item as item_lib
 from ckpt_iter import cli
 import support
@@ -59,9 +60,9 @@ def _edit_header(root, step, change):
 
 
 def _edit_file(path, change):
-  """Rewrites a process's header file after `change(header)`."""
-  with open(path) as f:
-    header = json.load(f)
+  """Rewrites a process's header file after `change(header)`, whole (as a process whose pod part
+  differs writes it: the fingerprint and lineage in the header itself, no reference to the count file)."""
+  header = json.loads(json.dumps(_files.read_header(path)))
   change(header)
   with open(path, "w") as f:
     json.dump(header, f)
@@ -189,6 +190,32 @@ def test_lineage_stays_bounded_and_its_running_digest_covers_every_resume():
   # Grain's dict form keeps one structure: no lineage or content in it.
   assert item_lib.step_of_item_directory("gs://b/run/12/data") == 12
   assert item_lib.step_of_item_directory("/x/ckpt/data") is None
+
+
+def test_resume_entries_leave_out_per_process_fields_and_format_4_s_still_prove():
+  """A pod's processes record the same entry (format 5); the whole-fingerprint digest formats 1-4
+  recorded is still one a restore of such a header may have recorded."""
+  from ckpt_iter import _codec  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  def state(index, kind):
+    data = {"kind": "data", "fingerprint": {"seed": 0, "shard_index": index, "shard_count": 2},
+            "position": {"next_record": 16}}
+    if kind == "data":
+      return state_lib.IteratorState(**data)
+    return state_lib.IteratorState(kind="repeat", fingerprint={"num_repeats": 2, "group_size": 1, "shuffle_seed": 0},
+                                   position={"parent": state_lib.IteratorState(**data)})
+
+  for kind in ("data", "repeat"):
+    first, second = state(0, kind), state(1, kind)
+    assert item_lib.resume_digest(first) == item_lib.resume_digest(second), kind
+    header = _codec.encode_state(first)[0]
+    assert item_lib.header_resume_digests(header, origin="now") == (item_lib.resume_digest(first),)
+    old = {**header, "format_version": 4}
+    digests = item_lib.header_resume_digests(old, origin="format 4")
+    assert len(digests) == 2 and digests[0] == item_lib.resume_digest(first), kind
+    assert item_lib.header_resume_digests(_codec.encode_state(second)[0] | {"format_version": 4},
+                                          origin="format 4")[1] != digests[1]  # shard_index was in it
 
 
 def test_grain_form_carries_content_and_lineage_as_text_in_one_structure(tmp_path):

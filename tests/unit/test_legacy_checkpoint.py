@@ -184,3 +184,53 @@ def test_inspect_shows_every_learner_family_s_input_position(capsys, family, ite
   out = capsys.readouterr().out
   assert shown in out
   assert '{"' not in out  # no position printed as raw JSON
+
+
+# --- format 4 (ckpt_iter 8ce205b: each process's header whole) ----------------------------
+
+_V4_ROOT = os.path.join(_FIXTURES, "v4_checkpoint")
+
+
+def _v4_iterators():
+  """The pipelines of tests/fixtures/make_v4_checkpoint.py, unchanged."""
+  sources = {"a": [{"id": i} for i in range(30)], "b": [{"id": 100 + i} for i in range(20)]}
+
+  def data():
+    return ckpt_iter.DataIterator(ckpt_iter.make_dataset(
+        sources, weights={"a": 2, "b": 1}, batch_size=4, seed=3, num_epochs=None, skip=[(10, 13)]))
+
+  def produce(batch):
+    ids = np.asarray(batch["id"])
+    return {"ids": ids.astype(np.int32), "logps": np.sin(ids * 1.7).astype(np.float32)}
+
+  return data(), ckpt_iter.RepeatIterator(data(), produce=produce, num_repeats=3, group_size=2, shuffle_seed=11)
+
+
+def test_a_format_4_root_restores_exactly_and_resumes_from_it_are_proven(tmp_path):
+  from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
+
+  root = tmp_path / "v4"
+  shutil.copytree(_V4_ROOT, root)
+  with open(root / "expected.json") as f:
+    expected = json.load(f)
+  header = _files_header(root / "6" / "data")
+  assert header["format_version"] == 4 and header["lineage"]["resumes"] == 2
+  data, repeat = _v4_iterators()
+  with ocp.CheckpointManager(str(root)) as manager:
+    manager.restore(6, args=ocp.args.Composite(
+        data=ckpt_iter.IteratorRestore(data), repeat=ckpt_iter.IteratorRestore(repeat)))
+    assert [_as_lists(next(data)) for _ in range(5)] == expected["data"]
+    assert [_as_lists(next(repeat)) for _ in range(7)] == expected["repeat"]
+    # Resumed once more by this code and saved: the audit proves the resumes format 4
+    # recorded and the one this code records, in one chain.
+    manager.save(7, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(data),
+                                            repeat=ckpt_iter.IteratorSave(repeat)))
+    manager.wait_until_finished()
+  for item in ("data", "repeat"):
+    assert cli.main(["audit", str(root), "--item", item, "--json"]) == 0, item
+    assert cli.main(["verify", str(root), "--item", item]) == 0, item
+
+
+def _files_header(directory):
+  with open(directory / "process_0-of-1.json") as f:
+    return json.load(f)

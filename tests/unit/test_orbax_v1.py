@@ -76,8 +76,8 @@ def test_training_checkpointer_saves_and_restores_the_data_item(tmp_path):
   checkpointer.close()
   runs = []
   for step in range(1, 5):
-    with open(os.path.join(str(tmp_path / "run"), str(step), "data", "process_0-of-1.json")) as f:
-      runs.append(json.load(f)["lineage"]["run"])
+    runs.append(_files.read_header(os.path.join(str(tmp_path / "run"), str(step), "data", "process_0-of-1.json"))
+                ["lineage"]["run"])
   assert runs == [1, 1, 1, 1]
 
 
@@ -125,9 +125,10 @@ def test_an_iterator_is_itself_a_v1_checkpointable_in_ckpt_iters_format(tmp_path
   path = str(tmp_path / "step_3")
   ocp1.save_checkpointables(path, {"params": {"w": np.arange(3.0)}, "data": iterator})
   item = os.path.join(path, "data")
-  header = json.load(open(os.path.join(item, "process_0-of-1.json")))
+  header = _files.read_header(os.path.join(item, "process_0-of-1.json"))
   assert header["format_version"] == ckpt_iter.FORMAT_VERSION and header["fingerprint"]
-  assert json.load(open(os.path.join(item, _files.COUNT_FILE))) == {"process_count": 1}
+  count_file = json.load(open(os.path.join(item, _files.COUNT_FILE)))
+  assert count_file["process_count"] == 1 and count_file["pod"]["fingerprints"][0]  # the pod part, once
   expected = [next(iterator) for _ in range(4)]
 
   resumed = make()

@@ -11,6 +11,7 @@ process_count)`.
 import builtins
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import re
@@ -234,7 +235,11 @@ def test_an_elastic_handler_restore_lists_nothing(tmp_path, saved, restored):
   save(tmp_path, saved)
   results = {}
   for count_file in (True, False):
-    if not count_file:  # an item written before the count file: listed once
+    if not count_file:  # an item written before the count file (its headers whole, as then): listed once
+      for name in os.listdir(tmp_path):
+        if name.startswith("process_") and name.endswith(".json"):
+          whole = _files.read_header(str(tmp_path / name))
+          (tmp_path / name).write_text(json.dumps(whole))
       os.remove(tmp_path / _files.COUNT_FILE)
     index = restored // 2
     global_rows = ROWS_PER_PROCESS * saved

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import ckpt_iter
 import conftest
+from ckpt_iter import _files
 from ckpt_iter import elastic
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -208,7 +209,7 @@ def test_the_state_goes_through_orbax_and_inspect_says_where(jsonl_files, ckpt_d
   for _ in range(3):
     next(saving)
   support.orbax_save(ckpt_dir, 3, data=ckpt_iter.IteratorSave(saving))
-  header = json.loads((ckpt_dir / "3" / "data" / "process_0-of-1.json").read_text())
+  header = _files.read_header(str(ckpt_dir / "3" / "data" / "process_0-of-1.json"))  # whole
   assert header["position"][streaming.RECORDS_READ] == 12
   assert header["fingerprint"]["source"] == "stream:hf[json:default:train]"
   resumed = streaming.StreamingIterator(_hf(jsonl_files), batch_size=4)
