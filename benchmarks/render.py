@@ -1078,7 +1078,7 @@ the same process; peak: tracemalloc peak of one `dataset[k]`.
 The last row is one process reading batches of 1 row, where the plan's fixed cost per batch shows most
 (issue 49: +15-19% there): a single source's span without skips is now computed in closed form, the
 process's rows by arithmetic, and one row is stacked as a copy with a new axis instead of through
-`np.stack` (the same array; tests/unit/test_dataset.py). The same script runs the measurement on
+`np.stack` (the same array; tests/unit/test_stacking.py). The same script runs the measurement on
 commit {commit} (*before*, exported with `git archive`) in a second process of the same run.
 
 {_table(["processes", "plain, us/batch", "plan, us (ratio)", "plan + skip, us (ratio)",

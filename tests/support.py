@@ -32,16 +32,68 @@ def orbax_restore(directory: str | os.PathLike[str], step: int, **items: Any) ->
     manager.close()
 
 
-def write_array_record(path: str, records: Sequence[Any]) -> None:
+def write_array_record(path: str | os.PathLike[str], records: Sequence[Any]) -> None:
   """Writes records as JSON objects into one ArrayRecord file."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
 
-  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+  writer = array_record_module.ArrayRecordWriter(os.fspath(path), "group_size:1")
   try:
     for record in records:
       writer.write(json.dumps(record).encode("utf-8"))
   finally:
     writer.close()
+
+
+def write_jsonl(path: str | os.PathLike[str], records: Sequence[Any], blank_lines: bool = False) -> None:
+  """Writes records one JSON object a line; `blank_lines` puts blank lines and CRLF endings among them."""
+  with open(path, "w") as f:
+    for i, record in enumerate(records):
+      if blank_lines and i % 3 == 0:
+        f.write("\n" if i % 2 else "\r\n")
+      f.write(json.dumps(record) + ("\r\n" if blank_lines and i % 4 == 1 else "\n"))
+    if blank_lines:
+      f.write("\n\n")
+
+
+def write_parquet(path: str | os.PathLike[str], records: Sequence[Any]) -> None:
+  """Writes records into one Parquet file of small row groups (4 rows): reads cross row-group boundaries."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  pq.write_table(pa.Table.from_pylist(records), path, row_group_size=4)
+
+
+# A file source's suffix -> the function writing records into one file of it.
+FILE_WRITERS = {"jsonl": write_jsonl, "parquet": write_parquet, "array_record": write_array_record}
+
+
+def sample_records(count: int) -> list[dict[str, Any]]:
+  """`count` records holding an int, a string, a float and a list (ids 0 to count - 1)."""
+  return [
+      {"id": i, "text": f"prompt {i}" + "!" * (i % 3), "score": i / 7, "tokens": [i, i + 1, i * 2]}
+      for i in range(count)
+  ]
+
+
+def make_dataset(source: Any, **kwargs: Any) -> Any:
+  """ckpt_iter.make_dataset as shard 0 of 1 unless `kwargs` say otherwise (not the JAX process)."""
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  kwargs.setdefault("shard_index", 0)
+  kwargs.setdefault("shard_count", 1)
+  return ckpt_iter.make_dataset(source, **kwargs)
+
+
+def hf_saved(directory: Any, records: Sequence[Any], name: str = "hf") -> str:
+  """A Hugging Face dataset of `records` saved to disk under `directory` (the test is skipped without datasets)."""
+  import pytest  # pylint: disable=g-import-not-at-top
+
+  import conftest  # pylint: disable=g-import-not-at-top
+
+  datasets = pytest.importorskip("datasets", reason=conftest.NEEDS_DATASETS)
+  path = str(directory / name)
+  datasets.Dataset.from_list(records).save_to_disk(path)
+  return path
 
 
 def read_all(directory: str | os.PathLike[str]) -> list[state_lib.IteratorState]:
