@@ -621,8 +621,29 @@ def extended_lineage(value: "IteratorState", lineage: Mapping[str, Any], entry: 
     raise errors.InvalidStateError(f"IteratorState: resume entry {_short(dict(entry))} is malformed.")
   result = object.__new__(type(value))
   result.__dict__.update(value.__dict__)
-  object.__setattr__(result, "lineage", FrozenDict(lineage))
+  object.__setattr__(result, "lineage", _extended_checked(value.lineage, lineage))
   return result
+
+
+def _extended_checked(before: Mapping[str, Any] | None, lineage: Mapping[str, Any]) -> FrozenDict:
+  """`lineage`, checked: when its earlier entries are `before`'s own (shared, checked already), only
+  its scalars are; a state built from it (a `dataclasses.replace`) does not walk the entries again."""
+  earlier = list(lineage["recent"][:-1])
+  before_recent = [] if before is None else before["recent"]
+  shared = (before is None or type(before) is _CheckedLineage) and len(earlier) <= len(before_recent) and all(
+      mine is theirs for mine, theirs in zip(earlier, before_recent[len(before_recent) - len(earlier):]))
+  if not shared:
+    return _checked_lineage(lineage, "IteratorState")
+  result = {**lineage, "recent": [*earlier, _checked_entry(lineage["recent"][-1])]}
+  if (
+      result["recent"][-1] is not None
+      and set(result) - {LINEAGE_RUN} == {"resumes", "digest", "recent"}
+      and _is_int(result["resumes"]) and result["resumes"] >= len(result["recent"])
+      and _valid_text(result["digest"]) and len(result["recent"]) <= MAX_LINEAGE_RECENT
+      and (LINEAGE_RUN not in result or (_is_int(result[LINEAGE_RUN]) and result[LINEAGE_RUN] >= 0))
+  ):
+    return _CheckedLineage(result)
+  return _checked_lineage(lineage, "IteratorState")  # raises, naming what is wrong
 
 
 class FrozenDict(dict):
