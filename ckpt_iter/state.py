@@ -590,8 +590,29 @@ def _valid_text(value: Any) -> bool:
   return True
 
 
+def _is_plain_entry(entry: Any) -> bool:
+  """An entry as ckpt_iter writes it, JSON-read: exact types, ASCII text (a process's first read of a
+  lineage checks its 64 entries; this costs half the general walk below)."""
+  if type(entry) is not dict or not entry.keys() <= _PLAIN_ENTRY_KEYS:
+    return False
+  step, state = entry.get("step"), entry.get("state")
+  if type(state) is not str or not state.isascii() or not (step is None or type(step) is int):
+    return False
+  for name, low in _SEGMENT_ENTRY_FIELDS.items():
+    value = entry.get(name)
+    if value is not None and not (type(value) is int and value >= low):
+      return False
+  mixture, resized = entry.get("mixture"), entry.get("resized")
+  return (mixture is None or (type(mixture) is str and mixture.isascii())) and (resized is None or resized is True)
+
+
+_PLAIN_ENTRY_KEYS = frozenset({"step", "state", *_SEGMENT_ENTRY_FIELDS, "mixture", "resized"})
+
+
 def _checked_entry(entry: Any) -> dict[str, Any] | None:
   """A copy of one resume entry, or None when it is malformed."""
+  if _is_plain_entry(entry):
+    return dict(entry)
   if not isinstance(entry, Mapping):
     return None
   for key, value in entry.items():

@@ -654,3 +654,31 @@ def test_a_lineage_extended_from_entries_not_its_own_is_checked_whole():
                                     {"step": 9, "state": "x"})
   assert [entry["step"] for entry in good.lineage["recent"]] == [0, 1, 9]
   assert good.lineage["resumes"] == 3
+
+
+_ENTRY_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**70), st.floats(allow_nan=True),
+                          st.text(max_size=4), st.sampled_from(["\udfff", "é", "0123abcd"]))
+
+
+# Mostly entries as written (where the fast path answers), each field sometimes a little off.
+_NEAR_COUNT = st.sampled_from([None, 0, 1, 7, -1, True, 2.0, "3"])
+_NEAR_PLAIN_ENTRIES = st.fixed_dictionaries(
+    {"state": st.sampled_from(["0123abcd", "é", "\udfff", 5, None])},
+    optional={"step": _NEAR_COUNT, "record": _NEAR_COUNT, "batch_size": _NEAR_COUNT, "process_count": _NEAR_COUNT,
+              "mixture": st.sampled_from(["0;a=1/2/0", "é", "\udfff", 3, None]),
+              "resized": st.sampled_from([True, False, 1, None])})
+
+
+@hypothesis.given(st.one_of(_NEAR_PLAIN_ENTRIES, st.dictionaries(
+    st.sampled_from(["step", "state", "record", "mixture", "resized", "other", "\ud800"]), _ENTRY_VALUES,
+    max_size=6)))
+@hypothesis.settings(max_examples=400, deadline=None)
+def test_the_plain_entry_fast_path_accepts_only_what_the_walk_accepts(entry):
+  fast = state_lib._checked_entry(entry)  # pylint: disable=protected-access
+  original = state_lib._is_plain_entry  # pylint: disable=protected-access
+  state_lib._is_plain_entry = lambda _: False  # pylint: disable=protected-access
+  try:
+    walked = state_lib._checked_entry(entry)  # pylint: disable=protected-access
+  finally:
+    state_lib._is_plain_entry = original  # pylint: disable=protected-access
+  assert fast == walked
