@@ -32,8 +32,8 @@ from ckpt_iter.datamap import learner_step
 from ckpt_iter.state import FORMAT_VERSION
 from ckpt_iter.state import IteratorState
 from ckpt_iter.state import Pending
-from ckpt_iter._object_store import StoreBounds
-from ckpt_iter._object_store import set_object_store_bounds
+from ckpt_iter.store_bounds import StoreBounds
+from ckpt_iter.store_bounds import set_object_store_bounds
 
 # The names that need JAX, Grain or Orbax are imported on first use, so that
 # `import ckpt_iter` (and the read-only `ckpt-iter inspect/verify/diff`,
@@ -47,19 +47,19 @@ _LAZY = {
     "ELASTIC_FIELDS": "ckpt_iter.elastic",
     "KeepResumedSteps": "ckpt_iter.keep",
     "DataIterator": "ckpt_iter.iterator",
-    "DataLoaderIterator": "ckpt_iter._loader",
+    "DataLoaderIterator": "ckpt_iter.loader",
     "RepeatIterator": "ckpt_iter.repeat",
     "ReplayIterator": "ckpt_iter.replay",
     "StreamingIterator": "ckpt_iter.streaming",
     "register_pytree_dataclass": "ckpt_iter._codec",
-    "which": "ckpt_iter._provenance",
+    "which": "ckpt_iter.provenance",
     "with_skip": "ckpt_iter.dataset",
 }
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselves
   from ckpt_iter._codec import register_pytree_dataclass
-  from ckpt_iter._loader import DataLoaderIterator
-  from ckpt_iter._provenance import which
+  from ckpt_iter.loader import DataLoaderIterator
+  from ckpt_iter.provenance import which
   from ckpt_iter.dataset import with_skip
   from ckpt_iter.checkpoint import IteratorCheckpointable
   from ckpt_iter.checkpoint import IteratorCheckpointHandler

@@ -342,6 +342,9 @@ def register_pytree_dataclass(name: str, cls: type) -> None:
   _DATACLASS_NAMES[cls] = name
 
 
+register_pytree_dataclass.__module__ = "ckpt_iter"  # public as ckpt_iter.register_pytree_dataclass
+
+
 @dataclasses.dataclass(frozen=True)
 class ArraySpec:
   """Dtype and shape an array file must have."""

@@ -450,7 +450,7 @@ def _source_params(source: Any, prefix: str = "source_") -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
-# Index provenance: which input elements a MapDataset element is made of (`_provenance`).
+# Index provenance: which input elements a MapDataset element is made of (`provenance`).
 
 # Steps whose element i is made of element i of their input.
 _SAME_INDEX = frozenset({"MapMapDataset", "MapWithIndexMapDataset", "RandomMapMapDataset", "FilterMapDataset"})

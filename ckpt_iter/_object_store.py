@@ -2,104 +2,24 @@
 
 `_storage`'s object-store backend makes each of its calls through here: the
 fsspec filesystem of a URL (`filesystem`; gcsfs for gs://, each request
-bounded), the operation bound (`StoreBounds`, `set_object_store_bounds`,
-`bounded`), `guarded`, through which every store call, store file
-(`StoreFile`) and streamed upload (`Spool`) reaches `translate`: the one place
+bounded), the operation bound (`bounded`, by the bounds `store_bounds` holds),
+`guarded`, through which every store call, store file (`StoreFile`) and
+streamed upload (`Spool`) reaches `translate`: the one place
 a store's error becomes ckpt_iter's (and `replaced_error`, its refusal of a
 pinned object gone, which `_storage` gives a local file replaced too).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Any, Callable
 
 from ckpt_iter import errors
+from ckpt_iter.store_bounds import BOUNDS_ENV
+from ckpt_iter.store_bounds import object_store_bounds
 
 # What to install for a scheme whose fsspec implementation is missing.
 _PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}
 _GCS_SCHEMES = ("gs", "gcs")
-
-
-# ---------------------------------------------------------------------------
-# How long an object store may take.
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreBounds:
-  """How long ckpt_iter waits on an object store, in seconds.
-
-  Attributes:
-    request_seconds: one HTTP request, from connecting to the last byte of
-      its answer (the client retries a request that runs past it).
-    operation_seconds: one operation (a read, a write, a listing), retries
-      included; past it the call raises `StorageTimeoutError`.
-  """
-
-  request_seconds: float = 60.0
-  operation_seconds: float = 300.0
-
-
-# Where a process (e.g. a worker a launcher starts) takes its bounds from:
-# "request=SECONDS,operation=SECONDS", either part optional.
-BOUNDS_ENV = "CKPT_ITER_OBJECT_STORE_BOUNDS"
-
-
-def _positive_seconds(name: str, value: Any, where: str) -> float:
-  try:
-    seconds = float(value)
-  except (TypeError, ValueError):
-    seconds = float("nan")
-  if not (seconds > 0 and seconds != float("inf")):
-    raise errors.InvalidArgumentError(
-        f"{where}: {name} is {value!r}; it must be a positive number of seconds.")
-  return seconds
-
-
-def _bounds_from_env() -> StoreBounds:
-  text = os.environ.get(BOUNDS_ENV, "").strip()
-  fields: dict[str, float] = {}
-  for part in filter(None, (p.strip() for p in text.split(","))):
-    name, _, value = part.partition("=")
-    name = {"request": "request_seconds", "operation": "operation_seconds"}.get(name.strip())
-    if name is None:
-      raise errors.InvalidArgumentError(
-          f"{BOUNDS_ENV}={text!r}: expected 'request=SECONDS,operation=SECONDS', got part {part!r}.")
-    fields[name] = _positive_seconds(name, value, BOUNDS_ENV)
-  return StoreBounds(**fields)
-
-
-_bounds = _bounds_from_env()
-
-
-def set_object_store_bounds(
-    *, request_seconds: float | None = None, operation_seconds: float | None = None
-) -> StoreBounds:
-  """Sets how long ckpt_iter waits on an object store (gs://); returns the bounds now in force.
-
-  Every object-store call ckpt_iter makes (its data items, the CLI, gs://
-  sources) is bounded: a request by `request_seconds` (default 60), an
-  operation with its retries by `operation_seconds` (default 300). A call
-  past its bound raises `ckpt_iter.StorageTimeoutError` (an OSError) naming
-  the object and the operation: a stalled connection ends in an error, never
-  a hang. The defaults come from the environment variable
-  CKPT_ITER_OBJECT_STORE_BOUNDS ("request=60,operation=300") when set.
-  """
-  global _bounds
-  changes = {}
-  if request_seconds is not None:
-    changes["request_seconds"] = _positive_seconds("request_seconds", request_seconds, "set_object_store_bounds")
-  if operation_seconds is not None:
-    changes["operation_seconds"] = _positive_seconds(
-        "operation_seconds", operation_seconds, "set_object_store_bounds")
-  _bounds = dataclasses.replace(_bounds, **changes)
-  return _bounds
-
-
-def object_store_bounds() -> StoreBounds:
-  """The bounds in force (`set_object_store_bounds`)."""
-  return _bounds
 
 
 def replaced_error(path: str, evidence: str, kind: str) -> errors.InvalidStateError:
@@ -129,7 +49,7 @@ def filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:
   try:
     import fsspec  # pylint: disable=g-import-not-at-top
 
-    options = {"requests_timeout": _bounds.request_seconds} if scheme in _GCS_SCHEMES else {}
+    options = {"requests_timeout": object_store_bounds().request_seconds} if scheme in _GCS_SCHEMES else {}
     if versioned and scheme in _GCS_SCHEMES:
       options["version_aware"] = True
     return fsspec.core.url_to_fs(url, **options)
@@ -143,7 +63,7 @@ def filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:
 
 def file_bound(fs: Any) -> dict[str, Any]:
   """What bounds each request of a gcsfs file (its `timeout`); other stores take none."""
-  return {"timeout": _bounds.operation_seconds} if type(fs).__module__.startswith("gcsfs") else {}
+  return {"timeout": object_store_bounds().operation_seconds} if type(fs).__module__.startswith("gcsfs") else {}
 
 
 def bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, reads_generation: str | None = None,
@@ -157,7 +77,7 @@ def bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, reads_gen
   from fsspec import asyn  # pylint: disable=g-import-not-at-top
 
   if isinstance(fs, asyn.AsyncFileSystem):
-    kwargs["timeout"] = _bounds.operation_seconds
+    kwargs["timeout"] = object_store_bounds().operation_seconds
   return guarded((path, operation, reads_generation), call, *args, **kwargs)
 
 
@@ -268,9 +188,10 @@ def translate(path: str, operation: str, generation: str | None, error: Exceptio
   if isinstance(error, errors.StorageError):
     return error
   if isinstance(error, (fsspec_exceptions.FSTimeoutError, asyncio.TimeoutError, TimeoutError)):
+    bounds = object_store_bounds()
     return errors.StorageTimeoutError(
-        f"{path}: {operation} did not finish within its bound ({_bounds.operation_seconds:g} s an "
-        f"operation, {_bounds.request_seconds:g} s a request): the object store stalled or cannot be "
+        f"{path}: {operation} did not finish within its bound ({bounds.operation_seconds:g} s an "
+        f"operation, {bounds.request_seconds:g} s a request): the object store stalled or cannot be "
         "reached. Retry; the checkpoint being restored, or the last committed one, is intact. For a "
         f"slow store raise the bounds (ckpt_iter.set_object_store_bounds, or {BOUNDS_ENV}).",
         path=path, operation=operation, cause="timeout")

@@ -27,7 +27,7 @@ which source records any batch of the run held:
 
 Pipelines whose rows user code computes (a filtered or packed make_dataset, a
 hand-built Grain pipeline) are answered with the pipeline itself:
-`ckpt_iter.which(pipeline, state)` (`_provenance`).
+`ckpt_iter.which(pipeline, state)` (`provenance`).
 
 No JAX or Grain import (Grain's compiled shuffle is loaded by its file).
 """

@@ -44,8 +44,8 @@ from ckpt_iter.tunix import _api as api
 from ckpt_iter.tunix import _items
 from ckpt_iter.tunix import _session
 from ckpt_iter.tunix import _signature
-from ckpt_iter.tunix._agentic import ResumableAgentic, ResumableAgenticGRPOLearner
-from ckpt_iter.tunix._sft import ResumableDPOTrainer, ResumablePeftTrainer, ResumableSft
+from ckpt_iter.tunix.agentic import ResumableAgentic, ResumableAgenticGRPOLearner
+from ckpt_iter.tunix.sft import ResumableDPOTrainer, ResumablePeftTrainer, ResumableSft
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import errors
 from ckpt_iter import repeat as repeat_lib

@@ -24,7 +24,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping
 import grain
 
 from ckpt_iter import _drift
-from ckpt_iter import _loader as loader_lib
+from ckpt_iter import loader as loader_lib
 from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import iterator as iterator_lib

@@ -27,8 +27,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import ckpt_iter
-from ckpt_iter import _object_store
 from ckpt_iter import errors
+from ckpt_iter import store_bounds
 
 import ledger_writer
 import support
@@ -52,7 +52,7 @@ def proxy(gcs_emulator, monkeypatch):
 
   running = fault_proxy.FaultProxy(gcs_emulator.url).start()
   monkeypatch.setenv("STORAGE_EMULATOR_HOST", running.url)
-  before = _object_store.object_store_bounds()
+  before = store_bounds.object_store_bounds()
   ckpt_iter.set_object_store_bounds(request_seconds=REQUEST_SECONDS, operation_seconds=OPERATION_SECONDS)
   try:
     yield running

@@ -312,11 +312,11 @@ _NO_UNIT_TEST_FILE = {
     "_urls": "addresses only; test_doc_links.py checks each against the repository's files and headings",
     "cli/_inspect": "read through the verbs: test_cli.py (inspect, diff), test_cli_which.py, test_cli_audit.py",
     "cli/_text": "what the verbs print: test_cli.py, and tests/robustness/test_hostile.py (terminal escaping)",
-    "tunix/_agentic": "drives a Tunix agentic learner, which a unit test may not train: "
+    "tunix/agentic": "drives a Tunix agentic learner, which a unit test may not train: "
                       "tests/integration/test_tunix_agentic.py",
 }
 # tests/integration holds test_tunix_sft.py and test_tunix_cli.py; pytest's rootdir imports need unique names.
-_SUFFIXED_UNIT_TEST_FILE = {"tunix/_sft": "test_tunix_sft_feed.py", "tunix/cli": "test_tunix_cli_options.py"}
+_SUFFIXED_UNIT_TEST_FILE = {"tunix/sft": "test_tunix_sft_feed.py", "tunix/cli": "test_tunix_cli_options.py"}
 
 
 def unit_test_file(module_path):
@@ -356,7 +356,40 @@ def test_every_module_has_a_unit_test_file_of_its_name():
 
 
 def test_a_module_without_its_test_file_is_named():
-  paths = ["__init__.py", "state.py", "_codec.py", "cli/__init__.py", "cli/_audit.py", "tunix/_sft.py", "__main__.py"]
+  paths = ["__init__.py", "state.py", "_codec.py", "cli/__init__.py", "cli/_audit.py", "tunix/sft.py", "__main__.py"]
   files = {"test_state.py", "test_codec_old.py", "test_audit.py", "test_tunix_sft_feed.py"}
-  assert missing_unit_test_files(paths, files, {"__main__"}, {"tunix/_sft": "test_tunix_sft_feed.py"}) == [
+  assert missing_unit_test_files(paths, files, {"__main__"}, {"tunix/sft": "test_tunix_sft_feed.py"}) == [
       "ckpt_iter/_codec.py: no tests/unit/test_codec.py", "ckpt_iter/cli/_audit.py: no tests/unit/test_cli_audit.py"]
+
+
+# Public names defined in a private module, with why they stay there.
+_PUBLIC_IN_PRIVATE_MODULE = {
+    "register_pytree_dataclass": "writes the codec's table of stored dataclasses, which every decode reads: "
+                                 "_codec.py is its one home (its __module__ says ckpt_iter)",
+}
+
+
+def _defining_module(value):
+  """The module `value` is defined in: a class's `__module__`, a function's source file."""
+  code = getattr(value, "__code__", None)
+  if code is None:
+    return value.__module__
+  return _module_name(code.co_filename)
+
+
+def test_public_names_live_in_public_modules():
+  import importlib  # pylint: disable=g-import-not-at-top
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  packages = [ckpt_iter]
+  if importlib.util.find_spec("tunix") is not None:
+    packages.append(importlib.import_module("ckpt_iter.tunix"))
+  private = {}
+  for package in packages:
+    for name in package.__all__:
+      value = getattr(package, name)
+      if isinstance(value, type) or callable(value):
+        module = _defining_module(value)
+        if any(part.startswith("_") for part in module.split(".")) and name not in _PUBLIC_IN_PRIVATE_MODULE:
+          private[f"{package.__name__}.{name}"] = module
+  assert private == {}, f"public names defined in private modules: {private}"
+  assert ckpt_iter.register_pytree_dataclass.__module__ == "ckpt_iter"

@@ -1,4 +1,4 @@
-"""Tests for ckpt_iter.DataLoaderIterator (`_loader`): a grain.DataLoader through IteratorSave/IteratorRestore."""
+"""Tests for ckpt_iter.DataLoaderIterator (`loader`): a grain.DataLoader through IteratorSave/IteratorRestore."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""`ckpt_iter.which(pipeline, state)` (`_provenance`): the last batch's records where user code makes the rows.
+"""`ckpt_iter.which(pipeline, state)` (`provenance`): the last batch's records where user code makes the rows.
 
 A state alone answers where its position counts stream records (the data map,
 tests/unit/test_datamap.py); a filtered or packed make_dataset, or one under

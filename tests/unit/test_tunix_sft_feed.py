@@ -1,4 +1,4 @@
-"""`tunix/_sft.py` against stand-ins: the feed's position, its stop at max_steps, the format-2 state."""
+"""`tunix/sft.py` against stand-ins: the feed's position, its stop at max_steps, the format-2 state."""
 
 import types
 
@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
 import ckpt_iter  # noqa: E402
-from ckpt_iter.tunix import _input, _sft  # noqa: E402
+from ckpt_iter.tunix import _input, sft  # noqa: E402
 
 
 class _Trainer:
@@ -21,7 +21,7 @@ class _Trainer:
 
 def _feed(max_steps=None):
   records = [{"x": i} for i in range(10)]
-  return _sft._Feed(_Trainer(max_steps), _input.make_source(  # pylint: disable=protected-access
+  return sft._Feed(_Trainer(max_steps), _input.make_source(  # pylint: disable=protected-access
       ckpt_iter.make_dataset(records, batch_size=1, seed=None, num_epochs=1)))
 
 
