@@ -1145,7 +1145,8 @@ the text. *restore CPU* restores the same step 100 times in one process, so from
 on the pod part's check is reused, as for the N headers of a pod an elastic restore reads or the steps
 between two resumes `ckpt-iter audit` reads; *first read* makes every restore a process's first read
 of the pod part, as a freshly started process restores: there the lineage's 64 entries are parsed and
-checked once (about 24 us and 41 us here, an entry as ckpt_iter writes it taking a fast path of exact types), and that cost still grows with the restarts up to the cap.
+checked once (about 24 us and 41 us here, an entry as ckpt_iter writes it taking a fast path of exact
+types), and that cost still grows with the restarts up to the cap.
 
 {_table(["state", "restore CPU, us", "/ Grain's handler", f"at {commit}", "first read, us",
          "with the content check, us", "bytes per process", f"at {commit}", "once per pod", f"at {commit}"],
