@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any, Sequence
 
+import grain
+
 from ckpt_iter import _files
 from ckpt_iter import elastic
 from ckpt_iter import state as state_lib
@@ -104,6 +106,9 @@ def read_all(directory: str | os.PathLike[str]) -> list[state_lib.IteratorState]
   elastic.check_agree(directory, states)
   return states
 
+
+# Read options for a to_iter_dataset read in the test's own thread, nothing read ahead.
+NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 CHAIN_RECORDS = [{"id": i} for i in range(23)]
 CHAIN_SOURCES = {"a": [{"id": 1000 + i} for i in range(17)], "b": [{"id": 2000 + i} for i in range(11)]}

@@ -182,30 +182,6 @@ def test_num_epochs_none_repeats_forever():
   assert iterator.get_state()["position"] == {"next_record": 6 * count}  # six whole epochs
 
 
-@hypothesis.given(
-    count=st.integers(1, 40), batch_size=st.integers(1, 4), shard_count=st.integers(1, 4),
-    seed=st.one_of(st.none(), st.integers(0, 1000)), num_epochs=st.integers(1, 2),
-)
-@hypothesis.settings(max_examples=40)
-def test_shards_partition_the_global_batch(count, batch_size, shard_count, seed, num_epochs):
-  # dataset.py's documented design: shard i holds rows [i*B, (i+1)*B) of each
-  # global batch of B*shard_count, so resuming with another shard count is exact.
-  hypothesis.assume(count >= batch_size * shard_count)
-  records = support.sample_records(count)
-  global_ds = support.make_dataset(records, batch_size=batch_size * shard_count, seed=seed, num_epochs=num_epochs)
-  shards = [
-      support.make_dataset(records, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
-                           shard_index=i, shard_count=shard_count)
-      for i in range(shard_count)
-  ]
-  assert all(len(shard) == len(global_ds) for shard in shards)
-  for t in range(len(global_ds)):
-    rows = [shard[t] for shard in shards]
-    assert all(len(r["id"]) == batch_size for r in rows)
-    joined = {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
-    testing.assert_trees_equal([joined], [global_ds[t]])
-
-
 def test_transform_is_applied_lazily_per_record():
   calls = []
 
@@ -260,23 +236,6 @@ def test_a_skip_leaving_one_batch_per_epoch_keeps_every_batch_full():
                                  skip=ckpt_iter.Skip(source_records=[(0, 96)]))
   iterator = iter(dataset)
   assert [next(iterator)["id"].tolist() for _ in range(3)] == [[96, 97, 98, 99]] * 3
-
-
-@pytest.mark.parametrize("arguments", [
-    dict(seed=3, skip=[(5, 11), (40, 41)]),
-    dict(seed=None, skip=ckpt_iter.Skip(records=[(5, 11)], source_records=[(20, 23)])),
-    dict(seed=3, weights={"a": 2, "b": 1}, skip=[(5, 11)]),
-])
-def test_with_skips_each_process_reads_its_rows_of_the_global_batch(arguments):
-  """Each of 4 processes' batches (`BatchPlan.rows`) are its rows of the 1-process run's global batches."""
-  records = [{"id": i} for i in range(50)]
-  source = {"a": records, "b": records[:20]} if "weights" in arguments else records
-  whole = support.make_dataset(source, batch_size=8, shard_index=0, shard_count=1, num_epochs=3, **arguments)
-  parts = [support.make_dataset(source, batch_size=2, shard_index=i, shard_count=4, num_epochs=3, **arguments)
-           for i in range(4)]
-  assert len(whole) == len(parts[0]) > 5
-  for index in range(len(whole)):
-    assert np.concatenate([part[index]["id"] for part in parts]).tolist() == whole[index]["id"].tolist()
 
 
 # ---------------------------------------------------------------------------

@@ -233,14 +233,6 @@ def test_unknown_node_kinds_are_recorded_by_class_name_only():
   assert fields["node[2].RangeMapDataset.stop"] == 3
 
 
-def test_make_dataset_spec_fields_are_not_repeated_under_its_node(make_pipeline):
-  fields = _global_batch.describe_pipeline(make_pipeline().map(double))
-  assert fields["pipeline"] == "MapMapDataset"  # the meaning elastic.resize_refusal parses
-  assert fields["graph"] == "MapMapDataset<GlobalBatchDataset"
-  assert not [k for k in fields if k.startswith("node[1].")]
-  assert fields["seed"] == 7
-
-
 def test_a_state_without_graph_fields_restores_and_keeps_its_old_checks(make_pipeline):
   """States written before the graph fingerprint: the new fields are not compared."""
   def legacy(state):

@@ -1,7 +1,6 @@
 """Tests for ckpt_iter.DataIterator: exact, O(1), validated resume."""
 
 import itertools
-import os
 import json
 
 import grain
@@ -14,8 +13,6 @@ import pytest
 import ckpt_iter
 from ckpt_iter import testing
 import support
-
-_NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def _records(count, offset=0):
@@ -115,7 +112,7 @@ class _Restartable:
             _records(12), batch_size=2, seed=9, num_epochs=2, shard_index=1, shard_count=2,
         ).map(lambda b: {"id": b["id"] * 10}),
         lambda: grain.MapDataset.source(_records(10)).shuffle(seed=3).repeat(2)
-        .to_iter_dataset(_NO_THREADS).batch(3),
+        .to_iter_dataset(support.NO_THREADS).batch(3),
     ],
     ids=["make_dataset", "make_dataset_map", "iter_dataset"],
 )
@@ -345,7 +342,7 @@ def test_constructor_rejects_what_it_cannot_iterate():
   assert "list" in str(info.value) and "make_dataset" in str(info.value)
   iter_ds = grain.MapDataset.range(3).to_iter_dataset()
   with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
-    ckpt_iter.DataIterator(iter_ds, read_options=_NO_THREADS)
+    ckpt_iter.DataIterator(iter_ds, read_options=support.NO_THREADS)
   assert "read_options" in str(info.value)
 
 
@@ -357,7 +354,7 @@ def _iter_pipeline(seed):
   return (
       grain.MapDataset.source(_records(14)).shuffle(seed=seed).repeat(2)
       .map(lambda r: {"id": np.int64(r["id"]) + 1000})
-      .to_iter_dataset(_NO_THREADS)
+      .to_iter_dataset(support.NO_THREADS)
       .batch(3, drop_remainder=False)
   )
 
@@ -432,8 +429,8 @@ def test_a_reweighted_grain_map_mix_is_refused_even_with_allow_drift():
 
 
 def _grain_iter_mix(weights):
-  a = grain.MapDataset.range(0, 40).to_iter_dataset(_NO_THREADS)
-  b = grain.MapDataset.range(1000, 1040).to_iter_dataset(_NO_THREADS)
+  a = grain.MapDataset.range(0, 40).to_iter_dataset(support.NO_THREADS)
+  b = grain.MapDataset.range(1000, 1040).to_iter_dataset(support.NO_THREADS)
   return grain.IterDataset.mix({"a": a, "b": b}, weights=weights).batch(4)
 
 
@@ -453,115 +450,8 @@ def test_a_reweighted_grain_iter_mix_continues_each_source_when_declared():
 
 
 # ---------------------------------------------------------------------------
-# Skips (ckpt_iter.skips): declared at a restore, kept by every later one.
-
-
-def _chain_restore(root, step, iterator, **args):
-  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
-
-  checkpoint_lib.IteratorCheckpointHandler(0, 1).restore(os.path.join(root, str(step), "data"),
-                                                         ckpt_iter.IteratorRestore(iterator, **args))
-
-
-def test_a_same_size_restore_after_a_batch_size_change_checks_the_batch_that_ended_the_epoch(tmp_path):
-  # 23 records: batches of 4 to record 8, then of 5 from 8: 8-12, 13-17, 18-22 end epoch 0 exactly. The
-  # batch before record 23 is 18-22, not the 15-19 batches of 5 from the epoch's first record would give.
-  root = str(tmp_path)
-  support.run_chain(root, [(1, 4, 2, 0, None), (1, 5, 3, 0, None)])
-  resumed = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 5))
-  _chain_restore(root, 5, resumed)
-  assert resumed.restored_content_check.startswith("same element")
-
-
-def test_skips_declared_at_a_restore_apply_from_its_position_and_every_later_restore_keeps_them(tmp_path, caplog):
-  root = str(tmp_path)
-  kept = support.run_chain(root, [(1, 4, 2, 0, None), (1, 4, 2, 0, [(4, 10), (12, 14)]), (2, 4, 2, 0, None)])
-  caplog.set_level("INFO", logger="ckpt_iter")
-  state = json.load(open(os.path.join(root, "6", "data", "process_0-of-2.json")))
-  assert json.loads(state["fingerprint"]["skips"]) == {"records": [[8, 10], [12, 14]]}  # 4-7 were read
-  # The uninterrupted stream minus the skipped records, cut in batches of 4 that keep to their epoch.
-  stream = [r for batch in ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 1)) for r in support.batch_ids(batch)]
-  expected = []
-  for epoch in range(2):
-    kept_epoch = [stream[g] for g in range(23 * epoch, 23 * (epoch + 1)) if not (8 <= g < 10 or 12 <= g < 14)]
-    expected += kept_epoch[:len(kept_epoch) // 4 * 4]
-  assert [r for batch in kept for r in batch] == expected[:24]
-
-
-def test_a_declared_skip_already_read_is_said_and_not_applied(tmp_path, caplog):
-  root = str(tmp_path)
-  support.run_chain(root, [(1, 4, 2, 0, None)])
-  caplog.set_level("INFO", logger="ckpt_iter")
-  resumed = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, skip=[(2, 12)]))
-  _chain_restore(root, 2, resumed)
-  assert json.loads(resumed.fingerprint["skips"]) == {"records": [[8, 12]]}
-  assert "declared skip of stream records [2, 8) not applied: they were read before the restored position" in caplog.text
-  assert "skips added at this restore: stream records [8, 12) (4 records)" in caplog.text
-
-
-def test_source_records_of_an_unshuffled_source_are_skipped_in_every_epoch_from_the_restart(tmp_path):
-  root = str(tmp_path)
-  support.run_chain(root, [(1, 4, 1, 0, None)], seed=None)
-  resumed = ckpt_iter.DataIterator(support.chain_pipeline(1, 0, 4, seed=None, skip=ckpt_iter.Skip(
-      source_records=[(2, 3), (6, 9)])))
-  _chain_restore(root, 1, resumed)
-  read = [r for batch in itertools.islice(resumed, 12) for r in support.batch_ids(batch)]
-  assert read[:4] == [4, 5, 9, 10] and read[16:20] == [0, 1, 3, 4]  # epoch 1 skips them too
-  assert not {2, 6, 7, 8} & set(read)
-  with pytest.raises(ckpt_iter.UnsupportedConfigError) as info:
-    support.chain_pipeline(1, 0, 4, seed=3, skip=ckpt_iter.Skip(source_records=[(2, 3)]))
-  assert "shuffled" in str(info.value) and "stream_records" in str(info.value)
-
-
-def _hundred(seed=None, batch_size=4, skip=None, **arguments):
-  return ckpt_iter.make_dataset([{"id": i} for i in range(100)], batch_size=batch_size, seed=seed,
-                                num_epochs=None, shard_index=0, shard_count=1, skip=skip, **arguments)
-
-
-def _state_after_a_batch(pipeline, skips=None):
-  """The state after one batch of `pipeline`, its `skips` field replaced by `skips` (a dict) when given."""
-  saved = ckpt_iter.DataIterator(pipeline)
-  next(saved)
-  state = saved.get_state()
-  if skips is not None:
-    state["fingerprint"]["skips"] = json.dumps(skips)
-  return state
-
-
-@pytest.mark.parametrize("seed, skips, error, fragments", [
-    (3, {"every_epoch": [[0, 100, 36]]}, ckpt_iter.UnsupportedConfigError,
-     ["fingerprint field 'skips' (source records [0, 100) of every epoch from stream record 36)",
-      "needs a single unshuffled source", "seed is set"]),
-    (None, {"every_epoch": [[0, 10**30, 36]]}, ckpt_iter.InvalidStateError,
-     ["fingerprint field 'skips'", f"[(0, {10**30})] of every epoch, past the source's 100 records",
-      "restore another step"]),
-    (None, {"every_epoch": [[98, 101, 0]]}, ckpt_iter.InvalidStateError, ["past the source's 100 records"]),
-    (None, {"every_epoch": [[0, 98, 36]]}, ckpt_iter.UnsupportedConfigError,
-     ["fingerprint field 'skips'", "leaves 2 of the source's 100 records per epoch, fewer than one global batch of 4",
-      "Restore it with a global batch of at most 2"]),
-])
-def test_a_restored_skips_field_is_checked_as_a_declared_skip_is(seed, skips, error, fragments):
-  state = _state_after_a_batch(_hundred(seed), skips)
-  resumed = ckpt_iter.DataIterator(_hundred(seed))
-  with pytest.raises(error) as info:
-    resumed.set_state(state)
-  assert all(fragment in str(info.value) for fragment in fragments), str(info.value)
-
-
-def test_skips_that_leave_less_than_a_batch_only_with_this_restore_are_refused_naming_the_cause():
-  # Written with batches of 2 and 3 records kept per epoch: a restore with batches of 4 cannot continue it.
-  state = _state_after_a_batch(_hundred(batch_size=2, skip=ckpt_iter.Skip(source_records=[(0, 97)])))
-  with pytest.raises(ckpt_iter.UnsupportedConfigError) as info:
-    ckpt_iter.DataIterator(_hundred()).set_state(state)
-  assert "leaves 3 of the source's 100 records per epoch" in str(info.value)
-  assert "global batch of at most 3" in str(info.value)
-  # Each declaration leaves a batch, the saved and the declared together do not: the declaration is named.
-  state = _state_after_a_batch(_hundred(skip=ckpt_iter.Skip(source_records=[(0, 50)])))
-  with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
-    ckpt_iter.DataIterator(_hundred(skip=ckpt_iter.Skip(source_records=[(50, 98)]))).set_state(state)
-  assert "skip=Skip(records=(), source_records=((50, 98),)) added to the state's skips (source records [0, 50)" in str(
-      info.value)
-  assert "leaves 2 of the source's 100 records per epoch" in str(info.value)
+# Skips (ckpt_iter.skips) in a pipeline without a GlobalBatchDataset: a hand-built one, lanes
+# (a GlobalBatchDataset's restore of them: tests/unit/test_global_batch.py).
 
 
 def test_a_state_with_skips_needs_a_make_dataset_pipeline():
@@ -572,22 +462,6 @@ def test_a_state_with_skips_needs_a_make_dataset_pipeline():
   with pytest.raises(ckpt_iter.CkptIterError) as info:
     ckpt_iter.DataIterator(grain.MapDataset.range(10)).set_state(state)
   assert "skips stream records [1, 2)" in str(info.value)
-
-
-def test_make_dataset_under_other_steps_skips_a_record_as_grains_filter_drops_one():
-  def pipeline(skip=None):
-    return (ckpt_iter.make_dataset(support.CHAIN_RECORDS, batch_size=1, seed=None, num_epochs=1, shard_index=0,
-                                   shard_count=1, skip=skip).to_iter_dataset(_NO_THREADS).batch(3))
-  saved = ckpt_iter.DataIterator(pipeline(skip=[(4, 6)]))
-  assert support.batch_ids(next(saved)) == [0, 1, 2] and support.batch_ids(next(saved)) == [3, 6, 7]
-  resumed = ckpt_iter.DataIterator(pipeline())  # not declared again: the state carries them
-  resumed.set_state(saved.get_state())
-  assert support.batch_ids(next(resumed)) == [8, 9, 10]
-  assert json.loads(resumed.fingerprint["skips"]) == {"records": [[4, 6]]}
-  with pytest.raises(ckpt_iter.UnsupportedConfigError) as info:
-    ckpt_iter.DataIterator(ckpt_iter.make_dataset(support.CHAIN_RECORDS, batch_size=2, shard_index=0, shard_count=1,
-                                                  skip=[(1, 2)]).to_iter_dataset(_NO_THREADS).batch(2))
-  assert "global batch of one record; this one has 2" in str(info.value)
 
 
 def test_a_lanes_pipeline_drops_skipped_records_and_refuses_a_skip_into_a_chunk_in_progress():

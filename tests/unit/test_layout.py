@@ -306,8 +306,6 @@ def test_the_package_never_imports_the_demo():
 # Module (path under ckpt_iter/, without .py) -> why it has no tests/unit/test_<name>.py.
 _NO_UNIT_TEST_FILE = {
     "__main__": "the entry point's dispatch, run by test_cli.py's entry point test",
-    "_global_batch": "make_dataset's node, tested through make_dataset in test_dataset.py (its batches, shards "
-                     "and skips), restored in test_iterator.py, its pipeline's fingerprint in test_graph.py",
     "_object_store": "needs a store: tests/integration/test_object_store.py and test_store_faults.py (GCS emulator)",
     "_urls": "addresses only; test_doc_links.py checks each against the repository's files and headings",
     "cli/_inspect": "read through the verbs: test_cli.py (inspect, diff), test_cli_which.py, test_cli_audit.py",
