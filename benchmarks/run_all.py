@@ -1,6 +1,6 @@
 """Runs every benchmark, collects their JSON lines, regenerates docs/benchmarks.md.
 
-    python benchmarks/run_all.py            # full run (make bench), ~12 minutes on 2 cores
+    python benchmarks/run_all.py            # full run (make bench), ~20 minutes on 2 cores
     python benchmarks/run_all.py --quick    # smoke pass; results and page go to a temp dir
     python benchmarks/run_all.py --docs-only  # re-render docs from benchmarks/results.jsonl
     python benchmarks/run_all.py --only NAME  # re-run one script, replace its lines, re-render
@@ -29,7 +29,7 @@ SCRIPTS = [
     "restore_latency", "state_size", "throughput", "save_blocking", "tunix_step_time", "resume_wall_time",
     "pod_scale", "jsonl_index", "object_store", "cli_cost", "content_check", "rl_scale", "pod_bytes",
     "pending_queue", "changing_the_run", "data_map", "restore_walk", "skip_ranges",
-    "plan_skips", "restore_cost", "streaming_restore",
+    "plan_skips", "restore_cost", "streaming_restore", "tunix_save_cost",
 ]
 RESULTS_PATH = os.path.join(_common.BENCH_DIR, "results.jsonl")
 DOCS_PATH = os.path.join(_common.REPO_DIR, "docs", "benchmarks.md")
