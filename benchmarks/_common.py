@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -99,3 +102,19 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def python() -> str:
   return sys.executable
+
+
+def exported(commit: str, prefix: str) -> str | None:
+  """A directory holding `commit`'s ckpt_iter package (git archive), or None without git or the commit.
+
+  What a benchmark measures as *before*, in a process of its own beside this tree's.
+  """
+  directory = tempfile.mkdtemp(prefix=prefix)
+  try:
+    archive = subprocess.run(["git", "-C", REPO_DIR, "archive", commit, "ckpt_iter"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
+  except (OSError, subprocess.CalledProcessError):
+    shutil.rmtree(directory, ignore_errors=True)
+    return None
+  return directory

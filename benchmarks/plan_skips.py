@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 import tracemalloc
 
@@ -112,18 +111,6 @@ def worker(label: str, quick: bool) -> None:
           "peak_kib": _common.rounded(peaks[name], 3), "reps": reps, "batches_per_rep": batches}), flush=True)
 
 
-def exported(commit: str) -> str | None:
-  """A directory holding `commit`'s ckpt_iter package (git archive), or None without git or the commit."""
-  directory = tempfile.mkdtemp(prefix=f"plan_skips_{commit}_")
-  try:
-    archive = subprocess.run(["git", "-C", _common.REPO_DIR, "archive", commit, "ckpt_iter"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
-  except (OSError, subprocess.CalledProcessError):
-    shutil.rmtree(directory, ignore_errors=True)
-    return None
-  return directory
-
 
 def run_worker(label: str, code_dir: str, quick: bool) -> list[dict]:
   env = _common.child_env(PYTHONPATH=os.pathsep.join([code_dir, _common.REPO_DIR]))
@@ -142,7 +129,7 @@ def main() -> None:
     worker(args.worker, args.quick)
     return
   report = _common.Reporter("plan_skips", args.quick)
-  before_dir = exported(args.before)
+  before_dir = _common.exported(args.before, f"plan_skips_{args.before}_")
   if before_dir is None:
     report.note(f"commit {args.before} could not be exported (no git, or a shallow clone): no `before` figures")
   try:

@@ -210,18 +210,6 @@ def worker(label: str, quick: bool) -> None:
                     "samples": samples}), flush=True)
 
 
-def exported(commit: str) -> str | None:
-  """A directory holding `commit`'s ckpt_iter package (git archive), or None without git or the commit."""
-  directory = tempfile.mkdtemp(prefix="tunix_save_cost_before_")
-  try:
-    archive = subprocess.run(["git", "-C", _common.REPO_DIR, "archive", commit, "ckpt_iter"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
-  except (OSError, subprocess.CalledProcessError):
-    shutil.rmtree(directory, ignore_errors=True)
-    return None
-  return directory
-
 
 def run_worker(label: str, code_dir: str, quick: bool, cache_dir: str) -> dict:
   env = _common.child_env(PYTHONPATH=os.pathsep.join([code_dir, _common.REPO_DIR]),
@@ -272,7 +260,7 @@ def main() -> None:
     return
   report = _common.Reporter("tunix_save_cost", args.quick)
   cache_dir = os.environ.get("BENCH_JAX_CACHE_DIR") or tempfile.mkdtemp(prefix="bench_jax_cache_")
-  before_dir = exported(args.before)
+  before_dir = _common.exported(args.before, "tunix_save_cost_before_")
   if before_dir is None:
     report.note(f"commit {args.before} could not be exported (no git, or a shallow clone): no `before` figures")
   rows = {}
