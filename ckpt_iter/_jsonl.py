@@ -15,14 +15,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
 import threading
+import zlib
 from typing import Any, Sequence
 
 import numpy as np
 
+from ckpt_iter import _checksums
 from ckpt_iter import _shard_cache
 from ckpt_iter import _source_files
 from ckpt_iter import _storage
@@ -30,6 +33,7 @@ from ckpt_iter import errors
 
 INDEX_CACHE_ENV = "CKPT_ITER_INDEX_CACHE_DIR"
 _INDEX_CHUNK_BYTES = 16 * 2**20
+_INDEX_HEADER_BYTES = 4096  # an .npy header is 128 bytes; anything read past the lines' 16 bytes is not an index
 
 
 class JsonlSource(_source_files.FileReader):
@@ -215,24 +219,45 @@ class JsonlSource(_source_files.FileReader):
   def _prepare_index(self, path: str, found: _storage.Identity) -> None:
     fd = self._cache.open(path, found)
     try:
-      self._load_index(path, found)
+      self._load_index(path, found, fd)
     finally:
       os.close(fd)
 
-  def _load_index(self, path: str, found: _storage.Identity) -> tuple[np.ndarray, np.ndarray]:
-    """The line index of the local copy of `path` (held open by the caller): beside it, or built there."""
+  def _load_index(self, path: str, found: _storage.Identity, fd: int) -> tuple[np.ndarray, np.ndarray]:
+    """The line index of the local copy of `path` (open as `fd`, checked): beside it, or built there.
+
+    The index kept beside the copy is used only when the count file binds
+    it, by CRC-32, to this copy (its seal) and to these index bytes; an
+    index or count that disagrees (edited, torn, or of another copy) is
+    rebuilt from the copy, with a warning.
+    """
     entry = self._cache.entry_path(path, found)
     index_path = entry + ".index.npy"
+    copy_crc = self._cache.seal(path, found)
+    if copy_crc is None:
+      copy_crc = _checksums.seal_of(fd, found.size)
+    record = self._cache.read_companion_record(path, found)
     try:
-      array = np.load(index_path, mmap_mode="r", allow_pickle=False)
-      if array.dtype == np.int64 and array.ndim == 2 and array.shape[0] == 2:
+      with open(index_path, "rb") as f:
+        data = f.read(_INDEX_HEADER_BYTES + 16 * (found.size + 1))  # a line is a byte at least
+      array = np.load(io.BytesIO(data), allow_pickle=False)
+      intact = (record is not None and record.copy_crc == copy_crc and record.index_crc == zlib.crc32(data)
+                and array.dtype == np.int64 and array.ndim == 2 and array.shape == (2, record.records))
+      if intact:
         return array[0], array[1]
-    except (OSError, ValueError, EOFError):
+      _log.warning("%s: the line index beside the copy of %s is not bound to it (edited, torn or stale); "
+                   "rebuilding it", index_path, path)
+    except FileNotFoundError:
       pass
+    except (OSError, ValueError, EOFError) as e:
+      _log.warning("%s: unreadable (%s); rebuilding it", index_path, e)
     starts, ends = _index_lines(entry)
     array = np.stack([starts, ends]) if len(starts) else np.zeros((2, 0), np.int64)
-    self._cache.write_atomic(index_path, lambda f: np.save(f, array, allow_pickle=False))
-    self._cache.write_count(path, found, len(starts))
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    data = buffer.getvalue()
+    self._cache.write_atomic(index_path, lambda f: f.write(data))
+    self._cache.write_count(path, found, len(starts), index_crc=zlib.crc32(data), copy_crc=copy_crc)
     return starts, ends
 
   def _cached_read(self, file_index: int, line: int) -> bytes:
@@ -260,7 +285,12 @@ class JsonlSource(_source_files.FileReader):
     path, found = self._paths[file_index], self._identities[file_index]
     fd = self._cache.open(path, found)
     try:
-      starts, ends = self._load_index(path, found)
+      starts, ends = self._load_index(path, found, fd)
+      expected = self._offsets[file_index + 1] - self._offsets[file_index]
+      if len(starts) != expected:
+        raise errors.InvalidStateError(
+            f"{path}: its copy in the shard cache {self._cache.directory} holds {len(starts):,} records, "
+            f"this source was built counting {expected:,}. Build the source again (make_dataset).")
     except BaseException:
       os.close(fd)
       raise

@@ -118,6 +118,8 @@ SHARDS = "shards"
 KINDS = (GLOBAL, SHARDS)
 DEFAULT_WINDOW = 8  # shards a make_dataset(shuffle="shards") window holds when shuffle_window is not given
 RANKED_MAX = 2**16
+# The most shards a layout may name (a shard is a file or a block of records): its decode is bounded by it.
+MAX_SHARDS = 2**24
 _KEY_DOMAIN = 2**32
 
 
@@ -161,11 +163,15 @@ def layout_text(offsets: Sequence[int]) -> str:
   return ",".join(f"{size}x{count}" if count > 1 else str(size) for size, count in runs)
 
 
-def layout_offsets(text: str) -> list[int]:
-  """The offsets a `layout_text` names ([0, ..., length]).
+def layout_offsets(text: str, length: int | None = None) -> list[int]:
+  """The offsets a `layout_text` names ([0, ..., length]), decoded within bounds.
+
+  At most MAX_SHARDS shards and, given `length` (the source's), shards
+  summing to exactly `length`: a layout that names more is refused before
+  any of it is built, so a hostile field costs what a real one does.
 
   Raises:
-    ValueError: `text` is no layout (the caller names the field).
+    ValueError: `text` is no layout, or one past the bounds (the caller names the field).
   """
   offsets = [0]
   for run in str(text).split(","):
@@ -173,8 +179,14 @@ def layout_offsets(text: str) -> list[int]:
     size_value, count_value = int(size), int(count) if count else 1
     if size_value < 1 or count_value < 1:
       raise ValueError(f"shard run {run!r} is not positive")
+    if length is not None and offsets[-1] + size_value * count_value > length:
+      raise ValueError(f"shard run {run!r} runs past the source's {length:,} records")
+    if len(offsets) - 1 + count_value > MAX_SHARDS:
+      raise ValueError(f"shard run {run!r} makes more than {MAX_SHARDS:,} shards")
     for _ in range(count_value):
       offsets.append(offsets[-1] + size_value)
+  if length is not None and offsets[-1] != length:
+    raise ValueError(f"the shards hold {offsets[-1]:,} records, the source {length:,}")
   return offsets
 
 

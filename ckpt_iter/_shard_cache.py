@@ -27,6 +27,7 @@ the cache may run over its limit (logged), rather than fail a read.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -34,9 +35,11 @@ import logging
 import os
 import shutil
 import threading
+import zlib
 from concurrent import futures
 from typing import Any, Callable, Iterable, Iterator
 
+from ckpt_iter import _checksums
 from ckpt_iter import _storage
 from ckpt_iter import errors
 
@@ -45,7 +48,12 @@ __all__ = ["ShardCache"]
 CACHE_ENV = "CKPT_ITER_SHARD_CACHE_DIR"
 CACHE_BYTES_ENV = "CKPT_ITER_SHARD_CACHE_BYTES"
 _COMPANIONS = (".index.npy",)
-_SIDECARS = (".count", ".lock")
+_SIDECARS = (".count", ".lock", ".seal")
+# A copy failing its seal is downloaded again at most this often in one open.
+_OPEN_TRIES = 3
+# A download whose bytes are not the object's (checksum) is tried this often in all.
+_DOWNLOAD_TRIES = 3
+_COUNT_MAX_BYTES = 256  # a count file or a seal is a few dozen bytes: anything larger is not one
 _log = logging.getLogger(__name__)
 
 
@@ -78,7 +86,13 @@ class ShardCache:
     self.directory = os.path.abspath(directory)
     self.max_bytes = max_bytes
     self.prefetch_threads = max(1, int(prefetch_threads))
-    os.makedirs(self.directory, exist_ok=True)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+    except OSError as e:
+      raise self.cache_error(self.directory, 0, e) from e
+    if not os.path.isdir(self.directory):
+      raise errors.InvalidArgumentError(
+          f"ShardCache directory {self.directory!r} is not a directory: point the cache at a directory.")
     self._init_local()
 
   def _init_local(self) -> None:
@@ -86,6 +100,8 @@ class ShardCache:
     self._pending: dict[str, futures.Future] = {}
     self._lock = threading.RLock()  # a done callback may run inside `prefetch`, which holds it
     self._pid = os.getpid()
+    # entry -> the change key (inode, size, change time) of the copy when this process last checked it.
+    self._verified: dict[str, tuple[int, ...]] = {}
 
   def __getstate__(self) -> dict[str, Any]:
     return {"directory": self.directory, "max_bytes": self.max_bytes, "prefetch_threads": self.prefetch_threads}
@@ -121,77 +137,146 @@ class ShardCache:
     return os.path.join(self.directory, f"{key}-{version_hash}-{name}")
 
   def fetch(self, path: str, found: _storage.Identity | None = None) -> str:
-    """The local copy of `path`, downloaded first if missing (one download per host at a time).
+    """The local copy of `path`, downloaded first if missing (one download per host at a time), checked.
 
     Raises:
       StorageError: the disk is full (cause "no_space"), naming the cache
-        directory and the bytes needed; or the store's typed errors.
+        directory and the bytes needed; the cache directory cannot be
+        written (cause "cache"); the download's bytes are not the object's
+        after every try (cause "corrupt"); or the store's typed errors.
       InvalidStateError: the file changed since `found` described it.
     """
-    entry, held = self._fetch_held(path, found or _storage.identity(path))
-    if held is not None:
-      os.close(held)
-    return entry
+    found = found or _storage.identity(path)
+    os.close(self.open(path, found))
+    return self.entry_path(path, found)
 
-  def _fetch_held(self, path: str, found: _storage.Identity) -> tuple[str, int | None]:
-    """`fetch`, and for a copy downloaded now a descriptor holding its shared lock (None for one found).
+  def open(self, path: str, found: _storage.Identity | None = None) -> int:
+    """A read-only descriptor of the local copy of `path` (fetched if missing), checked and held "in use".
+
+    The descriptor holds a shared flock until closed (os.close): eviction
+    never removes a copy while it is open. A copy this process has not
+    checked since it last changed is compared with its seal first (its
+    CRC-32 recorded when it was published): one altered on disk is
+    removed, with a warning naming it, and downloaded again. Opening
+    refreshes the copy's last use (its mtime).
+
+    Raises:
+      StorageError: as `fetch`; cause "corrupt" also when a copy fails its
+        seal again right after its download (the disk under the cache
+        alters what is written).
+    """
+    found = found or _storage.identity(path)
+    entry = self.entry_path(path, found)
+    for _ in range(_OPEN_TRIES):
+      fd = self._open_locked(entry) if _complete(entry, found.size) else None
+      if fd is None:
+        fd = self._download_held(path, found, entry)
+      if self._checked(entry, fd, found):
+        with contextlib.suppress(OSError):
+          os.utime(entry)
+          self._verified[entry] = _change_key(os.fstat(fd))
+        return fd
+      os.close(fd)
+      self._discard(entry)
+    raise errors.StorageError(
+        f"{path}: its copy in the shard cache {self.directory} fails its checksum right after being "
+        f"downloaded, {_OPEN_TRIES} times: the disk under the cache alters what is written. Point the "
+        "cache at another disk.", path=self.directory, operation="cache", cause="corrupt")
+
+  def _download_held(self, path: str, found: _storage.Identity, entry: str) -> int:
+    """A descriptor holding the shared lock of `entry`: found complete under the download lock, or downloaded.
 
     The lock is taken before the copy is published: another thread's or
     process's eviction cannot remove it between the download and the
-    reader's own open (a race a cache that holds few files lost repeatedly).
+    reader's own use (a race a cache that holds few files lost repeatedly).
     """
-    entry = self.entry_path(path, found)
-    if _complete(entry, found.size):
-      return entry, None
     with self._download_lock(entry):
       if _complete(entry, found.size):  # another process or thread downloaded it meanwhile
-        return entry, None
-      self.make_room(found.size)
-      temporary = f"{entry}.tmp-{os.getpid()}-{threading.get_ident()}"
-      held = None
-      try:
-        with open(temporary, "wb") as f:
-          _storage.download(path, f, found)
-          f.flush()
-          os.fsync(f.fileno())
-        written = os.path.getsize(temporary)
-        if written != found.size:
-          raise errors.InvalidStateError(
-              f"{path}: downloaded {written:,} bytes into the shard cache, {found.size:,} expected.")
-        held = os.open(temporary, os.O_RDONLY)
-        fcntl.flock(held, fcntl.LOCK_SH)  # nobody else knows the temporary: never blocks
-        os.replace(temporary, entry)
-      except BaseException as e:
-        if held is not None:
-          os.close(held)
-        with contextlib.suppress(OSError):
-          os.unlink(temporary)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-          raise self.no_space_error(path, found.size, e) from e
-        raise
-    return entry, held
-
-  def open(self, path: str, found: _storage.Identity | None = None) -> int:
-    """A read-only descriptor of the local copy of `path` (fetched if missing), held "in use".
-
-    The descriptor holds a shared flock until closed (os.close): eviction
-    never removes a copy while it is open. Opening refreshes the copy's
-    last use (its mtime).
-    """
-    found = found or _storage.identity(path)
-    for _ in range(8):
-      entry, held = self._fetch_held(path, found)
-      try:
         fd = self._open_locked(entry)
-      finally:
-        if held is not None:
-          os.close(held)  # the reader's own descriptor holds the lock now
-      if fd is not None:
-        return fd
-    raise errors.StorageError(
-        f"{path}: its copy in the shard cache {self.directory} was evicted 8 times while being opened: "
-        f"the cache ({self.max_bytes:,} bytes) is too small for the files read at once; raise max_bytes.",
-        path=self.directory, operation="cache", cause="no_space")
+        if fd is not None:
+          return fd
+      self.make_room(found.size)
+      for attempt in range(1, _DOWNLOAD_TRIES + 1):
+        try:
+          return self._download(path, found, entry)
+        except errors.StorageError as e:
+          if e.cause != "corrupt" or attempt == _DOWNLOAD_TRIES:
+            raise
+          _log.warning("%s: download %d of %d received bytes that are not the object's (%s); downloading again",
+                       path, attempt, _DOWNLOAD_TRIES, e)
+    raise AssertionError("unreachable")
+
+  def _download(self, path: str, found: _storage.Identity, entry: str) -> int:
+    """Downloads `path` into a temporary, seals and publishes it; a descriptor holding its shared lock."""
+    temporary = f"{entry}.tmp-{os.getpid()}-{threading.get_ident()}"
+    held = None
+    try:
+      with self._cache_file(temporary, "wb") as f:
+        writer = _CacheWriter(f)
+        _storage.download(path, writer, found)
+        writer.finish()
+      held = os.open(temporary, os.O_RDONLY)
+      fcntl.flock(held, fcntl.LOCK_SH)  # nobody else knows the temporary: never blocks
+      written = os.fstat(held).st_size
+      if written != found.size:
+        raise errors.InvalidStateError(
+            f"{path}: downloaded {written:,} bytes into the shard cache, {found.size:,} expected.")
+      # The seal first: a copy published is never without the checksum it is opened against.
+      seal = _checksums.seal_of(held, found.size)
+      self.write_atomic(entry + ".seal", lambda f: f.write(_seal_text(found.size, seal).encode()))
+      os.replace(temporary, entry)
+      self._verified[entry] = _change_key(os.fstat(held))
+      return held
+    except BaseException as e:
+      if held is not None:
+        os.close(held)
+      with contextlib.suppress(OSError):
+        os.unlink(temporary)
+      cache_side = isinstance(e, _CacheWriteFailed)
+      e = e.error if isinstance(e, _CacheWriteFailed) else e
+      if isinstance(e, OSError) and not isinstance(e, errors.CkptIterError) and (
+          cache_side or e.errno in (errno.ENOSPC, errno.EDQUOT) or e.filename == temporary):
+        raise self.cache_error(path, found.size, e) from e  # the cache's disk, not the store
+      raise
+
+  def _checked(self, entry: str, fd: int, found: _storage.Identity) -> bool:
+    """Whether the open copy `fd` of `entry` holds the bytes that were checked when it was published.
+
+    Compared in full the first time this process opens the copy, and again
+    whenever it has changed since (its inode's change time moves with any
+    write, and cannot be set back). A copy without a seal (written before
+    seals, or its seal lost) is checked against the store's checksum and
+    sealed; with neither, it cannot be vouched for and is downloaded again.
+    """
+    info = os.fstat(fd)
+    if self._verified.get(entry) == _change_key(info):
+      return True
+    seal = _read_seal(entry + ".seal")
+    if seal is not None:
+      size, crc = seal
+      good = size == found.size == info.st_size and _checksums.seal_of(fd, size) == crc
+    else:
+      expected = getattr(found, "checksum", None)
+      good = expected is not None and info.st_size == found.size and _checksums.store_checksum_of(
+          fd, found.size, expected.kind) == expected.value
+      if good:
+        crc = _checksums.seal_of(fd, found.size)
+        self.write_atomic(entry + ".seal", lambda f: f.write(_seal_text(found.size, crc).encode()))
+      else:
+        _log.info("%s: a copy in the shard cache with no seal and no store checksum: downloading it again", entry)
+        return False
+    if not good:
+      _log.warning("%s: the copy in the shard cache %s is not the bytes checked when it was downloaded "
+                   "(altered on disk after its download); removing it and downloading it again",
+                   entry, self.directory)
+    return good
+
+  def _discard(self, entry: str) -> None:
+    """Removes a copy that failed its check, with its seal and companions (whoever holds it open)."""
+    self._verified.pop(entry, None)
+    for name in [entry, entry + ".seal"] + [entry + suffix for suffix in _COMPANIONS]:
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)
 
   @staticmethod
   def _open_locked(entry: str) -> int | None:
@@ -208,8 +293,6 @@ class ShardCache:
     if os.fstat(fd).st_nlink == 0:  # evicted before the lock was taken
       os.close(fd)
       return None
-    with contextlib.suppress(OSError):
-      os.utime(entry)
     return fd
 
   def has(self, path: str, found: _storage.Identity) -> bool:
@@ -222,34 +305,83 @@ class ShardCache:
       os.utime(self.entry_path(path, found))
 
   def read_count(self, path: str, found: _storage.Identity) -> int | None:
-    """The record count stored for `path` (`write_count`), or None."""
-    try:
-      with open(self.entry_path(path, found) + ".count") as f:
-        return int(f.read().strip())
-    except (OSError, ValueError):
-      return None
+    """The record count stored for `path` (`write_count`), or None when absent or not intact."""
+    record = self.read_companion_record(path, found)
+    return None if record is None else record.records
 
-  def write_count(self, path: str, found: _storage.Identity, count: int) -> None:
-    """Stores the record count of `path` (kept after the copy is evicted: a few bytes a file)."""
-    self.write_atomic(self.entry_path(path, found) + ".count", lambda f: f.write(str(count).encode()))
+  def read_companion_record(self, path: str, found: _storage.Identity) -> "CompanionRecord | None":
+    """What `write_count` stored for `path`: None when absent, or when its own check fails (edited, torn)."""
+    target = self.entry_path(path, found) + ".count"
+    try:
+      with open(target, "rb") as f:
+        text = f.read(_COUNT_MAX_BYTES).decode("ascii")
+    except (OSError, UnicodeDecodeError):
+      return None
+    record = CompanionRecord.parse(text, os.path.basename(self.entry_path(path, found)))
+    if record is None:
+      _log.warning("%s: not intact (edited or torn); it is rebuilt from the copy", target)
+    return record
+
+  def seal(self, path: str, found: _storage.Identity) -> int | None:
+    """The CRC-32 the copy of `path` was sealed with when published, or None."""
+    seal = _read_seal(self.entry_path(path, found) + ".seal")
+    return None if seal is None else seal[1]
+
+  def write_count(self, path: str, found: _storage.Identity, count: int, *, index_crc: int,
+                  copy_crc: int) -> None:
+    """Stores the record count of `path`, bound to its copy's seal and its index's CRC-32.
+
+    Kept after the copy is evicted (a few bytes a file), so a later build
+    needs no download to count; checked by its own CRC-32 when read.
+    """
+    entry = self.entry_path(path, found)
+    text = CompanionRecord(count, copy_crc, index_crc).format(os.path.basename(entry))
+    self.write_atomic(entry + ".count", lambda f: f.write(text.encode()))
 
   def write_atomic(self, target: str, produce: Callable[[Any], Any]) -> None:
     """Writes a cache file (a companion or a count) atomically: a temporary file, then a rename.
 
+    The temporary is held under an exclusive flock while it is written, which
+    is how another process (in any PID namespace) tells it is not abandoned.
+
     Raises:
-      StorageError: the disk is full (cause "no_space"), naming the cache directory.
+      StorageError: the cache directory cannot be written: its disk is full
+        (cause "no_space") or any other error (cause "cache"), naming it.
     """
-    temporary = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
-    try:
-      with open(temporary, "wb") as f:
-        produce(f)
-      os.replace(temporary, target)
-    except BaseException as e:
-      with contextlib.suppress(OSError):
-        os.unlink(temporary)
-      if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        raise self.no_space_error(target, 0, e) from e
-      raise
+    for attempt in range(2):
+      temporary = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
+      try:
+        with self._cache_file(temporary, "wb") as f:
+          produce(f)
+          f.flush()
+          os.replace(temporary, target)  # still locked: never taken for abandoned before it is published
+        return
+      except BaseException as e:
+        with contextlib.suppress(OSError):
+          os.unlink(temporary)
+        if isinstance(e, FileNotFoundError) and attempt == 0 and os.path.isdir(self.directory):
+          continue  # removed under us as if abandoned (a sweep between its creation and its lock): once more
+        if isinstance(e, OSError) and not isinstance(e, errors.CkptIterError):
+          raise self.cache_error(target, 0, e) from e
+        raise
+
+  @contextlib.contextmanager
+  def _cache_file(self, target: str, mode: str) -> Iterator[Any]:
+    """A file of the cache opened for writing, held under an exclusive flock while open."""
+    with open(target, mode) as f:
+      fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+      yield f
+
+  def cache_error(self, path: str, needed: int, error: OSError) -> errors.StorageError:
+    """The error of a cache directory that cannot be written: a full disk, permissions, a read-only mount."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+      return self.no_space_error(path, needed, error)
+    shown = error.strerror or str(error) or type(error).__name__
+    return errors.StorageError(
+        f"shard cache {self.directory}: cannot write {os.path.basename(path)} there ({shown}). Make the "
+        "directory writable by this process (its owner, its mode, a read-only mount) and check its disk, "
+        "or point the cache at another directory (ShardCache(directory=...) or "
+        f"{CACHE_ENV}).", path=self.directory, operation="cache", cause="cache")
 
   def no_space_error(self, path: str, needed: int, error: OSError) -> errors.StorageError:
     """The error of a full disk under the cache: names the directory, the bytes needed and free."""
@@ -306,22 +438,39 @@ class ShardCache:
                 self.directory, f"{total:,}", f"{needed:,}", f"{self.max_bytes:,}")
 
   def _remove_abandoned(self) -> None:
-    """Removes the temporaries of downloads whose process is gone."""
+    """Removes the temporaries of writes that no one is making any more.
+
+    A temporary is live while its writer holds its exclusive flock, or, for
+    a download, the entry's download lock: liveness rests on locks the
+    kernel drops when the writer dies, never on process ids (which mean
+    nothing to a process in another PID namespace sharing the disk).
+    """
     for name in os.listdir(self.directory):
       if ".tmp-" not in name:
         continue
+      temporary = os.path.join(self.directory, name)
+      if _held(temporary.rsplit(".tmp-", 1)[0] + ".lock"):
+        continue  # a download of that entry is under way
       try:
-        pid = int(name.rsplit(".tmp-", 1)[1].split("-")[0])
-        os.kill(pid, 0)
-      except ProcessLookupError:
+        fd = os.open(temporary, os.O_RDONLY)
+      except OSError:
+        continue
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with contextlib.suppress(OSError):
-          os.unlink(os.path.join(self.directory, name))
-      except (ValueError, PermissionError, IndexError):
-        pass
+          os.unlink(temporary)
+      except BlockingIOError:
+        pass  # being written
+      finally:
+        os.close(fd)
 
   @contextlib.contextmanager
   def _download_lock(self, entry: str) -> Iterator[None]:
-    with open(entry + ".lock", "a+b") as lock:
+    try:
+      lock = open(entry + ".lock", "a+b")  # pylint: disable=consider-using-with
+    except OSError as e:
+      raise self.cache_error(entry + ".lock", 0, e) from e
+    with lock:
       fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
       try:
         yield
@@ -389,9 +538,105 @@ def _evict(entry: str) -> bool:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       return False
-    for path in [entry] + [entry + suffix for suffix in _COMPANIONS]:
+    for path in [entry + ".seal", entry] + [entry + suffix for suffix in _COMPANIONS]:
       with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     return True
   finally:
     os.close(fd)
+
+
+class _CacheWriteFailed(Exception):
+  """A write into the cache failed (told apart from the store's errors a download raises)."""
+
+  def __init__(self, error: OSError):
+    super().__init__(str(error))
+    self.error = error
+
+
+class _CacheWriter:
+  """The temporary file a download writes into: its write errors are the cache's, not the store's."""
+
+  def __init__(self, f: Any):
+    self._f = f
+
+  def write(self, data: Any) -> int:
+    try:
+      return self._f.write(data)
+    except OSError as e:
+      raise _CacheWriteFailed(e) from e
+
+  def finish(self) -> None:
+    """Flushes and fsyncs what was written."""
+    try:
+      self._f.flush()
+      os.fsync(self._f.fileno())
+    except OSError as e:
+      raise _CacheWriteFailed(e) from e
+
+
+def _held(lock_path: str) -> bool:
+  """Whether someone holds an flock on `lock_path` (False when it does not exist)."""
+  try:
+    fd = os.open(lock_path, os.O_RDONLY)
+  except OSError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+  except BlockingIOError:
+    return True
+  finally:
+    os.close(fd)
+
+
+def _change_key(info: os.stat_result) -> tuple[int, ...]:
+  """What changes with any write to a file: its inode, size and change time (which cannot be set back)."""
+  return (info.st_dev, info.st_ino, info.st_size, info.st_ctime_ns)
+
+
+def _seal_text(size: int, crc: int) -> str:
+  return f"crc32 {crc:08x} size {size}\n"
+
+
+def _read_seal(path: str) -> tuple[int, int] | None:
+  """(size, crc) a seal file holds, or None when absent or not one."""
+  try:
+    with open(path, "rb") as f:
+      words = f.read(_COUNT_MAX_BYTES).decode("ascii").split()
+    if len(words) == 4 and words[0] == "crc32" and words[2] == "size":
+      return int(words[3]), int(words[1], 16)
+  except (OSError, UnicodeDecodeError, ValueError):
+    pass
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompanionRecord:
+  """A copy's record count, bound to the copy (its seal) and to its index (the index's CRC-32).
+
+  Written as one line that carries its own CRC-32 (over the fields and the
+  copy's name): an edited or torn count file is told from an intact one.
+  """
+
+  records: int
+  copy_crc: int
+  index_crc: int
+
+  def format(self, entry_name: str) -> str:
+    body = f"records {self.records} copy {self.copy_crc:08x} index {self.index_crc:08x}"
+    return f"{body} check {zlib.crc32(f'{body} {entry_name}'.encode()):08x}\n"
+
+  @classmethod
+  def parse(cls, text: str, entry_name: str) -> "CompanionRecord | None":
+    words = text.split()
+    if len(words) != 8 or words[0::2] != ["records", "copy", "index", "check"]:
+      return None
+    body = " ".join(words[:6])
+    try:
+      record = cls(int(words[1]), int(words[3], 16), int(words[5], 16))
+      intact = int(words[7], 16) == zlib.crc32(f"{body} {entry_name}".encode()) and record.records >= 0
+    except ValueError:
+      return None
+    return record if intact else None

@@ -38,7 +38,9 @@ import stat
 import threading
 from typing import Any, BinaryIO, Callable, NoReturn, Protocol
 
+from ckpt_iter import _checksums
 from ckpt_iter import _object_store as store
+from ckpt_iter import errors
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -81,11 +83,15 @@ class Identity:
       object's generation (GCS), version id or ETag, with its checksum.
     generation: the object's GCS generation, which reads can pin (as
       `pinned_generation` gives it); None locally or without one.
+    checksum: the store's checksum of the object (crc32c, else md5), which
+      `download` compares the bytes it receives with; None locally or
+      where the store gives none.
   """
 
   size: int
   version: str | None
   generation: str | None = dataclasses.field(default=None, compare=False)
+  checksum: _checksums.StoreChecksum | None = dataclasses.field(default=None, compare=False)
 
 
 def absolute(path: str | os.PathLike[str]) -> str:
@@ -222,14 +228,20 @@ def download(path: str, f: BinaryIO, found: Identity) -> None:
   On an object store one bounded, typed ranged GET per DOWNLOAD_CHUNK_BYTES
   (one for most shards), each of `found.generation` when the store has one:
   an object replaced since `found` is refused (`InvalidStateError`), never
-  copied half old, half new. A local file is read through a descriptor
-  checked to be the file `found` described.
+  copied half old, half new. The bytes received are compared with the
+  store's checksum of the object (`found.checksum`), when it gives one. A
+  local file is read through a descriptor checked to be the file `found`
+  described.
 
   Raises:
     InvalidStateError: the file changed since `found`, or holds fewer bytes.
+    StorageError: cause "corrupt": the bytes received are not the object's
+      (their checksum differs from the store's); `f` holds them: discard it.
     OSError: a write to `f` failed (e.g. ENOSPC), or the store's typed errors.
   """
   backend = _backend(path)
+  expected = getattr(found, "checksum", None) if is_url(path) else None
+  running = expected.running() if expected is not None else None
   if is_url(path):
     pin: Any = found.generation
   else:
@@ -243,10 +255,23 @@ def download(path: str, f: BinaryIO, found: Identity) -> None:
     data = backend.read_range(path, pin, start, end, local)
     if len(data) != end - start:
       raise store.replaced_error(path, f"{start + len(data):,} bytes where {found.size:,} were described", "file")
+    if running is not None:
+      running.update(data)
     f.write(data)
     start = end
   if getattr(local, "fd", None) is not None:
     os.close(local.fd)
+  if running is not None and running.value() != expected.value:
+    raise corrupt_download_error(path, expected, running.value())
+
+
+def corrupt_download_error(path: str, expected: _checksums.StoreChecksum, received: str) -> errors.StorageError:
+  """The error of bytes received that are not the object's (their checksum is not the store's)."""
+  return errors.StorageError(
+      f"{path}: the bytes downloaded are not the object's: their {expected.kind} is {received}, the "
+      f"store's is {expected.value} (corrupted in transit). Nothing of them was kept; retry, and if it "
+      "persists check the network path to the store (a proxy, a faulty NIC).",
+      path=path, operation="read", cause="corrupt")
 
 
 def version_digest(version: str) -> int:
@@ -526,7 +551,8 @@ class _ObjectStoreBackend:
     parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
     generation = info.get("generation")
     pinnable = generation not in (None, "") and type(fs).__module__.startswith("gcsfs")
-    return Identity(int(info["size"]), ",".join(parts) or None, str(generation) if pinnable else None)
+    return Identity(int(info["size"]), ",".join(parts) or None, str(generation) if pinnable else None,
+                    _checksums.StoreChecksum.of_metadata(info))
 
   def pin(self, path: str) -> str | None:
     return self.generation(path)

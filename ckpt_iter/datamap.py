@@ -243,7 +243,7 @@ def _shard_shuffles(fingerprint: Mapping[str, Any], lengths: Mapping[str, int], 
     field = _permutation.source_shards_field(name) if mixture else _permutation.SHARDS_FIELD
     layout = fingerprint.get(field)
     try:
-      offsets = _permutation.layout_offsets(layout)
+      offsets = _permutation.layout_offsets(layout, length if state_lib.is_int(length) else None)
     except (TypeError, ValueError):
       offsets = None
     if offsets is None or offsets[-1] != length or not state_lib.is_int(seed):

@@ -197,7 +197,9 @@ class StorageError(CkptIterError, OSError):
   server error that outlasted the client's retries, a refused request, a
   broken connection), never for a missing object, which stays
   `FileNotFoundError`. `cause` is one of "permission", "throttled",
-  "server", "request", "network", "timeout".
+  "server", "request", "network", "timeout", "corrupt" (bytes whose
+  checksum is not the object's, after the retries) and, for the local shard
+  cache, "no_space" and "cache" (its directory cannot be written).
   """
 
   def __init__(self, message: str, *, path: str, operation: str, cause: str):

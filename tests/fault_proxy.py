@@ -7,7 +7,9 @@ matches it (method and a substring of the request target, e.g. ".npz"):
   most STALL_SECONDS), as a hung connection does;
 - "status": answers with an HTTP error status and a GCS-style JSON body;
 - "reset": closes the connection without an answer;
-- "truncate": forwards, then sends half of the answer's body and closes.
+- "truncate": forwards, then sends half of the answer's body and closes;
+- "flip": forwards, with one bit of the answer's body flipped (a corruption
+  in transit the HTTP layer does not see: the length is right).
 
 A rule may also ask for a substring of the request body (`body`: a simple
 upload names its object only there). A rule applies `times` times (None:
@@ -36,7 +38,7 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connectio
 
 @dataclasses.dataclass
 class Rule:
-  action: str  # "stall", "status", "reset" or "truncate"
+  action: str  # "stall", "status", "reset", "truncate" or "flip"
   contains: str
   method: str | None = None
   status: int = 503
@@ -94,15 +96,18 @@ class FaultProxy:
           self.wfile.write(data)
           self.close_connection = True
           return None
-        return self._forward(body, truncate=True)
+        return self._forward(body, truncate=rule.action == "truncate", flip=rule.action == "flip")
 
-      def _forward(self, body: bytes, truncate: bool = False):
+      def _forward(self, body: bytes, truncate: bool = False, flip: bool = False):
         upstream = http.client.HTTPConnection(*proxy._upstream, timeout=60)  # pylint: disable=protected-access
         try:
           headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
           upstream.request(self.command, self.path, body=body, headers=headers)
           response = upstream.getresponse()
           data = response.read()
+          if flip and data:
+            middle = len(data) // 2
+            data = data[:middle] + bytes([data[middle] ^ 0x04]) + data[middle + 1:]
           self.send_response(response.status)
           for key, value in response.getheaders():
             if key.lower() not in _HOP_BY_HOP | {"content-length"}:

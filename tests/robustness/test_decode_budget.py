@@ -170,3 +170,24 @@ def test_verify_reports_the_hostile_step_on_one_line_under_a_memory_cap(hostile_
   assert len(lines) == 1, lines
   assert lines[0].startswith(f"step {STEP}: {os.path.join(root, str(STEP), 'data', STEM + '.json')}: "), lines[0]
   assert "pending.groups[0] would build 1,000,000 items" in lines[0], lines[0]
+
+
+_HOSTILE_LAYOUT = """
+import resource, sys
+sys.path.insert(0, {repo!r})
+resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))
+from ckpt_iter import datamap, errors
+fingerprint = {{"shuffle": "shards", "shuffle_window": 2, "shuffle_shards": "1x100000000000"}}
+try:
+  datamap._shard_shuffles(fingerprint, {{"": 60000}}, 0, False, "step 5")
+except errors.InvalidStateError as e:
+  print("refused:", e)
+"""
+
+
+def test_a_rehashed_hostile_layout_is_refused_by_the_data_map_under_a_memory_cap():
+  # issue 57 item 13: `which --step` and `order` decoded "1x100000000000" for minutes at 1.5 GiB.
+  done = subprocess.run([sys.executable, "-c", _HOSTILE_LAYOUT.format(repo=_REPO, cap=_CAP_BYTES)],
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "refused: step 5: fingerprint field 'shuffle_shards' is '1x100000000000'" in done.stdout

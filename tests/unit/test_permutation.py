@@ -145,3 +145,15 @@ def test_grains_public_shuffle_answers_the_same_where_the_compiled_one_is_not_fo
   compiled = _epoch(_permutation.ShardShuffle(offsets, 3, 11), 1)
   monkeypatch.setattr(_permutation, "_compiled", lambda: None)
   assert _epoch(_permutation.ShardShuffle(offsets, 3, 11), 1) == compiled
+
+
+@pytest.mark.parametrize("text, length, words", [
+    ("1x100000000000", 60_000, "runs past the source's 60,000 records"),
+    ("1x100000000000", None, "more than 16,777,216 shards"),
+    ("1000x59", 60_000, "the shards hold 59,000 records, the source 60,000"),
+    ("0x5", None, "not positive"),
+])
+def test_a_layout_is_decoded_within_bounds_or_refused(text, length, words):
+  with pytest.raises(ValueError, match=words):
+    _permutation.layout_offsets(text, length)
+

@@ -229,3 +229,182 @@ def test_parquet_and_array_record_sources_read_their_copies_in_the_cache(tmp_pat
     again = pickle.loads(pickle.dumps(cached))
     assert again[59] == plain[59]
   assert len(cache.entries()) == 4
+
+
+# -- integrity: a copy, its seal and its companions ------------------------------------------------
+
+
+def _entry(cache, path):
+  return cache.entry_path(path, _storage.identity(path))
+
+
+def _flip_one_byte(path: str, offset: int = 5) -> None:
+  """Alters one byte in place, same size (a JSON digit for another: still valid JSONL)."""
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    byte = f.read(1)
+    f.seek(offset)
+    f.write(b"9" if byte != b"9" else b"8")
+
+
+def test_a_copy_altered_on_disk_is_caught_before_it_is_read_and_downloaded_again(tmp_path, shards, caplog):
+  directory = tmp_path / "cache"
+  assert sources.JsonlSource(shards, cache=sources.ShardCache(directory, 10**7))[0] == {"id": 0, "text": "x" * 20}
+  cache = sources.ShardCache(directory, 10**7)
+  entry = _entry(cache, shards[0])
+  _flip_one_byte(entry, offset=len('{"id": '))  # record 0's id 0 -> 9: same size, valid JSON
+  assert os.path.getsize(entry) == os.path.getsize(shards[0])
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    source = sources.JsonlSource(shards, cache=cache)  # another process, as it were: a new cache object
+    assert [source[i]["id"] for i in range(200)] == list(range(200))
+  assert "altered on disk after its download" in caplog.text and entry in caplog.text
+  assert open(entry, "rb").read() == open(shards[0], "rb").read()
+
+
+def test_a_copy_altered_while_this_process_had_checked_it_is_checked_again_at_its_next_open(tmp_path, shards):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  os.close(cache.open(shards[1]))
+  entry = _entry(cache, shards[1])
+  _flip_one_byte(entry, offset=len('{"id": '))
+  fd = cache.open(shards[1])
+  try:
+    assert os.pread(fd, 10, 0) == b'{"id": 50,'
+  finally:
+    os.close(fd)
+
+
+def test_a_copy_without_a_seal_is_never_trusted(tmp_path, shards):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  os.close(cache.open(shards[0]))
+  entry = _entry(cache, shards[0])
+  os.unlink(entry + ".seal")
+  _flip_one_byte(entry, offset=len('{"id": '))
+  fresh = sources.ShardCache(tmp_path / "cache", 10**7)
+  fd = fresh.open(shards[0])
+  try:
+    assert os.pread(fd, 9, 0) == b'{"id": 0,'  # a local source has no store checksum: downloaded again
+  finally:
+    os.close(fd)
+  assert os.path.exists(entry + ".seal")
+
+
+@pytest.mark.parametrize("edit", ["count_number", "count_garbage", "index_value", "index_shape", "index_garbage"])
+def test_a_companion_that_disagrees_with_its_copy_is_rebuilt(tmp_path, shards, edit, caplog):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  directory = tmp_path / "cache"
+  assert len(sources.JsonlSource(shards, cache=sources.ShardCache(directory, 10**7))) == 200
+  cache = sources.ShardCache(directory, 10**7)
+  entry = _entry(cache, shards[2])
+  if edit == "count_number":
+    text = open(entry + ".count").read()
+    open(entry + ".count", "w").write(text.replace("records 50 ", "records 40 "))
+  elif edit == "count_garbage":
+    open(entry + ".count", "w").write("40")
+  elif edit == "index_value":
+    array = np.load(entry + ".index.npy")
+    array[0, 3] += 7
+    np.save(entry + ".index.npy", array)
+  elif edit == "index_shape":
+    np.save(entry + ".index.npy", np.load(entry + ".index.npy")[:, :40])
+  else:
+    open(entry + ".index.npy", "wb").write(b"\x93NUMPY garbage")
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    source = sources.JsonlSource(shards, cache=cache)
+    assert len(source) == 200
+    assert [source[i]["id"] for i in range(200)] == list(range(200))
+  assert "rebuilt" in caplog.text or "rebuilding" in caplog.text
+  assert cache.read_count(shards[2], _storage.identity(shards[2])) == 50
+
+
+def test_a_count_that_disagrees_with_the_copy_read_is_refused_by_name(tmp_path, shards, monkeypatch):
+  # The count a source was built with and the copy it reads must agree: never a record read past
+  # or short of what the source numbered.
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  source = sources.JsonlSource(shards, cache=cache, prefetch_files=0)
+  source._offsets = [0, 50, 90, 150, 200]  # as if built from a count of 40 for file 1
+  with pytest.raises(errors.InvalidStateError, match=r"part-1.jsonl: its copy .* holds 50 records, this source "
+                     r"was built counting 40"):
+    source[60]
+
+
+# -- liveness, and a cache directory that cannot be written -----------------------------------------
+
+
+def test_a_live_download_is_never_taken_for_abandoned_whatever_pid_its_name_holds(tmp_path, shards):
+  # Its name's pid means nothing to a process in another PID namespace: the locks say it is live.
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  found = _storage.identity(shards[0])
+  entry = cache.entry_path(shards[0], found)
+  live = f"{entry}.tmp-999999999-1"  # no such process here
+  with cache._download_lock(entry):
+    with cache._cache_file(live, "wb") as f:
+      f.write(b"partial")
+      cache.make_room(1)
+      assert os.path.exists(live)
+  abandoned = f"{entry}.index.npy.tmp-999999999-2"
+  open(abandoned, "wb").write(b"left by a dead writer")
+  open(live, "wb").write(b"its writer died too")
+  cache.make_room(1)
+  assert not os.path.exists(abandoned) and not os.path.exists(live)
+
+
+def test_a_lock_file_that_cannot_be_created_is_a_storage_error_naming_the_directory(tmp_path, shards, monkeypatch):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  real_open = open
+
+  def no_inode(path, *args, **kwargs):
+    if str(path).endswith(".lock"):
+      raise OSError(errno.ENOSPC, "No space left on device", path)
+    return real_open(path, *args, **kwargs)
+
+  monkeypatch.setattr("builtins.open", no_inode)
+  with pytest.raises(errors.StorageError) as caught:
+    cache.fetch(shards[0])
+  assert caught.value.cause == "no_space" and caught.value.path == cache.directory
+  assert f"shard cache {cache.directory}: no space left on its disk" in str(caught.value)
+
+
+def test_an_index_write_failing_without_an_errno_is_a_storage_error_naming_the_directory(tmp_path, shards,
+                                                                                           monkeypatch):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  real = cache._cache_file
+
+  def failing(target, mode):
+    if target.split(".tmp-")[0].endswith(".index.npy"):
+      raise OSError("write failed")  # no errno, as some filesystems give
+    return real(target, mode)
+
+  monkeypatch.setattr(cache, "_cache_file", failing)
+  with pytest.raises(errors.StorageError) as caught:
+    sources.JsonlSource(shards[:1], cache=cache)
+  assert caught.value.cause == "cache" and caught.value.path == cache.directory
+  message = str(caught.value)
+  assert f"shard cache {cache.directory}: cannot write" in message and "write failed" in message
+  assert "point the cache at another directory" in message
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_storage_error(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  with pytest.raises(errors.StorageError) as caught:
+    sources.ShardCache(blocker / "cache", 10**7)
+  assert caught.value.cause == "cache" and "cannot write" in str(caught.value)
+
+
+def test_a_global_shuffle_through_a_cache_smaller_than_the_corpus_warns_at_build(tmp_path, shards, caplog):
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  small = sources.ShardCache(tmp_path / "small", 2 * os.path.getsize(shards[0]))
+  source = sources.JsonlSource(shards, cache=small)
+  needed = sum(source.cached_bytes())
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    ckpt_iter.make_dataset(source, batch_size=4, seed=0)
+  assert f"max_bytes={needed}" in caplog.text and 'shuffle="shards"' in caplog.text
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    ckpt_iter.make_dataset(source, batch_size=4, seed=None)  # in file order: a file at a time
+    ckpt_iter.make_dataset(source, batch_size=4, seed=0, shuffle="shards", shuffle_window=1)
+    ckpt_iter.make_dataset(sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "big", needed)),
+                           batch_size=4, seed=0)
+  assert "global shuffle" not in caplog.text
