@@ -20,7 +20,6 @@ import textwrap
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import ckpt_iter
