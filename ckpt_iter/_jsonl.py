@@ -172,6 +172,11 @@ class JsonlSource(_source_files.FileReader):
       self._init_open()
     with self._open_lock:
       wanted = [i for i in dict.fromkeys(i % count for i in file_indices) if i not in self._open]
+    if self._planned:
+      # Held open from now until the plan releases them: in use, so no process of this host evicts a
+      # file a reader here will read (each file is downloaded once per epoch and host).
+      self._cache.prefetch([(self._paths[i], self._identities[i]) for i in wanted], then=self._hold)
+      return
     missing = []
     for i in wanted:
       path, found = self._paths[i], self._identities[i]
@@ -183,6 +188,14 @@ class JsonlSource(_source_files.FileReader):
     if missing:
       self._cache.prefetch(missing, then=self._prepare_index)
 
+  def _hold(self, path: str, found: _storage.Identity) -> None:
+    """Opens this process's copy of `path` (a prefetch by plan), idle until read or released."""
+    del found
+    file_index = self._paths.index(path)
+    copy = self._open_copy(file_index)
+    with self._open_lock:
+      copy.readers -= 1
+
   def cached_bytes(self) -> list[int]:
     """What each file takes in the cache: its copy and its line index (16 bytes a line and a header)."""
     counts = np.diff(self._offsets).tolist()
@@ -192,14 +205,19 @@ class JsonlSource(_source_files.FileReader):
     """Closes this process's copies of the files not in `keep` that no read holds: a plan is done with them.
 
     A closed copy is no longer in use, so the cache may evict it (its last
-    use is left as it was: it goes before the files read now).
+    use is left as it was: it goes before the files read now); it does so
+    at once when the cache is over its limit, so that the cache exceeds
+    `max_bytes` by no more than the copies its readers hold open.
     """
     if self._cache is None or self._open_pid != os.getpid():
       return
     kept = set(keep)
     with self._open_lock:
-      for i in [i for i, copy in self._open.items() if copy.readers == 0 and i not in kept]:
+      closing = [i for i, copy in self._open.items() if copy.readers == 0 and i not in kept]
+      for i in closing:
         os.close(self._open.pop(i).fd)
+    if closing:
+      self._cache.make_room(0)
 
   def _cached_counts(self) -> list[int]:
     """Each file's line count: stored in the cache, else counted from a download (in parallel)."""
@@ -300,9 +318,10 @@ class JsonlSource(_source_files.FileReader):
         os.close(fd)
       else:
         copy = self._open[file_index] = _OpenCopy(fd, starts, ends)
-        # Past the limit, close idle copies (least recently used first): they may be evicted.
+        # Past the limit, close idle copies (least recently used first): they may be evicted. A plan
+        # closes the copies it is done with itself (`release`), and keeps those it reads next.
         for other in [i for i, c in self._open.items() if c.readers == 0 and i != file_index]:
-          if len(self._open) <= self._max_open_files:
+          if len(self._open) <= self._max_open_files or self._planned:
             break
           self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
           os.close(self._open.pop(other).fd)

@@ -367,9 +367,23 @@ class ShardCache:
 
   @contextlib.contextmanager
   def _cache_file(self, target: str, mode: str) -> Iterator[Any]:
-    """A file of the cache opened for writing, held under an exclusive flock while open."""
-    with open(target, mode) as f:
-      fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    """A file of the cache opened for writing, held under an exclusive flock while open.
+
+    A sweep may take a temporary for abandoned between its creation and its
+    lock, and remove it (holding the lock): one found unlinked once locked is
+    created again.
+    """
+    while True:
+      f = open(target, mode)  # pylint: disable=consider-using-with
+      try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        if os.fstat(f.fileno()).st_nlink > 0:
+          break
+      except BaseException:
+        f.close()
+        raise
+      f.close()
+    with f:
       yield f
 
   def cache_error(self, path: str, needed: int, error: OSError) -> errors.StorageError:
@@ -457,8 +471,9 @@ class ShardCache:
         continue
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with contextlib.suppress(OSError):
-          os.unlink(temporary)
+        if not _held(temporary.rsplit(".tmp-", 1)[0] + ".lock"):  # again: a download may have begun since
+          with contextlib.suppress(OSError):
+            os.unlink(temporary)
       except BlockingIOError:
         pass  # being written
       finally:
@@ -507,9 +522,12 @@ class ShardCache:
 
   def _prefetch_one(self, path: str, found: _storage.Identity, then: Callable[..., Any] | None) -> None:
     try:
-      self.fetch(path, found)
-      if then is not None:
-        then(path, found)
+      fd = self.open(path, found)
+      try:
+        if then is not None:
+          then(path, found)  # the copy held meanwhile: not evicted between its download and `then`
+      finally:
+        os.close(fd)
     except Exception as e:  # pylint: disable=broad-except
       _log.info("prefetching %s into %s failed (%s); the read that needs it will retry", path, self.directory, e)
 

@@ -155,8 +155,7 @@ def make_dataset(
       )
   _check_shuffle(shuffle, shuffle_window, shard_size, seed)
   named = _resolve_sources(source, weights)
-  if shuffle == _permutation.GLOBAL and seed is not None:
-    _warn_if_cache_is_too_small_for_a_global_shuffle(named)
+  _warn_if_the_cache_is_too_small(named, shuffle, seed, shuffle_window, shard_size)
   if weights is None:
     (_, (records, identity)), = named.items()
     order = _shard_order(shuffle, records, identity, shard_size, shuffle_window, seed)
@@ -205,31 +204,45 @@ def make_dataset(
 _short = state_lib.short_repr
 
 
-def _warn_if_cache_is_too_small_for_a_global_shuffle(named: Mapping[str, tuple[Any, Any]]) -> None:
-  """Warns when a global shuffle reads through a shard cache that cannot hold every file it hops between.
+def _warn_if_the_cache_is_too_small(named: Mapping[str, tuple[Any, Any]], shuffle: str, seed: int | None,
+                                    shuffle_window: int | None, shard_size: int | None) -> None:
+  """Warns at build when a shard cache cannot hold what the reading order needs at once.
 
-  Exact either way, but a file may be evicted and downloaded again for
-  almost every record (measured: 1.5 downloads a record, slower than
-  reading in place): the warning names the size that holds the corpus and
-  shuffle="shards", which needs a few windows only.
+  A global shuffle (seed set) hops between every file, so it needs them all;
+  shuffle="shards" over files needs two windows (the one read and the one
+  prefetched: the largest 2 x shuffle_window files bound it). Exact either
+  way, but below that files are evicted and downloaded again over and over
+  (measured: 1.5 downloads a record under a global shuffle, slower than
+  reading in place). The warning names the size that holds what is needed.
   """
+  if seed is None or (shuffle == _permutation.SHARDS and shard_size is not None):
+    return  # in file order, or blocks of records: a file at a time
+  window = _permutation.DEFAULT_WINDOW if shuffle_window is None else int(shuffle_window)
   needed: dict[int, list[Any]] = {}
   for records, _ in named.values():
     cache = getattr(records, "cache", None)
-    if cache is None:
-      continue
-    sizes = records.cached_bytes() if callable(getattr(records, "cached_bytes", None)) else [
-        found.size for found in records.identities()]
+    if cache is None or not callable(getattr(records, "prefetch", None)):
+      continue  # Parquet and ArrayRecord hold every file, and refuse a cache too small for them
+    sizes = sorted(records.cached_bytes(), reverse=True)
     entry = needed.setdefault(id(cache), [cache, 0])
-    entry[1] += sum(sizes)
+    entry[1] += sum(sizes) if shuffle == _permutation.GLOBAL else sum(sizes[:2 * window])
   for cache, total in needed.values():
-    if total > cache.max_bytes:
+    if total <= cache.max_bytes:
+      continue
+    if shuffle == _permutation.GLOBAL:
       _log.warning(
           "make_dataset: a global shuffle (seed set, shuffle=\"global\") reads records from every file in "
           "turn, and %r holds %s of the %s bytes those files take: files will be evicted and downloaded "
           "again over and over (exact, but slower than reading in place). Give the cache max_bytes=%d "
           "or more, or pass shuffle=\"shards\" (a window of files at a time: %s).",
           cache, f"{cache.max_bytes:,}", f"{total:,}", total, _urls.doc_url("bucket.md"))
+    else:
+      _log.warning(
+          "make_dataset: shuffle=\"shards\" with shuffle_window=%d reads a window of files while it "
+          "prefetches the next: up to %s bytes with their line indexes, more than %r holds. Files will be "
+          "evicted before they are read and downloaded again (exact, but slower). Give the cache "
+          "max_bytes=%d or more, or a smaller shuffle_window (%s).",
+          window, f"{total:,}", cache, total, _urls.doc_url("bucket.md"))
 
 
 def with_skip(dataset: Any, skip: Any) -> Any:

@@ -74,18 +74,34 @@ class _HeldCopies:
   a Grain worker holds its own, fetching again a copy evicted meanwhile.
   """
 
-  def __init__(self, cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity]):
+  def __init__(self, cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity],
+               owner: str):
+    total = sum(found.size for found in identities)
+    if total > cache.max_bytes:
+      raise errors.InvalidArgumentError(
+          f"{owner} through {cache!r}: it holds every one of its {len(paths)} files while it lives "
+          f"({total:,} bytes), more than the cache's max_bytes. Give the cache max_bytes={total} or more, "
+          "read the files in place (no cache), or use JSONL files with make_dataset(..., shuffle=\"shards\"), "
+          "which reads a window of files at a time.")
     self.cache, self.paths, self.identities = cache, list(paths), list(identities)
     self._hold()
 
   def _hold(self) -> None:
+    """Opens every copy (downloading the missing ones, in parallel), each held from its download on."""
+    from concurrent import futures  # pylint: disable=g-import-not-at-top
+
     files = list(zip(self.paths, self.identities))
-    if len(files) > 1:
-      self.cache.prefetch(files)
-      self.cache.wait()
     self.fds: list[int] = []
-    for path, found in files:
-      self.fds.append(self.cache.open(path, found))
+    with futures.ThreadPoolExecutor(max(1, min(self.cache.prefetch_threads, len(files)))) as pool:
+      opened = [pool.submit(self.cache.open, path, found) for path, found in files]
+      try:
+        self.fds.extend(future.result() for future in opened)
+      except BaseException:
+        for future in opened:
+          if future.exception() is None:
+            os.close(future.result())
+        self.fds = []
+        raise
     self.local_paths = [self.cache.entry_path(path, found) for path, found in files]
 
   def __getstate__(self) -> dict[str, Any]:
@@ -124,7 +140,7 @@ class ParquetSource(_source_files.FileReader):
     self._cache = cache
     if cache is not None:
       self._identities = _storage.identities(self._paths)
-      self._copies = _HeldCopies(cache, self._paths, self._identities)
+      self._copies = _HeldCopies(cache, self._paths, self._identities, "ParquetSource")
       self._read_paths = self._copies.local_paths
       self._generations: list[str | None] = [None] * len(self._paths)
     else:
@@ -202,7 +218,7 @@ class ArrayRecordSource:
     read_paths = list(paths)
     if cache is not None:
       self._identities = _storage.identities([_storage.absolute(p) for p in paths])
-      self._copies = _HeldCopies(cache, [_storage.absolute(p) for p in paths], self._identities)
+      self._copies = _HeldCopies(cache, [_storage.absolute(p) for p in paths], self._identities, "ArrayRecordSource")
       read_paths = self._copies.local_paths
     self._read_paths = read_paths
     try:
@@ -423,7 +439,11 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     raise errors.InvalidArgumentError(
         f"source {description} holds no records; a dataset needs at least one."
     )
-  return resolved, SourceIdentity(description, length, sample_digest(resolved, length))
+  digest = sample_digest(resolved, length)
+  release = getattr(resolved, "release", None)
+  if callable(release):
+    release(())  # the copies the digest's reads opened: idle now, so the cache may evict them
+  return resolved, SourceIdentity(description, length, digest)
 
 
 def _describe_files(kind: str, paths: list[str], identities: list[_storage.Identity] | None = None) -> str:

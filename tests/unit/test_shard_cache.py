@@ -408,3 +408,61 @@ def test_a_global_shuffle_through_a_cache_smaller_than_the_corpus_warns_at_build
     ckpt_iter.make_dataset(sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "big", needed)),
                            batch_size=4, seed=0)
   assert "global shuffle" not in caplog.text
+
+
+# -- processes sharing a cache: an open never fails while the copy can be had ----------------------
+
+
+def test_a_copy_evicted_between_being_found_and_opened_is_had_under_the_download_lock(tmp_path, shards,
+                                                                                       monkeypatch):
+  # The race that ended in "evicted 8 times while being opened" when four processes shared a small
+  # cache: every time the copy is found complete, another process evicts it before the open. The
+  # open then downloads it under the download lock, holding it from its publication on.
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  os.close(cache.open(shards[0]))
+  real_open = sources.ShardCache._open_locked
+  evictions = []
+
+  def evicted_first(entry):
+    if not evictions or len(evictions) < 20:
+      evictions.append(entry)
+      sources._shard_cache._evict(entry)
+    return real_open(entry)
+
+  monkeypatch.setattr(sources.ShardCache, "_open_locked", staticmethod(evicted_first))
+  fd = cache.open(shards[0])
+  try:
+    assert os.pread(fd, 9, 0) == b'{"id": 0,'
+  finally:
+    os.close(fd)
+  assert 1 <= len(evictions) <= 3
+
+
+def test_a_shard_shuffle_through_a_cache_below_two_windows_warns_at_build(tmp_path, shards, caplog):
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  probe = sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "probe", 10**7))
+  two_windows = sum(sorted(probe.cached_bytes(), reverse=True)[:4])
+  small = sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "small", two_windows - 1))
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    ckpt_iter.make_dataset(small, batch_size=4, seed=0, shuffle="shards", shuffle_window=2)
+  assert f"max_bytes={two_windows} or more" in caplog.text and "shuffle_window=2" in caplog.text
+  caplog.clear()
+  enough = sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "enough", two_windows))
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    ckpt_iter.make_dataset(enough, batch_size=4, seed=0, shuffle="shards", shuffle_window=2)
+  assert "make_dataset" not in caplog.text
+
+
+def test_a_parquet_source_larger_than_its_cache_is_refused_naming_the_size(tmp_path):
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  paths = []
+  for part in range(3):
+    paths.append(str(tmp_path / f"p-{part}.parquet"))
+    pq.write_table(pa.Table.from_pylist([{"id": part * 10 + i} for i in range(10)]), paths[-1])
+  total = sum(os.path.getsize(p) for p in paths)
+  with pytest.raises(errors.InvalidArgumentError, match=rf"max_bytes={total} or more"):
+    sources.ParquetSource(paths, cache=sources.ShardCache(tmp_path / "cache", total - 1))
+  assert len(sources.ParquetSource(paths, cache=sources.ShardCache(tmp_path / "cache", total))) == 30
