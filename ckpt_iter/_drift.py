@@ -186,6 +186,8 @@ def _reconcile_index(
 
 # A mixture source's own fields (its shard layout too: an added or removed source brings or takes it).
 _SOURCE_FIELD = re.compile(r"^(?:source(?:_length|_digest)?|shuffle_shards)\[(.+)\]$")
+_SHUFFLE_FIELDS = ("shuffle", "shuffle_window", "shuffle_shards")
+_SHARDS_PREFIX = "shuffle_shards["
 # Declared in allow_drift to change a mixture's weights / its set of sources.
 WEIGHTS = "weights"
 SOURCES = "sources"
@@ -210,6 +212,11 @@ def _reconcile_records(
   differing = state_lib.differing_fields(saved, current, allow_drift=allow_drift)
   accepted: set[str] = {n for n in differing if n in _SPEC_BATCH or n == "dataset_length"}
   changes: list[str] = []
+  shuffled = _shuffle_change(saved, current, next_record, mixture is not None, allow_drift, origin)
+  if shuffled:
+    accepted |= shuffled
+    changes.append(f"the shuffle ({', '.join(sorted(shuffled))}) from epoch "
+                   f"{next_record // int(saved['source_length'])} on")
   if accepted & _SPEC_BATCH:
     changes.append(
         f"batch_size {saved.get('batch_size')} -> {current.get('batch_size')} (global "
@@ -229,6 +236,51 @@ def _reconcile_records(
   where = f"resuming at stream record {next_record}"
   lines = tuple(f"{origin}: accepted stream change: {c}; {where}." for c in changes)
   return Reconciled(position=result, accepted=frozenset(accepted), changes=lines)
+
+
+def _is_shuffle_field(name: str) -> bool:
+  return name in _SHUFFLE_FIELDS or name.startswith(_SHARDS_PREFIX)
+
+
+def _source_change(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+  """Whether a mixture source's shard layout differs because the source itself was added, removed or
+  replaced (the sources rule decides those), not because its shuffle changed."""
+  match = _SOURCE_FIELD.match(name)
+  if match is None:
+    return False
+  source = match.group(1)
+  return name not in saved or name not in current or any(
+      not state_lib.same_field_value(saved.get(f"{field}[{source}]"), current.get(f"{field}[{source}]"))
+      for field in ("source_length", "source_digest"))
+
+
+def _shuffle_change(saved: Mapping[str, Any], current: Mapping[str, Any], next_record: int, mixture: bool,
+                    allow_drift: Collection[str], origin: str) -> set[str]:
+  """The shuffle fields a restore accepts (declared, at an epoch's first record); refuses the rest by name.
+
+  An epoch's order is its shuffle's alone: records read under one order are
+  not, in general, the first records of another, so a shuffle that changes
+  inside an epoch would read some of them again and skip as many (whatever
+  allow_drift says). At an epoch boundary nothing of the new epoch is read
+  yet, and the change is exact from there on.
+  """
+  changed = {n: v for n, v in state_lib.differing_fields(saved, current).items()
+              if _is_shuffle_field(n) and not _source_change(n, saved, current)}
+  if not changed:
+    return set()
+  length = saved.get("source_length")
+  at_boundary = not mixture and state_lib.is_int(length) and length > 0 and next_record % length == 0
+  if at_boundary:
+    return set(changed) & set(allow_drift)  # undeclared: check_fingerprint refuses it, recommending the declaration
+  where = ("a mixture's sources are each inside an epoch of their own" if mixture or not state_lib.is_int(length)
+           else f"record {next_record % length:,} of epoch {next_record // length} ({length:,} records an epoch)")
+  raise errors.ConfigDriftError(changed, origin=origin, way=(
+      f"The shuffle cannot change inside an epoch ({where}): the records read so far were chosen by the "
+      "saved order, and the new order would read some of them again and skip as many, so no allow_drift "
+      "continues it. Rebuild the pipeline with the saved shuffle" + (
+          "." if mixture or not state_lib.is_int(length) else
+          "; a restore whose position is an epoch's first record (a multiple of the source's length) accepts "
+          f"the new shuffle with allow_drift={{{', '.join(repr(n) for n in sorted(changed))}}}.")))
 
 
 def _reconcile_lanes(

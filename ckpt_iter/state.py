@@ -1105,7 +1105,108 @@ def input_stream_skips(value: "IteratorState", *, origin: str) -> skips_lib.Skip
     InvalidStateError: a stream field of the input is malformed (the message names it).
   """
   inner = value.innermost
+  if is_stream(inner.fingerprint):
+    check_stream_position(inner.fingerprint, inner.position, origin)
   return _records.check_stream_fields(inner.fingerprint, inner.position, origin=origin)
+
+
+def is_stream(fingerprint: Mapping[str, Any]) -> bool:
+  """Whether a fingerprint is a StreamingIterator's (its source named "stream:...")."""
+  source = fingerprint.get("source")
+  return isinstance(source, str) and source.startswith(STREAM_SOURCE_PREFIX)
+
+
+_STREAM_POSITION_FIELDS = frozenset({STREAM_ELEMENTS_READ, STREAM_RECORDS_READ, STREAM_SOURCE_STATE})
+_HF_STATE_FIELDS = frozenset({"examples_iterable", "epoch"})
+
+
+def check_stream_position(fingerprint: Mapping[str, Any], position: Mapping[str, Any], origin: str) -> None:
+  """A StreamingIterator's position, checked as its restore checks it before the source sees it.
+
+  Counts that are non-negative integers (records >= elements), a source
+  state that is a mapping; a Hugging Face stream's state holds exactly its
+  `examples_iterable` and a non-negative integer `epoch`, every count in it
+  non-negative, every layer named; and a state at the stream's very start
+  with records read is refused (loaded, it would read them all again).
+
+  Raises:
+    InvalidStateError: naming the field, its value and what was expected.
+  """
+  elements, records = position.get(STREAM_ELEMENTS_READ), position.get(STREAM_RECORDS_READ)
+  saved = position.get(STREAM_SOURCE_STATE)
+  if (set(position) != _STREAM_POSITION_FIELDS or not is_int(elements) or elements < 0
+      or not is_int(records) or records < elements or not isinstance(saved, Mapping)):
+    raise errors.InvalidStateError(
+        f"{origin}: field 'position' is {_short(position)}; a streaming source's position is "
+        f"{{'{STREAM_ELEMENTS_READ}': K, '{STREAM_RECORDS_READ}': N, '{STREAM_SOURCE_STATE}': {{...}}}} "
+        "(N >= K >= 0).")
+  where = f"{origin}: field 'position.{STREAM_SOURCE_STATE}'"
+  if str(fingerprint.get("source", "")).startswith(STREAM_SOURCE_PREFIX + "hf["):
+    if set(saved) != _HF_STATE_FIELDS or not isinstance(saved.get("examples_iterable"), Mapping):
+      raise errors.InvalidStateError(
+          f"{where} is {_short(saved)}; a Hugging Face stream's state holds exactly "
+          f"{sorted(_HF_STATE_FIELDS)} (its examples_iterable a mapping). Restore a state its "
+          "StreamingIterator wrote.")
+    epoch = saved.get("epoch")
+    if not is_int(epoch) or epoch < 0:
+      raise errors.InvalidStateError(f"{where}.epoch is {_short(epoch)}, expected a non-negative integer.")
+    _check_stream_leaves(saved["examples_iterable"], f"{where}.examples_iterable")
+    layers = fingerprint.get("source_pipeline")
+    if isinstance(layers, str) and stream_layer_types(saved) != layers:
+      raise errors.InvalidStateError(
+          f"{where} has the layers {_short(stream_layer_types(saved))}, the stream that wrote it "
+          f"{_short(layers)} (fingerprint field 'source_pipeline'): edited, or of another pipeline. "
+          "Restore a state its StreamingIterator wrote.")
+    if records > 0 and epoch == 0 and _at_start(saved["examples_iterable"]):
+      raise errors.InvalidStateError(
+          f"{where} is the stream's start, but {records} records were read: loaded, it would read "
+          "them all again. Restore a state its StreamingIterator wrote.")
+
+
+def stream_layer_types(value: Any) -> str:
+  """The layer types a Hugging Face state names, outermost first (`Formatted<Mapped<Arrow`), bounded."""
+  types: list[str] = []
+
+  def walk(node: Any, depth: int) -> None:
+    if depth > 64:
+      return
+    if isinstance(node, Mapping):
+      if isinstance(node.get("type"), str):
+        types.append(node["type"].replace("ExamplesIterable", ""))
+      for key, inner in node.items():
+        if key not in ("previous_state", "previous_states"):
+          walk(inner, depth + 1)
+    elif isinstance(node, list):
+      for inner in node:
+        walk(inner, depth + 1)
+
+  walk(value, 0)
+  return "<".join(types)
+
+
+def _check_stream_leaves(node: Any, where: str, depth: int = 0) -> None:
+  """Every count in a Hugging Face layer state non-negative, every `type` a string (bounded depth)."""
+  if depth > 64:
+    raise errors.InvalidStateError(f"{where}: nested more than 64 levels deep.")
+  if isinstance(node, Mapping):
+    if "type" in node and not isinstance(node["type"], str):
+      raise errors.InvalidStateError(f"{where}.type is {_short(node['type'])}, expected a layer's name.")
+    for key, inner in node.items():
+      _check_stream_leaves(inner, f"{where}.{key}", depth + 1)
+  elif isinstance(node, (list, tuple)):
+    for i, inner in enumerate(node):
+      _check_stream_leaves(inner, f"{where}[{i}]", depth + 1)
+  elif is_int(node) and node < 0:
+    raise errors.InvalidStateError(f"{where} is {node}, expected a non-negative count.")
+
+
+def _at_start(node: Any) -> bool:
+  """Whether a Hugging Face layer state is a fresh stream's: no count past zero, no earlier state kept."""
+  if isinstance(node, Mapping):
+    return all(not inner if key.startswith("previous_state") else _at_start(inner) for key, inner in node.items())
+  if isinstance(node, (list, tuple)):
+    return all(_at_start(inner) for inner in node)
+  return isinstance(node, bool) or not is_int(node) or node == 0
 
 
 def flat_fingerprint(value: "IteratorState") -> dict[str, Any]:

@@ -21,6 +21,7 @@ A plain generator has no position at all: `refusal` says what to use.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
 import json
@@ -30,6 +31,7 @@ from typing import Any, Callable, Collection, Iterable, Mapping
 
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _stacking
+from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -37,7 +39,9 @@ ELEMENTS_READ = state_lib.STREAM_ELEMENTS_READ
 RECORDS_READ = state_lib.STREAM_RECORDS_READ
 SOURCE_STATE = state_lib.STREAM_SOURCE_STATE
 SOURCE_PREFIX = state_lib.STREAM_SOURCE_PREFIX
-_POSITION_FIELDS = frozenset({ELEMENTS_READ, RECORDS_READ, SOURCE_STATE})
+# The identity of a stream's files (names, sizes, and the bytes at both ends of each, or an object's version).
+FILES_DIGEST = "source_files_digest"
+_FILE_END_BYTES = 64 * 2**10
 _SHOWN_FILES = 4
 _NOTHING = object()
 
@@ -102,6 +106,8 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
     self._records = 0
     # The source's state at the last element boundary: what state() saves.
     self._source_state = source.state_dict()
+    # The layers a restored Hugging Face state must have (a state of a source of our own's is its own).
+    self._initial_state = _plain(self._source_state) if _is_hf_iterable(source) else None
     self._lookahead: Any = _NOTHING  # a peeked element, with the counts and state after it
     self._fingerprint = self._describe()
 
@@ -143,17 +149,23 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
         another batch size).
     """
     state_lib.check_kind(state, "data", "StreamingIterator", origin)
-    state_lib.check_fingerprint(state.fingerprint, self._fingerprint, allow_drift=allow_drift, origin=origin)
+    current = self._fingerprint
+    if FILES_DIGEST not in state.fingerprint:  # written before streams recorded their files' identity
+      current = {k: v for k, v in current.items() if k != FILES_DIGEST}
+    differences = state_lib.differing_fields(state.fingerprint, current, allow_drift=allow_drift)
+    if FILES_DIGEST in differences:
+      raise errors.ConfigDriftError(differences, origin=origin, way=(
+          "The stream's files changed since the state was saved (same names, other bytes): its saved "
+          "place is a position in the old files' records, which in these files may fall on other "
+          "records, so records would be skipped or read twice with no way to name them. Restore the "
+          "files the run was saved with, or start the stream afresh (a new checkpoint directory)."))
+    state_lib.check_fingerprint(state.fingerprint, current, allow_drift=allow_drift, origin=origin)
     position = state.position
-    elements, records = position.get(ELEMENTS_READ), position.get(RECORDS_READ)
-    saved = position.get(SOURCE_STATE)
-    if (set(position) != _POSITION_FIELDS or not state_lib.is_int(elements) or elements < 0
-        or not state_lib.is_int(records) or records < elements
-        or not isinstance(saved, Mapping)):
-      raise errors.InvalidStateError(
-          f"{origin}: field 'position' is {state_lib.short_repr(position)}; a streaming source's position is "
-          f"{{'{ELEMENTS_READ}': K, '{RECORDS_READ}': N, '{SOURCE_STATE}': {{...}}}} (N >= 0, K >= 0).")
-    saved = _plain(saved)
+    state_lib.check_stream_position(state.fingerprint, position, origin)
+    elements, records = position[ELEMENTS_READ], position[RECORDS_READ]
+    saved = _plain(position[SOURCE_STATE])
+    if _is_hf_iterable(self._source):
+      _check_same_layers(saved, self._initial_state, f"{origin}: field 'position.{SOURCE_STATE}'")
     epoch = saved.get("epoch") if _is_hf_iterable(self._source) else None
 
     def apply() -> None:
@@ -215,14 +227,90 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
                               "batch_size": self._batch_size, "drop_remainder": self._drop_remainder}
     if _is_hf_iterable(self._source):
       fields["source_shards"] = int(self._source.num_shards)
-      fields["source_pipeline"] = _state_types(self._source_state)
+      fields["source_pipeline"] = state_lib.stream_layer_types(self._source_state)
       files = _hf_files(self._source)
       if files:
         fields["source_files"] = _files_text(files)
+        digest = files_digest(files)
+        if digest is not None:
+          fields[FILES_DIGEST] = digest
       distributed = getattr(self._source, "_distributed", None)  # split_dataset_by_node's
       if distributed is not None:
         fields["shard_index"], fields["shard_count"] = int(distributed.rank), int(distributed.world_size)
     return fields
+
+
+  # -- the names torch and Hugging Face use ---------------------------------------
+
+  def state_dict(self) -> dict[str, Any]:
+    """`get_state()` under the name torch and Hugging Face use: the state as a plain dict.
+
+    Restore it with `load_state_dict` (checked as a checkpoint restore is);
+    `ckpt_iter.IteratorSave(iterator)` writes it in the model's Orbax step.
+    """
+    return self.get_state()
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    """`set_state(state)` under the name torch and Hugging Face use: checked in full, then applied."""
+    self.set_state(state)
+
+
+def files_digest(files: list[str]) -> str | None:
+  """The identity of a stream's files: each file's name and size, and the bytes at both ends of a local
+  file (an object's version on a store): host-independent, as make_dataset's sampled digest is. None
+  when a file cannot be described (the field is then left out, and nothing compared)."""
+  digest = hashlib.sha256(b"stream-files\n")
+  for path in files:
+    try:
+      if _storage.is_url(path):
+        found = _storage.identity(path)
+        digest.update(f"{os.path.basename(path)}:{found.size}:{found.version}\n".encode())
+        continue
+      with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(_FILE_END_BYTES)
+        f.seek(max(0, size - _FILE_END_BYTES))
+        tail = f.read(_FILE_END_BYTES)
+    except (OSError, ImportError, errors.CkptIterError):
+      return None
+    digest.update(f"{os.path.basename(path)}:{size}:".encode())
+    digest.update(hashlib.sha256(head + b"|" + tail).digest())
+  return digest.hexdigest()[:16]
+
+
+def _check_same_layers(saved: Any, fresh: Any, where: str, depth: int = 0) -> None:
+  """A Hugging Face state has this stream's layers: the same keys and layer names as its fresh state.
+
+  Values may differ (they are the position); an earlier state kept may be
+  None or a state; a list may have other members only where the fresh one is empty.
+  """
+  if depth > 64:
+    raise errors.InvalidStateError(f"{where}: nested more than 64 levels deep.")
+  if isinstance(fresh, Mapping):
+    if not isinstance(saved, Mapping) or set(saved) != set(fresh):
+      raise errors.InvalidStateError(
+          f"{where} is {state_lib.short_repr(saved, 60)}; this stream's state there has the fields "
+          f"{sorted(fresh) if isinstance(fresh, Mapping) else fresh}: a state of another pipeline or "
+          "edited. Restore a state this stream wrote.")
+    if fresh.get("type") != saved.get("type"):
+      raise errors.InvalidStateError(
+          f"{where}.type is {state_lib.short_repr(saved.get('type'))}, this stream's layer there is "
+          f"{fresh.get('type')!r}: a state of another pipeline. Restore a state this stream wrote.")
+    for key, inner in fresh.items():
+      if key.startswith("previous_state") and (inner is None or saved[key] is None):
+        continue
+      _check_same_layers(saved[key], inner, f"{where}.{key}", depth + 1)
+  elif isinstance(fresh, list) and fresh:
+    if not isinstance(saved, list) or len(saved) != len(fresh):
+      raise errors.InvalidStateError(
+          f"{where} is {state_lib.short_repr(saved, 60)}; this stream's state there is a list of "
+          f"{len(fresh)}. Restore a state this stream wrote.")
+    for i, (a, b) in enumerate(zip(saved, fresh)):
+      _check_same_layers(a, b, f"{where}[{i}]", depth + 1)
+  elif fresh is not None and not isinstance(fresh, list) and type(saved) is not type(fresh):
+    raise errors.InvalidStateError(
+        f"{where} is {state_lib.short_repr(saved, 40)} ({type(saved).__name__}), this stream's is a "
+        f"{type(fresh).__name__}. Restore a state this stream wrote.")
 
 
 # ---------------------------------------------------------------------------
@@ -357,25 +445,6 @@ def _source_name(source: Any) -> str:
     parts = [getattr(info, "dataset_name", None), getattr(info, "config_name", None), getattr(source, "split", None)]
     return f"hf[{':'.join(str(p) for p in parts if p)}]"
   return f"{type(source).__module__}.{type(source).__qualname__}"
-
-
-def _state_types(value: Any) -> str:
-  """The layer types a Hugging Face state names, outermost first (`Formatted<Mapped<Arrow`)."""
-  types: list[str] = []
-
-  def walk(node: Any) -> None:
-    if isinstance(node, Mapping):
-      if isinstance(node.get("type"), str):
-        types.append(node["type"].replace("ExamplesIterable", ""))
-      for key, inner in node.items():
-        if key not in ("previous_state", "previous_states"):
-          walk(inner)
-    elif isinstance(node, list):
-      for inner in node:
-        walk(inner)
-
-  walk(value)
-  return "<".join(types)
 
 
 def _is_hf_iterable(source: Any) -> bool:

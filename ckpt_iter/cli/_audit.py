@@ -285,7 +285,8 @@ def _progress(value: state_lib.IteratorState, position: Any, own: Mapping[str, A
   for name in ("stream_rows", "prompt_index"):  # Tunix RL, agentic: prompts consumed
     if state_lib.is_int(own.get(name)):
       return own[name]
-  for name in (_records.NEXT_RECORD, "next_index"):  # make_dataset's records, or a Grain index
+  # make_dataset's records, a Grain index, or a stream's records read.
+  for name in (_records.NEXT_RECORD, "next_index", state_lib.STREAM_RECORDS_READ):
     if state_lib.is_int(position.get(name)):
       return position[name]
   return None

@@ -530,3 +530,40 @@ def test_resume_entries_with_more_fields_are_judged_as_ever(tmp_path, capsys):
   code, report, _ = _audit(capsys, tmp_path)
   assert code == 0 and report["verdict"] == "ok", report["findings"]
   assert (report["resumes"], report["proven_exact"]) == (1, 1)
+
+
+class _Counting:
+  """A stream of our own with state_dict()/load_state_dict(): its state is the next record."""
+
+  def __init__(self):
+    self.next = 0
+
+  def __iter__(self):
+    while self.next < 100:
+      self.next += 1
+      yield {"x": self.next - 1}
+
+  def state_dict(self):
+    return {"next": self.next}
+
+  def load_state_dict(self, state):
+    self.next = state["next"]
+
+
+def test_a_stream_whose_position_moves_back_with_no_resume_is_a_broken_chain(tmp_path, capsys):
+  # issue 57 item 11: a stream's records read is its progress, as make_dataset's next record is.
+  iterator = ckpt_iter.StreamingIterator(_Counting(), batch_size=2)
+  with ocp.CheckpointManager(str(tmp_path), item_names=("data",)) as manager:
+    for step in (1, 2, 3):
+      next(iterator)
+      manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+      manager.wait_until_finished()
+      if step == 1:
+        first = iterator.state()
+    iterator.restore_state(first)  # back to step 1's place, no checkpoint restore recorded
+    next(iterator)
+    manager.save(4, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+    manager.wait_until_finished()
+  code, report, _ = _audit(capsys, tmp_path)
+  assert report["verdict"] == "broken", report
+  assert any(f["step"] == 4 and "position 4, behind step 3's 6" in json.dumps(f) for f in report["findings"]), report

@@ -25,6 +25,7 @@ from ckpt_iter import datamap
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import errors
 from ckpt_iter import sources
+from ckpt_iter import state as state_lib
 import support
 
 
@@ -266,3 +267,44 @@ def test_a_state_with_an_unknown_shuffle_kind_is_named():
   fingerprint = {**value.fingerprint, _permutation.SHARDS_FIELD: "5x4"}
   with pytest.raises(errors.InvalidStateError, match="summing to the source.s length 24"):
     datamap.Stream(fingerprint, value.position)
+
+
+# -- a shuffle change at a restore: exact at an epoch boundary, refused inside one (issue 57 item 12) --
+
+
+def _shard_pipeline(records, **kwargs):
+  options = dict(batch_size=4, seed=1, shuffle="shards", shard_size=4, shuffle_window=2)
+  options.update(kwargs)
+  return ckpt_iter.make_dataset(records, **options)
+
+
+@pytest.mark.parametrize("change", [{"shuffle_window": 3}, {"shuffle": "global", "shard_size": None,
+                                                              "shuffle_window": None}])
+def test_a_shuffle_change_inside_an_epoch_is_refused_even_when_allowed(change):
+  records = [{"id": i} for i in range(48)]
+  iterator = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=1))
+  for _ in range(3):
+    next(iterator)
+  saved = iterator.state()
+  changed = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=1, **change))
+  names = set(state_lib.differing_fields(saved.fingerprint, changed.state().fingerprint))
+  for allow in (set(), names):
+    with pytest.raises(errors.ConfigDriftError) as caught:
+      changed.restore_state(saved, allow_drift=allow)
+    assert "cannot change inside an epoch (record 12 of epoch 0" in str(caught.value)
+    assert "no allow_drift continues it" in str(caught.value)
+
+
+def test_a_shuffle_change_at_an_epoch_boundary_is_exact_when_declared():
+  records = [{"id": i} for i in range(48)]
+  iterator = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=2))
+  first = [int(x) for _ in range(12) for x in next(iterator)["id"]]  # epoch 0, whole
+  saved = iterator.state()
+  changed = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=2, shuffle_window=3))
+  with pytest.raises(errors.ConfigDriftError, match=r"allow_drift=\{'shuffle_window'\}"):
+    changed.restore_state(saved)
+  changed.restore_state(saved, allow_drift={"shuffle_window"})
+  second = [int(x) for batch in changed for x in batch["id"]]
+  assert sorted(first) == sorted(second) == list(range(48))
+  fresh = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=2, shuffle_window=3))
+  assert second == [int(x) for batch in list(fresh)[12:] for x in batch["id"]]

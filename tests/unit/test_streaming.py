@@ -6,6 +6,7 @@ network) and a small class of our own with `state_dict`/`load_state_dict`.
 
 import copy
 import json
+import os
 
 import numpy as np
 import pytest
@@ -308,3 +309,85 @@ def test_a_bad_position_is_refused_and_changes_nothing(position):
 def test_a_named_stream_is_fingerprinted_by_its_name():
   assert streaming.StreamingIterator(CountingStream(2), name="corpus-v3").fingerprint["source"] == "stream:corpus-v3"
   assert streaming.StreamingIterator(CountingStream(2)).fingerprint["source"].endswith(".CountingStream")
+
+
+# ---------------------------------------------------------------------------
+# A Hugging Face stream's state is checked at restore (issue 57, items 9-11).
+
+
+def _hf_state_after(files, elements, batch_size=2):
+  iterator = streaming.StreamingIterator(_hf(files), batch_size=batch_size)
+  for _ in range(elements):
+    next(iterator)
+  return iterator.state()
+
+
+def _with_source_state(state, source_state):
+  position = dict(state.position, source_state=source_state)
+  return ckpt_iter.IteratorState(kind="data", fingerprint=state.fingerprint, position=position)
+
+
+def _edits(saved):
+  inner = saved["examples_iterable"]
+  return {
+      "empty": {},
+      "epoch-text": {**saved, "epoch": "0"},
+      "epoch-negative": {**saved, "epoch": -1},
+      "epoch-missing": {"examples_iterable": inner},
+      "unknown-key": {**saved, "seed": 3},
+      "start-again": _hf_state_after.fresh,
+      "negative-count": json.loads(json.dumps(saved).replace('"shard_example_idx": ', '"shard_example_idx": -')),
+      "other-layer": {**saved, "examples_iterable": {**inner, "type": "MappedExamplesIterable"}},
+  }
+
+
+@pytest.mark.parametrize("edit", ["empty", "epoch-text", "epoch-negative", "epoch-missing", "unknown-key",
+                                  "start-again", "negative-count", "other-layer"])
+def test_an_edited_hugging_face_source_state_is_refused_and_changes_nothing(jsonl_files, edit):
+  _hf_state_after.fresh = streaming.StreamingIterator(_hf(jsonl_files), batch_size=2).position()["source_state"]
+  saved = _hf_state_after(jsonl_files, 6)  # 12 records read
+  edited = _with_source_state(saved, _edits(dict(saved.position["source_state"]))[edit])
+  iterator = streaming.StreamingIterator(_hf(jsonl_files), batch_size=2)
+  iterator.restore_state(saved)
+  before = iterator.state()
+  with pytest.raises(errors.InvalidStateError, match="position.source_state"):
+    iterator.restore_state(edited)
+  assert iterator.state() == before and _ids(next(iterator)) == [12, 13]
+  # verify is the restore's validator: the same field refused from the state alone.
+  with pytest.raises(errors.InvalidStateError, match="position.source_state"):
+    state_lib.input_stream_skips(_round_trip(edited), origin="step 6")
+
+
+def test_a_stream_over_files_whose_records_changed_is_refused_with_a_safe_way(jsonl_files, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  copies = []
+  for path in jsonl_files:
+    copies.append(str(tmp_path / os.path.basename(path)))
+    shutil.copy(path, copies[-1])
+  saved = _hf_state_after(copies, 4)
+  assert saved.fingerprint["source_files_digest"]
+  # Same names, same sizes: one record's digits changed.
+  text = open(copies[1]).read()
+  open(copies[1], "w").write(text.replace('"id": 13,', '"id": 93,', 1))
+  iterator = streaming.StreamingIterator(datasets.load_dataset("json", data_files=copies, split="train",
+                                                               streaming=True), batch_size=2)
+  with pytest.raises(errors.ConfigDriftError) as caught:
+    iterator.restore_state(saved)
+  message = str(caught.value)
+  assert "source_files_digest" in message and "Restore the files the run was saved with" in message
+  assert "allow_drift" not in message
+  # A state written before streams recorded their files is restored as before.
+  old = ckpt_iter.IteratorState(kind="data", position=saved.position, fingerprint={
+      k: v for k, v in saved.fingerprint.items() if k != "source_files_digest"})
+  iterator.restore_state(old)
+
+
+def test_a_streaming_iterator_has_state_dict_and_load_state_dict(jsonl_files):
+  iterator = streaming.StreamingIterator(_hf(jsonl_files), batch_size=3)
+  next(iterator)
+  saved = json.loads(json.dumps(iterator.state_dict()))
+  expected = _ids(next(iterator))
+  again = streaming.StreamingIterator(_hf(jsonl_files), batch_size=3)
+  again.load_state_dict(saved)
+  assert _ids(next(again)) == expected
