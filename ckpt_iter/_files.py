@@ -306,7 +306,18 @@ _MAX_NESTED_FINGERPRINTS = 8  # a state and the states it nests (a few; a state 
 
 
 def _with_pod_part(header: dict[str, Any], path: str, count: CountFile | None) -> dict[str, Any]:
-  """`header` with its step's pod part put back: the header as if written whole."""
+  """`header` with its step's pod part put back: the header as if written whole.
+
+  The count file's process count is checked against the header's own name
+  here, where every reader of a header passes (restores, verify, audit,
+  inspect, which, order): one verdict on an edited count.
+  """
+  match = _PROCESS_FILE.match(os.path.basename(path))
+  if count is not None and match is not None and int(match.group(2)) != count.process_count:
+    raise errors.InvalidStateError(
+        f"{count.path}: says {count.process_count} processes, but {os.path.basename(path)} is one of "
+        f"{int(match.group(2))}: the count file was edited or comes from another save. Restore an earlier "
+        f"step, or set its process_count back to {int(match.group(2))}.")
   pod = _pod_part(header[POD_SHA256], path, count)
   if "lineage" in header:
     raise errors.InvalidStateError(

@@ -310,17 +310,26 @@ class Skips:
     return self.of_epoch(epoch, epoch_length).records
 
   def of_epoch(self, epoch: int, epoch_length: int) -> "Skips":
-    """The skipped offsets of epoch `epoch` as stream ranges of the epoch alone (the last 256 epochs kept).
+    """The skipped offsets of epoch `epoch` as stream ranges of the epoch alone.
 
     Its kept coordinates are the epoch's: `kept_before(offset)`,
     `stream_record_of_kept(kept)` and `kept_records` answer in O(log ranges of the epoch).
+    Epochs between two `epoch_breaks` skip the same offsets, so one answer
+    serves all of them: the last few such answers are kept, and memory stays
+    O(ranges) however many epochs a run reads.
     """
+    breaks = self.__dict__.setdefault("_breaks", {})
+    found_breaks = breaks.get(epoch_length)
+    if found_breaks is None:
+      if len(breaks) >= _KEPT_EPOCH_CLASSES:
+        breaks.clear()
+      found_breaks = breaks[epoch_length] = self.epoch_breaks(epoch_length)
     cache = self.__dict__.setdefault("_epochs", {})
-    key = (epoch, epoch_length)
+    key = (bisect.bisect_right(found_breaks, epoch) - 1, epoch_length)  # the class of epochs it is in
     found = cache.get(key)
     if found is None:
-      if len(cache) >= 256:
-        cache.clear()
+      if len(cache) >= _KEPT_EPOCH_CLASSES:
+        del cache[next(iter(cache))]  # the oldest
       found = cache[key] = Skips(records=_in_epoch(self, epoch, epoch_length))
     return found
 
@@ -336,6 +345,8 @@ class Skips:
 
 
 NO_SKIPS = Skips()
+# Classes of epochs (`Skips.epoch_breaks`) whose skipped offsets `of_epoch` keeps.
+_KEPT_EPOCH_CLASSES = 8
 
 
 def _in_epoch(skips: Skips, epoch: int, length: int) -> tuple[tuple[int, int], ...]:

@@ -362,3 +362,27 @@ def test_a_malformed_pod_part_with_its_own_digest_is_refused_naming_it(tmp_path,
   (tmp_path / "process_0-of-1.json").write_text(json.dumps({**header, _files.POD_SHA256: digest}))
   with pytest.raises(errors.InvalidStateError, match=r"ckpt_iter.json \(pod part\)"):
     _files.read_state(str(tmp_path), 0, 1)
+
+
+def test_an_edited_process_count_is_one_verdict_for_the_restore_and_every_verb(tmp_path, capsys):
+  # issue 57 item 14: verify and the elastic restore refused it; the same-count restore, audit, inspect,
+  # which and order read on.
+  from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
+
+  root = str(tmp_path / "run")
+  _two_steps(root)
+  count_path = os.path.join(root, "2", "data", _files.COUNT_FILE)
+  data = open(count_path, "rb").read()
+  assert data.startswith(b'{"process_count":1,')
+  open(count_path, "wb").write(data.replace(b'{"process_count":1,', b'{"process_count":2,', 1))
+  refusal = f"{count_path}: says 2 processes, but process_0-of-1.json is one of 1"
+  with pytest.raises(errors.InvalidStateError) as info:
+    _restore(os.path.join(root, "2", "data"))
+  assert refusal in str(info.value)
+  for argv in (["inspect", root, "--step", "2"], ["verify", root], ["audit", root], ["which", root, "--step", "2"],
+               ["order", root, "--out", str(tmp_path / "o.jsonl")]):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_PROBLEMS and "says 2 processes" in out + err and "Traceback" not in out + err, (
+        argv, code, out, err)
+  assert cli.main(["inspect", root, "--step", "1"]) == 0

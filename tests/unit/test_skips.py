@@ -253,3 +253,25 @@ def test_resolve_clips_what_was_read_and_refuses_source_records_of_a_shuffled_so
     skips_lib.resolve(skips_lib.Skip(source_records=[(3, 5)]), from_record=0, epoch_length=50, shuffled=True,
                    mixture=False, origin="o")
   assert "shuffled" in str(info.value) and "stream_records" in str(info.value)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(data=st.data(), length=st.integers(1, 30))
+def test_of_epoch_answers_every_epoch_as_the_direct_walk_and_keeps_memory_bounded(data, length):
+  # issue 57 item 15: one answer per class of epochs, a few classes kept, whatever epochs are asked.
+  stream = data.draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 20)), max_size=6))
+  every = data.draw(st.lists(st.tuples(st.integers(0, length - 1), st.integers(1, 5), st.integers(0, 300)),
+                             max_size=4))
+  value = skips_lib.Skips(records=skips_lib.merged([(a, a + n) for a, n in stream]),
+                          every_epoch=tuple((a, min(a + n, length), since) for a, n, since in every))
+  epochs = data.draw(st.lists(st.integers(0, 400), min_size=1, max_size=40))
+  for epoch in epochs:
+    assert value.of_epoch(epoch, length).records == skips_lib._in_epoch(value, epoch, length), epoch
+  assert len(value.__dict__["_epochs"]) <= skips_lib._KEPT_EPOCH_CLASSES
+
+
+def test_of_epoch_over_thousands_of_epochs_keeps_a_few_answers():
+  value = skips_lib.Skips(every_epoch=((2, 5, 0),))
+  for epoch in range(5_000):
+    assert value.of_epoch(epoch, 10).records == ((2, 5),)
+  assert len(value.__dict__["_epochs"]) <= skips_lib._KEPT_EPOCH_CLASSES
