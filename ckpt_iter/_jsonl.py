@@ -312,6 +312,7 @@ class JsonlSource(_source_files.FileReader):
     except BaseException:
       os.close(fd)
       raise
+    closed = False
     with self._open_lock:
       copy = self._open.get(file_index)
       if copy is not None:  # another thread opened it meanwhile
@@ -325,8 +326,11 @@ class JsonlSource(_source_files.FileReader):
             break
           self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
           os.close(self._open.pop(other).fd)
+          closed = True
       copy.readers += 1
-      return copy
+    if closed:
+      self._cache.make_room(0)  # what it closed may make the cache over its limit
+    return copy
 
 
 @dataclasses.dataclass

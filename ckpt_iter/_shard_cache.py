@@ -94,6 +94,8 @@ class ShardCache:
       raise errors.InvalidArgumentError(
           f"ShardCache directory {self.directory!r} is not a directory: point the cache at a directory.")
     self._init_local()
+    # Back under the limit: copies a killed process held are idle now, and its temporaries abandoned.
+    self.make_room(0)
 
   def _init_local(self) -> None:
     self._pool: futures.ThreadPoolExecutor | None = None

@@ -1,0 +1,141 @@
+"""One host of tests/integration/test_bucket_property.py: P processes in step sharing one shard cache.
+
+    python bucket_pod_worker.py CONFIG.json
+
+CONFIG: {"source": gs:// JSONL URLs, "cache_dir", "max_bytes", "root" (local checkpoint root),
+"processes": P, "shuffle": "shards" or "global", "window", "steps": batches to train before the save,
+"extra": batches read after the save before the host is killed (null: read to the end, no save),
+"out": a directory for what each process read}.
+
+Each process builds make_dataset(JsonlSource(source, cache=ShardCache(cache_dir, max_bytes)),
+shard_index=i, shard_count=P), restores the latest committed step (a step whose every process saved:
+process 0 marks it, as Orbax's commit does), and reads in step with the others (a barrier per batch,
+as a training step's collective). Every record read is compared with what the store holds (its text is
+a function of its id): a corrupted byte trained shows there. Each process writes
+`trained-<i>.json` (the batches up to the save, or to the end), `discarded-<i>.json` (read after the
+save: the next host repeats them from the checkpoint) and `downloads-<i>.txt` (one line per download).
+With `extra` set, the host then waits to be killed (SIGKILL from the test).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+BATCH_SIZE = 2
+SEED = 3
+
+
+def expected_text(record_id: int) -> str:
+  """The text of record `record_id`, as the test wrote it."""
+  return f"r{record_id}-" + "abcdefghij"[record_id % 10] * (record_id % 23)
+
+
+def _latest_committed(root: str) -> int | None:
+  steps = [int(n) for n in os.listdir(root) if n.isdigit() and os.path.exists(os.path.join(root, n, "commit"))]
+  return max(steps) if steps else None
+
+
+def _process(index: int, config: dict, barrier) -> None:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import sources  # pylint: disable=g-import-not-at-top
+
+  out = config["out"]
+  real = _shard_cache.ShardCache._download
+
+  def counted(self, path, found, entry):
+    with open(os.path.join(out, f"downloads-{index}.txt"), "a") as f:
+      f.write(os.path.basename(path) + "\n")
+    return real(self, path, found, entry)
+
+  _shard_cache.ShardCache._download = counted
+  count = config["processes"]
+  source = sources.JsonlSource(config["source"], cache=sources.ShardCache(config["cache_dir"], config["max_bytes"]))
+  options = {"shuffle": "shards", "shuffle_window": config["window"]} if config["shuffle"] == "shards" else {}
+  dataset = ckpt_iter.make_dataset(source, batch_size=BATCH_SIZE, seed=SEED, num_epochs=1, shard_index=index,
+                                   shard_count=count, **options)
+  iterator = ckpt_iter.DataIterator(dataset)
+  open(os.path.join(out, f"built-{index}"), "w").close()
+  handler = checkpoint_lib.IteratorCheckpointHandler(index, count)
+  root = config["root"]
+  latest = _latest_committed(root)
+  if latest is not None:
+    handler.restore(os.path.join(root, str(latest), "data"), ckpt_iter.IteratorRestore(iterator))
+  barrier.wait(300)
+
+  def read(limit):
+    batches = []
+    while limit is None or len(batches) < limit:
+      try:
+        batch = next(iterator)
+      except StopIteration:
+        break
+      ids = np.asarray(batch["id"]).tolist()
+      texts = [str(t) for t in np.asarray(batch["text"]).tolist()]
+      bad = [(i, t) for i, t in zip(ids, texts) if t != expected_text(i)]
+      if bad:
+        raise AssertionError(f"process {index} read records the store does not hold: {bad[:3]}")
+      batches.append(ids)
+      barrier.wait(300)
+    return batches
+
+  if config["extra"] is None:
+    trained = read(None)
+    open(os.path.join(out, f"done-{index}"), "w").close()
+    _write(out, f"trained-{index}.json", {"from": latest, "batches": trained})
+    return
+  trained = read(config["steps"])
+  step = (latest or 0) + len(trained)
+  item = os.path.join(root, str(step), "data")
+  os.makedirs(item, exist_ok=True)
+  handler.save(item, ckpt_iter.IteratorSave(iterator))
+  barrier.wait(300)
+  if index == 0:
+    open(os.path.join(root, str(step), "commit"), "w").close()
+  _write(out, f"trained-{index}.json", {"from": latest, "step": step, "batches": trained})
+  barrier.wait(300)
+  discarded = read(config["extra"])
+  _write(out, f"discarded-{index}.json", discarded)
+  open(os.path.join(out, f"ready-{index}"), "w").close()
+  time.sleep(600)  # the test kills the host
+
+
+def _write(directory: str, name: str, value) -> None:
+  path = os.path.join(directory, name)
+  with open(path + ".tmp", "w") as f:
+    json.dump(value, f)
+  os.replace(path + ".tmp", path)
+
+
+def main(config_path: str) -> int:
+  with open(config_path) as f:
+    config = json.load(f)
+  context = multiprocessing.get_context("spawn")
+  barrier = context.Barrier(config["processes"])
+  processes = [context.Process(target=_process, args=(i, config, barrier)) for i in range(config["processes"])]
+  for process in processes:
+    process.start()
+  while any(p.is_alive() for p in processes):
+    if any(p.exitcode for p in processes):  # one failed: the others would wait at the barrier
+      for p in processes:
+        p.kill()
+      break
+    time.sleep(0.05)
+  for process in processes:
+    process.join()
+  return 1 if any(p.exitcode for p in processes) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1]))
