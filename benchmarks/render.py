@@ -60,6 +60,7 @@ TITLES = {
     "restore_cost": "20. One process's restore against Grain's handler: fresh, after 64 restarts, a mixture",
     "streaming_restore": "21. A Hugging Face stream restored at a deep position: its own state vs replay",
     "tunix_save_cost": "22. What the data item adds to a Tunix checkpoint save, against stock Tunix",
+    "cache_integrity": "23. The shard cache: what its checks cost, and a host's processes sharing it",
 }
 
 
@@ -1196,6 +1197,38 @@ def _delta_cell(row: dict, name: str) -> str:
   return f"{delta:+.3g} [{interval[0]:+.3g}, {interval[1]:+.3g}]"
 
 
+def _cache_integrity(rows: list[dict]) -> str:
+  summary = _summary(rows)
+  checks = [[_fmt(r["megabytes"]), f"{r['records']:,}", _fmt(r["seal_ms"]), _fmt(r["crc32c_ms"]), _fmt(r["md5_ms"]),
+             _fmt(r["first_open_ms"]), _fmt(r["next_open_ms"]), _fmt(r["read_ms"]),
+             f"{_fmt(r['first_open_over_read'] * 100, 3)}%"] for r in _measurements(rows, part="checks")]
+  sharing = [[r["processes"], f"{r['files']} x {r['epochs']}", r["downloads"], _fmt(r["downloads_per_file_epoch"]),
+              r["most_per_file"], f"{_fmt(r['idle_peak_over_limit'])}x", f"{_fmt(r['all_peak_over_limit'])}x"]
+             for r in _measurements(rows, part="sharing")]
+  return f"""## {TITLES['cache_integrity']}
+
+`benchmarks/cache_integrity.py` (issue 57). **The checks**: JSONL files of 4 and 64 MB copied into a
+`ShardCache`, in the page cache; medians of interleaved rounds, ms. *seal*: the CRC-32 a process
+compares a copy with the first time it opens it (and again only if the copy changed since);
+*crc32c* / *md5*: the store's checksum over the same bytes, as each download computes it (md5 where a
+store gives no crc32c); *first open*: `ShardCache.open` by a process that has not checked the copy,
+the seal check included; *next open*: the same process again; *read*: every record of the file
+through a cached `JsonlSource`, the work the check vouches for.
+
+{_table(["MB", "records", "seal", "crc32c", "md5", "first open", "next open", "read", "first open / read"], checks)}
+
+**Sharing**: P processes of one host in step (a barrier per batch, as a training step's collective)
+read JSONL files through one cache of a quarter of the corpus's bytes, `make_dataset(shuffle="shards",
+shuffle_window=4)`, several epochs, line counts warm. Downloads per file and epoch (1 is each file
+once per epoch and host), and the most bytes (copies with their line indexes) the cache held with no
+process holding them open (*idle*) and in all, against `max_bytes`.
+
+{_table(["processes", "files x epochs", "downloads", "per file and epoch", "most of one file", "idle / max_bytes",
+         "all / max_bytes"], sharing)}
+{_checks(summary)}
+"""
+
+
 def _tunix_save_cost(rows: list[dict]) -> str:
   summary = _summary(rows)
   found = {r["code"]: r for r in _measurements(rows)}
@@ -1344,4 +1377,5 @@ SECTIONS = [
     ("restore_cost", _restore_cost),
     ("streaming_restore", _streaming_restore),
     ("tunix_save_cost", _tunix_save_cost),
+    ("cache_integrity", _cache_integrity),
 ]

@@ -199,6 +199,8 @@ class Case:
   # What verify's line names, when it differs from (file, field): verify checks
   # the files as a set, without a pipeline to restore into.
   verify_says: tuple[str, str] | None = None
+  # Further lines verify prints for the same fault (each a true consequence of it), after the first.
+  verify_also: tuple[str, ...] = ()
 
 
 def _make_for(case: Case) -> Any:
@@ -281,7 +283,9 @@ CASES = [
          make=lambda: make_data(seed=5), on_disk=False),
     Case("wrong_process_count", "repeat", _rename_process_files(2), errors.ProcessCountError,
          "process_0-of-2.json", "2 process(es)",
-         verify_says=("process_1-of-2.json", "missing: process 1 of 2")),
+         verify_says=("process_1-of-2.json", "missing: process 1 of 2"),
+         # The one file renamed is read, and its count file (1 process) disagrees with its name.
+         verify_also=("says 1 processes, but process_0-of-2.json is one of 2",)),
     Case("data_state_into_repeat_iterator", "data", None, errors.InvalidStateError, JSON, "'data' iterator",
          make=make_repeat, on_disk=False),
     Case("bare_grain_state_into_repeat_iterator", "repeat", _bare_grain_state(2), errors.InvalidStateError,
@@ -371,10 +375,11 @@ def test_verify_reports_each_fault_on_one_line(pristine, tmp_path, case, capsys)
   assert cli.main(["verify", root]) == 1
   out, err = capsys.readouterr()
   lines = out.splitlines()
-  assert len(lines) == 1, out
-  assert lines[0].startswith(f"step {STEP}: "), lines[0]
+  assert len(lines) == 1 + len(case.verify_also), out
+  assert all(line.startswith(f"step {STEP}: ") for line in lines), lines
   file, field = case.verify_says or (case.file, case.field)
   assert file in lines[0] and field in lines[0], lines[0]
+  assert all(text in line for text, line in zip(case.verify_also, lines[1:])), lines
   assert "Traceback" not in out + err
   assert _tree_digest(root) == before_disk
 
