@@ -11,8 +11,11 @@ restart under another batch size the restored epoch's batches start at the
 restored record), without the records the run skips (`skips_lib.Skips`). A state's
 position is the stream record after the last batch read.
 
-So from a state alone (no data, no model, no user code) this module says
-which source records any batch of the run held:
+So from a state and the lineage it carries (no data, no model, no user code)
+this module says which source records any batch of the run held; right
+after a restore, the last batch is the run before's, which the lineage's
+last resumes describe (where they cannot, a mixture reweighted at that
+restore or a start no longer recorded, the error names the step to ask):
 
   * `Stream`: stream record -> source record, and the plan from any record;
   * `last_batch`: the batch that ends at a state's position (its start by
@@ -317,13 +320,56 @@ def last_batch(stream: Stream, *, segment_start: int | None = None, resumed_from
 
 
 def last_batch_of(value: state_lib.IteratorState, *, origin: str = "the state") -> Batch:
-  """The last batch read before state `value` was taken, from the state alone: `last_batch` from where
-  its segment started (`segment_start`). The one answer of `ckpt_iter.which`, `ckpt-iter which --step`
-  and a learner's global step."""
-  recent = (value.lineage or {}).get("recent") or ()
+  """The last batch read before state `value` was taken, from the state and its lineage: `last_batch` from
+  where its segment started (`segment_start`). The one answer of `ckpt_iter.which`, `ckpt-iter which
+  --step` and a learner's global step.
+
+  Right after a restore (nothing read since), that batch is the last one the run before it read: the
+  lineage's last resume records the position it ended at and the batch size and process count it was
+  read with, and the resume before it where that segment began. Where the lineage cannot say (a mixture
+  reweighted at that restore, or the segment's start dropped from a lineage that keeps the last
+  `MAX_RECENT` resumes), the error names the step to ask instead (`ckpt-iter which --step`)."""
+  lineage = value.lineage or {}
+  recent = lineage.get("recent") or ()
   fingerprint, position = _input_fields(value)
-  return last_batch(Stream(fingerprint, position, origin=origin), segment_start=segment_start(value),
-                    resumed_from=recent[-1].get("step") if recent else None)
+  stream = Stream(fingerprint, position, origin=origin)
+  start = segment_start(value)
+  if start is not None and start > 0 and stream.next_record == start and recent:
+    return _last_batch_before_the_restore(stream, fingerprint, position, lineage, origin)
+  return last_batch(stream, segment_start=start, resumed_from=recent[-1].get("step") if recent else None)
+
+
+def _last_batch_before_the_restore(stream: Stream, fingerprint: Mapping[str, Any], position: Mapping[str, Any],
+                                   lineage: Mapping[str, Any], origin: str) -> Batch:
+  """The last batch of the segment a state was restored from, by its lineage (`last_batch_of`)."""
+  recent = list(lineage["recent"])
+  step = recent[-1].get("step")
+  ask = f"ask for step {step} (`ckpt-iter which --step {step}`)" if state_lib.is_int(step) else "ask the step restored"
+  # The resume that began the segment which read the batch: back past restores with nothing read between.
+  last = len(recent) - 1
+  while last >= 1 and recent[last - 1].get("record") == stream.next_record:
+    last -= 1
+  if last >= 1:
+    began, resumed_from = recent[last - 1].get("record"), recent[last - 1].get("step")
+  elif lineage.get("resumes") == len(recent):  # every resume is recorded: the segment began the run
+    began, resumed_from = 0, None
+  else:
+    began, resumed_from = None, None
+  if not state_lib.is_int(began) or began >= stream.next_record:
+    raise errors.InvalidStateError(
+        f"{origin}: no batch was read since the restore at stream record {stream.next_record}, and the lineage "
+        f"no longer records where the run before it began (it keeps the last resumes): {ask}.")
+  geometry = state_lib.carried_geometry(recent)[last]  # of the state the segment ended in
+  if stream.mixture is not None and geometry.get("mixture") != _records.mixture_segment(fingerprint, position):
+    raise errors.InvalidStateError(
+        f"{origin}: no batch was read since the restore at stream record {stream.next_record}, which changed the "
+        f"mixture: the run before it read under the saved one, which this state does not hold: {ask}.")
+  before = dict(fingerprint)
+  if "batch_size" in geometry and "process_count" in geometry:
+    before.update(global_batch_size=geometry["batch_size"], shard_count=geometry["process_count"],
+                  batch_size=geometry["batch_size"] // max(geometry["process_count"], 1))
+  previous = Stream(before, position, origin=origin)
+  return last_batch(previous, segment_start=int(began), resumed_from=resumed_from)
 
 
 def _plan_ending_at(stream: Stream, end: int) -> _records.BatchPlan:

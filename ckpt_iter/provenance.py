@@ -42,6 +42,9 @@ _SHUFFLE_FIELDS = (_permutation.SHUFFLE_FIELD, _permutation.WINDOW_FIELD, _permu
 def which(pipeline: Any, state: Any) -> datamap.Batch:
   """The source records of the last batch `pipeline` read before `state` was taken.
 
+  Right after a restore (nothing read since), that is the last batch of the run restored, which the
+  state's lineage describes.
+
   Args:
     pipeline: the pipeline that wrote the state (built as it was: same
       source, seed, filter, packer and steps).
@@ -57,7 +60,9 @@ def which(pipeline: Any, state: Any) -> datamap.Batch:
     UnsupportedConfigError: the pipeline has no make_dataset node, or a step
       whose indices cannot be traced (the message names it).
     ConfigDriftError: the pipeline reads another source or seed than the state's.
-    InvalidStateError: the state holds no batch read (position 0) or does not fit the pipeline.
+    InvalidStateError: the state holds no batch read (position 0), does not fit the pipeline, or was
+      taken right after a restore that reweighted a mixture (its last batch is then the restored step's,
+      which the message names: ask it with `ckpt-iter which --step`).
   """
   value = state if isinstance(state, state_lib.IteratorState) else state_lib.IteratorState.from_dict(state)
   inner = value.innermost

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import ckpt_iter
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import cli
+from ckpt_iter import errors
 from ckpt_iter.cli import _inspect as inspection
 from ckpt_iter.cli import _which
 
@@ -58,9 +59,11 @@ def _chains(draw, mixed: bool):
   return segments
 
 
-def _run(root: str, segments, shuffle: str = "global") -> tuple[list[list[int]], list[tuple[int, object]]]:
+def _run(root: str, segments, shuffle: str = "global", restored: list | None = None
+         ) -> tuple[list[list[int]], list[tuple[int, object]]]:
   """The chain (support.run_chain with a mixture per segment); returns the kept batches and, per step,
-  the arguments of the pipeline that wrote it."""
+  the arguments of the pipeline that wrote it. `restored` gets, per restore, (the step restored, process
+  0's state right after it, its pipeline, whether the restore changed the mixture)."""
   kept, writers, step = [], [], 0
   for number, (count, global_batch, saved, lost, skip, mixture) in enumerate(segments):
     make = lambda i: support.chain_pipeline(count, i, global_batch, skip=skip, mixture=mixture,
@@ -71,6 +74,8 @@ def _run(root: str, segments, shuffle: str = "global") -> tuple[list[list[int]],
         checkpoint_lib.IteratorCheckpointHandler(index, count).restore(
             os.path.join(root, str(step), "data"),
             ckpt_iter.IteratorRestore(iterator, elastic=True, allow_drift={"weights", "sources"}))
+      if restored is not None:
+        restored.append((step, iterators[0].state(), make(0), segments[number - 1][5] != mixture))
     for _ in range(saved):
       try:
         batches = [next(iterator) for iterator in iterators]
@@ -120,9 +125,19 @@ def _removes_a_source(segments) -> bool:
 def _check(segments, shuffle: str = "global") -> bool:
   root = tempfile.mkdtemp(prefix="answers-")
   try:
-    kept, writers = _run(root, segments, shuffle)
+    restored: list = []
+    kept, writers = _run(root, segments, shuffle, restored)
     if not kept:
       return False
+    by_step = {step: batch for (step, _), batch in zip(writers, kept)}
+    for step, state, pipeline, mixture_changed in restored:
+      # Right after a restore, before a batch is read: the last batch the run before it read.
+      try:
+        assert _ids(ckpt_iter.which(pipeline, state)) == by_step[step], f"right after the restore of step {step}"
+        COUNTS["which right after a restore"] += 1
+      except errors.InvalidStateError as e:
+        assert mixture_changed and f"which --step {step}" in str(e), str(e)
+        COUNTS["which right after a reweighting restore: refused naming the step"] += 1
     layout = inspection.find_layout(root)
     states = _which.States(layout)
     for (step, (global_batch, mixture)), trained in zip(writers, kept):
