@@ -43,6 +43,7 @@ ckpt_iter 0.2.0 wrote there instead are read, never written (`legacy_batch_diges
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import hashlib
 import logging
 import math
@@ -357,7 +358,7 @@ def _mixture_change(
   """
   added = [n for n in current_shares if n not in saved_shares]
   removed = [n for n in saved_shares if n not in current_shares]
-  reweighted = [n for n in current_shares if n in saved_shares and saved_shares[n] != current_shares[n]]
+  reweighted = _reweighted(saved_shares, current_shares)
   if not (added or removed or reweighted):
     if list(saved_shares) == list(current_shares):
       return False, set(), []
@@ -366,7 +367,9 @@ def _mixture_change(
     # order from this restart on: nothing repeated or skipped, no declaration needed.
     order = f"source order {','.join(saved_shares)} -> {','.join(current_shares)}"
     return True, {"source"}, [order + " (each source continues from its own next record)"]
-  fields = {f"weight[{n}]" for n in set(added) | set(removed) | set(reweighted)} | {"source"}
+  # A kept source's integer share may move with the gcd alone (its part among the kept ones the same).
+  rescaled = {n for n in current_shares if n in saved_shares and saved_shares[n] != current_shares[n]}
+  fields = {f"weight[{n}]" for n in set(added) | set(removed) | rescaled} | {"source"}
   fields |= {name for name in set(saved) | set(current)
              if (m := _SOURCE_FIELD.match(name)) and m.group(1) in set(added) | set(removed)}
   needed = []
@@ -392,6 +395,24 @@ def _mixture_change(
         "saved weights and sources.",)
     raise error
   return True, fields, lines
+
+
+def _reweighted(saved_shares: Mapping[str, Any], current_shares: Mapping[str, Any]) -> list[str]:
+  """The sources in both mixtures whose part of what those sources share changed.
+
+  Compared among the sources both have, as proportions: shares are integers
+  reduced by their gcd, so adding or removing a source can change every
+  other source's integer share (`{a: 1, b: 2}` without a is `{b: 1}`) without
+  changing how the sources kept are mixed with each other. A change of names
+  alone is a sources change, whatever the shares' gcd.
+  """
+  common = [n for n in current_shares if n in saved_shares]
+  saved_total = sum(saved_shares[n] for n in common)
+  current_total = sum(current_shares[n] for n in common)
+  if not saved_total or not current_total:
+    return []
+  return [n for n in common
+          if fractions.Fraction(saved_shares[n], saved_total) != fractions.Fraction(current_shares[n], current_total)]
 
 
 def _iter_mixture_changes(

@@ -113,3 +113,21 @@ def test_a_position_past_the_end_recommends_no_allow_drift(tmp_path):
   assert "past the end" in str(refusal.value) and "restore an earlier step" in str(refusal.value)
   with pytest.raises(ckpt_iter.ConfigDriftError):
     _restore(item, fewer, allow_drift={"num_epochs", "dataset_length"})
+
+
+@pytest.mark.parametrize("before, after", [
+    ({"a": 1, "b": 2}, {"b": 2}),  # the shares' gcd moves: b's integer share 2 -> 1
+    ({"b": 2}, {"a": 1, "b": 2}),
+    ({"a": 1, "b": 1, "c": 1}, {"a": 1, "b": 1}),  # the gcd stays
+    ({"a": 2, "b": 4}, {"a": 2, "b": 4, "c": 3}),
+])
+def test_a_change_of_sources_alone_needs_sources_whatever_the_shares_gcd(before, after, tmp_path):
+  # issue 60 item 2: adding or removing a source was refused as a weights change whenever the gcd of
+  # the integer shares moved ({a: 1, b: 2} -> {b: 2}), though b's part among the sources kept is the same.
+  item, read = _saved(tmp_path, _mixture(before))
+  with pytest.raises(ckpt_iter.ConfigDriftError) as refusal:
+    _restore(item, _mixture(after))
+  assert _recommended(refusal.value) == {"sources"}, refusal.value
+  resumed = _restore(item, _mixture(after), allow_drift={"sources"})
+  trained = read + [x for _ in range(10) for x in support.batch_ids(next(resumed))]
+  assert _duplicates_and_skips(trained) == (0, 0)
