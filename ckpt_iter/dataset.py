@@ -190,6 +190,14 @@ def make_dataset(
     lane_dataset = _lanes.LaneDataset(parents, spec, lanes, _stacking.stack_records)
     with_skip(lane_dataset, declared)
     return lane_dataset
+  if drop_remainder and not spec.is_mixture and spec.source.length < spec.global_batch_size:
+    # Batches keep to their epoch: with the remainder dropped, no epoch would yield a batch, however many.
+    raise errors.InvalidArgumentError(
+        f"a global batch of {spec.global_batch_size} records (batch_size={batch_size} x "
+        f"shard_count={shard_count}) is more than one epoch of the source ({spec.source.length} records): "
+        "batches keep to their epoch, so with drop_remainder=True every epoch's records would be dropped. "
+        f"Use a global batch of at most {spec.source.length} records, or drop_remainder=False (one short "
+        "batch per epoch).")
   if len(spec.initial_plan()) == 0:
     raise errors.InvalidArgumentError(
         f"source has {_describe_length(spec)} records, fewer than one global batch of "

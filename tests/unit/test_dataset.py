@@ -14,6 +14,7 @@ import pytest
 import conftest
 
 import ckpt_iter
+from ckpt_iter import errors
 from ckpt_iter import dataset as dataset_lib
 from ckpt_iter import testing
 from ckpt_iter import sources as sources_lib
@@ -486,3 +487,23 @@ def test_bad_weights_are_refused_naming_them(weights, fragment):
   with pytest.raises(ckpt_iter.InvalidArgumentError) as info:
     dataset_lib.proportions(weights)
   assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("num_epochs", [None, 1, 3])
+@pytest.mark.parametrize("batch_size, shard_count", [(16, 1), (6, 2)])
+def test_a_global_batch_larger_than_an_epoch_with_drop_remainder_is_refused_naming_the_sizes(
+    num_epochs, batch_size, shard_count):
+  # issue 60 item 3: with num_epochs=None one short batch was yielded, then an untyped ValueError.
+  records = [{"id": i} for i in range(10)]
+  with pytest.raises(errors.InvalidArgumentError) as caught:
+    ckpt_iter.make_dataset(records, batch_size=batch_size, seed=1, num_epochs=num_epochs, drop_remainder=True,
+                           shard_index=0, shard_count=shard_count)
+  message = str(caught.value)
+  assert f"a global batch of {batch_size * shard_count} records" in message
+  assert "more than one epoch of the source (10 records)" in message and "drop_remainder=False" in message
+
+
+def test_a_global_batch_larger_than_an_epoch_without_drop_remainder_reads_one_short_batch_an_epoch():
+  records = [{"id": i} for i in range(10)]
+  iterator = iter(ckpt_iter.make_dataset(records, batch_size=16, seed=None, num_epochs=None, drop_remainder=False))
+  assert [sorted(int(x) for x in next(iterator)["id"]) for _ in range(3)] == [list(range(10))] * 3
