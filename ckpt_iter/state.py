@@ -1053,6 +1053,100 @@ _V1_LEARNER_FIELDS = {
 _V1_INPUT_POSITION = {_RL: "full_batch", _SFT: None, _AGENTIC: "source"}
 
 
+# A Tunix RL or SFT learner's own position fields beside its input's state (`tunix._input.MicroBatchInput`):
+# micro-batches of the current full batch taken, rows taken (an uneven cut), the prompts of the stream before
+# the next one (`stream_rows`), and the record of the last prompts trained (`last_prompts`, 0.2.0's `last_rows`).
+LAST_PROMPTS = "last_prompts"
+LEGACY_LAST_ROWS = "last_rows"
+_MICRO_BATCH_POSITION_KEYS = frozenset({"micro_batches_taken", "rows_taken", "stream_rows", LAST_PROMPTS,
+                                        LEGACY_LAST_ROWS})
+# The agentic learner's: the next prompt, where it is in its fed batch, the batches fed after it, which
+# pending updates close a micro-batch, and a replay of the step's inputs (checked against the config at restore).
+_AGENTIC_COUNTS = ("prompt_index", "prompt_offset", "batches_fed")
+
+
+def check_learner_position(value: "IteratorState", origin: str) -> None:
+  """A Tunix learner's own position fields, checked as its restore checks them before anything moves.
+
+  The one check of them: the learner's restore and `ckpt-iter verify` (from the state alone, with no
+  Tunix installed) call it, so every field the restore refuses, verify refuses by name.
+
+  Raises:
+    InvalidStateError: naming the field, its value and what was expected.
+  """
+  if value.kind != "tunix":
+    return
+  family = learner_family(value.fingerprint)
+  _, own = learner_parts(value, origin, learner_fields=family != _SFT)
+  if family == _AGENTIC:
+    _check_agentic_position(own, origin)
+  elif family != _SFT:
+    check_micro_batch_position(own, origin)
+
+
+def learner_parts(value: "IteratorState", origin: str, *, learner_fields: bool = True
+                  ) -> tuple["IteratorState", dict[str, Any]]:
+  """(the input's state a learner's state nests, the learner's own position fields).
+
+  Raises:
+    InvalidStateError: the position nests no input state (or, with `learner_fields=False`, as an SFT
+      trainer's, holds more than it).
+  """
+  part, own = value.part, value.own_position
+  if part is None or (own and not learner_fields):
+    fields = ", ...the learner's fields" if learner_fields else ""
+    raise errors.InvalidStateError(
+        f"{origin}: field 'position' is {_short(value.position)}; a learner's position is "
+        f"{{'{INPUT}': <its input's state: kind, fingerprint, position[, content]>{fields}}}.")
+  return part, own
+
+
+def check_micro_batch_position(position: Mapping[str, Any], origin: str) -> None:
+  """An RL or SFT learner's own position fields (beside its input's state).
+
+  Raises:
+    InvalidStateError: naming the field.
+  """
+  taken = position.get("micro_batches_taken")
+  if set(position) - _MICRO_BATCH_POSITION_KEYS or not _is_int(taken) or taken < 0:
+    raise errors.InvalidStateError(
+        f"{origin}: field 'position' holds {_short(dict(position))} beside '{INPUT}'; expected "
+        f"'micro_batches_taken': N[, 'rows_taken': R, 'stream_rows': N, '{LAST_PROMPTS}': {{...}}].")
+  for name in ("rows_taken", "stream_rows"):
+    if name in position and (not _is_int(position[name]) or position[name] < 0):
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position.{name}' is {_short(position[name])}; expected a non-negative integer "
+          "(the prompts taken of the current full batch, or of the stream before it).")
+  for field, key, shape in ((LAST_PROMPTS, "content", "<content record>"), (LEGACY_LAST_ROWS, "digest", "'<hex>'")):
+    saved = position.get(field)
+    if saved is None:
+      continue
+    if (not isinstance(saved, Mapping) or set(saved) != {"count", key}
+        or not _is_int(saved["count"]) or saved["count"] < 0
+        or (field == LEGACY_LAST_ROWS and not isinstance(saved[key], str))):
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position.{field}' is {_short(saved)}; expected {{'count': N, '{key}': {shape}}}.")
+    if field == LAST_PROMPTS:
+      checked_content_record(saved[key], f"position.{field}.{key}", origin)
+
+
+def _check_agentic_position(position: Mapping[str, Any], origin: str) -> None:
+  for name in _AGENTIC_COUNTS:
+    if not _is_int(position.get(name)) or position[name] < 0:
+      raise errors.InvalidStateError(
+          f"{origin}: field 'position.{name}' is {_short(position.get(name, ABSENT))}; expected a non-negative "
+          "integer (an agentic learner's prompt index, its offset in its fed batch, the batches fed after it).")
+  ends = position.get("ends_micro_batch")
+  if not isinstance(ends, (list, tuple)) or not all(isinstance(e, bool) for e in ends):
+    raise errors.InvalidStateError(
+        f"{origin}: field 'position.ends_micro_batch' is {_short(ends)}; expected a list of booleans (which "
+        "pending updates close a micro-batch).")
+  if position["prompt_offset"] > position["prompt_index"]:
+    raise errors.InvalidStateError(
+        f"{origin}: field 'position.prompt_offset' is {position['prompt_offset']}, past its prompt index "
+        f"{position['prompt_index']}: the offset of a prompt in its fed batch is at most its index.")
+
+
 def learner_family(fingerprint: Mapping[str, Any]) -> str | None:
   """"learner" (RL), "trainer" (SFT) or "agentic_learner": the field naming the learner."""
   for name in (_RL, _SFT, _AGENTIC):
@@ -1097,13 +1191,16 @@ def migrate_learner_v1(fields: Mapping[str, Any]) -> dict[str, Any]:
 def input_stream_skips(value: "IteratorState", *, origin: str) -> skips_lib.Skips:
   """The skips of a state's input, its stream fields checked as its restore checks them.
 
-  `_records.check_stream_fields` of its innermost state: what the read-only CLI
-  (`verify`, `which`, `order`, `audit`) asks of every state it reads, so it
-  refuses each field a restore refuses, with the restore's message.
+  `_records.check_stream_fields` of its innermost state, a stream's position
+  (`check_stream_position`) and a Tunix learner's own fields
+  (`check_learner_position`): what the read-only CLI (`verify`, `which`,
+  `order`, `audit`) asks of every state it reads, so it refuses each field a
+  restore refuses, with the restore's message.
 
   Raises:
     InvalidStateError: a stream field of the input is malformed (the message names it).
   """
+  check_learner_position(value, origin)
   inner = value.innermost
   if is_stream(inner.fingerprint):
     check_stream_position(inner.fingerprint, inner.position, origin)

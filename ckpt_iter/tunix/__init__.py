@@ -221,11 +221,19 @@ class Resumable:
             session, proceed_num_steps, sample_repeat, batch_repeat,
             service_target_batch_size, put, async_loading,
         )
+    except BaseException as e:
+      mini_batch.error = e  # the next save raises it, with its cause, instead of waiting for the producer
+      raise
     finally:
-      mini_batch.position_after = session.input.unsettled_position()
-      mini_batch.key_after = codec.key_to_ints(session.key)
-      mini_batch.done.set()
-      data_queue.put(None)
+      try:
+        mini_batch.position_after = session.input.unsettled_position()
+        mini_batch.key_after = codec.key_to_ints(session.key)
+      except BaseException as e:
+        mini_batch.error = mini_batch.error or e
+        raise
+      finally:
+        mini_batch.done.set()  # always: a save waits on it
+        data_queue.put(None)
 
   def _ci_prepare_eval(
       self, session, iterator, proceed_num_steps, sample_repeat, batch_repeat,

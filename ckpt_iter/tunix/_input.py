@@ -38,8 +38,8 @@ INPUT = state_lib.NESTED["tunix"]
 NEXT_RECORD = _records.NEXT_RECORD
 # The RL learner's record of the prompts of the micro-batch before its position (`LastRows`), and
 # the field ckpt_iter 0.2.0 held them in, read and carried but never written anew.
-LAST_PROMPTS = "last_prompts"
-LEGACY_LAST_ROWS = "last_rows"
+LAST_PROMPTS = state_lib.LAST_PROMPTS
+LEGACY_LAST_ROWS = state_lib.LEGACY_LAST_ROWS
 _NOTHING = object()
 
 
@@ -308,20 +308,8 @@ def counts_records(saved: state_lib.IteratorState) -> bool:
 def input_part(
     value: state_lib.IteratorState, origin: str, *, learner_fields: bool = True
 ) -> tuple[state_lib.IteratorState, dict[str, Any]]:
-  """(the input's state a learner's state nests, the learner's own position fields).
-
-  Raises:
-    InvalidStateError: the position nests no input state (or, with
-      `learner_fields=False`, holds more than it).
-  """
-  part, own = value.part, value.own_position
-  if part is None or (own and not learner_fields):
-    fields = ", ...the learner's fields" if learner_fields else ""
-    raise errors.InvalidStateError(
-        f"{origin}: field 'position' is {state_lib.short_repr(value.position)}; a learner's "
-        f"position is {{'{INPUT}': <its input's state: kind, fingerprint, position[, content]>{fields}}}."
-    )
-  return part, own
+  """(the input's state a learner's state nests, the learner's own position fields): `state.learner_parts`."""
+  return state_lib.learner_parts(value, origin, learner_fields=learner_fields)
 
 
 def check_learner_state(
@@ -409,22 +397,6 @@ def saved_last_rows(position: Mapping[str, Any]) -> LastRows | None:
   return None
 
 
-def _check_last_rows(position: Mapping[str, Any], origin: str) -> None:
-  """Checks the record of the last prompts, if the position holds one (`check_position`)."""
-  for field, key, shape in ((LAST_PROMPTS, "content", "<content record>"), (LEGACY_LAST_ROWS, "digest", "'<hex>'")):
-    saved = position.get(field)
-    if saved is None:
-      continue
-    if (not isinstance(saved, Mapping) or set(saved) != {"count", key}
-        or not state_lib.is_int(saved["count"]) or saved["count"] < 0
-        or (field == LEGACY_LAST_ROWS and not isinstance(saved[key], str))):
-      raise errors.InvalidStateError(
-          f"{origin}: field 'position.{field}' is {state_lib.short_repr(saved)}; expected "
-          f"{{'count': N, '{key}': {shape}}}.")
-    if field == LAST_PROMPTS:
-      state_lib.checked_content_record(saved[key], f"position.{field}.{key}", origin)
-
-
 def _batch_rows(batch: Any) -> int:
   return len(batch["prompts"])
 
@@ -432,9 +404,6 @@ def _batch_rows(batch: Any) -> int:
 def _drop_rows(batch: Any, count: int) -> Any:
   """`batch` without its first `count` rows (every field is per row)."""
   return {key: values[count:] for key, values in batch.items()}
-
-
-_OPTIONAL_POSITION_KEYS = frozenset({"rows_taken", "stream_rows", LAST_PROMPTS, LEGACY_LAST_ROWS})
 
 
 def settled(position: Mapping[str, Any]) -> dict[str, Any]:
@@ -564,29 +533,8 @@ class MicroBatchInput:
       result["rows_taken"] = rows_taken
     return result
 
-  @staticmethod
-  def check_position(position: Mapping[str, Any], origin: str) -> None:
-    """Checks a learner's own position fields (beside its input's state).
-
-    Raises:
-      InvalidStateError: naming the field.
-    """
-    taken = position.get("micro_batches_taken")
-    rows = position.get("rows_taken", 0)
-    if (
-        set(position) - _OPTIONAL_POSITION_KEYS != {"micro_batches_taken"}
-        or not state_lib.is_int(taken) or taken < 0
-        or not state_lib.is_int(rows) or rows < 0
-    ):
-      raise errors.InvalidStateError(
-          f"{origin}: field 'position' holds {state_lib.short_repr(dict(position))} beside "
-          f"'{INPUT}'; expected 'micro_batches_taken': N[, 'rows_taken': R, 'stream_rows': N, "
-          f"'{LAST_PROMPTS}': {{...}}]."
-      )
-    _check_last_rows(position, origin)
-
   def apply(self, checked: Callable[[], None], position: Mapping[str, Any]) -> str:
-    """Runs the input's checked apply step; `position`: the learner's own fields (`check_position`'s).
+    """Runs the input's checked apply step; `position`: the learner's own fields (`state.check_micro_batch_position`'s).
 
     Returns:
       What the input's restore found of its content (its `restored_content_check`), for the log line.

@@ -136,6 +136,7 @@ class MiniBatch:
   position_after: dict[str, Any] | None = None
   key_after: tuple[int, ...] | None = None
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  error: BaseException | None = None  # what ended the producer, if it failed
 
 
 class DataSession:
@@ -314,6 +315,11 @@ class DataSession:
             f"checkpoint step {step}: the data producer did not finish its mini-batch "
             f"in {_PRODUCER_TIMEOUT_SECONDS:.0f}s; not saving a data state that could be wrong."
         )
+      if mini_batch.error is not None:
+        raise errors.CkptIterError(
+            f"checkpoint step {step}: the data producer failed on its mini-batch ({type(mini_batch.error).__name__}: "
+            f"{mini_batch.error}); not saving a data state that could be wrong."
+        ) from mini_batch.error
       pending_items = self._unconsumed(mini_batch, step)
       remaining = self.mini_batches_per_global_step - 1 - mini_batch.index_in_global_step
       global_steps = mini_batch.global_steps
@@ -590,7 +596,7 @@ class DataSession:
     current, _ = settings_lib.split_settings(self.fingerprint)
     resplit = self._resplit_micro_batches(value, saved, allow_drift, origin)
     position = _position_in_micro_batches(position, saved.get("train_micro_batch_size"), self.micro_batch_size)
-    _input.MicroBatchInput.check_position(position, origin)
+    state_lib.check_micro_batch_position(position, origin)
     drift = state_lib.differing_fields(saved, current, allow_drift=allow_drift | resplit)
     regeometry = set(drift) & _CONTINUABLE_LEARNER_FIELDS
     accepted = allow_drift | resplit

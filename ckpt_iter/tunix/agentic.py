@@ -181,6 +181,7 @@ class ResumableAgentic:
       loop.skip_full_batches(skipped)
       return None, None, None
     saved_input, position = _input.input_part(value, origin)
+    state_lib.check_learner_position(value, origin)
     checked = _input.check_learner_state(
         value.fingerprint, loop.fingerprint, loop.source, saved_input, allow_drift=allow_drift, origin=origin,
         optional_learner_fields=("num_iterations_order",),

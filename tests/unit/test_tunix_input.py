@@ -26,7 +26,7 @@ def _rebatch(full_batches, size):
 def _restore(micro, position, origin="test"):
   """What a learner's restore does with its saved position: the input's state to the input, unchanged."""
   own = {k: v for k, v in position.items() if k != _input.INPUT}
-  micro.check_position(own, origin)
+  state_lib.check_micro_batch_position(own, origin)
   micro.apply(micro.source.check(position[_input.INPUT], allow_drift=frozenset(), origin=origin), own)
 
 
@@ -311,7 +311,7 @@ def test_a_position_that_nests_no_input_state_is_refused_naming_the_field():
   with pytest.raises(errors.InvalidStateError, match="field 'position'"):
     _input.input_part(sft, "checkpoint step 2", learner_fields=False)
   with pytest.raises(errors.InvalidStateError, match="'micro_batches_taken': N"):
-    _input.MicroBatchInput.check_position({"micro_batches_taken": -1}, "checkpoint step 2")
+    state_lib.check_micro_batch_position({"micro_batches_taken": -1}, "checkpoint step 2")
 
 
 def test_an_sft_trainers_input_records_the_example_it_trained_last(tmp_path):

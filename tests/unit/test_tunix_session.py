@@ -4,6 +4,8 @@ import types
 
 import hypothesis
 from hypothesis import strategies as st
+import re
+
 import pytest
 pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'ckpt_iter[tunix]')")
 
@@ -217,13 +219,13 @@ def test_a_hand_built_input_continues_only_where_it_holds_the_prompts_trained_la
 
 def test_a_malformed_record_of_the_last_prompts_is_refused_naming_the_field():
   from ckpt_iter import errors  # pylint: disable=g-import-not-at-top
-  from ckpt_iter.tunix import _input  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
 
   for field, record in [("last_prompts", {"count": 2, "digest": "54a857c2fc97704e"}),
                         ("last_prompts.content", {"count": 2, "content": {"check": 1}}),
                         ("last_rows", {"count": -1, "digest": "54a857c2fc97704e"})]:
     with pytest.raises(errors.InvalidStateError, match=f"field 'position.{field}'"):
-      _input.MicroBatchInput.check_position(
+      state_lib.check_micro_batch_position(
           {"micro_batches_taken": 0, field.split(".")[0]: record}, "checkpoint step 2")
 
 
@@ -247,3 +249,82 @@ def test_a_changed_learner_field_is_refused_whatever_the_input():
     session.fingerprint = {**session.fingerprint, "num_iterations": 2}
     with pytest.raises(errors.ConfigDriftError, match="num_iterations"):
       session._continuation(value, frozenset(), "checkpoint step 2")  # pylint: disable=protected-access
+
+
+_LEARNER_EDITS = [
+    ("micro_batches_taken", -1, "field 'position' holds"),
+    ("rows_taken", "x", "field 'position.rows_taken' is 'x'"),
+    ("stream_rows", "x", "field 'position.stream_rows' is 'x'"),
+    ("last_prompts", {"count": -3, "content": None}, "field 'position.last_prompts'"),
+    ("extra", 1, "field 'position' holds"),
+]
+
+
+@pytest.mark.parametrize("field, value, words", _LEARNER_EDITS, ids=[e[0] for e in _LEARNER_EDITS])
+def test_an_edited_learner_field_is_refused_by_the_restore_and_by_verify_alike(field, value, words, tmp_path,
+                                                                              capsys):
+  # issue 60 items 4 and 8: verify passed edits the restore refused, and a `stream_rows` of "x" was taken
+  # by both (the run then blocked in its data producer). One check now: `state.check_learner_position`.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import checkpoint as checkpoint_lib, cli, errors  # pylint: disable=g-import-not-at-top
+
+  saved = _saved_after(_session_over(_record_input(2), 2), full_batches=2)
+  edited = dict(saved.position)
+  if field == "last_prompts":
+    edited[field] = dict(saved.position[field], count=-3)
+  else:
+    edited[field] = value
+  bad = dataclasses.replace(saved, position=edited)
+  session = _session_over(_record_input(2), 2)
+  with pytest.raises(errors.InvalidStateError, match=re.escape(words)):
+    session._continuation(bad, frozenset(), "checkpoint step 2")  # pylint: disable=protected-access
+
+  class Holder:
+    def state(self):
+      return saved
+
+  item = os.path.join(str(tmp_path), "2", "data")
+  os.makedirs(item)
+  checkpoint_lib.IteratorCheckpointHandler(0, 1).save(item, ckpt_iter.IteratorSave(Holder()))
+  assert cli.main(["verify", str(tmp_path)]) == 0
+  capsys.readouterr()
+  header_path = os.path.join(item, "process_0-of-1.json")
+  header = json.load(open(header_path))
+  header["position"][field] = (dict(header["position"][field], count=-3) if field == "last_prompts" else value)
+  json.dump(header, open(header_path, "w"))
+  assert cli.main(["verify", str(tmp_path)]) == 1
+  out, err = capsys.readouterr()
+  assert words in out + err and "Traceback" not in out + err, out + err
+
+
+def test_a_producer_that_fails_is_reported_by_the_next_save_with_its_cause(monkeypatch):
+  # issue 60 item 8: the producer's closing bookkeeping raised (a `stream_rows` of "x"), its mini-batch was
+  # never marked done, and the first save waited 600 s for it, then said only "did not finish".
+  import queue  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import errors, tunix as resumable  # pylint: disable=g-import-not-at-top
+
+  session = _session_over(_record_input(2), 2)
+  trainer = types.SimpleNamespace(iter_steps=0, train_steps=0)
+  session.learner = types.SimpleNamespace(rl_cluster=types.SimpleNamespace(actor_trainer=trainer, global_steps=0))
+  session.index_in_global_step, session.current, session._lock = 0, None, threading.Lock()  # pylint: disable=protected-access
+  session._restored_pending, session._restored_eval = None, None  # pylint: disable=protected-access
+  session.lineage = None
+  session.input._stream_rows_base = "x"  # pylint: disable=protected-access  (as a state the restore took)
+  learner = object.__new__(resumable.ResumableGRPOLearner)
+  learner._ci_session = session  # pylint: disable=protected-access
+  learner._ci_produce = lambda *args: None  # pylint: disable=protected-access  (the rollout: nothing to do here)
+  data_queue = queue.Queue()
+  with pytest.raises(TypeError):
+    resumable.Resumable._prepare_data(learner, None, 1, 1, 1, 2, data_queue)  # pylint: disable=protected-access
+  assert data_queue.get_nowait() is None  # the trainer is told the mini-batch ended
+  # A short bound, so that a producer left unmarked fails this test ("did not finish") instead of hanging it.
+  monkeypatch.setattr(_session, "_PRODUCER_TIMEOUT_SECONDS", 5.0)
+  with pytest.raises(errors.CkptIterError, match=r"data producer failed on its mini-batch \(TypeError: "):
+    session.snapshot(3)
