@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,11 +99,13 @@ class Finding:
   resume_number: int | None = None
   # For a resume: its record (the lineage entry) as text, what makes it one resume of this process.
   record: str | None = dataclasses.field(default=None, repr=False, compare=False)
+  # For a resume into another pipeline: the fingerprint fields it accepted (`accepted_changes`).
+  accepted: tuple[str, ...] = ()
 
   def line(self) -> str:
     what = f"resume from step {self.resumed_from}" if self.resumed_from is not None else f"step {self.step}"
     if self.resumed_from is not None:
-      what += f" (first saved at step {self.step})"
+      what += f" (the first step kept after it: {self.step})"
     return f"{self.verdict}: process {self.process_index}: {what}: {self.message}"
 
 
@@ -124,11 +127,16 @@ class Report:
 
   def resume_counts(self) -> tuple[int, int]:
     """(resumes, proven exact): a resume of a job of several processes is one resume, proven when
-    every process that saved after it proved it."""
+    every process that saved after it proved it, and none accepted a change of pipeline."""
     verdicts: dict[tuple[Any, ...], set[str]] = {}
     for f in self.resumes:
-      verdicts.setdefault((f.step, f.resumed_from, f.resume_number), set()).add(f.verdict)
+      verdicts.setdefault((f.step, f.resumed_from, f.resume_number), set()).add(
+          "changed" if f.accepted else f.verdict)
     return len(verdicts), sum(found == {OK} for found in verdicts.values())
+
+  def changed_resumes(self) -> int:
+    """The resumes into another pipeline (an accepted `allow_drift` of the data)."""
+    return len({(f.step, f.resumed_from, f.resume_number) for f in self.resumes if f.accepted})
 
   @property
   def verdict(self) -> str:
@@ -582,8 +590,43 @@ def _resume_finding(
     )
   at = "" if origin.progress is None else f", position {origin.progress}"
   pending = f", {origin.remaining} pending" if origin.remaining else ""
+  accepted = accepted_changes(origin.fingerprint, saved.fingerprint)
+  if accepted:
+    shown = "; ".join(f"{name} {state_lib.short_repr(a, 24)} -> {state_lib.short_repr(b, 24)}"
+                      for name, (a, b) in accepted[:4]) + ("; ..." if len(accepted) > 4 else "")
+    return Finding(OK, *where, f"resumed at step {source_step}'s saved state{at}{pending}, into another pipeline: "
+                   f"accepted changes {shown} (declared with allow_drift at that restore: what was read from "
+                   "here on is the changed pipeline's, not the saved run's continuation)",
+                   resumed_from=source_step, accepted=tuple(name for name, _ in accepted))
   return Finding(OK, *where, f"resumed exactly at step {source_step}'s saved state{at}{pending}",
                  resumed_from=source_step)
+
+
+# Fields a restore changes while continuing the same stream exactly (docs/changing_the_run.md): the batch
+# geometry, the process count, the number of epochs, skips (audited as skips), a Tunix learner's batch
+# sizes; a mixture's weights and sources, each source continuing at its own next record.
+_EXACT_CHANGES = frozenset({
+    "batch_size", "global_batch_size", "batches_per_epoch", "shard_index", "shard_count", "num_epochs",
+    "dataset_length", "skips", "full_batch_size", "mini_batch_size", "train_micro_batch_size",
+    "rollout_micro_batch_size", "compute_logps_micro_batch_size",
+})
+_PER_SOURCE = re.compile(r"^(weight|source_length|source_digest|shuffle_shards)\[(.+)\]$")
+
+
+def accepted_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[tuple[str, tuple[Any, Any]]]:
+  """The fingerprint fields a resume changed that are not a continuation of the same stream: each an
+  `allow_drift` a restore accepted (another seed, source, records or function), sorted by name."""
+  changed = state_lib.differing_fields(before, after)
+  mixture = any(name.startswith("weight[") for name in (*before, *after))
+  found = []
+  for name, values in sorted(changed.items()):
+    bare = name.removeprefix(f"{state_lib.INPUT}.")
+    per_source = _PER_SOURCE.match(bare)
+    if bare in _EXACT_CHANGES or (mixture and bare == "source") or (per_source and (
+        per_source.group(1) == "weight" or state_lib.ABSENT in values)):
+      continue  # a mixture's sources added or removed, or its weights: each source at its own next record
+    found.append((name, values))
+  return found
 
 
 def _forward(previous: Saved, saved: Saved, context: str) -> list[Finding]:
@@ -622,6 +665,7 @@ def report_json(report: Report) -> dict[str, Any]:
       "checkpoint": report.root, "item": report.item, "steps": list(report.steps),
       "verdict": report.verdict,
       "resumes": report.resume_counts()[0], "proven_exact": report.resume_counts()[1],
+      "into_another_pipeline": report.changed_resumes(),
       "resumes_before_kept_steps": report.resumes_before_window,
       "removed_while_reading": report.removed,
       "findings": [{k: v for k, v in dataclasses.asdict(f).items() if k != "record"} for f in report.findings],
@@ -658,6 +702,8 @@ def report_lines(report: Report) -> list[str]:
     # The usual cause: max_to_keep deleted the steps the run resumed from.
     lines.append(f"  steps a resume came from are not kept: to keep them, {datamap.KEEP_RESUMED_STEPS} "
                  f"({_urls.doc_url('prove_your_run.md')})")
+  changed = report.changed_resumes()
+  into = f", {changed} into another pipeline (accepted changes named above)" if changed else ""
   lines.append(f"{verdict}: {len(report.points)} state(s), {resumes} resume(s){beyond}, "
-               f"{proven} proven exact")
+               f"{proven} proven exact{into}")
   return lines

@@ -171,7 +171,7 @@ def test_the_text_report_and_picture(tmp_path, capsys):
   code = cli.main(["audit", str(tmp_path), "--plot", str(tmp_path / "t.png")])
   out = capsys.readouterr().out.splitlines()
   assert code == 0
-  assert out[1] == "  ok: process 0: resume from step 2 (first saved at step 3): resumed exactly at step 2's saved state, position 2"
+  assert out[1] == "  ok: process 0: resume from step 2 (the first step kept after it: 3): resumed exactly at step 2's saved state, position 2"
   assert out[2] == "unbroken chain: 3 state(s), 1 resume(s), 1 proven exact"
   assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -567,3 +567,43 @@ def test_a_stream_whose_position_moves_back_with_no_resume_is_a_broken_chain(tmp
   code, report, _ = _audit(capsys, tmp_path)
   assert report["verdict"] == "broken", report
   assert any(f["step"] == 4 and "position 4, behind step 3's 6" in json.dumps(f) for f in report["findings"]), report
+
+
+def test_a_resume_into_another_pipeline_is_named_not_proven_exact(tmp_path, capsys):
+  # issue 60 item 5: a second job into the same root with allow_drift={"seed"} was certified "proven exact".
+  def segment(seed, steps, restore):
+    iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset([{"x": i} for i in range(40)], batch_size=2,
+                                                             seed=seed, num_epochs=None))
+    with ocp.CheckpointManager(str(tmp_path), item_names=("data",)) as manager:
+      if restore:
+        manager.restore(manager.latest_step(), args=ocp.args.Composite(
+            data=ckpt_iter.IteratorRestore(iterator, allow_drift={"seed"})))
+      for step in steps:
+        next(iterator)
+        manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+      manager.wait_until_finished()
+
+  segment(0, [1, 2, 3], restore=False)
+  segment(1, [4, 5], restore=True)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert report["resumes"] == 1 and report["proven_exact"] == 0 and report["into_another_pipeline"] == 1, report
+  resume = next(f for f in report["findings"] if f["resumed_from"] == 3)
+  assert resume["accepted"] == ["seed"] and "accepted changes seed 0 -> 1" in resume["message"], resume
+  assert cli.main(["audit", str(tmp_path)]) == code
+  out, _ = capsys.readouterr()
+  assert "0 proven exact, 1 into another pipeline" in out and "(the first step kept after it: 4)" in out, out
+
+
+def test_a_batch_size_change_at_a_resume_is_still_proven_exact(tmp_path, capsys):
+  for batch_size, steps, restore in ((2, [1, 2], False), (4, [3, 4], True)):
+    iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset([{"x": i} for i in range(40)], batch_size=batch_size,
+                                                             seed=3, num_epochs=None))
+    with ocp.CheckpointManager(str(tmp_path), item_names=("data",)) as manager:
+      if restore:
+        manager.restore(manager.latest_step(), args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(iterator)))
+      for step in steps:
+        next(iterator)
+        manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+      manager.wait_until_finished()
+  _, report, _ = _audit(capsys, tmp_path)
+  assert report["proven_exact"] == 1 and report["into_another_pipeline"] == 0, report
