@@ -437,8 +437,8 @@ def apply_skips(node: "GlobalBatchDataset | _lanes.LaneDataset", change: "SkipCh
     The skips' fingerprint text (`skips_lib.SKIPS_FIELD`), or None when the run skips nothing.
   """
   node.set_skips(change.effective)
-  for line in change.lines():
-    LOGGER.info(line)
+  for level, line in change.lines():
+    LOGGER.log(level, line)
   return change.effective.to_text() if change.effective else None
 
 
@@ -454,15 +454,16 @@ class SkipChange:
   added: skips_lib.Skips
   already_read: tuple[tuple[int, int], ...]
 
-  def lines(self) -> list[str]:
+  def lines(self) -> list[tuple[int, str]]:
+    """(logging level, line): a declared skip that is not (fully) applied is a WARNING, shown by default."""
     lines = []
     if self.added:
-      lines.append(f"skips added at this restore: {self.added.describe()}; the run now skips "
-                   f"{self.effective.describe()}.")
+      lines.append((logging.INFO, f"skips added at this restore: {self.added.describe()}; the run now skips "
+                                  f"{self.effective.describe()}."))
     if self.already_read:
       shown = skips_lib.ranges_text(self.already_read)
-      lines.append(f"declared skip of stream records {shown} not applied: they were read before the "
-                   "restored position (restore an earlier step to skip them).")
+      lines.append((logging.WARNING, f"declared skip of stream records {shown} not applied: they were read "
+                                     "before the restored position (restore an earlier step to skip them)."))
     return lines
 
 

@@ -131,6 +131,10 @@ def test_a_declared_skip_already_read_is_said_and_not_applied(tmp_path, caplog):
   assert json.loads(resumed.fingerprint["skips"]) == {"records": [[8, 12]]}
   assert "declared skip of stream records [2, 8) not applied: they were read before the restored position" in caplog.text
   assert "skips added at this restore: stream records [8, 12) (4 records)" in caplog.text
+  # Not (fully) applied is a WARNING (shown by default, issue 60 item 6); what was added stays INFO.
+  levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records if r.name == "ckpt_iter"}
+  assert levels["declared skip of stream records [2, 8) not applied"] == "WARNING"
+  assert levels["skips added at this restore"] == "INFO"
 
 
 def test_source_records_of_an_unshuffled_source_are_skipped_in_every_epoch_from_the_restart(tmp_path):
