@@ -88,6 +88,7 @@ class ConfigDriftError(CkptIterError):
                way: str | None = None):
     """`way`: the way through, where rebuilding or `allow_drift` is not one (it replaces that advice)."""
     self.differences = dict(differences)
+    self.way = way
     shown = heapq.nsmallest(SHOWN_DIFFERENCES, self.differences.items(), key=lambda item: item[0])
     parts = [
         f"{shown_name(name)}={shown_value(saved, SHOWN_DRIFT_VALUE_CHARS)} there, "

@@ -340,9 +340,17 @@ def check_learner_state(
     ConfigDriftError: a learner field differs, or the input refuses the change.
   """
   learner_fields = frozenset(learner_fingerprint) | frozenset(saved) | frozenset(optional_learner_fields)
-  state_lib.check_fingerprint(
-      saved, learner_fingerprint, allow_drift=allow_drift & learner_fields, origin=origin,
-  )
+  if saved:
+    learner_drift = state_lib.differing_fields(saved, learner_fingerprint, allow_drift=allow_drift & learner_fields)
+    if learner_drift:
+      # One refusal names everything the change needs: the input's differences too (a batch size both
+      # hold), so that following it is not met by a second refusal.
+      try:
+        source.check(saved_input, allow_drift=allow_drift - learner_fields, origin=origin)
+      except errors.ConfigDriftError as e:
+        raise errors.ConfigDriftError({**learner_drift, **e.differences}, origin=origin,
+                                      way=getattr(e, "way", None)) from None
+      raise errors.ConfigDriftError(learner_drift, origin=origin)
   return source.check(saved_input, allow_drift=allow_drift - learner_fields, origin=origin)
 
 

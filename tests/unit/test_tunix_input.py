@@ -1,6 +1,8 @@
 """The learners' input positions (ckpt_iter/tunix/_input.py), without a Tunix run."""
 
+import ast
 import json
+import re
 
 import grain
 import numpy as np
@@ -417,3 +419,41 @@ def test_a_streaming_iterator_as_train_ds_resumes_through_its_own_state_with_no_
   assert stream.loads == 1 and read_before == 0
   trained += drain(second)
   assert trained == uninterrupted  # each row once, in the uninterrupted order
+
+
+class _PromptStream:
+  """A stream with state_dict()/load_state_dict(): its state is the next prompt."""
+
+  def __init__(self):
+    self.next = 0
+
+  def __iter__(self):
+    while self.next < 40:
+      self.next += 1
+      yield {"prompts": f"prompt {self.next - 1}", "answer": str(self.next - 1)}
+
+  def state_dict(self):
+    return {"next": self.next}
+
+  def load_state_dict(self, state):
+    self.next = state["next"]
+
+
+def test_one_refusal_names_every_field_a_learner_batch_change_over_a_stream_needs():
+  # issue 60 item 7: the first refusal named the learner's geometry fields; following it met a second
+  # refusal asking for the stream's batch_size.
+  saved_stream = ckpt_iter.StreamingIterator(_PromptStream(), batch_size=4)
+  for _ in range(3):
+    next(saved_stream)
+  learner = {"learner": "GRPOLearner", "full_batch_size": 4, "mini_batch_size": 4, "train_micro_batch_size": 4}
+  changed = {"learner": "GRPOLearner", "full_batch_size": 8, "mini_batch_size": 8, "train_micro_batch_size": 8}
+  source = _input.make_source(ckpt_iter.StreamingIterator(_PromptStream(), batch_size=8))
+  with pytest.raises(errors.ConfigDriftError) as refusal:
+    _input.check_learner_state(learner, changed, source, saved_stream.state(), allow_drift=frozenset(),
+                               origin="checkpoint step 3")
+  assert set(refusal.value.differences) == {"full_batch_size", "mini_batch_size", "train_micro_batch_size",
+                                            "batch_size"}
+  way = re.search(r"allow_drift=(\{[^}]*\})", str(refusal.value)).group(1)
+  apply = _input.check_learner_state(learner, changed, source, saved_stream.state(), allow_drift=frozenset(
+      ast.literal_eval(way)), origin="checkpoint step 3")
+  apply()
