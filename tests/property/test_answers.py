@@ -39,7 +39,8 @@ import support
 
 COUNTS: collections.Counter = collections.Counter()
 _OFFSET = {"": 0, "a": 1000, "b": 2000}  # support.CHAIN_SOURCES' ids: 1000 + index in a, 2000 + in b
-_MIXTURES = [None, {"a": 1, "b": 1}, {"a": 3, "b": 1}, {"a": 1}, {"b": 2, "a": 1}]
+# {"b": 2, "a": 1} <-> {"b": 2}: a source added or removed where the shares' gcd moves (b: 2 -> 1).
+_MIXTURES = [None, {"a": 1, "b": 1}, {"a": 3, "b": 1}, {"a": 1}, {"b": 2, "a": 1}, {"b": 2}]
 # Grain's shuffle, or the shard-aware one (shards of 4 records, 2 to a window): the answers are the same code.
 _SHUFFLES = {"global": {}, "shards": {"shuffle": "shards", "shard_size": 4, "shuffle_window": 2}}
 
