@@ -46,6 +46,12 @@ class _EscapingStream:
   def write(self, text: str) -> int:
     return self._stream.write(terminal_safe(text))
 
+  @property
+  def unescaped(self) -> Any:
+    """The stream itself, for text of the verb's own that must reach the terminal as it is (a progress
+    bar's carriage returns): never a checkpoint's string."""
+    return self._stream
+
   def __getattr__(self, name: str) -> Any:
     return getattr(self._stream, name)
 

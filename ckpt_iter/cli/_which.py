@@ -268,7 +268,9 @@ class Progress:
   _bar: Any = None
 
   def update(self, done: int) -> None:
+    # The bar is our own text (counts, a rate): its carriage returns must reach the terminal as they are.
     stream = self.stream or sys.stderr
+    stream = getattr(stream, "unescaped", stream)
     if not getattr(stream, "isatty", lambda: False)():
       if done % self.every == 0 or done >= self.total:
         stream.write(f"order: {done}/{self.total} batches{self._pace(done)}\n")
