@@ -379,3 +379,13 @@ def test_the_checker_catches_the_old_iterator_restore_docstring():
       global batch size must be the same (see docs/multihost.md)."""
   assert claim_problems(inspect.cleandoc(old))
   assert not claim_problems("Grain's ElasticIterator resumes with another count at the same global batch size.")
+
+
+def test_the_readme_states_the_sampled_digest_s_limit_as_the_guarantees_do():
+  # issue 58 item 4: the README said a changed record is refused; a same-size edit of one record outside
+  # the sample restores silently (docs/guarantees.md says so).
+  readme = (_REPO / "README.md").read_text()
+  guarantees = (_REPO / "docs" / "guarantees.md").read_text()
+  assert "touches only records outside the sample is not detected" in guarantees
+  assert "a\nsame-size edit of one record elsewhere restores silently" in readme or (
+      "same-size edit of one record elsewhere restores silently" in " ".join(readme.split()))
