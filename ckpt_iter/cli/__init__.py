@@ -387,7 +387,7 @@ def run_which(args: argparse.Namespace) -> int:
 
   answer, files = _retrying(attempt)
   if args.json:
-    print(json.dumps(_which.answer_json(answer, files), indent=1))
+    print(json.dumps(_which.answer_json(answer, files)))  # one line per answer: JSONL, as docs/data_map.md shows
   else:
     print("\n".join(_which.answer_lines(answer, files)))
   return EXIT_OK

@@ -41,6 +41,7 @@ def test_which_step_prints_the_records_of_the_steps_last_batch(chain, capsys):
   root, kept = chain
   for step in range(1, len(kept) + 1):
     code, out, _ = _main(capsys, "which", root, "--step", str(step), "--json")
+    assert len(out.strip().splitlines()) == 1, out  # one line per answer (issue 58 item 5), as data_map.md shows
     answer = json.loads(out)
     assert code == 0 and answer["step"] == step and answer["records"] == kept[step - 1]
     assert answer["number"] == step - 1
