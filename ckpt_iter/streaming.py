@@ -419,11 +419,21 @@ def _hf_files(source: Any) -> list[str]:
 
 
 def _files_hint(source: Any, *, bare: bool = False) -> str:
-  files = _hf_files(source) if _is_hf_iterable(source) else []
+  # In the order a glob gives them (a shuffled stream holds its files shuffled), relative to the working
+  # directory when under it (Hugging Face resolves what the user wrote to absolute paths).
+  files = sorted(_shown_path(f) for f in _hf_files(source)) if _is_hf_iterable(source) else []
   if not files:
     return "" if bare else "(paths, ...)"
   shown = repr(files[:_SHOWN_FILES])[:-1] + (", ...]" if len(files) > _SHOWN_FILES else "]")
   return shown if bare else f"({shown}, ...)"
+
+
+def _shown_path(path: str) -> str:
+  """A stream's file as a user would write it: relative to the working directory when under it."""
+  if _storage.is_url(path) or not os.path.isabs(path):
+    return path
+  relative = os.path.relpath(path)
+  return path if relative.startswith(os.pardir) else relative
 
 
 def _files_text(files: list[str]) -> str:

@@ -391,3 +391,18 @@ def test_a_streaming_iterator_has_state_dict_and_load_state_dict(jsonl_files):
   again = streaming.StreamingIterator(_hf(jsonl_files), batch_size=3)
   again.load_state_dict(saved)
   assert _ids(next(again)) == expected
+
+
+def test_a_shuffle_buffer_refusal_lists_the_files_as_a_user_writes_them(tmp_path, monkeypatch):
+  # issue 58 item 8: the paths came in the stream's shuffled order, resolved to absolute paths.
+  directory = tmp_path / "corpus"
+  directory.mkdir()
+  for part in range(6):
+    (directory / f"part-{part}.jsonl").write_text(json.dumps({"id": part}) + "\n")
+  monkeypatch.chdir(tmp_path)
+  written = [f"corpus/part-{part}.jsonl" for part in range(6)]
+  stream = datasets.load_dataset("json", data_files=written, split="train", streaming=True).shuffle(seed=3,
+                                                                                                    buffer_size=4)
+  with pytest.raises(errors.UnsupportedConfigError) as refusal:
+    streaming.StreamingIterator(stream, batch_size=2)
+  assert f"make_dataset({written[:4]!r}"[:-1] + ", ...]" in str(refusal.value), str(refusal.value)
