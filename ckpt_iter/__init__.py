@@ -26,7 +26,7 @@ from ckpt_iter.datamap import Batch
 from ckpt_iter.datamap import LearnerStep
 from ckpt_iter.datamap import RunMap
 from ckpt_iter.datamap import SourceRecord
-from ckpt_iter.datamap import Stream
+from ckpt_iter.datamap import RecordStream
 from ckpt_iter.datamap import last_batch
 from ckpt_iter.datamap import learner_step
 from ckpt_iter.state import FORMAT_VERSION
@@ -74,7 +74,17 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselve
   from ckpt_iter.streaming import StreamingIterator
 
 
+# Names renamed, kept for one release (0.3.x) with a DeprecationWarning: old name -> new name.
+_RENAMED = {"Stream": "RecordStream"}
+
+
 def __getattr__(name: str):
+  if name in _RENAMED:
+    import warnings  # pylint: disable=g-import-not-at-top
+
+    warnings.warn(f"ckpt_iter.{name} is renamed ckpt_iter.{_RENAMED[name]} (too like StreamingIterator); the old "
+                  "name goes in 0.4.0.", DeprecationWarning, stacklevel=2)
+    return globals()[_RENAMED[name]]
   module = _LAZY.get(name)
   if module is None:
     raise AttributeError(f"module 'ckpt_iter' has no attribute {name!r}")
@@ -111,6 +121,7 @@ __all__ = [
     "LegacyCheckpointError",
     "Pending",
     "ProcessCountError",
+    "RecordStream",
     "RepeatIterator",
     "ReplayIterator",
     "RunMap",
@@ -120,7 +131,6 @@ __all__ = [
     "StorageError",
     "StorageTimeoutError",
     "StoreBounds",
-    "Stream",
     "StreamingIterator",
     "UnsupportedConfigError",
     "last_batch",

@@ -17,7 +17,7 @@ after a restore, the last batch is the run before's, which the lineage's
 last resumes describe (where they cannot, a mixture reweighted at that
 restore or a start no longer recorded, the error names the step to ask):
 
-  * `Stream`: stream record -> source record, and the plan from any record;
+  * `RecordStream`: stream record -> source record, and the plan from any record;
   * `last_batch`: the batch that ends at a state's position (its start by
     the plan in effect: for an epoch's short last batch, the restored record
     of the segment it was read in, when known);
@@ -124,7 +124,7 @@ def _input_fields(value: state_lib.IteratorState) -> tuple[Mapping[str, Any], Ma
   return inner.fingerprint, (inner.position if isinstance(inner.position, Mapping) else {})
 
 
-class Stream:
+class RecordStream:
   """The stream of one make_dataset data state: its records' sources, and its batch plans.
 
   Args:
@@ -288,7 +288,7 @@ def _int_field(fingerprint: Mapping[str, Any], name: str, origin: str) -> int:
 # The last batch before a position.
 
 
-def last_batch(stream: Stream, *, segment_start: int | None = None, resumed_from: int | None = None) -> Batch:
+def last_batch(stream: RecordStream, *, segment_start: int | None = None, resumed_from: int | None = None) -> Batch:
   """The batch that ends at `stream.next_record`: the last one read before the state was taken.
 
   Args:
@@ -332,14 +332,14 @@ def last_batch_of(value: state_lib.IteratorState, *, origin: str = "the state") 
   lineage = value.lineage or {}
   recent = lineage.get("recent") or ()
   fingerprint, position = _input_fields(value)
-  stream = Stream(fingerprint, position, origin=origin)
+  stream = RecordStream(fingerprint, position, origin=origin)
   start = segment_start(value)
   if start is not None and start > 0 and stream.next_record == start and recent:
     return _last_batch_before_the_restore(stream, fingerprint, position, lineage, origin)
   return last_batch(stream, segment_start=start, resumed_from=recent[-1].get("step") if recent else None)
 
 
-def _last_batch_before_the_restore(stream: Stream, fingerprint: Mapping[str, Any], position: Mapping[str, Any],
+def _last_batch_before_the_restore(stream: RecordStream, fingerprint: Mapping[str, Any], position: Mapping[str, Any],
                                    lineage: Mapping[str, Any], origin: str) -> Batch:
   """The last batch of the segment a state was restored from, by its lineage (`last_batch_of`)."""
   recent = list(lineage["recent"])
@@ -368,11 +368,11 @@ def _last_batch_before_the_restore(stream: Stream, fingerprint: Mapping[str, Any
   if "batch_size" in geometry and "process_count" in geometry:
     before.update(global_batch_size=geometry["batch_size"], shard_count=geometry["process_count"],
                   batch_size=geometry["batch_size"] // max(geometry["process_count"], 1))
-  previous = Stream(before, position, origin=origin)
+  previous = RecordStream(before, position, origin=origin)
   return last_batch(previous, segment_start=int(began), resumed_from=resumed_from)
 
 
-def _plan_ending_at(stream: Stream, end: int) -> _records.BatchPlan:
+def _plan_ending_at(stream: RecordStream, end: int) -> _records.BatchPlan:
   """Without the segment's start: the plan whose batches keep the rule from the epoch's first record."""
   if stream.length is None:
     return stream.plan_at(end)
@@ -385,7 +385,7 @@ def _plan_ending_at(stream: Stream, end: int) -> _records.BatchPlan:
   return stream.plan_at(epoch * stream.length)
 
 
-def _how(stream: Stream, plan: _records.BatchPlan, index: int, segment_start: int | None,
+def _how(stream: RecordStream, plan: _records.BatchPlan, index: int, segment_start: int | None,
          resumed_from: int | None) -> str:
   start, stop = plan.span(index)
   records = len(plan.records(index))
@@ -436,7 +436,7 @@ class Segment:
   """
 
   number: int
-  stream: Stream
+  stream: RecordStream
   start_record: int
   stop_record: int
   resumed_from: int | None
@@ -529,7 +529,7 @@ class RunMap:
       ItemNotFoundError: a step the lineage resumed from is not kept, or the
         lineage holds fewer resumes than the run had (only the last 64 are recorded).
       InvalidStateError: the chain rolls back, or a state does not fit its pipeline.
-      UnsupportedConfigError: the positions are not stream records (see `Stream`).
+      UnsupportedConfigError: the positions are not stream records (see `RecordStream`).
     """
     last = states[last_step]
     lineage = last.lineage or {"resumes": 0, "recent": []}
@@ -546,8 +546,8 @@ class RunMap:
     return cls(_segments(last_step, last_stream, restored))
 
 
-def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.IteratorState], last: Stream,
-                     keep_policy: str) -> Stream:
+def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.IteratorState], last: RecordStream,
+                     keep_policy: str) -> RecordStream:
   """The stream a resume restored: its step's state when kept, else what the resume entry records of it.
 
   An entry records the restored record, batch size and process count, and a mixture's segment
@@ -564,7 +564,7 @@ def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.It
     fingerprint = dict(last.fingerprint, global_batch_size=fields["batch_size"], shard_count=fields["process_count"])
     position: dict[str, Any] = {_records.NEXT_RECORD: fields["record"]}
     if last.mixture is None:
-      return Stream(fingerprint, position, origin=origin)
+      return RecordStream(fingerprint, position, origin=origin)
     if isinstance(entry.get("mixture"), str):
       # The mixture of that segment: its shares, its sources' lengths and its ledger, as the entry records them.
       shares, lengths, position[_records.MIXTURE] = _records.parse_mixture_segment(entry["mixture"], origin=origin)
@@ -572,7 +572,7 @@ def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.It
       fingerprint.update({f"weight[{n}]": v for n, v in shares.items()})
       fingerprint.update({f"source_length[{n}]": v for n, v in lengths.items()})
       try:
-        return Stream(fingerprint, position, origin=origin)
+        return RecordStream(fingerprint, position, origin=origin)
       except errors.InvalidStateError:
         pass  # a per-source field the entry does not record (a removed source's shard layout): needs the step
   policy = f" ({keep_policy})" if keep_policy else ""
@@ -595,7 +595,7 @@ def segment_start(value: state_lib.IteratorState) -> int | None:
   return int(record) if state_lib.is_int(record) else None
 
 
-def _segments(last_step: int, last: Stream, restored: list[tuple[int | None, Stream]]) -> list[Segment]:
+def _segments(last_step: int, last: RecordStream, restored: list[tuple[int | None, RecordStream]]) -> list[Segment]:
   # Segment j runs from restore j's position to restore j+1's (the last one to the last state's);
   # its stream (batch size, skips, mixture) is that of the state that ends it.
   starts = [(0, None)] + [(stream.next_record, step) for step, stream in restored]
@@ -617,9 +617,9 @@ def _segments(last_step: int, last: Stream, restored: list[tuple[int | None, Str
   return segments
 
 
-def _stream(value: state_lib.IteratorState, origin: str) -> Stream:
+def _stream(value: state_lib.IteratorState, origin: str) -> RecordStream:
   fingerprint, position = _input_fields(value)
-  return Stream(fingerprint, position, origin=origin)
+  return RecordStream(fingerprint, position, origin=origin)
 
 
 # ---------------------------------------------------------------------------
@@ -723,7 +723,7 @@ def learner_step(value: state_lib.IteratorState, *, run: RunMap | None = None,
 def _full_batch(value: state_lib.IteratorState, own: Mapping[str, Any], run: RunMap | None, origin: str) -> Batch:
   """The full batch of the learner's global step: the one its position is inside, or the one it just ended."""
   fingerprint, position = _input_fields(value)
-  stream = Stream(fingerprint, position, origin=origin)
+  stream = RecordStream(fingerprint, position, origin=origin)
   if not (own.get("micro_batches_taken") or own.get("rows_taken")):
     if run is not None:
       return run.last()

@@ -150,6 +150,14 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     return element
 
   def skip(self, count: int) -> None:
+    """Deprecated (too like `ckpt_iter.Skip`, which declares records to skip): `advance(count)`."""
+    import warnings  # pylint: disable=g-import-not-at-top
+
+    warnings.warn("DataIterator.skip(count) is renamed advance(count) (too like ckpt_iter.Skip); the old name "
+                  "goes in 0.4.0.", DeprecationWarning, stacklevel=2)
+    self.advance(count)
+
+  def advance(self, count: int) -> None:
     """Moves past the next `count` elements of a MapDataset pipeline in O(1) (indices, not produced).
 
     For a caller that must pass over elements it knows were consumed (a
@@ -158,7 +166,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     """
     if self._length is None:
       raise errors.UnsupportedConfigError(
-          f"{self}: skip() needs a MapDataset pipeline; an IterDataset's elements can only be read past.")
+          f"{self}: advance() needs a MapDataset pipeline; an IterDataset's elements can only be read past.")
     next_index = self._inner.get_state()["next_index"]
     self._inner.set_state({"next_index": min(next_index + int(count), self._length)})
     self._last = _NOTHING  # what was read before the new position is not known

@@ -74,7 +74,7 @@ def which(pipeline: Any, state: Any) -> datamap.Batch:
         "chain of single parents. Build the pipeline with make_dataset.")
   _check_same_source(node, fingerprint)
   try:
-    stream = datamap.Stream(fingerprint, position)
+    stream = datamap.RecordStream(fingerprint, position)
   except errors.UnsupportedConfigError:
     stream = None
   if stream is not None:
@@ -95,14 +95,14 @@ def _check_same_source(node: Any, fingerprint: Mapping[str, Any]) -> None:
     raise errors.ConfigDriftError(differences, origin="which(): the state")
 
 
-def _stream_of(node: Any, fingerprint: Mapping[str, Any]) -> datamap.Stream:
+def _stream_of(node: Any, fingerprint: Mapping[str, Any]) -> datamap.RecordStream:
   """The node's stream as a record position would describe it (for the records' sources)."""
   position: dict[str, Any] = {_records.NEXT_RECORD: 0}
   mixture = getattr(node, "mixture", None) if not isinstance(node, _lanes.LaneDataset) else None
   if node.spec.is_mixture:
     position[_records.MIXTURE] = (mixture or node.spec.initial_mixture()).to_json()
   fields = {k: v for k, v in fingerprint.items() if k not in ("position_scope",)}
-  return datamap.Stream(fields, position, origin="which()")
+  return datamap.RecordStream(fields, position, origin="which()")
 
 
 # ---------------------------------------------------------------------------

@@ -100,6 +100,14 @@ class ReplayIterator(state_lib.RestorableIterator):
     return apply
 
   def skip(self, count: int) -> None:
+    """Deprecated (too like `ckpt_iter.Skip`, which declares records to skip): `advance(count)`."""
+    import warnings  # pylint: disable=g-import-not-at-top
+
+    warnings.warn("ReplayIterator.skip(count) is renamed advance(count) (too like ckpt_iter.Skip); the old name "
+                  "goes in 0.4.0.", DeprecationWarning, stacklevel=2)
+    self.advance(count)
+
+  def advance(self, count: int) -> None:
     """Moves past the first `count` elements (a replay), as a stock resume's `next()` loop does."""
     self._apply(self._check(self.fingerprint, {COUNT_FIELD: count}, allow_drift=(), origin="the input"))
 

@@ -204,6 +204,14 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
     return self._lookahead[0]
 
   def skip(self, count: int) -> None:
+    """Deprecated (too like `ckpt_iter.Skip`, which declares records to skip): `advance(count)`."""
+    import warnings  # pylint: disable=g-import-not-at-top
+
+    warnings.warn("StreamingIterator.skip(count) is renamed advance(count) (too like ckpt_iter.Skip); the old "
+                  "name goes in 0.4.0.", DeprecationWarning, stacklevel=2)
+    self.advance(count)
+
+  def advance(self, count: int) -> None:
     """Reads past `count` elements (what a stock resume's `next()` loop does; a restore needs none)."""
     for _ in range(count):
       try:

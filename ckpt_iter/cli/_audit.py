@@ -268,7 +268,7 @@ def _inside_until(fingerprint: Mapping[str, Any], position: Any, own: Mapping[st
   if not (own.get("micro_batches_taken") or own.get("rows_taken")) or not isinstance(position, Mapping):
     return None
   try:
-    stream = datamap.Stream(fingerprint, position, origin=origin)
+    stream = datamap.RecordStream(fingerprint, position, origin=origin)
     plan = stream.plan_at(stream.next_record)
     return plan.span(plan.index_of(stream.next_record))[1]
   except (errors.CkptIterError, TypeError):

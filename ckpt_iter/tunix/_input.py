@@ -195,7 +195,7 @@ class GrainSource(_RestorableSource):
       count -= 1
     if count > 0 and isinstance(self._iterator, iterator_lib.DataIterator) and isinstance(
         self._iterator.dataset, grain.MapDataset):
-      self._iterator.skip(count)
+      self._iterator.advance(count)
       self._moved()
       return
     for _ in range(count):
@@ -267,7 +267,7 @@ class ReplaySource(_RestorableSource):
 
   def skip_full_batches(self, count: int) -> None:
     """Moves past the first `count` full batches (a legacy resume): a replay."""
-    self._iterator.skip(count)
+    self._iterator.advance(count)
     self._moved()
 
   def row_boundary(self, stream_rows: int, last_rows: Any) -> tuple[None, str]:

@@ -478,3 +478,19 @@ def test_a_lanes_pipeline_drops_skipped_records_and_refuses_a_skip_into_a_chunk_
   resumed.set_state(state)
   read = [support.batch_ids(next(resumed)) for _ in range(5)]
   assert [b[0] for b in read] == [1, 2, 3, 8, 11]
+
+
+def test_renamed_public_names_keep_their_old_name_for_a_release_with_a_warning():
+  # issue 58 item 9: `Stream` beside `StreamingIterator`, `DataIterator.skip(count)` beside `Skip`.
+  import warnings  # pylint: disable=g-import-not-at-top
+
+  with pytest.warns(DeprecationWarning, match="renamed ckpt_iter.RecordStream"):
+    assert ckpt_iter.Stream is ckpt_iter.RecordStream
+  iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset([{"x": i} for i in range(10)], batch_size=1, seed=None))
+  with pytest.warns(DeprecationWarning, match=r"renamed advance\(count\)"):
+    iterator.skip(2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    iterator.advance(3)
+  assert int(next(iterator)["x"][0]) == 5
+  assert "Stream" not in ckpt_iter.__all__ and "RecordStream" in ckpt_iter.__all__

@@ -33,7 +33,7 @@ def test_a_state_whose_rows_user_code_computes_names_the_python_api(kind, fragme
   value = iterator.state()
   fingerprint, position = value.innermost.fingerprint, value.innermost.position
   with pytest.raises(errors.UnsupportedConfigError) as info:
-    datamap.Stream(fingerprint, position, origin="step 1")
+    datamap.RecordStream(fingerprint, position, origin="step 1")
   assert fragment in str(info.value) and "ckpt_iter.which(pipeline, state)" in str(info.value)
   # ... which answers with the pipeline.
   batch = ckpt_iter.which(pipeline, value)

@@ -170,7 +170,7 @@ def test_which_names_what_was_read_across_chained_restarts_with_no_duplicate_or_
   assert all(len(c) == 24 for c in per_epoch[:len(flat) // 24])
   # The state alone (no pipeline) says the same.
   value = iterators[0].state()
-  stream = datamap.Stream(value.fingerprint, value.position)
+  stream = datamap.RecordStream(value.fingerprint, value.position)
   assert [stream.source_of(g)[1] for g in range(len(flat))] == flat
   assert stream.source_indices(range(len(flat)))[0] == flat
 
@@ -263,10 +263,10 @@ def test_a_state_with_an_unknown_shuffle_kind_is_named():
   value = iterator.state()
   fingerprint = {**value.fingerprint, _permutation.SHUFFLE_FIELD: "rings"}
   with pytest.raises(errors.InvalidStateError, match="'shuffle' is 'rings'"):
-    datamap.Stream(fingerprint, value.position)
+    datamap.RecordStream(fingerprint, value.position)
   fingerprint = {**value.fingerprint, _permutation.SHARDS_FIELD: "5x4"}
   with pytest.raises(errors.InvalidStateError, match="summing to the source.s length 24"):
-    datamap.Stream(fingerprint, value.position)
+    datamap.RecordStream(fingerprint, value.position)
 
 
 # -- a shuffle change at a restore: exact at an epoch boundary, refused inside one (issue 57 item 12) --
