@@ -97,7 +97,7 @@ def __dir__():
   return sorted(set(globals()) | set(__all__))
 
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Batch",
