@@ -389,3 +389,10 @@ def test_the_readme_states_the_sampled_digest_s_limit_as_the_guarantees_do():
   assert "touches only records outside the sample is not detected" in guarantees
   assert "a\nsame-size edit of one record elsewhere restores silently" in readme or (
       "same-size edit of one record elsewhere restores silently" in " ".join(readme.split()))
+
+
+def test_the_hardware_notes_say_what_bit_for_bit_needs_on_each_device():
+  # issue 58 item 10: CPU, TPU v5e (measured: default XLA flags) and the H200 (deterministic ops).
+  text = " ".join((_REPO / "docs" / "guarantees.md").read_text().split())
+  assert "| TPU v5e | exact | with default XLA flags" in text
+  assert "| GPU (H200) | exact | only with `XLA_FLAGS=--xla_gpu_deterministic_ops=true`" in text
