@@ -24,7 +24,13 @@ import pytest
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 _MARKED = re.compile(r"<!-- runnable(: continues|: heavy)? -->\n```python\n(.*?)```", re.S)
-_WALKTHROUGH = re.compile(r"<!-- runnable: (?:file ([\w.-]+)|(shell)) -->\n```(?:python|sh)\n(.*?)```", re.S)
+# A shell block may be followed by the output it prints (a plain ``` block right after it): compared.
+_WALKTHROUGH = re.compile(
+    r"<!-- runnable: (?:file ([\w.-]+)|(shell)) -->\n```(?:python|sh)\n(.*?)```(?:\n\n```\n(.*?)```)?", re.S)
+# What may differ from run to run in a shown output: where it ran, process ids, wall times.
+_PAGE_DIRECTORY = re.compile(r"(?:/[\w.-]+)+/(?=ckpt_\w+/)")
+_KILLED = re.compile(r"^(bash: line \d+: +)\d+ Killed +")
+_TIMES = re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms|us)\b")
 
 
 def _programs() -> list[tuple[str, str]]:
@@ -68,10 +74,19 @@ def _walkthroughs() -> list[tuple[str, list[tuple[str | None, str]]]]:
   """(page, [(file name or None for a shell block, text), ...]) per page with a walkthrough."""
   pages = []
   for path in [_REPO / "README.md", *sorted((_REPO / "docs").glob("*.md"))]:
-    steps = [(m.group(1), m.group(3)) for m in _WALKTHROUGH.finditer(path.read_text())]
+    steps = [(m.group(1), m.group(3), m.group(4)) for m in _WALKTHROUGH.finditer(path.read_text())]
     if steps:
       pages.append((str(path.relative_to(_REPO)), steps))
   return pages
+
+
+def _comparable(output: str, directory: pathlib.Path) -> list[str]:
+  """An output's lines with what may differ between runs masked: the directory the page ran in (this
+  run's, or the absolute one the page shows before a checkpoint root), process ids, wall times."""
+  text = output.replace(f"{directory}/", "").replace(str(directory), ".")
+  text = _PAGE_DIRECTORY.sub("", text)
+  lines = [_KILLED.sub(r"\1<pid> Killed ", line.rstrip()) for line in text.strip("\n").splitlines()]
+  return [_TIMES.sub("<time>", line) for line in lines]
 
 
 def test_the_getting_started_page_is_a_walkthrough():
@@ -80,15 +95,19 @@ def test_the_getting_started_page_is_a_walkthrough():
 
 @pytest.mark.parametrize("page, steps", _walkthroughs(), ids=[page for page, _ in _walkthroughs()])
 def test_a_walkthrough_runs_as_written(page, steps, tmp_path):
-  shell = "".join(text for name, text in steps if name is None)
+  shell = "".join(text for name, text, _ in steps if name is None)
   assert re.search(r"^(diff|cmp|test) |&& (diff|cmp|test) ", shell, re.M), f"{page}: its commands check nothing"
   bin_dir = os.path.dirname(sys.executable)  # python and the ckpt-iter script of this environment
   env = {"JAX_PLATFORMS": "cpu", "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
   env.update({k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ})  # a checkout under test
-  for index, (name, text) in enumerate(steps):
+  for index, (name, text, shown) in enumerate(steps):
     if name is not None:
       (tmp_path / name).write_text(text)
       continue
-    process = subprocess.run(["bash", "-eu", "-c", text], capture_output=True, text=True, timeout=600,
-                             cwd=tmp_path, env=env)
-    assert process.returncode == 0, f"{page} shell block {index}:\n{process.stdout[-2000:]}\n{process.stderr[-3000:]}"
+    # stderr into stdout, in the order written: a page shows both as a terminal does.
+    process = subprocess.run(["bash", "-eu", "-c", text], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, timeout=600, cwd=tmp_path, env=env)
+    assert process.returncode == 0, f"{page} shell block {index}:\n{process.stdout[-5000:]}"
+    if shown is not None:  # the page shows what the commands print: it must be what they print now
+      assert _comparable(process.stdout, tmp_path) == _comparable(shown, tmp_path), (
+          f"{page} shell block {index}: the shown output differs from what runs:\n{process.stdout}")
