@@ -25,10 +25,36 @@ MARKER = "<!-- the reference: generated from __all__ by docs/hooks.py -->"
 
 
 def public_names(module_name: str) -> list[str]:
-  """The names `module_name` exports (its `__all__`), errors last, each group in `__all__` order."""
-  module = importlib.import_module(module_name)
-  is_error = lambda name: isinstance(getattr(module, name), type) and issubclass(getattr(module, name), Exception)
-  return sorted(module.__all__, key=is_error)
+  """The names `module_name` exports (its `__all__`), errors last, each group in `__all__` order.
+
+  Read from the source, never imported: the site builds with the docs extra alone (`ckpt_iter.tunix`
+  imports Tunix, which the docs extra does not install). An error is a class whose bases name one.
+  """
+  origin = _source_path(module_name)
+  names = None
+  for statement in _statements(origin):  # `__all__ = [...]`, then `__all__ += [...]` and `__all__.append(...)`
+    if isinstance(statement, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                 for t in statement.targets):
+      names = list(ast.literal_eval(statement.value))
+    elif (isinstance(statement, ast.AugAssign) and isinstance(statement.target, ast.Name)
+          and statement.target.id == "__all__" and names is not None):
+      names += list(ast.literal_eval(statement.value))
+    elif (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
+          and isinstance(statement.value.func, ast.Attribute) and statement.value.func.attr == "append"
+          and getattr(statement.value.func.value, "id", None) == "__all__" and names is not None):
+      names.append(ast.literal_eval(statement.value.args[0]))
+  if names is None:
+    raise _error(f"{module_name} has no literal __all__ for the API reference to list")
+  return sorted(names, key=lambda name: _is_error(module_name, name))
+
+
+def _is_error(module_name: str, name: str) -> bool:
+  """Whether `module_name.name` is an exception class, from its definition's bases (followed by name)."""
+  found = _definition(module_name, name)
+  if found is None or not isinstance(found[0], ast.ClassDef):
+    return False
+  bases = [base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "") for base in found[0].bases]
+  return any(base.endswith(("Error", "Exception")) for base in bases)
 
 
 def docstring(module_name: str, name: str) -> str | None:
@@ -50,7 +76,9 @@ def docstring(module_name: str, name: str) -> str | None:
 
 def _definition(module_name: str, name: str) -> tuple[ast.stmt, ast.stmt | None] | None:
   """The statement that defines `module_name.name` and the one after it, imports followed; None if not found."""
-  origin = pathlib.Path(importlib.util.find_spec(module_name).origin)
+  origin = _source_path(module_name)
+  if origin is None:
+    return None
   statements = _statements(origin)
   for statement, following in zip(statements, statements[1:] + [None]):
     if isinstance(statement, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name == name:
@@ -97,6 +125,19 @@ def _names_no_entry(decorator: ast.expr) -> bool:
   """`@x.setter`, `@x.deleter`, `@overload`: a definition that is not an entry of its own."""
   name = decorator.attr if isinstance(decorator, ast.Attribute) else getattr(decorator, "id", None)
   return name in ("setter", "deleter", "overload")
+
+
+def _source_path(module_name: str) -> pathlib.Path | None:
+  """The source file of a module of ckpt_iter, found without importing it (nor its package, which for
+  `ckpt_iter.tunix` imports Tunix); None for a module of another package (its definitions are not ours)."""
+  parts = module_name.split(".")
+  if parts[0] != "ckpt_iter":
+    return None
+  base = pathlib.Path(importlib.util.find_spec("ckpt_iter").origin).parent.joinpath(*parts[1:])
+  for path in (base / "__init__.py", base.with_suffix(".py")):
+    if path.is_file():
+      return path
+  return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -111,3 +111,27 @@ def test_a_walkthrough_runs_as_written(page, steps, tmp_path):
     if shown is not None:  # the page shows what the commands print: it must be what they print now
       assert _comparable(process.stdout, tmp_path) == _comparable(shown, tmp_path), (
           f"{page} shell block {index}: the shown output differs from what runs:\n{process.stdout}")
+
+
+_REFERENCE_WITHOUT_TUNIX = """
+import sys
+sys.modules["tunix"] = None  # as where only the docs extra is installed: importing Tunix fails
+sys.path.insert(0, {docs!r})
+import hooks
+markdown = hooks.reference_markdown()
+assert "::: ckpt_iter.tunix.ResumableGRPOLearner" in markdown, markdown
+assert not any(hooks.undocumented_names(m) + hooks.undocumented_members(m) for m in hooks.REFERENCE_MODULES)
+assert "ckpt_iter.tunix" not in sys.modules  # read from the source, never imported
+print("ok")
+"""
+
+
+def test_the_api_reference_is_made_without_tunix(tmp_path):
+  # issue 58 item 3: `pip install 'ckpt_iter[docs]'` then `mkdocs build --strict` failed: the API page
+  # imported ckpt_iter.tunix, which needs Tunix. And `make docs` installs the docs extra alone.
+  done = subprocess.run([sys.executable, "-c", _REFERENCE_WITHOUT_TUNIX.format(docs=str(_REPO / "docs"))],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+  makefile = (_REPO / "Makefile").read_text()
+  docs_install = re.search(r"^\$\(DOCS_STAMP\):.*\n\t(.*)$", makefile, re.M).group(1)
+  assert "'.[docs]'" in docs_install and "test" not in docs_install, docs_install
