@@ -82,6 +82,35 @@ def _generator_from(source):
   yield from streaming.StreamingIterator(source, batch_size=BATCH)
 
 
+class _PerElementState(streaming.StreamingIterator):
+  """The iterator as it was before 0.3.0: the source's state_dict() taken at every element."""
+
+  def __next__(self):
+    element = super().__next__()
+    self._source_state = self._source.state_dict()  # pylint: disable=protected-access
+    return element
+
+
+def per_element_seconds(paths: list[str], batch: int, kind: str, records: int) -> float:
+  """Seconds per element reading `records` records in elements of `batch` (`kind`: how)."""
+  source = load(paths)
+  started = time.perf_counter()
+  if kind == "hf":  # the stream itself, cut and stacked as the iterator does, no bookkeeping
+    from ckpt_iter import _stacking  # pylint: disable=g-import-not-at-top
+
+    stream = iter(source)
+    for index in range(records // batch):
+      chunk = [next(stream) for _ in range(batch)]
+      if batch > 1:
+        _stacking.stack_records(chunk, batch_index=index)
+  else:
+    make = streaming.StreamingIterator if kind == "now" else _PerElementState
+    iterator = make(source, batch_size=None if batch == 1 else batch)
+    for _ in range(records // batch):
+      next(iterator)
+  return (time.perf_counter() - started) / (records // batch)
+
+
 def main() -> None:
   args = _common.parse_args(__doc__.splitlines()[0])
   reporter = _common.Reporter("streaming_restore", args.quick)
@@ -110,6 +139,20 @@ def main() -> None:
       checks.append(_common.check(f"{depth:,} records: restore through the stream's state, s",
                                   _common.rounded(stream_s, 3), "<= 0.2", stream_s <= 0.2,
                                   replay=_common.rounded(replay_s, 3)))
+    # Per element: the iterator's bookkeeping against the stream itself, interleaved rounds.
+    read = 4_000 if args.quick else 40_000
+    for batch in (1, 8):
+      times = {"hf": [], "now": [], "before": []}
+      for _ in range(rounds + 2):
+        for kind in times:
+          times[kind].append(per_element_seconds(paths, batch, kind, read))
+      hf, now, before = (_common.median(times[k]) for k in ("hf", "now", "before"))
+      reporter.measurement(part="per_element", batch=batch, hf_us=_common.rounded(hf * 1e6),
+                           now_us=_common.rounded(now * 1e6), before_us=_common.rounded(before * 1e6),
+                           now_over_hf=_common.rounded(now / hf, 4), before_over_hf=_common.rounded(before / hf, 4))
+      checks.append(_common.check(f"batch {batch}: StreamingIterator per element, over the stream itself",
+                                  _common.rounded(now / hf, 4), "<= 1.03", now / hf <= 1.03,
+                                  before_0_2=_common.rounded(before / hf, 4)))
   reporter.note("Each first batch after a restore was the uninterrupted run's (checked).")
   reporter.summary(checks, load_average_end=_common.load_average())
 

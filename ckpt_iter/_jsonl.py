@@ -104,6 +104,15 @@ class JsonlSource(_source_files.FileReader):
     """The `ShardCache` the files are read through, or None."""
     return self._cache
 
+  def file_offsets(self) -> list[int]:
+    """The index of each file's first record, and the total (the files' line counts, summed)."""
+    return list(self._offsets)
+
+  def file_position(self, index: int) -> tuple[str, str]:
+    """(file, "line N") of record `index` (lines numbered from 1, blank lines counted out)."""
+    file_index, line = _source_files.locate(self._offsets, index, len(self))
+    return self._paths[file_index], f"line {line + 1}"
+
   def identities(self) -> list[_storage.Identity]:
     """Each file's size and version (generation and crc32c on an object store), as read when built."""
     return list(self._identities)

@@ -180,6 +180,18 @@ class ParquetSource(_source_files.FileReader):
     """The `ShardCache` the files are read through, or None."""
     return self._cache
 
+  def file_offsets(self) -> list[int]:
+    """The index of each file's first record, and the total."""
+    groups, offsets = self._groups, self._group_offsets
+    return [offsets[g] for g, (f, _) in enumerate(groups) if g == 0 or groups[g - 1][0] != f] + [offsets[-1]]
+
+  def file_position(self, index: int) -> tuple[str, str]:
+    """(file, "row N") of record `index` (rows of the file, from 0)."""
+    group, row = _source_files.locate(self._group_offsets, index, len(self))
+    file_index, _ = self._groups[group]
+    first_group = next(g for g, (f, _) in enumerate(self._groups) if f == file_index)
+    return self._paths[file_index], f"row {row + self._group_offsets[group] - self._group_offsets[first_group]}"
+
   def identities(self) -> list[_storage.Identity] | None:
     """Each file's size and version as read when built through a cache; None without one."""
     return list(self._identities) if self._cache is not None else None
@@ -249,6 +261,11 @@ class ArrayRecordSource:
   def identities(self) -> list[_storage.Identity] | None:
     """Each file's size and version as read when built through a cache; None without one."""
     return list(self._identities) if self._cache is not None else None
+
+  def file_position(self, index: int) -> tuple[str, str]:
+    """(file, "record N") of record `index` (records of the file, from 0)."""
+    file_index, record = _source_files.locate(self.file_offsets(), index, len(self))
+    return self.paths[file_index], f"record {record}"
 
   def file_offsets(self) -> list[int]:
     """The global index of each file's first record, and the total (each file's length read once)."""
@@ -536,24 +553,11 @@ def _import_pyarrow_parquet():
 
 
 def file_position(source: Any, index: int) -> tuple[str, str] | None:
-  """(file, "line N" or "row N") of record `index` of a file source (1-based lines, 0-based rows); None otherwise.
+  """(file, "line N" / "row N" / "record N") of record `index` of a file source; None for another source.
 
   For `ckpt-iter which --source`: where a record the data map names is, in the files the run read.
   """
-  if isinstance(source, JsonlSource):
-    file_index, line = _source_files.locate(source._offsets, index, len(source))  # pylint: disable=protected-access
-    return source.paths[file_index], f"line {line + 1}"
-  if isinstance(source, ParquetSource):
-    group, row = _source_files.locate(source._group_offsets, index, len(source))  # pylint: disable=protected-access
-    file_index, _ = source._groups[group]  # pylint: disable=protected-access
-    first_group = next(g for g, (f, _) in enumerate(source._groups) if f == file_index)  # pylint: disable=protected-access
-    row += source._group_offsets[group] - source._group_offsets[first_group]  # pylint: disable=protected-access
-    return source.paths[file_index], f"row {row}"
-  if isinstance(source, ArrayRecordSource):
-    offsets = source.file_offsets()
-    file_index, record = _source_files.locate(offsets, index, len(source))
-    return source.paths[file_index], f"record {record}"
-  return None
+  return source.file_position(index) if isinstance(source, _FILE_SOURCES) else None
 
 
 def file_offsets(source: Any) -> list[int] | None:
@@ -561,11 +565,7 @@ def file_offsets(source: Any) -> list[int] | None:
 
   The shards of make_dataset(shuffle="shards") when no shard_size is given.
   """
-  if isinstance(source, JsonlSource):
-    return list(source._offsets)  # pylint: disable=protected-access
-  if isinstance(source, ParquetSource):
-    groups, offsets = source._groups, source._group_offsets  # pylint: disable=protected-access
-    return [offsets[g] for g, (f, _) in enumerate(groups) if g == 0 or groups[g - 1][0] != f] + [offsets[-1]]
-  if isinstance(source, ArrayRecordSource):
-    return source.file_offsets()
-  return None
+  return source.file_offsets() if isinstance(source, _FILE_SOURCES) else None
+
+
+_FILE_SOURCES = (JsonlSource, ParquetSource, ArrayRecordSource)

@@ -44,6 +44,9 @@ FILES_DIGEST = "source_files_digest"
 _FILE_END_BYTES = 64 * 2**10
 _SHOWN_FILES = 4
 _NOTHING = object()
+# `_source_state` when the source is paused right after the last element yielded: its own state now is
+# that element's boundary, asked of it only when a state is taken (no state_dict() call per element).
+_LIVE = object()
 
 
 class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator):
@@ -65,7 +68,8 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
   Guarantees:
     The state of element k is the source's own state taken right after the
     records of elements 0..k were read, never later (a `peek`ed element is
-    not counted), so after a restore into a fresh iterator over the same
+    not counted; the source is asked for it when a state is taken, not per
+    element, as it stays where element k left it), so after a restore into a fresh iterator over the same
     source the elements are exactly those the saving run would have yielded
     next, for as long as the source's `load_state_dict` is exact. Restoring
     costs one `load_state_dict`: O(1) in the position. The iterator must be
@@ -125,8 +129,9 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
 
   def position(self) -> dict[str, Any]:
     """Elements and records yielded, and the source's own state right after them."""
+    source_state = self._source.state_dict() if self._source_state is _LIVE else self._source_state
     return {ELEMENTS_READ: self._elements, RECORDS_READ: self._records,
-            SOURCE_STATE: json_state(self._source_state, SOURCE_STATE)}
+            SOURCE_STATE: json_state(source_state, SOURCE_STATE)}
 
   def state(self) -> state_lib.IteratorState:
     """The current state as an immutable value.
@@ -193,14 +198,16 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
     element, read = self._read()
     self._elements += 1
     self._records += read
-    self._source_state = self._source.state_dict()
+    self._source_state = _LIVE  # the source stopped right after this element: its state is asked when saved
     return element
 
   def peek(self) -> Any:
     """The next element, left to be yielded: the state stays that before it."""
     if self._lookahead is _NOTHING:
+      if self._source_state is _LIVE:  # reading ahead moves the source: keep the boundary's state first
+        self._source_state = self._source.state_dict()
       element, read = self._read()
-      self._lookahead = (element, (self._elements + 1, self._records + read, self._source.state_dict()))
+      self._lookahead = (element, (self._elements + 1, self._records + read, _LIVE))
     return self._lookahead[0]
 
   def skip(self, count: int) -> None:

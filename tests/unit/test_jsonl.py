@@ -342,3 +342,23 @@ def test_a_jsonl_source_keeps_its_public_name_in_a_graphs_fingerprint_and_in_a_p
   fields = _global_batch.describe_pipeline(grain.MapDataset.source(source))
   assert fields["node[0].SourceMapDataset.source"] == "ckpt_iter.sources.JsonlSource"
   assert b"ckpt_iter.sources" in pickle.dumps(source) and pickle.loads(pickle.dumps(source))[7] == source[7]
+
+
+def test_file_sources_answer_where_a_record_is_themselves(tmp_path):
+  # issue 58 item 14: sources.py reached into each file source's privates (seven accesses) for this.
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re as re_lib  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import sources as sources_lib  # pylint: disable=g-import-not-at-top
+
+  paths = []
+  for part, count in enumerate((3, 0, 4)):
+    paths.append(str(tmp_path / f"p-{part}.jsonl"))
+    with open(paths[-1], "w") as f:
+      f.writelines(f'{{"id": {part * 10 + i}}}\n' for i in range(count))
+  source = sources_lib.JsonlSource(paths, index_cache_dir="")
+  assert sources_lib.file_offsets(source) == source.file_offsets() == [0, 3, 3, 7]
+  assert sources_lib.file_position(source, 4) == source.file_position(4) == (paths[2], "line 2")
+  assert sources_lib.file_position([{"id": 1}], 0) is None
+  text = pathlib.Path(sources_lib.__file__).read_text()
+  assert not re_lib.search(r"\bsource\._\w+", text), "sources.py reaches into a source's privates"
