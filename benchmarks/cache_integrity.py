@@ -23,12 +23,16 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
 
 import _common
 import google_crc32c
+
+sys.path.insert(0, os.path.join(_common.REPO_DIR, "tests"))
+import cache_probe  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from ckpt_iter import _checksums
 from ckpt_iter import sources
@@ -114,16 +118,6 @@ def _host_process(index, config, barrier, queue):
   queue.put((records, downloads))
 
 
-def _flocked_inodes() -> set[int]:
-  inodes = set()
-  with open("/proc/locks") as f:
-    for line in f:
-      fields = line.split()
-      if len(fields) > 5 and fields[1] == "FLOCK":
-        inodes.add(int(fields[5].rsplit(":", 1)[1]))
-  return inodes
-
-
 def sharing_part(reporter, directory: str, quick: bool) -> list[dict]:
   files, per_file, window, epochs = (16, 400, 2, 2) if quick else (48, 1250, 4, 3)
   data = os.path.join(directory, "shared")
@@ -154,18 +148,7 @@ def sharing_part(reporter, directory: str, quick: bool) -> list[dict]:
         if sum(n.startswith("built-") for n in names) < processes or any(n.startswith("done-") for n in names):
           time.sleep(0.005)
           continue
-        held, idle, total = _flocked_inodes(), 0, 0
-        for name in os.listdir(cache):
-          if ".tmp-" in name or name.endswith((".lock", ".count", ".seal", ".index.npy")):
-            continue
-          try:
-            info = os.stat(os.path.join(cache, name))
-            index_bytes = os.path.getsize(os.path.join(cache, name + ".index.npy"))
-          except OSError:
-            continue
-          total += info.st_size + index_bytes
-          if info.st_ino not in held:
-            idle += info.st_size + index_bytes
+        total, idle = cache_probe.cache_bytes(cache)
         peak["idle"], peak["all"] = max(peak["idle"], idle), max(peak["all"], total)
         time.sleep(0.005)
 

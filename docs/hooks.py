@@ -128,16 +128,21 @@ def _names_no_entry(decorator: ast.expr) -> bool:
 
 
 def _source_path(module_name: str) -> pathlib.Path | None:
-  """The source file of a module of ckpt_iter, found without importing it (nor its package, which for
-  `ckpt_iter.tunix` imports Tunix); None for a module of another package (its definitions are not ours)."""
+  """The source file of a module: one of ckpt_iter found without importing it (nor its package, which
+  for `ckpt_iter.tunix` imports Tunix); another package's by its spec; None where it cannot be found
+  (a package that is not installed)."""
   parts = module_name.split(".")
-  if parts[0] != "ckpt_iter":
+  if parts[0] == "ckpt_iter":
+    base = pathlib.Path(importlib.util.find_spec("ckpt_iter").origin).parent.joinpath(*parts[1:])
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+      if path.is_file():
+        return path
     return None
-  base = pathlib.Path(importlib.util.find_spec("ckpt_iter").origin).parent.joinpath(*parts[1:])
-  for path in (base / "__init__.py", base.with_suffix(".py")):
-    if path.is_file():
-      return path
-  return None
+  try:
+    spec = importlib.util.find_spec(module_name)
+  except (ImportError, ValueError):
+    return None
+  return None if spec is None or spec.origin is None else pathlib.Path(spec.origin)
 
 
 @functools.lru_cache(maxsize=None)

@@ -170,6 +170,30 @@ def gcs_emulator():
 
 
 @pytest.fixture
+def proxy(gcs_emulator, monkeypatch, request):
+  """A fault-injecting proxy (tests/fault_proxy.py) between gcsfs and the emulator, for one test.
+
+  Every gs:// call of this process goes through it, with ckpt_iter's store bounds set to the test
+  module's REQUEST_SECONDS and OPERATION_SECONDS (1 and 4 s unless it names its own), and put back after.
+  """
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  import fault_proxy  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import store_bounds  # pylint: disable=g-import-not-at-top
+
+  running = fault_proxy.FaultProxy(gcs_emulator.url).start()
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", running.url)
+  before = store_bounds.object_store_bounds()
+  ckpt_iter.set_object_store_bounds(request_seconds=getattr(request.module, "REQUEST_SECONDS", 1.0),
+                                    operation_seconds=getattr(request.module, "OPERATION_SECONDS", 4.0))
+  try:
+    yield running
+  finally:
+    running.stop()
+    ckpt_iter.set_object_store_bounds(request_seconds=before.request_seconds,
+                                      operation_seconds=before.operation_seconds)
+
+
+@pytest.fixture
 def gcs_root(gcs_emulator, request):
   """A fresh gs:// prefix of the emulator's bucket for one test (no trailing slash)."""
   import gcs_emulator as emulator_lib  # pylint: disable=g-import-not-at-top

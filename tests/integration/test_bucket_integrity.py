@@ -22,30 +22,13 @@ import time
 
 import pytest
 
-import ckpt_iter
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import sources
-from ckpt_iter import store_bounds
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _FILES, _PER_FILE = 3, 200
-
-
-@pytest.fixture
-def proxy(gcs_emulator, monkeypatch):
-  import fault_proxy  # pylint: disable=g-import-not-at-top
-
-  running = fault_proxy.FaultProxy(gcs_emulator.url).start()
-  monkeypatch.setenv("STORAGE_EMULATOR_HOST", running.url)
-  before = store_bounds.object_store_bounds()
-  ckpt_iter.set_object_store_bounds(request_seconds=5, operation_seconds=30)
-  try:
-    yield running
-  finally:
-    running.stop()
-    ckpt_iter.set_object_store_bounds(request_seconds=before.request_seconds,
-                                      operation_seconds=before.operation_seconds)
+REQUEST_SECONDS, OPERATION_SECONDS = 5.0, 30.0  # the `proxy` fixture's store bounds
 
 
 @pytest.fixture

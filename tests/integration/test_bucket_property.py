@@ -32,6 +32,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _WORKER = os.path.join(os.path.dirname(_HERE), "workers", "bucket_pod_worker.py")
 sys.path.insert(0, os.path.dirname(_WORKER))
 import bucket_pod_worker  # pylint: disable=g-import-not-at-top,wrong-import-position
+import cache_probe  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _FILES, _PER_FILE = 12, 24
 _HOST_SECONDS = 240
@@ -76,42 +77,11 @@ class _Sampler:
       if sum(n.startswith("built-") for n in os.listdir(self._built)) < self._processes:
         time.sleep(0.01)
         continue
-      held = _flocked_inodes()
-      idle = 0
-      try:
-        names = os.listdir(self.directory)
-      except OSError:
-        names = []
-      for name in names:
-        if ".tmp-" in name or name.endswith((".lock", ".count", ".seal", ".index.npy")):
-          continue
-        path = os.path.join(self.directory, name)
-        try:
-          info = os.stat(path)
-        except OSError:
-          continue
-        if info.st_ino not in held:
-          idle += info.st_size
-          try:
-            idle += os.path.getsize(path + ".index.npy")
-          except OSError:
-            pass
+      _, idle = cache_probe.cache_bytes(self.directory)
       if any(n.startswith(("done-", "ready-")) for n in os.listdir(self._built)):
         return  # a process is done reading: what it held is idle until the host's next process opens the cache
       self.idle_peak = max(self.idle_peak, idle)
       time.sleep(0.01)
-
-
-def _flocked_inodes() -> set[int]:
-  """The inodes someone holds an flock on (/proc/locks): read without taking a lock, so the sampler never
-  makes a reader think a copy is being evicted."""
-  inodes = set()
-  with open("/proc/locks") as f:
-    for line in f:
-      fields = line.split()
-      if len(fields) > 5 and fields[1] == "FLOCK":
-        inodes.add(int(fields[5].rsplit(":", 1)[1]))
-  return inodes
 
 
 def _flip_cached_bytes(cache_dir: str) -> int:

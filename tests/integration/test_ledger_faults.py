@@ -28,7 +28,6 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import errors
-from ckpt_iter import store_bounds
 
 import ledger_writer
 import support
@@ -44,22 +43,6 @@ _PROCESS_TIMEOUT_S = 180
 def _reference(length: int) -> list[list[int]]:
   iterator = ledger_writer.build_iterator(PIPELINE)
   return [support.batch_ids(next(iterator)) for _ in range(length)]
-
-
-@pytest.fixture
-def proxy(gcs_emulator, monkeypatch):
-  import fault_proxy  # pylint: disable=g-import-not-at-top
-
-  running = fault_proxy.FaultProxy(gcs_emulator.url).start()
-  monkeypatch.setenv("STORAGE_EMULATOR_HOST", running.url)
-  before = store_bounds.object_store_bounds()
-  ckpt_iter.set_object_store_bounds(request_seconds=REQUEST_SECONDS, operation_seconds=OPERATION_SECONDS)
-  try:
-    yield running
-  finally:
-    running.stop()
-    ckpt_iter.set_object_store_bounds(request_seconds=before.request_seconds,
-                                      operation_seconds=before.operation_seconds)
 
 
 def _items(iterator, step: int) -> ocp.args.Composite:

@@ -21,28 +21,11 @@ from ckpt_iter import _files
 from ckpt_iter import _object_store
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
-from ckpt_iter import store_bounds
 
 REQUEST_SECONDS, OPERATION_SECONDS = 1.0, 4.0
 # A typed error comes within the operation bound plus the client's last
 # request and its cancellation: far below this, however loaded the machine.
 WITHIN_SECONDS = 30
-
-
-@pytest.fixture
-def proxy(gcs_emulator, monkeypatch):
-  import fault_proxy  # pylint: disable=g-import-not-at-top
-
-  running = fault_proxy.FaultProxy(gcs_emulator.url).start()
-  monkeypatch.setenv("STORAGE_EMULATOR_HOST", running.url)
-  before = store_bounds.object_store_bounds()
-  ckpt_iter.set_object_store_bounds(request_seconds=REQUEST_SECONDS, operation_seconds=OPERATION_SECONDS)
-  try:
-    yield running
-  finally:
-    running.stop()
-    ckpt_iter.set_object_store_bounds(request_seconds=before.request_seconds,
-                                      operation_seconds=before.operation_seconds)
 
 
 class _Holder:
