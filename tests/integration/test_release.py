@@ -28,17 +28,20 @@ def test_the_wheel_installs_in_a_fresh_venv_as_the_version_the_docs_and_changelo
   wheel, = [p for p in os.listdir(tmp_path / "dist") if p.endswith(".whl")]
   assert wheel.startswith(f"ckpt_iter-{ckpt_iter.__version__}-"), wheel
   venv = tmp_path / "fresh"
-  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)  # its pip from ensurepip
   python = str(venv / "bin" / "python")
-  subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q",
-                  str(tmp_path / "dist" / wheel)], check=True, timeout=300)
-  env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"], JAX_PLATFORMS="cpu")
+  clean = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
+  subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(tmp_path / "dist" / wheel)],
+                 check=True, timeout=300, env=clean)
+  env = dict(clean, PYTHONPATH=sysconfig.get_paths()["purelib"], JAX_PLATFORMS="cpu")
   where = subprocess.run([python, "-c", "import ckpt_iter, sys; print(ckpt_iter.__version__, ckpt_iter.__file__)"],
-                         capture_output=True, text=True, env=env, cwd=str(tmp_path), check=True, timeout=300)
+                         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+  assert where.returncode == 0, where.stderr[-3000:]
   version, path = where.stdout.split()
   assert version == ckpt_iter.__version__ and path.startswith(str(venv)), where.stdout
   printed = subprocess.run([str(venv / "bin" / "ckpt-iter"), "--version"], capture_output=True, text=True, env=env,
-                           cwd=str(tmp_path), check=True, timeout=300)
+                           cwd=str(tmp_path), timeout=300)
+  assert printed.returncode == 0, printed.stderr[-3000:]
   assert printed.stdout.strip() == f"ckpt-iter {ckpt_iter.__version__}", printed.stdout
   # The docs say which release they describe; the changelog has its section.
   docs = open(os.path.join(_REPO, "docs", "README.md")).read()
