@@ -11,11 +11,14 @@ pinned object gone, which `_storage` gives a local file replaced too).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from ckpt_iter import errors
 from ckpt_iter.store_bounds import BOUNDS_ENV
 from ckpt_iter.store_bounds import object_store_bounds
+
+_log = logging.getLogger(__name__)
 
 # What to install for a scheme whose fsspec implementation is missing.
 _PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}
@@ -76,9 +79,38 @@ def bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, reads_gen
   """
   from fsspec import asyn  # pylint: disable=g-import-not-at-top
 
+  bounds = object_store_bounds()
   if isinstance(fs, asyn.AsyncFileSystem):
-    kwargs["timeout"] = object_store_bounds().operation_seconds
-  return guarded((path, operation, reads_generation), call, *args, **kwargs)
+    kwargs["timeout"] = bounds.operation_seconds
+  return retried(lambda: guarded((path, operation, reads_generation), call, *args, **kwargs), path, operation)
+
+
+# Causes an attempt may not meet again: tried again (`StoreBounds.retries`).
+TRANSIENT_CAUSES = frozenset({"timeout", "server", "throttled", "network", "corrupt"})
+
+
+def retried(attempt: Callable[[], Any], path: str, operation: str) -> Any:
+  """`attempt()`, tried again after a transient `StorageError` (`StoreBounds.retries`, with backoff).
+
+  Every call of a whole operation (a read, a write of a whole object, a
+  listing) is idempotent: trying it again reads or writes the same bytes.
+  """
+  import time  # pylint: disable=g-import-not-at-top
+
+  bounds = object_store_bounds()
+  for number in range(bounds.retries + 1):
+    try:
+      return attempt()
+    except errors.StorageError as e:
+      if e.cause not in TRANSIENT_CAUSES or number == bounds.retries:
+        if number:
+          e.args = (f"{e.args[0]} ({number + 1} attempts, StoreBounds.retries={bounds.retries})",)
+        raise
+      wait = min(bounds.backoff_seconds * 2**number, 60.0)
+      _log.warning("%s: %s failed (%s); trying again in %.3g s (%d of %d)", path, operation, e.cause, wait,
+                   number + 1, bounds.retries)
+      time.sleep(wait)
+  raise AssertionError("unreachable")
 
 
 def guarded(where: tuple[str, str, str | None], call: Any, *args: Any, **kwargs: Any) -> Any:

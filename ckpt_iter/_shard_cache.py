@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator
 from ckpt_iter import _checksums
 from ckpt_iter import _storage
 from ckpt_iter import errors
+from ckpt_iter.store_bounds import object_store_bounds
 
 __all__ = ["ShardCache"]
 
@@ -51,8 +52,6 @@ _COMPANIONS = (".index.npy",)
 _SIDECARS = (".count", ".lock", ".seal")
 # A copy failing its seal is downloaded again at most this often in one open.
 _OPEN_TRIES = 3
-# A download whose bytes are not the object's (checksum) is tried this often in all.
-_DOWNLOAD_TRIES = 3
 _COUNT_MAX_BYTES = 256  # a count file or a seal is a few dozen bytes: anything larger is not one
 _log = logging.getLogger(__name__)
 
@@ -198,14 +197,15 @@ class ShardCache:
         if fd is not None:
           return fd
       self.make_room(found.size)
-      for attempt in range(1, _DOWNLOAD_TRIES + 1):
+      tries = object_store_bounds().retries + 1
+      for attempt in range(1, tries + 1):
         try:
           return self._download(path, found, entry)
         except errors.StorageError as e:
-          if e.cause != "corrupt" or attempt == _DOWNLOAD_TRIES:
+          if e.cause != "corrupt" or attempt == tries:
             raise
           _log.warning("%s: download %d of %d received bytes that are not the object's (%s); downloading again",
-                       path, attempt, _DOWNLOAD_TRIES, e)
+                       path, attempt, tries, e)
     raise AssertionError("unreachable")
 
   def _download(self, path: str, found: _storage.Identity, entry: str) -> int:

@@ -174,7 +174,8 @@ def proxy(gcs_emulator, monkeypatch, request):
   """A fault-injecting proxy (tests/fault_proxy.py) between gcsfs and the emulator, for one test.
 
   Every gs:// call of this process goes through it, with ckpt_iter's store bounds set to the test
-  module's REQUEST_SECONDS and OPERATION_SECONDS (1 and 4 s unless it names its own), and put back after.
+  module's REQUEST_SECONDS, OPERATION_SECONDS and RETRIES (1 s, 4 s and no retry unless it names its
+  own; a retry after 0.1 s), and put back after.
   """
   import ckpt_iter  # pylint: disable=g-import-not-at-top
   import fault_proxy  # pylint: disable=g-import-not-at-top
@@ -184,13 +185,14 @@ def proxy(gcs_emulator, monkeypatch, request):
   monkeypatch.setenv("STORAGE_EMULATOR_HOST", running.url)
   before = store_bounds.object_store_bounds()
   ckpt_iter.set_object_store_bounds(request_seconds=getattr(request.module, "REQUEST_SECONDS", 1.0),
-                                    operation_seconds=getattr(request.module, "OPERATION_SECONDS", 4.0))
+                                    operation_seconds=getattr(request.module, "OPERATION_SECONDS", 4.0),
+                                    retries=getattr(request.module, "RETRIES", 0), backoff_seconds=0.1)
   try:
     yield running
   finally:
     running.stop()
-    ckpt_iter.set_object_store_bounds(request_seconds=before.request_seconds,
-                                      operation_seconds=before.operation_seconds)
+    ckpt_iter.set_object_store_bounds(request_seconds=before.request_seconds, operation_seconds=before.operation_seconds,
+                                      retries=before.retries, backoff_seconds=before.backoff_seconds)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from ckpt_iter import sources
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _FILES, _PER_FILE = 3, 200
-REQUEST_SECONDS, OPERATION_SECONDS = 5.0, 30.0  # the `proxy` fixture's store bounds
+REQUEST_SECONDS, OPERATION_SECONDS, RETRIES = 5.0, 30.0, 2  # the `proxy` fixture's store bounds
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import ckpt_iter
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import _object_store
+from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
@@ -133,3 +134,19 @@ def test_a_transient_fault_is_retried_and_reads_the_exact_state(proxy, gcs_root,
   restored = _files.read_state(directory, 0, 1)
   assert proxy.hits and proxy.hits[0][0] == action
   assert restored.pending.items[0]["ids"].tobytes() == value.pending.items[0]["ids"].tobytes()
+
+
+def test_a_transient_failure_is_tried_again_as_the_store_bounds_say(proxy, gcs_root):
+  # issue 59 item 5: retries a user can set. Each attempt has its own operation bound, here shorter than
+  # gcsfs's first backoff: an attempt meets one stalled request, so three stalls take three attempts.
+  url = f"{gcs_root}/retried.bin"
+  _storage.write_bytes(url, b"x" * 1000)
+  proxy.add("stall", "retried.bin?alt=media", method="GET", times=3)
+  ckpt_iter.set_object_store_bounds(request_seconds=0.5, operation_seconds=0.8, retries=3, backoff_seconds=0.1)
+  assert _storage.read_bytes(url, max_bytes=10_000) == b"x" * 1000
+  assert sum(action == "stall" for action, _, _ in proxy.hits) == 3
+  proxy.add("stall", "retried.bin?alt=media", method="GET", times=1)
+  ckpt_iter.set_object_store_bounds(retries=0)
+  with pytest.raises(errors.StorageTimeoutError) as caught:
+    _storage.read_bytes(url, max_bytes=10_000)
+  assert "retried.bin: read did not finish within its bound" in str(caught.value)

@@ -53,3 +53,18 @@ def test_a_bad_environment_value_is_named(monkeypatch, text, named):
   monkeypatch.setenv(store_bounds.BOUNDS_ENV, text)
   with pytest.raises(errors.InvalidArgumentError, match=named.replace("(", r"\(")):
     store_bounds._bounds_from_env()  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("retries=5,backoff=0.5", {"retries": 5, "backoff_seconds": 0.5}),
+    ("retries=0", {"retries": 0}),
+])
+def test_retries_and_backoff_come_from_the_environment_too(monkeypatch, text, expected):
+  monkeypatch.setenv(store_bounds.BOUNDS_ENV, text)
+  assert store_bounds._bounds_from_env() == ckpt_iter.StoreBounds(**expected)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("retries", [-1, 101, 1.5, "x", True])
+def test_a_bad_retry_count_is_refused_naming_it(retries):
+  with pytest.raises(errors.InvalidArgumentError, match="retries is"):
+    ckpt_iter.set_object_store_bounds(retries=retries)
