@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ckpt_iter import _checksums
+from ckpt_iter import _compression
 from ckpt_iter import _shard_cache
 from ckpt_iter import _source_files
 from ckpt_iter import _storage
@@ -76,6 +77,10 @@ class JsonlSource(_source_files.FileReader):
     self._paths = [_storage.absolute(p) for p in _source_files.expand_paths(paths, "JsonlSource")]
     # One metadata request per file, in parallel on an object store.
     self._identities = _storage.identities(self._paths)
+    if cache is None and any(_compression.compression_of(p) for p in self._paths):
+      # A compressed file has no byte ranges to read in place: it is read decompressed from a cache.
+      cache = _shard_cache.ShardCache.from_env() or _shard_cache.ShardCache(
+          default_decompression_cache(), _shard_cache.DEFAULT_MAX_BYTES)
     self._cache = cache
     self._prefetch_files = max(0, int(prefetch_files))
     self._planned = False  # `follow_plan`: prefetch by plan, not by file index
@@ -412,6 +417,13 @@ _CACHE_MAX_TAIL_BYTES = 64 * 2**10
 _LINE_SPACE = frozenset(b"\r\n \t")
 
 _log = logging.getLogger(__name__)
+
+
+def default_decompression_cache() -> str:
+  """Where compressed JSONL files read with no `ShardCache` are kept decompressed: beside the line
+  index cache (`~/.cache/ckpt_iter/decompressed`, or under $XDG_CACHE_HOME)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "ckpt_iter", "decompressed")
 
 
 def index_cache_location(index_cache_dir: str | None = None) -> str | None:

@@ -40,6 +40,7 @@ from concurrent import futures
 from typing import Any, Callable, Iterable, Iterator
 
 from ckpt_iter import _checksums
+from ckpt_iter import _compression
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter.store_bounds import object_store_bounds
@@ -48,6 +49,7 @@ __all__ = ["ShardCache"]
 
 CACHE_ENV = "CKPT_ITER_SHARD_CACHE_DIR"
 CACHE_BYTES_ENV = "CKPT_ITER_SHARD_CACHE_BYTES"
+DEFAULT_MAX_BYTES = 64 * 2**30  # a cache's limit when CKPT_ITER_SHARD_CACHE_BYTES does not say
 _COMPANIONS = (".index.npy",)
 _SIDECARS = (".count", ".lock", ".seal")
 # A copy failing its seal is downloaded again at most this often in one open.
@@ -122,7 +124,7 @@ class ShardCache:
       return None
     text = os.environ.get(CACHE_BYTES_ENV, "").strip()
     try:
-      max_bytes = int(float(text)) if text else 64 * 2**30
+      max_bytes = int(float(text)) if text else DEFAULT_MAX_BYTES
     except ValueError:
       raise errors.InvalidArgumentError(f"{CACHE_BYTES_ENV}={text!r}: a number of bytes.") from None
     return cls(directory, max_bytes)
@@ -169,7 +171,7 @@ class ShardCache:
     found = found or _storage.identity(path)
     entry = self.entry_path(path, found)
     for _ in range(_OPEN_TRIES):
-      fd = self._open_locked(entry) if _complete(entry, found.size) else None
+      fd = self._open_locked(entry) if _complete(entry, _copy_size(path, found)) else None
       if fd is None:
         fd = self._download_held(path, found, entry)
       if self._checked(entry, fd, found):
@@ -192,7 +194,7 @@ class ShardCache:
     reader's own use (a race a cache that holds few files lost repeatedly).
     """
     with self._download_lock(entry):
-      if _complete(entry, found.size):  # another process or thread downloaded it meanwhile
+      if _complete(entry, _copy_size(path, found)):  # another process or thread downloaded it meanwhile
         fd = self._open_locked(entry)
         if fd is not None:
           return fd
@@ -213,19 +215,28 @@ class ShardCache:
     temporary = f"{entry}.tmp-{os.getpid()}-{threading.get_ident()}"
     held = None
     try:
+      compression = _compression.compression_of(path)
       with self._cache_file(temporary, "wb") as f:
         writer = _CacheWriter(f)
-        _storage.download(path, writer, found)
+        # A compressed file is kept decompressed: its bytes are decompressed as they arrive (the
+        # download's checksum is over what arrives, the compressed object's).
+        inflating = _compression.DecompressingWriter(writer, compression) if compression else None
+        _storage.download(path, inflating or writer, found)
+        if inflating is not None:
+          try:
+            inflating.finish()
+          except ValueError as e:
+            raise errors.InvalidStateError(f"{path}: not a whole {compression} file ({e}).") from None
         writer.finish()
       held = os.open(temporary, os.O_RDONLY)
       fcntl.flock(held, fcntl.LOCK_SH)  # nobody else knows the temporary: never blocks
       written = os.fstat(held).st_size
-      if written != found.size:
+      if compression is None and written != found.size:
         raise errors.InvalidStateError(
             f"{path}: downloaded {written:,} bytes into the shard cache, {found.size:,} expected.")
       # The seal first: a copy published is never without the checksum it is opened against.
-      seal = _checksums.seal_of(held, found.size)
-      self.write_atomic(entry + ".seal", lambda f: f.write(_seal_text(found.size, seal).encode()))
+      seal = _checksums.seal_of(held, written)
+      self.write_atomic(entry + ".seal", lambda f: f.write(_seal_text(written, seal).encode()))
       os.replace(temporary, entry)
       self._verified[entry] = _change_key(os.fstat(held))
       return held
@@ -254,9 +265,14 @@ class ShardCache:
     if self._verified.get(entry) == _change_key(info):
       return True
     seal = _read_seal(entry + ".seal")
+    size_expected = info.st_size if _compression.compression_of(entry) else found.size
     if seal is not None:
       size, crc = seal
-      good = size == found.size == info.st_size and _checksums.seal_of(fd, size) == crc
+      good = size == size_expected == info.st_size and _checksums.seal_of(fd, size) == crc
+    elif _compression.compression_of(entry):
+      # The store's checksum is the compressed object's: a decompressed copy without its seal is unknown.
+      _log.info("%s: a decompressed copy in the shard cache with no seal: downloading it again", entry)
+      return False
     else:
       expected = getattr(found, "checksum", None)
       good = expected is not None and info.st_size == found.size and _checksums.store_checksum_of(
@@ -299,7 +315,7 @@ class ShardCache:
 
   def has(self, path: str, found: _storage.Identity) -> bool:
     """Whether the complete local copy of `path` is in the cache now."""
-    return _complete(self.entry_path(path, found), found.size)
+    return _complete(self.entry_path(path, found), _copy_size(path, found))
 
   def touch(self, path: str, found: _storage.Identity) -> None:
     """Marks the local copy of `path` as just used (for the eviction order)."""
@@ -510,7 +526,7 @@ class ShardCache:
     with self._lock:
       for path, found in files:
         entry = self.entry_path(path, found)
-        if entry in self._pending or (then is None and _complete(entry, found.size)):
+        if entry in self._pending or (then is None and _complete(entry, _copy_size(path, found))):
           continue
         if self._pool is None:
           self._pool = futures.ThreadPoolExecutor(self.prefetch_threads, thread_name_prefix="ckpt_iter-prefetch")
@@ -540,11 +556,21 @@ class ShardCache:
     futures.wait(pending)
 
 
-def _complete(entry: str, size: int) -> bool:
+def _complete(entry: str, size: int | None) -> bool:
+  """Whether `entry` is a complete copy: of `size` bytes, or (a decompressed copy, size None) of its seal's."""
   try:
-    return os.stat(entry).st_size == size
+    found = os.stat(entry).st_size
   except OSError:
     return False
+  if size is None:
+    seal = _read_seal(entry + ".seal")
+    return seal is not None and seal[0] == found
+  return found == size
+
+
+def _copy_size(path: str, found: _storage.Identity) -> int | None:
+  """The size a complete copy of `path` has: the object's, or None for a compressed one (kept decompressed)."""
+  return None if _compression.compression_of(path) else found.size
 
 
 def _evict(entry: str) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_iter import _compression
 from ckpt_iter import _shard_cache
 from ckpt_iter import _source_files
 from ckpt_iter import _storage
@@ -43,7 +44,7 @@ __all__ = [
     "resolve_source",
 ]
 
-FILE_SUFFIXES = (".jsonl", ".parquet", ".array_record")
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".array_record")
 _DIGEST_SAMPLES = 64
 _LISTED_FILES = 4
 
@@ -414,7 +415,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
   """
   paths = _as_paths(source)
   if paths is not None:
-    kinds = {os.path.splitext(p)[1] for p in paths}
+    kinds = {_compression.plain_suffix(p) for p in paths}  # a .jsonl.gz is JSONL
     if len(kinds) != 1:
       raise errors.InvalidArgumentError(
           f"source mixes file types {sorted(kinds)}; pass files of one type "
@@ -430,7 +431,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     # Described by its files, as the same paths given to make_dataset are: a run may turn
     # its cache on or off.
     resolved = source
-    kind = os.path.splitext(source.paths[0])[1][1:]
+    kind = _compression.plain_suffix(source.paths[0])[1:]
     description = _describe_files(kind, source.paths, source.identities())
   elif isinstance(source, HuggingFaceSource) or _is_hf_dataset(source):
     resolved = source if isinstance(source, HuggingFaceSource) else HuggingFaceSource(dataset=source)

@@ -169,3 +169,30 @@ def test_a_cache_disk_with_no_inode_left_or_read_only_is_a_storage_error_naming_
   assert outcome["raised"] == "StorageError" and outcome["cause"] == cause, outcome
   assert outcome["path"] == str(directory) and words in outcome["message"], outcome
   assert "point the cache at" in outcome["message"]
+
+
+def test_compressed_shards_on_a_bucket_read_exactly_as_jsonl_and_are_checked(gcs_root, proxy, tmp_path):
+  # issue 59 item 4: .jsonl.gz and .jsonl.zst, decompressed once into the cache; the download is checked
+  # against the compressed object's checksum (a bit flipped in transit is downloaded again).
+  import gzip  # pylint: disable=g-import-not-at-top
+
+  import zstandard  # pylint: disable=g-import-not-at-top
+
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  texts = ["".join(json.dumps({"id": part * 100 + i, "text": "q" * (i % 11)}) + "\n" for i in range(100)).encode()
+           for part in range(4)]
+  plain = []
+  for part, text in enumerate(texts):
+    plain.append(str(tmp_path / f"part-{part}.jsonl"))
+    open(plain[-1], "wb").write(text)
+    packed = gzip.compress(text) if part % 2 == 0 else zstandard.ZstdCompressor().compress(text)
+    _storage.write_bytes(f"{gcs_root}/z/part-{part}.jsonl.{'gz' if part % 2 == 0 else 'zst'}", packed)
+  expected = [b["id"].tolist() for b in ckpt_iter.make_dataset(plain, batch_size=8, seed=2)]
+  urls = [f"{gcs_root}/z/part-{part}.jsonl.{'gz' if part % 2 == 0 else 'zst'}" for part in range(4)]
+  proxy.add("flip", "part-2.jsonl.gz?alt=media", method="GET", times=1)
+  source = sources.JsonlSource(urls, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+  assert [b["id"].tolist() for b in ckpt_iter.make_dataset(source, batch_size=8, seed=2)] == expected
+  assert [hit[0] for hit in proxy.hits] == ["flip"]
+  identity = sources.resolve_source(source)[1]
+  assert "part-0.jsonl.gz" in identity.description and identity.length == 400

@@ -1,0 +1,68 @@
+"""Compressed shards: which files are, and their bytes decompressed as they arrive, in any pieces."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+
+import hypothesis
+from hypothesis import strategies as st
+import pytest
+import zstandard
+
+import ckpt_iter
+from ckpt_iter import _compression
+
+
+def test_a_file_says_its_compression_by_its_name():
+  assert _compression.compression_of("gs://b/part-0.jsonl.gz") == "gzip"
+  assert _compression.compression_of("/d/part-0.jsonl.zst") == "zstd"
+  assert _compression.compression_of("/d/part-0.jsonl") is None
+  assert [_compression.plain_suffix(p) for p in ("a.jsonl.gz", "a.jsonl.zst", "a.jsonl", "a.parquet")] == [
+      ".jsonl", ".jsonl", ".jsonl", ".parquet"]
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(data=st.binary(max_size=20_000), members=st.integers(1, 3), kind=st.sampled_from(["gzip", "zstd"]),
+                  piece=st.integers(1, 5000))
+def test_what_arrives_in_any_pieces_decompresses_to_the_text(data, members, kind, piece):
+  parts = [data[i * len(data) // members:(i + 1) * len(data) // members] for i in range(members)]
+  if kind == "gzip":  # a multi-member file, as `cat a.gz b.gz` makes
+    blob = b"".join(gzip.compress(p) for p in parts)
+  else:
+    blob = b"".join(zstandard.ZstdCompressor().compress(p) for p in parts)
+  out = io.BytesIO()
+  writer = _compression.DecompressingWriter(out, kind)
+  for start in range(0, len(blob), piece):
+    writer.write(memoryview(blob)[start:start + piece])
+  writer.finish()
+  assert out.getvalue() == data
+
+
+def test_a_truncated_gzip_file_is_refused():
+  writer = _compression.DecompressingWriter(io.BytesIO(), "gzip")
+  writer.write(gzip.compress(b"x" * 10_000)[:40])
+  with pytest.raises(ValueError, match="truncated"):
+    writer.finish()
+
+
+def test_compressed_jsonl_reads_and_resumes_exactly_as_jsonl(tmp_path, monkeypatch):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default cache of compressed files
+  monkeypatch.delenv("CKPT_ITER_SHARD_CACHE_DIR", raising=False)
+  plain, compressed = [], []
+  for part in range(3):
+    text = "".join(json.dumps({"id": part * 50 + i}) + "\n" for i in range(50)).encode()
+    plain.append(str(tmp_path / f"p-{part}.jsonl"))
+    open(plain[-1], "wb").write(text)
+    compressed.append(plain[-1] + (".gz" if part % 2 else ".zst"))
+    open(compressed[-1], "wb").write(gzip.compress(text) if part % 2 else zstandard.ZstdCompressor().compress(text))
+  expected = [b["id"].tolist() for b in ckpt_iter.make_dataset(plain, batch_size=4, seed=7)]
+  for files in (compressed, plain[:1] + compressed[1:]):  # all compressed, or some: all JSONL
+    iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset(files, batch_size=4, seed=7))
+    first = [next(iterator)["id"].tolist() for _ in range(5)]
+    resumed = ckpt_iter.DataIterator(ckpt_iter.make_dataset(files, batch_size=4, seed=7))
+    resumed.restore_state(iterator.state())
+    assert first + [b["id"].tolist() for b in resumed] == expected
+  cached = sorted(p.name for p in (tmp_path / "xdg" / "ckpt_iter" / "decompressed").iterdir() if p.suffix != ".lock")
+  assert any(name.endswith("p-1.jsonl.gz") for name in cached)  # kept decompressed in the default cache
