@@ -152,3 +152,29 @@ def test_learner_step_refuses_a_data_state():
   with pytest.raises(errors.UnsupportedConfigError) as info:
     datamap.learner_step(iterator.state())
   assert "not a Tunix RL learner's state" in str(info.value)
+
+
+def test_a_learners_first_save_after_a_resume_inside_a_repeat_names_its_global_step_from_the_state(tmp_path):
+  # issue 60 item 1: at the first save after a resume inside a repeat, the learner's input has read
+  # nothing since the restore; `learner_step` raised "no batch was read since the restore" (Tunix step
+  # 16 of 26). The lineage's last resume says where the global step's full batch ended.
+  from ckpt_iter import checkpoint as checkpoint_lib, state as state_lib  # pylint: disable=g-import-not-at-top
+
+  iterator = ckpt_iter.DataIterator(_pipeline(1, 0, 4))
+  batches = [[int(x) for x in next(iterator)["id"]] for _ in range(3)]
+  item = os.path.join(str(tmp_path), "3", "data")
+  os.makedirs(item)
+  checkpoint_lib.IteratorCheckpointHandler(0, 1).save(item, ckpt_iter.IteratorSave(iterator))
+  restored = ckpt_iter.DataIterator(_pipeline(1, 0, 4))
+  checkpoint_lib.IteratorCheckpointHandler(0, 1).restore(item, ckpt_iter.IteratorRestore(restored))
+  inner = restored.state()  # nothing read since the restore
+  value = state_lib.IteratorState(
+      kind="tunix", fingerprint={"learner": "GRPOLearner", "num_iterations": 2, "mini_batch_size": 4,
+                                 "train_micro_batch_size": 4},
+      position={"input": {"kind": "data", "fingerprint": dict(inner.fingerprint), "position": dict(inner.position)},
+                "micro_batches_taken": 0},
+      counters={"train_steps": 6, "global_steps": 2, "remaining_mini_batches": 0, "mini_batches_per_global_step": 1},
+      pending=state_lib.Pending(items=({"x": 1},), schedule=(0,)), lineage=inner.lineage)
+  step = datamap.learner_step(value)
+  assert [r.index for r in step.prompts.records] == [r for r in batches[-1]], step.prompts.records
+  assert step.mid_step and "pending" in step.repeats[-1]
