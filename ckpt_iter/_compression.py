@@ -56,7 +56,16 @@ class DecompressingWriter:
       raise ValueError(f"unknown compression {kind!r}")
 
   def write(self, data: Any) -> int:
-    data = bytes(data)
+    try:
+      return self._write(bytes(data))
+    except zlib.error as e:
+      raise ValueError(f"not gzip data ({e})") from None
+    except Exception as e:  # pylint: disable=broad-except
+      if type(e).__name__ == "ZstdError":
+        raise ValueError(f"not zstd data ({e})") from None
+      raise
+
+  def _write(self, data: bytes) -> int:
     count = len(data)
     if self.kind == "gzip":
       while data:

@@ -75,6 +75,7 @@ class JsonlSource(_source_files.FileReader):
                max_open_files: int = 16):
     """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
     self._paths = [_storage.absolute(p) for p in _source_files.expand_paths(paths, "JsonlSource")]
+    self._file_index = {path: index for index, path in enumerate(self._paths)}  # a prefetch's file, by path
     # One metadata request per file, in parallel on an object store.
     self._identities = _storage.identities(self._paths)
     if cache is None and any(_compression.compression_of(p) for p in self._paths):
@@ -205,8 +206,7 @@ class JsonlSource(_source_files.FileReader):
   def _hold(self, path: str, found: _storage.Identity) -> None:
     """Opens this process's copy of `path` (a prefetch by plan), idle until read or released."""
     del found
-    file_index = self._paths.index(path)
-    copy = self._open_copy(file_index)
+    copy = self._open_copy(self._file_index[path])
     with self._open_lock:
       copy.readers -= 1
 
@@ -265,13 +265,14 @@ class JsonlSource(_source_files.FileReader):
     """
     entry = self._cache.entry_path(path, found)
     index_path = entry + ".index.npy"
+    copy_size = os.fstat(fd).st_size  # a compressed file's copy is its text: not the object's size
     copy_crc = self._cache.seal(path, found)
     if copy_crc is None:
-      copy_crc = _checksums.seal_of(fd, found.size)
+      copy_crc = _checksums.seal_of(fd, copy_size)
     record = self._cache.read_companion_record(path, found)
     try:
       with open(index_path, "rb") as f:
-        data = f.read(_INDEX_HEADER_BYTES + 16 * (found.size + 1))  # a line is a byte at least
+        data = f.read(_INDEX_HEADER_BYTES + 16 * (copy_size + 1))  # a line is a byte at least
       array = np.load(io.BytesIO(data), allow_pickle=False)
       intact = (record is not None and record.copy_crc == copy_crc and record.index_crc == zlib.crc32(data)
                 and array.dtype == np.int64 and array.ndim == 2 and array.shape == (2, record.records))

@@ -221,12 +221,14 @@ class ShardCache:
         # A compressed file is kept decompressed: its bytes are decompressed as they arrive (the
         # download's checksum is over what arrives, the compressed object's).
         inflating = _compression.DecompressingWriter(writer, compression) if compression else None
-        _storage.download(path, inflating or writer, found)
-        if inflating is not None:
-          try:
+        try:
+          _storage.download(path, inflating or writer, found)
+          if inflating is not None:
             inflating.finish()
-          except ValueError as e:
-            raise errors.InvalidStateError(f"{path}: not a whole {compression} file ({e}).") from None
+        except ValueError as e:  # the decompressor's: the object is not what its name says
+          if inflating is None:
+            raise
+          raise errors.InvalidStateError(f"{path}: not a whole {compression} file ({e}).") from None
         writer.finish()
       held = os.open(temporary, os.O_RDONLY)
       fcntl.flock(held, fcntl.LOCK_SH)  # nobody else knows the temporary: never blocks

@@ -200,3 +200,17 @@ def assert_arrays_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
   for name in a:
     assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
     assert a[name].tobytes() == b[name].tobytes(), name
+
+
+def cli_output(*argv: str) -> tuple[int, str]:
+  """`ckpt-iter ARGV` run in this process: (exit code, stdout and stderr); never a traceback."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
+
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = cli.main(list(argv))
+  assert "Traceback" not in out.getvalue() + err.getvalue()
+  return code, out.getvalue() + err.getvalue()

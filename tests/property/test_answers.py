@@ -17,8 +17,6 @@ record, batch size, process count and, for a mixture, its shares and ledger).
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -30,7 +28,6 @@ from hypothesis import strategies as st
 
 import ckpt_iter
 from ckpt_iter import checkpoint as checkpoint_lib
-from ckpt_iter import cli
 from ckpt_iter import errors
 from ckpt_iter.cli import _inspect as inspection
 from ckpt_iter.cli import _which
@@ -104,12 +101,7 @@ def _ids(batch) -> list[int]:
   return [_OFFSET[r.source] + r.index for r in batch.records]
 
 
-def _cli(*argv: str) -> tuple[int, str]:
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = cli.main(list(argv))
-  assert "Traceback" not in out.getvalue() + err.getvalue()
-  return code, out.getvalue() + err.getvalue()
+_cli = support.cli_output
 
 
 def _order(root: str, out: str) -> list[list[int]]:

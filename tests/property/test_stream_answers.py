@@ -11,8 +11,6 @@ edited source state is by `verify` and the restore alike.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -24,7 +22,8 @@ import numpy as np
 
 import ckpt_iter
 from ckpt_iter import checkpoint as checkpoint_lib
-from ckpt_iter import cli
+
+import support
 
 _RECORDS = 60
 
@@ -47,12 +46,7 @@ class _Counting:
     self.next = state["next"]
 
 
-def _cli(*argv: str) -> tuple[int, str]:
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    code = cli.main(list(argv))
-  assert "Traceback" not in out.getvalue() + err.getvalue()
-  return code, out.getvalue() + err.getvalue()
+_cli = support.cli_output
 
 
 def _ids(element) -> list[int]:

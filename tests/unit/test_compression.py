@@ -66,3 +66,26 @@ def test_compressed_jsonl_reads_and_resumes_exactly_as_jsonl(tmp_path, monkeypat
     assert first + [b["id"].tolist() for b in resumed] == expected
   cached = sorted(p.name for p in (tmp_path / "xdg" / "ckpt_iter" / "decompressed").iterdir() if p.suffix != ".lock")
   assert any(name.endswith("p-1.jsonl.gz") for name in cached)  # kept decompressed in the default cache
+
+
+def test_a_file_named_gz_that_is_not_gzip_is_refused_naming_it(tmp_path, monkeypatch):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  monkeypatch.delenv("CKPT_ITER_SHARD_CACHE_DIR", raising=False)
+  path = tmp_path / "p.jsonl.gz"
+  path.write_bytes(b'{"id": 0}\n' * 50)  # plain text under a .gz name
+  with pytest.raises(ckpt_iter.InvalidStateError, match=r"p.jsonl.gz: not a whole gzip file \(not gzip data"):
+    ckpt_iter.make_dataset([str(path)], batch_size=2, seed=None)
+
+
+def test_a_highly_compressed_files_index_is_bound_to_its_copy_not_rebuilt_at_each_open(tmp_path, caplog):
+  # The index of a copy can outgrow 16 x the compressed object's size: it is read by the copy's size.
+  from ckpt_iter import sources  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "many.jsonl.gz"
+  path.write_bytes(gzip.compress(b"{}\n" * 20_000))  # 60 KB of text in a few hundred bytes
+  cache = sources.ShardCache(tmp_path / "cache", 10**8)
+  assert len(sources.JsonlSource([str(path)], cache=cache)) == 20_000
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    again = sources.JsonlSource([str(path)], cache=sources.ShardCache(tmp_path / "cache", 10**8))
+    assert again[19_999] == {}
+  assert "rebuilding" not in caplog.text
