@@ -29,7 +29,8 @@ _WALKTHROUGH = re.compile(
     r"<!-- runnable: (?:file ([\w.-]+)|(shell)) -->\n```(?:python|sh)\n(.*?)```(?:\n\n```\n(.*?)```)?", re.S)
 # What may differ from run to run in a shown output: where it ran, process ids, wall times.
 _PAGE_DIRECTORY = re.compile(r"(?:/[\w.-]+)+/(?=ckpt_\w+/)")
-_KILLED = re.compile(r"^(bash: line \d+: +)\d+ Killed +")
+# bash pads the pid to a width that depends on the pid: the padding is masked with it.
+_KILLED = re.compile(r"^(bash: line \d+:) +\d+ Killed +")
 # Another library's log line (e.g. absl's warning about an older jaxlib): it depends on the versions
 # installed, not on the page, and the page shows none.
 _OTHER_LOGGER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR):(?!ckpt_iter)[\w.]+:")
@@ -88,7 +89,7 @@ def _comparable(output: str, directory: pathlib.Path) -> list[str]:
   run's, or the absolute one the page shows before a checkpoint root), process ids, wall times."""
   text = output.replace(f"{directory}/", "").replace(str(directory), ".")
   text = _PAGE_DIRECTORY.sub("", text)
-  lines = [_KILLED.sub(r"\1<pid> Killed ", line.rstrip()) for line in text.strip("\n").splitlines()
+  lines = [_KILLED.sub(r"\1 <pid> Killed ", line.rstrip()) for line in text.strip("\n").splitlines()
            if not _OTHER_LOGGER.match(line)]
   return [_TIMES.sub("<time>", line) for line in lines]
 
