@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ckpt_iter import _compression
+from ckpt_iter import _hf
 from ckpt_iter import _shard_cache
 from ckpt_iter import _source_files
 from ckpt_iter import _storage
@@ -317,9 +318,8 @@ class HuggingFaceSource:
     if isinstance(dataset, datasets.DatasetDict):
       dataset = _one_split(dataset, split, label)
     if not isinstance(dataset, datasets.Dataset):
-      from ckpt_iter import streaming  # pylint: disable=g-import-not-at-top  (the refusal's words)
-      if streaming.is_hf_streaming(dataset):
-        raise errors.InvalidArgumentError(streaming.hf_streaming_refusal(dataset, f"HuggingFaceSource({label!r})"))
+      if _hf.is_hf_iterable(dataset):
+        raise errors.InvalidArgumentError(_hf.hf_streaming_refusal(dataset, f"HuggingFaceSource({label!r})"))
       raise errors.InvalidArgumentError(
           f"Hugging Face source {label!r} is a {type(dataset).__qualname__}, not a datasets.Dataset; "
           "pass one split of a dataset loaded without streaming."
@@ -443,8 +443,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     else:
       description = f"{type(source).__module__}.{type(source).__qualname__}"
   elif _is_iterable_only(source):
-    from ckpt_iter import streaming  # pylint: disable=g-import-not-at-top  (the refusal's words)
-    raise errors.InvalidArgumentError(streaming.make_dataset_refusal(source, "make_dataset(source=...)"))
+    raise errors.InvalidArgumentError(_hf.make_dataset_refusal(source, "make_dataset(source=...)"))
   else:
     raise errors.InvalidArgumentError(
         f"source={_source_files.short_repr(source)} is not supported. Pass a list of records "

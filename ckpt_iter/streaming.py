@@ -16,19 +16,19 @@ The state is kind "data":
 What cannot resume exactly is refused by name where it is built: a Hugging
 Face shuffle buffer (its examples are lost on resume), a batched `map` under
 an Arrow format (may skip a batch), a source state that JSON would change.
-A plain generator has no position at all: `refusal` says what to use.
+A plain generator has no position at all: the refusal (`_hf.refusal`) says what to use.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import itertools
 import json
 import math
 import os
-from typing import Any, Callable, Collection, Iterable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
+from ckpt_iter import _hf
 from ckpt_iter import _item as item_lib
 from ckpt_iter import _stacking
 from ckpt_iter import _storage
@@ -42,7 +42,6 @@ SOURCE_PREFIX = state_lib.STREAM_SOURCE_PREFIX
 # The identity of a stream's files (names, sizes, and the bytes at both ends of each, or an object's version).
 FILES_DIGEST = "source_files_digest"
 _FILE_END_BYTES = 64 * 2**10
-_SHOWN_FILES = 4
 _NOTHING = object()
 # `_source_state` when the source is paused right after the last element yielded: its own state now is
 # that element's boundary, asked of it only when a state is taken (no state_dict() call per element).
@@ -79,14 +78,14 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
   Raises:
     UnsupportedConfigError: a Hugging Face shuffle buffer, or a batched map
       under an Arrow format, which Hugging Face itself does not resume exactly.
-    InvalidArgumentError: `source` has no `state_dict` (see `refusal`), or a
+    InvalidArgumentError: `source` has no `state_dict` (the error says what reads it), or a
       bad `batch_size`.
   """
 
   def __init__(self, source: Any, *, batch_size: int | None = None, drop_remainder: bool = True,
                name: str | None = None):
     """Wraps `source` at its start; see the class docstring for the arguments."""
-    why = refusal(source, "StreamingIterator(source=...)")
+    why = _hf.refusal(source, "StreamingIterator(source=...)")
     if why is not None:
       raise errors.InvalidArgumentError(why)
     if batch_size is not None and (not state_lib.is_int(batch_size) or batch_size < 1):
@@ -99,8 +98,8 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
     if name is not None and (not isinstance(name, str) or not name):
       raise errors.InvalidArgumentError(
           f"StreamingIterator(name={errors.shown_value(name, 40)}): name must be a non-empty string.")
-    if _is_hf_iterable(source):
-      _refuse_inexact_hf(source)
+    if _hf.is_hf_iterable(source):
+      _hf.refuse_inexact(source)
     self._source = source
     self._batch_size = batch_size
     self._drop_remainder = drop_remainder
@@ -111,7 +110,7 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
     # The source's state at the last element boundary: what state() saves.
     self._source_state = source.state_dict()
     # The layers a restored Hugging Face state must have (a state of a source of our own's is its own).
-    self._initial_state = _plain(self._source_state) if _is_hf_iterable(source) else None
+    self._initial_state = _plain(self._source_state) if _hf.is_hf_iterable(source) else None
     self._lookahead: Any = _NOTHING  # a peeked element, with the counts and state after it
     self._fingerprint = self._describe()
 
@@ -169,9 +168,9 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
     state_lib.check_stream_position(state.fingerprint, position, origin)
     elements, records = position[ELEMENTS_READ], position[RECORDS_READ]
     saved = _plain(position[SOURCE_STATE])
-    if _is_hf_iterable(self._source):
+    if _hf.is_hf_iterable(self._source):
       _check_same_layers(saved, self._initial_state, f"{origin}: field 'position.{SOURCE_STATE}'")
-    epoch = saved.get("epoch") if _is_hf_iterable(self._source) else None
+    epoch = saved.get("epoch") if _hf.is_hf_iterable(self._source) else None
 
     def apply() -> None:
       if state_lib.is_int(epoch) and epoch != self._source.epoch:
@@ -238,14 +237,14 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
     return _stacking.stack_records(records, batch_index=self._elements), len(records)
 
   def _describe(self) -> dict[str, Any]:
-    fields: dict[str, Any] = {"source": SOURCE_PREFIX + (self._name or _source_name(self._source)),
+    fields: dict[str, Any] = {"source": SOURCE_PREFIX + (self._name or _hf.source_name(self._source)),
                               "batch_size": self._batch_size, "drop_remainder": self._drop_remainder}
-    if _is_hf_iterable(self._source):
+    if _hf.is_hf_iterable(self._source):
       fields["source_shards"] = int(self._source.num_shards)
       fields["source_pipeline"] = state_lib.stream_layer_types(self._source_state)
-      files = _hf_files(self._source)
+      files = _hf.files_of(self._source)
       if files:
-        fields["source_files"] = _files_text(files)
+        fields["source_files"] = _hf.files_text(files)
         digest = files_digest(files)
         if digest is not None:
           fields[FILES_DIGEST] = digest
@@ -326,168 +325,6 @@ def _check_same_layers(saved: Any, fresh: Any, where: str, depth: int = 0) -> No
     raise errors.InvalidStateError(
         f"{where} is {state_lib.short_repr(saved, 40)} ({type(saved).__name__}), this stream's is a "
         f"{type(fresh).__name__}. Restore a state this stream wrote.")
-
-
-# ---------------------------------------------------------------------------
-# What a stream that cannot resume is told.
-
-
-def refusal(source: Any, where: str) -> str | None:
-  """Why `source` cannot be read by a StreamingIterator, and what to do; None if it can.
-
-  `where` names the call the value was passed to, e.g. "make_dataset(source=...)".
-  """
-  shown = _shown(source)
-  if type(source).__name__ == "IterableDatasetDict" and _is_hf_iterable(source):
-    return (f"{where}: {shown} is a datasets.IterableDatasetDict of splits {sorted(source)}; pass one "
-            "split, e.g. source['train'].")
-  if _is_hf_iterable(source) and not callable(getattr(source, "state_dict", None)):
-    return (f"{where}: {shown} is a streaming datasets.IterableDataset of a datasets release without "
-            "state_dict() (before 2.18), so its position cannot be saved. Upgrade datasets "
-            "(pip install -U datasets), or load it without streaming=True (a datasets.Dataset for "
-            "make_dataset).")
-  if callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None)):
-    if hasattr(source, "__iter__"):
-      return None
-    return f"{where}: {shown} has state_dict() but is not iterable; pass the object records are read from."
-  kind = ("generator" if inspect.isgenerator(source) else "one-shot iterator" if _is_one_shot(source)
-          else f"{type(source).__qualname__} iterable")
-  return (
-      f"{where}: {shown} is a {kind} without state_dict()/load_state_dict(), so nothing says where "
-      "it is: the only way back to record N is to read the first N again. Ways through: "
-      "ckpt_iter.ReplayIterator(iterable) resumes it exactly by replaying (O(position) at every "
-      "restore); a list, files or any object with __len__ and __getitem__ go to "
-      "ckpt_iter.make_dataset (O(1) restore, shuffled or not); an iterable with "
-      "state_dict()/load_state_dict() (a Hugging Face streaming IterableDataset) goes to "
-      "ckpt_iter.StreamingIterator(source, batch_size=...) (O(1) restore).")
-
-
-def hf_streaming_refusal(source: Any, where: str) -> str:
-  """make_dataset's refusal of a Hugging Face streaming dataset: what it needs, and both ways through."""
-  shuffled = "BufferShuffledExamplesIterable" in {
-      type(p).__name__ for p in _hf_chain(getattr(source, "_ex_iterable", None))}
-  stream = ("(its shuffle buffer cannot be restored: stream it without .shuffle() for that)" if shuffled
-            else "(unshuffled)")
-  return (
-      f"{where}: {_shown(source)} is a streaming datasets.IterableDataset, which has no "
-      "random access, so make_dataset cannot place records (nor shuffle them globally). Ways "
-      "through: ckpt_iter.StreamingIterator(source, batch_size=...) resumes it in O(1) through "
-      f"its own state_dict() {stream}; load it without streaming=True for a datasets.Dataset; or, "
-      f"shuffled, pass its files to make_dataset{_files_hint(source)} with seed=... and "
-      "shuffle='shards' (whole files, a window at a time, O(1) restore).")
-
-
-def make_dataset_refusal(source: Any, where: str) -> str:
-  """Why make_dataset cannot take the iterable `source` (no random access), and what reads it instead."""
-  if _is_hf_iterable(source) and type(source).__name__ == "IterableDataset":
-    return hf_streaming_refusal(source, where)
-  return refusal(source, where) or (
-      f"{where}: {errors.shown_value(source, 60)} is a stream with its own state_dict(), but no random "
-      "access, so make_dataset cannot place its records. Read it with "
-      "ckpt_iter.StreamingIterator(source, batch_size=...) (O(1) restore through that state).")
-
-
-def _refuse_inexact_hf(source: Any) -> None:
-  chain = list(_hf_chain(getattr(source, "_ex_iterable", None)))
-  names = [type(part).__name__ for part in chain]
-  if "BufferShuffledExamplesIterable" in names:
-    buffer = next(getattr(p, "buffer_size", None) for p in chain
-                  if type(p).__name__ == "BufferShuffledExamplesIterable")
-    raise errors.UnsupportedConfigError(
-        f"StreamingIterator(source=...): the dataset is shuffled with a buffer "
-        f"(IterableDataset.shuffle(buffer_size={buffer})). Hugging Face's state_dict() does not hold "
-        "the buffer: on resume its examples are lost and it is refilled from later ones, so a "
-        "restore would skip records. Ways through: make_dataset over the files, "
-        f"make_dataset({_files_hint(source, bare=True) or 'files'}, seed=..., shuffle='shards') (a "
-        "shard-aware shuffle that resumes exactly in O(1)); or load without streaming=True and "
-        "pass the datasets.Dataset to make_dataset(..., seed=...); or stream without .shuffle().")
-  formatting = getattr(source, "_formatting", None)
-  table = bool(getattr(formatting, "is_table", False)) or getattr(formatting, "format_type", None) == "arrow"
-  if table and any(n == "MappedExamplesIterable" and getattr(p, "batched", False) for n, p in zip(names, chain)):
-    raise errors.UnsupportedConfigError(
-        f"StreamingIterator(source=...): the dataset applies a batched map() under the "
-        f"{formatting.format_type!r} format, which Hugging Face's state_dict() may resume one batch "
-        "late (a skip). Map without batched=True, or set the format after the map "
-        "(.map(...).with_format(...)), or use make_dataset(transform=...).")
-
-
-def _hf_chain(part: Any) -> Iterable[Any]:
-  """The examples-iterable layers of a Hugging Face dataset, outermost first."""
-  seen = 0
-  while part is not None and seen < 256:
-    yield part
-    seen += 1
-    for inner in getattr(part, "ex_iterables", None) or ():
-      yield from _hf_chain(inner)
-    part = getattr(part, "ex_iterable", None)
-
-
-def _hf_files(source: Any) -> list[str]:
-  files: list[str] = []
-  for part in _hf_chain(getattr(source, "_ex_iterable", None)):
-    kwargs = getattr(part, "kwargs", None)
-    if isinstance(kwargs, Mapping):
-      found = kwargs.get("base_files") or kwargs.get("files")
-      if isinstance(found, (list, tuple)) and all(isinstance(f, str) for f in found):
-        files.extend(found)
-  return files
-
-
-def _files_hint(source: Any, *, bare: bool = False) -> str:
-  # In the order a glob gives them (a shuffled stream holds its files shuffled), relative to the working
-  # directory when under it (Hugging Face resolves what the user wrote to absolute paths).
-  files = sorted(_shown_path(f) for f in _hf_files(source)) if _is_hf_iterable(source) else []
-  if not files:
-    return "" if bare else "(paths, ...)"
-  shown = repr(files[:_SHOWN_FILES])[:-1] + (", ...]" if len(files) > _SHOWN_FILES else "]")
-  return shown if bare else f"({shown}, ...)"
-
-
-def _shown_path(path: str) -> str:
-  """A stream's file as a user would write it: relative to the working directory when under it."""
-  if _storage.is_url(path) or not os.path.isabs(path):
-    return path
-  relative = os.path.relpath(path)
-  return path if relative.startswith(os.pardir) else relative
-
-
-def _files_text(files: list[str]) -> str:
-  names = [os.path.basename(f.rstrip("/")) for f in files]
-  if len(names) <= _SHOWN_FILES:
-    return ",".join(names)
-  return f"{len(names)} files {names[0]}..{names[-1]}"
-
-
-def _shown(source: Any) -> str:
-  if _is_hf_iterable(source) and type(source).__name__ == "IterableDataset":
-    return f"IterableDataset {_source_name(source)}"
-  return errors.shown_value(source, 60)
-
-
-def _source_name(source: Any) -> str:
-  if _is_hf_iterable(source):
-    info = getattr(source, "info", None)
-    parts = [getattr(info, "dataset_name", None), getattr(info, "config_name", None), getattr(source, "split", None)]
-    return f"hf[{':'.join(str(p) for p in parts if p)}]"
-  return f"{type(source).__module__}.{type(source).__qualname__}"
-
-
-def _is_hf_iterable(source: Any) -> bool:
-  """A datasets.IterableDataset, recognised without importing datasets."""
-  module = type(source).__module__ or ""
-  return module.split(".")[0] == "datasets" and type(source).__name__ in ("IterableDataset", "IterableDatasetDict")
-
-
-def is_hf_streaming(source: Any) -> bool:
-  """Whether `source` is a Hugging Face streaming dataset (or dict of them)."""
-  return _is_hf_iterable(source)
-
-
-def _is_one_shot(source: Any) -> bool:
-  try:
-    return iter(source) is source
-  except TypeError:
-    return False
 
 
 # ---------------------------------------------------------------------------

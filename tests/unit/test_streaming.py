@@ -224,46 +224,6 @@ def test_the_state_goes_through_orbax_and_inspect_says_where(jsonl_files, ckpt_d
 # What cannot resume exactly is refused where it is built, saying why and what to do.
 
 
-def test_a_shuffle_buffer_is_refused_naming_the_buffer_and_the_shard_shuffle(jsonl_files):
-  with pytest.raises(errors.UnsupportedConfigError) as refused:
-    streaming.StreamingIterator(_hf(jsonl_files).shuffle(seed=0, buffer_size=16))
-  message = str(refused.value)
-  assert "shuffle(buffer_size=16)" in message and "skip records" in message
-  assert "shuffle='shards'" in message and "part-0.jsonl" in message
-
-
-def test_a_batched_map_under_an_arrow_format_is_refused(jsonl_files):
-  source = _hf(jsonl_files).with_format("arrow").map(lambda t: t, batched=True)
-  with pytest.raises(errors.UnsupportedConfigError, match="batched map.*'arrow'"):
-    streaming.StreamingIterator(source)
-
-
-_GENERATOR_FIX = r"ReplayIterator\(iterable\) resumes it exactly by replaying.*make_dataset.*StreamingIterator"
-
-
-@pytest.mark.parametrize("make_source, pattern", [
-    (lambda files: (r for r in [{"id": 0}]), r"is a generator without state_dict\(\).*" + _GENERATOR_FIX),
-    (lambda files: iter([{"id": 0}]), r"one-shot iterator without state_dict\(\).*" + _GENERATOR_FIX),
-    (lambda files: _hf(files), r"streaming datasets.IterableDataset.*StreamingIterator\(source, batch_size=...\)"
-                                r".*without streaming=True.*part-0.jsonl.*shuffle='shards'"),
-    (lambda files: _hf(files).shuffle(seed=1, buffer_size=4), r"shuffle buffer cannot be restored"),
-    (lambda files: CountingStream(3), r"own state_dict\(\).*StreamingIterator"),
-], ids=["generator", "iterator", "hf-stream", "hf-shuffled", "state-dict-stream"])
-def test_make_dataset_refuses_a_stream_saying_why_and_what_reads_it(jsonl_files, make_source, pattern):
-  with pytest.raises(errors.InvalidArgumentError, match=r"make_dataset\(source=...\): .*" + pattern):
-    ckpt_iter.make_dataset(make_source(jsonl_files), batch_size=2, shard_index=0, shard_count=1)
-
-
-def test_a_hugging_face_source_of_a_streaming_dataset_points_at_the_streaming_iterator(jsonl_files):
-  with pytest.raises(errors.InvalidArgumentError, match=r"HuggingFaceSource\('dataset'\).*StreamingIterator"):
-    ckpt_iter.sources.HuggingFaceSource(dataset=_hf(jsonl_files))
-
-
-def test_a_generator_is_refused_by_the_streaming_iterator_with_the_same_ways_through():
-  with pytest.raises(errors.InvalidArgumentError, match=r"StreamingIterator\(source=...\).*" + _GENERATOR_FIX):
-    streaming.StreamingIterator(x for x in range(3))
-
-
 @pytest.mark.parametrize("value, field, what", [
     ((1, 2), "source_state.extra", "is a tuple"),
     ({1: 2}, "source_state.extra", "has the key 1 (int)"),
@@ -391,18 +351,3 @@ def test_a_streaming_iterator_has_state_dict_and_load_state_dict(jsonl_files):
   again = streaming.StreamingIterator(_hf(jsonl_files), batch_size=3)
   again.load_state_dict(saved)
   assert _ids(next(again)) == expected
-
-
-def test_a_shuffle_buffer_refusal_lists_the_files_as_a_user_writes_them(tmp_path, monkeypatch):
-  # issue 58 item 8: the paths came in the stream's shuffled order, resolved to absolute paths.
-  directory = tmp_path / "corpus"
-  directory.mkdir()
-  for part in range(6):
-    (directory / f"part-{part}.jsonl").write_text(json.dumps({"id": part}) + "\n")
-  monkeypatch.chdir(tmp_path)
-  written = [f"corpus/part-{part}.jsonl" for part in range(6)]
-  stream = datasets.load_dataset("json", data_files=written, split="train", streaming=True).shuffle(seed=3,
-                                                                                                    buffer_size=4)
-  with pytest.raises(errors.UnsupportedConfigError) as refusal:
-    streaming.StreamingIterator(stream, batch_size=2)
-  assert f"make_dataset({written[:4]!r}"[:-1] + ", ...]" in str(refusal.value), str(refusal.value)
