@@ -23,7 +23,6 @@ import grain
 from ckpt_iter import _graph
 from ckpt_iter import _lanes
 from ckpt_iter import _permutation
-from ckpt_iter import _plan_prefetch
 from ckpt_iter import _records
 from ckpt_iter import _stacking
 from ckpt_iter import errors
@@ -199,6 +198,10 @@ class GlobalBatchDataset(grain.MapDataset):
     # Sparse: element k is record k of the stream or None (Grain's filter form), for a
     # pipeline whose position is not a stream record (set by DataIterator).
     self.sparse = False
+    # (stream record, mixture) -> None: read the files from that record on first, set by make_dataset
+    # only over a source that prefetches by plan (shuffle="shards" through a cache), so no other restore
+    # enters the prefetcher.
+    self.restore_prefetch: Callable[[int, Any], None] | None = None
 
   @property
   def plan(self) -> _records.BatchPlan:
@@ -349,7 +352,8 @@ class GlobalBatchDataset(grain.MapDataset):
           f"{origin}: {message}. Restore it into the pipeline that wrote it, or one with more epochs.")
     # The files at the restored position first (the batch before it is read first, by the content check).
     before = plan.full_batch_before(next_record)
-    _plan_prefetch.start_restore(self.parents, self._names, next_record if before is None else before, mixture)
+    if self.restore_prefetch is not None:
+      self.restore_prefetch(next_record if before is None else before, mixture)
     return RecordRestore(plan, mixture, next_record, next_index, before)
 
   def check_batch_before(self, restore: "RecordRestore", skips: skips_lib.Skips,

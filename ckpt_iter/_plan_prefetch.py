@@ -169,14 +169,16 @@ def of_chain(dataset: Any) -> PlanPrefetch | None:
     dataset = parents[0]
 
 
-def start_restore(parents: Sequence[Any], names: Sequence[str], stream_record: int, mixture: Any) -> None:
+def start_restore(prefetches: Sequence[PlanPrefetch | None], names: Sequence[str], stream_record: int,
+                  mixture: Any) -> None:
   """A restore's prefetch: each cached source's files read from stream record `stream_record` on, first.
 
-  `parents`: make_dataset's source chains (`names`: a mixture's source
-  names, in that order); `mixture`: the restored `_records.Mixture`, or None.
+  `prefetches`: each of make_dataset's sources' PlanPrefetch (`of_chain`) or
+  None (`names`: a mixture's source names, in that order); `mixture`: the
+  restored `_records.Mixture`, or None. make_dataset hands this to its node
+  only when a source has one: no other restore enters this module.
   """
-  prefetches = [of_chain(parent) for parent in parents]
-  if not ENABLED or all(p is None for p in prefetches):
+  if not ENABLED:
     return
   try:
     if mixture is None:

@@ -27,6 +27,7 @@ fingerprint are `_global_batch`'s.
 from __future__ import annotations
 
 import fractions
+import functools
 import logging
 import math
 import numbers
@@ -205,6 +206,9 @@ def make_dataset(
         "the dataset would be empty. Use a smaller batch_size or drop_remainder=False."
     )
   node = GlobalBatchDataset(parents, spec)
+  prefetches = [_plan_prefetch.of_chain(parent) for parent in parents]
+  if any(prefetch is not None for prefetch in prefetches):
+    node.restore_prefetch = functools.partial(_plan_prefetch.start_restore, prefetches, [n for n, _ in spec.sources])
   with_skip(node, declared)
   return node
 

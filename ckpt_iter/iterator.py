@@ -274,9 +274,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     # Before the general check, and whatever allow_drift says: another
     # mp_prefetch worker count is translated to this one, or refused with the
     # reason (_workers.resume_workers, docs/guarantees.md "Worker processes").
-    workers = _workers.resume_workers(
-        state.fingerprint, current, state.position, self._dataset, origin=origin
-    )
+    # Only where a worker count is saved or set: no other restore enters the rule.
+    workers = (_workers.resume_workers(state.fingerprint, current, state.position, self._dataset, origin=origin)
+               if self._has_workers or _graph.has_workers(state.fingerprint)
+               else _workers.WorkerResume(position=dict(state.position)))
     allowed |= workers.accepted
     if allowed & elastic.ELASTIC_FIELDS:
       self._check_elastic(state.fingerprint, allowed, origin)

@@ -214,3 +214,22 @@ def cli_output(*argv: str) -> tuple[int, str]:
     code = cli.main(list(argv))
   assert "Traceback" not in out.getvalue() + err.getvalue()
   return code, out.getvalue() + err.getvalue()
+
+
+def modules_entered(call: Any) -> set[str]:
+  """The ckpt_iter modules (file names, e.g. "_workers.py") whose functions run in `call()` on this thread."""
+  import sys  # pylint: disable=g-import-not-at-top
+
+  package = os.path.dirname(os.path.dirname(_files.__file__)) + os.sep + "ckpt_iter" + os.sep
+  entered: set[str] = set()
+
+  def profile(frame: Any, event: str, unused_arg: Any) -> None:
+    if event == "call" and frame.f_code.co_filename.startswith(package):
+      entered.add(os.path.relpath(frame.f_code.co_filename, package))
+
+  sys.setprofile(profile)
+  try:
+    call()
+  finally:
+    sys.setprofile(None)
+  return entered

@@ -17,6 +17,7 @@ import pickle
 import pytest
 
 import ckpt_iter
+import support
 from ckpt_iter import _plan_prefetch
 from ckpt_iter import _shard_cache
 from ckpt_iter import _storage
@@ -231,3 +232,14 @@ def test_a_window_left_is_released_so_a_small_cache_downloads_each_file_once(tmp
     assert len(again._open) <= 2 * WINDOW  # pylint: disable=protected-access  # this window's and the last
   assert ids == expected
   assert sorted(downloads) == sorted(files)  # none evicted before it was read, none read twice
+
+
+def test_only_a_restore_over_a_source_that_prefetches_by_plan_enters_the_prefetcher(tmp_path, files):
+  # issue 58 item 12: every make_dataset restore entered _plan_prefetch; a source without a cache has nothing to ask.
+  for source, expected in ((files, False), (_cached(tmp_path, files), True)):
+    iterator = ckpt_iter.DataIterator(_dataset(source))
+    next(iterator)
+    state = iterator.get_state()
+    restored = ckpt_iter.DataIterator(_dataset(source))
+    assert ("_plan_prefetch.py" in support.modules_entered(lambda: restored.set_state(state))) is expected
+    assert next(restored)["id"].tolist() == next(iterator)["id"].tolist()

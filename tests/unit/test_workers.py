@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import ckpt_iter
+import support
 from ckpt_iter import _graph
 from ckpt_iter import _workers
 from ckpt_iter import _global_batch
@@ -214,3 +215,14 @@ def test_mp_prefetch_workers_are_watched_once_around_their_own_init_function():
   assert all(w._init is init for w, init in zip(wrapped, originals))  # pylint: disable=protected-access
   assert wrapped[0]._parent_pid is None  # pylint: disable=protected-access
   assert pickle.loads(cloudpickle.dumps(wrapped[0]))._parent_pid == os.getpid()  # pylint: disable=protected-access
+
+
+def test_a_restore_without_worker_processes_never_enters_the_worker_count_rule():
+  # issue 58 item 12: every restore went through _workers; only a pipeline that has or saved workers needs it.
+  data = ckpt_iter.DataIterator(ckpt_iter.make_dataset(list(range(40)), batch_size=4, seed=1))
+  next(data)
+  state = data.get_state()
+  again = ckpt_iter.DataIterator(ckpt_iter.make_dataset(list(range(40)), batch_size=4, seed=1))
+  entered = support.modules_entered(lambda: again.set_state(state))
+  assert "iterator.py" in entered and "_workers.py" not in entered, entered
+  assert next(again).tolist() == next(data).tolist()
