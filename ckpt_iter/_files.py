@@ -31,7 +31,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Collection, Mapping, Sequence
+from typing import AbstractSet, Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -134,7 +134,19 @@ def split_header(
   process may refer to process 0's pod part (theirs the same) is the
   caller's to decide (`_item.write`).
   """
-  own, fingerprints = _split_state(header, per_process)
+  fingerprints: list[dict[str, Any]] = []
+
+  def own_fields(fingerprint: Any) -> Any:  # the pod's fields to the pod part, outermost first
+    if not isinstance(fingerprint, Mapping):
+      return fingerprint
+    fingerprints.append({k: v for k, v in fingerprint.items() if k not in per_process})
+    return {k: v for k, v in fingerprint.items() if k in per_process}
+
+  own_fingerprint, own_position = each_fingerprint(
+      header.get("kind"), header.get("fingerprint") or {}, header.get("position"), own_fields)
+  own = {**header, "fingerprint": own_fingerprint}
+  if own_position is not header.get("position"):
+    own["position"] = own_position
   pod: dict[str, Any] = {"fingerprints": fingerprints}
   if header.get("lineage") is not None:
     pod["lineage"] = header["lineage"]
@@ -146,19 +158,33 @@ def split_header(
   return own, text, digest
 
 
-def _split_state(state: Mapping[str, Any], per_process: Collection[str]) -> tuple[dict[str, Any], list[dict]]:
-  """`state` with each fingerprint down its nesting cut to the `per_process` fields; the rest, outermost first."""
-  fingerprint = state.get("fingerprint") or {}
-  shared = [{k: v for k, v in fingerprint.items() if k not in per_process}]
-  own = {**state, "fingerprint": {k: v for k, v in fingerprint.items() if k in per_process}}
-  key = state_lib.NESTED.get(state.get("kind"))  # type: ignore[arg-type]
-  position = state.get("position")
+def pod_common(kind: Any, fingerprint: Any, position: Any, per_process: AbstractSet[str]) -> tuple[Any, Any]:
+  """A state's fingerprint and position JSON as every process of a pod holds them alike: without the
+  `per_process` fingerprint fields, its own and the nested states' (key order kept; the same objects when
+  there is nothing to leave out; anything malformed as it is)."""
+  def common(found: Any) -> Any:
+    if isinstance(found, Mapping) and not per_process.isdisjoint(found):
+      return {k: v for k, v in found.items() if k not in per_process}
+    return found
+  return each_fingerprint(kind, fingerprint, position, common)
+
+
+def each_fingerprint(kind: Any, fingerprint: Any, position: Any, change: Callable[[Any], Any]) -> tuple[Any, Any]:
+  """THE walk of the pod part's cut: `change` applied to a state's fingerprint and to each fingerprint of
+  the states it nests (a repeat's parent, a learner's input: `state.NESTED`), outermost first. Returns the
+  fingerprint and position with the changed ones in place; a part `change` left as it was stays the same
+  object, so a caller that changes nothing pays no copy."""
+  fingerprint = change(fingerprint)
+  key = state_lib.NESTED.get(kind) if isinstance(kind, str) else None
   part = position.get(key) if key is not None and isinstance(position, Mapping) else None
-  if isinstance(part, Mapping) and isinstance(part.get("fingerprint"), Mapping):
-    own_part, nested = _split_state(part, per_process)
-    own["position"] = {**position, key: own_part}  # type: ignore[dict-item]
-    shared += nested
-  return own, shared
+  if isinstance(part, Mapping):
+    inner, inner_position = each_fingerprint(part.get("kind"), part.get("fingerprint"), part.get("position"), change)
+    if inner is not part.get("fingerprint") or inner_position is not part.get("position"):
+      changed = {**part, "fingerprint": inner}
+      if "position" in part:
+        changed["position"] = inner_position
+      position = {**position, key: changed}
+  return fingerprint, position
 
 
 def check_item_directory(directory: str) -> None:

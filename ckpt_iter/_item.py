@@ -129,7 +129,7 @@ PER_PROCESS_LEFT_OUT_VERSION = 5
 def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counters, *, per_process=False) -> str:
   """The one digest of a resume entry's `state`; `per_process`: as formats 1-4 took it (every field)."""
   if not per_process:
-    fingerprint, position = _pod_common(kind, fingerprint, position)
+    fingerprint, position = _files.pod_common(kind, fingerprint, position, elastic_lib.PER_PROCESS_FIELDS)
   # In the header's own key order (both sides read the same header), so no
   # sorting: a restore computes this once, on its critical path.
   text = json.dumps(
@@ -138,20 +138,6 @@ def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counte
       separators=(",", ":"), default=repr,
   )
   return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
-def _pod_common(kind: Any, fingerprint: Any, position: Any) -> tuple[Any, Any]:
-  """The fingerprint and position JSON without the per-process fingerprint fields, in the state and the
-  states it nests (their key order kept); anything malformed as it is (the digest then differs)."""
-  if isinstance(fingerprint, Mapping) and not elastic_lib.PER_PROCESS_FIELDS.isdisjoint(fingerprint):
-    fingerprint = {k: v for k, v in fingerprint.items() if k not in elastic_lib.PER_PROCESS_FIELDS}
-  key = state_lib.NESTED.get(kind) if isinstance(kind, str) else None
-  part = position.get(key) if key is not None and isinstance(position, Mapping) else None
-  if isinstance(part, Mapping):
-    part_fingerprint, part_position = _pod_common(part.get("kind"), part.get("fingerprint"), part.get("position"))
-    if part_fingerprint is not part.get("fingerprint") or part_position is not part.get("position"):
-      position = {**position, key: {**part, "fingerprint": part_fingerprint, "position": part_position}}
-  return fingerprint, position
 
 
 def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized: bool = False) -> dict[str, Any]:

@@ -386,3 +386,43 @@ def test_an_edited_process_count_is_one_verdict_for_the_restore_and_every_verb(t
     assert code == cli.EXIT_PROBLEMS and "says 2 processes" in out + err and "Traceback" not in out + err, (
         argv, code, out, err)
   assert cli.main(["inspect", root, "--step", "1"]) == 0
+
+
+_FIELDS = st.dictionaries(st.sampled_from(["shard_index", "shard_count", "batch_size", "seed", "source"]),
+                          st.integers(0, 9), max_size=5)
+
+
+@st.composite
+def _nested_headers(draw, depth=0):
+  """A header as a state writes it: data, or a repeat / tunix state nesting one (at most 2 levels)."""
+  kind = draw(st.sampled_from(["data", "repeat", "tunix"] if depth < 2 else ["data"]))
+  header = {"kind": kind, "fingerprint": draw(_FIELDS), "position": {"next_record": draw(st.integers(0, 99))}}
+  if kind in state_lib.NESTED:
+    header["position"][state_lib.NESTED[kind]] = draw(_nested_headers(depth + 1))
+  if depth == 0 and draw(st.booleans()):
+    header["lineage"] = {"resumes": draw(st.integers(0, 5)), "digest": "0" * 16, "recent": []}
+  return header
+
+
+@settings(max_examples=60, deadline=None)
+@given(header=_nested_headers())
+def test_the_pod_part_is_the_cut_the_resume_digest_covers_and_puts_the_header_back(header):
+  # issue 58 item 13: one walk cuts a state into what a pod holds alike; the pod part and the digest agree.
+  own, text, digest = _files.split_header(header, elastic.PER_PROCESS_FIELDS)
+  pod = json.loads(text)
+  common_fingerprint, common_position = _files.pod_common(
+      header["kind"], header["fingerprint"], header["position"], elastic.PER_PROCESS_FIELDS)
+  common = {"kind": header["kind"], "fingerprint": common_fingerprint, "position": common_position}
+  assert pod["fingerprints"] == list(_own_fingerprints(common))
+  assert all(set(f) <= elastic.PER_PROCESS_FIELDS for f in _own_fingerprints(own))
+  assert own[_files.POD_SHA256] == digest and "lineage" not in own
+  count = _files.CountFile(path="ckpt_iter.json", process_count=1, pod_sha256=digest, pod_text=text)
+  assert _files._with_pod_part(own, "process_0-of-1.json", count) == header  # pylint: disable=protected-access
+
+
+def _own_fingerprints(state):
+  while True:
+    yield state["fingerprint"]
+    if state["kind"] not in state_lib.NESTED:
+      return
+    state = state["position"][state_lib.NESTED[state["kind"]]]
