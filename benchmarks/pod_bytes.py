@@ -185,10 +185,8 @@ def _restore(config: dict, index: int, count: int, read: dict) -> dict:
   data_dir = os.path.join(config["root"], str(SAVES + 1), "data")  # the last step
   saved_count = _files.saved_process_count(data_dir)
   started = time.perf_counter()
-  if saved_count == count:
-    saved = item_lib.read_item(data_dir, index, count)
-  else:  # what a Tunix learner reads with another count: the state all saved processes share
-    saved = item_lib.read_replicated_item(data_dir, saved_count)
+  # What a Tunix learner reads (with another count: the state all saved processes share).
+  saved = item_lib.read_item(data_dir, index, count, replicated=True)
   seconds = time.perf_counter() - started
   assert len(saved.value.pending) == 1
   return {"process_index": index, "process_count": count, "saved_count": saved_count,

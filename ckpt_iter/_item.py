@@ -421,22 +421,41 @@ class SavedState:
 
 
 def read_item(
-    directory: str | os.PathLike[str], process_index: int, process_count: int, *, elastic: bool = False
+    directory: str | os.PathLike[str], process_index: int, process_count: int, *, elastic: bool = False,
+    replicated: bool = False, join: Callable[[str, int], "SavedState | None"] | None = None,
 ) -> SavedState:
   """Reads process `process_index`'s state from an item directory, validated.
 
-  The one read path of a data item: Orbax restores and the Tunix learners'
-  restores both come through here.
+  The one read path of a data item (Orbax restores, the Tunix learners'
+  restores), and the one place that decides what a step written by another
+  process count gives:
+    - `elastic`: the saved position re-sliced for this count
+      (`elastic.read_for_process`: make_dataset states and their repeats);
+    - `replicated`: the one state every saved process holds
+      (`elastic.read_replicated`: a learner's state, which cannot be
+      re-sliced), else `join(directory, saved_count)`'s state made of the
+      saved processes' parts (None: they differ otherwise), recorded as
+      resized;
+    - neither: ProcessCountError, naming both counts.
+
+  Raises:
+    ProcessCountError: another process count and no way above takes it (with
+      `replicated`, naming the first part the saved processes differ in).
   """
   directory = os.fspath(directory)
   step = step_of_item_directory(directory)
   if not elastic:
-    return SavedState(
-        _files.read_state(directory, process_index, process_count),
-        resized=False,
-        origin=_files.header_path(directory, process_index, process_count),
-        step=step,
-    )
+    try:
+      return SavedState(
+          _files.read_state(directory, process_index, process_count),
+          resized=False,
+          origin=_files.header_path(directory, process_index, process_count),
+          step=step,
+      )
+    except errors.ProcessCountError as e:
+      if not replicated:
+        raise
+      return _read_replicated(directory, e, step, join)
   count_files: dict[str, Any] = {}  # the count file, read once for the count and the pod part
   saved_count = _files.saved_process_count(directory, count_files=count_files)
   value = elastic_lib.read_for_process(
@@ -448,29 +467,32 @@ def read_item(
   return SavedState(value, resized=saved_count != process_count, origin=directory, step=step)
 
 
-def read_replicated_item(directory: str | os.PathLike[str], saved_count: int) -> SavedState:
-  """The state all `saved_count` saved processes hold alike, for a process of another count.
-
-  For states that cannot be re-sliced (a Tunix learner's): see
-  `elastic.read_replicated`. The resume is recorded as resized.
-  """
-  directory = os.fspath(directory)
-  return SavedState(
-      elastic_lib.read_replicated(directory, saved_count), resized=True, origin=directory,
-      step=step_of_item_directory(directory),
-  )
+def _read_replicated(directory: str, error: errors.ProcessCountError, step: int | None,
+                     join: Callable[[str, int], "SavedState | None"] | None) -> SavedState:
+  """The state all of another count's saved processes hold alike (or `join`'s of their parts)."""
+  try:
+    return SavedState(elastic_lib.read_replicated(directory, error.saved_count), resized=True, origin=directory,
+                      step=step)
+  except errors.UnsupportedConfigError as refusal:
+    joined = join(directory, error.saved_count) if join is not None else None
+    if joined is not None:
+      return joined
+    raise errors.ProcessCountError(
+        f"{directory}: written by {error.saved_count} JAX process(es); resuming with {error.process_count} is "
+        f"exact only when every saved process holds the same data state. {refusal}",
+        saved_count=error.saved_count, process_count=error.process_count) from None
 
 
 def read_item_if_present(
-    directory: str | os.PathLike[str], process_index: int, process_count: int
+    directory: str | os.PathLike[str], process_index: int, process_count: int, **other_count: Any
 ) -> SavedState | None:
-  """`read_item`, or None when the directory holds no data item at all.
+  """`read_item` (`other_count`: its `elastic`, `replicated`, `join`), or None without a data item at all.
 
   For learners that resume steps written without one (stock Tunix): the
   header is read directly, and only its absence costs a listing.
   """
   try:
-    return read_item(directory, process_index, process_count)
+    return read_item(directory, process_index, process_count, **other_count)
   except errors.ItemNotFoundError:
     return None
 

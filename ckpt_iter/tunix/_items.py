@@ -389,7 +389,10 @@ def read_step_state(
   """
   origin = f"checkpoint step {step} ({data_dir})"
   try:
-    saved = _read_saved(data_dir, origin)
+    # Another process count: exact when every saved process holds the same state (Tunix's default, every
+    # process feeding the same batches), or their parts of a sharded pending leaf (joined).
+    saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count(), replicated=True,
+                                          join=_joined_sharded_item)
   except errors.PendingTypeError as e:
     raise _across_tunix_versions(e, data_dir) from None
   if saved is None:
@@ -407,29 +410,6 @@ def read_step_state(
         f"but the model was restored at step {step}; they must come from one step."
     )
   return value
-
-
-def _read_saved(data_dir: str, origin: str) -> Any:
-  """This process's saved state of the step (or the one all saved processes share)."""
-  try:
-    saved = item_lib.read_item_if_present(data_dir, jax.process_index(), jax.process_count())
-  except errors.ProcessCountError as e:
-    # Another process count: exact when every saved process holds the same
-    # state (Tunix's default, every process feeding the same batches).
-    try:
-      saved = item_lib.read_replicated_item(data_dir, e.saved_count)
-    except errors.UnsupportedConfigError as refusal:
-      joined = _joined_sharded_item(data_dir, e.saved_count)
-      if joined is not None:
-        return joined
-      # The generic advice (elastic=True) does not apply to a learner's state.
-      raise errors.ProcessCountError(
-          f"{origin}: written by {e.saved_count} JAX process(es); resuming with "
-          f"{e.process_count} is exact only when every saved process holds the "
-          f"same data state. {refusal}",
-          saved_count=e.saved_count, process_count=e.process_count,
-      ) from None
-  return saved
 
 
 def _joined_sharded_item(data_dir: str, saved_count: int) -> Any:

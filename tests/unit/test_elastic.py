@@ -422,3 +422,27 @@ def test_state_parts_tell_states_apart_by_any_part():
   assert codec.state_parts(value) == codec.state_parts(dataclasses.replace(value))
   differing = {name for name, digest in codec.state_parts(other).items() if codec.state_parts(value)[name] != digest}
   assert differing == {"counters"}
+
+
+def test_one_reader_gives_a_step_of_another_process_count_by_the_callers_policy(tmp_path):
+  # issue 58 item 15: the learners read another count through a path of their own; read_item is the one reader.
+  from ckpt_iter import _item as item_lib  # pylint: disable=g-import-not-at-top
+
+  same, differing = tmp_path / "same", tmp_path / "differing"
+  for directory in (same, differing):
+    directory.mkdir()
+  _write(str(same), _replicated(2))
+  first, second = _replicated(2)
+  _write(str(differing), [first, dataclasses.replace(second, position={"next_index": 0})])
+  with pytest.raises(ckpt_iter.ProcessCountError, match=r"written by 2 process\(es\).*elastic=True"):
+    item_lib.read_item(str(same), 0, 1)  # no policy: refused, naming both counts
+  shared = item_lib.read_item(str(same), 0, 1, replicated=True)
+  assert shared.resized and codec.state_parts(shared.value) == codec.state_parts(first)
+  with pytest.raises(ckpt_iter.ProcessCountError, match=r"written by 2 JAX process\(es\); resuming with 1 is exact "
+                     r"only when every saved process holds the same data state\..*differ in position"):
+    item_lib.read_item(str(differing), 0, 1, replicated=True)
+  asked = []
+  joined = item_lib.SavedState(first, resized=True, origin="joined", step=None)
+  got = item_lib.read_item(str(differing), 0, 1, replicated=True, join=lambda d, n: asked.append((d, n)) or joined)
+  assert got is joined and asked == [(str(differing), 2)]
+  assert item_lib.read_item(str(same), 0, 2, replicated=True).resized is False  # its own count: its own file
