@@ -233,3 +233,48 @@ def modules_entered(call: Any) -> set[str]:
   finally:
     sys.setprofile(None)
   return entered
+
+
+class StepDeleter:
+  """Deletes one step's directory the first time a state header in it is read: after a reader listed the
+  root, before it reads (what a writer's retention, e.g. Orbax's max_to_keep, does to a live reader).
+  `files_first`: as Orbax does, the files at once and the directories `delay_s` later, from a thread."""
+
+  def __init__(self, monkeypatch: Any, step_dir: str, *, files_first: bool = False, delay_s: float = 0.3):
+    self._step_dir, self._files_first, self._delay_s = step_dir, files_first, delay_s
+    self._later: Any = None
+    self.fired = False
+    self._read_header = _files.read_header
+    monkeypatch.setattr(_files, "read_header", self._hooked)
+
+  def _hooked(self, path: str, **kwargs: Any) -> Any:
+    import shutil  # pylint: disable=g-import-not-at-top
+    import threading  # pylint: disable=g-import-not-at-top
+
+    if not self.fired and os.fspath(path).startswith(self._step_dir + os.sep):
+      self.fired = True
+      if self._files_first:
+        for directory, _, names in os.walk(self._step_dir):
+          for name in names:
+            os.remove(os.path.join(directory, name))
+        self._later = threading.Timer(self._delay_s, shutil.rmtree, [self._step_dir])
+        self._later.start()
+      else:
+        shutil.rmtree(self._step_dir)
+    return self._read_header(path, **kwargs)
+
+  def join(self) -> None:
+    if self._later is not None:
+      self._later.join()
+
+
+def lose_header_on_read(monkeypatch: Any, header: str) -> None:
+  """The state file `header` is removed as it is first read, and its step stays (not retention)."""
+  real = _files.read_header
+
+  def delete_the_header(path: Any, **kwargs: Any) -> Any:
+    if os.fspath(path) == header and os.path.exists(header):
+      os.remove(header)
+    return real(path, **kwargs)
+
+  monkeypatch.setattr(_files, "read_header", delete_the_header)

@@ -26,16 +26,15 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import orbax.checkpoint as ocp
 import pytest
 
 import ckpt_iter
-from ckpt_iter import _files
 from ckpt_iter import cli
 from ckpt_iter.cli import _inspect as inspection
+import support
 
 import ledger_writer
 
@@ -71,35 +70,6 @@ def root(pristine, tmp_path) -> str:
   return copy
 
 
-class _Deleter:
-  """Deletes step `gone` the first time a state header in it is read (after the verb listed the root);
-  `files_first`: the files at once, the directories 0.3 s later from a thread, as Orbax does."""
-
-  def __init__(self, monkeypatch, root: str, gone: int, *, files_first: bool = False):
-    self._step_dir, self._files_first = os.path.join(root, str(gone)), files_first
-    self._later: threading.Timer | None = None
-    self.fired = False
-    self._read_header = _files.read_header
-    monkeypatch.setattr(_files, "read_header", self._hooked)
-
-  def _hooked(self, path, **kwargs):
-    if not self.fired and os.fspath(path).startswith(self._step_dir + os.sep):
-      self.fired = True
-      if self._files_first:
-        for directory, _, names in os.walk(self._step_dir):
-          for name in names:
-            os.remove(os.path.join(directory, name))
-        self._later = threading.Timer(0.3, shutil.rmtree, [self._step_dir])
-        self._later.start()
-      else:
-        shutil.rmtree(self._step_dir)
-    return self._read_header(path, **kwargs)
-
-  def join(self) -> None:
-    if self._later is not None:
-      self._later.join()
-
-
 def _run(*argv: str) -> tuple[int, str, str]:
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -116,7 +86,7 @@ def _gone_message(root: str, step: int) -> str:
 @pytest.mark.parametrize("verb", ["which", "diff"])
 def test_a_named_step_deleted_while_read_is_named_as_deleted(root, monkeypatch, verb, files_first):
   gone = 5 if verb == "which" else 3
-  deleter = _Deleter(monkeypatch, root, gone, files_first=files_first)
+  deleter = support.StepDeleter(monkeypatch, os.path.join(root, str(gone)), files_first=files_first)
   argv = ["which", root, "--step", "5"] if verb == "which" else ["diff", root, "3", "5"]
   code, out, err = _run(*argv)
   deleter.join()
@@ -132,7 +102,7 @@ def test_order_retries_over_the_steps_kept_now(root, monkeypatch, tmp_path, gone
   """The latest step goes: the order of the run up to step 4. The step it resumed from goes: the
   resume record in the latest state places that segment, so the whole run is numbered."""
   out = str(tmp_path / "order.jsonl")
-  deleter = _Deleter(monkeypatch, root, gone, files_first=files_first)
+  deleter = support.StepDeleter(monkeypatch, os.path.join(root, str(gone)), files_first=files_first)
   code, printed, err = _run("order", root, "--out", out)
   deleter.join()
   assert deleter.fired
@@ -150,7 +120,7 @@ def test_order_retries_over_the_steps_kept_now(root, monkeypatch, tmp_path, gone
 
 
 def test_which_batch_retries_when_the_latest_step_goes(root, monkeypatch):
-  deleter = _Deleter(monkeypatch, root, 5)
+  deleter = support.StepDeleter(monkeypatch, os.path.join(root, str(5)))
   code, out, err = _run("which", root, "--batch", "3", "--json")
   assert deleter.fired
   assert code == 0, (code, out, err)
@@ -158,7 +128,7 @@ def test_which_batch_retries_when_the_latest_step_goes(root, monkeypatch):
 
 
 def test_which_of_a_step_whose_resumed_from_step_goes_answers_from_the_resume_record(root, monkeypatch):
-  deleter = _Deleter(monkeypatch, root, 2)
+  deleter = support.StepDeleter(monkeypatch, os.path.join(root, str(2)))
   code, out, err = _run("which", root, "--step", "5", "--json")
   assert deleter.fired
   assert code == 0, (code, out, err)
@@ -169,14 +139,7 @@ def test_which_of_a_step_whose_resumed_from_step_goes_answers_from_the_resume_re
 def test_a_step_that_stays_but_loses_its_state_file_is_still_an_error(root, monkeypatch):
   monkeypatch.setattr(inspection, "REMOVAL_WAIT_SECONDS", 0.3)
   header = os.path.join(root, "5", "data", "process_0-of-1.json")
-  real = _files.read_header
-
-  def delete_the_header(path, **kwargs):
-    if os.fspath(path) == header and os.path.exists(header):
-      os.remove(header)
-    return real(path, **kwargs)
-
-  monkeypatch.setattr(_files, "read_header", delete_the_header)
+  support.lose_header_on_read(monkeypatch, header)
   code, out, err = _run("which", root, "--step", "5")
   assert code == 1, (code, out, err)
   assert header in err and "No such file" in err and "deleted while being read" not in err, err

@@ -20,16 +20,15 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 import ckpt_iter
-from ckpt_iter import _files
 from ckpt_iter import cli
 from ckpt_iter.cli import _inspect as inspection
+import support
 
 STEPS = (1, 2, 3, 4)
 GONE = 2  # the step the hooks delete
@@ -63,36 +62,6 @@ def root(pristine, tmp_path) -> str:
   return copy
 
 
-class _Deleter:
-  """Deletes one step's directory the first time a state header in it is read: after the
-  listing, before the read. `files_first`: as Orbax does, the files at once and the
-  directories `delay_s` later (from a thread, as the writer's deleting thread)."""
-
-  def __init__(self, monkeypatch, step_dir: str, *, files_first: bool = False, delay_s: float = 0.3):
-    self._step_dir, self._files_first, self._delay_s = step_dir, files_first, delay_s
-    self._later: threading.Timer | None = None
-    self.fired = False
-    self._read_header = _files.read_header
-    monkeypatch.setattr(_files, "read_header", self._hooked)
-
-  def _hooked(self, path: str, **kwargs):
-    if not self.fired and os.fspath(path).startswith(self._step_dir + os.sep):
-      self.fired = True
-      if self._files_first:
-        for directory, _, names in os.walk(self._step_dir):
-          for name in names:
-            os.remove(os.path.join(directory, name))
-        self._later = threading.Timer(self._delay_s, shutil.rmtree, [self._step_dir])
-        self._later.start()
-      else:
-        shutil.rmtree(self._step_dir)
-    return self._read_header(path, **kwargs)
-
-  def join(self) -> None:
-    if self._later is not None:
-      self._later.join()
-
-
 def _run(*argv: str) -> tuple[int, str, str]:
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -103,7 +72,7 @@ def _run(*argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize("files_first", [False, True], ids=["whole", "files_first"])
 @pytest.mark.parametrize("verb", ["verify", "audit"])
 def test_a_step_deleted_between_listing_and_reading_is_reported_as_removed(root, monkeypatch, verb, files_first):
-  deleter = _Deleter(monkeypatch, os.path.join(root, str(GONE)), files_first=files_first)
+  deleter = support.StepDeleter(monkeypatch, os.path.join(root, str(GONE)), files_first=files_first)
   code, out, err = _run(verb, root, "--json")
   deleter.join()
   assert deleter.fired
@@ -120,7 +89,7 @@ def test_a_step_deleted_between_listing_and_reading_is_reported_as_removed(root,
 
 @pytest.mark.parametrize("verb", ["verify", "audit"])
 def test_the_text_report_says_which_step_was_removed_and_judges_the_rest(root, monkeypatch, verb):
-  _Deleter(monkeypatch, os.path.join(root, str(GONE)))
+  support.StepDeleter(monkeypatch, os.path.join(root, str(GONE)))
   code, out, err = _run(verb, root)
   assert code == 0, (code, out, err)
   if verb == "verify":
@@ -134,7 +103,7 @@ def test_the_text_report_says_which_step_was_removed_and_judges_the_rest(root, m
 
 
 def test_verify_of_a_named_step_that_vanishes_says_nothing_was_checked(root, monkeypatch):
-  _Deleter(monkeypatch, os.path.join(root, str(GONE)))
+  support.StepDeleter(monkeypatch, os.path.join(root, str(GONE)))
   code, out, err = _run("verify", root, "--step", str(GONE))
   assert code == cli.EXIT_NOTHING == 4, (code, out, err)
   assert out == ""
@@ -148,14 +117,7 @@ def test_a_step_that_stays_but_loses_its_state_file_is_still_an_error(root, monk
   (shortened here), then reports the file."""
   monkeypatch.setattr(inspection, "REMOVAL_WAIT_SECONDS", 0.3)
   header = os.path.join(root, str(GONE), "data", "process_0-of-1.json")
-  real = _files.read_header
-
-  def delete_the_header(path, **kwargs):
-    if os.fspath(path) == header and os.path.exists(header):
-      os.remove(header)
-    return real(path, **kwargs)
-
-  monkeypatch.setattr(_files, "read_header", delete_the_header)
+  support.lose_header_on_read(monkeypatch, header)
   code, out, err = _run(verb, root)
   assert code == 1, (out, err)
   if verb == "verify":
