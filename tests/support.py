@@ -57,6 +57,21 @@ def write_jsonl(path: str | os.PathLike[str], records: Sequence[Any], blank_line
       f.write("\n\n")
 
 
+_STREAMS: dict[tuple[str, ...], Any] = {}
+
+
+def hf_stream(files: Sequence[str]) -> Any:
+  """A fresh Hugging Face streaming dataset over JSONL `files`, at its start (a copy of one loaded once)."""
+  import copy  # pylint: disable=g-import-not-at-top
+
+  import datasets  # pylint: disable=g-import-not-at-top
+
+  key = tuple(files)
+  if key not in _STREAMS:
+    _STREAMS[key] = datasets.load_dataset("json", data_files=list(files), split="train", streaming=True)
+  return copy.deepcopy(_STREAMS[key])
+
+
 def write_parquet(path: str | os.PathLike[str], records: Sequence[Any]) -> None:
   """Writes records into one Parquet file of small row groups (4 rows): reads cross row-group boundaries."""
   import pyarrow as pa  # pylint: disable=g-import-not-at-top

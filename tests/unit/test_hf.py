@@ -5,7 +5,6 @@ sources.py refuses a stream with these words without importing streaming.py.
 """
 
 import ast
-import copy
 import json
 import pathlib
 
@@ -15,6 +14,7 @@ import ckpt_iter
 import conftest
 from ckpt_iter import _hf as hf_lib
 from ckpt_iter import errors
+import support
 
 datasets = pytest.importorskip("datasets", reason=conftest.NEEDS_DATASETS)
 
@@ -22,23 +22,13 @@ datasets = pytest.importorskip("datasets", reason=conftest.NEEDS_DATASETS)
 @pytest.fixture(scope="module")
 def jsonl_files(tmp_path_factory):
   directory = tmp_path_factory.mktemp("stream")
-  paths = []
-  for i, (start, stop) in enumerate([(0, 13), (13, 25), (25, 37)]):
-    path = directory / f"part-{i}.jsonl"
-    path.write_text("".join(json.dumps({"id": n}) + "\n" for n in range(start, stop)))
-    paths.append(str(path))
+  paths = [str(directory / f"part-{i}.jsonl") for i in range(3)]
+  for path, (start, stop) in zip(paths, [(0, 13), (13, 25), (25, 37)]):
+    support.write_jsonl(path, [{"id": n} for n in range(start, stop)])
   return paths
 
 
-_LOADED = {}
-
-
-def _stream(files):
-  """A fresh streaming dataset over `files` (a copy of one loaded once: a new object, at its start)."""
-  key = tuple(files)
-  if key not in _LOADED:
-    _LOADED[key] = datasets.load_dataset("json", data_files=list(files), split="train", streaming=True)
-  return copy.deepcopy(_LOADED[key])
+_stream = support.hf_stream
 
 
 class CountingStream:

@@ -4,7 +4,6 @@ The sources are Hugging Face streaming datasets read from local files (no
 network) and a small class of our own with `state_dict`/`load_state_dict`.
 """
 
-import copy
 import json
 import os
 
@@ -22,6 +21,7 @@ from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 from ckpt_iter import streaming
 from ckpt_iter import testing
+import support
 
 datasets = pytest.importorskip("datasets", reason=conftest.NEEDS_DATASETS)
 
@@ -40,15 +40,7 @@ def jsonl_files(tmp_path_factory):
   return paths
 
 
-_LOADED = {}
-
-
-def _hf(files):
-  """A fresh streaming dataset over `files` (a copy of one loaded once: a new object, at its start)."""
-  key = tuple(files)
-  if key not in _LOADED:
-    _LOADED[key] = datasets.load_dataset("json", data_files=list(files), split="train", streaming=True)
-  return copy.deepcopy(_LOADED[key])
+_hf = support.hf_stream
 
 
 def _ids(element):
