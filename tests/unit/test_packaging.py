@@ -99,3 +99,21 @@ def test_the_wheel_holds_the_library_only(tmp_path):
   assert tops == {"ckpt_iter", name.split("-")[0] + "-" + name.split("-")[1] + ".dist-info"}, tops
   assert "ckpt_iter/__init__.py" in members and "ckpt_iter/tunix/example_grpo.yaml" in members
   assert not any(m.startswith(("demo/", "tests/", "benchmarks/")) or "/demo/" in m for m in members)
+
+
+_USER_EXTRAS = ("files", "hf", "gcs", "tunix", "plot")
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting_started.md"])
+def test_the_extras_tables_name_each_extras_requirements_with_their_floors(page):
+  # issue 58 item 7: the tables said `gcsfs`, `optax`, `flax` where pyproject.toml holds floors.
+  import re  # pylint: disable=g-import-not-at-top
+  import tomllib  # pylint: disable=g-import-not-at-top
+
+  with open(os.path.join(_REPO, "pyproject.toml"), "rb") as f:
+    extras = tomllib.load(f)["project"]["optional-dependencies"]
+  with open(os.path.join(_REPO, page)) as f:
+    rows = {m.group(1): re.findall(r"`([^`]+)`", m.group(2))
+            for m in re.finditer(r"^\| `(?:ckpt_iter\[)?(\w[\w-]*)\]?` \| ([^|]+) \|", f.read(), re.M)}
+  for extra in _USER_EXTRAS:
+    assert rows.get(extra) == extras[extra], (page, extra, rows.get(extra), extras[extra])
