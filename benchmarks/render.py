@@ -940,17 +940,18 @@ into Grain's compiled `index_shuffle` each) and the file's encoding.
 """
 
 
-# The walks at commit efc4d89 (the same script, before sources.py and dataset.py were split and make_dataset's
-# node kept where it reads in one value, `_records.Cursor`): files, lines, calls across.
-_WALKS_BEFORE = {"save": (10, 704, 14), "restore": (15, 2164, 71), "audit": (12, 1540, 49), "which": (14, 1741, 55),
-                 "grpo_restore": (23, 3963, 151)}
+# The walks at commit 3828a5f (0.3.0's code before issue 58's seams: the Hugging Face refusals under
+# streaming.py, _workers and _plan_prefetch entered on every restore, the pod cut written twice, the
+# learners' own reader of another process count), the same script: files, lines, calls across, top floor.
+_WALKS_BEFORE = {"save": (9, 758, 14, 16), "restore": (15, 2163, 65, 16), "audit": (12, 1806, 49, 21),
+                 "which": (14, 1902, 55, 21), "grpo_restore": (23, 4067, 140, 19)}
 _WALK_NAMES = {"save": "save (Orbax, make_dataset)", "restore": "restore (Orbax, make_dataset)",
                "audit": "`ckpt-iter audit`", "which": "`ckpt-iter which --step`",
                "grpo_restore": "Tunix GRPO resume, to the first trainer input"}
 
 
-# The modules at commit efc4d89 (the same count, before sources.py and dataset.py were split): count, p90 lines.
-_MODULES_BEFORE = (55, 722.6)
+# The modules at commit 3828a5f: count, p90 lines, import floors.
+_MODULES_BEFORE = (61, 709.0, 22)
 
 
 def _module_sizes(rows: list[dict]) -> str:
@@ -960,12 +961,16 @@ def _module_sizes(rows: list[dict]) -> str:
     return ""
   sizes = found[0]
   over = ", ".join(f"`{m['module']}` {m['lines']:,}" for m in sizes["over"]) or "none"
+  chain = " <- ".join(f"`{name}`" for name in sizes.get("chain", []))
   return (f"Module sizes (`wc -l` of every `ckpt_iter/**/*.py`, the 90th percentile by numpy's linear "
           f"interpolation): {sizes['modules']} modules, p90 {sizes['p90_lines']} lines (before: "
-          f"{_MODULES_BEFORE[1]} over {_MODULES_BEFORE[0]} modules); over 700 lines: {over}.\n")
+          f"{_MODULES_BEFORE[1]} over {_MODULES_BEFORE[0]} modules); over 700 lines: {over}.\n\n"
+          f"Import floors (a module importing none of the package stands on floor 1, any other one floor above "
+          f"the highest module it imports, a lazy import inside a function included): {sizes.get('floors')} "
+          f"(before: {_MODULES_BEFORE[2]}). The longest chain: {chain}.\n")
 
 
-_WALK_COLUMNS = ["walk", "files", "lines followed", "calls across files", "pairs with >= 10 calls",
+_WALK_COLUMNS = ["walk", "files", "lines followed", "calls across files", "top floor", "pairs with >= 10 calls",
                  "files entered for one trivial call"]
 
 
@@ -982,7 +987,8 @@ def _restore_walk(rows: list[dict]) -> str:
     trivial = ", ".join(f"`{t['file']}` ({t['lines']} lines)" for t in walk["trivial_files"]) or "none"
     table.append([label, f"{len(walk['files'])} ({before[0]})" if before else len(walk["files"]),
                   f"{walk['total_lines']:,} ({before[1]:,})" if before else f"{walk['total_lines']:,}",
-                  f"{walk['crossings']} ({before[2]})" if before else walk["crossings"], pairs, trivial])
+                  f"{walk['crossings']} ({before[2]})" if before else walk["crossings"],
+                  f"{walk.get('top_floor')} ({before[3]})" if before else walk.get("top_floor"), pairs, trivial])
   files = {name: _measurements(rows, name=f"walk_{name}")[0]["files"] for name in _WALK_NAMES
            if _measurements(rows, name=f"walk_{name}")}
   listed = "\n".join(f"- {_WALK_NAMES[name]}: " + ", ".join(f"`{f}`" for f in names) for name, names in files.items())
@@ -992,11 +998,10 @@ def _restore_walk(rows: list[dict]) -> str:
 thing a user does under `sys.setprofile` (and `threading.setprofile`, for Orbax's save threads) and notes every
 function of `ckpt_iter/` it enters: the files entered; the lines a reader follows (the union of the line spans
 of the functions entered, per file); the calls across files (distinct caller and callee functions: a call in a
-loop is followed once); the pairs of files with 10 or more such calls; the files entered by one call that runs
-at most 10 of their lines. A count of code, not of time. In brackets: the same script at commit efc4d89,
-before `sources.py` and `dataset.py` were split (make_dataset's node, its restore and the pipeline's fingerprint
-now in `_global_batch.py`) and the save asked `_records.Cursor` for the position (the walks at 3dde9c3, before
-the earlier splits: [architecture.md](architecture.md#the-walks-file-by-file)).
+loop is followed once); the highest import floor among the files entered (below); the pairs of files with 10 or
+more such calls; the files entered by one call that runs at most 10 of their lines. A count of code, not of
+time. In brackets: the same script at commit 3828a5f, before issue 58's seams (earlier figures:
+[architecture.md](architecture.md#the-walks-file-by-file)).
 
 {_table(_WALK_COLUMNS, table)}
 

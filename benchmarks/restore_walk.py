@@ -31,6 +31,8 @@ import collections
 import contextlib
 import glob
 import io
+import ast
+import functools
 import json
 import os
 import subprocess
@@ -118,6 +120,9 @@ class Walk:
         "crossings": sum(len(edges) for edges in self.edges.values()),
         "heavy_pairs": heavy,
         "trivial_files": trivial,
+        # The import floors the files entered stand on: the highest, and how many distinct ones.
+        "top_floor": max((_floors().get(name, 0) for name in self.files), default=0),
+        "floors": len({_floors().get(name, 0) for name in self.files}),
     }
 
 
@@ -128,8 +133,79 @@ def module_sizes() -> dict[str, Any]:
     with open(path, "rb") as f:
       lines[os.path.relpath(path, PACKAGE_DIR)] = f.read().count(b"\n")  # as `wc -l` counts
   over = sorted(((name, count) for name, count in lines.items() if count > MODULE_LINES), key=lambda item: -item[1])
+  floors = _floors()
   return {"modules": len(lines), "p90_lines": round(float(np.percentile(list(lines.values()), 90)), 1),
-          "over": [{"module": name, "lines": count} for name, count in over]}
+          "over": [{"module": name, "lines": count} for name, count in over],
+          "floors": max(floors.values()),
+          "chain": _longest_chain(import_graph(), floors)}
+
+
+def _longest_chain(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+  """One import chain from a top-floor module down to floor 1."""
+  name = max(sorted(floors), key=lambda n: floors[n])
+  chain = [name]
+  while floors[name] > 1:
+    name = next(m for m in sorted(graph[name]) if floors.get(m) == floors[name] - 1)
+    chain.append(name)
+  return chain
+
+
+def import_graph() -> dict[str, set[str]]:
+  """Each module of the package (a path under ckpt_iter/) and the package modules it imports, anywhere in
+  it (a lazy import inside a function is an edge too: the module still needs the other to be there)."""
+  modules = {os.path.relpath(path, PACKAGE_DIR): path
+             for path in glob.glob(os.path.join(PACKAGE_DIR, "**", "*.py"), recursive=True)}
+
+  def module_of(dotted: str) -> str | None:
+    parts = dotted.split(".")[1:]  # below ckpt_iter
+    for candidate in (os.path.join(*parts, "__init__.py") if parts else "__init__.py",
+                      os.path.join(*parts) + ".py" if parts else None):
+      if candidate in modules:
+        return candidate
+    return None
+
+  graph: dict[str, set[str]] = {}
+  for name, path in modules.items():
+    package = ["ckpt_iter", *os.path.dirname(name).split(os.sep)] if os.path.dirname(name) else ["ckpt_iter"]
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        imported |= {module_of(a.name) for a in node.names if a.name.split(".")[0] == "ckpt_iter"}
+      elif isinstance(node, ast.ImportFrom):
+        base = ".".join(package[:len(package) - node.level + 1]) if node.level else node.module or ""
+        if node.level and node.module:
+          base = f"{base}.{node.module}"
+        if base.split(".")[0] != "ckpt_iter":
+          continue
+        for alias in node.names:  # a submodule by name, else a name of the module `base`
+          imported.add(module_of(f"{base}.{alias.name}") or module_of(base))
+    graph[name] = {m for m in imported if m is not None and m != name}
+  return graph
+
+
+def import_floors(graph: dict[str, set[str]]) -> dict[str, int]:
+  """Each module's floor: 1 for a module importing none of the package, else one above the highest floor
+  it imports (the longest import chain down from it; an import that closes a cycle is not followed)."""
+  floors: dict[str, int] = {}
+  visiting: set[str] = set()
+
+  def floor(name: str) -> int:
+    if name not in floors:
+      visiting.add(name)
+      floors[name] = 1 + max((floor(m) for m in graph[name] if m not in visiting), default=0)
+      visiting.discard(name)
+    return floors[name]
+
+  for name in sorted(graph):
+    floor(name)
+  return floors
+
+
+@functools.lru_cache(maxsize=1)
+def _floors() -> dict[str, int]:
+  return import_floors(import_graph())
 
 
 def _package_file(path: str) -> str | None:

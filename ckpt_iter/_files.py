@@ -159,9 +159,7 @@ def split_header(
 
 
 def pod_common(kind: Any, fingerprint: Any, position: Any, per_process: AbstractSet[str]) -> tuple[Any, Any]:
-  """A state's fingerprint and position JSON as every process of a pod holds them alike: without the
-  `per_process` fingerprint fields, its own and the nested states' (key order kept; the same objects when
-  there is nothing to leave out; anything malformed as it is)."""
+  """A state's fingerprint and position as a pod's processes hold them alike: without `per_process` fields."""
   def common(found: Any) -> Any:
     if isinstance(found, Mapping) and not per_process.isdisjoint(found):
       return {k: v for k, v in found.items() if k not in per_process}
@@ -170,10 +168,8 @@ def pod_common(kind: Any, fingerprint: Any, position: Any, per_process: Abstract
 
 
 def each_fingerprint(kind: Any, fingerprint: Any, position: Any, change: Callable[[Any], Any]) -> tuple[Any, Any]:
-  """THE walk of the pod part's cut: `change` applied to a state's fingerprint and to each fingerprint of
-  the states it nests (a repeat's parent, a learner's input: `state.NESTED`), outermost first. Returns the
-  fingerprint and position with the changed ones in place; a part `change` left as it was stays the same
-  object, so a caller that changes nothing pays no copy."""
+  """THE walk of the pod part's cut: the fingerprint and position with `change` applied to the state's
+  fingerprint and each nested state's (`state.NESTED`), outermost first; what it leaves is the same object."""
   fingerprint = change(fingerprint)
   key = state_lib.NESTED.get(kind) if isinstance(kind, str) else None
   part = position.get(key) if key is not None and isinstance(position, Mapping) else None
