@@ -27,6 +27,7 @@ import numpy as np
 
 from ckpt_iter import _checksums
 from ckpt_iter import _compression
+from ckpt_iter import _corpus_index
 from ckpt_iter import _shard_cache
 from ckpt_iter import _source_files
 from ckpt_iter import _storage
@@ -64,6 +65,11 @@ class JsonlSource(_source_files.FileReader):
       download ahead (0: none, neither by index nor by a shard plan).
     max_open_files: with `cache`, how many local copies a process keeps open
       (in use, so never evicted) at most.
+    corpus_index: with `cache`, take each file's record count from the
+      index object `ckpt-iter index` wrote beside the files
+      (`ckpt_iter_index.json`), when it indexes the file as it is now: a
+      new host then reads one small object per directory instead of
+      downloading every file to count it (docs/bucket.md).
   """
 
   # Its public home: a hand-built Grain graph's fingerprint names its source by module and class
@@ -72,7 +78,7 @@ class JsonlSource(_source_files.FileReader):
 
   def __init__(self, paths: _source_files.PathsArg, *, index_cache_dir: str | None = None,
                cache: _shard_cache.ShardCache | None = None, prefetch_files: int = 2,
-               max_open_files: int = 16):
+               max_open_files: int = 16, corpus_index: bool = True):
     """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
     self._paths = [_storage.absolute(p) for p in _source_files.expand_paths(paths, "JsonlSource")]
     self._file_index = {path: index for index, path in enumerate(self._paths)}  # a prefetch's file, by path
@@ -88,6 +94,8 @@ class JsonlSource(_source_files.FileReader):
     self._max_open_files = max(1, int(max_open_files))
     self._local = threading.local()
     self._init_open()
+    self._indexed: set[str] = set()  # the files whose count came from a corpus index object
+    self._use_corpus_index = bool(corpus_index)
     if cache is not None:
       counts = self._cached_counts()
       self._starts: list[np.ndarray] = []
@@ -234,10 +242,17 @@ class JsonlSource(_source_files.FileReader):
       self._cache.make_room(0)
 
   def _cached_counts(self) -> list[int]:
-    """Each file's line count: stored in the cache, else counted from a download (in parallel)."""
+    """Each file's line count: stored in the cache, else in the corpus's index object beside the files
+    (`_corpus_index`, one read per directory), else counted from a download (in parallel)."""
     cache = self._cache
     counts = [cache.read_count(p, f) for p, f in zip(self._paths, self._identities)]
     missing = [i for i, c in enumerate(counts) if c is None]
+    if missing and self._use_corpus_index:
+      indexed = _corpus_index.counts([self._paths[i] for i in missing], [self._identities[i] for i in missing])
+      for i, count in zip(missing, indexed):
+        counts[i] = count
+      self._indexed = {self._paths[i] for i, count in zip(missing, indexed) if count is not None}
+      missing = [i for i, c in enumerate(counts) if c is None]
     if len(missing) > 1:
       cache.prefetch([(self._paths[i], self._identities[i]) for i in missing], then=self._prepare_index)
       cache.wait()
@@ -323,7 +338,10 @@ class JsonlSource(_source_files.FileReader):
       if len(starts) != expected:
         raise errors.InvalidStateError(
             f"{path}: its copy in the shard cache {self._cache.directory} holds {len(starts):,} records, "
-            f"this source was built counting {expected:,}. Build the source again (make_dataset).")
+            f"this source was built counting {expected:,}"
+            + (f" (the count of {_corpus_index.location(path.rsplit('/', 1)[0])}, which is wrong for it: "
+               "index the corpus again with ckpt-iter index)" if path in self._indexed else "")
+            + ". Build the source again (make_dataset).")
     except BaseException:
       os.close(fd)
       raise

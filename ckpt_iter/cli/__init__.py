@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_audit(verbs)
   _add_which(verbs)
   _add_order(verbs)
+  _add_index(verbs)
   return parser
 
 
@@ -225,6 +226,22 @@ def _add_order(verbs: Any) -> None:
   parser.set_defaults(run=run_order)
 
 
+def _add_index(verbs: Any) -> None:
+  summary = "count a JSONL corpus's records once and write its index object beside the files"
+  parser = verbs.add_parser(
+      "index", help=summary, description=summary + " (ckpt_iter_index.json in each directory: every file's "
+      "size, version and records). A cached JsonlSource then takes the counts from it instead of downloading "
+      "every file to count it; a file changed since is refused by name.",
+      epilog="exit codes: 0 written, 1 a file cannot be read or indexed, 2 usage error")
+  parser.add_argument("paths", nargs="+", metavar="PATH",
+                      help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), globs or gs:// URLs, as JsonlSource takes")
+  parser.add_argument("--cache", metavar="DIR",
+                      help="the shard cache to count through (default: a temporary directory, removed after)")
+  parser.add_argument("--max-bytes", type=_step_number, default=None, metavar="N",
+                      help="the cache's limit in bytes (default 64 GiB); counts outlive evicted copies")
+  parser.set_defaults(run=run_index)
+
+
 def _add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "checkpoint", metavar="CKPT_DIR",
@@ -248,6 +265,29 @@ def _fail(message: str, code: int) -> int:
   print(f"{PROG}: {message}", file=sys.stderr)
   return code
 
+
+
+# ---------------------------------------------------------------------------
+# index
+
+
+def run_index(args: argparse.Namespace) -> int:
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import _corpus_index  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import sources  # pylint: disable=g-import-not-at-top  (Grain only when indexing)
+
+  with tempfile.TemporaryDirectory(prefix="ckpt-iter-index-") as scratch:
+    cache = sources.ShardCache(args.cache or scratch, args.max_bytes or _shard_cache.DEFAULT_MAX_BYTES)
+    # Counted from the files themselves (never from an index already there), by JsonlSource's own count.
+    source = sources.JsonlSource(args.paths if len(args.paths) > 1 else args.paths[0], cache=cache,
+                                 corpus_index=False)
+    offsets = source.file_offsets()
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    written = _corpus_index.write(source.paths, source.identities(), counts)
+  print(f"indexed {len(counts):,} files, {offsets[-1]:,} records: wrote {', '.join(written)}")
+  return EXIT_OK
 
 
 # ---------------------------------------------------------------------------

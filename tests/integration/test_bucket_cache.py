@@ -141,3 +141,23 @@ def test_two_processes_download_a_file_once(tmp_path):
   (tmp_path / "go").touch()  # both fetch at once; a download takes 0.3 s: the second waits on the lock
   results = [json.loads(worker.communicate(timeout=120)[0]) for worker in workers]
   assert sorted(calls for calls, _ in results) == [0, 1] and all(same for _, same in results)
+
+
+def test_a_new_host_builds_from_the_corpus_index_without_reading_a_file(corpus, gcs_emulator, tmp_path):
+  # issue 59 item 1: a new host's first build downloaded every file to count its lines.
+  import support  # pylint: disable=g-import-not-at-top
+
+  remote, local = corpus
+  code, out = support.cli_output("index", remote, "--cache", str(tmp_path / "indexing"))
+  assert code == 0 and f"indexed {_FILES} files, {_FILES * _PER_FILE:,} records" in out, out
+  mark = gcs_emulator.mark()
+  source = sources.JsonlSource(remote, cache=sources.ShardCache(tmp_path / "new_host", 10**8), prefetch_files=0)
+  reads = [r.name for r in gcs_emulator.requests(mark) if r.kind == "read"]
+  assert reads == [remote.split("/", 3)[3].rsplit("/", 1)[0] + "/ckpt_iter_index.json"], reads
+  assert len(source) == _FILES * _PER_FILE
+  expected = [record for path in local for record in map(json.loads, open(path))]
+  assert [source[i] for i in range(len(source))] == expected
+  # Written again under the index: the build is refused, naming the object, not trained from its old count.
+  _storage.write_bytes(remote.replace("*", "2"), b'{"id": 1}\n')
+  with pytest.raises(ckpt_iter.InvalidStateError, match=r"part-2.jsonl: .*counted it at size .*changed since"):
+    sources.JsonlSource(remote, cache=sources.ShardCache(tmp_path / "third_host", 10**8))

@@ -1,0 +1,123 @@
+"""A JSONL corpus's index object: every file's record count in one small object beside the files.
+
+A cached JSONL source must know each file's record count before it reads
+(the plan places records by it). Without an index a new host downloads every
+file to count its lines. `ckpt-iter index PATHS` counts them once, with
+JsonlSource's own count (the same code that indexes a copy), and writes
+`INDEX_NAME` into each directory holding the files: per file its size, its
+version (generation and crc32c on GCS, as `_storage.Identity` gives it) and
+its records. A host then reads one object per directory instead of the files.
+
+What is trusted, and why it is safe: a count is taken from the index only for
+a file whose size and version now are the ones indexed; a file indexed with
+another version is refused by name (the corpus changed since). The count is
+checked again when the file's copy is indexed at its first read (a copy
+holding another number of records is refused), so an index edited to lie
+about a count stops the read before a record of that file is trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any, Sequence
+
+from ckpt_iter import _storage
+from ckpt_iter import errors
+
+INDEX_NAME = "ckpt_iter_index.json"
+KIND = "ckpt_iter.jsonl_index"
+FORMAT = 1
+# An entry is ~150 bytes: 64 MiB indexes ~400,000 files, past which the object is refused unread.
+MAX_BYTES = 64 * 2**20
+_MAX_RECORDS = 2**48
+
+
+def location(directory: str) -> str:
+  """The index object of the files in `directory`."""
+  return directory.rstrip("/") + "/" + INDEX_NAME
+
+
+def write(paths: Sequence[str], identities: Sequence[_storage.Identity], counts: Sequence[int]) -> list[str]:
+  """Writes one index object per directory of `paths`; returns their paths (sorted)."""
+  by_directory: dict[str, dict[str, Any]] = {}
+  for path, found, count in zip(paths, identities, counts):
+    if found.version is None:
+      raise errors.InvalidArgumentError(
+          f"{path}: the store gives no version for it (no generation, ETag or checksum), so an index "
+          "cannot tell a changed file from the one it counted. Index a store or disk that versions its files.")
+    directory, name = _split(path)
+    by_directory.setdefault(directory, {})[name] = {"size": found.size, "version": found.version,
+                                                    "records": int(count)}
+  written = []
+  for directory, files in sorted(by_directory.items()):
+    body = json.dumps(files, sort_keys=True, separators=(",", ":"))
+    text = json.dumps({"kind": KIND, "format": FORMAT, "crc32": zlib.crc32(body.encode()), "files": files},
+                      sort_keys=True, separators=(",", ":"))
+    _storage.write_bytes(location(directory), text.encode())
+    written.append(location(directory))
+  return written
+
+
+def counts(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> list[int | None]:
+  """Each file's record count from its directory's index object, None where there is none for it.
+
+  One read per directory (none holds an index: one failed GET each).
+
+  Raises:
+    InvalidStateError: an index is garbled, or indexes a file with another size or version than it
+      has now (the message names the file, both versions and the two ways through).
+  """
+  found: list[int | None] = []
+  indexes: dict[str, dict[str, Any] | None] = {}
+  for path, identity in zip(paths, identities):
+    directory, name = _split(path)
+    if directory not in indexes:
+      indexes[directory] = read(directory)
+    entry = (indexes[directory] or {}).get(name)
+    if entry is None:
+      found.append(None)
+      continue
+    if (entry["size"], entry["version"]) != (identity.size, identity.version):
+      raise errors.InvalidStateError(
+          f"{path}: {location(directory)} counted it at size {entry['size']:,}, version {entry['version']}; "
+          f"it is now size {identity.size:,}, version {identity.version}: the file changed since it was "
+          f"indexed. Index the corpus again (ckpt-iter index {directory}), or delete {INDEX_NAME} to count "
+          "each file by downloading it.")
+    found.append(entry["records"])
+  return found
+
+
+def read(directory: str) -> dict[str, dict[str, Any]] | None:
+  """The files entry of `directory`'s index object, checked; None when it has none."""
+  path = location(directory)
+  try:
+    data = _storage.read_bytes(path, max_bytes=MAX_BYTES)
+  except FileNotFoundError:
+    return None
+  except _storage.TooLargeError:
+    raise errors.InvalidStateError(
+        f"{path}: more than {MAX_BYTES:,} bytes, more than an index of this many files holds. It is not "
+        f"an index ckpt-iter wrote: delete it, or index a directory of fewer files.") from None
+  try:
+    value = json.loads(data)
+    files = value["files"]
+    body = json.dumps(files, sort_keys=True, separators=(",", ":"))
+    if (value.get("kind"), value.get("format")) != (KIND, FORMAT) or value.get("crc32") != zlib.crc32(body.encode()):
+      raise ValueError("its kind, format or CRC-32 is not an index's")
+    for name, entry in files.items():
+      if (not isinstance(entry, dict) or set(entry) != {"size", "version", "records"}
+          or not all(type(entry[k]) is int and 0 <= entry[k] < _MAX_RECORDS for k in ("size", "records"))
+          or not isinstance(entry["version"], str) or not name or "/" in name):
+        raise ValueError(f"entry {name!r} is not {{size, version, records}}")
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise errors.InvalidStateError(
+        f"{path}: not a ckpt_iter corpus index ({e}): garbled or edited. Index the corpus again "
+        f"(ckpt-iter index {directory}), or delete it to count each file by downloading it.") from None
+  return files
+
+
+def _split(path: str) -> tuple[str, str]:
+  directory, name = path.rstrip("/").rsplit("/", 1) if "/" in path else (os.curdir, path)
+  return directory, name

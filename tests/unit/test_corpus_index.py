@@ -1,0 +1,157 @@
+"""The corpus index object (`ckpt-iter index`): counts from one object, never trusted past the files.
+
+Local files stand in for a bucket (a ShardCache copies any file); tests/integration/test_bucket_cache.py
+counts the requests on a GCS emulator.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+
+from hypothesis import given, settings, strategies as st
+import pytest
+
+from ckpt_iter import _corpus_index
+from ckpt_iter import _storage
+from ckpt_iter import cli
+from ckpt_iter import errors
+from ckpt_iter import sources
+import support
+
+
+def _corpus(directory, lines_per_file, *, gzipped=False):
+  """JSONL files with blank lines among the records; returns the glob."""
+  os.makedirs(directory, exist_ok=True)
+  for part, count in enumerate(lines_per_file):
+    records = [{"id": part * 1000 + n} for n in range(count)]
+    path = os.path.join(directory, f"part-{part}.jsonl")
+    support.write_jsonl(path, records, blank_lines=True)
+    if gzipped:
+      with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as out:
+        out.write(f.read())
+      os.remove(path)
+  return os.path.join(directory, "part-*.jsonl" + (".gz" if gzipped else ""))
+
+
+def _downloads(monkeypatch):
+  calls = []
+  real = _storage.download
+  monkeypatch.setattr(_storage, "download", lambda path, f, found: (calls.append(path), real(path, f, found))[1])
+  return calls
+
+
+def _index(glob):
+  code, out = support.cli_output("index", glob)
+  assert code == 0, out
+  return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(lines=st.lists(st.integers(0, 40), min_size=1, max_size=5), gzipped=st.booleans())
+def test_a_new_host_counts_from_the_index_and_reads_what_counting_by_download_reads(tmp_path_factory, lines,
+                                                                                       gzipped):
+  directory = str(tmp_path_factory.mktemp("corpus"))
+  glob = _corpus(os.path.join(directory, "data"), lines, gzipped=gzipped)
+  unindexed = sources.JsonlSource(glob, cache=sources.ShardCache(os.path.join(directory, "a"), 10**8))
+  expected = [unindexed[i] for i in range(len(unindexed))]
+  out = _index(glob)
+  assert f"indexed {len(lines)} files, {sum(lines)} records" in out
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    calls = _downloads(monkeypatch)
+    source = sources.JsonlSource(glob, cache=sources.ShardCache(os.path.join(directory, "b"), 10**8),
+                                 prefetch_files=0)
+    assert calls == [] and source.file_offsets() == unindexed.file_offsets()
+    assert [source[i] for i in range(len(source))] == expected
+    assert len(calls) == sum(1 for count in lines if count)  # each file with records read once, when read
+
+
+def test_a_file_changed_since_it_was_indexed_is_refused_naming_it_and_the_ways_through(tmp_path):
+  glob = _corpus(str(tmp_path / "data"), [5, 6])
+  _index(glob)
+  with open(tmp_path / "data" / "part-1.jsonl", "a") as f:
+    f.write(json.dumps({"id": 7}) + "\n")
+  with pytest.raises(errors.InvalidStateError,
+                     match=r"part-1.jsonl: .*ckpt_iter_index.json counted it at size .*the file changed since it "
+                           r"was indexed\. Index the corpus again \(ckpt-iter index .*\), or delete "
+                           r"ckpt_iter_index.json"):
+    sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+  # Counted from the files, the source builds (and the index verb writes the new count).
+  assert len(sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "c2", 10**8), corpus_index=False)) == 12
+
+
+def _rewrite(tmp_path, change):
+  path = tmp_path / "data" / _corpus_index.INDEX_NAME
+  value = json.loads(path.read_text())
+  change(value)
+  body = json.dumps(value["files"], sort_keys=True, separators=(",", ":"))
+  value["crc32"] = zlib.crc32(body.encode())  # a consistent edit: only the read of the copy can catch it
+  path.write_text(json.dumps(value))
+
+
+def test_an_index_that_lies_about_a_count_stops_the_read_of_that_file_naming_the_index(tmp_path):
+  glob = _corpus(str(tmp_path / "data"), [5, 6])
+  _index(glob)
+  _rewrite(tmp_path, lambda value: value["files"]["part-1.jsonl"].update(records=4))
+  source = sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8), prefetch_files=0)
+  assert len(source) == 9 and source[0] == {"id": 0}
+  with pytest.raises(errors.InvalidStateError, match=r"part-1.jsonl: its copy .* holds 6 records, this source "
+                     r"was built counting 4 \(the count of .*ckpt_iter_index.json, which is wrong for it"):
+    source[5]
+
+
+@pytest.mark.parametrize("text, says", [
+    (b"not json", "Expecting value"),
+    (b'{"kind": "ckpt_iter.jsonl_index", "format": 1, "crc32": 1, "files": {}}', "CRC-32"),
+    (b'{"kind": "other", "format": 1, "crc32": 0, "files": {}}', "kind, format"),
+])
+def test_a_garbled_index_is_refused_by_name(tmp_path, text, says):
+  glob = _corpus(str(tmp_path / "data"), [3])
+  (tmp_path / "data" / _corpus_index.INDEX_NAME).write_bytes(text)
+  with pytest.raises(errors.InvalidStateError, match=rf"ckpt_iter_index.json: not a ckpt_iter corpus index .*{says}"
+                     r".*Index the corpus again"):
+    sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+
+
+@pytest.mark.parametrize("entry", [{"size": -1, "version": "v", "records": 1}, {"size": 1, "version": 3, "records": 1},
+                                   {"size": 1, "version": "v"}, {"size": 1, "version": "v", "records": 2**60}])
+def test_an_index_entry_of_the_wrong_shape_is_refused_even_with_its_crc(tmp_path, entry):
+  glob = _corpus(str(tmp_path / "data"), [3])
+  _index(glob)
+  _rewrite(tmp_path, lambda value: value["files"].update({"part-0.jsonl": entry}))
+  with pytest.raises(errors.InvalidStateError, match=r"entry 'part-0.jsonl' is not \{size, version, records\}"):
+    sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+
+
+def test_an_index_larger_than_any_index_is_refused_unread(tmp_path, monkeypatch):
+  glob = _corpus(str(tmp_path / "data"), [3])
+  _index(glob)
+  monkeypatch.setattr(_corpus_index, "MAX_BYTES", 16)
+  with pytest.raises(errors.InvalidStateError, match=r"more than 16 bytes.*not an index ckpt-iter wrote"):
+    sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+
+
+def test_the_index_verb_counts_the_files_not_an_index_already_there(tmp_path):
+  glob = _corpus(str(tmp_path / "data"), [5, 6])
+  _index(glob)
+  _rewrite(tmp_path, lambda value: value["files"]["part-1.jsonl"].update(records=4))
+  _index(glob)  # written again from the files
+  assert _corpus_index.read(str(tmp_path / "data"))["part-1.jsonl"]["records"] == 6
+
+
+def test_without_an_index_a_file_is_counted_by_its_download_as_before(tmp_path, monkeypatch):
+  glob = _corpus(str(tmp_path / "data"), [5, 6])
+  calls = _downloads(monkeypatch)
+  assert len(sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))) == 11
+  assert sorted(os.path.basename(c) for c in calls) == ["part-0.jsonl", "part-1.jsonl"]
+
+
+def test_a_store_without_versions_cannot_be_indexed(tmp_path):
+  with pytest.raises(errors.InvalidArgumentError, match=r"gives no version for it"):
+    _corpus_index.write(["gs://b/x.jsonl"], [_storage.Identity(3, None)], [1])
+
+
+def test_the_index_verb_is_a_verb_of_the_command_line():
+  assert "index" in cli.build_parser().format_help()
