@@ -69,7 +69,8 @@ class JsonlSource(_source_files.FileReader):
       index object `ckpt-iter index` wrote beside the files
       (`ckpt_iter_index.json`), when it indexes the file as it is now: a
       new host then reads one small object per directory instead of
-      downloading every file to count it (docs/bucket.md).
+      downloading every file to count it (
+      https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/bucket.md).
   """
 
   # Its public home: a hand-built Grain graph's fingerprint names its source by module and class
@@ -80,10 +81,11 @@ class JsonlSource(_source_files.FileReader):
                cache: _shard_cache.ShardCache | None = None, prefetch_files: int = 2,
                max_open_files: int = 16, corpus_index: bool = True):
     """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
-    self._paths = [_storage.absolute(p) for p in _source_files.expand_paths(paths, "JsonlSource")]
+    expanded = _source_files.expand_paths(paths, "JsonlSource")
+    self._paths = [_storage.absolute(p) for p in expanded]
     self._file_index = {path: index for index, path in enumerate(self._paths)}  # a prefetch's file, by path
-    # One metadata request per file, in parallel on an object store.
-    self._identities = _storage.identities(self._paths)
+    # From a glob's listing, else one metadata request per file, in parallel on an object store.
+    self._identities = _storage.identities(self._paths, listed=getattr(expanded, "listed", None))
     if cache is None and any(_compression.compression_of(p) for p in self._paths):
       # A compressed file has no byte ranges to read in place: it is read decompressed from a cache.
       cache = _shard_cache.ShardCache.from_env() or _shard_cache.ShardCache(

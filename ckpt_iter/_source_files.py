@@ -27,7 +27,12 @@ PathsArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 
 class ExpandedPaths(list):
-  """Paths already expanded: not globbed again (a file's name may hold `[` or `*`)."""
+  """Paths already expanded: not globbed again (a file's name may hold `[` or `*`). `listed`: the
+  identities a URL glob's listing gave (path -> `_storage.Identity`), which no metadata request repeats."""
+
+  def __init__(self, *paths: Any):
+    super().__init__(*paths)
+    self.listed: dict[str, Any] = {}
 
 
 def expand_paths(paths: PathsArg, owner: str) -> list[str]:
@@ -42,7 +47,9 @@ def expand_paths(paths: PathsArg, owner: str) -> list[str]:
       or glob match is missing; the message names `owner`.
   """
   if isinstance(paths, ExpandedPaths):
-    return list(paths)
+    again = ExpandedPaths(paths)
+    again.listed = dict(paths.listed)
+    return again
   candidates = path_strings(paths)
   if candidates is None:
     shown = "[]" if isinstance(paths, (list, tuple)) and not paths else short_repr(paths)
@@ -73,7 +80,12 @@ def expanded(candidates: list[str], owner: str) -> ExpandedPaths:
   paths = ExpandedPaths()
   for candidate in candidates:
     magic = _storage.has_magic(candidate)
-    matches = _storage.glob(candidate) if magic else [candidate]
+    if magic and _storage.is_url(candidate):  # the listing describes each object: no metadata request per file
+      listed = _storage.glob_identities(candidate)
+      paths.listed.update(listed)
+      matches = sorted(listed)
+    else:
+      matches = _storage.glob(candidate) if magic else [candidate]
     if not matches:
       raise errors.InvalidArgumentError(f"{owner} glob {candidate!r} matches no file.")
     for match in matches:

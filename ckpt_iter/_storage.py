@@ -200,22 +200,33 @@ def identity(path: str) -> Identity:
   return _backend(path).identity(path)
 
 
-def identities(paths: list[str], *, threads: int = 16) -> list[Identity]:
+def identities(paths: list[str], *, threads: int = 16, listed: dict[str, Identity] | None = None) -> list[Identity]:
   """`identity` of each path, fetched in parallel (at most `threads` requests at once) for URLs.
 
   One metadata request per object (generation, size, crc32c on GCS): what a
-  source's identity on a bucket is made of, instead of reads of its content.
+  source's identity on a bucket is made of, instead of reads of its content;
+  none for an object in `listed` (a glob's listing said it: `glob_identities`).
   Local paths are stat'ed in order (no threads).
 
   Raises:
     FileNotFoundError: naming the first missing path.
   """
-  if not any(is_url(p) for p in paths) or len(paths) <= 1:
-    return [identity(p) for p in paths]
-  from concurrent import futures  # pylint: disable=g-import-not-at-top
+  listed = listed or {}
+  asked = [p for p in paths if p not in listed]
+  if not any(is_url(p) for p in asked) or len(asked) <= 1:
+    found = {p: identity(p) for p in asked}
+  else:
+    from concurrent import futures  # pylint: disable=g-import-not-at-top
 
-  with futures.ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
-    return list(pool.map(identity, paths))
+    with futures.ThreadPoolExecutor(max_workers=max(1, min(threads, len(asked)))) as pool:
+      found = dict(zip(asked, pool.map(identity, asked)))
+  return [listed[p] if p in listed else found[p] for p in paths]
+
+
+def glob_identities(pattern: str) -> dict[str, Identity]:
+  """The objects matching a URL glob, each with its identity, from the listing alone (no request per
+  object: a listing page describes a thousand objects as a metadata request describes one)."""
+  return _OBJECT_STORE.glob_identities(pattern)
 
 
 # The most bytes `download` asks for in one request (a larger file takes several).
@@ -547,12 +558,14 @@ class _ObjectStoreBackend:
   def identity(self, path: str) -> Identity:
     fs, key = store.filesystem(path)
     fs.invalidate_cache(key)
-    info = store.bounded(fs, path, "stat", fs.info, key)
-    parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
-    generation = info.get("generation")
-    pinnable = generation not in (None, "") and type(fs).__module__.startswith("gcsfs")
-    return Identity(int(info["size"]), ",".join(parts) or None, str(generation) if pinnable else None,
-                    _checksums.StoreChecksum.of_metadata(info))
+    return _identity_of(fs, store.bounded(fs, path, "stat", fs.info, key))
+
+  def glob_identities(self, pattern: str) -> dict[str, Identity]:
+    fs, key = store.filesystem(pattern)
+    fs.invalidate_cache(key.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0].rsplit("/", 1)[0])  # the listing afresh
+    found = store.bounded(fs, pattern, "list", fs.glob, key, detail=True)
+    return {fs.unstrip_protocol(name): _identity_of(fs, info) for name, info in found.items()
+            if info.get("type", "file") == "file"}
 
   def pin(self, path: str) -> str | None:
     return self.generation(path)
@@ -565,6 +578,15 @@ class _ObjectStoreBackend:
 
 
 _VERSION_KEYS = ("generation", "version_id", "VersionId", "ETag", "etag", "crc32c", "md5Hash")
+
+
+def _identity_of(fs: Any, info: dict[str, Any]) -> Identity:
+  """An object's identity from its metadata, as a stat or a listing gives it (the same fields)."""
+  parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
+  generation = info.get("generation")
+  pinnable = generation not in (None, "") and type(fs).__module__.startswith("gcsfs")
+  return Identity(int(info["size"]), ",".join(parts) or None, str(generation) if pinnable else None,
+                  _checksums.StoreChecksum.of_metadata(info))
 _LOCAL = _LocalBackend()
 _OBJECT_STORE = _ObjectStoreBackend()
 

@@ -138,10 +138,11 @@ class ParquetSource(_source_files.FileReader):
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None):
     """Opens `paths` (their footers, pinned to their current generation on gs://); see the class docstring."""
     pq = _import_pyarrow_parquet()
-    self._paths = [_storage.absolute(p) for p in _source_files.expand_paths(paths, "ParquetSource")]
+    expanded = _source_files.expand_paths(paths, "ParquetSource")
+    self._paths = [_storage.absolute(p) for p in expanded]
     self._cache = cache
     if cache is not None:
-      self._identities = _storage.identities(self._paths)
+      self._identities = _storage.identities(self._paths, listed=getattr(expanded, "listed", None))
       self._copies = _HeldCopies(cache, self._paths, self._identities, "ParquetSource")
       self._read_paths = self._copies.local_paths
       self._generations: list[str | None] = [None] * len(self._paths)
@@ -231,7 +232,8 @@ class ArrayRecordSource:
     self._copies = None
     read_paths = list(paths)
     if cache is not None:
-      self._identities = _storage.identities([_storage.absolute(p) for p in paths])
+      self._identities = _storage.identities([_storage.absolute(p) for p in paths],
+                                             listed=getattr(paths, "listed", None))
       self._copies = _HeldCopies(cache, [_storage.absolute(p) for p in paths], self._identities, "ArrayRecordSource")
       read_paths = self._copies.local_paths
     self._read_paths = read_paths

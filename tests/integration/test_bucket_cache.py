@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import ckpt_iter
+import gcs_emulator as gcs_emulator_lib
 from ckpt_iter import _storage
 from ckpt_iter import sources
 
@@ -56,11 +57,13 @@ def test_the_cache_reads_what_local_disk_reads_at_one_request_per_file(
   dataset = ckpt_iter.make_dataset(remote, batch_size=_BATCH, seed=seed)
   assert _ids(dataset) == expected
   requests = gcs_emulator.requests(mark)
-  reads = sum(r.kind == "read" for r in requests)
-  assert reads == _FILES, [r for r in requests if r.kind == "read"][:8]
-  # Setup and reading together: a listing and a metadata request or two per file besides
-  # (gcsfs's info() sometimes lists the name as a prefix too): about files / records.
-  assert len(requests) <= 4 * _FILES + 1, requests
+  reads = [r for r in requests if r.kind == "read"]
+  # Each file once, and one look for the corpus index beside them (there is none: 404).
+  assert sum(not r.name.endswith("ckpt_iter_index.json") for r in reads) == _FILES, reads[:8]
+  assert [r.status for r in reads if r.name.endswith("ckpt_iter_index.json")] == [404], reads
+  # Setup and reading together: the glob's listing describes every file (no metadata request per file).
+  assert gcs_emulator_lib.count_by_kind(requests)["metadata"] == 0, requests
+  assert len(requests) <= _FILES + 3, requests
   # A second pipeline on this host: metadata only, no read.
   mark = gcs_emulator.mark()
   assert _ids(ckpt_iter.make_dataset(remote, batch_size=_BATCH, seed=seed)) == expected
