@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -83,8 +83,8 @@ class _HeldCopies:
       raise errors.InvalidArgumentError(
           f"{owner} through {cache!r}: it holds every one of its {len(paths)} files while it lives "
           f"({total:,} bytes), more than the cache's max_bytes. Give the cache max_bytes={total} or more, "
-          "read the files in place (no cache), or use JSONL files with make_dataset(..., shuffle=\"shards\"), "
-          "which reads a window of files at a time.")
+          "read the files in place (no cache), or use JSONL or Parquet files with make_dataset(..., "
+          "shuffle=\"shards\"), which read a window of files at a time.")
     self.cache, self.paths, self.identities = cache, list(paths), list(identities)
     self._hold()
 
@@ -130,35 +130,35 @@ class ParquetSource(_source_files.FileReader):
   Args:
     paths: the Parquet files (local or gs://), in order: one path, a glob,
       or a list of them (a glob's matches sorted).
-    cache: a `ShardCache`: every file is downloaded whole into it when the
-      source is built (in parallel) and read there, held in use while the
-      source lives; None reads them in place.
+    cache: a `ShardCache`: each file is downloaded whole into it on its first
+      read and read there; the build reads only the files' footers (their
+      row groups), so a corpus larger than the cache reads through it a
+      window at a time with make_dataset(shuffle="shards"), as JSONL does.
+      None reads the files in place.
+    prefetch_files: with `cache`, how many files after the one a reader
+      enters to download ahead (0: none, neither by index nor by a plan).
   """
 
-  def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None):
-    """Opens `paths` (their footers, pinned to their current generation on gs://); see the class docstring."""
+  def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
+               prefetch_files: int = 2):
+    """Reads the footers of `paths` (pinned to their current generation on gs://); see the class docstring."""
     pq = _import_pyarrow_parquet()
     expanded = _source_files.expand_paths(paths, "ParquetSource")
     self._paths = [_storage.absolute(p) for p in expanded]
     self._cache = cache
+    self._prefetch_files = max(0, int(prefetch_files))
+    self._planned = False
     if cache is not None:
       self._identities = _storage.identities(self._paths, listed=getattr(expanded, "listed", None))
-      self._copies = _HeldCopies(cache, self._paths, self._identities, "ParquetSource")
-      self._read_paths = self._copies.local_paths
-      self._generations: list[str | None] = [None] * len(self._paths)
+      # Each footer read where the file is, at the generation the identity pins: a few small reads a file.
+      self._generations: list[str | None] = [found.generation for found in self._identities]
     else:
-      self._read_paths = self._paths
       # On an object store each file's generation now: every later read is of it.
       self._generations = [_storage.pinned_generation(p) for p in self._paths]
-    group_rows = []
-    for path, generation in zip(self._read_paths, self._generations):
-      with _parquet_file(pq, path, generation) as parquet:
-        metadata = parquet.metadata
-      group_rows.append(
-          [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-      )
+    group_rows = _footers(pq, self._paths, self._generations)
     # (file, group) pairs in order, with the global index of each group's first row.
     self._groups = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
+    self._group_rows = group_rows
     counts = [n for rows in group_rows for n in rows]
     self._group_offsets = np.cumsum([0] + counts).tolist()
     self._local = threading.local()
@@ -170,23 +170,72 @@ class ParquetSource(_source_files.FileReader):
     group, row = _source_files.locate(self._group_offsets, index, len(self))
     cached = getattr(self._local, "cache", None)
     if cached is None or cached[0] != group or getattr(self._local, "pid", None) != os.getpid():
-      pq = _import_pyarrow_parquet()
       file_index, group_index = self._groups[group]
-      with _parquet_file(pq, self._read_paths[file_index], self._generations[file_index]) as parquet:
-        table = parquet.read_row_group(group_index)
+      table = self._read_group(file_index, group_index)
       cached = self._local.cache = (group, table)
       self._local.pid = os.getpid()
     return cached[1].slice(row, 1).to_pylist()[0]
+
+  def _read_group(self, file_index: int, group_index: int) -> Any:
+    pq = _import_pyarrow_parquet()
+    if self._cache is None:
+      with _parquet_file(pq, self._paths[file_index], self._generations[file_index]) as parquet:
+        return parquet.read_row_group(group_index)
+    entering = getattr(self._local, "file", None) != file_index
+    self._local.file = file_index
+    if entering and self._prefetch_files and not self._planned:
+      self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
+    path, found = self._paths[file_index], self._identities[file_index]
+    # Held (a shared flock: in use) while it is read, then left to the cache: evictable between reads.
+    fd = self._cache.open(path, found)
+    with os.fdopen(fd, "rb") as f:
+      parquet = pq.ParquetFile(f)
+      metadata = parquet.metadata
+      rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+      if rows != self._group_rows[file_index]:
+        raise errors.InvalidStateError(
+            f"{path}: its copy in the shard cache {self._cache.directory} has row groups of {rows[:8]} rows, "
+            f"its footer when this source was built {self._group_rows[file_index][:8]}. Build the source "
+            "again (make_dataset).")
+      return parquet.read_row_group(group_index)
 
   @property
   def cache(self) -> _shard_cache.ShardCache | None:
     """The `ShardCache` the files are read through, or None."""
     return self._cache
 
+  @property
+  def prefetch_files(self) -> int:
+    """How many files ahead a cached source downloads (0: no prefetch, by file index or by plan)."""
+    return self._prefetch_files if self._cache is not None else 0
+
+  def follow_plan(self) -> None:
+    """Stops prefetching the next files by index: make_dataset(shuffle="shards")'s plan names them."""
+    self._planned = True
+
+  def prefetch(self, file_indices: Sequence[int]) -> None:
+    """Downloads these files (indices into `paths`, modulo their count) in the background; with no cache,
+    nothing. A file already cached is marked as just used, so eviction spares it."""
+    if self._cache is None or not file_indices:
+      return
+    files = [(self._paths[i], self._identities[i])
+             for i in dict.fromkeys(i % len(self._paths) for i in file_indices)]
+    for path, found in files:
+      if self._cache.has(path, found):
+        self._cache.touch(path, found)
+    self._cache.prefetch([(path, found) for path, found in files if not self._cache.has(path, found)])
+
+  def release(self, keep: Sequence[int]) -> None:
+    """A plan is done with the files not in `keep`: nothing is held between reads, so nothing to close."""
+    del keep
+
+  def cached_bytes(self) -> list[int]:
+    """What each file takes in the cache: its copy."""
+    return [found.size for found in self._identities]
+
   def file_offsets(self) -> list[int]:
-    """The index of each file's first record, and the total."""
-    groups, offsets = self._groups, self._group_offsets
-    return [offsets[g] for g, (f, _) in enumerate(groups) if g == 0 or groups[g - 1][0] != f] + [offsets[-1]]
+    """The index of each file's first record, and the total (a file without rows starts where the next does)."""
+    return np.cumsum([0] + [sum(rows) for rows in self._group_rows]).tolist()
 
   def file_position(self, index: int) -> tuple[str, str]:
     """(file, "row N") of record `index` (rows of the file, from 0)."""
@@ -199,6 +248,32 @@ class ParquetSource(_source_files.FileReader):
     """Each file's size and version as read when built through a cache; None without one."""
     return list(self._identities) if self._cache is not None else None
 
+
+def _footers(pq: Any, paths: list[str], generations: list[str | None]) -> list[list[int]]:
+  """Each Parquet file's row-group sizes, from its footer (in parallel on an object store)."""
+  def footer(path: str, generation: str | None) -> list[int]:
+    # Read once more if it does not parse (bytes a transfer altered: a footer's ranged read has no
+    # checksum to compare; what it says is checked again against the checked copy at its first read).
+    for attempt in range(2):
+      try:
+        with _parquet_file(pq, path, generation) as parquet:
+          metadata = parquet.metadata
+        return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+      except (OSError, ValueError) as e:
+        if isinstance(e, (FileNotFoundError, errors.CkptIterError)):
+          raise
+        if attempt:
+          raise errors.InvalidStateError(
+              f"{path}: its Parquet footer cannot be read twice over ({e}): not a Parquet file, or a "
+              "truncated one. Check the file (pyarrow.parquet.read_metadata), or leave it out.") from None
+    raise AssertionError("unreachable")
+
+  if len(paths) <= 1 or not any(_storage.is_url(p) for p in paths):
+    return [footer(p, g) for p, g in zip(paths, generations)]
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
+
+  with futures.ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
+    return list(pool.map(footer, paths, generations))
 
 
 @contextlib.contextmanager

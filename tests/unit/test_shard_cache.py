@@ -454,15 +454,29 @@ def test_a_shard_shuffle_through_a_cache_below_two_windows_warns_at_build(tmp_pa
   assert "make_dataset" not in caplog.text
 
 
-def test_a_parquet_source_larger_than_its_cache_is_refused_naming_the_size(tmp_path):
+def test_a_parquet_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_time(tmp_path):
+  # issue 59 item 2: a Parquet source held every file and refused a cache smaller than its corpus.
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
   paths = []
-  for part in range(3):
+  for part in range(8):
     paths.append(str(tmp_path / f"p-{part}.parquet"))
-    pq.write_table(pa.Table.from_pylist([{"id": part * 10 + i} for i in range(10)]), paths[-1])
-  total = sum(os.path.getsize(p) for p in paths)
-  with pytest.raises(errors.InvalidArgumentError, match=rf"max_bytes={total} or more"):
-    sources.ParquetSource(paths, cache=sources.ShardCache(tmp_path / "cache", total - 1))
-  assert len(sources.ParquetSource(paths, cache=sources.ShardCache(tmp_path / "cache", total))) == 30
+    pq.write_table(pa.Table.from_pylist([{"id": part * 40 + i, "text": "x" * 200} for i in range(40)]),
+                   paths[-1], row_group_size=10)
+  largest = max(os.path.getsize(p) for p in paths)
+  max_bytes = 3 * largest  # under half the corpus
+  cache = sources.ShardCache(tmp_path / "cache", max_bytes)
+  source = sources.ParquetSource(paths, cache=cache)
+  assert cache.entries() == []  # the build read the footers only
+  in_place = ckpt_iter.make_dataset(paths, batch_size=4, seed=3, shuffle="shards", shuffle_window=1)
+  cached = ckpt_iter.make_dataset(source, batch_size=4, seed=3, shuffle="shards", shuffle_window=1)
+  got = []
+  for number in range(len(cached)):
+    got.append(cached[number]["id"].tolist())
+    cache.wait()
+    assert sum(size for _, size, _ in cache.entries()) <= max_bytes + largest  # one copy in use past it at most
+  assert got == [in_place[number]["id"].tolist() for number in range(len(in_place))]
+  assert sorted(i for b in got for i in b) == list(range(320))
