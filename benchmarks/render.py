@@ -61,6 +61,7 @@ TITLES = {
     "streaming_restore": "21. A Hugging Face stream restored at a deep position: its own state vs replay",
     "tunix_save_cost": "22. What the data item adds to a Tunix checkpoint save, against stock Tunix",
     "cache_integrity": "23. The shard cache: what its checks cost, and a host's processes sharing it",
+    "corpus_start": "24. A new host's first build of a bucket corpus, and a warm restart",
 }
 
 
@@ -1246,6 +1247,48 @@ process holding them open (*idle*) and in all, against `max_bytes`.
 """
 
 
+# The same script at commit 3828a5f (no corpus index, a metadata request per file, a cached Parquet source
+# downloading every file when built), 48 files behind the 20 ms proxy, measured 2026-12-06 in the same session:
+# case -> (seconds, requests, share of the corpus downloaded).
+_CORPUS_START_BEFORE = {"JSONL, no index": (1.462, 146, 1.016), "JSONL, warm": (0.5458, 100, 0.0),
+                        "Parquet": (1.283, 147, 1.0)}
+
+
+def _corpus_start(rows: list[dict]) -> str:
+  summary = _summary(rows)
+  notes = "".join(f"\n*{r['text']}*\n" for r in rows if r["kind"] == "note")
+  table = []
+  for r in _measurements(rows):
+    if "records" not in r:
+      continue
+    before = _CORPUS_START_BEFORE.get(r["name"])
+    kinds = ", ".join(f"{k.removesuffix('_requests')} {r[k]}" for k in ("read_requests", "metadata_requests",
+                                                                         "list_requests") if r.get(k))
+    table.append([r["name"], _fmt(r["seconds"]) + (f" ({_fmt(before[0])})" if before else ""),
+                  f"{r['requests']}" + (f" ({before[1]})" if before else ""), kinds,
+                  f"{_fmt(r['share_of_corpus'])}" + (f" ({_fmt(before[2])})" if before else "")])
+  index = next((r for r in _measurements(rows, name="index")), None)
+  indexing = (f"`ckpt-iter index` itself, once for the corpus: {_fmt(index['value'])} s (it downloads every "
+              "file once, through a cache it may evict as it goes).") if index else ""
+  return f"""## {TITLES['corpus_start']}
+
+`benchmarks/corpus_start.py` (issue 59, item 1). The tests' GCS emulator behind a proxy adding 20 ms a
+request; 60,000 records of ~1 KB as 48 JSONL files and as 48 Parquet files (row groups of 250). Each case
+builds a source through a `ShardCache` on a host of its own (an empty cache) and reports the build: wall
+seconds, the store's requests (by kind, from the emulator's log) and the bytes it downloaded as a share of the
+corpus. *JSONL, index*: after `ckpt-iter index`; *list*: the 48 paths as a list, not a glob; *warm*: the
+host of *JSONL, index* building again (a restart). In brackets: the same script at commit 3828a5f, before
+the index, the glob's listing as identities and Parquet's footers (where the case existed).
+{notes}
+{_table(["case", "seconds", "requests", "by kind", "share of the corpus downloaded"], table)}
+
+{indexing} A list of paths still asks each object's metadata (gcsfs's stat also lists the name as a
+prefix: about 4 requests a file); a glob's listing describes them all.
+
+{_checks(summary)}
+"""
+
+
 def _tunix_save_cost(rows: list[dict]) -> str:
   summary = _summary(rows)
   found = {r["code"]: r for r in _measurements(rows)}
@@ -1359,7 +1402,7 @@ def _reproduce() -> str:
   return """## How to reproduce
 
 ```sh
-make bench                                  # all twenty-two, then this page (about 20 minutes on 2 cores)
+make bench                                  # all twenty-four, then this page (about 20 minutes on 2 cores)
 .venv/bin/python benchmarks/run_all.py --quick   # smoke pass (results and page in a temp dir)
 .venv/bin/python benchmarks/restore_latency.py   # one question; each script takes --quick
 .venv/bin/python benchmarks/run_all.py --docs-only   # re-render this page from results.jsonl
@@ -1395,4 +1438,5 @@ SECTIONS = [
     ("streaming_restore", _streaming_restore),
     ("tunix_save_cost", _tunix_save_cost),
     ("cache_integrity", _cache_integrity),
+    ("corpus_start", _corpus_start),
 ]

@@ -29,7 +29,7 @@ SCRIPTS = [
     "restore_latency", "state_size", "throughput", "save_blocking", "tunix_step_time", "resume_wall_time",
     "pod_scale", "jsonl_index", "object_store", "cli_cost", "content_check", "rl_scale", "pod_bytes",
     "pending_queue", "changing_the_run", "data_map", "restore_walk", "skip_ranges",
-    "plan_skips", "restore_cost", "streaming_restore", "tunix_save_cost", "cache_integrity",
+    "plan_skips", "restore_cost", "streaming_restore", "tunix_save_cost", "cache_integrity", "corpus_start",
 ]
 RESULTS_PATH = os.path.join(_common.BENCH_DIR, "results.jsonl")
 DOCS_PATH = os.path.join(_common.REPO_DIR, "docs", "benchmarks.md")

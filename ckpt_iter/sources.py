@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import threading
@@ -155,7 +156,8 @@ class ParquetSource(_source_files.FileReader):
     else:
       # On an object store each file's generation now: every later read is of it.
       self._generations = [_storage.pinned_generation(p) for p in self._paths]
-    group_rows = _footers(pq, self._paths, self._generations)
+    group_rows = _footers(pq, self._paths, self._generations,
+                          list(self._identities) if cache is not None else [None] * len(self._paths))
     # (file, group) pairs in order, with the global index of each group's first row.
     self._groups = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
     self._group_rows = group_rows
@@ -249,15 +251,19 @@ class ParquetSource(_source_files.FileReader):
     return list(self._identities) if self._cache is not None else None
 
 
-def _footers(pq: Any, paths: list[str], generations: list[str | None]) -> list[list[int]]:
+def _footers(pq: Any, paths: list[str], generations: list[str | None],
+             identities: list[_storage.Identity | None]) -> list[list[int]]:
   """Each Parquet file's row-group sizes, from its footer (in parallel on an object store)."""
-  def footer(path: str, generation: str | None) -> list[int]:
+  def footer(path: str, generation: str | None, found: _storage.Identity | None) -> list[int]:
     # Read once more if it does not parse (bytes a transfer altered: a footer's ranged read has no
     # checksum to compare; what it says is checked again against the checked copy at its first read).
     for attempt in range(2):
       try:
-        with _parquet_file(pq, path, generation) as parquet:
-          metadata = parquet.metadata
+        if found is not None and _storage.is_url(path):  # its identity known: ranged GETs of the tail only
+          metadata = pq.ParquetFile(_RangedFile(_storage.RangeReader(path, found), found.size)).metadata
+        else:
+          with _parquet_file(pq, path, generation) as parquet:
+            metadata = parquet.metadata
         return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
       except (OSError, ValueError) as e:
         if isinstance(e, (FileNotFoundError, errors.CkptIterError)):
@@ -269,11 +275,40 @@ def _footers(pq: Any, paths: list[str], generations: list[str | None]) -> list[l
     raise AssertionError("unreachable")
 
   if len(paths) <= 1 or not any(_storage.is_url(p) for p in paths):
-    return [footer(p, g) for p, g in zip(paths, generations)]
+    return [footer(p, g, found) for p, g, found in zip(paths, generations, identities)]
   from concurrent import futures  # pylint: disable=g-import-not-at-top
 
   with futures.ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
-    return list(pool.map(footer, paths, generations))
+    return list(pool.map(footer, paths, generations, identities))
+
+
+class _RangedFile(io.RawIOBase):
+  """A read-only file of known size over an object's ranged GETs (`_storage.RangeReader`: pinned, bounded,
+  typed): what pyarrow reads a footer through, with no metadata request to open it (gcsfs asks one)."""
+
+  def __init__(self, reader: _storage.RangeReader, size: int):
+    super().__init__()
+    self._reader, self._size, self._at = reader, size, 0
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def tell(self) -> int:
+    return self._at
+
+  def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+    self._at = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence] + offset
+    return self._at
+
+  def readinto(self, buffer: Any) -> int:
+    end = min(self._size, self._at + len(buffer))
+    data = self._reader.read(self._at, end) if end > self._at else b""
+    buffer[:len(data)] = data
+    self._at += len(data)
+    return len(data)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,154 @@
+"""A new host's first build of a bucket corpus, and a warm restart: bytes, seconds and requests.
+
+The bucket is the tests' GCS emulator (tests/gcs_emulator.py) behind their
+proxy (tests/fault_proxy.py) adding 20 ms to every request, as a round trip
+to a real bucket costs. Corpus: 60,000 records of ~1 KB in 48 JSONL files and
+the same records in 48 Parquet files (row groups of 250); --quick: 12 files.
+
+Each case builds a source through a `ShardCache` on a host of its own (an
+empty cache directory) and reports what the build cost: wall seconds, the
+bytes it downloaded (the copies in the cache afterwards) as a share of the
+corpus, and the store's requests by kind (the emulator's log):
+
+  JSONL, no index     `JsonlSource(glob, cache=...)`: counts every file's
+                      lines by downloading it.
+  JSONL, index        the same after `ckpt-iter index glob` (its own time
+                      reported): one GET of ckpt_iter_index.json.
+  JSONL, index, list  the 48 paths as a list, not a glob: one metadata
+                      request per file (a glob's listing describes them).
+  JSONL, warm         the host of "JSONL, index" building again (a restart).
+  Parquet             `ParquetSource(glob, cache=...)`: the footers only.
+
+Run against an older checkout (PYTHONPATH=that checkout) it measures the same
+cases that exist there; the index cases are left out where `ckpt-iter index`
+does not exist.
+    python benchmarks/corpus_start.py [--quick]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import _common
+
+sys.path.insert(0, os.path.join(_common.REPO_DIR, "tests"))
+import fault_proxy  # pylint: disable=g-import-not-at-top,wrong-import-position
+import gcs_emulator  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+logging.disable(logging.WARNING)
+
+from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import sources  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+DELAY_SECONDS = 0.020
+RECORDS = 60_000
+GROUP_ROWS = 250
+
+
+def corpus(files: int) -> list[list[dict]]:
+  per_file = RECORDS // files
+  return [[{"id": part * per_file + i, "text": hashlib.sha256(str(part * per_file + i).encode()).hexdigest() * 15}
+           for i in range(per_file)] for part in range(files)]
+
+
+def upload(prefix: str, parts: list[list[dict]]) -> tuple[str, str, int, int]:
+  """Writes the JSONL and Parquet files; returns (JSONL glob, Parquet glob, their bytes)."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  jsonl_bytes = parquet_bytes = 0
+  for part, records in enumerate(parts):
+    text = "".join(json.dumps(r) + "\n" for r in records).encode()
+    _storage.write_bytes(f"{prefix}/jsonl/part-{part:03d}.jsonl", text)
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(records), buffer, row_group_size=GROUP_ROWS)
+    _storage.write_bytes(f"{prefix}/parquet/part-{part:03d}.parquet", buffer.getvalue())
+    jsonl_bytes, parquet_bytes = jsonl_bytes + len(text), parquet_bytes + len(buffer.getvalue())
+  return f"{prefix}/jsonl/part-*.jsonl", f"{prefix}/parquet/part-*.parquet", jsonl_bytes, parquet_bytes
+
+
+def build(emulator, proxy, make, cache_dir: str, corpus_bytes: int) -> dict:
+  """Builds one source on the host whose cache is `cache_dir`; what it cost."""
+  held = lambda cache: sum(size for _, size, _ in cache.entries())  # pylint: disable=unnecessary-lambda-assignment
+  cache = sources.ShardCache(cache_dir, 2**34)
+  before = held(cache)
+  mark, count = emulator.mark(), proxy.count
+  started = time.perf_counter()
+  source = make(cache)
+  seconds = time.perf_counter() - started
+  cache.wait()
+  downloaded = held(cache) - before  # the copies this build added (with a JSONL copy's line index)
+  kinds = gcs_emulator.count_by_kind(emulator.requests(mark))
+  return {"records": len(source), "seconds": _common.rounded(seconds), "bytes": downloaded,
+          "share_of_corpus": _common.rounded(downloaded / corpus_bytes), "requests": proxy.count - count,
+          **{f"{kind}_requests": n for kind, n in kinds.items() if n}}
+
+
+def main() -> None:
+  args = _common.parse_args(__doc__.splitlines()[0])
+  report = _common.Reporter("corpus_start", args.quick)
+  files = 12 if args.quick else 48
+  work = tempfile.mkdtemp(prefix="ckpt_iter_corpus_start_")
+  has_index = os.path.exists(os.path.join(os.path.dirname(sources.__file__), "_corpus_index.py"))
+  try:
+    with gcs_emulator.GcsEmulator() as emulator:
+      proxy = fault_proxy.FaultProxy(emulator.url, delay_seconds=DELAY_SECONDS).start()
+      os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+      jsonl, parquet, jsonl_bytes, parquet_bytes = upload(f"gs://{gcs_emulator.BUCKET}/start-{os.getpid()}",
+                                                          corpus(files))
+      paths = sorted(_storage.glob(jsonl))
+      report.note(f"{files} files; JSONL {jsonl_bytes:,} bytes, Parquet {parquet_bytes:,} bytes; "
+                  f"{DELAY_SECONDS * 1e3:.0f} ms a request")
+      host = lambda name: os.path.join(work, name)  # pylint: disable=unnecessary-lambda-assignment
+      cases: dict[str, dict] = {}
+      cases["JSONL, no index"] = build(emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c),
+                                       host("no_index"), jsonl_bytes)
+      if has_index:
+        from ckpt_iter import cli  # pylint: disable=g-import-not-at-top
+
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+          code = cli.main(["index", jsonl, "--cache", host("indexing")])
+        if code != 0:
+          raise RuntimeError(f"ckpt-iter index failed: {said.getvalue()}")
+        report.measurement(name="index", value=_common.rounded(time.perf_counter() - started), unit="s",
+                           files=files)
+        cases["JSONL, index"] = build(emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c),
+                                      host("index"), jsonl_bytes)
+        cases["JSONL, index, list"] = build(emulator, proxy, lambda c: sources.JsonlSource(paths, cache=c),
+                                            host("index_list"), jsonl_bytes)
+        cases["JSONL, warm"] = build(emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c),
+                                     host("index"), jsonl_bytes)
+      else:
+        cases["JSONL, warm"] = build(emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c),
+                                     host("no_index"), jsonl_bytes)
+      cases["Parquet"] = build(emulator, proxy, lambda c: sources.ParquetSource(parquet, cache=c),
+                               host("parquet"), parquet_bytes)
+      for name, figures in cases.items():
+        report.measurement(name=name, value=figures["seconds"], unit="s", **figures)
+      proxy.stop()
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  checks = []
+  if "JSONL, index" in cases:
+    checks.append(_common.check("new host, JSONL with its index: share of the corpus downloaded",
+                                cases["JSONL, index"]["share_of_corpus"], "<= 0.05",
+                                cases["JSONL, index"]["share_of_corpus"] <= 0.05))
+  checks.append(_common.check("new host, Parquet: share of the corpus downloaded", cases["Parquet"]["share_of_corpus"],
+                              "<= 0.05", cases["Parquet"]["share_of_corpus"] <= 0.05))
+  checks.append(_common.check("warm restart (glob): requests", cases["JSONL, warm"]["requests"], "<= 3 (O(1))",
+                              cases["JSONL, warm"]["requests"] <= 3))
+  report.summary(checks)
+
+
+if __name__ == "__main__":
+  main()
