@@ -480,3 +480,19 @@ def test_a_parquet_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_t
     assert sum(size for _, size, _ in cache.entries()) <= max_bytes + largest  # one copy in use past it at most
   assert got == [in_place[number]["id"].tolist() for number in range(len(in_place))]
   assert sorted(i for b in got for i in b) == list(range(320))
+
+
+def test_an_array_record_source_larger_than_its_cache_is_refused_naming_the_size(tmp_path):
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  paths = []
+  for part in range(3):
+    paths.append(str(tmp_path / f"a-{part}.array_record"))
+    writer = array_record_module.ArrayRecordWriter(paths[-1], "group_size:1")
+    for i in range(10):
+      writer.write(json.dumps({"id": part * 10 + i}).encode())
+    writer.close()
+  total = sum(os.path.getsize(p) for p in paths)
+  with pytest.raises(errors.InvalidArgumentError, match=rf"max_bytes={total} or more.*JSONL or Parquet files"):
+    sources.ArrayRecordSource(paths, cache=sources.ShardCache(tmp_path / "cache", total - 1))
+  assert len(sources.ArrayRecordSource(paths, cache=sources.ShardCache(tmp_path / "cache", total))) == 30
