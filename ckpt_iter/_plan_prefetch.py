@@ -2,11 +2,10 @@
 
 A shard-aware shuffle knows, from (seed, epoch, index) alone, the shards a
 reader reads next: the rest of its window, then the next window. When the
-source reads through a `ShardCache` and can prefetch (`JsonlSource`,
-`ParquetSource`), the reader asks it for the files of those shards, in the
-order it needs them, as it enters each window; a restore asks first for the
-files at the restored position. ArrayRecord sources through a cache hold
-every file already: nothing to do.
+source reads through a `ShardCache` and can prefetch (the JSONL, Parquet
+and ArrayRecord sources), the reader asks it for the files of those shards,
+in the order it needs them, as it enters each window; a restore asks first
+for the files at the restored position.
 
 Bounded: the files of the reader's window and of the next window, and never
 more bytes than the cache's `max_bytes` (a JSONL file's copy with its line

@@ -234,7 +234,7 @@ def _warn_if_the_cache_is_too_small(named: Mapping[str, tuple[Any, Any]], shuffl
   for records, _ in named.values():
     cache = getattr(records, "cache", None)
     if cache is None or not callable(getattr(records, "prefetch", None)):
-      continue  # ArrayRecord holds every file, and refuses a cache too small for them
+      continue  # read in place, or a source of its own that cannot say what it holds
     sizes = sorted(records.cached_bytes(), reverse=True)
     entry = needed.setdefault(id(cache), [cache, 0])
     entry[1] += sum(sizes) if shuffle == _permutation.GLOBAL else sum(sizes[:2 * window])

@@ -16,6 +16,7 @@ which opens gs:// itself; the paths a file source takes are `_source_files`'.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -68,56 +69,6 @@ class SourceIdentity:
   description: str
   length: int
   digest: str
-
-
-class _HeldCopies:
-  """Local copies in a ShardCache of every file of a source, held open (in use) while this lives.
-
-  Downloaded in parallel (the cache's prefetch threads) when made. Picklable:
-  a Grain worker holds its own, fetching again a copy evicted meanwhile.
-  """
-
-  def __init__(self, cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity],
-               owner: str):
-    total = sum(found.size for found in identities)
-    if total > cache.max_bytes:
-      raise errors.InvalidArgumentError(
-          f"{owner} through {cache!r}: it holds every one of its {len(paths)} files while it lives "
-          f"({total:,} bytes), more than the cache's max_bytes. Give the cache max_bytes={total} or more, "
-          "read the files in place (no cache), or use JSONL or Parquet files with make_dataset(..., "
-          "shuffle=\"shards\"), which read a window of files at a time.")
-    self.cache, self.paths, self.identities = cache, list(paths), list(identities)
-    self._hold()
-
-  def _hold(self) -> None:
-    """Opens every copy (downloading the missing ones, in parallel), each held from its download on."""
-    from concurrent import futures  # pylint: disable=g-import-not-at-top
-
-    files = list(zip(self.paths, self.identities))
-    self.fds: list[int] = []
-    with futures.ThreadPoolExecutor(max(1, min(self.cache.prefetch_threads, len(files)))) as pool:
-      opened = [pool.submit(self.cache.open, path, found) for path, found in files]
-      try:
-        self.fds.extend(future.result() for future in opened)
-      except BaseException:
-        for future in opened:
-          if future.exception() is None:
-            os.close(future.result())
-        self.fds = []
-        raise
-    self.local_paths = [self.cache.entry_path(path, found) for path, found in files]
-
-  def __getstate__(self) -> dict[str, Any]:
-    return {"cache": self.cache, "paths": self.paths, "identities": self.identities}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state)
-    self._hold()
-
-  def __del__(self) -> None:
-    for fd in getattr(self, "fds", ()):
-      with contextlib.suppress(OSError):
-        os.close(fd)
 
 
 class ParquetSource(_source_files.FileReader):
@@ -328,39 +279,67 @@ class ArrayRecordSource:
     paths: the ArrayRecord files (local or gs://, read by array_record's own
       reader), in order: one path, a glob, or a list of them (a glob's
       matches sorted).
-    cache: a `ShardCache`: every file is downloaded whole into it when the
-      source is built (in parallel) and read there, held in use while the
-      source lives; None reads them in place.
+    cache: a `ShardCache`: each file is downloaded whole into it on its first
+      read and read there; the build reads only each file's footer (its
+      record count), so a corpus larger than the cache reads through it a
+      window at a time with make_dataset(shuffle="shards"), as JSONL does.
+      None reads the files in place.
+    prefetch_files: with `cache`, how many files after the one a reader
+      enters to download ahead (0: none, neither by index nor by a plan).
+    max_open_files: with `cache`, how many copies a process keeps open (in
+      use, so never evicted) at most.
   """
 
-  def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None):
-    """Opens `paths` with array_record's reader; see the class docstring."""
+  def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
+               prefetch_files: int = 2, max_open_files: int = 16):
+    """Opens `paths` with array_record's reader (their footers only, through a cache); see the class docstring."""
     import grain  # pylint: disable=g-import-not-at-top
 
     paths = _source_files.expand_paths(paths, "ArrayRecordSource")
     self._cache = cache
-    self._copies = None
-    read_paths = list(paths)
-    if cache is not None:
-      self._identities = _storage.identities([_storage.absolute(p) for p in paths],
-                                             listed=getattr(paths, "listed", None))
-      self._copies = _HeldCopies(cache, [_storage.absolute(p) for p in paths], self._identities, "ArrayRecordSource")
-      read_paths = self._copies.local_paths
-    self._read_paths = read_paths
+    self._paths = [_storage.absolute(p) for p in paths]
+    self._prefetch_files = max(0, int(prefetch_files)) if cache is not None else 0
+    self._planned = False
     try:
-      self._source = grain.sources.ArrayRecordDataSource(read_paths)
+      if cache is not None:
+        self._identities = _storage.identities(self._paths, listed=getattr(paths, "listed", None))
+        self._copies = _OpenReaders(cache, self._paths, self._identities, max(1, int(max_open_files)))
+        counts = _record_counts(list(paths))
+        self._offsets = np.cumsum([0] + counts).tolist()
+        self._source = None
+      else:
+        self._source = grain.sources.ArrayRecordDataSource(list(paths))
+        self._offsets = None
     except ImportError as e:
       raise errors.InvalidArgumentError(
           f"reading .array_record files needs the array_record package ({e}). "
           "Install it with: pip install 'ckpt_iter[files]' (or 'array-record>=0.8')"
       ) from None
-    self._paths = [_storage.absolute(p) for p in paths]
+    self._read_paths = list(paths)
+    self._local = threading.local()
+
+  def __getstate__(self) -> dict[str, Any]:
+    state = self.__dict__.copy()
+    state.pop("_local", None)
+    return state
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._local = threading.local()
 
   def __len__(self) -> int:
-    return len(self._source)
+    return self._offsets[-1] if self._source is None else len(self._source)
 
   def __getitem__(self, index: int) -> Any:
-    return json.loads(self._source[index])
+    if self._source is not None:
+      return json.loads(self._source[index])
+    file_index, position = _source_files.locate(self._offsets, index, len(self))
+    if getattr(self._local, "file", None) != file_index:  # entering a file: the next ones ahead
+      self._local.file = file_index
+      if self._prefetch_files and not self._planned:
+        self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
+    expected = self._offsets[file_index + 1] - self._offsets[file_index]
+    return json.loads(self._copies.read(file_index, position, expected))
 
   @property
   def paths(self) -> list[str]:
@@ -371,6 +350,35 @@ class ArrayRecordSource:
   def cache(self) -> _shard_cache.ShardCache | None:
     """The `ShardCache` the files are read through, or None."""
     return self._cache
+
+  @property
+  def prefetch_files(self) -> int:
+    """How many files ahead a cached source downloads (0: no prefetch, by file index or by plan)."""
+    return self._prefetch_files
+
+  def follow_plan(self) -> None:
+    """Stops prefetching the next files by index: make_dataset(shuffle="shards")'s plan names them."""
+    self._planned = True
+
+  def prefetch(self, file_indices: Sequence[int]) -> None:
+    """Downloads these files (indices into `paths`, modulo their count) in the background; with no cache,
+    nothing. A file already cached is marked as just used, so eviction spares it."""
+    if self._cache is None or not file_indices:
+      return
+    files = [(self._paths[i], self._identities[i]) for i in dict.fromkeys(i % len(self._paths) for i in file_indices)]
+    for path, found in files:
+      if self._cache.has(path, found):
+        self._cache.touch(path, found)
+    self._cache.prefetch([(path, found) for path, found in files if not self._cache.has(path, found)])
+
+  def release(self, keep: Sequence[int]) -> None:
+    """Closes this process's idle copies of the files not in `keep`: a plan is done with them."""
+    if self._cache is not None:
+      self._copies.close_idle(keep)
+
+  def cached_bytes(self) -> list[int]:
+    """What each file takes in the cache: its copy."""
+    return [found.size for found in self._identities]
 
   def identities(self) -> list[_storage.Identity] | None:
     """Each file's size and version as read when built through a cache; None without one."""
@@ -383,13 +391,126 @@ class ArrayRecordSource:
 
   def file_offsets(self) -> list[int]:
     """The global index of each file's first record, and the total (each file's length read once)."""
-    import grain  # pylint: disable=g-import-not-at-top
-
-    lengths = [len(grain.sources.ArrayRecordDataSource([path])) for path in self._read_paths]
-    return np.cumsum([0] + lengths).tolist()
+    if self._offsets is None:
+      self._offsets = np.cumsum([0] + _record_counts(self._read_paths)).tolist()
+    return list(self._offsets)
 
   def __repr__(self) -> str:
     return f"ArrayRecordSource({len(self._paths)} files, {len(self)} records)"
+
+
+def _record_counts(paths: list[str]) -> list[int]:
+  """Each ArrayRecord file's record count, from its footer (array_record's reader; in parallel on a store)."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  def count(path: str) -> int:
+    reader = array_record_module.ArrayRecordReader(path, _RANDOM_ACCESS)
+    try:
+      return int(reader.num_records())
+    finally:
+      reader.close()
+
+  if len(paths) <= 1 or not any(_storage.is_url(p) for p in paths):
+    return [count(p) for p in paths]
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
+
+  with futures.ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
+    return list(pool.map(count, paths))
+
+
+_RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"
+
+
+class _OpenReaders:
+  """This process's open ArrayRecord readers of a source's copies in a ShardCache, least recently used first.
+
+  A copy is held (its descriptor open: a shared flock, in use) while its
+  reader is open; past `max_open` the idle ones are closed, so the cache may
+  evict them. Picklable: a Grain worker opens its own.
+  """
+
+  def __init__(self, cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity],
+               max_open: int):
+    self.cache, self.paths, self.identities, self.max_open = cache, paths, identities, max_open
+    self._init_local()
+
+  def _init_local(self) -> None:
+    self._open: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()  # index -> [fd, reader, readers]
+    self._lock = threading.Lock()
+    self._pid = os.getpid()
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"cache": self.cache, "paths": self.paths, "identities": self.identities, "max_open": self.max_open}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._init_local()
+
+  def read(self, file_index: int, position: int, expected: int) -> bytes:
+    """Record `position` of file `file_index`, whose copy must hold `expected` records."""
+    entry = self._acquire(file_index, expected)
+    try:
+      return entry[1].read([position])[0]
+    finally:
+      with self._lock:
+        entry[2] -= 1
+
+  def _acquire(self, file_index: int, expected: int) -> list[Any]:
+    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+    if self._pid != os.getpid():  # a forked worker: its own descriptors
+      self._init_local()
+    with self._lock:
+      entry = self._open.get(file_index)
+      if entry is not None:
+        self._open.move_to_end(file_index)
+        entry[2] += 1
+        return entry
+    path, found = self.paths[file_index], self.identities[file_index]
+    fd = self.cache.open(path, found)
+    try:
+      reader = array_record_module.ArrayRecordReader(self.cache.entry_path(path, found), _RANDOM_ACCESS)
+      if reader.num_records() != expected:
+        raise errors.InvalidStateError(
+            f"{path}: its copy in the shard cache {self.cache.directory} holds {reader.num_records():,} records, "
+            f"its footer when this source was built {expected:,}. Build the source again (make_dataset).")
+    except BaseException:
+      os.close(fd)
+      raise
+    closed = False
+    with self._lock:
+      entry = self._open.get(file_index)
+      if entry is not None:  # another thread opened it meanwhile
+        reader.close()
+        os.close(fd)
+      else:
+        entry = self._open[file_index] = [fd, reader, 0]
+        for other in [i for i, e in self._open.items() if e[2] == 0 and i != file_index]:
+          if len(self._open) <= self.max_open:
+            break
+          self.cache.touch(self.paths[other], self.identities[other])  # its last use, for eviction
+          self._close(self._open.pop(other))
+          closed = True
+      entry[2] += 1
+    if closed:
+      self.cache.make_room(0)
+    return entry
+
+  def close_idle(self, keep: Sequence[int]) -> None:
+    if self._pid != os.getpid():
+      return
+    kept = set(keep)
+    with self._lock:
+      closing = [i for i, e in self._open.items() if e[2] == 0 and i not in kept]
+      for i in closing:
+        self._close(self._open.pop(i))
+    if closing:
+      self.cache.make_room(0)
+
+  @staticmethod
+  def _close(entry: list[Any]) -> None:
+    entry[1].close()
+    os.close(entry[0])
 
 
 class HuggingFaceSource:

@@ -482,17 +482,44 @@ def test_a_parquet_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_t
   assert sorted(i for b in got for i in b) == list(range(320))
 
 
-def test_an_array_record_source_larger_than_its_cache_is_refused_naming_the_size(tmp_path):
+def test_an_array_record_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_time(tmp_path):
+  # issue 59 item 2: an ArrayRecord source held every file and refused a cache smaller than its corpus.
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
 
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
   paths = []
-  for part in range(3):
+  for part in range(8):
     paths.append(str(tmp_path / f"a-{part}.array_record"))
     writer = array_record_module.ArrayRecordWriter(paths[-1], "group_size:1")
-    for i in range(10):
-      writer.write(json.dumps({"id": part * 10 + i}).encode())
+    for i in range(40):
+      writer.write(json.dumps({"id": part * 40 + i, "text": "x" * 200}).encode())
     writer.close()
-  total = sum(os.path.getsize(p) for p in paths)
-  with pytest.raises(errors.InvalidArgumentError, match=rf"max_bytes={total} or more.*JSONL or Parquet files"):
-    sources.ArrayRecordSource(paths, cache=sources.ShardCache(tmp_path / "cache", total - 1))
-  assert len(sources.ArrayRecordSource(paths, cache=sources.ShardCache(tmp_path / "cache", total))) == 30
+  largest = max(os.path.getsize(p) for p in paths)
+  max_bytes = 3 * largest  # under half the corpus
+  cache = sources.ShardCache(tmp_path / "cache", max_bytes)
+  source = sources.ArrayRecordSource(paths, cache=cache, max_open_files=1)
+  assert cache.entries() == [] and len(source) == 320  # the build read the footers only
+  in_place = ckpt_iter.make_dataset(paths, batch_size=4, seed=3, shuffle="shards", shuffle_window=1)
+  cached = ckpt_iter.make_dataset(source, batch_size=4, seed=3, shuffle="shards", shuffle_window=1)
+  got = []
+  for number in range(len(cached)):
+    got.append(cached[number]["id"].tolist())
+    cache.wait()
+    assert sum(size for _, size, _ in cache.entries()) <= max_bytes + 2 * largest  # copies held past it at most
+  assert got == [in_place[number]["id"].tolist() for number in range(len(in_place))]
+  assert sorted(i for b in got for i in b) == list(range(320))
+
+
+def test_an_array_record_copy_with_another_record_count_is_refused(tmp_path):
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "a.array_record")
+  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+  for i in range(5):
+    writer.write(json.dumps({"id": i}).encode())
+  writer.close()
+  source = sources.ArrayRecordSource([path], cache=sources.ShardCache(tmp_path / "cache", 10**8))
+  source._offsets = [0, 6]  # pylint: disable=protected-access  (as a footer read wrong would count it)
+  with pytest.raises(errors.InvalidStateError, match=r"holds 5 records, its footer when this source was built 6"):
+    source[0]
