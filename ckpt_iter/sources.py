@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import os
 import threading
 from typing import Any, Sequence
@@ -47,6 +48,7 @@ __all__ = [
     "resolve_source",
 ]
 
+_log = logging.getLogger(__name__)
 FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".array_record")
 _DIGEST_SAMPLES = 64
 _LISTED_FILES = 4
@@ -304,7 +306,7 @@ class ArrayRecordSource:
       if cache is not None:
         self._identities = _storage.identities(self._paths, listed=getattr(paths, "listed", None))
         self._copies = _OpenReaders(cache, self._paths, self._identities, max(1, int(max_open_files)))
-        counts = _record_counts(list(paths))
+        counts = self._copies.counts()
         self._offsets = np.cumsum([0] + counts).tolist()
         self._source = None
       else:
@@ -445,6 +447,22 @@ class _OpenReaders:
   def __setstate__(self, state: dict[str, Any]) -> None:
     self.__dict__.update(state)
     self._init_local()
+
+  def counts(self) -> list[int]:
+    """Each file's record count: from its footer where it is (array_record's own reader, in parallel), else,
+    where that reader cannot open the store's files, from the file's copy, downloaded for it."""
+    try:
+      return _record_counts(self.paths)
+    except Exception as e:  # pylint: disable=broad-except  (array_record's reader raises bare RuntimeErrors)
+      _log.info("counting ArrayRecord records where they are failed (%s): counting the copies instead", e)
+    found = []
+    for path, identity in zip(self.paths, self.identities):
+      fd = self.cache.open(path, identity)
+      try:
+        found.append(_record_counts([self.cache.entry_path(path, identity)])[0])
+      finally:
+        os.close(fd)
+    return found
 
   def read(self, file_index: int, position: int, expected: int) -> bytes:
     """Record `position` of file `file_index`, whose copy must hold `expected` records."""

@@ -523,3 +523,19 @@ def test_an_array_record_copy_with_another_record_count_is_refused(tmp_path):
   source._offsets = [0, 6]  # pylint: disable=protected-access  (as a footer read wrong would count it)
   with pytest.raises(errors.InvalidStateError, match=r"holds 5 records, its footer when this source was built 6"):
     source[0]
+
+
+def test_where_array_records_reader_cannot_open_a_stores_file_the_copies_are_counted(tmp_path, monkeypatch):
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "a.array_record")
+  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+  for i in range(5):
+    writer.write(json.dumps({"id": i}).encode())
+  writer.close()
+  real = sources._record_counts  # pylint: disable=protected-access
+  monkeypatch.setattr(sources, "_record_counts", lambda paths: real(paths) if "cache" in paths[0] else 1 / 0)
+  cache = sources.ShardCache(tmp_path / "cache", 10**8)
+  source = sources.ArrayRecordSource([path], cache=cache)
+  assert len(source) == 5 and [source[i] for i in range(5)] == [{"id": i} for i in range(5)]
+  assert len(cache.entries()) == 1  # the copy it counted
