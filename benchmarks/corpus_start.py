@@ -3,7 +3,7 @@
 The bucket is the tests' GCS emulator (tests/gcs_emulator.py) behind their
 proxy (tests/fault_proxy.py) adding 20 ms to every request, as a round trip
 to a real bucket costs. Corpus: 60,000 records of ~1 KB in 48 JSONL files and
-the same records in 48 Parquet files (row groups of 250); --quick: 12 files.
+the same records in 48 Parquet files (row groups of 250) and 48 ArrayRecord files; --quick: 12 files.
 
 Each case builds a source through a `ShardCache` on a host of its own (an
 empty cache directory) and reports what the build cost: wall seconds, the
@@ -18,6 +18,9 @@ corpus, and the store's requests by kind (the emulator's log):
                       request per file (a glob's listing describes them).
   JSONL, warm         the host of "JSONL, index" building again (a restart).
   Parquet             `ParquetSource(glob, cache=...)`: the footers only.
+  ArrayRecord         `ArrayRecordSource(glob, cache=...)`: the footers only, read by
+                      array_record's own reader (its requests bypass the emulator's
+                      log of gcsfs's: counted by the proxy).
 
 Run against an older checkout (PYTHONPATH=that checkout) it measures the same
 cases that exist there; the index cases are left out where `ckpt-iter index`
@@ -60,20 +63,28 @@ def corpus(files: int) -> list[list[dict]]:
            for i in range(per_file)] for part in range(files)]
 
 
-def upload(prefix: str, parts: list[list[dict]]) -> tuple[str, str, int, int]:
-  """Writes the JSONL and Parquet files; returns (JSONL glob, Parquet glob, their bytes)."""
+def upload(prefix: str, parts: list[list[dict]], work: str) -> dict[str, tuple[str, int]]:
+  """Writes the JSONL, Parquet and ArrayRecord files; returns {format: (glob, bytes)}."""
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
 
-  jsonl_bytes = parquet_bytes = 0
+  sizes = {"jsonl": 0, "parquet": 0, "array_record": 0}
   for part, records in enumerate(parts):
     text = "".join(json.dumps(r) + "\n" for r in records).encode()
-    _storage.write_bytes(f"{prefix}/jsonl/part-{part:03d}.jsonl", text)
     buffer = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(records), buffer, row_group_size=GROUP_ROWS)
-    _storage.write_bytes(f"{prefix}/parquet/part-{part:03d}.parquet", buffer.getvalue())
-    jsonl_bytes, parquet_bytes = jsonl_bytes + len(text), parquet_bytes + len(buffer.getvalue())
-  return f"{prefix}/jsonl/part-*.jsonl", f"{prefix}/parquet/part-*.parquet", jsonl_bytes, parquet_bytes
+    local = os.path.join(work, f"part-{part:03d}.array_record")
+    writer = array_record_module.ArrayRecordWriter(local, "group_size:1")
+    for record in records:
+      writer.write(json.dumps(record).encode())
+    writer.close()
+    with open(local, "rb") as f:
+      packed = f.read()
+    for kind, data in (("jsonl", text), ("parquet", buffer.getvalue()), ("array_record", packed)):
+      _storage.write_bytes(f"{prefix}/{kind}/part-{part:03d}.{kind}", data)
+      sizes[kind] += len(data)
+  return {kind: (f"{prefix}/{kind}/part-*.{kind}", size) for kind, size in sizes.items()}
 
 
 def build(emulator, proxy, make, cache_dir: str, corpus_bytes: int) -> dict:
@@ -103,11 +114,13 @@ def main() -> None:
     with gcs_emulator.GcsEmulator() as emulator:
       proxy = fault_proxy.FaultProxy(emulator.url, delay_seconds=DELAY_SECONDS).start()
       os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
-      jsonl, parquet, jsonl_bytes, parquet_bytes = upload(f"gs://{gcs_emulator.BUCKET}/start-{os.getpid()}",
-                                                          corpus(files))
+      os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = proxy.url  # array_record's own reader
+      written = upload(f"gs://{gcs_emulator.BUCKET}/start-{os.getpid()}", corpus(files), work)
+      (jsonl, jsonl_bytes), (parquet, parquet_bytes) = written["jsonl"], written["parquet"]
+      array_record, array_record_bytes = written["array_record"]
       paths = sorted(_storage.glob(jsonl))
-      report.note(f"{files} files; JSONL {jsonl_bytes:,} bytes, Parquet {parquet_bytes:,} bytes; "
-                  f"{DELAY_SECONDS * 1e3:.0f} ms a request")
+      report.note(f"{files} files; JSONL {jsonl_bytes:,} bytes, Parquet {parquet_bytes:,} bytes, ArrayRecord "
+                  f"{array_record_bytes:,} bytes; {DELAY_SECONDS * 1e3:.0f} ms a request")
       host = lambda name: os.path.join(work, name)  # pylint: disable=unnecessary-lambda-assignment
       cases: dict[str, dict] = {}
       cases["JSONL, no index"] = build(emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c),
@@ -133,6 +146,8 @@ def main() -> None:
                                      host("no_index"), jsonl_bytes)
       cases["Parquet"] = build(emulator, proxy, lambda c: sources.ParquetSource(parquet, cache=c),
                                host("parquet"), parquet_bytes)
+      cases["ArrayRecord"] = build(emulator, proxy, lambda c: sources.ArrayRecordSource(array_record, cache=c),
+                                   host("array_record"), array_record_bytes)
       for name, figures in cases.items():
         report.measurement(name=name, value=figures["seconds"], unit="s", **figures)
       proxy.stop()
@@ -145,6 +160,9 @@ def main() -> None:
                                 cases["JSONL, index"]["share_of_corpus"] <= 0.05))
   checks.append(_common.check("new host, Parquet: share of the corpus downloaded", cases["Parquet"]["share_of_corpus"],
                               "<= 0.05", cases["Parquet"]["share_of_corpus"] <= 0.05))
+  checks.append(_common.check("new host, ArrayRecord: share of the corpus downloaded",
+                              cases["ArrayRecord"]["share_of_corpus"], "<= 0.05",
+                              cases["ArrayRecord"]["share_of_corpus"] <= 0.05))
   checks.append(_common.check("warm restart (glob): requests", cases["JSONL, warm"]["requests"], "<= 3 (O(1))",
                               cases["JSONL, warm"]["requests"] <= 3))
   report.summary(checks)

@@ -1247,11 +1247,15 @@ process holding them open (*idle*) and in all, against `max_bytes`.
 """
 
 
-# The same script at commit 3828a5f (no corpus index, a metadata request per file, a cached Parquet source
-# downloading every file when built), 48 files behind the 20 ms proxy, measured 2026-12-06 in the same session:
+# The same script at commit 3828a5f (no corpus index, a metadata request per file, cached Parquet and ArrayRecord
+# sources downloading every file when built), 48 files behind the 20 ms proxy, measured 2026-12-06 in one session:
 # case -> (seconds, requests, share of the corpus downloaded).
-_CORPUS_START_BEFORE = {"JSONL, no index": (1.462, 146, 1.016), "JSONL, warm": (0.5458, 100, 0.0),
-                        "Parquet": (1.283, 147, 1.0)}
+_CORPUS_START_BEFORE = {
+    'JSONL, no index': (1.405, 145, 1.016),
+    'JSONL, warm': (0.4349, 97, 0.0),
+    'Parquet': (1.184, 145, 1.0),
+    'ArrayRecord': (2.57, 146, 1.0),
+}
 
 
 def _corpus_start(rows: list[dict]) -> str:
@@ -1273,12 +1277,13 @@ def _corpus_start(rows: list[dict]) -> str:
   return f"""## {TITLES['corpus_start']}
 
 `benchmarks/corpus_start.py` (issue 59, item 1). The tests' GCS emulator behind a proxy adding 20 ms a
-request; 60,000 records of ~1 KB as 48 JSONL files and as 48 Parquet files (row groups of 250). Each case
+request; 60,000 records of ~1 KB as 48 JSONL files, 48 Parquet files (row groups of 250) and 48 ArrayRecord
+files (counted by array_record's own reader, which makes one read of each footer). Each case
 builds a source through a `ShardCache` on a host of its own (an empty cache) and reports the build: wall
 seconds, the store's requests (by kind, from the emulator's log) and the bytes it downloaded as a share of the
 corpus. *JSONL, index*: after `ckpt-iter index`; *list*: the 48 paths as a list, not a glob; *warm*: the
 host of *JSONL, index* building again (a restart). In brackets: the same script at commit 3828a5f, before
-the index, the glob's listing as identities and Parquet's footers (where the case existed).
+the index, the glob's listing as identities and the Parquet and ArrayRecord footers (where the case existed).
 {notes}
 {_table(["case", "seconds", "requests", "by kind", "share of the corpus downloaded"], table)}
 
