@@ -31,6 +31,7 @@ import numpy as np
 
 from ckpt_iter import _compression
 from ckpt_iter import _hf
+from ckpt_iter import store_bounds
 from ckpt_iter import _shard_cache
 from ckpt_iter import _source_files
 from ckpt_iter import _storage
@@ -73,7 +74,64 @@ class SourceIdentity:
   digest: str
 
 
-class ParquetSource(_source_files.FileReader):
+class _FilesThroughCache:
+  """What a source read a file at a time through a ShardCache (Parquet, ArrayRecord) gives make_dataset's
+  plan: prefetch by file index on entering a file, or by the plan once it says so (`_plan_prefetch`).
+
+  The subclass sets `_paths`, `_identities` (with a cache), `_cache`, `_prefetch_files`, `_planned`
+  and a thread-local `_local`. (JsonlSource has its own: its copies carry their line indexes.)
+  """
+
+  _paths: list[str]
+  _identities: list[_storage.Identity]
+  _cache: _shard_cache.ShardCache | None
+  _prefetch_files: int
+  _planned: bool
+  _local: threading.local
+
+  @property
+  def cache(self) -> _shard_cache.ShardCache | None:
+    """The `ShardCache` the files are read through, or None."""
+    return self._cache
+
+  @property
+  def prefetch_files(self) -> int:
+    """How many files ahead a cached source downloads (0: no prefetch, by file index or by plan)."""
+    return self._prefetch_files if self._cache is not None else 0
+
+  def follow_plan(self) -> None:
+    """Stops prefetching the next files by index: make_dataset(shuffle="shards")'s plan names them."""
+    self._planned = True
+
+  def prefetch(self, file_indices: Sequence[int]) -> None:
+    """Downloads these files (indices into `paths`, modulo their count) in the background; with no cache,
+    nothing. A file already cached is marked as just used, so eviction spares it."""
+    if self._cache is None or not file_indices:
+      return
+    files = [(self._paths[i], self._identities[i]) for i in dict.fromkeys(i % len(self._paths) for i in file_indices)]
+    for path, found in files:
+      if self._cache.has(path, found):
+        self._cache.touch(path, found)
+    self._cache.prefetch([(path, found) for path, found in files if not self._cache.has(path, found)])
+
+  def cached_bytes(self) -> list[int]:
+    """What each file takes in the cache: its copy."""
+    return [found.size for found in self._identities]
+
+  def identities(self) -> list[_storage.Identity] | None:
+    """Each file's size and version as read when built through a cache; None without one."""
+    return list(self._identities) if self._cache is not None else None
+
+  def _entering(self, file_index: int) -> None:
+    """A read of file `file_index` by this thread: entering it, the next files are downloaded ahead."""
+    if getattr(self._local, "file", None) == file_index:
+      return
+    self._local.file = file_index
+    if self.prefetch_files and not self._planned:
+      self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
+
+
+class ParquetSource(_FilesThroughCache, _source_files.FileReader):
   """Records of one or more Parquet files, decoded one row group at a time.
 
   Shuffled access decodes a whole row group per record it misses in the
@@ -136,10 +194,7 @@ class ParquetSource(_source_files.FileReader):
     if self._cache is None:
       with _parquet_file(pq, self._paths[file_index], self._generations[file_index]) as parquet:
         return parquet.read_row_group(group_index)
-    entering = getattr(self._local, "file", None) != file_index
-    self._local.file = file_index
-    if entering and self._prefetch_files and not self._planned:
-      self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
+    self._entering(file_index)
     path, found = self._paths[file_index], self._identities[file_index]
     # Held (a shared flock: in use) while it is read, then left to the cache: evictable between reads.
     fd = self._cache.open(path, found)
@@ -154,39 +209,9 @@ class ParquetSource(_source_files.FileReader):
             "again (make_dataset).")
       return parquet.read_row_group(group_index)
 
-  @property
-  def cache(self) -> _shard_cache.ShardCache | None:
-    """The `ShardCache` the files are read through, or None."""
-    return self._cache
-
-  @property
-  def prefetch_files(self) -> int:
-    """How many files ahead a cached source downloads (0: no prefetch, by file index or by plan)."""
-    return self._prefetch_files if self._cache is not None else 0
-
-  def follow_plan(self) -> None:
-    """Stops prefetching the next files by index: make_dataset(shuffle="shards")'s plan names them."""
-    self._planned = True
-
-  def prefetch(self, file_indices: Sequence[int]) -> None:
-    """Downloads these files (indices into `paths`, modulo their count) in the background; with no cache,
-    nothing. A file already cached is marked as just used, so eviction spares it."""
-    if self._cache is None or not file_indices:
-      return
-    files = [(self._paths[i], self._identities[i])
-             for i in dict.fromkeys(i % len(self._paths) for i in file_indices)]
-    for path, found in files:
-      if self._cache.has(path, found):
-        self._cache.touch(path, found)
-    self._cache.prefetch([(path, found) for path, found in files if not self._cache.has(path, found)])
-
   def release(self, keep: Sequence[int]) -> None:
     """A plan is done with the files not in `keep`: nothing is held between reads, so nothing to close."""
     del keep
-
-  def cached_bytes(self) -> list[int]:
-    """What each file takes in the cache: its copy."""
-    return [found.size for found in self._identities]
 
   def file_offsets(self) -> list[int]:
     """The index of each file's first record, and the total (a file without rows starts where the next does)."""
@@ -198,10 +223,6 @@ class ParquetSource(_source_files.FileReader):
     file_index, _ = self._groups[group]
     first_group = next(g for g, (f, _) in enumerate(self._groups) if f == file_index)
     return self._paths[file_index], f"row {row + self._group_offsets[group] - self._group_offsets[first_group]}"
-
-  def identities(self) -> list[_storage.Identity] | None:
-    """Each file's size and version as read when built through a cache; None without one."""
-    return list(self._identities) if self._cache is not None else None
 
 
 def _footers(pq: Any, paths: list[str], generations: list[str | None],
@@ -274,7 +295,7 @@ def _parquet_file(pq: Any, path: str, generation: str | None = None) -> Any:
     yield pq.ParquetFile(f)
 
 
-class ArrayRecordSource:
+class ArrayRecordSource(_FilesThroughCache):
   """Records of ArrayRecord files whose records are UTF-8 JSON objects.
 
   Args:
@@ -300,7 +321,7 @@ class ArrayRecordSource:
     paths = _source_files.expand_paths(paths, "ArrayRecordSource")
     self._cache = cache
     self._paths = [_storage.absolute(p) for p in paths]
-    self._prefetch_files = max(0, int(prefetch_files)) if cache is not None else 0
+    self._prefetch_files = max(0, int(prefetch_files))
     self._planned = False
     try:
       if cache is not None:
@@ -336,10 +357,7 @@ class ArrayRecordSource:
     if self._source is not None:
       return json.loads(self._source[index])
     file_index, position = _source_files.locate(self._offsets, index, len(self))
-    if getattr(self._local, "file", None) != file_index:  # entering a file: the next ones ahead
-      self._local.file = file_index
-      if self._prefetch_files and not self._planned:
-        self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
+    self._entering(file_index)
     expected = self._offsets[file_index + 1] - self._offsets[file_index]
     return json.loads(self._copies.read(file_index, position, expected))
 
@@ -348,43 +366,10 @@ class ArrayRecordSource:
     """The files, in the order their records are numbered."""
     return list(self._paths)
 
-  @property
-  def cache(self) -> _shard_cache.ShardCache | None:
-    """The `ShardCache` the files are read through, or None."""
-    return self._cache
-
-  @property
-  def prefetch_files(self) -> int:
-    """How many files ahead a cached source downloads (0: no prefetch, by file index or by plan)."""
-    return self._prefetch_files
-
-  def follow_plan(self) -> None:
-    """Stops prefetching the next files by index: make_dataset(shuffle="shards")'s plan names them."""
-    self._planned = True
-
-  def prefetch(self, file_indices: Sequence[int]) -> None:
-    """Downloads these files (indices into `paths`, modulo their count) in the background; with no cache,
-    nothing. A file already cached is marked as just used, so eviction spares it."""
-    if self._cache is None or not file_indices:
-      return
-    files = [(self._paths[i], self._identities[i]) for i in dict.fromkeys(i % len(self._paths) for i in file_indices)]
-    for path, found in files:
-      if self._cache.has(path, found):
-        self._cache.touch(path, found)
-    self._cache.prefetch([(path, found) for path, found in files if not self._cache.has(path, found)])
-
   def release(self, keep: Sequence[int]) -> None:
     """Closes this process's idle copies of the files not in `keep`: a plan is done with them."""
     if self._cache is not None:
       self._copies.close_idle(keep)
-
-  def cached_bytes(self) -> list[int]:
-    """What each file takes in the cache: its copy."""
-    return [found.size for found in self._identities]
-
-  def identities(self) -> list[_storage.Identity] | None:
-    """Each file's size and version as read when built through a cache; None without one."""
-    return list(self._identities) if self._cache is not None else None
 
   def file_position(self, index: int) -> tuple[str, str]:
     """(file, "record N") of record `index` (records of the file, from 0)."""
@@ -412,12 +397,17 @@ def _record_counts(paths: list[str]) -> list[int]:
     finally:
       reader.close()
 
-  if len(paths) <= 1 or not any(_storage.is_url(p) for p in paths):
+  if not any(_storage.is_url(p) for p in paths):
     return [count(p) for p in paths]
   from concurrent import futures  # pylint: disable=g-import-not-at-top
 
-  with futures.ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
-    return list(pool.map(count, paths))
+  # array_record's reader takes no timeout of ours: the wait is bounded here (one operation's bound for
+  # the lot, as they run in parallel); past it, futures.TimeoutError, and the copies are counted instead.
+  pool = futures.ThreadPoolExecutor(max_workers=min(16, len(paths)))
+  try:
+    return list(pool.map(count, paths, timeout=store_bounds.object_store_bounds().operation_seconds))
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 _RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"
@@ -453,7 +443,7 @@ class _OpenReaders:
     where that reader cannot open the store's files, from the file's copy, downloaded for it."""
     try:
       return _record_counts(self.paths)
-    except Exception as e:  # pylint: disable=broad-except  (array_record's reader raises bare RuntimeErrors)
+    except Exception as e:  # pylint: disable=broad-except  (its reader raises bare RuntimeErrors; or timed out)
       _log.info("counting ArrayRecord records where they are failed (%s): counting the copies instead", e)
     found = []
     for path, identity in zip(self.paths, self.identities):

@@ -20,6 +20,7 @@ import pytest
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import sources
+import support
 
 
 def _write(path, count: int, first: int = 0, width: int = 20) -> str:
@@ -454,18 +455,19 @@ def test_a_shard_shuffle_through_a_cache_below_two_windows_warns_at_build(tmp_pa
   assert "make_dataset" not in caplog.text
 
 
+def _corpus_of(tmp_path, kind):
+  """8 files of 40 records of ~200 bytes each (`kind`: "parquet" or "array_record"), by the tests' writers."""
+  paths = [str(tmp_path / f"part-{part}.{kind}") for part in range(8)]
+  for part, path in enumerate(paths):
+    support.FILE_WRITERS[kind](path, [{"id": part * 40 + i, "text": "x" * 200} for i in range(40)])
+  return paths
+
+
 def test_a_parquet_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_time(tmp_path):
   # issue 59 item 2: a Parquet source held every file and refused a cache smaller than its corpus.
-  import pyarrow as pa  # pylint: disable=g-import-not-at-top
-  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-
   import ckpt_iter  # pylint: disable=g-import-not-at-top
 
-  paths = []
-  for part in range(8):
-    paths.append(str(tmp_path / f"p-{part}.parquet"))
-    pq.write_table(pa.Table.from_pylist([{"id": part * 40 + i, "text": "x" * 200} for i in range(40)]),
-                   paths[-1], row_group_size=10)
+  paths = _corpus_of(tmp_path, "parquet")
   largest = max(os.path.getsize(p) for p in paths)
   max_bytes = 3 * largest  # under half the corpus
   cache = sources.ShardCache(tmp_path / "cache", max_bytes)
@@ -484,17 +486,9 @@ def test_a_parquet_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_t
 
 def test_an_array_record_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_time(tmp_path):
   # issue 59 item 2: an ArrayRecord source held every file and refused a cache smaller than its corpus.
-  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-
   import ckpt_iter  # pylint: disable=g-import-not-at-top
 
-  paths = []
-  for part in range(8):
-    paths.append(str(tmp_path / f"a-{part}.array_record"))
-    writer = array_record_module.ArrayRecordWriter(paths[-1], "group_size:1")
-    for i in range(40):
-      writer.write(json.dumps({"id": part * 40 + i, "text": "x" * 200}).encode())
-    writer.close()
+  paths = _corpus_of(tmp_path, "array_record")
   largest = max(os.path.getsize(p) for p in paths)
   max_bytes = 3 * largest  # under half the corpus
   cache = sources.ShardCache(tmp_path / "cache", max_bytes)
@@ -512,13 +506,8 @@ def test_an_array_record_corpus_larger_than_its_cache_reads_through_it_a_window_
 
 
 def test_an_array_record_copy_with_another_record_count_is_refused(tmp_path):
-  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-
   path = str(tmp_path / "a.array_record")
-  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
-  for i in range(5):
-    writer.write(json.dumps({"id": i}).encode())
-  writer.close()
+  support.write_array_record(path, [{"id": i} for i in range(5)])
   source = sources.ArrayRecordSource([path], cache=sources.ShardCache(tmp_path / "cache", 10**8))
   source._offsets = [0, 6]  # pylint: disable=protected-access  (as a footer read wrong would count it)
   with pytest.raises(errors.InvalidStateError, match=r"holds 5 records, its footer when this source was built 6"):
@@ -526,16 +515,36 @@ def test_an_array_record_copy_with_another_record_count_is_refused(tmp_path):
 
 
 def test_where_array_records_reader_cannot_open_a_stores_file_the_copies_are_counted(tmp_path, monkeypatch):
-  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-
   path = str(tmp_path / "a.array_record")
-  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
-  for i in range(5):
-    writer.write(json.dumps({"id": i}).encode())
-  writer.close()
+  support.write_array_record(path, [{"id": i} for i in range(5)])
   real = sources._record_counts  # pylint: disable=protected-access
   monkeypatch.setattr(sources, "_record_counts", lambda paths: real(paths) if "cache" in paths[0] else 1 / 0)
   cache = sources.ShardCache(tmp_path / "cache", 10**8)
   source = sources.ArrayRecordSource([path], cache=cache)
   assert len(source) == 5 and [source[i] for i in range(5)] == [{"id": i} for i in range(5)]
   assert len(cache.entries()) == 1  # the copy it counted
+
+
+def test_a_footer_count_that_hangs_on_a_store_is_bounded_by_the_operation_bound(tmp_path, monkeypatch):
+  # array_record's own reader takes no timeout of ours: the wait for it is bounded, then the copies count.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
+
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  released = threading.Event()
+
+  class Hanging:
+    def __init__(self, *unused):
+      released.wait()
+
+  bounds = dataclasses.replace(sources.store_bounds.object_store_bounds(), operation_seconds=0.2)
+  monkeypatch.setattr(sources.store_bounds, "object_store_bounds", lambda: bounds)
+  monkeypatch.setattr(array_record_module, "ArrayRecordReader", Hanging)
+  monkeypatch.setattr(sources._storage, "is_url", lambda path: True)  # pylint: disable=protected-access
+  try:
+    with pytest.raises(futures.TimeoutError):
+      sources._record_counts(["gs://bucket/a.array_record"])  # pylint: disable=protected-access
+  finally:
+    released.set()
