@@ -463,36 +463,19 @@ def _corpus_of(tmp_path, kind):
   return paths
 
 
-def test_a_parquet_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_time(tmp_path):
-  # issue 59 item 2: a Parquet source held every file and refused a cache smaller than its corpus.
+@pytest.mark.parametrize("kind, make, held", [
+    ("parquet", lambda paths, cache: sources.ParquetSource(paths, cache=cache), 1),  # a copy while it is read
+    ("array_record", lambda paths, cache: sources.ArrayRecordSource(paths, cache=cache, max_open_files=1), 2),
+])
+def test_a_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_time(tmp_path, kind, make, held):
+  # issue 59 item 2: Parquet and ArrayRecord sources held every file and refused a cache smaller than it.
   import ckpt_iter  # pylint: disable=g-import-not-at-top
 
-  paths = _corpus_of(tmp_path, "parquet")
+  paths = _corpus_of(tmp_path, kind)
   largest = max(os.path.getsize(p) for p in paths)
   max_bytes = 3 * largest  # under half the corpus
   cache = sources.ShardCache(tmp_path / "cache", max_bytes)
-  source = sources.ParquetSource(paths, cache=cache)
-  assert cache.entries() == []  # the build read the footers only
-  in_place = ckpt_iter.make_dataset(paths, batch_size=4, seed=3, shuffle="shards", shuffle_window=1)
-  cached = ckpt_iter.make_dataset(source, batch_size=4, seed=3, shuffle="shards", shuffle_window=1)
-  got = []
-  for number in range(len(cached)):
-    got.append(cached[number]["id"].tolist())
-    cache.wait()
-    assert sum(size for _, size, _ in cache.entries()) <= max_bytes + largest  # one copy in use past it at most
-  assert got == [in_place[number]["id"].tolist() for number in range(len(in_place))]
-  assert sorted(i for b in got for i in b) == list(range(320))
-
-
-def test_an_array_record_corpus_larger_than_its_cache_reads_through_it_a_window_at_a_time(tmp_path):
-  # issue 59 item 2: an ArrayRecord source held every file and refused a cache smaller than its corpus.
-  import ckpt_iter  # pylint: disable=g-import-not-at-top
-
-  paths = _corpus_of(tmp_path, "array_record")
-  largest = max(os.path.getsize(p) for p in paths)
-  max_bytes = 3 * largest  # under half the corpus
-  cache = sources.ShardCache(tmp_path / "cache", max_bytes)
-  source = sources.ArrayRecordSource(paths, cache=cache, max_open_files=1)
+  source = make(paths, cache)
   assert cache.entries() == [] and len(source) == 320  # the build read the footers only
   in_place = ckpt_iter.make_dataset(paths, batch_size=4, seed=3, shuffle="shards", shuffle_window=1)
   cached = ckpt_iter.make_dataset(source, batch_size=4, seed=3, shuffle="shards", shuffle_window=1)
@@ -500,7 +483,7 @@ def test_an_array_record_corpus_larger_than_its_cache_reads_through_it_a_window_
   for number in range(len(cached)):
     got.append(cached[number]["id"].tolist())
     cache.wait()
-    assert sum(size for _, size, _ in cache.entries()) <= max_bytes + 2 * largest  # copies held past it at most
+    assert sum(size for _, size, _ in cache.entries()) <= max_bytes + held * largest  # the copies in use past it
   assert got == [in_place[number]["id"].tolist() for number in range(len(in_place))]
   assert sorted(i for b in got for i in b) == list(range(320))
 
