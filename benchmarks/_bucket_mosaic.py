@@ -122,3 +122,43 @@ def cases(proxy: Any, work: str, lines: list[bytes], remote: str, upload: Callab
   restores["mosaic local disk"] = restore(False, state)
   util.clean_stale_shared_memory()
   return figures, restores
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/pod_share.py's simulated nodes, each run as a process of a Python that imports streaming
+# (the caller uploads the shards):
+#   _bucket_mosaic.py write MDS_DIR LINES.jsonl       writes the shards; prints their names
+#   _bucket_mosaic.py node REMOTE LOCAL NODES BATCH   one node (RANK / WORLD_SIZE set by the caller) reads
+#                                                     its part of an epoch; prints {"bytes", "rows"}
+
+POD_SHARDS = 48
+
+
+def _write_pod(directory: str, lines_path: str) -> None:
+  with open(lines_path, "rb") as f:
+    lines = f.read().splitlines()
+  print(json.dumps(write_shards(lines, directory, max(1, sum(len(line) for line in lines) // POD_SHARDS))))
+
+
+def _read_node(remote: str, local: str, nodes: int, batch: int) -> None:
+  import streaming  # pylint: disable=g-import-not-at-top
+  from streaming.base import util  # pylint: disable=g-import-not-at-top
+  from streaming.base.storage import download  # pylint: disable=g-import-not-at-top
+
+  download.GCSDownloader._create_gcs_client = _anonymous_client  # pylint: disable=protected-access
+  util.clean_stale_shared_memory()
+  dataset = streaming.StreamingDataset(remote=remote, local=local, shuffle=True, shuffle_seed=7, batch_size=batch,
+                                       num_canonical_nodes=nodes)
+  rows = sum(len(b["id"]) for b in streaming.StreamingDataLoader(dataset, batch_size=batch, num_workers=0))
+  taken = sum(os.path.getsize(os.path.join(local, n)) for n in os.listdir(local)
+              if n.endswith(".mds"))
+  print(json.dumps({"bytes": taken, "rows": rows}))
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+
+  if sys.argv[1] == "write":
+    _write_pod(sys.argv[2], sys.argv[3])
+  else:
+    _read_node(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

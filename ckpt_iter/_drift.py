@@ -187,7 +187,7 @@ def _reconcile_index(
 
 # A mixture source's own fields (its shard layout too: an added or removed source brings or takes it).
 _SOURCE_FIELD = re.compile(r"^(?:source(?:_length|_digest)?|shuffle_shards)\[(.+)\]$")
-_SHUFFLE_FIELDS = ("shuffle", "shuffle_window", "shuffle_shards")
+_SHUFFLE_FIELDS = ("shuffle", "shuffle_window", "shuffle_shards", "shuffle_lanes", "shuffle_lane_rows")
 _SHARDS_PREFIX = "shuffle_shards["
 # Declared in allow_drift to change a mixture's weights / its set of sources.
 WEIGHTS = "weights"
@@ -275,7 +275,12 @@ def _shuffle_change(saved: Mapping[str, Any], current: Mapping[str, Any], next_r
     return set(changed) & set(allow_drift)  # undeclared: check_fingerprint refuses it, recommending the declaration
   where = ("a mixture's sources are each inside an epoch of their own" if mixture or not state_lib.is_int(length)
            else f"record {next_record % length:,} of epoch {next_record // length} ({length:,} records an epoch)")
-  raise errors.ConfigDriftError(changed, origin=origin, way=(
+  lanes = ""
+  if "shuffle_lane_rows" in changed and "shuffle_lanes" not in changed:
+    lanes = (f"The shard lanes give each global batch global_batch_size / shard_lanes rows, so the global batch "
+             f"({saved.get('global_batch_size')} -> {current.get('global_batch_size')}) cuts the epoch's lanes "
+             f"anew: keep a global batch of {saved.get('global_batch_size')} until the epoch ends. ")
+  raise errors.ConfigDriftError(changed, origin=origin, way=lanes + (
       f"The shuffle cannot change inside an epoch ({where}): the records read so far were chosen by the "
       "saved order, and the new order would read some of them again and skip as many, so no allow_drift "
       "continues it. Rebuild the pipeline with the saved shuffle" + (

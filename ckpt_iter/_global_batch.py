@@ -60,6 +60,12 @@ class DatasetSpec:
   shuffle_window: int | None = None
   shuffle_shards: str | None = None
   source_shards: tuple[tuple[str, str], ...] = ()
+  # shuffle="shards" with shard_lanes > 1: the lanes and the rows each gives a global batch; 1 and None: none.
+  shuffle_lanes: int = 1
+
+  @property
+  def shuffle_lane_rows(self) -> int | None:
+    return None if self.shuffle_lanes == 1 else self.global_batch_size // self.shuffle_lanes
 
   @property
   def shuffle(self) -> str:
@@ -140,6 +146,9 @@ class DatasetSpec:
         fields.update({_permutation.source_shards_field(name): layout for name, layout in self.source_shards})
       else:
         fields[_permutation.SHARDS_FIELD] = self.shuffle_shards
+      if self.shuffle_lanes > 1:  # only then: a pipeline without lanes keeps the fields it always had
+        fields.update({_permutation.LANES_FIELD: self.shuffle_lanes,
+                       _permutation.LANE_ROWS_FIELD: self.shuffle_lane_rows})
     return fields
 
 
@@ -350,10 +359,13 @@ class GlobalBatchDataset(grain.MapDataset):
             f"with a stream that reaches past record {next_record} (e.g. more epochs), or restore an earlier step."))
       raise errors.InvalidStateError(
           f"{origin}: {message}. Restore it into the pipeline that wrote it, or one with more epochs.")
-    # The files at the restored position first (the batch before it is read first, by the content check).
+    # The files at the restored position first (the batch before it is read first, by the content check):
+    # this process's first row of it, which with shard lanes is in this process's lanes.
     before = plan.full_batch_before(next_record)
     if self.restore_prefetch is not None:
-      self.restore_prefetch(next_record if before is None else before, mixture)
+      start, first = next_record if before is None else before, self.spec.shard_index * self.spec.batch_size
+      self.restore_prefetch(skips.stream_record_of_kept(skips.kept_before(start) + first) if skips else start + first,
+                            mixture)
     return RecordRestore(plan, mixture, next_record, next_index, before)
 
   def check_batch_before(self, restore: "RecordRestore", skips: skips_lib.Skips,

@@ -109,10 +109,20 @@ def epoch_function(epoch: int, length: int, seed: int | None) -> Callable[[int],
 # the index with the q-th smallest key): n calls of ~2.5 us, once per window.
 # The seeds are derived by hashing, not by adding (as Grain's per-epoch seed
 # does), so that (e, w) and (e + 1, w - 1) draw independent permutations.
+#
+# With V lanes (make_dataset(shard_lanes=V)) the epoch's reading order (order_e's
+# shards, each shard's records in turn) is cut into V consecutive shares, and
+# the windows above are taken within each lane's share (a shard cut by a
+# share's end is a piece in each of the two lanes); offset o of the epoch is
+# row o mod G of its global batch (G = V * R), lane (o mod G) div R's position
+# (o div G) * R + (o mod G) mod R. V = 1 is the order above, record for record
+# (lane 0's windows draw the seeds above). docs/guarantees.md gives it whole.
 
 SHUFFLE_FIELD = "shuffle"
 WINDOW_FIELD = "shuffle_window"
 SHARDS_FIELD = "shuffle_shards"
+LANES_FIELD = "shuffle_lanes"  # make_dataset(shard_lanes=V), written only when V > 1
+LANE_ROWS_FIELD = "shuffle_lane_rows"  # the rows each lane gives a global batch (global batch / V)
 GLOBAL = "global"  # Grain's full shuffle: no fingerprint field says it (states written before keep their fields)
 SHARDS = "shards"
 KINDS = (GLOBAL, SHARDS)
@@ -120,12 +130,39 @@ DEFAULT_WINDOW = 8  # shards a make_dataset(shuffle="shards") window holds when 
 RANKED_MAX = 2**16
 # The most shards a layout may name (a shard is a file or a block of records): its decode is bounded by it.
 MAX_SHARDS = 2**24
+MAX_LANES = 2**20  # make_dataset(shard_lanes=...) and its fingerprint field are bounded by it
 _KEY_DOMAIN = 2**32
 
 
 def source_shards_field(name: str) -> str:
   """The fingerprint field of a mixture source's shard layout: `shuffle_shards[name]`."""
   return f"{SHARDS_FIELD}[{name}]"
+
+
+def lane_fields(fingerprint: Any) -> tuple[int, int | None]:
+  """(lanes, rows per lane of a global batch) a fingerprint names (1, None: no lanes), decoded within bounds.
+
+  Raises:
+    ValueError: the fields are not 2 to MAX_LANES lanes whose rows make the
+      fingerprint's global batch, of a single source (the caller names the state).
+  """
+  if LANES_FIELD not in fingerprint and LANE_ROWS_FIELD not in fingerprint:
+    return 1, None
+  lanes, rows = fingerprint.get(LANES_FIELD), fingerprint.get(LANE_ROWS_FIELD)
+  batch = fingerprint.get("global_batch_size")
+  ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (lanes, rows, batch))
+  if (not ints or not 2 <= lanes <= MAX_LANES or rows < 1 or lanes * rows != batch
+      or any(str(name).startswith(SHARDS_FIELD + "[") for name in fingerprint)):
+    raise ValueError(
+        f"fingerprint fields {LANES_FIELD!r}={_short(lanes)} and {LANE_ROWS_FIELD!r}={_short(rows)} do not "
+        f"describe shard lanes of a single source: 2 to {MAX_LANES:,} lanes whose rows make the global batch "
+        f"(global_batch_size={_short(batch)}), as make_dataset(shard_lanes=...) writes them")
+  return lanes, rows
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _derived_seed(seed: int, *parts: object) -> int:
@@ -196,24 +233,29 @@ def block_offsets(length: int, shard_size: int) -> list[int]:
 
 
 class _Window:
-  """One window of an epoch: its shards in reading order, where their records start in it, its permutation."""
+  """One window of a lane's epoch: its pieces of shards in reading order and its permutation.
 
-  def __init__(self, offsets: list[int], shards: list[int], seed: int):
-    self.shards, self.seed = shards, seed
+  A piece is (first source record, records): a whole shard, or the part of
+  one that falls in the lane (lanes split the epoch's reading order where
+  their shares end).
+  """
+
+  def __init__(self, pieces: list[tuple[int, int]], seed: int):
+    self.pieces, self.seed = pieces, seed
     self.starts = [0]
-    for s in shards:
-      self.starts.append(self.starts[-1] + offsets[s + 1] - offsets[s])
+    for _, size in pieces:
+      self.starts.append(self.starts[-1] + size)
     size = self.starts[-1]
     self.ranked = _ranked(size, seed) if size <= RANKED_MAX else None
 
-  def source(self, offsets: list[int], in_window: int) -> int:
+  def source(self, in_window: int) -> int:
     """The source record at position `in_window` of this window."""
     if self.ranked is not None:
       record = self.ranked[in_window]
     else:
       record = _index_shuffle(in_window, self.starts[-1], self.seed)
     k = bisect.bisect_right(self.starts, record) - 1
-    return offsets[self.shards[k]] + record - self.starts[k]
+    return self.pieces[k][0] + record - self.starts[k]
 
 
 class _Kept(dict):
@@ -234,10 +276,44 @@ class _Kept(dict):
     return found
 
 
-class _EpochPlan:
-  """One epoch of a ShardShuffle: the shards in reading order and where each window starts."""
+class _Lane:
+  """One lane's share of one epoch: its pieces of shards in reading order, cut into windows."""
 
-  _WINDOWS_KEPT = 8  # a reader reads one window at a time; its read threads may reach into the next
+  _WINDOWS_KEPT = 8  # a reader reads one window of a lane at a time; its read threads may reach into the next
+
+  def __init__(self, shuffle: "ShardShuffle", epoch: int, lane: int, pieces: list[tuple[int, int]]):
+    self.pieces = pieces
+    self.window_starts = [0]
+    for first in range(0, len(pieces), shuffle.window):
+      self.window_starts.append(self.window_starts[-1] + sum(n for _, n in pieces[first:first + shuffle.window]))
+    self._shuffle, self._epoch, self._lane = shuffle, epoch, lane
+    self._windows = _Kept(self._WINDOWS_KEPT)
+
+  @property
+  def window_count(self) -> int:
+    return len(self.window_starts) - 1
+
+  def window_of(self, position: int) -> int:
+    """The number of the window holding lane position `position`."""
+    return bisect.bisect_right(self.window_starts, position) - 1
+
+  def window(self, number: int) -> _Window:
+    size = self._shuffle.window
+    return self._windows.get_or_make(number, lambda: _Window(
+        self.pieces[number * size:(number + 1) * size], self._shuffle.window_seed(self._epoch, self._lane, number)))
+
+  def window_shards(self, number: int) -> list[int]:
+    """The shards of window `number`, in reading order."""
+    size = self._shuffle.window
+    return [self._shuffle.shard_of(first) for first, _ in self.pieces[number * size:(number + 1) * size]]
+
+  def source(self, position: int) -> int:
+    number = self.window_of(position)
+    return self.window(number).source(position - self.window_starts[number])
+
+
+class _EpochPlan:
+  """One epoch of a ShardShuffle: the shards in reading order and each lane's share of it."""
 
   def __init__(self, shuffle: "ShardShuffle", epoch: int):
     offsets, count = shuffle.offsets, shuffle.shard_count
@@ -246,52 +322,102 @@ class _EpochPlan:
       self.order = _ranked(count, order_seed)
     else:
       self.order = [_index_shuffle(k, count, order_seed) for k in range(count)]
-    self.window_starts = [0]
-    for first in range(0, count, shuffle.window):
-      shards = self.order[first:first + shuffle.window]
-      self.window_starts.append(self.window_starts[-1] + sum(offsets[s + 1] - offsets[s] for s in shards))
+    self.reading_starts = [0]  # where each shard of `order` starts in the epoch's reading order
+    for s in self.order:
+      self.reading_starts.append(self.reading_starts[-1] + offsets[s + 1] - offsets[s])
     self._shuffle, self._epoch = shuffle, epoch
-    self._windows = _Kept(self._WINDOWS_KEPT)
+    # Every lane a process reads at once is kept (a process reads lanes / processes of them).
+    self._lanes = _Kept(max(shuffle.lanes, 1))
 
-  def window(self, number: int) -> _Window:
-    size = self._shuffle.window
-    return self._windows.get_or_make(number, lambda: _Window(
-        self._shuffle.offsets, self.order[number * size:(number + 1) * size],
-        _derived_seed(self._shuffle.seed, self._epoch, number)))
+  def lane(self, number: int) -> _Lane:
+    return self._lanes.get_or_make(number, lambda: self._make_lane(number))
+
+  def _make_lane(self, number: int) -> _Lane:
+    offsets, starts = self._shuffle.offsets, self.reading_starts
+    first, end = self._shuffle.lane_starts[number], self._shuffle.lane_starts[number + 1]
+    pieces = []
+    k = bisect.bisect_right(starts, first) - 1
+    while first < end:
+      shard = self.order[k]
+      stop = min(end, starts[k + 1])
+      pieces.append((offsets[shard] + first - starts[k], stop - first))
+      first, k = stop, k + 1
+    return _Lane(self._shuffle, self._epoch, number, pieces)
 
   def source(self, offset: int) -> int:
-    number = bisect.bisect_right(self.window_starts, offset) - 1
-    return self.window(number).source(self._shuffle.offsets, offset - self.window_starts[number])
+    lane, position = self._shuffle.lane_position(offset)
+    return self.lane(lane).source(position)
 
 
 class ShardShuffle:
   """make_dataset(shuffle="shards")'s order: stream index -> source record (see the comment above).
 
+  With lanes (make_dataset(shard_lanes=V)), each epoch's reading order is cut
+  into V consecutive shares, one per lane; lane v reads only its share, in
+  windows of its own; and offset o of the epoch is row o % G of its batch
+  (G = V * lane_rows, the global batch), which is row (o % G) % lane_rows of
+  lane (o % G) // lane_rows. So the rows a process reads of each global batch
+  (a contiguous run, its lanes' when the process count divides V) come from
+  its lanes' shards alone. One lane is the order without lanes.
+
   Args:
     offsets: the shards' first records and the source's length ([0, ..., L]), increasing.
     window: shards per window.
     seed: the run's seed (uint32).
+    lanes: the number of lanes (1: none).
+    lane_rows: with lanes > 1, the rows each lane gives a global batch (global batch / lanes).
   """
 
   _EPOCHS_KEPT = 4  # a reader is in one epoch; the data map may look back at the one before
 
-  def __init__(self, offsets: Sequence[int], window: int, seed: int):
+  def __init__(self, offsets: Sequence[int], window: int, seed: int, lanes: int = 1, lane_rows: int | None = None):
     self.offsets = [int(o) for o in offsets]
     if len(self.offsets) < 2 or self.offsets[0] != 0 or any(
         b <= a for a, b in zip(self.offsets, self.offsets[1:])):
       raise ValueError(f"shard offsets must increase from 0, got {self.offsets[:8]}...")
     if window < 1:
       raise ValueError(f"window={window} must be positive")
+    if lanes < 1 or lanes > MAX_LANES:
+      raise ValueError(f"lanes={lanes} must be in [1, {MAX_LANES:,}]")
+    if lanes > 1 and (lane_rows is None or lane_rows < 1):
+      raise ValueError(f"lane_rows={lane_rows} must be positive with {lanes} lanes")
     self.window, self.seed = int(window), int(seed)
+    self.lanes, self.lane_rows = int(lanes), None if lanes == 1 else int(lane_rows)
     self.length, self.shard_count = self.offsets[-1], len(self.offsets) - 1
+    self.lane_starts = self._lane_starts()
     self._epochs = _Kept(self._EPOCHS_KEPT)
+
+  def _lane_starts(self) -> list[int]:
+    """Where each lane's share starts in an epoch's reading order ([0, ..., L]): the same every epoch."""
+    if self.lanes == 1:
+      return [0, self.length]
+    full, short = divmod(self.length, self.lanes * self.lane_rows)  # the epoch's last batch is `short` rows
+    starts = [0]
+    for lane in range(self.lanes):
+      starts.append(starts[-1] + full * self.lane_rows + min(max(short - lane * self.lane_rows, 0), self.lane_rows))
+    return starts
 
   def __getstate__(self) -> dict[str, Any]:
     # What defines it, not its caches (their lock does not pickle): mp_prefetch workers get a copy.
-    return {"offsets": self.offsets, "window": self.window, "seed": self.seed}
+    return {"offsets": self.offsets, "window": self.window, "seed": self.seed, "lanes": self.lanes,
+            "lane_rows": self.lane_rows}
 
   def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__init__(state["offsets"], state["window"], state["seed"])
+    self.__init__(state["offsets"], state["window"], state["seed"], state.get("lanes", 1), state.get("lane_rows"))
+
+  def lane_position(self, offset: int) -> tuple[int, int]:
+    """(lane, position in the lane's share) of offset `offset` of an epoch."""
+    if self.lanes == 1:
+      return 0, offset
+    batch, row = divmod(offset, self.lanes * self.lane_rows)
+    lane, lane_row = divmod(row, self.lane_rows)
+    return lane, batch * self.lane_rows + lane_row
+
+  def window_seed(self, epoch: int, lane: int, number: int) -> int:
+    # Lane 0 draws what the order without lanes draws, so one lane is that order exactly.
+    if lane == 0:
+      return _derived_seed(self.seed, epoch, number)
+    return _derived_seed(self.seed, epoch, number, "lane", lane)
 
   def plan(self, epoch: int) -> _EpochPlan:
     return self._epochs.get_or_make(epoch, lambda: _EpochPlan(self, epoch))
@@ -305,27 +431,57 @@ class ShardShuffle:
     """p -> the source record at position p of epoch `epoch`."""
     return self.plan(epoch).source
 
-  def windows(self, epoch: int) -> list[list[int]]:
-    """The shards of epoch `epoch`, window by window, in reading order (what a cache prefetches next)."""
-    order = self.plan(epoch).order
-    return [order[first:first + self.window] for first in range(0, self.shard_count, self.window)]
+  def windows(self, epoch: int, lane: int = 0) -> list[list[int]]:
+    """The shards lane `lane` reads in epoch `epoch`, window by window, in reading order."""
+    found = self.plan(epoch).lane(lane)
+    return [found.window_shards(number) for number in range(found.window_count)]
 
-  def shards_ahead(self, index: int, windows: int = 2) -> list[int]:
+  def window_key(self, index: int) -> tuple[int, int, int]:
+    """(epoch, lane, window number) of the window stream index `index` reads from."""
+    epoch, offset = divmod(int(index), self.length)
+    lane, position = self.lane_position(offset)
+    return epoch, lane, self.plan(epoch).lane(lane).window_of(position)
+
+  def shards_ahead(self, index: int, windows: int = 2, epochs: int | None = None) -> list[int]:
     """The shards a reader at stream index `index` reads next, in order: its window's and `windows` - 1 more.
 
-    Crosses into the next epoch. A shard's records are `offsets[k]` to
-    `offsets[k + 1]` (which files hold them: `sources.file_offsets`).
+    Those of its lane only (a reader of other lanes reads them at their own
+    indices). Crosses into the lane's share of the next epoch. A shard's
+    records are `offsets[k]` to `offsets[k + 1]` (which files hold them:
+    `sources.file_offsets`); a shard split between two lanes is named by both.
+    With `epochs` (a stream of that many), never past its last epoch.
     """
-    epoch, offset = divmod(int(index), self.length)
-    plan = self.plan(epoch)
-    number = bisect.bisect_right(plan.window_starts, offset) - 1
+    epoch, lane, number = self.window_key(index)
     ahead: list[int] = []
+    found = self.plan(epoch).lane(lane)
     for _ in range(windows):
-      if number * self.window >= self.shard_count:
-        epoch, number, plan = epoch + 1, 0, self.plan(epoch + 1)
-      ahead.extend(plan.order[number * self.window:(number + 1) * self.window])
+      if number >= found.window_count:
+        if epochs is not None and epoch + 1 >= epochs:
+          break
+        epoch, number = epoch + 1, 0
+        found = self.plan(epoch).lane(lane)
+      ahead.extend(found.window_shards(number))
       number += 1
     return ahead
+
+  def window_shards_by_first_use(self, index: int, scan: int) -> list[int]:
+    """The shards of `index`'s window in the order its reader first reads them from `index` on.
+
+    Looks at most `scan` positions of the lane ahead; shards not met by then are left out.
+    """
+    epoch, offset = divmod(int(index), self.length)
+    lane, position = self.lane_position(offset)
+    found = self.plan(epoch).lane(lane)
+    number = found.window_of(position)
+    size = len(found.window_shards(number))
+    needed: list[int] = []
+    for at in range(position, min(found.window_starts[number + 1], position + scan)):
+      shard = self.shard_of(found.source(at))
+      if shard not in needed:
+        needed.append(shard)
+        if len(needed) == size:
+          break
+    return needed
 
   def shard_of(self, record: int) -> int:
     """The shard holding source record `record`."""

@@ -12,7 +12,10 @@ more bytes than the cache's `max_bytes` (a JSONL file's copy with its line
 index: `cached_bytes`), so that a prefetch never evicts a file the plan
 needs sooner (a copy in use is never evicted anyway). Entering a
 window, the source closes its idle copies of every other file (`release`),
-so that they, not the files prefetched, make room.
+so that they, not the files prefetched, make room. With shard lanes
+(make_dataset(shard_lanes=...)) the plan is the reader's lane's: a process
+reading several lanes prefetches for each within max_bytes / those lanes, and
+keeps every lane's files from `release`.
 
 Only a speed-up: which record an index reads never depends on it. A failure
 here is logged and forgotten: the read that needs a file fetches it itself,
@@ -46,18 +49,21 @@ class PlanPrefetch:
   """
 
   def __init__(self, order: _permutation.ShardShuffle, records: Any, file_offsets: list[int],
-               file_sizes: list[int], max_bytes: int):
-    self.order, self.records = order, records
+               file_sizes: list[int], max_bytes: int, epochs: int | None = None):
+    self.order, self.records, self.epochs = order, records, epochs
     self.file_offsets, self.file_sizes, self.max_bytes = list(file_offsets), list(file_sizes), int(max_bytes)
     self._init_local()
 
   def _init_local(self) -> None:
-    self._seen: dict[tuple[int, int], None] = {}  # (epoch, window) already prefetched for, oldest first
+    self._seen: dict[tuple[int, int, int], None] = {}  # (epoch, lane, window) prefetched for, oldest first
+    self._lanes_read: dict[int, None] = {}  # with lanes: those this reader entered a window of, oldest first
+    self._ahead: dict[int, list[int]] = {}  # lane -> the files last prefetched for it (kept from `release`)
     self._lock = threading.Lock()
 
   def __getstate__(self) -> dict[str, Any]:
     state = self.__dict__.copy()
-    state.pop("_seen"), state.pop("_lock")
+    for local in ("_seen", "_lanes_read", "_ahead", "_lock"):
+      state.pop(local)
     return state
 
   def __setstate__(self, state: dict[str, Any]) -> None:
@@ -65,8 +71,10 @@ class PlanPrefetch:
     self._init_local()
 
   @classmethod
-  def for_source(cls, order: _permutation.ShardShuffle, records: Any) -> "PlanPrefetch | None":
-    """The prefetcher of `records` read in `order`, or None (no cache, prefetch off, or nothing to fetch)."""
+  def for_source(cls, order: _permutation.ShardShuffle, records: Any,
+                 epochs: int | None = None) -> "PlanPrefetch | None":
+    """The prefetcher of `records` read in `order` for `epochs` epochs (None: no end), or None (no cache,
+    prefetch off, or nothing to fetch)."""
     from ckpt_iter import sources  # pylint: disable=g-import-not-at-top
 
     follow = getattr(records, "follow_plan", None)
@@ -79,40 +87,49 @@ class PlanPrefetch:
     follow()  # the plan, not the file index, says what comes next
     sizes = records.cached_bytes() if callable(getattr(records, "cached_bytes", None)) else [
         found.size for found in records.identities()]
-    return cls(order, records, offsets, sizes, cache.max_bytes)
+    return cls(order, records, offsets, sizes, cache.max_bytes, epochs)
 
   def at(self, index: int) -> None:
     """A read of stream index `index`: on entering a window not seen yet, prefetch what comes next."""
-    epoch, offset = divmod(index, self.order.length)
-    starts = self.order.plan(epoch).window_starts
-    key = (epoch, bisect.bisect_right(starts, offset) - 1)
+    key = self.order.window_key(index)
     if key in self._seen:
       return
     self.start_from(index, key)
 
-  def start_from(self, index: int, key: tuple[int, int] | None = None) -> None:
+  def start_from(self, index: int, key: tuple[int, int, int] | None = None) -> None:
     """Prefetches the files a reader at `index` reads next (a restore calls it before the first read)."""
     if not ENABLED:
       return
     try:
       if key is None:
-        epoch, offset = divmod(index, self.order.length)
-        key = (epoch, bisect.bisect_right(self.order.plan(epoch).window_starts, offset) - 1)
+        key = self.order.window_key(index)
       with self._lock:
         if key in self._seen:
           return
         self._seen[key] = None
         while len(self._seen) > _SEEN_KEPT:
           self._seen.pop(next(iter(self._seen)))
-      files = self.files_ahead(index)
-      self.records.release(files)  # the others closed where idle: their copies, not these, make room
+        lane = key[1]
+        self._lanes_read.pop(lane, None)
+        self._lanes_read[lane] = None  # the lanes this reader reads, the latest last
+        while len(self._lanes_read) > self.order.lanes:
+          self._lanes_read.pop(next(iter(self._lanes_read)))
+        share = self.max_bytes // len(self._lanes_read)
+      files = self.files_ahead(index, share)
+      with self._lock:
+        self._ahead = {n: f for n, f in self._ahead.items() if n in self._lanes_read}
+        self._ahead[lane] = files
+        keep = [f for lane_files in self._ahead.values() for f in lane_files]
+      self.records.release(keep)  # the others closed where idle: their copies, not these, make room
       if files:
         self.records.prefetch(files)
     except Exception as e:  # pylint: disable=broad-except
       _log.info("prefetch by plan at stream index %d failed (%s); reads fetch their files themselves", index, e)
 
-  def files_ahead(self, index: int) -> list[int]:
-    """The files a reader at `index` reads next, in the order it first needs them, bounded."""
+  def files_ahead(self, index: int, max_bytes: int | None = None) -> list[int]:
+    """The files a reader at `index` reads next, in the order it first needs them, within `max_bytes`
+    (default the cache's)."""
+    limit = self.max_bytes if max_bytes is None else max_bytes
     shards = self.shards_ahead(index)
     files: list[int] = []
     total = 0
@@ -120,33 +137,17 @@ class PlanPrefetch:
       for f in self._files_of(shard):
         if f in files:
           continue
-        if total + self.file_sizes[f] > self.max_bytes:
+        if total + self.file_sizes[f] > limit:
           return files
         total += self.file_sizes[f]
         files.append(f)
     return files
 
   def shards_ahead(self, index: int) -> list[int]:
-    """The shards of the reader's window, by first read at or after `index`, then the next window's."""
-    ahead = self.order.shards_ahead(index, windows=_WINDOWS)
-    current = set(ahead[:self._window_size(index)])
-    needed: list[int] = []
-    epoch, offset = divmod(index, self.order.length)
-    plan = self.order.plan(epoch)
-    end = plan.window_starts[bisect.bisect_right(plan.window_starts, offset)]
-    for position in range(offset, min(end, offset + _SCAN)):
-      shard = self.order.shard_of(plan.source(position))
-      if shard not in needed:
-        needed.append(shard)
-        if len(needed) == len(current):
-          break
+    """The shards of the reader's window (its lane's), by first read at or after `index`, then the next window's."""
+    ahead = self.order.shards_ahead(index, windows=_WINDOWS, epochs=self.epochs)
+    needed = self.order.window_shards_by_first_use(index, _SCAN)
     return needed + [s for s in ahead if s not in needed]
-
-  def _window_size(self, index: int) -> int:
-    epoch, offset = divmod(index, self.order.length)
-    plan = self.order.plan(epoch)
-    number = bisect.bisect_right(plan.window_starts, offset) - 1
-    return len(plan.order[number * self.order.window:(number + 1) * self.order.window])
 
   def _files_of(self, shard: int) -> list[int]:
     """The files holding shard `shard`'s records (one, unless shards are blocks across files)."""

@@ -33,6 +33,7 @@ import hashlib
 import sys
 from typing import Any, Iterator, Mapping, Sequence
 
+from ckpt_iter import _permutation
 from ckpt_iter import errors
 from ckpt_iter import skips as skips_lib
 
@@ -316,7 +317,8 @@ def check_stream_fields(fingerprint: Mapping[str, Any], position: Any, *, origin
   asks it first, and `ckpt-iter verify`, `which`, `order` and `audit` ask it
   of every state they read, so each refuses a field a restore refuses, with
   the restore's message. The fingerprint's `skips` (`skips_lib.Skips.from_text`); where
-  the position counts stream records, `checked_record_position`.
+  the position counts stream records, `checked_record_position`; shard lanes
+  (`_permutation.lane_fields`).
 
   Raises:
     InvalidStateError: a field is malformed (the message names it).
@@ -324,6 +326,10 @@ def check_stream_fields(fingerprint: Mapping[str, Any], position: Any, *, origin
   skips = skips_lib.Skips.from_text(fingerprint.get(skips_lib.SKIPS_FIELD), origin=origin)
   if isinstance(position, Mapping) and NEXT_RECORD in position:
     checked_record_position(fingerprint, position, origin=origin)
+  try:
+    _permutation.lane_fields(fingerprint)
+  except ValueError as e:
+    raise errors.InvalidStateError(f"{origin}: {e}. Restore it with the pipeline that wrote it.") from None
   return skips
 
 

@@ -241,6 +241,7 @@ def _shard_shuffles(fingerprint: Mapping[str, Any], lengths: Mapping[str, int], 
         f"{origin}: fingerprint field {_permutation.SHUFFLE_FIELD!r} is {state_lib.short_repr(kind)}; this "
         f"version knows {list(_permutation.KINDS)}. Read the state with the ckpt_iter version that wrote it.")
   window = _int_field(fingerprint, _permutation.WINDOW_FIELD, origin)
+  lanes, lane_rows = _lane_fields(fingerprint, origin)
   orders = {}
   for name, length in lengths.items():
     field = _permutation.source_shards_field(name) if mixture else _permutation.SHARDS_FIELD
@@ -255,8 +256,15 @@ def _shard_shuffles(fingerprint: Mapping[str, Any], lengths: Mapping[str, int], 
           f"{state_lib.short_repr(seed)}; the data map needs shard sizes 'SIZExCOUNT,...' summing to the source's "
           f"length {length} and an integer seed (a make_dataset(shuffle=\"shards\") state has them).")
     orders[name] = _permutation.ShardShuffle(
-        offsets, window, _records.source_seed(int(seed), name) if mixture else int(seed))
+        offsets, window, _records.source_seed(int(seed), name) if mixture else int(seed), lanes, lane_rows)
   return orders
+
+
+def _lane_fields(fingerprint: Mapping[str, Any], origin: str) -> tuple[int, int | None]:
+  try:
+    return _permutation.lane_fields(fingerprint)
+  except ValueError as e:
+    raise errors.InvalidStateError(f"{origin}: {e}.") from None
 
 
 def _refusal(fingerprint: Mapping[str, Any], position: Mapping[str, Any]) -> str | None:

@@ -71,6 +71,7 @@ def make_dataset(
     shuffle: str = _permutation.GLOBAL,
     shuffle_window: int | None = None,
     shard_size: int | None = None,
+    shard_lanes: int | None = None,
 ) -> grain.MapDataset | grain.IterDataset:
   """Builds the batched Grain dataset of a training config.
 
@@ -124,6 +125,15 @@ def make_dataset(
       records (the last may be shorter); default: the source's files (a source
       of one file, or in memory, needs shard_size). Each source of a mixture
       has its own shards and its own order (from its own seed).
+    shard_lanes: with shuffle="shards", cut each epoch's shards into this
+      many lanes, consecutive shares of the epoch's reading order; each
+      global batch takes global_batch_size / shard_lanes rows from every
+      lane, and process i of N reads lanes [i*V/N, (i+1)*V/N) only, so a
+      host downloads its processes' share of the corpus, not all of it. Use
+      the first run's process count; a restart with another process count is
+      exact (one dividing shard_lanes keeps the shares). Default: no lanes
+      (every process reads rows of every window)
+      (https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/bucket.md).
 
   Returns:
     A `grain.MapDataset` of dict batches of numpy arrays with a leading batch
@@ -155,19 +165,23 @@ def make_dataset(
           f"{name}={fn!r} is not callable; pass a function (see make_dataset's docstring)."
       )
   _check_shuffle(shuffle, shuffle_window, shard_size, seed)
+  lanes = _check_shard_lanes(shard_lanes, shuffle, batch_size * shard_count, shard_count, weights=weights,
+                             filtered=filter is not None or pack is not None)
   named = _resolve_sources(source, weights)
   _warn_if_the_cache_is_too_small(named, shuffle, seed, shuffle_window, shard_size)
   if weights is None:
     (_, (records, identity)), = named.items()
-    order = _shard_order(shuffle, records, identity, shard_size, shuffle_window, seed)
+    order = _shard_order(shuffle, records, identity, shard_size, shuffle_window, seed,
+                         lanes=lanes, lane_rows=batch_size * shard_count // lanes)
     spec = DatasetSpec(
         source=identity, batch_size=batch_size, seed=seed, num_epochs=num_epochs,
         drop_remainder=drop_remainder, shard_index=shard_index, shard_count=shard_count,
         transform=None if transform is None else _qualified_name(transform),
         shuffle_window=None if order is None else order.window,
         shuffle_shards=None if order is None else _permutation.layout_text(order.offsets),
+        shuffle_lanes=lanes,
     )
-    parents = [_record_dataset(records, seed, transform, order)]
+    parents = [_record_dataset(records, seed, transform, order, num_epochs)]
   else:
     shares = proportions(weights)
     seeds = {name: None if seed is None else source_seed(seed, name) for name in named}
@@ -183,7 +197,7 @@ def make_dataset(
         source_shards=tuple((name, _permutation.layout_text(order.offsets))
                             for name, order in orders.items() if order is not None),
     )
-    parents = [_record_dataset(records, seeds[name], transform, orders[name])
+    parents = [_record_dataset(records, seeds[name], transform, orders[name], num_epochs)
                for name, (records, _) in named.items()]
   declared = skips_lib.Skip.of(skip) if not isinstance(skip, skips_lib.Skip) else skip
   if filter is not None or pack is not None:
@@ -199,6 +213,13 @@ def make_dataset(
         "batches keep to their epoch, so with drop_remainder=True every epoch's records would be dropped. "
         f"Use a global batch of at most {spec.source.length} records, or drop_remainder=False (one short "
         "batch per epoch).")
+  if lanes > 1 and lanes % shard_count:
+    touched = _lanes_per_process(lanes, spec.global_batch_size // lanes, batch_size, shard_count)
+    _log.warning(
+        "make_dataset: shard_lanes=%d with %d processes (not a divisor of it): a process reads rows of up to "
+        "%d lanes, so its host downloads up to %d/%d of the corpus an epoch, not 1/%d; the order is the same "
+        "(exact). A process count dividing %d keeps each host to its share.",
+        lanes, shard_count, touched, touched, lanes, shard_count, lanes)
   if len(spec.initial_plan()) == 0:
     raise errors.InvalidArgumentError(
         f"source has {_describe_length(spec)} records, fewer than one global batch of "
@@ -358,12 +379,12 @@ def _resolve_sources(source: Any, weights: Any) -> dict[str, tuple[Any, sources_
 
 
 def _record_dataset(records: Any, seed: int | None, transform: Callable[[Any], Any] | None,
-                    order: _permutation.ShardShuffle | None = None) -> grain.MapDataset:
+                    order: _permutation.ShardShuffle | None = None, num_epochs: int | None = None) -> grain.MapDataset:
   # Index e*L + p is record perm_e(p): Grain's shuffle gives each epoch its
   # own permutation for indices past the first epoch (a source wraps around).
   dataset = grain.MapDataset.source(records)
   if order is not None:
-    dataset = ShardShuffleDataset(dataset, order, _plan_prefetch.PlanPrefetch.for_source(order, records))
+    dataset = ShardShuffleDataset(dataset, order, _plan_prefetch.PlanPrefetch.for_source(order, records, num_epochs))
   elif seed is not None:
     dataset = dataset.shuffle(seed=seed)
   if transform is not None:
@@ -392,8 +413,42 @@ def _check_shuffle(shuffle: Any, shuffle_window: Any, shard_size: Any, seed: int
     _check_positive_int("shard_size", shard_size, "records per shard; pass None to use the source's files")
 
 
+def _check_shard_lanes(shard_lanes: Any, shuffle: str, global_batch: int, shard_count: int, *, weights: Any,
+                       filtered: bool) -> int:
+  """The lanes of shuffle="shards" (1: none), or a refusal naming what stands in the way."""
+  if shard_lanes is None:
+    return 1
+  if shuffle != _permutation.SHARDS:
+    raise errors.InvalidArgumentError(
+        f"shard_lanes={_short(shard_lanes)} applies to shuffle=\"shards\" only; pass shuffle=\"shards\" or "
+        "drop shard_lanes.")
+  _check_int_range("shard_lanes", shard_lanes, 1, _permutation.MAX_LANES, "lanes of shards")
+  if weights is not None:
+    raise errors.InvalidArgumentError(
+        f"shard_lanes={shard_lanes} with weights: a mixture's global batch takes each source's records where "
+        "its weights fall, not a fixed run of rows per lane, so lanes would not follow processes. Drop "
+        "shard_lanes (each process then reads rows of every window).")
+  if filtered:
+    raise errors.InvalidArgumentError(
+        f"shard_lanes={shard_lanes} with filter or pack: their lanes (num_lanes) read the stream in chunks, "
+        "not in the shard lanes' rows. Drop shard_lanes.")
+  if global_batch % shard_lanes:
+    raise errors.InvalidArgumentError(
+        f"shard_lanes={shard_lanes} does not divide the global batch of {global_batch} rows (batch_size x "
+        f"shard_count={shard_count}): every lane gives each global batch the same number of rows. Use "
+        f"shard_lanes={shard_count} (the process count) or another divisor of {global_batch}.")
+  return int(shard_lanes)
+
+
+def _lanes_per_process(lanes: int, lane_rows: int, batch_size: int, shard_count: int) -> int:
+  """The most lanes whose rows one process reads of a global batch (rows [i*B, (i+1)*B), lane = row // lane_rows)."""
+  return max((i * batch_size + batch_size - 1) // lane_rows - (i * batch_size) // lane_rows + 1
+             for i in range(shard_count))
+
+
 def _shard_order(shuffle: str, records: Any, identity: sources_lib.SourceIdentity, shard_size: int | None,
-                 shuffle_window: int | None, seed: int | None, name: str = "") -> _permutation.ShardShuffle | None:
+                 shuffle_window: int | None, seed: int | None, name: str = "", *, lanes: int = 1,
+                 lane_rows: int | None = None) -> _permutation.ShardShuffle | None:
   """The order of shuffle="shards" over one source (a mixture's source `name`: its own seed); None otherwise."""
   if shuffle != _permutation.SHARDS:
     return None
@@ -403,7 +458,7 @@ def _shard_order(shuffle: str, records: Any, identity: sources_lib.SourceIdentit
     raise errors.InvalidArgumentError(
         f"shuffle=\"shards\" over {len(offsets) - 1:,} shards{f' (source {name!r})' if name else ''}: at most "
         f"{_permutation.MAX_SHARDS:,}. Pass a larger shard_size.")
-  return _permutation.ShardShuffle(offsets, window, seed)
+  return _permutation.ShardShuffle(offsets, window, seed, lanes, lane_rows if lanes > 1 else None)
 
 
 def _shard_offsets(records: Any, identity: sources_lib.SourceIdentity, shard_size: int | None,

@@ -36,7 +36,8 @@ from ckpt_iter import state as state_lib
 MAX_LOOKBACK = 1024  # elements a filter may have dropped before the one read last
 _IDENTITY_FIELDS = ("source", "source_length", "source_digest", "seed")
 # Set only for shuffle="shards": a state without them read Grain's shuffle, so they are compared either way.
-_SHUFFLE_FIELDS = (_permutation.SHUFFLE_FIELD, _permutation.WINDOW_FIELD, _permutation.SHARDS_FIELD)
+_SHUFFLE_FIELDS = (_permutation.SHUFFLE_FIELD, _permutation.WINDOW_FIELD, _permutation.SHARDS_FIELD,
+                   _permutation.LANES_FIELD, _permutation.LANE_ROWS_FIELD)
 
 
 def which(pipeline: Any, state: Any) -> datamap.Batch:

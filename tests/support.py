@@ -187,6 +187,19 @@ def run_chain(root: str, segments: Sequence[tuple[int, int, int, int, Any]], **p
   return kept
 
 
+def pod_iterators(pipelines: Sequence[Any], step: str | None) -> list[Any]:
+  """A DataIterator per process of `pipelines`, each restored from `step` (elastic) when given."""
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  iterators = [ckpt_iter.DataIterator(p) for p in pipelines]
+  if step is not None:
+    for index, iterator in enumerate(iterators):
+      checkpoint_lib.IteratorCheckpointHandler(index, len(iterators)).restore(
+          step, ckpt_iter.IteratorRestore(iterator, elastic=True))
+  return iterators
+
+
 def pending_state(arrays: dict[str, Any], **fingerprint: Any) -> state_lib.IteratorState:
   """A learner's state whose one pending item holds `arrays`."""
   return state_lib.IteratorState(

@@ -4,7 +4,7 @@ and `ckpt-iter order` against what a chain of restarts actually yielded.
 A chain is drawn: segments with their process count, global batch, batches
 saved, batches read past the last save (lost to the kill), a skip declared
 once, a mixture reweighted, with a source added or removed; under Grain's
-shuffle or the shard-aware one (make_dataset(shuffle="shards")). At every saved
+shuffle or the shard-aware one (make_dataset(shuffle="shards"), with shard lanes too). At every saved
 step the Python API (with the pipeline that wrote the step), the CLI's
 `which --step --json` and the batch the chain read must be the same records;
 `order`'s rows must be the kept batches, in order; `verify` and `audit` pass
@@ -39,7 +39,10 @@ _OFFSET = {"": 0, "a": 1000, "b": 2000}  # support.CHAIN_SOURCES' ids: 1000 + in
 # {"b": 2, "a": 1} <-> {"b": 2}: a source added or removed where the shares' gcd moves (b: 2 -> 1).
 _MIXTURES = [None, {"a": 1, "b": 1}, {"a": 3, "b": 1}, {"a": 1}, {"b": 2, "a": 1}, {"b": 2}]
 # Grain's shuffle, or the shard-aware one (shards of 4 records, 2 to a window): the answers are the same code.
-_SHUFFLES = {"global": {}, "shards": {"shuffle": "shards", "shard_size": 4, "shuffle_window": 2}}
+_SHUFFLES = {"global": {}, "shards": {"shuffle": "shards", "shard_size": 4, "shuffle_window": 2},
+             # Shard lanes: 2 lanes of 3 rows (a global batch of 6, which a restore keeps).
+             "lanes": {"shuffle": "shards", "shard_size": 4, "shuffle_window": 2, "shard_lanes": 2}}
+_LANES_GLOBAL_BATCH = 6
 
 
 @st.composite
@@ -58,6 +61,20 @@ def _chains(draw, mixed: bool):
     mixture = draw(st.sampled_from(_MIXTURES[1:])) if mixed else None
     segments.append((count, count * per_process, draw(st.integers(1, 3)), draw(st.integers(0, 2)), skip, mixture,
                      not short))
+  return segments
+
+
+@st.composite
+def _lane_chains(draw):
+  """Chains of a lanes pipeline: one global batch, any process count dividing it (dividing the lanes or not)."""
+  segments = []
+  for number in range(draw(st.integers(2, 4))):
+    skip = None
+    if number and draw(st.booleans()):
+      start = draw(st.integers(0, 60))
+      skip = [(start, start + draw(st.integers(1, 8)))]
+    segments.append((draw(st.sampled_from([1, 2, 3, 6])), _LANES_GLOBAL_BATCH, draw(st.integers(1, 3)),
+                     draw(st.integers(0, 2)), skip, None, True))
   return segments
 
 
@@ -172,7 +189,7 @@ def _check(segments, shuffle: str = "global") -> bool:
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("shuffle", list(_SHUFFLES))
+@pytest.mark.parametrize("shuffle", ["global", "shards"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["single", "mixture"])
 @hypothesis.settings(max_examples=10, deadline=None)
 @hypothesis.given(data=st.data())
@@ -181,12 +198,25 @@ def test_which_api_cli_and_order_are_what_was_read(mixed, shuffle, data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shuffle", list(_SHUFFLES))
+@pytest.mark.parametrize("shuffle", ["global", "shards"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["single", "mixture"])
 @hypothesis.settings(max_examples=120, deadline=None)
 @hypothesis.given(data=st.data())
 def test_which_api_cli_and_order_are_what_was_read_long(mixed, shuffle, data):
   hypothesis.assume(_check(data.draw(_chains(mixed), label="segments"), shuffle))
+
+
+@hypothesis.settings(max_examples=10, deadline=None)
+@hypothesis.given(data=st.data())
+def test_which_api_cli_and_order_are_what_a_lanes_pipeline_read(data):
+  hypothesis.assume(_check(data.draw(_lane_chains(), label="segments"), "lanes"))
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=120, deadline=None)
+@hypothesis.given(data=st.data())
+def test_which_api_cli_and_order_are_what_a_lanes_pipeline_read_long(data):
+  hypothesis.assume(_check(data.draw(_lane_chains(), label="segments"), "lanes"))
 
 
 def test_the_issue_cases_answer_what_was_read():

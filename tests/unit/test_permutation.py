@@ -8,6 +8,8 @@ bijection per epoch with the locality it promises. The dataset and the data map
 over it: tests/unit/test_shard_shuffle.py.
 """
 
+import pickle
+
 import grain
 import hypothesis
 from hypothesis import strategies as st
@@ -115,7 +117,7 @@ def test_a_window_past_the_ranked_size_is_grains_index_shuffle_itself(monkeypatc
     assert sorted(records) == list(range(order.length))
     plan, position = order.plan(epoch), 0
     for number, shards in enumerate(order.windows(epoch)):
-      window = plan.window(number)
+      window = plan.lane(0).window(number)
       assert window.ranked is None  # every window holds more than 40 records
       seed = _permutation._derived_seed(5, epoch, number)  # pylint: disable=protected-access
       for q in range(window.starts[-1]):
@@ -157,3 +159,86 @@ def test_a_layout_is_decoded_within_bounds_or_refused(text, length, words):
   with pytest.raises(ValueError, match=words):
     _permutation.layout_offsets(text, length)
 
+
+
+# ---------------------------------------------------------------------------
+# Shard lanes (make_dataset(shard_lanes=V)): each lane reads a consecutive share of the epoch's reading order.
+
+
+def test_an_order_without_lanes_is_the_order_0_3_0_read():
+  # States written before lanes existed name no lane field: they must keep the order they were read in
+  # (these are 0.3.0's records, computed by that release's module).
+  assert _epoch(_permutation.ShardShuffle(_permutation.block_offsets(41, 6), 3, 11), 1) == [
+      7, 6, 11, 1, 9, 10, 0, 8, 3, 2, 17, 16, 14, 15, 12, 13, 5, 4, 26, 28, 27, 25, 24, 40, 21, 23, 37, 20, 36,
+      22, 39, 19, 38, 18, 29, 34, 35, 30, 32, 33, 31]
+  assert _epoch(_permutation.ShardShuffle(np.cumsum([0, 7, 3, 9, 5, 1]).tolist(), 2, 3), 0) == [
+      11, 12, 10, 24, 14, 13, 15, 16, 18, 17, 19, 20, 23, 1, 21, 0, 2, 22, 3, 4, 5, 6, 8, 7, 9]
+
+
+def _reading_order(order, epoch):
+  """The epoch's records in reading order (its shards in order, each shard's records in turn)."""
+  return [r for s in order.plan(epoch).order for r in range(order.offsets[s], order.offsets[s + 1])]
+
+
+@hypothesis.settings(max_examples=80, deadline=None)
+@hypothesis.given(offsets=_layouts(), window=st.integers(1, 5), seed=SEEDS, lanes=st.integers(1, 6),
+                  lane_rows=st.integers(1, 7), epoch=st.integers(0, 3), data=st.data())
+def test_each_lane_reads_its_share_of_the_reading_order_and_each_global_batch_takes_its_rows(
+    offsets, window, seed, lanes, lane_rows, epoch, data):
+  order = _permutation.ShardShuffle(offsets, window, seed, lanes, lane_rows)
+  records = _epoch(order, epoch)
+  assert sorted(records) == list(range(order.length))
+  reading = _reading_order(order, epoch)
+  starts = order.lane_starts
+  assert starts[0] == 0 and starts[-1] == order.length and all(a <= b for a, b in zip(starts, starts[1:]))
+  # Offset o is row o % G of its batch: the row's lane is (o % G) // lane_rows, whatever the batch.
+  rows = lanes * lane_rows if lanes > 1 else order.length
+  for offset, record in enumerate(records):
+    lane = (offset % rows) // (lane_rows if lanes > 1 else rows)
+    share = reading[starts[lane]:starts[lane + 1]]
+    assert record in share
+  # The rows a process of N (N dividing the lanes) reads of any batch come from its lanes' shards only.
+  count = data.draw(st.sampled_from([n for n in range(1, lanes + 1) if lanes % n == 0]), label="processes")
+  per_process = rows // count
+  for offset in range(order.length):
+    process = (offset % rows) // per_process
+    mine = reading[starts[process * lanes // count]:starts[(process + 1) * lanes // count]]
+    assert records[offset] in mine
+  # A lane's windows: its pieces of shards, `window` at a time, each read whole before the next.
+  for lane in range(lanes):
+    position, shards_read = 0, []
+    lane_records = [records[o] for o in range(order.length) if (o % rows) // (lane_rows if lanes > 1 else rows)
+                    == lane]
+    for shards in order.windows(epoch, lane):
+      span = sum(n for first, n in order.plan(epoch).lane(lane).pieces if order.shard_of(first) in shards)
+      assert {order.shard_of(r) for r in lane_records[position:position + span]} == set(shards)
+      position += span
+      shards_read += shards
+    assert position == len(lane_records) == starts[lane + 1] - starts[lane]
+
+
+def test_one_lane_is_the_order_without_lanes_and_lanes_pickle():
+  offsets = _permutation.block_offsets(41, 6)
+  assert _epoch(_permutation.ShardShuffle(offsets, 3, 11, 1), 2) == _epoch(_permutation.ShardShuffle(offsets, 3, 11), 2)
+  order = _permutation.ShardShuffle(offsets, 3, 11, 4, 2)
+  copy = pickle.loads(pickle.dumps(order))
+  assert (copy.lanes, copy.lane_rows) == (4, 2) and _epoch(copy, 1) == _epoch(order, 1)
+  with pytest.raises(ValueError, match="lane_rows"):
+    _permutation.ShardShuffle(offsets, 3, 11, 4)
+  with pytest.raises(ValueError, match="lanes="):
+    _permutation.ShardShuffle(offsets, 3, 11, _permutation.MAX_LANES + 1, 1)
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(offsets=_layouts(), window=st.integers(1, 4), seed=SEEDS, lanes=st.integers(2, 5),
+                  lane_rows=st.integers(1, 5), data=st.data())
+def test_the_shards_ahead_of_a_lane_are_its_window_and_its_next(offsets, window, seed, lanes, lane_rows, data):
+  order = _permutation.ShardShuffle(offsets, window, seed, lanes, lane_rows)
+  index = data.draw(st.integers(0, 2 * order.length - 1), label="index")
+  epoch, lane, number = order.window_key(index)
+  windows = order.windows(epoch, lane)
+  following = windows[number + 1] if number + 1 < len(windows) else order.windows(epoch + 1, lane)[0]
+  assert order.shards_ahead(index, windows=2) == windows[number] + following
+  assert order.shard_of(order.source(index)) in windows[number]
+  first_use = order.window_shards_by_first_use(index, 10**6)
+  assert first_use[0] == order.shard_of(order.source(index)) and set(first_use) <= set(windows[number])

@@ -50,9 +50,9 @@ def _recorded(source):
   return calls
 
 
-def _dataset(source, calls=None):
+def _dataset(source, calls=None, num_epochs=1):
   dataset = ckpt_iter.make_dataset(source, batch_size=BATCH, seed=SEED, shuffle="shards",
-                                   shuffle_window=WINDOW, num_epochs=1)
+                                   shuffle_window=WINDOW, num_epochs=num_epochs)
   if calls is not None:
     calls.clear()  # a local source's digest read sample records, before the plan took over
   return dataset
@@ -88,24 +88,27 @@ def _first_uses(order, start, end):
   return seen
 
 
-def test_entering_a_window_asks_for_its_files_by_first_use_then_the_next_windows(tmp_path, files):
+@pytest.mark.parametrize("num_epochs", [1, None])
+def test_entering_a_window_asks_for_its_files_by_first_use_then_the_next_windows(tmp_path, files, num_epochs):
   source = _cached(tmp_path, files)
   calls = _recorded(source)
-  dataset = _dataset(source, calls)
-  ids = _ids(dataset)
+  dataset = _dataset(source, calls, num_epochs)
+  ids = _ids(dataset) if num_epochs else [dataset[n]["id"].tolist() for n in range(FILES * PER_FILE // BATCH)]
   order = _order(dataset)
   windows = order.windows(0)
-  starts = order.plan(0).window_starts
+  starts = order.plan(0).lane(0).window_starts
   # Files are the shards here. One call per window, on entering it; none by file index (the plan took over).
+  # The last window of a stream's last epoch asks for nothing past the stream's end.
   expected = []
   for number, shards in enumerate(windows):
-    following = windows[number + 1] if number + 1 < len(windows) else order.windows(1)[0]
+    following = windows[number + 1] if number + 1 < len(windows) else order.windows(1)[0] if num_epochs is None else []
     expected.append(_first_uses(order, starts[number], starts[number + 1]) + following)
     assert sorted(expected[-1][:len(shards)]) == sorted(shards)
   assert calls == expected
   # Exact whatever prefetch does: the batches of the files read in place, and of a source with no prefetch.
-  assert ids == _ids(_dataset(files))
-  assert ids == _ids(_dataset(_cached(tmp_path / "off", files, prefetch_files=0)))
+  if num_epochs:
+    assert ids == _ids(_dataset(files))
+    assert ids == _ids(_dataset(_cached(tmp_path / "off", files, prefetch_files=0)))
 
 
 def test_the_files_asked_for_are_bounded_by_the_caches_size(tmp_path, files):
@@ -114,9 +117,10 @@ def test_the_files_asked_for_are_bounded_by_the_caches_size(tmp_path, files):
   calls = _recorded(source)
   dataset = _dataset(source, calls)
   ids = _ids(dataset)
-  assert calls and all(len(call) == 3 for call in calls)  # 4 files ahead (2 windows of 2), 3 fit
+  assert calls and all(len(call) == 3 for call in calls[:-1])  # 4 files ahead (2 windows of 2), 3 fit
+  assert len(calls[-1]) == 2  # the last window's: nothing past the stream's one epoch
   order = _order(dataset)
-  assert calls[0] == (_first_uses(order, 0, order.plan(0).window_starts[1]) + order.windows(0)[1])[:3]
+  assert calls[0] == (_first_uses(order, 0, order.plan(0).lane(0).window_starts[1]) + order.windows(0)[1])[:3]
   assert ids == _ids(_dataset(files))
 
 
@@ -153,9 +157,9 @@ def test_a_restore_asks_first_for_the_files_at_the_restored_position(tmp_path, f
   # Asked for before the content check's read of the batch before (records 64-67), from there on.
   order = _order(dataset)
   before = 17 * BATCH - BATCH
-  window = next(n for n, start in enumerate(order.plan(0).window_starts) if start > before) - 1
+  window = next(n for n, start in enumerate(order.plan(0).lane(0).window_starts) if start > before) - 1
   assert calls[0][0] == order.shard_of(order.source(before))
-  assert calls[0][:WINDOW] == _first_uses(order, before, order.plan(0).window_starts[window + 1])[:WINDOW]
+  assert calls[0][:WINDOW] == _first_uses(order, before, order.plan(0).lane(0).window_starts[window + 1])[:WINDOW]
   assert [b["id"].tolist() for b in restored] == expected
 
 
@@ -243,3 +247,24 @@ def test_only_a_restore_over_a_source_that_prefetches_by_plan_enters_the_prefetc
     restored = ckpt_iter.DataIterator(_dataset(source))
     assert ("_plan_prefetch.py" in support.modules_entered(lambda: restored.set_state(state))) is expected
     assert next(restored)["id"].tolist() == next(iterator)["id"].tolist()
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_with_shard_lanes_a_process_asks_only_for_its_lanes_files(tmp_path, files, count):
+  # 2 lanes of 4 rows each per global batch; with 2 processes each reads one lane, with 1 both.
+  for index in range(count):
+    source = _cached(tmp_path / str(index), files)
+    calls = _recorded(source)
+    dataset = ckpt_iter.make_dataset(source, batch_size=8 // count, seed=SEED, shuffle="shards", shuffle_window=WINDOW,
+                                     num_epochs=1, shard_lanes=2, shard_index=index, shard_count=count)
+    calls.clear()
+    ids = _ids(dataset)
+    order = _order(dataset)
+    mine = range(index * 2 // count, (index + 1) * 2 // count)
+    lane_files = {s for lane in mine for shards in order.windows(0, lane) for s in shards}  # files are the shards
+    assert calls and {f for call in calls for f in call} <= lane_files
+    assert {i // PER_FILE for batch in ids for i in batch} <= lane_files
+    if count == 2:
+      assert len(lane_files) < FILES  # a share, not the corpus (a file split between the lanes is in both)
+    else:  # one process reading both lanes asks for each lane's windows as it enters them
+      assert {f for call in calls for f in call} == set(range(FILES))

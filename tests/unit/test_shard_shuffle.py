@@ -147,11 +147,7 @@ def test_which_names_what_was_read_across_chained_restarts_with_no_duplicate_or_
   trained, step = [], None
   for number, (count, global_batch, batches) in enumerate(SEGMENTS):
     pipelines = [_pipeline(count, i, global_batch) for i in range(count)]
-    iterators = [ckpt_iter.DataIterator(p) for p in pipelines]
-    if step is not None:
-      for index, iterator in enumerate(iterators):
-        checkpoint_lib.IteratorCheckpointHandler(index, count).restore(
-            step, ckpt_iter.IteratorRestore(iterator, elastic=True))
+    iterators = support.pod_iterators(pipelines, step)
     for _ in range(batches):
       batch = [i for iterator in iterators for i in _ids(next(iterator))]
       trained.append(batch)
@@ -308,3 +304,75 @@ def test_a_shuffle_change_at_an_epoch_boundary_is_exact_when_declared():
   assert sorted(first) == sorted(second) == list(range(48))
   fresh = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=2, shuffle_window=3))
   assert second == [int(x) for batch in list(fresh)[12:] for x in batch["id"]]
+
+
+# ---------------------------------------------------------------------------
+# Shard lanes (make_dataset(shard_lanes=V)): the fields, the refusals, a batch change.
+
+
+@pytest.mark.parametrize("arguments, fragment", [
+    (dict(shard_lanes=2), "shard_lanes=2 applies to shuffle=\"shards\" only"),
+    (dict(shuffle="shards", shard_size=4, shard_lanes=0), "shard_lanes=0 must be an integer in [1, 1048576]"),
+    (dict(shuffle="shards", shard_size=4, shard_lanes=3), "shard_lanes=3 does not divide the global batch of 4"),
+    (dict(shuffle="shards", shard_size=4, shard_lanes=2, filter=lambda r: True), "with filter or pack"),
+])
+def test_bad_shard_lanes_are_refused_with_the_fix(arguments, fragment):
+  with pytest.raises(errors.InvalidArgumentError) as info:
+    ckpt_iter.make_dataset(RECORDS, **{**dict(batch_size=4, seed=1, shard_index=0, shard_count=1), **arguments})
+  assert fragment in str(info.value)
+  with pytest.raises(errors.InvalidArgumentError, match="shard_lanes=2 with weights"):
+    ckpt_iter.make_dataset(SOURCES, weights={n: 1 for n in SOURCES}, batch_size=4, seed=1, shard_index=0,
+                           shard_count=1, shuffle="shards", shard_size=4, shard_lanes=2)
+
+
+def test_one_lane_is_the_pipeline_without_lanes_and_lanes_write_their_two_fields():
+  plain, one = ckpt_iter.DataIterator(_pipeline()), ckpt_iter.DataIterator(_pipeline(shard_lanes=1))
+  assert plain.state().fingerprint == one.state().fingerprint
+  assert [_ids(b) for b in plain] == [_ids(b) for b in one]
+  fields = ckpt_iter.DataIterator(_pipeline(shard_lanes=2)).state().fingerprint
+  assert (fields[_permutation.LANES_FIELD], fields[_permutation.LANE_ROWS_FIELD]) == (2, 2)
+
+
+def test_a_process_count_not_dividing_the_lanes_is_exact_and_says_what_it_downloads(caplog):
+  pipelines = [_pipeline(3, i, global_batch=6, shard_lanes=2) for i in range(3)]
+  assert "a process reads rows of up to 2 lanes, so its host downloads up to 2/2" in caplog.text
+  whole = [_ids(_pipeline(1, 0, global_batch=6, shard_lanes=2)[k]) for k in range(8)]
+  assert [[i for p in pipelines for i in _ids(p[k])] for k in range(8)] == whole
+
+
+def test_a_global_batch_change_inside_an_epoch_is_refused_naming_the_lanes_way():
+  records = [{"id": i} for i in range(48)]
+  iterator = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=2, shard_lanes=2))
+  for _ in range(3):
+    next(iterator)
+  changed = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=2, shard_lanes=2, batch_size=8))
+  with pytest.raises(errors.ConfigDriftError) as caught:
+    changed.restore_state(iterator.state(), allow_drift={_permutation.LANE_ROWS_FIELD})
+  assert "shuffle_lane_rows" in str(caught.value)
+  assert "keep a global batch of 4 until the epoch ends" in str(caught.value)
+  # At the epoch's end the new global batch cuts the next epoch's lanes, declared.
+  for _ in range(9):
+    next(iterator)
+  first = iterator.state()
+  changed = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=2, shard_lanes=2, batch_size=8))
+  changed.restore_state(first, allow_drift={_permutation.LANE_ROWS_FIELD})
+  second = [int(x) for batch in changed for x in batch["id"]]
+  assert sorted(second) == list(range(48))
+
+
+@pytest.mark.parametrize("fields", [
+    {_permutation.LANES_FIELD: 2},  # its rows missing
+    {_permutation.LANES_FIELD: 3, _permutation.LANE_ROWS_FIELD: 2},  # 6 rows, the global batch is 4
+    {_permutation.LANES_FIELD: 2**40, _permutation.LANE_ROWS_FIELD: 1},  # past the bound
+    {_permutation.LANES_FIELD: "2", _permutation.LANE_ROWS_FIELD: 2},
+])
+def test_malformed_lane_fields_are_refused_by_the_restore_and_the_data_map(fields):
+  saved = ckpt_iter.DataIterator(_pipeline(shard_lanes=2))
+  next(saved)
+  value = saved.state().to_dict()
+  value["fingerprint"] = {k: v for k, v in value["fingerprint"].items()
+                          if k not in (_permutation.LANES_FIELD, _permutation.LANE_ROWS_FIELD)} | fields
+  with pytest.raises(errors.InvalidStateError, match="shuffle_lanes"):
+    ckpt_iter.DataIterator(_pipeline(shard_lanes=2)).restore_state(state_lib.IteratorState.from_dict(value))
+  with pytest.raises(errors.InvalidStateError, match="shuffle_lanes"):
+    datamap.RecordStream(value["fingerprint"], value["position"])

@@ -4,8 +4,11 @@
 
 CONFIG: {"source": gs:// JSONL URLs, "cache_dir", "max_bytes", "root" (local checkpoint root),
 "processes": P, "shuffle": "shards" or "global", "window", "steps": batches to train before the save,
-"extra": batches read after the save before the host is killed (null: read to the end, no save),
-"out": a directory for what each process read}.
+"extra": batches read after the save before the host is killed (null: read to the end, no save; 0: exit
+after the save), "out": a directory for what each process read}; for a host of a pod (one cache per host),
+optionally "shard_offset" (its first process's index in the pod), "shard_count" (the pod's processes),
+"lanes" (make_dataset's shard_lanes) and "global_batch"; a pod's step is marked committed by the test,
+once every host saved.
 
 Each process builds make_dataset(JsonlSource(source, cache=ShardCache(cache_dir, max_bytes)),
 shard_index=i, shard_count=P), restores the latest committed step (a step whose every process saved:
@@ -60,18 +63,23 @@ def _process(index: int, config: dict, barrier) -> None:
     return real(self, path, found, entry)
 
   _shard_cache.ShardCache._download = counted
-  count = config["processes"]
+  count = config.get("shard_count", config["processes"])
+  shard = config.get("shard_offset", 0) + index
   source = sources.JsonlSource(config["source"], cache=sources.ShardCache(config["cache_dir"], config["max_bytes"]))
   options = {"shuffle": "shards", "shuffle_window": config["window"]} if config["shuffle"] == "shards" else {}
-  dataset = ckpt_iter.make_dataset(source, batch_size=BATCH_SIZE, seed=SEED, num_epochs=1, shard_index=index,
+  if config.get("lanes"):
+    options["shard_lanes"] = config["lanes"]
+  batch_size = config.get("global_batch", BATCH_SIZE * count) // count
+  dataset = ckpt_iter.make_dataset(source, batch_size=batch_size, seed=SEED, num_epochs=1, shard_index=shard,
                                    shard_count=count, **options)
   iterator = ckpt_iter.DataIterator(dataset)
   open(os.path.join(out, f"built-{index}"), "w").close()
-  handler = checkpoint_lib.IteratorCheckpointHandler(index, count)
+  handler = checkpoint_lib.IteratorCheckpointHandler(shard, count)
   root = config["root"]
   latest = _latest_committed(root)
   if latest is not None:
-    handler.restore(os.path.join(root, str(latest), "data"), ckpt_iter.IteratorRestore(iterator))
+    handler.restore(os.path.join(root, str(latest), "data"),
+                    ckpt_iter.IteratorRestore(iterator, elastic="shard_count" in config))
   barrier.wait(300)
 
   def read(limit):
@@ -101,9 +109,11 @@ def _process(index: int, config: dict, barrier) -> None:
   os.makedirs(item, exist_ok=True)
   handler.save(item, ckpt_iter.IteratorSave(iterator))
   barrier.wait(300)
-  if index == 0:
+  if index == 0 and "shard_count" not in config:  # a pod's step is committed by the test, once every host saved
     open(os.path.join(root, str(step), "commit"), "w").close()
   _write(out, f"trained-{index}.json", {"from": latest, "step": step, "batches": trained})
+  if config["extra"] == 0:
+    return
   barrier.wait(300)
   discarded = read(config["extra"])
   _write(out, f"discarded-{index}.json", discarded)
