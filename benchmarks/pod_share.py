@@ -15,7 +15,8 @@ its processes' rows of every global batch of one epoch (global batch 64,
                 reads rows of every window.
   Mosaic        Mosaic Streaming on the same records as 48 MDS shards, each
                 simulated node a process of its own (RANK / WORLD_SIZE set,
-                num_canonical_nodes = nodes) with its own local cache,
+                num_canonical_nodes = nodes) with its own local cache and
+                its own /dev/shm (`unshare -m`, as root),
                 iterating its part of one epoch (benchmarks/_bucket_mosaic.py);
                 run where a Python that imports `streaming` is given
                 (--mosaic-python or CKPT_ITER_MOSAIC_PYTHON), noted as not
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -149,22 +151,34 @@ def mosaic_shards(python: str, work: str, files: list[bytes], prefix: str) -> tu
 
 
 def mosaic_pod(python: str, work: str, remote: str, corpus_bytes: int, hosts: int, emulator_url: str) -> dict | str:
-  """Mosaic Streaming's nodes, each a process of `python` (which imports streaming); or why not measured."""
-  per_host = []
+  """Mosaic Streaming's nodes, each a process of `python` (which imports streaming), all at once (its nodes
+  join one torch.distributed group); or why not measured."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  started, running = time.perf_counter(), []
   for node in range(hosts):
     local = os.path.join(work, f"mds-cache-{hosts}-{node}")
     env = _common.child_env(STORAGE_EMULATOR_HOST=emulator_url, RANK=str(node), WORLD_SIZE=str(hosts),
-                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(node))
-    started = time.perf_counter()
-    run = subprocess.run([python, _MOSAIC, "node", remote, local, str(hosts), str(GLOBAL_BATCH // hosts)],
-                         capture_output=True, text=True, env=env, check=False)
-    if run.returncode != 0:
-      return f"Mosaic Streaming node failed: {run.stderr.strip()[-800:]}"
-    figures = json.loads(run.stdout.strip().splitlines()[-1])
+                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port))
+    # Each node with a /dev/shm of its own, as on a host of its own (streaming names its shared memory per
+    # node: simulated nodes sharing one would take each other's).
+    private_shm = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"']
+    running.append((subprocess.Popen(private_shm + [python, _MOSAIC, "node", remote, local, str(hosts),
+                                                    str(GLOBAL_BATCH // hosts)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), local))
+  per_host, failed = [], None
+  for process, local in running:
+    out, err = process.communicate(timeout=900)
+    if process.returncode != 0:
+      failed = failed or f"Mosaic Streaming node failed: {err.strip()[-800:]}"
+      continue
+    figures = json.loads(out.strip().splitlines()[-1])
     figures["seconds"] = time.perf_counter() - started
     per_host.append(figures)
     shutil.rmtree(local, ignore_errors=True)
-  return summarize(per_host, corpus_bytes, hosts)
+  return failed or summarize(per_host, corpus_bytes, hosts)
 
 
 def main() -> None:

@@ -1311,6 +1311,8 @@ def _pod_share(rows: list[dict]) -> str:
                   "not measured" if mosaic is None else
                   f"{_fmt(mosaic['largest_vs_share'])} / {_fmt(mosaic['pod_vs_corpus'])}"])
   rows_read = next(iter(found.values()), {}).get("rows")
+  mosaic_rows = next((r["rows"] for name, r in found.items() if name.startswith("Mosaic")), None)
+  mosaic_read = "" if mosaic_rows is None else f"; Mosaic's {mosaic_rows:,} (it keeps the last batch)"
   return f"""## {TITLES['pod_share']}
 
 `benchmarks/pod_share.py` (issue 59, item 3). The tests' GCS emulator behind a proxy adding 20 ms a request;
@@ -1320,16 +1322,18 @@ other, each its rows of every global batch of one epoch (global batch 64, `shuff
 process a host), with `shard_lanes` = hosts. Bytes: the sizes of the objects each host's cache downloaded,
 against the corpus / hosts (1.00 is exactly a host's share). In brackets, in the same run: the same pipeline
 without `shard_lanes` (0.3.0's order: every host reads rows of every window). Mosaic Streaming: the same
-records as 48 MDS shards, each node a process with its own cache (`num_canonical_nodes` = nodes), its
-largest node and its pod on the same scale, where a Python importing `streaming` was given.
+records as 48 MDS shards, its nodes processes run at once (one torch.distributed group), each with its own
+cache and its own /dev/shm (`num_canonical_nodes` = nodes, batch 64 / nodes), in a venv of its own
+(mosaicml-streaming 0.13.0, torch 2.14.1: it cannot share the gcs extra's, docs/bucket.md); its largest node
+and its pod on the same scale, where a Python importing `streaming` was given.
 {notes}
 {_table(["hosts", "largest host / (corpus / hosts), lanes (none)", "mean host, lanes",
          "pod / corpus, lanes (none)", "requests a host, lanes (none)", "Mosaic: largest / pod"], table)}
 
 What is above 1.00 is the files a lane's share begins or ends inside, which both neighbouring hosts download:
-at most one file a host more than its share (1/12 of a share at 4 hosts, 1/6 at 8, here). Every pod read
-{rows_read:,} rows (64 x {rows_read // 64} batches; the epoch's last short batch dropped). That each host's rows
-are its lanes' and every record is read once is held by `tests/integration/test_pod_share.py`.
+at most one file a host more than its share (1/12 of a share at 4 hosts, 1/6 at 8, here). Every ckpt_iter pod
+read {rows_read:,} rows (64 x {rows_read // 64} batches; the epoch's last short batch dropped){mosaic_read}. That
+each host's rows are its lanes' and every record is read once is held by `tests/integration/test_pod_share.py`.
 
 {_checks(summary)}
 """
