@@ -366,7 +366,7 @@ def test_a_global_batch_change_inside_an_epoch_is_refused_naming_the_lanes_way()
     {_permutation.LANES_FIELD: 2**40, _permutation.LANE_ROWS_FIELD: 1},  # past the bound
     {_permutation.LANES_FIELD: "2", _permutation.LANE_ROWS_FIELD: 2},
 ])
-def test_malformed_lane_fields_are_refused_by_the_restore_and_the_data_map(fields):
+def test_malformed_lane_fields_are_refused_by_the_restore_verify_and_the_data_map(fields):
   saved = ckpt_iter.DataIterator(_pipeline(shard_lanes=2))
   next(saved)
   value = saved.state().to_dict()
@@ -374,5 +374,7 @@ def test_malformed_lane_fields_are_refused_by_the_restore_and_the_data_map(field
                           if k not in (_permutation.LANES_FIELD, _permutation.LANE_ROWS_FIELD)} | fields
   with pytest.raises(errors.InvalidStateError, match="shuffle_lanes"):
     ckpt_iter.DataIterator(_pipeline(shard_lanes=2)).restore_state(state_lib.IteratorState.from_dict(value))
+  with pytest.raises(errors.InvalidStateError, match="shuffle_lanes"):  # what `ckpt-iter verify` asks of a state
+    state_lib.input_stream_skips(state_lib.IteratorState.from_dict(value), origin="verify")
   with pytest.raises(errors.InvalidStateError, match="shuffle_lanes"):
     datamap.RecordStream(value["fingerprint"], value["position"])
