@@ -326,10 +326,11 @@ def check_stream_fields(fingerprint: Mapping[str, Any], position: Any, *, origin
   skips = skips_lib.Skips.from_text(fingerprint.get(skips_lib.SKIPS_FIELD), origin=origin)
   if isinstance(position, Mapping) and NEXT_RECORD in position:
     checked_record_position(fingerprint, position, origin=origin)
-  try:
-    _permutation.lane_fields(fingerprint)
-  except ValueError as e:
-    raise errors.InvalidStateError(f"{origin}: {e}. Restore it with the pipeline that wrote it.") from None
+  if _permutation.LANES_FIELD in fingerprint or _permutation.LANE_ROWS_FIELD in fingerprint:
+    try:
+      _permutation.lane_fields(fingerprint)
+    except ValueError as e:
+      raise errors.InvalidStateError(f"{origin}: {e}. Restore it with the pipeline that wrote it.") from None
   return skips
 
 
