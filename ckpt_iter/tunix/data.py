@@ -82,6 +82,7 @@ def create_dataset(
     shuffle: str = "global",
     shuffle_window: int | None = None,
     shard_size: int | None = None,
+    shard_lanes: int | None = None,
     **unknown: Any,
 ) -> grain.MapDataset:
   """The records of `source`, shuffled per epoch, as a Tunix data_module dataset.
@@ -106,9 +107,11 @@ def create_dataset(
     name: with source "hf": the dataset configuration.
     data_files: with source "hf": load_dataset's data_files.
     cache_dir: with source "hf": load_dataset's cache directory.
-    shuffle, shuffle_window, shard_size: make_dataset's: "shards" reads
-      whole shards (files, or blocks of shard_size records), shuffle_window
-      of them at a time (docs/datasets.md).
+    shuffle, shuffle_window, shard_size, shard_lanes: make_dataset's:
+      "shards" reads whole shards (files, or blocks of shard_size records),
+      shuffle_window of them at a time; shard_lanes (the process count, which
+      is this dataset's global batch) has each host read its share of the
+      shards (docs/datasets.md).
     **unknown: refused, with the accepted names (a YAML typo fails loudly).
 
   Returns:
@@ -123,7 +126,7 @@ def create_dataset(
     raise errors.InvalidArgumentError(
         f"data_config has unknown field(s) {sorted(unknown)}; create_dataset accepts "
         "source, seed, num_epochs, prompt_key, output_prompt_key, shard_index, shard_count, shuffle, "
-        f"shuffle_window, shard_size and, with source: {HF_SOURCE}, {', '.join(_HF_FIELDS)}."
+        f"shuffle_window, shard_size, shard_lanes and, with source: {HF_SOURCE}, {', '.join(_HF_FIELDS)}."
     )
   hf_arguments = {"path": path, "split": split, "name": name, "data_files": data_files, "cache_dir": cache_dir}
   if source == HF_SOURCE:
@@ -143,6 +146,6 @@ def create_dataset(
   batches = dataset_lib.make_dataset(
       source, batch_size=1, seed=seed, num_epochs=num_epochs,
       shard_index=shard_index, shard_count=shard_count,
-      shuffle=shuffle, shuffle_window=shuffle_window, shard_size=shard_size,
+      shuffle=shuffle, shuffle_window=shuffle_window, shard_size=shard_size, shard_lanes=shard_lanes,
   )
   return batches.map(_Record(prompt_key, output_prompt_key))

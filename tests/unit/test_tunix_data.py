@@ -50,6 +50,22 @@ def test_the_shard_shuffle_is_a_data_config_field(tmp_path):
     data.create_dataset(paths, seed=0, shard_size=2)
 
 
+def test_shard_lanes_is_a_data_config_field_each_process_reading_its_lane(tmp_path):
+  paths = []
+  for part in range(4):  # 4 files of 6 records; a record's question names its file
+    paths.append(str(tmp_path / f"part-{part}.jsonl"))
+    with open(paths[-1], "w") as f:
+      f.writelines(json.dumps({"question": f"f{part}-q{i}"}) + "\n" for i in range(6))
+  made = [data.create_dataset(paths, seed=0, prompt_key="question", shuffle="shards", shuffle_window=1,
+                              shard_lanes=2, shard_index=i, shard_count=2) for i in range(2)]
+  assert DataIterator(made[0]).state().fingerprint["shuffle_lanes"] == 2
+  # Each process reads its lane's share: two whole files of the four, and the two processes all four once.
+  read = [_questions(ds) for ds in made]
+  by_process = [sorted({q.split("-")[0] for q in questions}) for questions in read]
+  assert all(len(questions) == 12 for questions in read) and all(len(files) == 2 for files in by_process)
+  assert sorted(read[0] + read[1]) == sorted(f"f{p}-q{i}" for p in range(4) for i in range(6))
+
+
 def test_parquet_source(tmp_path):
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
