@@ -108,7 +108,8 @@ class _FilesThroughCache:
     nothing. A file already cached is marked as just used, so eviction spares it."""
     if self._cache is None or not file_indices:
       return
-    files = [(self._paths[i], self._identities[i]) for i in dict.fromkeys(i % len(self._paths) for i in file_indices)]
+    files = [(self._paths[i], self._identities[i]) for i in dict.fromkeys(i % len(self._paths) for i in file_indices)
+             if not self._is_open(i % len(self._paths))]  # open here: in use, so no eviction takes it
     for path, found in files:
       if self._cache.has(path, found):
         self._cache.touch(path, found)
@@ -122,12 +123,18 @@ class _FilesThroughCache:
     """Each file's size and version as read when built through a cache; None without one."""
     return list(self._identities) if self._cache is not None else None
 
+  def _is_open(self, file_index: int) -> bool:
+    """Whether this process holds file `file_index`'s copy open (a source that keeps copies open says)."""
+    del file_index
+    return False
+
   def _entering(self, file_index: int) -> None:
-    """A read of file `file_index` by this thread: entering it, the next files are downloaded ahead."""
+    """A read of file `file_index` by this thread: entering a file not open here, the next files are
+    downloaded ahead (a shuffled read hops between open files at every record: no prefetch then)."""
     if getattr(self._local, "file", None) == file_index:
       return
     self._local.file = file_index
-    if self.prefetch_files and not self._planned:
+    if self.prefetch_files and not self._planned and not self._is_open(file_index):
       self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
 
 
@@ -371,6 +378,9 @@ class ArrayRecordSource(_FilesThroughCache):
     if self._cache is not None:
       self._copies.close_idle(keep)
 
+  def _is_open(self, file_index: int) -> bool:
+    return self._cache is not None and self._copies.is_open(file_index)
+
   def file_position(self, index: int) -> tuple[str, str]:
     """(file, "record N") of record `index` (records of the file, from 0)."""
     file_index, record = _source_files.locate(self.file_offsets(), index, len(self))
@@ -503,6 +513,10 @@ class _OpenReaders:
     if closed:
       self.cache.make_room(0)
     return entry
+
+  def is_open(self, file_index: int) -> bool:
+    """Whether this process has file `file_index`'s reader open."""
+    return self._pid == os.getpid() and file_index in self._open
 
   def close_idle(self, keep: Sequence[int]) -> None:
     if self._pid != os.getpid():
