@@ -21,6 +21,11 @@ corpus, and the store's requests by kind (the emulator's log):
   ArrayRecord         `ArrayRecordSource(glob, cache=...)`: the footers only, read by
                       array_record's own reader (its requests bypass the emulator's
                       log of gcsfs's: counted by the proxy).
+  Mosaic Streaming    the same records as 48 MDS shards: `StreamingDataset(remote,
+                      local)` built on an empty local directory (its index.json),
+                      and again on the same directory (a restart), where
+                      `streaming` imports (benchmarks/_bucket_mosaic.py); the
+                      bytes are its local directory's.
 
 Run against an older checkout (PYTHONPATH=that checkout) it measures the same
 cases that exist there; the index cases are left out where `ckpt-iter index`
@@ -41,6 +46,7 @@ import sys
 import tempfile
 import time
 
+import _bucket_mosaic
 import _common
 
 sys.path.insert(0, os.path.join(_common.REPO_DIR, "tests"))
@@ -104,6 +110,43 @@ def build(emulator, proxy, make, cache_dir: str, corpus_bytes: int) -> dict:
           **{f"{kind}_requests": n for kind, n in kinds.items() if n}}
 
 
+def parts_lines(parts: list[list[dict]]) -> list[bytes]:
+  return [json.dumps(r).encode() for records in parts for r in records]
+
+
+def mosaic_cases(proxy, lines: list[bytes], prefix: str, work: str, jsonl_bytes: int, files: int,
+                 report: _common.Reporter) -> dict[str, dict]:
+  """Mosaic Streaming's first build and restart on the same records as `files` MDS shards; {} where it does
+  not import."""
+  missing = _bucket_mosaic.available()
+  if missing is not None:
+    report.note(f"Mosaic Streaming not measured: {missing}")
+    return {}
+  import streaming  # pylint: disable=g-import-not-at-top
+  from streaming.base import util  # pylint: disable=g-import-not-at-top
+  from streaming.base.storage import download  # pylint: disable=g-import-not-at-top
+
+  download.GCSDownloader._create_gcs_client = _bucket_mosaic._anonymous_client  # pylint: disable=protected-access
+  written = os.path.join(work, "mds")
+  remote = f"{prefix}/mds"
+  for name in _bucket_mosaic.write_shards(lines, written, max(1, jsonl_bytes // files)):
+    with open(os.path.join(written, name), "rb") as f:
+      _storage.write_bytes(f"{remote}/{name}", f.read())
+  local = os.path.join(work, "mds_host")
+  found = {}
+  for name in ("Mosaic Streaming, new host", "Mosaic Streaming, warm"):
+    util.clean_stale_shared_memory()
+    count = proxy.count
+    started = time.perf_counter()
+    dataset = streaming.StreamingDataset(remote=remote, local=local, shuffle=True, shuffle_seed=7, batch_size=32)
+    seconds = time.perf_counter() - started
+    held = sum(os.path.getsize(os.path.join(local, n)) for n in os.listdir(local))
+    found[name] = {"records": len(dataset), "seconds": _common.rounded(seconds), "bytes": held,
+                   "share_of_corpus": _common.rounded(held / jsonl_bytes), "requests": proxy.count - count}
+    del dataset
+  return found
+
+
 def main() -> None:
   args = _common.parse_args(__doc__.splitlines()[0])
   report = _common.Reporter("corpus_start", args.quick)
@@ -148,6 +191,8 @@ def main() -> None:
                                host("parquet"), parquet_bytes)
       cases["ArrayRecord"] = build(emulator, proxy, lambda c: sources.ArrayRecordSource(array_record, cache=c),
                                    host("array_record"), array_record_bytes)
+      cases.update(mosaic_cases(proxy, parts_lines(corpus(files)), f"gs://{gcs_emulator.BUCKET}/start-{os.getpid()}",
+                                work, jsonl_bytes, files, report))
       for name, figures in cases.items():
         report.measurement(name=name, value=figures["seconds"], unit="s", **figures)
       proxy.stop()
