@@ -16,11 +16,8 @@ which opens gs:// itself; the paths a file source takes are `_source_files`'.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -29,9 +26,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ckpt_iter import _cached_files
 from ckpt_iter import _compression
 from ckpt_iter import _hf
-from ckpt_iter import store_bounds
 from ckpt_iter import _shard_cache
 from ckpt_iter import _source_files
 from ckpt_iter import _storage
@@ -74,71 +71,7 @@ class SourceIdentity:
   digest: str
 
 
-class _FilesThroughCache:
-  """What a source read a file at a time through a ShardCache (Parquet, ArrayRecord) gives make_dataset's
-  plan: prefetch by file index on entering a file, or by the plan once it says so (`_plan_prefetch`).
-
-  The subclass sets `_paths`, `_identities` (with a cache), `_cache`, `_prefetch_files`, `_planned`
-  and a thread-local `_local`. (JsonlSource has its own: its copies carry their line indexes.)
-  """
-
-  _paths: list[str]
-  _identities: list[_storage.Identity]
-  _cache: _shard_cache.ShardCache | None
-  _prefetch_files: int
-  _planned: bool
-  _local: threading.local
-
-  @property
-  def cache(self) -> _shard_cache.ShardCache | None:
-    """The `ShardCache` the files are read through, or None."""
-    return self._cache
-
-  @property
-  def prefetch_files(self) -> int:
-    """How many files ahead a cached source downloads (0: no prefetch, by file index or by plan)."""
-    return self._prefetch_files if self._cache is not None else 0
-
-  def follow_plan(self) -> None:
-    """Stops prefetching the next files by index: make_dataset(shuffle="shards")'s plan names them."""
-    self._planned = True
-
-  def prefetch(self, file_indices: Sequence[int]) -> None:
-    """Downloads these files (indices into `paths`, modulo their count) in the background; with no cache,
-    nothing. A file already cached is marked as just used, so eviction spares it."""
-    if self._cache is None or not file_indices:
-      return
-    files = [(self._paths[i], self._identities[i]) for i in dict.fromkeys(i % len(self._paths) for i in file_indices)
-             if not self._is_open(i % len(self._paths))]  # open here: in use, so no eviction takes it
-    for path, found in files:
-      if self._cache.has(path, found):
-        self._cache.touch(path, found)
-    self._cache.prefetch([(path, found) for path, found in files if not self._cache.has(path, found)])
-
-  def cached_bytes(self) -> list[int]:
-    """What each file takes in the cache: its copy."""
-    return [found.size for found in self._identities]
-
-  def identities(self) -> list[_storage.Identity] | None:
-    """Each file's size and version as read when built through a cache; None without one."""
-    return list(self._identities) if self._cache is not None else None
-
-  def _is_open(self, file_index: int) -> bool:
-    """Whether this process holds file `file_index`'s copy open (a source that keeps copies open says)."""
-    del file_index
-    return False
-
-  def _entering(self, file_index: int) -> None:
-    """A read of file `file_index` by this thread: entering a file not open here, the next files are
-    downloaded ahead (a shuffled read hops between open files at every record: no prefetch then)."""
-    if getattr(self._local, "file", None) == file_index:
-      return
-    self._local.file = file_index
-    if self.prefetch_files and not self._planned and not self._is_open(file_index):
-      self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
-
-
-class ParquetSource(_FilesThroughCache, _source_files.FileReader):
+class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
   """Records of one or more Parquet files, decoded one row group at a time.
 
   Shuffled access decodes a whole row group per record it misses in the
@@ -174,7 +107,7 @@ class ParquetSource(_FilesThroughCache, _source_files.FileReader):
     else:
       # On an object store each file's generation now: every later read is of it.
       self._generations = [_storage.pinned_generation(p) for p in self._paths]
-    group_rows = _footers(pq, self._paths, self._generations,
+    group_rows = _cached_files.footers(pq, self._paths, self._generations,
                           list(self._identities) if cache is not None else [None] * len(self._paths))
     # (file, group) pairs in order, with the global index of each group's first row.
     self._groups = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
@@ -199,7 +132,7 @@ class ParquetSource(_FilesThroughCache, _source_files.FileReader):
   def _read_group(self, file_index: int, group_index: int) -> Any:
     pq = _import_pyarrow_parquet()
     if self._cache is None:
-      with _parquet_file(pq, self._paths[file_index], self._generations[file_index]) as parquet:
+      with _cached_files.parquet_file(pq, self._paths[file_index], self._generations[file_index]) as parquet:
         return parquet.read_row_group(group_index)
     self._entering(file_index)
     path, found = self._paths[file_index], self._identities[file_index]
@@ -232,77 +165,7 @@ class ParquetSource(_FilesThroughCache, _source_files.FileReader):
     return self._paths[file_index], f"row {row + self._group_offsets[group] - self._group_offsets[first_group]}"
 
 
-def _footers(pq: Any, paths: list[str], generations: list[str | None],
-             identities: list[_storage.Identity | None]) -> list[list[int]]:
-  """Each Parquet file's row-group sizes, from its footer (in parallel on an object store)."""
-  def footer(path: str, generation: str | None, found: _storage.Identity | None) -> list[int]:
-    # Read once more if it does not parse (bytes a transfer altered: a footer's ranged read has no
-    # checksum to compare; what it says is checked again against the checked copy at its first read).
-    for attempt in range(2):
-      try:
-        if found is not None and _storage.is_url(path):  # its identity known: ranged GETs of the tail only
-          metadata = pq.ParquetFile(_RangedFile(_storage.RangeReader(path, found), found.size)).metadata
-        else:
-          with _parquet_file(pq, path, generation) as parquet:
-            metadata = parquet.metadata
-        return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-      except (OSError, ValueError) as e:
-        if isinstance(e, (FileNotFoundError, errors.CkptIterError)):
-          raise
-        if attempt:
-          raise errors.InvalidStateError(
-              f"{path}: its Parquet footer cannot be read twice over ({e}): not a Parquet file, or a "
-              "truncated one. Check the file (pyarrow.parquet.read_metadata), or leave it out.") from None
-    raise AssertionError("unreachable")
-
-  if len(paths) <= 1 or not any(_storage.is_url(p) for p in paths):
-    return [footer(p, g, found) for p, g, found in zip(paths, generations, identities)]
-  from concurrent import futures  # pylint: disable=g-import-not-at-top
-
-  with futures.ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
-    return list(pool.map(footer, paths, generations, identities))
-
-
-class _RangedFile(io.RawIOBase):
-  """A read-only file of known size over an object's ranged GETs (`_storage.RangeReader`: pinned, bounded,
-  typed): what pyarrow reads a footer through, with no metadata request to open it (gcsfs asks one)."""
-
-  def __init__(self, reader: _storage.RangeReader, size: int):
-    super().__init__()
-    self._reader, self._size, self._at = reader, size, 0
-
-  def readable(self) -> bool:
-    return True
-
-  def seekable(self) -> bool:
-    return True
-
-  def tell(self) -> int:
-    return self._at
-
-  def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-    self._at = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence] + offset
-    return self._at
-
-  def readinto(self, buffer: Any) -> int:
-    end = min(self._size, self._at + len(buffer))
-    data = self._reader.read(self._at, end) if end > self._at else b""
-    buffer[:len(data)] = data
-    self._at += len(data)
-    return len(data)
-
-
-@contextlib.contextmanager
-def _parquet_file(pq: Any, path: str, generation: str | None = None) -> Any:
-  """A pyarrow ParquetFile of a local path (read natively) or a URL (through `_storage`)."""
-  if not _storage.is_url(path):
-    yield pq.ParquetFile(path)
-    return
-  with _storage.open_read(path, generation) as f:
-    yield pq.ParquetFile(f)
-
-
-class ArrayRecordSource(_FilesThroughCache):
+class ArrayRecordSource(_cached_files.FilesThroughCache):
   """Records of ArrayRecord files whose records are UTF-8 JSON objects.
 
   Args:
@@ -333,7 +196,7 @@ class ArrayRecordSource(_FilesThroughCache):
     try:
       if cache is not None:
         self._identities = _storage.identities(self._paths, listed=getattr(paths, "listed", None))
-        self._copies = _OpenReaders(cache, self._paths, self._identities, max(1, int(max_open_files)))
+        self._copies = _cached_files.OpenReaders(cache, self._paths, self._identities, max(1, int(max_open_files)))
         counts = self._copies.counts()
         self._offsets = np.cumsum([0] + counts).tolist()
         self._source = None
@@ -389,150 +252,11 @@ class ArrayRecordSource(_FilesThroughCache):
   def file_offsets(self) -> list[int]:
     """The global index of each file's first record, and the total (each file's length read once)."""
     if self._offsets is None:
-      self._offsets = np.cumsum([0] + _record_counts(self._read_paths)).tolist()
+      self._offsets = np.cumsum([0] + _cached_files.record_counts(self._read_paths)).tolist()
     return list(self._offsets)
 
   def __repr__(self) -> str:
     return f"ArrayRecordSource({len(self._paths)} files, {len(self)} records)"
-
-
-def _record_counts(paths: list[str]) -> list[int]:
-  """Each ArrayRecord file's record count, from its footer (array_record's reader; in parallel on a store)."""
-  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-
-  def count(path: str) -> int:
-    reader = array_record_module.ArrayRecordReader(path, _RANDOM_ACCESS)
-    try:
-      return int(reader.num_records())
-    finally:
-      reader.close()
-
-  if not any(_storage.is_url(p) for p in paths):
-    return [count(p) for p in paths]
-  from concurrent import futures  # pylint: disable=g-import-not-at-top
-
-  # array_record's reader takes no timeout of ours: the wait is bounded here (one operation's bound for
-  # the lot, as they run in parallel); past it, futures.TimeoutError, and the copies are counted instead.
-  pool = futures.ThreadPoolExecutor(max_workers=min(16, len(paths)))
-  try:
-    return list(pool.map(count, paths, timeout=store_bounds.object_store_bounds().operation_seconds))
-  finally:
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
-_RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"
-
-
-class _OpenReaders:
-  """This process's open ArrayRecord readers of a source's copies in a ShardCache, least recently used first.
-
-  A copy is held (its descriptor open: a shared flock, in use) while its
-  reader is open; past `max_open` the idle ones are closed, so the cache may
-  evict them. Picklable: a Grain worker opens its own.
-  """
-
-  def __init__(self, cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity],
-               max_open: int):
-    self.cache, self.paths, self.identities, self.max_open = cache, paths, identities, max_open
-    self._init_local()
-
-  def _init_local(self) -> None:
-    self._open: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()  # index -> [fd, reader, readers]
-    self._lock = threading.Lock()
-    self._pid = os.getpid()
-
-  def __getstate__(self) -> dict[str, Any]:
-    return {"cache": self.cache, "paths": self.paths, "identities": self.identities, "max_open": self.max_open}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state)
-    self._init_local()
-
-  def counts(self) -> list[int]:
-    """Each file's record count: from its footer where it is (array_record's own reader, in parallel), else,
-    where that reader cannot open the store's files, from the file's copy, downloaded for it."""
-    try:
-      return _record_counts(self.paths)
-    except Exception as e:  # pylint: disable=broad-except  (its reader raises bare RuntimeErrors; or timed out)
-      _log.info("counting ArrayRecord records where they are failed (%s): counting the copies instead", e)
-    found = []
-    for path, identity in zip(self.paths, self.identities):
-      fd = self.cache.open(path, identity)
-      try:
-        found.append(_record_counts([self.cache.entry_path(path, identity)])[0])
-      finally:
-        os.close(fd)
-    return found
-
-  def read(self, file_index: int, position: int, expected: int) -> bytes:
-    """Record `position` of file `file_index`, whose copy must hold `expected` records."""
-    entry = self._acquire(file_index, expected)
-    try:
-      return entry[1].read([position])[0]
-    finally:
-      with self._lock:
-        entry[2] -= 1
-
-  def _acquire(self, file_index: int, expected: int) -> list[Any]:
-    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-
-    if self._pid != os.getpid():  # a forked worker: its own descriptors
-      self._init_local()
-    with self._lock:
-      entry = self._open.get(file_index)
-      if entry is not None:
-        self._open.move_to_end(file_index)
-        entry[2] += 1
-        return entry
-    path, found = self.paths[file_index], self.identities[file_index]
-    fd = self.cache.open(path, found)
-    try:
-      reader = array_record_module.ArrayRecordReader(self.cache.entry_path(path, found), _RANDOM_ACCESS)
-      if reader.num_records() != expected:
-        raise errors.InvalidStateError(
-            f"{path}: its copy in the shard cache {self.cache.directory} holds {reader.num_records():,} records, "
-            f"its footer when this source was built {expected:,}. Build the source again (make_dataset).")
-    except BaseException:
-      os.close(fd)
-      raise
-    closed = False
-    with self._lock:
-      entry = self._open.get(file_index)
-      if entry is not None:  # another thread opened it meanwhile
-        reader.close()
-        os.close(fd)
-      else:
-        entry = self._open[file_index] = [fd, reader, 0]
-        for other in [i for i, e in self._open.items() if e[2] == 0 and i != file_index]:
-          if len(self._open) <= self.max_open:
-            break
-          self.cache.touch(self.paths[other], self.identities[other])  # its last use, for eviction
-          self._close(self._open.pop(other))
-          closed = True
-      entry[2] += 1
-    if closed:
-      self.cache.make_room(0)
-    return entry
-
-  def is_open(self, file_index: int) -> bool:
-    """Whether this process has file `file_index`'s reader open."""
-    return self._pid == os.getpid() and file_index in self._open
-
-  def close_idle(self, keep: Sequence[int]) -> None:
-    if self._pid != os.getpid():
-      return
-    kept = set(keep)
-    with self._lock:
-      closing = [i for i, e in self._open.items() if e[2] == 0 and i not in kept]
-      for i in closing:
-        self._close(self._open.pop(i))
-    if closing:
-      self.cache.make_room(0)
-
-  @staticmethod
-  def _close(entry: list[Any]) -> None:
-    entry[1].close()
-    os.close(entry[0])
 
 
 class HuggingFaceSource:
