@@ -158,7 +158,9 @@ def main() -> None:
       proxy = fault_proxy.FaultProxy(emulator.url, delay_seconds=DELAY_SECONDS).start()
       os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
       os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = proxy.url  # array_record's own reader
-      written = upload(f"gs://{gcs_emulator.BUCKET}/start-{os.getpid()}", corpus(files), work)
+      parts = corpus(files)
+      prefix = f"gs://{gcs_emulator.BUCKET}/start-{os.getpid()}"
+      written = upload(prefix, parts, work)
       (jsonl, jsonl_bytes), (parquet, parquet_bytes) = written["jsonl"], written["parquet"]
       array_record, array_record_bytes = written["array_record"]
       paths = sorted(_storage.glob(jsonl))
@@ -191,8 +193,7 @@ def main() -> None:
                                host("parquet"), parquet_bytes)
       cases["ArrayRecord"] = build(emulator, proxy, lambda c: sources.ArrayRecordSource(array_record, cache=c),
                                    host("array_record"), array_record_bytes)
-      cases.update(mosaic_cases(proxy, parts_lines(corpus(files)), f"gs://{gcs_emulator.BUCKET}/start-{os.getpid()}",
-                                work, jsonl_bytes, files, report))
+      cases.update(mosaic_cases(proxy, parts_lines(parts), prefix, work, jsonl_bytes, files, report))
       for name, figures in cases.items():
         report.measurement(name=name, value=figures["seconds"], unit="s", **figures)
       proxy.stop()

@@ -168,7 +168,9 @@ def make_dataset(
   lanes = _check_shard_lanes(shard_lanes, shuffle, batch_size * shard_count, shard_count, weights=weights,
                              filtered=filter is not None or pack is not None)
   named = _resolve_sources(source, weights)
-  _warn_if_the_cache_is_too_small(named, shuffle, seed, shuffle_window, shard_size)
+  lanes_read = 1 if lanes == 1 else _lanes_per_process(lanes, batch_size * shard_count // lanes, batch_size,
+                                                       shard_count)
+  _warn_if_the_cache_is_too_small(named, shuffle, seed, shuffle_window, shard_size, lanes_read)
   if weights is None:
     (_, (records, identity)), = named.items()
     order = _shard_order(shuffle, records, identity, shard_size, shuffle_window, seed,
@@ -214,12 +216,11 @@ def make_dataset(
         f"Use a global batch of at most {spec.source.length} records, or drop_remainder=False (one short "
         "batch per epoch).")
   if lanes > 1 and lanes % shard_count:
-    touched = _lanes_per_process(lanes, spec.global_batch_size // lanes, batch_size, shard_count)
     _log.warning(
         "make_dataset: shard_lanes=%d with %d processes (not a divisor of it): a process reads rows of up to "
         "%d lanes, so its host downloads up to %d/%d of the corpus an epoch, not 1/%d; the order is the same "
         "(exact). A process count dividing %d keeps each host to its share.",
-        lanes, shard_count, touched, touched, lanes, shard_count, lanes)
+        lanes, shard_count, lanes_read, lanes_read, lanes, shard_count, lanes)
   if len(spec.initial_plan()) == 0:
     raise errors.InvalidArgumentError(
         f"source has {_describe_length(spec)} records, fewer than one global batch of "
@@ -238,12 +239,13 @@ _short = state_lib.short_repr
 
 
 def _warn_if_the_cache_is_too_small(named: Mapping[str, tuple[Any, Any]], shuffle: str, seed: int | None,
-                                    shuffle_window: int | None, shard_size: int | None) -> None:
+                                    shuffle_window: int | None, shard_size: int | None, lanes_read: int = 1) -> None:
   """Warns at build when a shard cache cannot hold what the reading order needs at once.
 
   A global shuffle (seed set) hops between every file, so it needs them all;
-  shuffle="shards" over files needs two windows (the one read and the one
-  prefetched: the largest 2 x shuffle_window files bound it). Exact either
+  shuffle="shards" over files needs two windows of each lane the process reads
+  (the one read and the one prefetched: the largest 2 x shuffle_window x
+  lanes_read files bound it). Exact either
   way, but below that files are evicted and downloaded again over and over
   (measured: 1.5 downloads a record under a global shuffle, slower than
   reading in place). The warning names the size that holds what is needed.
@@ -258,7 +260,7 @@ def _warn_if_the_cache_is_too_small(named: Mapping[str, tuple[Any, Any]], shuffl
       continue  # read in place, or a source of its own that cannot say what it holds
     sizes = sorted(records.cached_bytes(), reverse=True)
     entry = needed.setdefault(id(cache), [cache, 0])
-    entry[1] += sum(sizes) if shuffle == _permutation.GLOBAL else sum(sizes[:2 * window])
+    entry[1] += sum(sizes) if shuffle == _permutation.GLOBAL else sum(sizes[:2 * window * lanes_read])
   for cache, total in needed.values():
     if total <= cache.max_bytes:
       continue
@@ -272,10 +274,10 @@ def _warn_if_the_cache_is_too_small(named: Mapping[str, tuple[Any, Any]], shuffl
     else:
       _log.warning(
           "make_dataset: shuffle=\"shards\" with shuffle_window=%d reads a window of files while it "
-          "prefetches the next: up to %s bytes with their line indexes, more than %r holds. Files will be "
-          "evicted before they are read and downloaded again (exact, but slower). Give the cache "
-          "max_bytes=%d or more, or a smaller shuffle_window (%s).",
-          window, f"{total:,}", cache, total, _urls.doc_url("bucket.md"))
+          "prefetches the next, in each of the %d lane(s) this process reads: up to %s bytes with their line "
+          "indexes, more than %r holds. Files will be evicted before they are read and downloaded again "
+          "(exact, but slower). Give the cache max_bytes=%d or more, or a smaller shuffle_window (%s).",
+          window, lanes_read, f"{total:,}", cache, total, _urls.doc_url("bucket.md"))
 
 
 def with_skip(dataset: Any, skip: Any) -> Any:

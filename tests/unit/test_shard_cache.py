@@ -453,6 +453,16 @@ def test_a_shard_shuffle_through_a_cache_below_two_windows_warns_at_build(tmp_pa
   with caplog.at_level("WARNING", logger="ckpt_iter"):
     ckpt_iter.make_dataset(enough, batch_size=4, seed=0, shuffle="shards", shuffle_window=2)
   assert "make_dataset" not in caplog.text
+  # One process reading two shard lanes reads a window in each, each prefetching its next: twice the bytes.
+  window_of_one = sum(sorted(probe.cached_bytes(), reverse=True)[:2])
+  one_lane = sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "one_lane", window_of_one))
+  for lanes, count, warned in ((2, 2, False), (2, 1, True)):
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ckpt_iter"):
+      ckpt_iter.make_dataset(one_lane, batch_size=4 // count, seed=0, shuffle="shards", shuffle_window=1,
+                             shard_lanes=lanes, shard_index=0, shard_count=count)
+    assert ("in each of the 2 lane(s) this process reads" in caplog.text) == warned, caplog.text
+  assert f"max_bytes={two_windows} or more" in caplog.text
 
 
 def _corpus_of(tmp_path, kind):
