@@ -32,58 +32,79 @@ def plain_suffix(path: str) -> str:
   return os.path.splitext(stem)[1]
 
 
+# Decompression is fed in bounded steps, so memory follows these, never the file's compression ratio:
+# deflate expands a byte to at most 1,032, so a gzip step of 16 KiB yields 16.5 MiB of text at most; a
+# zstd block holds at most 128 KiB of text in as few as 4 bytes (one RLE block), so a 1 KiB step yields
+# 32 MiB at most. What follows a member or frame's end in a step is at most a step too.
+_INPUT_STEP = {"gzip": 16 * 2**10, "zstd": 2**10}
+
+
 class DecompressingWriter:
-  """A writable that decompresses what it is given into `out` (`write`, then `finish`).
+  """A writable that decompresses what it is given into `out` (`write`, then `finish`), in bounded steps.
 
   gzip: every member of a multi-member file (as `cat a.gz b.gz` makes);
-  zstd: every frame. Raises ValueError on data that is not of its kind.
+  zstd: every frame. Each member or frame must end: a file cut short
+  (a writer killed mid-file) is refused at `finish`, never read as fewer
+  records. Memory stays bounded whatever the ratio (a few MiB of text
+  per step, written to `out` as it comes).
+
+  Data that is not of its kind does not raise at once: the rest is taken
+  and dropped, and `finish` raises. So a download's own checksum, compared
+  when the last byte arrived, speaks first: bytes damaged in transit are
+  the store's "corrupt" (retried), not a damaged file.
   """
 
   def __init__(self, out: Any, kind: str):
     self._out, self.kind = out, kind
-    self._member_started = False
-    if kind == "gzip":
-      self._gzip = zlib.decompressobj(wbits=31)
-    elif kind == "zstd":
+    self._started = False  # inside a member or frame that has not ended
+    self._error: str | None = None  # what the decompressor said of bad data; raised by `finish`
+    if kind == "zstd":
       try:
         import zstandard  # pylint: disable=g-import-not-at-top
       except ImportError:
         raise ImportError(
             "reading .zst files needs the zstandard package: pip install 'ckpt_iter[files]' (or zstandard)"
         ) from None
-      self._zstd = zstandard.ZstdDecompressor().decompressobj(read_across_frames=True)
+      self._bad_data: tuple[type[BaseException], ...] = (zstandard.ZstdError,)
+      self._new_unit = lambda: zstandard.ZstdDecompressor().decompressobj()
+    elif kind == "gzip":
+      self._bad_data = (zlib.error,)
+      self._new_unit = lambda: zlib.decompressobj(wbits=31)
     else:
       raise ValueError(f"unknown compression {kind!r}")
+    self._unit = self._new_unit()
+    self._step = _INPUT_STEP[kind]
 
   def write(self, data: Any) -> int:
-    try:
-      return self._write(bytes(data))
-    except zlib.error as e:
-      raise ValueError(f"not gzip data ({e})") from None
-    except Exception as e:  # pylint: disable=broad-except
-      if type(e).__name__ == "ZstdError":
-        raise ValueError(f"not zstd data ({e})") from None
-      raise
+    view = memoryview(data).cast("B")
+    if self._error is None:
+      try:
+        for start in range(0, len(view), self._step):
+          self._decompress(view[start:start + self._step])
+      except self._bad_data as e:
+        self._error = f"not {self.kind} data ({e})"
+    return len(view)
 
-  def _write(self, data: bytes) -> int:
-    count = len(data)
-    if self.kind == "gzip":
-      while data:
-        self._member_started = True
-        self._out.write(self._gzip.decompress(data))
-        if not self._gzip.eof:
-          break
-        data = self._gzip.unused_data  # the next member
-        self._gzip, self._member_started = zlib.decompressobj(wbits=31), False
-    else:
-      self._out.write(self._zstd.decompress(data))
-    return count
+  def _decompress(self, piece: Any) -> None:
+    while len(piece):
+      self._started = True
+      self._out.write(self._unit.decompress(piece))
+      if not self._unit.eof:
+        return
+      piece = self._unit.unused_data  # a member or frame ended: what follows starts the next
+      self._unit, self._started = self._new_unit(), False
 
   def finish(self) -> None:
-    """Ends the stream: a truncated one raises ValueError."""
+    """Ends the stream.
+
+    Raises:
+      ValueError: the data was not of its kind, or ends inside a member or
+        frame (a truncated file).
+    """
+    if self._error is not None:
+      raise ValueError(self._error)
     if self.kind == "gzip":
-      self._out.write(self._gzip.flush())
-      if self._member_started and not self._gzip.eof:
-        raise ValueError("the gzip stream ends inside a member (a truncated file)")
-    else:
-      self._out.write(self._zstd.flush())
+      self._out.write(self._unit.flush())
+    if self._started and not self._unit.eof:
+      unit = "member" if self.kind == "gzip" else "frame"
+      raise ValueError(f"the {self.kind} stream ends inside a {unit} (a truncated file)")

@@ -55,7 +55,7 @@ def write(paths: Sequence[str], identities: Sequence[_storage.Identity], counts:
     body = json.dumps(files, sort_keys=True, separators=(",", ":"))
     text = json.dumps({"kind": KIND, "format": FORMAT, "crc32": zlib.crc32(body.encode()), "files": files},
                       sort_keys=True, separators=(",", ":"))
-    _storage.write_bytes(location(directory), text.encode())
+    _storage.replace_bytes(location(directory), text.encode())  # a build reading it meanwhile sees one whole
     written.append(location(directory))
   return written
 
@@ -83,7 +83,7 @@ def counts(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> lis
       raise errors.InvalidStateError(
           f"{path}: {location(directory)} counted it at size {entry['size']:,}, version {entry['version']}; "
           f"it is now size {identity.size:,}, version {identity.version}: the file changed since it was "
-          f"indexed. Index the corpus again (ckpt-iter index {directory}), or delete {INDEX_NAME} to count "
+          f"indexed. Index the corpus again ({command(directory)}), or delete {INDEX_NAME} to count "
           "each file by downloading it.")
     found.append(entry["records"])
   return found
@@ -111,11 +111,32 @@ def read(directory: str) -> dict[str, dict[str, Any]] | None:
           or not all(type(entry[k]) is int and 0 <= entry[k] < _MAX_RECORDS for k in ("size", "records"))
           or not isinstance(entry["version"], str) or not name or "/" in name):
         raise ValueError(f"entry {name!r} is not {{size, version, records}}")
+  except RecursionError:
+    raise errors.InvalidStateError(
+        f"{path}: not a ckpt_iter corpus index (nested deeper than Python's parser goes): garbled or edited. "
+        f"Index the corpus again ({command(directory)}), or delete it to count each file by downloading "
+        "it.") from None
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise errors.InvalidStateError(
         f"{path}: not a ckpt_iter corpus index ({e}): garbled or edited. Index the corpus again "
-        f"(ckpt-iter index {directory}), or delete it to count each file by downloading it.") from None
+        f"({command(directory)}), or delete it to count each file by downloading it.") from None
   return files
+
+
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+
+
+def files_in(path: str) -> list[str] | None:
+  """The JSONL files of directory `path`, sorted (one listing); None when `path` is not a directory."""
+  if _storage.has_magic(path) or not _storage.is_dir(path):
+    return None
+  return sorted(f"{path.rstrip('/')}/{name}" for name, is_directory in _storage.list_entries(path)
+                if not is_directory and name.endswith(_JSONL_SUFFIXES))
+
+
+def command(directory: str) -> str:
+  """The command that indexes the JSONL files of `directory` again (all of them: an index is per directory)."""
+  return f"ckpt-iter index {directory.rstrip('/')}"
 
 
 def _split(path: str) -> tuple[str, str]:

@@ -15,17 +15,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
 import threading
-import zlib
 from typing import Any, Sequence
 
 import numpy as np
 
-from ckpt_iter import _checksums
 from ckpt_iter import _compression
 from ckpt_iter import _corpus_index
 from ckpt_iter import _shard_cache
@@ -205,8 +202,7 @@ class JsonlSource(_source_files.FileReader):
     missing = []
     for i in wanted:
       path, found = self._paths[i], self._identities[i]
-      entry = self._cache.entry_path(path, found)
-      if self._cache.has(path, found) and os.path.exists(entry + ".index.npy"):
+      if self._cache.has(path, found) and os.path.exists(self._cache.index_path(path, found)):
         self._cache.touch(path, found)
       else:
         missing.append((path, found))
@@ -254,16 +250,32 @@ class JsonlSource(_source_files.FileReader):
       for i, count in zip(missing, indexed):
         counts[i] = count
       self._indexed = {self._paths[i] for i, count in zip(missing, indexed) if count is not None}
-      missing = [i for i, c in enumerate(counts) if c is None]
+    # A file counted 0 is never opened, so no read would check its count again: one with bytes is
+    # counted from its copy here (a file of blank lines only is rare; its copy is then read at builds).
+    zeros = {i for i, c in enumerate(counts) if c == 0 and self._identities[i].size > 0}
+    missing = [i for i, c in enumerate(counts) if c is None or i in zeros]
     if len(missing) > 1:
       cache.prefetch([(self._paths[i], self._identities[i]) for i in missing], then=self._prepare_index)
       cache.wait()
     for i in missing:
-      counts[i] = cache.read_count(self._paths[i], self._identities[i])
-      if counts[i] is None:  # not prefetched, or its prefetch failed: again here, raising its error
-        self._prepare_index(self._paths[i], self._identities[i])
-        counts[i] = cache.read_count(self._paths[i], self._identities[i])
+      path, found = self._paths[i], self._identities[i]
+      counts[i] = None if i in zeros else cache.read_count(path, found)
+      if counts[i] is None:  # not prefetched, its prefetch failed (raised here), or a zero to look at
+        self._prepare_index(path, found)
+        counts[i] = cache.read_count(path, found)
+      if i in zeros and counts[i] and path in self._indexed:
+        raise self._miscounted(path, counts[i], 0)
     return counts
+
+  def _miscounted(self, path: str, holds: int, counted: int) -> errors.InvalidStateError:
+    """The error of a copy holding another number of records than the source was built counting."""
+    directory = path.rsplit("/", 1)[0]
+    return errors.InvalidStateError(
+        f"{path}: its copy in the shard cache {self._cache.directory} holds {holds:,} records, "
+        f"this source was built counting {counted:,}"
+        + (f" (the count of {_corpus_index.location(directory)}, which is wrong for it: index the corpus "
+           f"again with {_corpus_index.command(directory)})" if path in self._indexed else "")
+        + ". Build the source again (make_dataset).")
 
   def _prepare_index(self, path: str, found: _storage.Identity) -> None:
     fd = self._cache.open(path, found)
@@ -273,42 +285,14 @@ class JsonlSource(_source_files.FileReader):
       os.close(fd)
 
   def _load_index(self, path: str, found: _storage.Identity, fd: int) -> tuple[np.ndarray, np.ndarray]:
-    """The line index of the local copy of `path` (open as `fd`, checked): beside it, or built there.
-
-    The index kept beside the copy is used only when the count file binds
-    it, by CRC-32, to this copy (its seal) and to these index bytes; an
-    index or count that disagrees (edited, torn, or of another copy) is
-    rebuilt from the copy, with a warning.
-    """
-    entry = self._cache.entry_path(path, found)
-    index_path = entry + ".index.npy"
-    copy_size = os.fstat(fd).st_size  # a compressed file's copy is its text: not the object's size
-    copy_crc = self._cache.seal(path, found)
-    if copy_crc is None:
-      copy_crc = _checksums.seal_of(fd, copy_size)
-    record = self._cache.read_companion_record(path, found)
-    try:
-      with open(index_path, "rb") as f:
-        data = f.read(_INDEX_HEADER_BYTES + 16 * (copy_size + 1))  # a line is a byte at least
-      array = np.load(io.BytesIO(data), allow_pickle=False)
-      intact = (record is not None and record.copy_crc == copy_crc and record.index_crc == zlib.crc32(data)
-                and array.dtype == np.int64 and array.ndim == 2 and array.shape == (2, record.records))
-      if intact:
-        return array[0], array[1]
-      _log.warning("%s: the line index beside the copy of %s is not bound to it (edited, torn or stale); "
-                   "rebuilding it", index_path, path)
-    except FileNotFoundError:
-      pass
-    except (OSError, ValueError, EOFError) as e:
-      _log.warning("%s: unreadable (%s); rebuilding it", index_path, e)
-    starts, ends = _index_lines(entry)
-    array = np.stack([starts, ends]) if len(starts) else np.zeros((2, 0), np.int64)
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    data = buffer.getvalue()
-    self._cache.write_atomic(index_path, lambda f: f.write(data))
-    self._cache.write_count(path, found, len(starts), index_crc=zlib.crc32(data), copy_crc=copy_crc)
-    return starts, ends
+    """The line index of the local copy of `path` (open as `fd`, checked): kept beside it, or built there."""
+    # An index holds 16 bytes a line, and a line takes a byte of the copy at least.
+    array = self._cache.record_index(path, found, fd, build=_line_index_array,
+                                     max_bytes=_INDEX_HEADER_BYTES + 16 * (os.fstat(fd).st_size + 1))
+    if array.ndim != 2 or len(array) != 2:
+      raise errors.InvalidStateError(f"{path}: the index beside its copy in {self._cache.directory} is not a line "
+                                     "index (edited). Delete it; it is rebuilt from the copy.")
+    return array[0], array[1]
 
   def _cached_read(self, file_index: int, line: int) -> bytes:
     copy = self._open_copy(file_index)
@@ -338,12 +322,7 @@ class JsonlSource(_source_files.FileReader):
       starts, ends = self._load_index(path, found, fd)
       expected = self._offsets[file_index + 1] - self._offsets[file_index]
       if len(starts) != expected:
-        raise errors.InvalidStateError(
-            f"{path}: its copy in the shard cache {self._cache.directory} holds {len(starts):,} records, "
-            f"this source was built counting {expected:,}"
-            + (f" (the count of {_corpus_index.location(path.rsplit('/', 1)[0])}, which is wrong for it: "
-               "index the corpus again with ckpt-iter index)" if path in self._indexed else "")
-            + ". Build the source again (make_dataset).")
+        raise self._miscounted(path, len(starts), expected)
     except BaseException:
       os.close(fd)
       raise
@@ -379,6 +358,12 @@ class _OpenCopy:
 
 
 
+def _line_index_array(path: str) -> np.ndarray:
+  """The line index of a local file as one (2, lines) int64 array: starts, then ends."""
+  starts, ends = _index_lines(path)
+  return np.stack([starts, ends]) if len(starts) else np.zeros((2, 0), np.int64)
+
+
 def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
   """Returns start and end byte offsets of the non-blank lines of a file.
 
@@ -388,8 +373,11 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
   position = 0
   line_start = 0
   with _storage.open_read(path) as f:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
     while True:
-      chunk = f.read(_INDEX_CHUNK_BYTES)
+      # Never more than is left: a read of N bytes first sets aside N, however small the file.
+      chunk = f.read(min(_INDEX_CHUNK_BYTES, max(size - position, 2**16)))
       if not chunk:
         break
       newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + position

@@ -18,8 +18,10 @@ reading several lanes prefetches for each within max_bytes / those lanes, and
 keeps every lane's files from `release`.
 
 Only a speed-up: which record an index reads never depends on it. A failure
-here is logged and forgotten: the read that needs a file fetches it itself,
-raising the store's typed errors as without prefetch.
+here is logged; a download that failed spent the file's budget of retries,
+so a read of that file soon after raises its error (the store's typed
+errors, as without prefetch) instead of trying as long again
+(`ShardCache._recent_failure`).
 """
 
 from __future__ import annotations

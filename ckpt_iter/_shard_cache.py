@@ -31,13 +31,17 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import io
 import logging
 import os
 import shutil
 import threading
+import time
 import zlib
 from concurrent import futures
 from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
 
 from ckpt_iter import _checksums
 from ckpt_iter import _compression
@@ -50,7 +54,8 @@ __all__ = ["ShardCache"]
 CACHE_ENV = "CKPT_ITER_SHARD_CACHE_DIR"
 CACHE_BYTES_ENV = "CKPT_ITER_SHARD_CACHE_BYTES"
 DEFAULT_MAX_BYTES = 64 * 2**30  # a cache's limit when CKPT_ITER_SHARD_CACHE_BYTES does not say
-_COMPANIONS = (".index.npy",)
+_INDEX_SUFFIX = ".index.npy"
+_COMPANIONS = (_INDEX_SUFFIX,)
 _SIDECARS = (".count", ".lock", ".seal")
 # A copy failing its seal is downloaded again at most this often in one open.
 _OPEN_TRIES = 3
@@ -105,6 +110,9 @@ class ShardCache:
     self._pid = os.getpid()
     # entry -> the change key (inode, size, change time) of the copy when this process last checked it.
     self._verified: dict[str, tuple[int, ...]] = {}
+    # entry -> (when, why) its last download here failed after all its attempts (`_recent_failure`).
+    self._failures: dict[str, tuple[float, BaseException]] = {}
+    self._thread = threading.local()  # `prefetching`: set in this cache's prefetch threads
 
   def __getstate__(self) -> dict[str, Any]:
     return {"directory": self.directory, "max_bytes": self.max_bytes, "prefetch_threads": self.prefetch_threads}
@@ -170,6 +178,7 @@ class ShardCache:
     """
     found = found or _storage.identity(path)
     entry = self.entry_path(path, found)
+    self._wait_for_prefetch(entry)
     for _ in range(_OPEN_TRIES):
       fd = self._open_locked(entry) if _complete(entry, _copy_size(path, found)) else None
       if fd is None:
@@ -186,6 +195,30 @@ class ShardCache:
         f"downloaded, {_OPEN_TRIES} times: the disk under the cache alters what is written. Point the "
         "cache at another disk.", path=self.directory, operation="cache", cause="corrupt")
 
+  def _wait_for_prefetch(self, entry: str) -> None:
+    """Waits for this process's prefetch of `entry` under way (a prefetch thread's own opens do not)."""
+    if self._pid != os.getpid() or getattr(self._thread, "prefetching", False):
+      return
+    with self._lock:
+      pending = self._pending.get(entry)
+    if pending is not None:
+      futures.wait([pending])
+
+  def _recent_failure(self, entry: str) -> BaseException | None:
+    """Why a download of `entry` here failed after all its attempts, if that was within one operation bound.
+
+    A download is one operation with `StoreBounds.retries`, wherever it
+    starts (a prefetch, a read, another read thread): one that failed
+    moments ago is the answer of every open of the file that comes within
+    `operation_seconds` after it, so a file that cannot be downloaded costs
+    one budget, not one per caller. Later, an open tries afresh.
+    """
+    with self._lock:
+      failed = self._failures.get(entry)
+    if failed is not None and time.monotonic() - failed[0] <= object_store_bounds().operation_seconds:
+      return failed[1]
+    return None
+
   def _download_held(self, path: str, found: _storage.Identity, entry: str) -> int:
     """A descriptor holding the shared lock of `entry`: found complete under the download lock, or downloaded.
 
@@ -198,16 +231,24 @@ class ShardCache:
         fd = self._open_locked(entry)
         if fd is not None:
           return fd
+      failed = self._recent_failure(entry)
+      if failed is not None:  # this file's budget was just spent here (a prefetch, another thread): its answer
+        raise failed
       self.make_room(found.size)
       tries = object_store_bounds().retries + 1
-      for attempt in range(1, tries + 1):
-        try:
-          return self._download(path, found, entry)
-        except errors.StorageError as e:
-          if e.cause != "corrupt" or attempt == tries:
-            raise
-          _log.warning("%s: download %d of %d received bytes that are not the object's (%s); downloading again",
-                       path, attempt, tries, e)
+      try:
+        for attempt in range(1, tries + 1):
+          try:
+            return self._download(path, found, entry)
+          except errors.StorageError as e:
+            if e.cause != "corrupt" or attempt == tries:
+              raise
+            _log.warning("%s: download %d of %d received bytes that are not the object's (%s); downloading "
+                         "again", path, attempt, tries, e)
+      except Exception as e:
+        with self._lock:
+          self._failures[entry] = (time.monotonic(), e)
+        raise
     raise AssertionError("unreachable")
 
   def _download(self, path: str, found: _storage.Identity, entry: str) -> int:
@@ -217,7 +258,8 @@ class ShardCache:
     try:
       compression = _compression.compression_of(path)
       with self._cache_file(temporary, "wb") as f:
-        writer = _CacheWriter(f)
+        # A decompressed copy's size is known only once it is written: a full disk is measured to the end.
+        writer = _CacheWriter(f, measure_after_failure=compression is not None)
         # A compressed file is kept decompressed: its bytes are decompressed as they arrive (the
         # download's checksum is over what arrives, the compressed object's).
         inflating = _compression.DecompressingWriter(writer, compression) if compression else None
@@ -248,10 +290,13 @@ class ShardCache:
       with contextlib.suppress(OSError):
         os.unlink(temporary)
       cache_side = isinstance(e, _CacheWriteFailed)
+      decompressed = cache_side and e.decompressed
+      needed = e.needed if decompressed else found.size
       e = e.error if isinstance(e, _CacheWriteFailed) else e
       if isinstance(e, OSError) and not isinstance(e, errors.CkptIterError) and (
           cache_side or e.errno in (errno.ENOSPC, errno.EDQUOT) or e.filename == temporary):
-        raise self.cache_error(path, found.size, e) from e  # the cache's disk, not the store
+        # The cache's disk, not the store.
+        raise self.cache_error(path, needed, e, decompressed_from=found.size if decompressed else None) from e
       raise
 
   def _checked(self, entry: str, fd: int, found: _storage.Identity) -> bool:
@@ -323,6 +368,72 @@ class ShardCache:
     """Marks the local copy of `path` as just used (for the eviction order)."""
     with contextlib.suppress(OSError):
       os.utime(self.entry_path(path, found))
+
+  def index_path(self, path: str, found: _storage.Identity) -> str:
+    """Where the record index kept beside the copy of `path` is (evicted with the copy)."""
+    return self.entry_path(path, found) + _INDEX_SUFFIX
+
+  def record_index(self, path: str, found: _storage.Identity, fd: int, *, build: Callable[[str], np.ndarray],
+                   max_bytes: int) -> np.ndarray:
+    """The record index of the copy of `path` (open as `fd`, checked): kept beside it, or built and kept.
+
+    An index is an int64 array whose last axis has one entry per record. The
+    one kept is used only when the count file binds it, by CRC-32, to this
+    copy (its seal) and to these index bytes, and it is read by its own size
+    (at most `max_bytes`, what an index of this copy can hold). One that is
+    not bound is looked at again under the entry's lock, which its writer
+    holds while it writes the index and then its count: a pair another
+    process is writing is never taken for an edited or torn one. Still not
+    bound (edited, torn, or of another copy), it is rebuilt from the copy
+    (`build(copy path)`) with a warning, and kept with its count.
+
+    Raises:
+      StorageError: the cache directory cannot be written (as `write_atomic`).
+    """
+    copy_crc = self.seal(path, found)
+    if copy_crc is None:
+      copy_crc = _checksums.seal_of(fd, os.fstat(fd).st_size)
+    kept = self._bound_index(path, found, copy_crc, max_bytes, warn=False)
+    if kept is not None:
+      return kept
+    with self._download_lock(self.entry_path(path, found)):
+      kept = self._bound_index(path, found, copy_crc, max_bytes, warn=True)
+      if kept is not None:
+        return kept
+      array = build(self.entry_path(path, found))
+      buffer = io.BytesIO()
+      np.save(buffer, array, allow_pickle=False)
+      data = buffer.getvalue()
+      self.write_atomic(self.index_path(path, found), lambda f: f.write(data))
+      self.write_count(path, found, int(array.shape[-1]), index_crc=zlib.crc32(data), copy_crc=copy_crc)
+    return array
+
+  def _bound_index(self, path: str, found: _storage.Identity, copy_crc: int, max_bytes: int,
+                   warn: bool) -> np.ndarray | None:
+    """The index kept beside the copy when its count file binds it to the copy sealed `copy_crc`, else None."""
+    index_path = self.index_path(path, found)
+    try:
+      with open(index_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(size) if size <= max_bytes else None  # by its own size, never more than an index holds
+    except FileNotFoundError:
+      return None
+    except OSError as e:
+      if warn:
+        _log.warning("%s: unreadable (%s); rebuilding it", index_path, e)
+      return None
+    record = self.read_companion_record(path, found) if data is not None else None
+    try:
+      array = np.load(io.BytesIO(data), allow_pickle=False) if record is not None else None
+    except (OSError, ValueError, EOFError):
+      array = None
+    if (array is not None and record.copy_crc == copy_crc and record.index_crc == zlib.crc32(data)
+        and array.dtype == np.int64 and array.ndim >= 1 and array.shape[-1] == record.records):
+      return array
+    if warn:
+      _log.warning("%s: the index beside the copy of %s is not bound to it (edited, torn or stale); "
+                   "rebuilding it", index_path, path)
+    return None
 
   def read_count(self, path: str, found: _storage.Identity) -> int | None:
     """The record count stored for `path` (`write_count`), or None when absent or not intact."""
@@ -406,10 +517,14 @@ class ShardCache:
     with f:
       yield f
 
-  def cache_error(self, path: str, needed: int, error: OSError) -> errors.StorageError:
-    """The error of a cache directory that cannot be written: a full disk, permissions, a read-only mount."""
+  def cache_error(self, path: str, needed: int, error: OSError, *,
+                  decompressed_from: int | None = None) -> errors.StorageError:
+    """The error of a cache directory that cannot be written: a full disk, permissions, a read-only mount.
+
+    `decompressed_from`: the compressed object's size, when `needed` is its decompressed text's.
+    """
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
-      return self.no_space_error(path, needed, error)
+      return self.no_space_error(path, needed, error, decompressed_from=decompressed_from)
     shown = error.strerror or str(error) or type(error).__name__
     return errors.StorageError(
         f"shard cache {self.directory}: cannot write {os.path.basename(path)} there ({shown}). Make the "
@@ -417,12 +532,24 @@ class ShardCache:
         "or point the cache at another directory (ShardCache(directory=...) or "
         f"{CACHE_ENV}).", path=self.directory, operation="cache", cause="cache")
 
-  def no_space_error(self, path: str, needed: int, error: OSError) -> errors.StorageError:
-    """The error of a full disk under the cache: names the directory, the bytes needed and free."""
+  def no_space_error(self, path: str, needed: int, error: OSError, *,
+                     decompressed_from: int | None = None) -> errors.StorageError:
+    """The error of a full disk under the cache: names the directory, the bytes needed and free.
+
+    `decompressed_from`: the compressed object's size, when `needed` is its decompressed text's.
+    """
     try:
       free = f"{shutil.disk_usage(self.directory).free:,} bytes free"
     except OSError:
       free = "free space unknown"
+    if decompressed_from is not None:
+      # The cache made room for the object's size; its text is what must fit.
+      return errors.StorageError(
+          f"shard cache {self.directory}: no space left on its disk for the decompressed text of {path}: "
+          f"it is {needed:,} bytes ({decompressed_from:,} compressed; {free}; {error.strerror or error}). "
+          f"Free at least {needed:,} bytes there, or point the cache at a larger disk: a compressed "
+          "file is kept decompressed, and its text, not the object, must fit on the disk.",
+          path=self.directory, operation="cache", cause="no_space")
     needed_text = f"{needed:,} bytes needed for {path}" if needed else f"writing {path}"
     return errors.StorageError(
         f"shard cache {self.directory}: no space left on its disk ({needed_text}; {free}; "
@@ -520,8 +647,8 @@ class ShardCache:
 
     Returns at once. A file already cached or already queued is skipped;
     `then(path, identity)` runs after a download (e.g. to build an index).
-    A failed prefetch is logged and forgotten: the read that needs the file
-    fetches it and raises the error.
+    A failed prefetch is logged; it spent the download's retries, so an
+    open of the file soon after raises its error (`_recent_failure`).
     """
     if self._pid != os.getpid():  # a forked worker: the parent's threads and lock state are not its own
       self._init_local()
@@ -541,15 +668,19 @@ class ShardCache:
       self._pending.pop(entry, None)
 
   def _prefetch_one(self, path: str, found: _storage.Identity, then: Callable[..., Any] | None) -> None:
+    self._thread.prefetching = True
     try:
       fd = self.open(path, found)
-      try:
-        if then is not None:
-          then(path, found)  # the copy held meanwhile: not evicted between its download and `then`
-      finally:
-        os.close(fd)
     except Exception as e:  # pylint: disable=broad-except
-      _log.info("prefetching %s into %s failed (%s); the read that needs it will retry", path, self.directory, e)
+      _log.info("prefetching %s into %s failed (%s); a read of it soon after raises it", path, self.directory, e)
+      return
+    try:
+      if then is not None:
+        then(path, found)  # the copy held meanwhile: not evicted between its download and `then`
+    except Exception as e:  # pylint: disable=broad-except
+      _log.info("after prefetching %s into %s: %s; the read that needs it will retry", path, self.directory, e)
+    finally:
+      os.close(fd)
 
   def wait(self) -> None:
     """Waits for the prefetches under way."""
@@ -595,32 +726,50 @@ def _evict(entry: str) -> bool:
 
 
 class _CacheWriteFailed(Exception):
-  """A write into the cache failed (told apart from the store's errors a download raises)."""
+  """A write into the cache failed (told apart from the store's errors a download raises).
 
-  def __init__(self, error: OSError):
+  `needed`: the bytes the copy takes (`decompressed`: measured to its end, past the failure).
+  """
+
+  def __init__(self, error: OSError, needed: int = 0, decompressed: bool = False):
     super().__init__(str(error))
-    self.error = error
+    self.error, self.needed, self.decompressed = error, needed, decompressed
 
 
 class _CacheWriter:
-  """The temporary file a download writes into: its write errors are the cache's, not the store's."""
+  """The temporary file a download writes into: its write errors are the cache's, not the store's.
 
-  def __init__(self, f: Any):
-    self._f = f
+  With `measure_after_failure` (a decompressed copy, whose size nothing
+  says beforehand), a failed write is held back and the rest only counted,
+  so that `finish` raises it with the size the whole copy needs.
+  """
+
+  def __init__(self, f: Any, measure_after_failure: bool = False):
+    self._f, self._measure = f, measure_after_failure
+    self._written = 0
+    self._failed: OSError | None = None
 
   def write(self, data: Any) -> int:
-    try:
-      return self._f.write(data)
-    except OSError as e:
-      raise _CacheWriteFailed(e) from e
+    size = memoryview(data).nbytes
+    if self._failed is None:
+      try:
+        self._f.write(data)
+      except OSError as e:
+        if not self._measure:
+          raise _CacheWriteFailed(e, self._written + size) from e
+        self._failed = e
+    self._written += size
+    return size
 
   def finish(self) -> None:
-    """Flushes and fsyncs what was written."""
+    """Flushes and fsyncs what was written (raises a failure held back, with the size measured)."""
+    if self._failed is not None:
+      raise _CacheWriteFailed(self._failed, self._written, decompressed=True) from self._failed
     try:
       self._f.flush()
       os.fsync(self._f.fileno())
     except OSError as e:
-      raise _CacheWriteFailed(e) from e
+      raise _CacheWriteFailed(e, self._written, decompressed=self._measure) from e
 
 
 def _held(lock_path: str) -> bool:

@@ -28,6 +28,7 @@ docs/failure_modes.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import glob as glob_lib
@@ -124,6 +125,29 @@ def write_bytes(path: str, data: bytes) -> None:
     OSError: naming `path` (e.g. ENOSPC).
   """
   _backend(path).write_bytes(path, data)
+
+
+def replace_bytes(path: str, data: bytes) -> None:
+  """Writes a whole file that others may be reading: a reader sees the old content or the new, never part.
+
+  Locally a temporary beside it, fsynced, then renamed over it (a writer
+  killed midway leaves the old file); on an object store one upload, which
+  the store publishes whole.
+
+  Raises:
+    OSError: naming `path` (e.g. ENOSPC); the old file is left as it was.
+  """
+  if is_url(path):
+    _OBJECT_STORE.write_bytes(path, data)
+    return
+  temporary = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+  _LOCAL.write_bytes(temporary, data)  # fsynced; a failed write removes it
+  try:
+    os.replace(temporary, path)
+  except OSError as e:
+    with contextlib.suppress(OSError):
+      os.unlink(temporary)
+    raise OSError(e.errno, f"cannot write it ({e.strerror or e})", path) from e
 
 
 def write_stream(path: str, produce: Callable[[BinaryIO], None]) -> None:

@@ -44,7 +44,7 @@ import math
 import numbers
 import typing
 from collections.abc import Mapping  # not typing's: its isinstance is ~3x slower
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, NoReturn, Sequence
 
 from ckpt_iter import _records
 from ckpt_iter import errors
@@ -1065,23 +1065,105 @@ _MICRO_BATCH_POSITION_KEYS = frozenset({"micro_batches_taken", "rows_taken", "st
 _AGENTIC_COUNTS = ("prompt_index", "prompt_offset", "batches_fed")
 
 
-def check_learner_position(value: "IteratorState", origin: str) -> None:
-  """A Tunix learner's own position fields, checked as its restore checks them before anything moves.
+def check_learner_position(value: "IteratorState", origin: str, *, step: int | None = None) -> None:
+  """A Tunix learner's own position fields and counters, checked as its restore checks them before anything
+  moves.
 
   The one check of them: the learner's restore and `ckpt-iter verify` (from the state alone, with no
-  Tunix installed) call it, so every field the restore refuses, verify refuses by name.
+  Tunix installed) call it, so every field the restore refuses, verify refuses by name. An RL learner's
+  position is held to its batch geometry (`_check_rl_geometry`) and its counters to its pending items.
+
+  Args:
+    value: the state.
+    origin: what errors name.
+    step: the checkpoint step the state is stored in (its `train_steps` must be it), when known.
 
   Raises:
     InvalidStateError: naming the field, its value and what was expected.
   """
   if value.kind != "tunix":
     return
+  train_steps = value.counters.get("train_steps")
+  if step is not None and train_steps != step:
+    raise errors.InvalidStateError(
+        f"{origin}: the data state was taken at train step {train_steps!r}, "
+        f"but the model was restored at step {step}; they must come from one step.")
   family = learner_family(value.fingerprint)
   _, own = learner_parts(value, origin, learner_fields=family != _SFT)
   if family == _AGENTIC:
     _check_agentic_position(own, origin)
   elif family != _SFT:
     check_micro_batch_position(own, origin)
+    _check_rl_counters(value, origin)
+    _check_rl_geometry(value, own, origin)
+
+
+def _check_rl_counters(value: "IteratorState", origin: str) -> None:
+  """An RL learner's counters: the global step's, and the evaluation input among the pending items."""
+  counters = value.counters
+  for name in ("global_steps", "remaining_mini_batches"):
+    if name not in counters:
+      raise errors.InvalidStateError(f"{origin}: counter {name!r} is missing.")
+    if counters[name] < 0:
+      raise errors.InvalidStateError(f"{origin}: counter {name!r} is {counters[name]}; it counts, from 0.")
+  eval_items = counters.get("eval_items", 0)
+  pending_items = len(value.pending.items) if value.pending is not None else 0
+  scheduled = set(value.pending.schedule) if value.pending is not None else set()
+  if eval_items < 0 or eval_items > pending_items or any(i >= pending_items - eval_items for i in scheduled):
+    raise errors.InvalidStateError(
+        f"{origin}: counter 'eval_items' is {eval_items!r}; it must count trailing "
+        "pending items the schedule does not use (the mini-batch's evaluation input).")
+
+
+def _check_rl_geometry(value: "IteratorState", own: Mapping[str, Any], origin: str) -> None:
+  """An RL learner's position, held to what its full, mini- and micro-batch sizes allow.
+
+  A checkpoint falls after a mini-batch's prompts were read (its repeats may
+  be pending): the position is the rows taken of the full batch the next
+  micro-batch starts in, in micro-batches (and `rows_taken` when the rows
+  are not whole micro-batches). Where the input's batches all hold
+  `full_batch_size` rows (a batch with drop_remainder), the mini-batches
+  read of the global step fix those rows: (mini-batches per global step -
+  remaining) x mini_batch_size, modulo the full batch. States written
+  before these fields existed are taken as they are.
+  """
+  fingerprint, counters = value.fingerprint, value.counters
+  full, mini, micro = (fingerprint.get(k) for k in ("full_batch_size", "mini_batch_size", "train_micro_batch_size"))
+  if not all(_is_int(size) and size > 0 for size in (full, mini, micro)):
+    return
+  geometry = f"full_batch_size={full}, mini_batch_size={mini}, train_micro_batch_size={micro}"
+  taken, rows_taken = own["micro_batches_taken"], own.get("rows_taken")
+  rows = taken * micro if rows_taken is None else rows_taken
+
+  def refuse(field: str, shown: Any, expected: str) -> NoReturn:
+    raise errors.InvalidStateError(
+        f"{origin}: field '{field}' is {_short(shown)} where {geometry}: {expected}. The position is not "
+        "one this learner writes (edited or damaged): restore an earlier checkpoint.")
+
+  if micro == full and rows:
+    refuse("position.micro_batches_taken", taken, "full batches pass whole to the trainer, so none is taken")
+  if rows_taken is not None and (rows_taken // micro != taken or rows_taken % micro == 0):
+    refuse("position.rows_taken", rows_taken, f"it is written only for rows that are not whole micro-batches, "
+           f"with micro_batches_taken={rows_taken // micro}")
+  inner = value.innermost.fingerprint
+  if inner.get("batch_size") != full:
+    return  # an input whose batches this state does not size: the restore's first read checks it
+  if rows >= full:
+    refuse("position.rows_taken" if rows_taken is not None else "position.micro_batches_taken",
+           rows_taken if rows_taken is not None else taken,
+           f"the rows taken of a full batch ({rows}) are fewer than its {full}")
+  per_step, remaining = counters.get("mini_batches_per_global_step"), counters.get("remaining_mini_batches")
+  if per_step is None or remaining is None:
+    return
+  if per_step != full // mini or remaining >= per_step:
+    refuse("counters", {"mini_batches_per_global_step": per_step, "remaining_mini_batches": remaining},
+           f"a global step is {full // mini} mini-batches, fewer of them remaining")
+  if inner.get("drop_remainder") is True and rows != (per_step - remaining) * mini % full:
+    refuse("position.micro_batches_taken" if rows_taken is None else "position.rows_taken",
+           taken if rows_taken is None else rows_taken,
+           f"with {remaining} of the global step's {per_step} mini-batches remaining, "
+           f"{(per_step - remaining) * mini % full} rows of the full batch are taken "
+           f"({(per_step - remaining) * mini % full // micro} micro-batches)")
 
 
 def learner_parts(value: "IteratorState", origin: str, *, learner_fields: bool = True
@@ -1188,7 +1270,7 @@ def migrate_learner_v1(fields: Mapping[str, Any]) -> dict[str, Any]:
   return result
 
 
-def input_stream_skips(value: "IteratorState", *, origin: str) -> skips_lib.Skips:
+def input_stream_skips(value: "IteratorState", *, origin: str, step: int | None = None) -> skips_lib.Skips:
   """The skips of a state's input, its stream fields checked as its restore checks them.
 
   `_records.check_stream_fields` of its innermost state, a stream's position
@@ -1197,10 +1279,12 @@ def input_stream_skips(value: "IteratorState", *, origin: str) -> skips_lib.Skip
   `order`, `audit`) asks of every state it reads, so it refuses each field a
   restore refuses, with the restore's message.
 
+  `step`: the checkpoint step the state is stored in, when known (a learner's state must be its).
+
   Raises:
     InvalidStateError: a stream field of the input is malformed (the message names it).
   """
-  check_learner_position(value, origin)
+  check_learner_position(value, origin, step=step)
   inner = value.innermost
   if is_stream(inner.fingerprint):
     check_stream_position(inner.fingerprint, inner.position, origin)

@@ -234,7 +234,8 @@ def _add_index(verbs: Any) -> None:
       "every file to count it; a file changed since is refused by name.",
       epilog="exit codes: 0 written, 1 a file cannot be read or indexed, 2 usage error")
   parser.add_argument("paths", nargs="+", metavar="PATH",
-                      help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), globs or gs:// URLs, as JsonlSource takes")
+                      help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), globs or gs:// URLs, as JsonlSource takes; "
+                      "a directory: every JSONL file in it")
   parser.add_argument("--cache", metavar="DIR",
                       help="the shard cache to count through (default: a temporary directory, removed after)")
   parser.add_argument("--max-bytes", type=_step_number, default=None, metavar="N",
@@ -278,11 +279,16 @@ def run_index(args: argparse.Namespace) -> int:
   from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
   from ckpt_iter import sources  # pylint: disable=g-import-not-at-top  (Grain only when indexing)
 
+  paths = []
+  for path in args.paths:
+    files = _corpus_index.files_in(path)
+    if files == []:
+      return _fail(f"{path}: a directory holding no JSONL file (.jsonl, .jsonl.gz, .jsonl.zst)", EXIT_PROBLEMS)
+    paths.extend(files or [path])
   with tempfile.TemporaryDirectory(prefix="ckpt-iter-index-") as scratch:
     cache = sources.ShardCache(args.cache or scratch, args.max_bytes or _shard_cache.DEFAULT_MAX_BYTES)
     # Counted from the files themselves (never from an index already there), by JsonlSource's own count.
-    source = sources.JsonlSource(args.paths if len(args.paths) > 1 else args.paths[0], cache=cache,
-                                 corpus_index=False)
+    source = sources.JsonlSource(paths if len(paths) > 1 else paths[0], cache=cache, corpus_index=False)
     offsets = source.file_offsets()
     counts = [b - a for a, b in zip(offsets, offsets[1:])]
     written = _corpus_index.write(source.paths, source.identities(), counts)

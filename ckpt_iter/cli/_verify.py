@@ -85,7 +85,7 @@ def _check_files(step: int, item_dir: str, files: list[tuple[int, int]]) -> Step
       continue  # reported as a process set problem
     path = _files.header_path(item_dir, index, count)
     try:
-      states[(index, count)], num_arrays = _read_full_state(item_dir, index, count, count_files)
+      states[(index, count)], num_arrays = _read_full_state(item_dir, index, count, count_files, step=step)
       arrays_read += num_arrays
     except errors.CkptIterError as e:
       problems.append(_problem_from_error(step, path, str(e)))
@@ -113,7 +113,7 @@ def _agreement_problems(
 
 
 def _read_full_state(
-    item_dir: str, index: int, count: int, count_files: dict[str, Any] | None = None
+    item_dir: str, index: int, count: int, count_files: dict[str, Any] | None = None, *, step: int | None = None
 ) -> tuple[state_lib.IteratorState, int]:
   """_files.read_state (with the pending item types it needs registered).
 
@@ -127,7 +127,7 @@ def _read_full_state(
     _register_item_types(inspection.dataclass_names(header.get("pending")), path)
   value = _files.read_state(item_dir, index, count, count_files=count_files)
   # What a restore checks of the state before it compares a pipeline, by the restore's own check.
-  state_lib.input_stream_skips(value, origin=path)
+  state_lib.input_stream_skips(value, origin=path, step=step)
   return value, len(manifest) if isinstance(manifest, Mapping) else 0
 
 

@@ -475,6 +475,11 @@ class MicroBatchInput:
       except StopIteration:
         return
       rows = _batch_rows(batch)
+      if first and skip_rows >= rows:
+        raise errors.InvalidStateError(
+            f"the restored position takes {skip_rows} rows of a full batch that holds {rows}: the next "
+            "micro-batch cannot start in it (the position's micro_batches_taken or rows_taken was edited or "
+            "damaged). Restore an earlier checkpoint.")
       self._read.append((state, rows, self._rows_read - (skip_rows if first else 0)))
       if first and skip_rows:
         batch = _drop_rows(batch, skip_rows)

@@ -471,21 +471,10 @@ class DataSession:
     if value is None:
       self._restore_legacy(step, os.path.dirname(data_dir), on_legacy_checkpoint)
       return
+    # Its position against its batch geometry, its counters (verify's check too).
+    state_lib.check_learner_position(value, origin, step=step)
     counters = value.counters
-    for name in ("global_steps", "remaining_mini_batches"):
-      if name not in counters:
-        raise errors.InvalidStateError(f"{origin}: counter {name!r} is missing.")
     eval_items = counters.get("eval_items", 0)
-    scheduled = set(value.pending.schedule) if value.pending is not None else set()
-    if (
-        not state_lib.is_int(eval_items) or eval_items < 0
-        or eval_items > (len(value.pending.items) if value.pending is not None else 0)
-        or any(i >= len(value.pending.items) - eval_items for i in scheduled)
-    ):
-      raise errors.InvalidStateError(
-          f"{origin}: counter 'eval_items' is {eval_items!r}; it must count trailing "
-          "pending items the schedule does not use (the mini-batch's evaluation input)."
-      )
     saved_settings = settings_lib.split_settings(value.fingerprint)[1]
     current_settings = settings_lib.split_settings(self.fingerprint)[1]
     move_input = self._continuation(value, allow_drift, origin)

@@ -396,14 +396,24 @@ def test_a_state_that_loses_skips_or_skips_what_was_read_is_a_break(tmp_path, ca
   assert any(fragment in f["message"] for f in report["findings"] if f["verdict"] == "broken"), report["findings"]
 
 
+def _full_batches_of_two(header):
+  """The fixture's learner as one whose full batch holds two prompts (a micro-batch of one), over the same input."""
+  header["fingerprint"].update(full_batch_size=2)
+
+
+def _one_micro_batch_into_a_full_batch_of_two(header):
+  _full_batches_of_two(header)
+  header["position"].update(micro_batches_taken=1)
+
+
 def test_skips_inside_the_full_batch_a_learner_had_started_are_a_break(tmp_path, capsys):
   fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "v1_tunix_roots", "grpo", "root")
   root = tmp_path / "root"
   shutil.copytree(fixture, root)
   path3 = os.path.join(root, "actor", "3", "data", "process_0-of-1.json")
   path4 = os.path.join(root, "actor", "4", "data", "process_0-of-1.json")
-  for path, change in ((path3, lambda h: h["position"].update(micro_batches_taken=1)),
-                       (path4, lambda h: h["fingerprint"].update(skips='{"records":[[2,3]]}'))):
+  for path, change in ((path3, _one_micro_batch_into_a_full_batch_of_two),
+                       (path4, lambda h: (_full_batches_of_two(h), h["fingerprint"].update(skips='{"records":[[2,3]]}')))):
     _edit_file(path, change)
   code, report, _ = _audit(capsys, root)
   assert code == 1
@@ -458,7 +468,8 @@ def _tunix_chain_with_a_skip_inside_a_started_batch(root):
   fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "v1_tunix_roots", "grpo", "root")
   shutil.copytree(fixture, root)
   path = lambda step: os.path.join(root, "actor", str(step), "data", "process_0-of-1.json")
-  _edit_file(path(3), lambda h: h["position"].update(micro_batches_taken=1))
+  _edit_file(path(3), _one_micro_batch_into_a_full_batch_of_two)
+  _edit_file(path(4), _full_batches_of_two)
   with open(path(3)) as f:
     step3 = json.load(f)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import zlib
 
 import hypothesis
 from hypothesis import strategies as st
@@ -89,3 +90,87 @@ def test_a_highly_compressed_files_index_is_bound_to_its_copy_not_rebuilt_at_eac
     again = sources.JsonlSource([str(path)], cache=sources.ShardCache(tmp_path / "cache", 10**8))
     assert again[19_999] == {}
   assert "rebuilding" not in caplog.text
+
+
+# --- nothing lost, and bounded, on the compressed path (issue 64 items 1, 5, 7) ---
+
+
+def _records_text(count, first=0):
+  return "".join(json.dumps({"id": first + i, "text": "t" * (i % 17)}) + "\n" for i in range(count)).encode()
+
+
+def _zstd_cuts():
+  """(name, bytes) of the cuts a writer killed mid-file leaves: each a whole object, its checksum its bytes'."""
+  text = _records_text(300)
+  whole = zstandard.ZstdCompressor(write_checksum=True).compress(text)
+  frames = b"".join(zstandard.ZstdCompressor().compress(_records_text(100, 100 * i)) for i in range(3))
+  third = len(frames) - len(zstandard.ZstdCompressor().compress(_records_text(100, 200)))
+  streamed = zstandard.ZstdCompressor(write_checksum=False, write_content_size=False).compressobj()
+  bare = streamed.compress(text) + streamed.flush()
+  return [("one frame cut at 2/3", whole[:len(whole) * 2 // 3]),
+          ("the third of three frames cut after 10 bytes", frames[:third + 10]),
+          ("a frame without checksum or content size cut in half", bare[:len(bare) // 2])]
+
+
+@pytest.mark.parametrize("name, data", _zstd_cuts(), ids=[c[0] for c in _zstd_cuts()])
+def test_a_truncated_zstd_file_is_refused_as_a_truncated_gzip_file_is(tmp_path, name, data):
+  # It was read as fewer records with no error (0, 200 and 0 of 300), and `ckpt-iter index` wrote that count.
+  from ckpt_iter import sources  # pylint: disable=g-import-not-at-top
+  import support  # pylint: disable=g-import-not-at-top
+
+  writer = _compression.DecompressingWriter(io.BytesIO(), "zstd")
+  writer.write(data)
+  with pytest.raises(ValueError, match=r"the zstd stream ends inside a frame \(a truncated file\)"):
+    writer.finish()
+  path = tmp_path / "cut.jsonl.zst"
+  path.write_bytes(data)
+  with pytest.raises(ckpt_iter.InvalidStateError, match=r"cut.jsonl.zst: not a whole zstd file \(the zstd stream "
+                     r"ends inside a frame"):
+    sources.JsonlSource([str(path)], cache=sources.ShardCache(tmp_path / "cache", 10**8))
+  code, out = support.cli_output("index", str(path))
+  assert code == 1 and "ends inside a frame" in out and not (tmp_path / "ckpt_iter_index.json").exists(), out
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zstd"])
+def test_data_not_of_its_kind_is_refused_at_the_end_not_midway(kind):
+  # So that a download's checksum, compared when its last byte arrives, speaks first (item 7).
+  out = io.BytesIO()
+  writer = _compression.DecompressingWriter(out, kind)
+  good = gzip.compress(b"x" * 1000) if kind == "gzip" else zstandard.ZstdCompressor().compress(b"x" * 1000)
+  writer.write(b"garbage that is no compressed data at all" * 10)
+  writer.write(good)  # taken and dropped
+  with pytest.raises(ValueError, match=f"not {kind} data"):
+    writer.finish()
+
+
+class _Counting:
+  def __init__(self):
+    self.size = 0
+
+  def write(self, data):
+    self.size += len(data)
+    return len(data)
+
+
+@pytest.mark.parametrize("kind, text_bytes", [("gzip", 256 * 2**20), ("zstd", 1024 * 2**20)])
+def test_decompression_memory_does_not_follow_the_compression_ratio(kind, text_bytes):
+  # A 3 MB .gz and a 0.4 MB .zst each raised peak memory by 4 GiB: the whole text was held.
+  import tracemalloc  # pylint: disable=g-import-not-at-top
+
+  if kind == "gzip":
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+    block = b"\0" * 2**20
+    blob = b"".join(compressor.compress(block) for _ in range(text_bytes // len(block))) + compressor.flush()
+  else:
+    blob = zstandard.ZstdCompressor(level=19).compress(b"\0" * text_bytes)
+  sink = _Counting()
+  tracemalloc.start()
+  try:
+    writer = _compression.DecompressingWriter(sink, kind)
+    writer.write(blob)  # in one piece, as a download chunk arrives
+    writer.finish()
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert sink.size == text_bytes
+  assert peak < 48 * 2**20 + 2 * len(blob), (peak, len(blob))

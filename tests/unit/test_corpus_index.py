@@ -6,9 +6,12 @@ counts the requests on a GCS emulator.
 
 from __future__ import annotations
 
+import errno
+import glob as glob_lib
 import gzip
 import json
 import os
+import threading
 import zlib
 
 from hypothesis import given, settings, strategies as st
@@ -63,9 +66,12 @@ def test_a_new_host_counts_from_the_index_and_reads_what_counting_by_download_re
     calls = _downloads(monkeypatch)
     source = sources.JsonlSource(glob, cache=sources.ShardCache(os.path.join(directory, "b"), 10**8),
                                  prefetch_files=0)
-    assert calls == [] and source.file_offsets() == unindexed.file_offsets()
+    # Only a file counted 0 that has bytes (blank lines) is looked at when built: none is skipped unread.
+    empty_with_bytes = sorted(p for p, count in zip(source.paths, lines) if not count and os.path.getsize(p))
+    assert sorted(calls) == empty_with_bytes and source.file_offsets() == unindexed.file_offsets()
     assert [source[i] for i in range(len(source))] == expected
-    assert len(calls) == sum(1 for count in lines if count)  # each file with records read once, when read
+    # Each file with records read once, when read.
+    assert len(calls) == sum(1 for count in lines if count) + len(empty_with_bytes)
 
 
 def test_a_file_changed_since_it_was_indexed_is_refused_naming_it_and_the_ways_through(tmp_path):
@@ -155,3 +161,110 @@ def test_a_store_without_versions_cannot_be_indexed(tmp_path):
 
 def test_the_index_verb_is_a_verb_of_the_command_line():
   assert "index" in cli.build_parser().format_help()
+
+
+# --- nothing lost on the index's path (issue 64 items 2, 8, 9) ---
+
+
+@pytest.mark.parametrize("shuffle", ["global", "shards"])
+def test_an_index_counting_zero_for_a_file_that_has_records_is_refused_at_build(tmp_path, shuffle):
+  # A file counted 0 is never opened, so no read checked it: 200 of 300 records were trained, the epoch
+  # ending normally. A count of 0 for a file with bytes is now looked at when the source is built.
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  glob = _corpus(str(tmp_path / "data"), [100, 100, 100])
+  _index(glob)
+  _rewrite(tmp_path, lambda value: value["files"]["part-1.jsonl"].update(records=0))
+  cache = sources.ShardCache(tmp_path / "cache", 10**8)
+  with pytest.raises(errors.InvalidStateError, match=r"part-1.jsonl: its copy .* holds 100 records, this source "
+                     r"was built counting 0 \(the count of .*ckpt_iter_index.json, which is wrong for it: index the "
+                     r"corpus again with ckpt-iter index .*data\)"):
+    ckpt_iter.make_dataset(sources.JsonlSource(glob, cache=cache), batch_size=10, seed=1, shuffle=shuffle)
+
+
+@pytest.mark.parametrize("shuffle", ["global", "shards"])
+def test_a_cached_count_of_zero_is_counted_again_from_the_copy(tmp_path, shuffle, caplog):
+  # The cache's own .count rewritten to 0 with its check recomputed: the source counts the copy.
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
+
+  glob = _corpus(str(tmp_path / "data"), [100, 100, 100])
+  directory = tmp_path / "cache"
+  sources.JsonlSource(glob, cache=sources.ShardCache(directory, 10**8), corpus_index=False)
+  cache = sources.ShardCache(directory, 10**8)
+  path = sorted(glob_lib.glob(glob))[1]
+  entry = cache.entry_path(path, _storage.identity(path))
+  record = cache.read_companion_record(path, _storage.identity(path))
+  zero = _shard_cache.CompanionRecord(0, record.copy_crc, record.index_crc).format(os.path.basename(entry))
+  open(entry + ".count", "w").write(zero)
+  assert cache.read_count(path, _storage.identity(path)) == 0  # a consistent edit: its own check passes
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    source = sources.JsonlSource(glob, cache=cache, corpus_index=False)
+    dataset = ckpt_iter.make_dataset(source, batch_size=10, seed=1, shuffle=shuffle)
+    ids = sorted(i for batch in dataset for i in batch["id"].tolist())
+  assert len(source) == 300 and ids == sorted(part * 1000 + n for part in range(3) for n in range(100))
+  assert "not bound to it" in caplog.text and cache.read_count(path, _storage.identity(path)) == 100
+
+
+def test_a_file_of_blank_lines_counted_zero_reads_as_zero(tmp_path):
+  glob = _corpus(str(tmp_path / "data"), [4, 0, 5])  # the middle file: blank lines only
+  _index(glob)
+  source = sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+  assert source.file_offsets() == [0, 4, 4, 9]
+
+
+def test_an_index_written_again_is_replaced_whole_for_a_reader_meanwhile(tmp_path, monkeypatch):
+  # It was written in place (truncate, then write): 16 of 153 builds during a re-index were refused as
+  # garbled, and an index killed mid-write refused every later build.
+  glob = _corpus(str(tmp_path / "data"), [5, 6])
+  _index(glob)
+  directory = str(tmp_path / "data")
+  before = _corpus_index.read(directory)
+  stop, seen = threading.Event(), []
+
+  def read_meanwhile():
+    while not stop.is_set():
+      try:
+        seen.append(_corpus_index.read(directory))
+      except errors.InvalidStateError as e:
+        seen.append(e)
+
+  reader = threading.Thread(target=read_meanwhile)
+  reader.start()
+  try:
+    for _ in range(30):
+      _index(glob)
+  finally:
+    stop.set()
+    reader.join()
+  assert seen and all(entry == before for entry in seen), [s for s in seen if s != before][:1]
+  # A write that fails midway leaves the index as it was.
+  real_write = os.write
+  monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:10])) if len(data) > 10 else
+                      (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+  with pytest.raises(OSError):
+    _corpus_index.write([p for p in sorted(glob_lib.glob(glob))], [_storage.identity(p) for p in
+                                                                  sorted(glob_lib.glob(glob))], [5, 6])
+  monkeypatch.undo()
+  assert _corpus_index.read(directory) == before
+  assert not [n for n in os.listdir(directory) if ".tmp-" in n]
+
+
+def test_an_index_nested_past_the_parser_is_the_documented_refusal(tmp_path):
+  glob = _corpus(str(tmp_path / "data"), [3])
+  (tmp_path / "data" / _corpus_index.INDEX_NAME).write_bytes(b"[" * 200_000 + b"]" * 200_000)
+  with pytest.raises(errors.InvalidStateError, match=r"ckpt_iter_index.json: not a ckpt_iter corpus index \(nested "
+                     r"deeper .*Index the corpus again \(ckpt-iter index .*data\)"):
+    sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+
+
+def test_the_index_verb_takes_a_directory_as_its_refusals_say(tmp_path):
+  # The stale-index refusal suggests `ckpt-iter index <directory>`: it runs, indexing every JSONL file there.
+  glob = _corpus(str(tmp_path / "data"), [5, 6])
+  out = _index(str(tmp_path / "data"))
+  assert "indexed 2 files, 11 records" in out
+  assert sorted(_corpus_index.read(str(tmp_path / "data"))) == ["part-0.jsonl", "part-1.jsonl"]
+  assert len(sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))) == 11
+  (tmp_path / "empty").mkdir()
+  code, out = support.cli_output("index", str(tmp_path / "empty"))
+  assert code == 1 and "a directory holding no JSONL file" in out

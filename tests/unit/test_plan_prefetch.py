@@ -171,7 +171,9 @@ def test_a_failing_prefetch_leaves_the_read_to_fetch_its_file(tmp_path, files, m
   dataset = _dataset(broken)
   broken.prefetch = lambda indices: 1 / 0
   assert _ids(dataset) == expected
-  # Every download in a prefetch thread fails: each read downloads its own file.
+  # Every download in a prefetch thread fails. It spent the download's budget: a read of the file soon
+  # after raises its error rather than a second budget (docs/storage.md); one past an operation bound
+  # downloads its own file.
   _evict_copies(source)
   real = _storage.download
 
@@ -181,7 +183,17 @@ def test_a_failing_prefetch_leaves_the_read_to_fetch_its_file(tmp_path, files, m
     return real(path, f, found)
 
   monkeypatch.setattr(_storage, "download", download)
-  assert _ids(_dataset(_cached(tmp_path, files))) == expected
+  with pytest.raises(errors.StorageError, match="injected"):
+    _ids(_dataset(_cached(tmp_path, files)))
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import store_bounds  # pylint: disable=g-import-not-at-top
+
+  before = store_bounds.object_store_bounds().operation_seconds
+  ckpt_iter.set_object_store_bounds(operation_seconds=1e-6)
+  try:
+    assert _ids(_dataset(_cached(tmp_path, files))) == expected
+  finally:
+    ckpt_iter.set_object_store_bounds(operation_seconds=before)
 
 
 def test_a_file_that_cannot_be_read_raises_the_stores_error_as_without_prefetch(tmp_path, files, monkeypatch):

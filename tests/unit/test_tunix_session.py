@@ -152,7 +152,8 @@ def _saved_after(session, full_batches, pending=None, remaining_mini_batches=0):
     session.input.next_micro_batch()
   return state_lib.IteratorState(
       kind="tunix", fingerprint=session.fingerprint, position=session.input.position(), pending=pending,
-      counters={"remaining_mini_batches": remaining_mini_batches, "global_steps": full_batches})
+      counters={"remaining_mini_batches": remaining_mini_batches, "global_steps": full_batches,
+                "train_steps": full_batches})
 
 
 def _continued(value, session):
@@ -328,3 +329,101 @@ def test_a_producer_that_fails_is_reported_by_the_next_save_with_its_cause(monke
   monkeypatch.setattr(_session, "_PRODUCER_TIMEOUT_SECONDS", 5.0)
   with pytest.raises(errors.CkptIterError, match=r"data producer failed on its mini-batch \(TypeError: "):
     session.snapshot(3)
+
+
+# --- a learner's position and counters, held by the restore's one check and by verify (issue 64 items 3, 10) ---
+
+
+def _between_two_mini_batches(step=10):
+  """An RL learner's state (full batches of 4, mini-batches of 2, micro-batches of 1) saved after the first
+  mini-batch of a global step: two prompts of the full batch taken, one mini-batch remaining."""
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter.tunix import _input  # pylint: disable=g-import-not-at-top
+
+  micro_batches = _input.MicroBatchInput(_input.make_source(_record_input(4)), 1, _rebatch)
+  for _ in range(2):
+    micro_batches.next_micro_batch()
+  fingerprint = {"learner": "GRPOLearner", "num_iterations": 1, "full_batch_size": 4, "mini_batch_size": 2,
+                 "train_micro_batch_size": 1, "rollout_micro_batch_size": 1, "compute_logps_micro_batch_size": 1}
+  return state_lib.IteratorState(
+      kind="tunix", fingerprint=fingerprint, position=micro_batches.position(),
+      counters={"train_steps": step, "actor_iter_steps": 2 * step, "global_steps": 5, "remaining_mini_batches": 1,
+                "mini_batches_per_global_step": 2})
+
+
+def _verify_edited(tmp_path, value, edit, step=10):
+  """`ckpt-iter verify`'s exit code and output on `value` saved at `step`, its header edited by `edit`."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import checkpoint as checkpoint_lib, cli  # pylint: disable=g-import-not-at-top
+
+  class Holder:
+    def state(self):
+      return value
+
+  item = os.path.join(str(tmp_path), str(step), "data")
+  os.makedirs(item)
+  checkpoint_lib.IteratorCheckpointHandler(0, 1).save(item, ckpt_iter.IteratorSave(Holder()))
+  header_path = os.path.join(item, "process_0-of-1.json")
+  header = json.load(open(header_path))
+  edit(header)
+  json.dump(header, open(header_path, "w"))
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+    code = cli.main(["verify", str(tmp_path)])
+  return code, out.getvalue()
+
+
+def test_a_state_between_two_mini_batches_is_one_the_geometry_allows(tmp_path):
+  from ckpt_iter import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  value = _between_two_mini_batches()
+  assert value.position["micro_batches_taken"] == 2
+  state_lib.check_learner_position(value, "checkpoint step 10", step=10)
+  code, out = _verify_edited(tmp_path, value, lambda header: None)
+  assert code == 0, out
+
+
+_GEOMETRY_EDITS = [
+    # The rest of the global step never trained (the position past the full batch).
+    ("micro_batches_taken 99", lambda h: h["position"].update(micro_batches_taken=99),
+     "field 'position.micro_batches_taken' is 99 where full_batch_size=4, mini_batch_size=2"),
+    ("rows_taken 999", lambda h: h["position"].update(rows_taken=999),
+     "field 'position.rows_taken' is 999"),
+    # A prompt dropped, or one trained twice, and every later mini-batch one row off.
+    ("micro_batches_taken 3", lambda h: h["position"].update(micro_batches_taken=3),
+     "with 1 of the global step's 2 mini-batches remaining, 2 rows of the full batch are taken"),
+    ("micro_batches_taken 1", lambda h: h["position"].update(micro_batches_taken=1),
+     "with 1 of the global step's 2 mini-batches remaining, 2 rows of the full batch are taken"),
+    ("remaining_mini_batches 2", lambda h: h["counters"].update(remaining_mini_batches=2),
+     "a global step is 2 mini-batches, fewer of them remaining"),
+    # The learner's own counters (issue 64 item 10): verify refuses what the restore refuses.
+    ("eval_items 5", lambda h: h["counters"].update(eval_items=5), "counter 'eval_items' is 5"),
+    ("eval_items -1", lambda h: h["counters"].update(eval_items=-1), "counter 'eval_items' is -1"),
+    ("global_steps removed", lambda h: h["counters"].pop("global_steps"), "counter 'global_steps' is missing"),
+    ("remaining_mini_batches removed", lambda h: h["counters"].pop("remaining_mini_batches"),
+     "counter 'remaining_mini_batches' is missing"),
+    ("train_steps 9 in step 10", lambda h: h["counters"].update(train_steps=9),
+     "the data state was taken at train step 9, but the model was restored at step 10"),
+]
+
+
+@pytest.mark.parametrize("name, edit, words", _GEOMETRY_EDITS, ids=[e[0] for e in _GEOMETRY_EDITS])
+def test_an_edit_the_restore_refuses_is_refused_by_verify_by_name(tmp_path, name, edit, words):
+  import json  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import errors, state as state_lib  # pylint: disable=g-import-not-at-top
+
+  value = _between_two_mini_batches()
+  code, out = _verify_edited(tmp_path, value, edit)
+  assert code == 1 and words in out and "Traceback" not in out, (name, out)
+  # The restore's own check (DataSession.restore calls it first) refuses the same edit with the same words.
+  header = json.loads(json.dumps(value.to_dict()))
+  edit(header)
+  with pytest.raises(errors.InvalidStateError, match=re.escape(words)):
+    state_lib.check_learner_position(state_lib.IteratorState.from_dict(header, origin="checkpoint step 10"),
+                                     "checkpoint step 10", step=10)
