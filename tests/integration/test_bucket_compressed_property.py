@@ -72,7 +72,7 @@ def _check(gcs_root, proxy, tmp_path_factory, files, wide, index, edited, shuffl
   hits_before = len(proxy.hits)
   prefix = f"{gcs_root}/{uuid.uuid4().hex[:8]}"
   urls, expected = [], {}
-  for part, (suffix, damage) in enumerate(files):
+  for part, (suffix, _) in enumerate(files):
     is_wide = wide and part == 0 and suffix != ".jsonl"
     text = _text(part, is_wide)
     urls.append(f"{prefix}/part-{part}{suffix}")
