@@ -6,8 +6,8 @@ the model. `ckpt_iter.tunix` (imported separately) makes Tunix RL learners
 resume exactly.
 """
 
-import importlib
-import typing
+import importlib as _importlib
+import typing as _typing
 
 from ckpt_iter.errors import CkptIterError
 from ckpt_iter.errors import ConfigDriftError
@@ -56,7 +56,7 @@ _LAZY = {
     "with_skip": "ckpt_iter.dataset",
 }
 
-if typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselves
+if _typing.TYPE_CHECKING:  # what type checkers and IDEs see: the names themselves
   from ckpt_iter._codec import register_pytree_dataclass
   from ckpt_iter.loader import DataLoaderIterator
   from ckpt_iter.provenance import which
@@ -88,13 +88,14 @@ def __getattr__(name: str):
   module = _LAZY.get(name)
   if module is None:
     raise AttributeError(f"module 'ckpt_iter' has no attribute {name!r}")
-  value = getattr(importlib.import_module(module), name)
+  value = getattr(_importlib.import_module(module), name)
   globals()[name] = value  # later lookups skip this function
   return value
 
 
 def __dir__():
-  return sorted(set(globals()) | set(__all__))
+  # The public names and the package's modules, never what it imports for itself (importlib, typing).
+  return sorted({n for n in globals() if not n.startswith("_") or n in ("__version__",)} | set(__all__))
 
 
 __version__ = "0.3.0"

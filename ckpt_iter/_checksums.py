@@ -21,6 +21,8 @@ import os
 import zlib
 from typing import Any
 
+from ckpt_iter import errors
+
 # Bytes hashed per read of a local copy: bounded memory whatever its size.
 _CHUNK_BYTES = 16 * 2**20
 
@@ -55,7 +57,7 @@ class RunningChecksum:
     if kind == "crc32c":
       crc32c = _crc32c_module()
       if crc32c is None:
-        raise ImportError(
+        raise errors.MissingPackageError(
             "checking a download's crc32c needs the google-crc32c package (gcsfs installs it): "
             "pip install google-crc32c")
       self._digest: Any = crc32c.Checksum()

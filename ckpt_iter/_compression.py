@@ -11,6 +11,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from ckpt_iter import errors
+
 # Suffix -> compression, for the files a JSONL source reads.
 _KINDS = {".gz": "gzip", ".zst": "zstd"}
 COMPRESSED_SUFFIXES = tuple(_KINDS)
@@ -62,7 +64,7 @@ class DecompressingWriter:
       try:
         import zstandard  # pylint: disable=g-import-not-at-top
       except ImportError:
-        raise ImportError(
+        raise errors.MissingPackageError(
             "reading .zst files needs the zstandard package: pip install 'ckpt_iter[files]' (or zstandard)"
         ) from None
       self._bad_data: tuple[type[BaseException], ...] = (zstandard.ZstdError,)

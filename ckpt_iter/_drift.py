@@ -243,6 +243,46 @@ def _is_shuffle_field(name: str) -> bool:
   return name in _SHUFFLE_FIELDS or name.startswith(_SHARDS_PREFIX)
 
 
+# ---------------------------------------------------------------------------
+# What continues the same stream: the one rule the restores above follow and `ckpt-iter audit` proves by.
+
+# A Tunix RL learner's batch geometry: its input continues at the same prompt under other sizes
+# (`tunix._session.DataSession._continuation`).
+LEARNER_GEOMETRY = frozenset({
+    "full_batch_size", "mini_batch_size", "train_micro_batch_size", "rollout_micro_batch_size",
+    "compute_logps_micro_batch_size",
+})
+# The batch geometry and the process count (a make_dataset position counts stream records, which
+# neither moves), the number of epochs (the stream's prefix is kept), the skips (audited as skips), a
+# learner's batch sizes, and the shuffle, which a restore accepts only at an epoch's first record.
+_SAME_STREAM_FIELDS = (_SPEC_BATCH | _SPEC_LENGTH | LEARNER_GEOMETRY
+                       | {"dataset_length", "shard_index", "shard_count", "skips", *_SHUFFLE_FIELDS})
+_WEIGHT_FIELD = re.compile(r"^weight\[(.+)\]$")
+
+
+def continues_the_stream(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+  """Whether a restore that changed fingerprint field `name` (`before` -> `after`, flat fingerprints: a
+  learner's input fields as `input.<name>`) continued the saved stream exactly, as docs/changing_the_run.md
+  lists: the restore accepts no other change of these fields, so a state after one proves its resume.
+
+  A mixture's weights and its sources added or removed (each source continues from its own next
+  record), and a Grain IterDataset.mix reweighted (each source from its own next element) are such
+  changes too; another seed, source, function or pipeline is not.
+  """
+  bare = name.removeprefix(f"{state_lib.INPUT}.")
+  if bare in _SAME_STREAM_FIELDS or _is_shuffle_field(bare):
+    return True
+  names = {n.removeprefix(f"{state_lib.INPUT}.") for n in (*before, *after)}
+  if any(_WEIGHT_FIELD.match(n) for n in names):  # make_dataset's mixture
+    if bare == "source" or _WEIGHT_FIELD.match(bare):
+      return True
+    per_source = _SOURCE_FIELD.match(bare)
+    if per_source and (name not in before or name not in after):  # the source added or removed
+      return True
+  node = _NODE_FIELD.match(bare)
+  return bool(node and node.group(2) == "MixedIterDataset" and node.group(3) == "weights")
+
+
 def _source_change(name: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
   """Whether a mixture source's shard layout differs because the source itself was added, removed or
   replaced (the sources rule decides those), not because its shuffle changed."""
@@ -392,6 +432,12 @@ def _mixture_change(
   if needed:
     differences = {f: (saved.get(f, _ABSENT), current.get(f, _ABSENT)) for f in sorted(fields)
                    if not state_lib.same_field_value(saved.get(f, _ABSENT), current.get(f, _ABSENT))}
+    # The declarations it asks for are among the names it gives a program: `allow_drift=set(error.differences)`
+    # accepts every change it names (docs/failure_modes.md).
+    if WEIGHTS in needed:
+      differences[WEIGHTS] = (dict(saved_shares), dict(current_shares))
+    if SOURCES in needed:
+      differences[SOURCES] = (list(saved_shares), list(current_shares))
     error = errors.ConfigDriftError(differences, origin=origin)
     error.args = (
         f"{origin}: the mixture changed ({'; '.join(lines)}). Declare it with allow_drift={set(needed)!r} "

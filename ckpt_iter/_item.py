@@ -151,12 +151,15 @@ def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized
 
 # The segment geometry a resume entry records (entry field, fingerprint field), each only when it changed
 # since the entry before it that recorded it (`state.carried_geometry`): a run of one batch size pays once.
-SEGMENT_GEOMETRY = (("batch_size", "global_batch_size"), ("process_count", "shard_count"))
+SEGMENT_GEOMETRY = (("batch_size", "global_batch_size"), ("process_count", "shard_count"),
+                    ("lanes", "shuffle_lanes"))
+# A geometry name's value where no entry recorded it: a make_dataset without shard lanes writes no lane field.
+_GEOMETRY_DEFAULTS = {"lanes": 1}
 
 
 def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
   """Where the restored state's stream continues, for the data map: its stream record (`record`) and the
-  global batch size and process count it was read with, so a checkpoint's last batch and the run's
+  global batch size, process count and shard lanes it was read with, so a checkpoint's last batch and the run's
   segments are known from its own lineage, whatever steps are kept; for a mixture, its segment
   (`_records.mixture_segment`). The batch size, process count and mixture are left out where the
   lineage's earlier entries carry the same. Empty for a position that counts
@@ -172,8 +175,8 @@ def segment_fields(restored: state_lib.IteratorState) -> dict[str, int]:
   names = [name for name, _ in SEGMENT_GEOMETRY] + ([] if mixture is None else ["mixture"])
   carried = state_lib.latest_geometry(recent, names)
   for name, field in SEGMENT_GEOMETRY:
-    value = fingerprint.get(field)
-    if state_lib.is_int(value) and value >= 1 and carried.get(name) != value:
+    value = fingerprint.get(field, _GEOMETRY_DEFAULTS.get(name))
+    if state_lib.is_int(value) and value >= 1 and carried.get(name, _GEOMETRY_DEFAULTS.get(name)) != value:
       fields[name] = int(value)
   if mixture is not None and carried.get("mixture") != mixture:
     fields["mixture"] = mixture  # the shares, lengths and ledger: changed only where the mixture changed

@@ -25,8 +25,13 @@ _PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs":
 _GCS_SCHEMES = ("gs", "gcs")
 
 
-def replaced_error(path: str, evidence: str, kind: str) -> errors.InvalidStateError:
-  """The refusal of a file (`kind` "file" or "object") replaced since a reader pinned it (both backends')."""
+def replaced_error(path: str, evidence: str, kind: str, *, deleted: bool = False) -> errors.InvalidStateError:
+  """The refusal of a file (`kind` "file" or "object") replaced, or `deleted`, since a reader pinned it (both
+  backends')."""
+  if deleted:
+    return errors.InvalidStateError(
+        f"{path}: deleted since this source indexed it ({evidence}). Put the {kind} back, or build the source "
+        f"again (make_dataset) without it.")
   return errors.InvalidStateError(
       f"{path}: replaced or rewritten since this source indexed it ({evidence}); its records would "
       f"mix two versions. Build the source again (make_dataset) to read the new {kind}.")
@@ -58,9 +63,9 @@ def filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:
     return fsspec.core.url_to_fs(url, **options)
   except ImportError as e:
     package = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
-    raise ImportError(
+    raise errors.MissingPackageError(
         f"{url}: reading or writing {scheme}:// needs {package} ({e}). Install it with: "
-        f"pip install {package}" + (" (or ckpt_iter[gcs])" if package == "gcsfs" else "")
+        + ("pip install 'ckpt_iter[gcs]'" if package == "gcsfs" else f"pip install {package}")
     ) from None
 
 
@@ -203,6 +208,19 @@ class Spool:
         pass
 
 
+def _exists_now(path: str) -> bool:
+  """Whether an object is at `path` now (one bounded metadata request; True when the store cannot say)."""
+  try:
+    fs, key = filesystem(path)
+    fs.invalidate_cache(key)
+    bounded(fs, path, "stat", fs.info, key)
+  except FileNotFoundError:
+    return False
+  except Exception:  # pylint: disable=broad-except
+    return True  # unknown: the general word, "replaced or rewritten"
+  return True
+
+
 def translate(path: str, operation: str, generation: str | None, error: Exception) -> Exception | None:
   """`error` of a store call about `path` as ckpt_iter's error; None to raise it as it is.
 
@@ -216,7 +234,9 @@ def translate(path: str, operation: str, generation: str | None, error: Exceptio
   from fsspec import exceptions as fsspec_exceptions  # pylint: disable=g-import-not-at-top
 
   if isinstance(error, FileNotFoundError):
-    return replaced_error(path, f"generation {generation} is gone", "object") if generation else None
+    if not generation:
+      return None
+    return replaced_error(path, f"generation {generation} is gone", "object", deleted=not _exists_now(path))
   if isinstance(error, errors.StorageError):
     return error
   if isinstance(error, (fsspec_exceptions.FSTimeoutError, asyncio.TimeoutError, TimeoutError)):

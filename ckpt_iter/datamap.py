@@ -372,10 +372,8 @@ def _last_batch_before_the_restore(stream: RecordStream, fingerprint: Mapping[st
     raise errors.InvalidStateError(
         f"{origin}: no batch was read since the restore at stream record {stream.next_record}, which changed the "
         f"mixture: the run before it read under the saved one, which this state does not hold: {ask}.")
-  before = dict(fingerprint)
-  if "batch_size" in geometry and "process_count" in geometry:
-    before.update(global_batch_size=geometry["batch_size"], shard_count=geometry["process_count"],
-                  batch_size=geometry["batch_size"] // max(geometry["process_count"], 1))
+  before = _segment_fingerprint(fingerprint, geometry) if "batch_size" in geometry and "process_count" in geometry \
+      else dict(fingerprint)
   previous = RecordStream(before, position, origin=origin)
   return last_batch(previous, segment_start=int(began), resumed_from=resumed_from)
 
@@ -569,7 +567,7 @@ def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.It
   fields = {name: entry.get(name) for name in ("record", "batch_size", "process_count")}
   origin = f"the resume from step {step}"
   if all(state_lib.is_int(v) for v in fields.values()):
-    fingerprint = dict(last.fingerprint, global_batch_size=fields["batch_size"], shard_count=fields["process_count"])
+    fingerprint = _segment_fingerprint(last.fingerprint, entry)
     position: dict[str, Any] = {_records.NEXT_RECORD: fields["record"]}
     if last.mixture is None:
       return RecordStream(fingerprint, position, origin=origin)
@@ -589,6 +587,20 @@ def _restored_stream(entry: Mapping[str, Any], states: Mapping[int, state_lib.It
       f"the run resumed from step {step}, which is no longer kept{policy}, and {what} is not in the resume's "
       f"record: the batches after it cannot be numbered. To keep the steps a run resumes from, "
       f"{KEEP_RESUMED_STEPS}; `--step` still answers for a kept step.")
+
+
+def _segment_fingerprint(fingerprint: Mapping[str, Any], geometry: Mapping[str, Any]) -> dict[str, Any]:
+  """`fingerprint` under the geometry a resume entry records of its segment (`_item.segment_fields`): its
+  global batch, process count and shard lanes, whose rows follow the global batch (one lane where the
+  lineage records none: a pipeline without lanes)."""
+  result = dict(fingerprint, global_batch_size=geometry["batch_size"], shard_count=geometry["process_count"],
+                batch_size=geometry["batch_size"] // max(geometry["process_count"], 1))
+  for field in (_permutation.LANES_FIELD, _permutation.LANE_ROWS_FIELD):
+    result.pop(field, None)
+  lanes = geometry.get("lanes", 1)
+  if state_lib.is_int(lanes) and lanes >= 2:
+    result[_permutation.LANES_FIELD], result[_permutation.LANE_ROWS_FIELD] = lanes, geometry["batch_size"] // lanes
+  return result
 
 
 def segment_start(value: state_lib.IteratorState) -> int | None:

@@ -149,21 +149,37 @@ class ContentDriftError(ConfigDriftError):
   Attributes:
     differences: {"content.<field>": (digest in the checkpoint, digest now)}.
     index: the index of the element produced again.
+    recorded_at: the index of an element near it that is the one the checkpoint saw, when one is: then
+      the saved position may be what changed (edited or damaged), not the data.
   """
 
-  def __init__(self, field: str, saved: str, current: str, *, index: int, origin: str = "the state"):
+  def __init__(self, field: str, saved: str, current: str, *, index: int, origin: str = "the state",
+               recorded_at: int | None = None):
     self.differences = {f"content.{field}": (saved, current)}
-    self.index = index
+    self.index, self.recorded_at = index, recorded_at
+    what = (f"{origin}: content: the element before the saved position (index {index}) is not "
+            f"the one the checkpoint saw: field {shown_value(field)} has digest {saved} there, {current} here.")
+    if recorded_at is not None:
+      CkptIterError.__init__(
+          self,
+          f"{what} The one it saw is element {recorded_at}, {abs(recorded_at - index)} "
+          f"{'after' if recorded_at > index else 'before'} it: field 'position' may be what disagrees (edited "
+          "or damaged), the data as it was. If the data did not change, restore an earlier checkpoint: an "
+          "allow_drift here would train from the wrong record. If it did change (a data file, a map "
+          f"function, a library), continue with the new output: {content_way_through(field)}.")
+      return
     CkptIterError.__init__(
         self,
-        f"{origin}: content: the element before the saved position (index {index}) is not "
-        f"the one the checkpoint saw: field {shown_value(field)} has digest {saved} there, "
-        f"{current} here. The pipeline is defined as before, but what it produces changed "
-        "(a vocabulary or data file, a record, a map function or a library). Resume with "
-        "the data the run was saved with, or continue with the new output: pass "
-        f"allow_drift={{{shown_value('content.' + field)}}} to this restore, or check_content=False "
-        "to the iterator.",
+        f"{what} The pipeline is defined as before, but what it produces changed (a vocabulary or data "
+        "file, a record, a map function or a library), or field 'position' was edited. Resume with the data "
+        f"the run was saved with, or continue with the new output: {content_way_through(field)}.",
     )
+
+
+def content_way_through(field: str) -> str:
+  """How a restore continues past a content check on `field` (the new output accepted)."""
+  return (f"pass allow_drift={{{shown_value('content.' + field)}}} to this restore, or check_content=False to "
+          "the iterator")
 
 
 class ProcessCountError(CkptIterError):
@@ -189,6 +205,10 @@ class InvalidArgumentError(CkptIterError, ValueError):
 
 class UnsupportedConfigError(CkptIterError, ValueError):
   """A configuration that cannot be resumed exactly, refused up front."""
+
+
+class MissingPackageError(CkptIterError, ImportError):
+  """An optional package a path or a file needs is not installed; the message gives the install line."""
 
 
 class StorageError(CkptIterError, OSError):

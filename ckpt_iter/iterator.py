@@ -17,6 +17,7 @@ from typing import Any, Callable, Collection, Mapping
 import grain
 
 from ckpt_iter import _drift
+from ckpt_iter import _permutation
 from ckpt_iter import _global_batch
 from ckpt_iter import _graph
 from ckpt_iter import _workers
@@ -269,8 +270,11 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     # Content names accept the content check's refusal; they are no fingerprint field.
     content_allowed = {name for name in allowed if name == "content" or name.startswith("content.")}
     allowed -= content_allowed
-    # Declared changes of a mixture (`_drift.WEIGHTS`, `_drift.SOURCES`): no fingerprint field either.
+    # Declared changes of a mixture (`_drift.WEIGHTS`, `_drift.SOURCES`): no fingerprint field either. Nor are
+    # the shard lanes' fields where neither side has lanes (shard_lanes=1, what shard_lanes=jax.process_count()
+    # gives on one host): a launch script that always declares the global batch's change runs there too.
     declared = allowed & _DECLARED_CHANGES
+    declared |= {name for name in allowed & _LANE_FIELDS if name not in state.fingerprint and name not in current}
     # Before the general check, and whatever allow_drift says: another
     # mp_prefetch worker count is translated to this one, or refused with the
     # reason (_workers.resume_workers, docs/guarantees.md "Worker processes").
@@ -443,8 +447,24 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     if unchecked is not None:
       return unchecked
     if difference is not None:
-      raise errors.ContentDriftError(*difference, index=index, origin=origin)
+      raise errors.ContentDriftError(*difference, index=index, origin=origin,
+                                     recorded_at=self._element_recorded_near(saved, index))
     return f"same element at index {index}"
+
+  def _element_recorded_near(self, saved: Any, index: int) -> int | None:
+    """The element within `_POSITION_SEARCH` of `index` that the content record `saved` describes, or None.
+
+    Only when the content check failed: an element near the position that
+    is the recorded one says the position moved, not the data.
+    """
+    length = len(self._dataset)
+    for distance in range(1, _POSITION_SEARCH + 1):
+      for candidate in (index - distance, index + distance):
+        if 0 <= candidate < length:
+          element = self._dataset[candidate]
+          if element is not None and _drift.content_difference(saved, element) == (None, None):
+            return candidate
+    return None
 
   def _adopt(self, state: state_lib.IteratorState, *, content_carried: bool = True) -> None:
     """Carries the restored state's content record and lineage on.
@@ -539,6 +559,7 @@ _CONTENT_OFF = "off: check_content=False"
 _CONTENT_SKIPPED = "unavailable: elements skipped, none read since"
 _CONTENT_RECUT = "unavailable: restored into a changed pipeline (batches, processes), no batch read since"
 _DECLARED_CHANGES = frozenset({_drift.WEIGHTS, _drift.SOURCES})
+_LANE_FIELDS = frozenset({_permutation.LANES_FIELD, _permutation.LANE_ROWS_FIELD})
 _CONTENT_SKIPS_ADDED = "not applicable (skips added at this restore)"
 
 
@@ -548,6 +569,7 @@ def _without_skips(state: state_lib.IteratorState) -> state_lib.IteratorState:
 
 
 _CONTENT_LOOKBACK = 64
+_POSITION_SEARCH = 16  # elements either side a failed content check looks through for the recorded one
 
 
 class GrainIteratorView:

@@ -32,8 +32,12 @@ Format version history:
      `position.parent`, a Tunix learner's under `position.input`), and a
      make_dataset position counts stream records (`{"next_record": R}`), so
      a restart may change the batch size, the process count or a mixture's
-     weights (docs/changing_the_run.md). Every kind is written as 4; 0-3
-     migrate on read (`migrate`).
+     weights (docs/changing_the_run.md).
+  5  What every process of a pod holds alike (its fingerprints without the
+     per-process fields, its lineage) is written once, in the step's count
+     file (`_files`; docs/state_format.md, "The pod part"); a header keeps
+     its own fields. The value read is the same as format 4's. Every kind is
+     written as 5; 0-4 migrate on read (`migrate`).
 """
 
 from __future__ import annotations
@@ -494,7 +498,7 @@ def checked_content_record(content: Any, field: str, origin: str) -> FrozenDict:
 # What a resume entry records of where the data map's segment starts (a make_dataset position):
 # the restored stream record, and the global batch size and process count in effect before it.
 # Each with its least valid value.
-_SEGMENT_ENTRY_FIELDS = {"record": 0, "batch_size": 1, "process_count": 1}
+_SEGMENT_ENTRY_FIELDS = {"record": 0, "batch_size": 1, "process_count": 1, "lanes": 1}
 
 
 def _checked_lineage(lineage: Any, origin: str) -> FrozenDict | None:
@@ -543,13 +547,13 @@ def checked_lineage(lineage: Any, origin: str) -> Mapping[str, Any] | None:
 
 
 def carried_geometry(recent: Any) -> list[dict[str, Any]]:
-  """Per resume entry of a lineage, its `batch_size`, `process_count` and `mixture`: its own, or those of
+  """Per resume entry of a lineage, its `batch_size`, `process_count`, `lanes` and `mixture`: its own, or those of
   the latest entry before it that recorded them (an entry leaves out what did not change:
   `_item.segment_fields`)."""
   carried: dict[str, Any] = {}
   result = []
   for entry in recent:
-    for name in ("batch_size", "process_count"):
+    for name in ("batch_size", "process_count", "lanes"):
       if _is_int(entry.get(name)):
         carried[name] = int(entry[name])
     if isinstance(entry.get("mixture"), str):

@@ -129,8 +129,12 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
   def position(self) -> dict[str, Any]:
     """Elements and records yielded, and the source's own state right after them."""
     source_state = self._source.state_dict() if self._source_state is _LIVE else self._source_state
-    return {ELEMENTS_READ: self._elements, RECORDS_READ: self._records,
+    return {ELEMENTS_READ: self._elements, RECORDS_READ: self._records_read(),
             SOURCE_STATE: json_state(source_state, SOURCE_STATE)}
+
+  def _records_read(self) -> int:
+    # One record an element: the per-record path counts elements only (`__next__`), records are as many.
+    return self._elements if self._batch_size is None else self._records
 
   def state(self) -> state_lib.IteratorState:
     """The current state as an immutable value.
@@ -194,9 +198,15 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
       element, (self._elements, self._records, self._source_state) = self._lookahead
       self._lookahead = _NOTHING
       return element
+    if self._batch_size is None and self._iterator is not None:
+      # One record an element, the stream started: the per-record path, the element counted and no more.
+      element = next(self._iterator)
+      self._elements += 1
+      self._source_state = _LIVE
+      return element
     element, read = self._read()
+    self._records = self._records_read() + read
     self._elements += 1
-    self._records += read
     self._source_state = _LIVE  # the source stopped right after this element: its state is asked when saved
     return element
 
@@ -206,7 +216,7 @@ class StreamingIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator)
       if self._source_state is _LIVE:  # reading ahead moves the source: keep the boundary's state first
         self._source_state = self._source.state_dict()
       element, read = self._read()
-      self._lookahead = (element, (self._elements + 1, self._records + read, _LIVE))
+      self._lookahead = (element, (self._elements + 1, self._records_read() + read, _LIVE))
     return self._lookahead[0]
 
   def skip(self, count: int) -> None:

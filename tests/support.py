@@ -130,8 +130,10 @@ CHAIN_SOURCES = {"a": [{"id": 1000 + i} for i in range(17)], "b": [{"id": 2000 +
 
 
 def chain_pipeline(count: int, index: int, global_batch: int, *, seed: int | None = 5, skip: Any = None,
-                   mixture: dict[str, int] | None = None, drop: bool = True, **shuffle: Any) -> Any:
-  """Process `index` of `count`'s make_dataset over CHAIN_RECORDS (4 epochs) or a mixture of CHAIN_SOURCES.
+                   mixture: dict[str, int] | None = None, drop: bool = True, records: Any = None,
+                   **shuffle: Any) -> Any:
+  """Process `index` of `count`'s make_dataset over CHAIN_RECORDS (4 epochs; or `records`) or a mixture of
+  CHAIN_SOURCES.
 
   `shuffle`: make_dataset's shuffle arguments (shuffle="shards", shard_size, shuffle_window).
   """
@@ -142,7 +144,7 @@ def chain_pipeline(count: int, index: int, global_batch: int, *, seed: int | Non
   if mixture is not None:
     sources = {name: CHAIN_SOURCES[name] for name in mixture}
     return ckpt_iter.make_dataset(sources, weights=mixture, num_epochs=None, **common)
-  return ckpt_iter.make_dataset(CHAIN_RECORDS, num_epochs=4, **common)
+  return ckpt_iter.make_dataset(CHAIN_RECORDS if records is None else records, num_epochs=4, **common)
 
 
 def batch_ids(batch: Any) -> list[int]:

@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from ckpt_iter import _drift
 from ckpt_iter import _files
 from ckpt_iter import _codec as codec
 from ckpt_iter import _storage
@@ -133,6 +133,16 @@ class Report:
       verdicts.setdefault((f.step, f.resumed_from, f.resume_number), set()).add(
           "changed" if f.accepted else f.verdict)
     return len(verdicts), sum(found == {OK} for found in verdicts.values())
+
+  def resume_summary(self) -> str:
+    """"N resume(s) (B before the earliest kept step), P proven exact, C into another pipeline": the audit's
+    count in words, as its last line and its picture's title give it."""
+    resumes, proven = self.resume_counts()
+    before = sum(self.resumes_before_window.values())
+    beyond = f" ({before} before the earliest kept step)" if before else ""
+    changed = self.changed_resumes()
+    into = f", {changed} into another pipeline (accepted changes named above)" if changed else ""
+    return f"{resumes} resume(s){beyond}, {proven} proven exact{into}"
 
   def changed_resumes(self) -> int:
     """The resumes into another pipeline (an accepted `allow_drift` of the data)."""
@@ -602,31 +612,13 @@ def _resume_finding(
                  resumed_from=source_step)
 
 
-# Fields a restore changes while continuing the same stream exactly (docs/changing_the_run.md): the batch
-# geometry, the process count, the number of epochs, skips (audited as skips), a Tunix learner's batch
-# sizes; a mixture's weights and sources, each source continuing at its own next record.
-_EXACT_CHANGES = frozenset({
-    "batch_size", "global_batch_size", "batches_per_epoch", "shard_index", "shard_count", "num_epochs",
-    "dataset_length", "skips", "full_batch_size", "mini_batch_size", "train_micro_batch_size",
-    "rollout_micro_batch_size", "compute_logps_micro_batch_size",
-})
-_PER_SOURCE = re.compile(r"^(weight|source_length|source_digest|shuffle_shards)\[(.+)\]$")
-
-
 def accepted_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[tuple[str, tuple[Any, Any]]]:
-  """The fingerprint fields a resume changed that are not a continuation of the same stream: each an
-  `allow_drift` a restore accepted (another seed, source, records or function), sorted by name."""
+  """The fingerprint fields a resume changed that are not a continuation of the same stream (by the
+  restore's own rule, `_drift.continues_the_stream`): each an `allow_drift` a restore accepted (another
+  seed, source, records or function), sorted by name."""
   changed = state_lib.differing_fields(before, after)
-  mixture = any(name.startswith("weight[") for name in (*before, *after))
-  found = []
-  for name, values in sorted(changed.items()):
-    bare = name.removeprefix(f"{state_lib.INPUT}.")
-    per_source = _PER_SOURCE.match(bare)
-    if bare in _EXACT_CHANGES or (mixture and bare == "source") or (per_source and (
-        per_source.group(1) == "weight" or state_lib.ABSENT in values)):
-      continue  # a mixture's sources added or removed, or its weights: each source at its own next record
-    found.append((name, values))
-  return found
+  return [(name, values) for name, values in sorted(changed.items())
+          if not _drift.continues_the_stream(name, before, after)]
 
 
 def _forward(previous: Saved, saved: Saved, context: str) -> list[Finding]:
@@ -696,14 +688,10 @@ def report_lines(report: Report) -> list[str]:
       NOTHING: "nothing to prove",
   }[report.verdict]
   before = sum(report.resumes_before_window.values())
-  beyond = f" ({before} before the earliest kept step)" if before else ""
   if report.verdict == UNPROVEN and (before or any(
       f.verdict == UNPROVABLE and f.resumed_from is not None for f in report.findings)):
     # The usual cause: max_to_keep deleted the steps the run resumed from.
     lines.append(f"  steps a resume came from are not kept: to keep them, {datamap.KEEP_RESUMED_STEPS} "
                  f"({_urls.doc_url('prove_your_run.md')})")
-  changed = report.changed_resumes()
-  into = f", {changed} into another pipeline (accepted changes named above)" if changed else ""
-  lines.append(f"{verdict}: {len(report.points)} state(s), {resumes} resume(s){beyond}, "
-               f"{proven} proven exact{into}")
+  lines.append(f"{verdict}: {len(report.points)} state(s), {report.resume_summary()}")
   return lines

@@ -101,9 +101,9 @@ def _draw(axes, report: auditing.Report) -> None:
 def _title(axes, report: auditing.Report) -> None:
   verdict = {auditing.OK: "unbroken chain", auditing.BROKEN: "BROKEN chain",
              auditing.UNPROVEN: "not proven", auditing.NOTHING: "nothing to prove"}[report.verdict]
-  resumes, proven = report.resume_counts()
   where = "/".join(report.root.rstrip("/").split("/")[-2:])
-  axes.set_title(f"{verdict}: {resumes} resume(s), {proven} proven exact  (.../{where})",
+  summary = report.resume_summary().replace(" (accepted changes named above)", "")
+  axes.set_title(f"{verdict}: {summary}  (.../{where})",
                  fontsize=9, color="#d62728" if report.verdict == auditing.BROKEN else "black")
   axes.set_xlabel("checkpoint step")
 
@@ -137,7 +137,8 @@ def _epoch_lines(axes, report: auditing.Report) -> None:
   for epoch in range(1, top // per_epoch + 1):
     axes.axhline(epoch * per_epoch, color="#9a9a9a", linestyle="--", linewidth=0.8, zorder=0,
                  label="epoch boundary" if epoch == 1 else None)
-    axes.annotate(f"epoch {epoch + 1}", (0, epoch * per_epoch), xycoords=("axes fraction", "data"),
+    # Epochs numbered from 0, as `ckpt-iter inspect` and `which` number them: the one this line starts.
+    axes.annotate(f"epoch {epoch}", (0, epoch * per_epoch), xycoords=("axes fraction", "data"),
                   xytext=(3, 2), textcoords="offset points", fontsize=7, color="#777777")
 
 

@@ -40,12 +40,25 @@ KEEP_POLICY = ("the checkpoint manager's max_to_keep deleted it: Orbax Checkpoin
 
 
 class States(collections.abc.Mapping):
-  """step -> one process's data state of a layout, each header read when first asked for."""
+  """step -> one process's data state of a layout, each header read when first asked for.
 
-  def __init__(self, layout: inspection.Layout, process_index: int = 0):
+  `for_streams()` is the view a run's map reads the steps it resumed from
+  through: a step written by fewer processes than this one's index holds no
+  state of it, and there any process's state says the stream (the global
+  position, shuffle and mixture every process of a step shares).
+  """
+
+  def __init__(self, layout: inspection.Layout, process_index: int = 0, *, any_process_of_fewer: bool = False):
     self._layout, self._process = layout, process_index
+    self._any_process_of_fewer = any_process_of_fewer
     self._read: dict[int, state_lib.IteratorState] = {}
     self.asked: set[int] = set()  # the steps a reader tried to read (asked when a read fails)
+
+  def for_streams(self) -> "States":
+    """This process's states, and process 0's of a step written by fewer processes (for `RunMap.from_states`)."""
+    view = States(self._layout, self._process, any_process_of_fewer=True)
+    view._read, view.asked = self._read, self.asked  # pylint: disable=protected-access
+    return view
 
   def __getitem__(self, step: int) -> state_lib.IteratorState:
     if step not in self._read:
@@ -54,11 +67,16 @@ class States(collections.abc.Mapping):
       self.asked.add(step)
       item_dir = self._layout.item_dir(step)
       files = dict(inspection._process_files_or_none(item_dir))  # pylint: disable=protected-access
-      if self._process not in files:
+      process = self._process
+      if process not in files and self._any_process_of_fewer and files and max(files.values()) <= process:
+        process = 0 if 0 in files else min(files)  # written by fewer processes: none of them is this one
+      if process not in files:
         raise KeyError(step)
-      path = _files.header_path(item_dir, self._process, files[self._process])
+      path = _files.header_path(item_dir, process, files[process])
       value = codec.header_state(_files.read_header(path), origin=path)
       state_lib.input_stream_skips(value, origin=path)  # a corrupt field named as a restore names it
+      if process != self._process:
+        return value  # not this process's own: kept out of the cache the strict view shares
       self._read[step] = value
     return self._read[step]
 
@@ -148,7 +166,7 @@ def which_step(layout: inspection.Layout, step: int, process_index: int = 0,
   value = states[step]
   note = None
   try:
-    run = datamap.RunMap.from_states(states, step, keep_policy=KEEP_POLICY)
+    run = datamap.RunMap.from_states(states.for_streams(), step, keep_policy=KEEP_POLICY)
   except errors.ItemNotFoundError as e:
     run, note = None, f"not numbered: {e}"
   learner = None
@@ -165,7 +183,7 @@ def which_batch(layout: inspection.Layout, number: int, process_index: int = 0,
   """Global batch `number` of the run the latest step ends."""
   states = States(layout, process_index) if states is None else states
   last = _latest_with_state(layout, states)
-  run = datamap.RunMap.from_states(states, last, keep_policy=KEEP_POLICY)
+  run = datamap.RunMap.from_states(states.for_streams(), last, keep_policy=KEEP_POLICY)
   return Answer(None, run.batch(number), note=f"the run up to step {last}: {run.total} global batches")
 
 
@@ -223,8 +241,8 @@ def answer_lines(answer: Answer, files: SourceFiles | None) -> list[str]:
   for record in batch.records:
     source = f"{record.source}:{record.index}" if record.source else str(record.index)
     where = (files.where(record) or "") if files else ""
-    lines.append(f"  {record.row:<3}  {record.process_index:<7}  {record.stream_record:<13}  {source:<13}  "
-                 f"{record.epoch:<5}" + (f"  {where}" if files else ""))
+    lines.append((f"  {record.row:<3}  {record.process_index:<7}  {record.stream_record:<13}  {source:<13}  "
+                  f"{record.epoch:<5}" + (f"  {where}" if files else "")).rstrip())
   return lines
 
 
@@ -329,7 +347,7 @@ def write_order(layout: inspection.Layout, out: str, *, process_index: int = 0, 
   """
   states = States(layout, process_index) if states is None else states
   last = _latest_with_state(layout, states)
-  run = datamap.RunMap.from_states(states, last, keep_policy=KEEP_POLICY)
+  run = datamap.RunMap.from_states(states.for_streams(), last, keep_policy=KEEP_POLICY)
   stop = run.total if limit is None else min(run.total, start + limit)
   total = max(stop - start, 0)
   progress = progress or Progress(total)

@@ -23,6 +23,7 @@ from ckpt_iter.tunix import _input
 from ckpt_iter.tunix import _items as items
 from ckpt_iter.tunix import _shardings as shardings
 from ckpt_iter import _codec as codec
+from ckpt_iter import _drift
 from ckpt_iter import errors
 from ckpt_iter import _item as item_lib
 from ckpt_iter import replay as replay_lib
@@ -30,11 +31,8 @@ from ckpt_iter import state as state_lib
 
 _LOG = logging.getLogger("ckpt_iter")
 # The learner's batch geometry: fields a resume may change when the input
-# continues at the same prompt (`DataSession._continuation`).
-_CONTINUABLE_LEARNER_FIELDS = frozenset({
-    "full_batch_size", "mini_batch_size", "train_micro_batch_size",
-    "rollout_micro_batch_size", "compute_logps_micro_batch_size",
-})
+# continues at the same prompt (`DataSession._continuation`; the audit's rule too).
+_CONTINUABLE_LEARNER_FIELDS = _drift.LEARNER_GEOMETRY
 # How a mini-batch is cut into trainer inputs and rollout batches; a resume may
 # change them when the mini-batches stay the same (`_resplit_micro_batches`).
 _MICRO_BATCH_FIELDS = ("train_micro_batch_size", "rollout_micro_batch_size", "compute_logps_micro_batch_size")

@@ -90,6 +90,13 @@ def test_a_range_reader_sent_to_a_grain_worker_reads_the_generation_it_pinned(gc
   with pytest.raises(errors.InvalidStateError, match=rf"{path}: replaced or rewritten .*generation \d+ is gone"):
     clone.read(3, 6)
   assert _storage.RangeReader(path).read(3, 6) == b"def"
+  # Deleted, not replaced: said so (issue 66 item 16), with what to do.
+  later = pickle.loads(pickle.dumps(_storage.RangeReader(path)))
+  fs, key = __import__("ckpt_iter._object_store", fromlist=["filesystem"]).filesystem(path)
+  fs.rm(key)
+  with pytest.raises(errors.InvalidStateError, match=rf"{path}: deleted since this source indexed it .*Put the "
+                     r"object back, or build the source again"):
+    later.read(3, 6)
 
 
 def test_an_overwritten_object_gets_a_new_identity_and_a_new_jsonl_index(gcs_root, tmp_path, monkeypatch):

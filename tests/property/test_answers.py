@@ -39,10 +39,13 @@ _OFFSET = {"": 0, "a": 1000, "b": 2000}  # support.CHAIN_SOURCES' ids: 1000 + in
 # {"b": 2, "a": 1} <-> {"b": 2}: a source added or removed where the shares' gcd moves (b: 2 -> 1).
 _MIXTURES = [None, {"a": 1, "b": 1}, {"a": 3, "b": 1}, {"a": 1}, {"b": 2, "a": 1}, {"b": 2}]
 # Grain's shuffle, or the shard-aware one (shards of 4 records, 2 to a window): the answers are the same code.
+_LANE_RECORDS = [{"id": i} for i in range(24)]  # epochs of whole global batches: a restore can be at an epoch's start
 _SHUFFLES = {"global": {}, "shards": {"shuffle": "shards", "shard_size": 4, "shuffle_window": 2},
-             # Shard lanes: 2 lanes of 3 rows (a global batch of 6, which a restore keeps).
-             "lanes": {"shuffle": "shards", "shard_size": 4, "shuffle_window": 2, "shard_lanes": 2}}
-_LANES_GLOBAL_BATCH = 6
+             # Shard lanes: 2 lanes of 3 rows (a global batch of 6), or of 6 (12) after the documented change of
+             # the global batch at an epoch's first record (allow_drift={"shuffle_lane_rows"}).
+             "lanes": {"shuffle": "shards", "shard_size": 4, "shuffle_window": 2, "shard_lanes": 2,
+                       "records": _LANE_RECORDS}}
+_LANES_GLOBAL_BATCHES = (6, 12)
 
 
 @st.composite
@@ -66,15 +69,25 @@ def _chains(draw, mixed: bool):
 
 @st.composite
 def _lane_chains(draw):
-  """Chains of a lanes pipeline: one global batch, any process count dividing it (dividing the lanes or not)."""
+  """Chains of a lanes pipeline: any process count dividing the global batch (dividing the lanes or not),
+  and, drawn, the global batch changed at an epoch's first record (6 <-> 12), where a segment then ends."""
   segments = []
+  changes = draw(st.booleans())
+  global_batch, read = _LANES_GLOBAL_BATCHES[0], 0  # records read up to the segment's last save
   for number in range(draw(st.integers(2, 4))):
+    if changes and number and read and read % len(_LANE_RECORDS) == 0:
+      global_batch = sum(_LANES_GLOBAL_BATCHES) - global_batch
     skip = None
-    if number and draw(st.booleans()):
+    if number and not changes and draw(st.booleans()):
       start = draw(st.integers(0, 60))
       skip = [(start, start + draw(st.integers(1, 8)))]
-    segments.append((draw(st.sampled_from([1, 2, 3, 6])), _LANES_GLOBAL_BATCH, draw(st.integers(1, 3)),
-                     draw(st.integers(0, 2)), skip, None, True))
+    saved = draw(st.integers(1, 3))
+    to_epoch_end = (len(_LANE_RECORDS) - read % len(_LANE_RECORDS)) // global_batch
+    if changes and (len(_LANE_RECORDS) - read % len(_LANE_RECORDS)) % global_batch == 0 and draw(st.booleans()):
+      saved = to_epoch_end  # the segment ends at an epoch's end: the next one may change the global batch
+    read += saved * global_batch
+    count = draw(st.sampled_from([c for c in (1, 2, 3, 4, 6) if global_batch % c == 0]))
+    segments.append((count, global_batch, saved, draw(st.integers(0, 2)), skip, None, True))
   return segments
 
 
@@ -93,7 +106,8 @@ def _run(root: str, segments, shuffle: str = "global", restored: list | None = N
       for index, iterator in enumerate(iterators):
         checkpoint_lib.IteratorCheckpointHandler(index, count).restore(
             os.path.join(root, str(step), "data"),
-            ckpt_iter.IteratorRestore(iterator, elastic=True, allow_drift={"weights", "sources"}))
+            ckpt_iter.IteratorRestore(iterator, elastic=True,
+                                      allow_drift={"weights", "sources", "shuffle_lane_rows"}))
       if restored is not None:
         restored.append((step, iterators[0].state(), make(0), segments[number - 1][5] != mixture))
     for _ in range(saved):
@@ -121,8 +135,8 @@ def _ids(batch) -> list[int]:
 _cli = support.cli_output
 
 
-def _order(root: str, out: str) -> list[list[int]]:
-  code, text = _cli("order", root, "--out", out)
+def _order(root: str, out: str, *extra: str) -> list[list[int]]:
+  code, text = _cli("order", root, "--out", out, *extra)
   assert code == 0, text
   with open(out, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
@@ -167,9 +181,24 @@ def _check(segments, shuffle: str = "global") -> bool:
       assert api == cli_ids == trained, f"step {step}: api {api}, cli {cli_ids}, trained {trained}"
       COUNTS["steps"] += 1
     assert _order(root, os.path.join(root, "order.jsonl")) == kept
+    # Another process's view of the same run: a step its index did not write (fewer processes) is read for
+    # the stream it shares, never taken for one deleted.
+    last_count = len([n for n in os.listdir(os.path.join(root, str(writers[-1][0]), "data"))
+                      if n.startswith("process_") and n.endswith(".json")])
+    if last_count > 1:
+      assert _order(root, os.path.join(root, "order-p.jsonl"), "--process", str(last_count - 1)) == kept
+      COUNTS["orders of another process"] += 1
+    if len({segment[1] for segment in segments}) > 1 and shuffle == "lanes":
+      COUNTS["lanes chains whose global batch changed at an epoch's start"] += 1
     for verb in ("verify", "audit"):  # an honest root passes both
       code, text = _cli(verb, root)
       assert code == 0, f"{verb}: {text}"
+    # Every resume the chain drew continues the same stream (a batch, a process count, a mixture's weights
+    # or sources, skips, the lanes' rows at an epoch's start): the audit proves each by the restore's rule.
+    code, text = _cli("audit", root, "--json")
+    report = json.loads(text[:text.rindex("}") + 1])
+    assert report["resumes"] == report["proven_exact"], report["findings"]
+    COUNTS["resumes proven by the audit"] += report["proven_exact"]
     resumed_from = {w[0] for w in writers} - {writers[-1][0]}
     if resumed_from:
       for step in resumed_from:  # what max_to_keep leaves: the latest step only
@@ -182,7 +211,11 @@ def _check(segments, shuffle: str = "global") -> bool:
         COUNTS["orders refused naming KeepResumedSteps"] += 1
       else:
         assert _order(root, os.path.join(root, "order-latest.jsonl")) == kept
-        COUNTS["orders from the lineage alone"] += 1
+        code, text = _cli("which", root, "--step", str(writers[-1][0]), "--json")
+        assert code == 0, text
+        answer = json.loads(text[:text.rindex("}") + 1])
+        assert [_OFFSET[row["source"]] + row["index"] for row in answer["rows"]] == kept[-1]
+        COUNTS["orders and the latest step's which from the lineage alone"] += 1
     COUNTS["chains"] += 1
     return True
   finally:
@@ -217,6 +250,17 @@ def test_which_api_cli_and_order_are_what_a_lanes_pipeline_read(data):
 @hypothesis.given(data=st.data())
 def test_which_api_cli_and_order_are_what_a_lanes_pipeline_read_long(data):
   hypothesis.assume(_check(data.draw(_lane_chains(), label="segments"), "lanes"))
+
+
+def test_the_issue_66_cases_answer_what_was_read():
+  """issue 66 items 1-4: a lanes pipeline's global batch changed at an epoch's first record, its resumed-from
+  steps then deleted; a mixture whose source is removed as the process count grows, read as process 1."""
+  COUNTS.clear()
+  assert _check([(1, 6, 4, 0, None, None, True), (2, 12, 3, 1, None, None, True), (3, 12, 1, 0, None, None, True)],
+                "lanes")
+  assert _check([(1, 4, 1, 0, None, {"a": 1, "b": 1}, True), (2, 4, 2, 0, None, {"a": 1}, True)], "shards")
+  assert COUNTS["lanes chains whose global batch changed at an epoch's start"] == 1
+  assert COUNTS["orders of another process"] == 2 and COUNTS["resumes proven by the audit"] == 3
 
 
 def test_the_issue_cases_answer_what_was_read():

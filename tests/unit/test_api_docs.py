@@ -117,3 +117,16 @@ def test_the_docstring_finder_reads_the_source(tmp_path, monkeypatch):
   assert hooks.docstring("docpkg", "missing") is None
   monkeypatch.setattr(hooks, "public_names", lambda module_name: ["Documented", "Bare", "LIMIT"])
   assert hooks.undocumented_members("docpkg") == ["Documented.bare_property", "Documented.bare_method"]
+
+
+def test_the_package_lists_its_public_names_and_modules_only():
+  # issue 66: dir(ckpt_iter) listed importlib and typing, which the package imports for itself.
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+
+  import types  # pylint: disable=g-import-not-at-top
+
+  listed = set(dir(ckpt_iter)) - set(ckpt_iter.__all__) - {"__version__"}
+  # Besides the public names: the package's own submodules (an import of one makes it an attribute).
+  assert not [n for n in listed if not (isinstance(getattr(ckpt_iter, n), types.ModuleType)
+                                        and getattr(ckpt_iter, n).__name__ == f"ckpt_iter.{n}")], sorted(listed)
+  assert set(ckpt_iter.__all__) <= set(dir(ckpt_iter))

@@ -618,3 +618,59 @@ def test_a_batch_size_change_at_a_resume_is_still_proven_exact(tmp_path, capsys)
       manager.wait_until_finished()
   _, report, _ = _audit(capsys, tmp_path)
   assert report["proven_exact"] == 1 and report["into_another_pipeline"] == 0, report
+
+
+# ---------------------------------------------------------------------------
+# One rule for "the same stream", the restore's (issue 66 item 3).
+
+
+def _grain_mix(weights):
+  parts = [grain.MapDataset.range(start, start + 40).map(lambda x: {"x": np.int64(x)}).to_iter_dataset()
+           for start in (0, 1000)]
+  return grain.IterDataset.mix(parts, weights=weights)
+
+
+def _chain_of(root, make_before, make_after, allow_drift):
+  """Two steps under `make_before`, a restore of the latest into `make_after` with `allow_drift`, two more."""
+  with ocp.CheckpointManager(str(root), item_names=("data",)) as manager:
+    iterator = ckpt_iter.DataIterator(make_before())
+    for step in (1, 2):
+      next(iterator)
+      manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+    manager.wait_until_finished()
+    iterator = ckpt_iter.DataIterator(make_after())
+    manager.restore(2, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(iterator, allow_drift=allow_drift)))
+    for step in (3, 4):
+      next(iterator)
+      manager.save(step, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(iterator)))
+    manager.wait_until_finished()
+
+
+_SOURCES = {"a": [{"x": i} for i in range(30)], "b": [{"x": 100 + i} for i in range(30)]}
+_LANE_RECORDS = [{"x": i} for i in range(16)]
+
+
+@pytest.mark.parametrize("before, after, allow_drift", [
+    # grain.IterDataset.mix reweighted: each source continues from its own next element.
+    (lambda: _grain_mix([1, 1]), lambda: _grain_mix([3, 1]), {"weights"}),
+    # make_dataset's mixture: a source added, then (the other case) removed, under allow_drift={"sources"}.
+    (lambda: ckpt_iter.make_dataset({"a": _SOURCES["a"]}, weights={"a": 1}, batch_size=2, seed=0, num_epochs=None),
+     lambda: ckpt_iter.make_dataset(_SOURCES, weights={"a": 1, "b": 1}, batch_size=2, seed=0, num_epochs=None),
+     {"sources"}),
+    (lambda: ckpt_iter.make_dataset(_SOURCES, weights={"a": 1, "b": 1}, batch_size=2, seed=0, num_epochs=None),
+     lambda: ckpt_iter.make_dataset({"a": _SOURCES["a"]}, weights={"a": 1}, batch_size=2, seed=0, num_epochs=None),
+     {"sources"}),
+    # Shard lanes' global batch changed at an epoch's first record (two batches of 8 are an epoch of 16).
+    (lambda: ckpt_iter.make_dataset(_LANE_RECORDS, batch_size=8, seed=0, num_epochs=3, shuffle="shards",
+                                    shard_size=4, shard_lanes=2),
+     lambda: ckpt_iter.make_dataset(_LANE_RECORDS, batch_size=4, seed=0, num_epochs=3, shuffle="shards",
+                                    shard_size=4, shard_lanes=2),
+     {"shuffle_lane_rows"}),
+], ids=["grain mix reweighted", "a source added", "a source removed", "lane rows at an epoch's start"])
+def test_a_documented_same_stream_change_is_proven_exact(tmp_path, capsys, before, after, allow_drift):
+  # They were counted "into another pipeline" (not proven): the audit kept its own list of same-stream
+  # fields beside the restore's rule; both now ask `_drift.continues_the_stream`.
+  _chain_of(tmp_path, before, after, allow_drift)
+  code, report, _ = _audit(capsys, tmp_path)
+  assert code == 0 and (report["resumes"], report["proven_exact"]) == (1, 1), report["findings"]
+  assert not any("into another pipeline" in f["message"] for f in report["findings"]), report["findings"]

@@ -59,6 +59,23 @@ def test_a_plain_chains_picture_shows_its_epochs_and_each_run_between_preemption
   # The second run (after the resume from step 3) is shaded: steps 4-6.
   shaded = [patch.get_x() for patch in axes.patches]
   assert shaded == [3.5], shaded
+  # Epochs numbered from 0, as `inspect` numbers them: the line at 12 records starts epoch 1 (issue 66).
+  assert sorted(text.get_text() for text in axes.texts if text.get_text().startswith("epoch")) == ["epoch 1",
+                                                                                                   "epoch 2"]
+
+
+def test_the_title_counts_the_resumes_the_text_counts(tmp_path, capsys):
+  # issue 66 item 14: "0 resume(s)" in the title where the text said 3 happened before the kept steps.
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  _chain(tmp_path, [1, 2], [3, 4], [5, 6], [7, 8])
+  for step in range(1, 7):
+    shutil.rmtree(tmp_path / str(step))
+  assert cli.main(["audit", str(tmp_path)]) in (0, 3)
+  last = capsys.readouterr().out.strip().splitlines()[-1]
+  assert "3 resume(s) before the earliest kept step" not in last and "(3 before the earliest kept step)" in last
+  title = _drawn(tmp_path).get_title()
+  assert last.split(": ", 1)[1].split(", ", 1)[1] in title, (last, title)
 
 
 def test_a_root_without_data_states_draws_no_position_axis_and_says_why(tmp_path):

@@ -47,6 +47,7 @@ def test_which_step_prints_the_records_of_the_steps_last_batch(chain, capsys):
     assert answer["number"] == step - 1
   code, out, _ = _main(capsys, "which", root, "--step", "5")
   assert code == 0 and "global batch 4 of the run" in out and "restored stream record 12" in out
+  assert not [line for line in out.splitlines() if line != line.rstrip()]  # no row ends in spaces (issue 66)
 
 
 def test_which_batch_numbers_the_run_across_its_resumes_and_skips(chain, capsys):

@@ -59,3 +59,19 @@ def test_every_runtime_requirement_has_a_floor():
   user_facing = [r for name in ("files", "hf", "gcs", "tunix", "plot") for r in extras[name]]
   assert [r for r in project["dependencies"] + user_facing if ">=" not in r and "==" not in r] == []
   assert "Programming Language :: Python :: 3.12" in project["classifiers"]
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["verify"], ["audit"], ["which", "--step", "1"],
+                                  ["order", "--out", "order.jsonl"], ["diff", "gs://bucket/other"]],
+                         ids=lambda argv: argv[0])
+def test_every_verb_on_a_bucket_without_the_gcs_extra_says_so_in_one_line(argv, monkeypatch, capsys):
+  # issue 66 item 13: a 25-31-line traceback, where the Python API said it in one line.
+  import support  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setitem(sys.modules, "gcsfs", None)  # `import gcsfs` raises ImportError
+  code, out = support.cli_output(argv[0], "gs://bucket/run", *argv[1:])
+  lines = [line for line in out.splitlines() if line.strip()]
+  assert code == 1 and len(lines) == 1 and "pip install 'ckpt_iter[gcs]'" in lines[0], out
+  with pytest.raises(errors.MissingPackageError, match=r"pip install 'ckpt_iter\[gcs\]'"):
+    from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top
+    _storage.list_names("gs://bucket/run")

@@ -360,6 +360,20 @@ def test_a_global_batch_change_inside_an_epoch_is_refused_naming_the_lanes_way()
   assert sorted(second) == list(range(48))
 
 
+def test_the_lanes_declaration_is_accepted_where_there_is_one_lane():
+  # issue 66 item 5: shard_lanes=jax.process_count() is 1 on one host, whose fingerprint writes no lane
+  # field; a launch script that always declares the global batch's change was refused ("not fingerprint
+  # fields"). One lane's order does not depend on the global batch: the change continues exactly anywhere.
+  records = [{"id": i} for i in range(48)]
+  iterator = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=1, shard_lanes=1))
+  read = [int(x) for _ in range(3) for x in next(iterator)["id"]]
+  changed = ckpt_iter.DataIterator(_shard_pipeline(records, num_epochs=1, shard_lanes=1, batch_size=6))
+  changed.restore_state(iterator.state(), allow_drift={_permutation.LANE_ROWS_FIELD, _permutation.LANES_FIELD})
+  assert sorted(read + [int(x) for batch in changed for x in batch["id"]]) == list(range(48))
+  with pytest.raises(errors.InvalidArgumentError, match="not fingerprint fields"):  # a real typo is still one
+    changed.restore_state(iterator.state(), allow_drift={"shuffle_lane_row"})
+
+
 @pytest.mark.parametrize("fields", [
     {_permutation.LANES_FIELD: 2},  # its rows missing
     {_permutation.LANES_FIELD: 3, _permutation.LANE_ROWS_FIELD: 2},  # 6 rows, the global batch is 4

@@ -80,6 +80,24 @@ def test_each_recommended_way_through_a_mixture_change_trains_every_record_once(
   assert _duplicates_and_skips(trained) == (0, 0)
 
 
+@pytest.mark.parametrize("before, after", [
+    ({"a": 1, "b": 1}, {"a": 4, "b": 1}),  # reweighted 50/50 -> 80/20
+    ({"a": 1, "b": 1}, {"a": 1}),  # a source removed
+    ({"a": 1, "b": 1}, {"a": 1, "b": 1, "c": 2}),  # a source added
+    ({"a": 1, "b": 1, "c": 1}, {"c": 1, "a": 2}),  # all three at once
+])
+def test_the_names_a_refusal_gives_a_program_are_what_its_allow_drift_accepts(before, after, tmp_path):
+  # issue 66 item 17: a 50/50 -> 80/20 reweight's `differences` was {'weight[a]': (1, 4)}, its message asked
+  # for allow_drift={'weights'}, and allow_drift=set(error.differences) was refused again.
+  item, read = _saved(tmp_path, _mixture(before))
+  with pytest.raises(ckpt_iter.ConfigDriftError) as refusal:
+    _restore(item, _mixture(after))
+  assert _recommended(refusal.value) <= set(refusal.value.differences)
+  resumed = _restore(item, _mixture(after), allow_drift=set(refusal.value.differences))
+  trained = read + [x for _ in range(10) for x in support.batch_ids(next(resumed))]
+  assert _duplicates_and_skips(trained) == (0, 0)
+
+
 def test_the_order_of_a_mixtures_keys_is_not_a_change_of_the_data(tmp_path):
   # A config loaded another way gives the same mapping in another key order: accepted, each
   # source continues from its own next record (it was refused even with allow_drift={"sources"},

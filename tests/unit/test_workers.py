@@ -10,6 +10,7 @@ import importlib.metadata
 import os
 import pickle
 
+import absl.flags
 import cloudpickle
 import grain
 import numpy as np
@@ -21,6 +22,10 @@ from ckpt_iter import _graph
 from ckpt_iter import _workers
 from ckpt_iter import _global_batch
 from ckpt_iter import testing
+
+# jax >= 0.10 makes mp_prefetch read absl flags (google/grain#1355): a test here that starts workers ran only
+# after another module had parsed them.
+absl.flags.FLAGS.mark_as_parsed()
 
 _RECORDS = [{"id": i} for i in range(40)]
 
