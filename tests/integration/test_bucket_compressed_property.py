@@ -148,7 +148,7 @@ def _lie_in_index(prefix: str, name: str, how: str) -> None:
 _SETTINGS = dict(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 
 
-@hypothesis.settings(max_examples=3, derandomize=True, **_SETTINGS)
+@hypothesis.settings(max_examples=2, derandomize=True, **_SETTINGS)
 @hypothesis.given(**_CASES)
 @hypothesis.example(files=[(".jsonl.zst", "truncated"), (".jsonl", "whole"), (".jsonl.gz", "whole")], wide=False,
                     index="none", edited=0, shuffle="global")

@@ -152,7 +152,7 @@ class _Counting:
     return len(data)
 
 
-@pytest.mark.parametrize("kind, text_bytes", [("gzip", 256 * 2**20), ("zstd", 1024 * 2**20)])
+@pytest.mark.parametrize("kind, text_bytes", [("gzip", 160 * 2**20), ("zstd", 320 * 2**20)])
 def test_decompression_memory_does_not_follow_the_compression_ratio(kind, text_bytes):
   # A 3 MB .gz and a 0.4 MB .zst each raised peak memory by 4 GiB: the whole text was held.
   import tracemalloc  # pylint: disable=g-import-not-at-top
@@ -173,4 +173,4 @@ def test_decompression_memory_does_not_follow_the_compression_ratio(kind, text_b
   finally:
     tracemalloc.stop()
   assert sink.size == text_bytes
-  assert peak < 48 * 2**20 + 2 * len(blob), (peak, len(blob))
+  assert peak < 48 * 2**20 + 2 * len(blob), (peak, len(blob))  # the whole text, as before, is over 160 MiB
