@@ -63,6 +63,7 @@ TITLES = {
     "cache_integrity": "23. The shard cache: what its checks cost, and a host's processes sharing it",
     "corpus_start": "24. A new host's first build of a bucket corpus, and a warm restart",
     "pod_share": "25. What each host of a pod downloads an epoch",
+    "cache_bookkeeping": "26. The shard cache's own bookkeeping against the number of files it holds",
 }
 
 
@@ -1302,6 +1303,39 @@ prefix: about 4 requests a file); a glob's listing describes them all.
 """
 
 
+def _cache_bookkeeping(rows: list[dict]) -> str:
+  summary = _summary(rows)
+  rooms = [[f"{r['files']:,}", _fmt(r["make_room_us"]), _fmt(r["listing_us"] / 1000), _fmt(r["cold_build_s"]),
+            _fmt(r["cold_build_ms_per_file"])] for r in _measurements(rows, part="make_room")]
+  shuffles = [[f"{r['files']:,}", f"{r['records']:,}", _fmt(r["local_us"]), _fmt(r["cached_us"]),
+               _fmt(r["local_over_cached"]), _fmt(r["cached_16_open_us"]), _fmt(r["local_over_cached_16_open"])]
+              for r in _measurements(rows, part="global_shuffle")]
+  return f"""## {TITLES['cache_bookkeeping']}
+
+`benchmarks/cache_bookkeeping.py` (issue 65, items 1 and 2). A cache holding N local JSONL files (one record of
+~100 bytes each: the data costs nothing). *make_room*: the CPU of one call, what every download, every window
+released and every copy closed past `max_open_files` calls: now a read of the total the cache's processes share
+(`_cache_usage.Ledger`); *a listing*: one listing and stat of the directory, sorted by last use
+(`ShardCache.entries`), which every call made before (0.13 / 13.9 / 310 ms at 10 / 1,000 / 20,000 files, as
+measured for the issue). *Cold build*: a new `JsonlSource` counting every file through an empty cache (a copy
+each, its seal and its line index).
+
+{_table(["files cached", "make_room, us", "a listing, ms", "cold build, s", "cold build, ms a file"], rooms)}
+
+A global shuffle (batch 1) over 100 records a file, every file cached (a warm cache, each copy opened once
+first), CPU per record, the three read in turn in rounds: from local disk without a cache; through the cache
+with the default `max_open_files` (every file kept open when the cache holds them all, within half the open-file
+limit); and with 16 open (0.3.0's default, and what a cache smaller than its files keeps): most reads then close
+one copy and open another, which now reuses the line index it kept (`_jsonl`), and the build names the
+`max_open_files` that avoids it.
+
+{_table(["files", "records", "local, us", "cached, us", "local / cached", "16 open, us", "local / 16 open"],
+        shuffles)}
+
+{_checks(summary)}
+"""
+
+
 def _pod_share(rows: list[dict]) -> str:
   summary = _summary(rows)
   notes = "".join(f"\n*{r['text']}*\n" for r in rows if r["kind"] == "note")
@@ -1497,4 +1531,5 @@ SECTIONS = [
     ("cache_integrity", _cache_integrity),
     ("corpus_start", _corpus_start),
     ("pod_share", _pod_share),
+    ("cache_bookkeeping", _cache_bookkeeping),
 ]

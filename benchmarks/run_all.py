@@ -30,7 +30,7 @@ SCRIPTS = [
     "pod_scale", "jsonl_index", "object_store", "cli_cost", "content_check", "rl_scale", "pod_bytes",
     "pending_queue", "changing_the_run", "data_map", "restore_walk", "skip_ranges",
     "plan_skips", "restore_cost", "streaming_restore", "tunix_save_cost", "cache_integrity", "corpus_start",
-    "pod_share",
+    "pod_share", "cache_bookkeeping",
 ]
 RESULTS_PATH = os.path.join(_common.BENCH_DIR, "results.jsonl")
 DOCS_PATH = os.path.join(_common.REPO_DIR, "docs", "benchmarks.md")

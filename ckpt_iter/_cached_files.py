@@ -187,6 +187,19 @@ def record_counts(paths: list[str]) -> list[int]:
 
 
 RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"
+# The variable array_record's own GCS client takes an emulator's address from (gcsfs's is STORAGE_EMULATOR_HOST).
+ARRAY_RECORD_EMULATOR_ENV = "CLOUD_STORAGE_EMULATOR_ENDPOINT"
+
+
+def _emulator_mismatch(paths: list[str]) -> str | None:
+  """Why array_record's reader would not reach the store gcsfs reads (an emulator set for one client only)."""
+  if not any(_storage.is_url(p) for p in paths) or not os.environ.get("STORAGE_EMULATOR_HOST"):
+    return None
+  if os.environ.get(ARRAY_RECORD_EMULATOR_ENV):
+    return None
+  return (f"STORAGE_EMULATOR_HOST is set ({os.environ['STORAGE_EMULATOR_HOST']}) but {ARRAY_RECORD_EMULATOR_ENV}, "
+          "which array_record's own GCS reader takes, is not: it would read the real store, not the emulator. Set "
+          f"{ARRAY_RECORD_EMULATOR_ENV} to the same address")
 
 
 class OpenReaders:
@@ -217,10 +230,14 @@ class OpenReaders:
   def counts(self) -> list[int]:
     """Each file's record count: from its footer where it is (array_record's own reader, in parallel), else,
     where that reader cannot open the store's files, from the file's copy, downloaded for it."""
+    mismatch = _emulator_mismatch(self.paths)
     try:
+      if mismatch is not None:
+        raise RuntimeError(mismatch)  # it would wait out the operation bound on the real store
       return record_counts(self.paths)
     except Exception as e:  # pylint: disable=broad-except  (its reader raises bare RuntimeErrors; or timed out)
-      _log.info("counting ArrayRecord records where they are failed (%s): counting the copies instead", e)
+      _log.warning("ArrayRecord: counting %d files' records where they are failed (%s): downloading every file "
+                   "to count its copy instead", len(self.paths), e)
     found = []
     for path, identity in zip(self.paths, self.identities):
       fd = self.cache.open(path, identity)

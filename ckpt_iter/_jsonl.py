@@ -61,7 +61,9 @@ class JsonlSource(_source_files.FileReader):
     prefetch_files: with `cache`, how many files after the current one to
       download ahead (0: none, neither by index nor by a shard plan).
     max_open_files: with `cache`, how many local copies a process keeps open
-      (in use, so never evicted) at most.
+      (in use, so never evicted) at most. None: every file when the cache
+      holds them all (a global shuffle then never re-opens a copy), within
+      half the process's open-file limit; else 16.
     corpus_index: with `cache`, take each file's record count from the
       index object `ckpt-iter index` wrote beside the files
       (`ckpt_iter_index.json`), when it indexes the file as it is now: a
@@ -76,7 +78,7 @@ class JsonlSource(_source_files.FileReader):
 
   def __init__(self, paths: _source_files.PathsArg, *, index_cache_dir: str | None = None,
                cache: _shard_cache.ShardCache | None = None, prefetch_files: int = 2,
-               max_open_files: int = 16, corpus_index: bool = True):
+               max_open_files: int | None = None, corpus_index: bool = True):
     """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
     expanded = _source_files.expand_paths(paths, "JsonlSource")
     self._paths = [_storage.absolute(p) for p in expanded]
@@ -90,7 +92,7 @@ class JsonlSource(_source_files.FileReader):
     self._cache = cache
     self._prefetch_files = max(0, int(prefetch_files))
     self._planned = False  # `follow_plan`: prefetch by plan, not by file index
-    self._max_open_files = max(1, int(max_open_files))
+    self._max_open_files = max(1, int(max_open_files or _DEFAULT_OPEN_FILES))
     self._local = threading.local()
     self._init_open()
     self._indexed: set[str] = set()  # the files whose count came from a corpus index object
@@ -111,6 +113,8 @@ class JsonlSource(_source_files.FileReader):
         self._readers.append(_storage.RangeReader(path, found))
       counts = [len(s) for s in self._starts]
     self._offsets = np.cumsum([0] + counts).tolist()
+    if cache is not None and max_open_files is None and sum(self.cached_bytes()) <= cache.max_bytes:
+      self._max_open_files = max(self._max_open_files, min(len(self._paths), _open_file_allowance()))
 
   @property
   def cache(self) -> _shard_cache.ShardCache | None:
@@ -152,7 +156,7 @@ class JsonlSource(_source_files.FileReader):
 
   def __getstate__(self):
     state = super().__getstate__()
-    for name in ("_open", "_open_lock", "_open_pid"):
+    for name in ("_open", "_closed", "_closed_bytes", "_open_lock", "_open_pid"):
       state.pop(name, None)
     return state
 
@@ -163,8 +167,16 @@ class JsonlSource(_source_files.FileReader):
   def _init_open(self) -> None:
     # This process's open local copies: file index -> _OpenCopy, least recently used first.
     self._open: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
+    # The line indexes of copies it closed, by file index, while the copy is the same (`_kept_index`).
+    self._closed: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
+    self._closed_bytes = 0
     self._open_lock = threading.Lock()
     self._open_pid = os.getpid()
+
+  @property
+  def max_open_files(self) -> int:
+    """How many local copies a process keeps open (with `cache`)."""
+    return self._max_open_files
 
   @property
   def prefetch_files(self) -> int:
@@ -193,7 +205,9 @@ class JsonlSource(_source_files.FileReader):
     if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
       self._init_open()
     with self._open_lock:
-      wanted = [i for i in dict.fromkeys(i % count for i in file_indices) if i not in self._open]
+      # Neither a file open here, nor one closed here whose index is kept: its copy was just in use.
+      wanted = [i for i in dict.fromkeys(i % count for i in file_indices)
+                if i not in self._open and i not in self._closed]
     if self._planned:
       # Held open from now until the plan releases them: in use, so no process of this host evicts a
       # file a reader here will read (each file is downloaded once per epoch and host).
@@ -235,7 +249,7 @@ class JsonlSource(_source_files.FileReader):
     with self._open_lock:
       closing = [i for i, copy in self._open.items() if copy.readers == 0 and i not in kept]
       for i in closing:
-        os.close(self._open.pop(i).fd)
+        self._close(i)
     if closing:
       self._cache.make_room(0)
 
@@ -319,7 +333,8 @@ class JsonlSource(_source_files.FileReader):
     path, found = self._paths[file_index], self._identities[file_index]
     fd = self._cache.open(path, found)
     try:
-      starts, ends = self._load_index(path, found, fd)
+      key = _shard_cache.copy_identity(fd)
+      starts, ends = self._kept_index(file_index, key) or self._load_index(path, found, fd)
       expected = self._offsets[file_index + 1] - self._offsets[file_index]
       if len(starts) != expected:
         raise self._miscounted(path, len(starts), expected)
@@ -332,14 +347,14 @@ class JsonlSource(_source_files.FileReader):
       if copy is not None:  # another thread opened it meanwhile
         os.close(fd)
       else:
-        copy = self._open[file_index] = _OpenCopy(fd, starts, ends)
+        copy = self._open[file_index] = _OpenCopy(fd, starts, ends, key)
         # Past the limit, close idle copies (least recently used first): they may be evicted. A plan
         # closes the copies it is done with itself (`release`), and keeps those it reads next.
         for other in [i for i, c in self._open.items() if c.readers == 0 and i != file_index]:
           if len(self._open) <= self._max_open_files or self._planned:
             break
           self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
-          os.close(self._open.pop(other).fd)
+          self._close(other)
           closed = True
       copy.readers += 1
     if closed:
@@ -347,13 +362,55 @@ class JsonlSource(_source_files.FileReader):
     return copy
 
 
+  def _close(self, file_index: int) -> None:
+    """Closes this process's copy of a file (the open lock held), keeping its line index while memory allows."""
+    copy = self._open.pop(file_index)
+    os.close(copy.fd)
+    size = copy.starts.nbytes + copy.ends.nbytes
+    if size > _CLOSED_INDEX_BYTES:
+      return
+    self._closed[file_index] = copy
+    self._closed_bytes += size
+    while self._closed_bytes > _CLOSED_INDEX_BYTES:
+      _, dropped = self._closed.popitem(last=False)
+      self._closed_bytes -= dropped.starts.nbytes + dropped.ends.nbytes
+
+  def _kept_index(self, file_index: int, key: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The line index this process had of a copy it closed, when the copy open now is that one (the same
+    inode, size and change time: a copy evicted and downloaded again, or altered, is indexed anew)."""
+    with self._open_lock:
+      kept = self._closed.pop(file_index, None)
+      if kept is None:
+        return None
+      self._closed_bytes -= kept.starts.nbytes + kept.ends.nbytes
+    return (kept.starts, kept.ends) if kept.key == key else None
+
+
+_DEFAULT_OPEN_FILES = 16
+
+
+def _open_file_allowance() -> int:
+  """How many copies a source may keep open when the cache holds them all: half the open-file limit."""
+  import resource  # pylint: disable=g-import-not-at-top
+
+  soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+  return max(_DEFAULT_OPEN_FILES, (soft if soft != resource.RLIM_INFINITY else 2**16) // 2)
+
+
+# A process keeps the line indexes of the copies it closed up to this many bytes (16 a line): re-opening a
+# copy then costs an open, not a read of its index (a global shuffle over more files than max_open_files
+# re-opens one at most reads).
+_CLOSED_INDEX_BYTES = 64 * 2**20
+
+
 @dataclasses.dataclass
 class _OpenCopy:
-  """A local copy a process holds open (a shared flock: in use), with its line index."""
+  """A local copy a process holds open (a shared flock: in use), with its line index and its key."""
 
   fd: int
   starts: np.ndarray
   ends: np.ndarray
+  key: tuple[int, ...] = ()
   readers: int = 0
 
 

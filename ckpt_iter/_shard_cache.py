@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from ckpt_iter import _cache_usage
 from ckpt_iter import _checksums
 from ckpt_iter import _compression
 from ckpt_iter import _storage
@@ -100,7 +101,10 @@ class ShardCache:
       raise errors.InvalidArgumentError(
           f"ShardCache directory {self.directory!r} is not a directory: point the cache at a directory.")
     self._init_local()
-    # Back under the limit: copies a killed process held are idle now, and its temporaries abandoned.
+    # Once per opening: temporaries a killed process abandoned swept, the total written again from a listing
+    # (whatever a killed process left undone), and back under the limit (copies it held are idle now).
+    self._remove_abandoned()
+    self._reconcile()
     self.make_room(0)
 
   def _init_local(self) -> None:
@@ -113,6 +117,9 @@ class ShardCache:
     # entry -> (when, why) its last download here failed after all its attempts (`_recent_failure`).
     self._failures: dict[str, tuple[float, BaseException]] = {}
     self._thread = threading.local()  # `prefetching`: set in this cache's prefetch threads
+    self._entries: dict[tuple[str, int, str | None], str] = {}  # `entry_path`'s answers (two hashes each)
+    self._ledger = _cache_usage.Ledger(self.directory)
+    self._order = _cache_usage.EvictionOrder()  # this process's view of the copies by last use
 
   def __getstate__(self) -> dict[str, Any]:
     return {"directory": self.directory, "max_bytes": self.max_bytes, "prefetch_threads": self.prefetch_threads}
@@ -141,11 +148,16 @@ class ShardCache:
 
   def entry_path(self, path: str, found: _storage.Identity) -> str:
     """Where the complete local copy of `path` (as `found` describes it) is, or will be."""
+    known = self._entries.get((path, found.size, found.version))
+    if known is not None:
+      return known
     key = hashlib.sha256(_storage.absolute(path).encode()).hexdigest()[:16]
     version = f"size={found.size},{found.version}"
     version_hash = hashlib.sha256(version.encode()).hexdigest()[:16]
     name = os.path.basename(path.rstrip("/")) or "file"
-    return os.path.join(self.directory, f"{key}-{version_hash}-{name}")
+    entry = os.path.join(self.directory, f"{key}-{version_hash}-{name}")
+    self._entries[(path, found.size, found.version)] = entry
+    return entry
 
   def fetch(self, path: str, found: _storage.Identity | None = None) -> str:
     """The local copy of `path`, downloaded first if missing (one download per host at a time), checked.
@@ -281,8 +293,13 @@ class ShardCache:
       # The seal first: a copy published is never without the checksum it is opened against.
       seal = _checksums.seal_of(held, written)
       self.write_atomic(entry + ".seal", lambda f: f.write(_seal_text(written, seal).encode()))
-      os.replace(temporary, entry)
-      self._verified[entry] = _change_key(os.fstat(held))
+      with self._ledger_held() as ledger:  # published and counted in one hold: a listing sees both or neither
+        replaced = _cache_usage.bytes_on_disk(entry)  # an incomplete copy left there is replaced
+        os.replace(temporary, entry)
+        ledger.add(written - replaced)
+      info = os.fstat(held)
+      self._verified[entry] = _change_key(info)
+      self._order.note(entry, info.st_mtime)
       return held
     except BaseException as e:
       if held is not None:
@@ -339,9 +356,18 @@ class ShardCache:
   def _discard(self, entry: str) -> None:
     """Removes a copy that failed its check, with its seal and companions (whoever holds it open)."""
     self._verified.pop(entry, None)
-    for name in [entry, entry + ".seal"] + [entry + suffix for suffix in _COMPANIONS]:
-      with contextlib.suppress(FileNotFoundError):
-        os.unlink(name)
+    self._remove_counted(entry)
+
+  def _remove_counted(self, entry: str) -> int:
+    """Removes a copy, its seal and its companions, and takes their bytes off the total; those bytes."""
+    counted = [entry] + [entry + suffix for suffix in _COMPANIONS]
+    with self._ledger_held() as ledger:
+      freed = _cache_usage.bytes_on_disk(*counted)
+      for name in [entry + ".seal"] + counted:
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(name)
+      ledger.add(-freed)
+    return freed
 
   @staticmethod
   def _open_locked(entry: str) -> int | None:
@@ -365,9 +391,17 @@ class ShardCache:
     return _complete(self.entry_path(path, found), _copy_size(path, found))
 
   def touch(self, path: str, found: _storage.Identity) -> None:
-    """Marks the local copy of `path` as just used (for the eviction order)."""
+    """Marks the local copy of `path` as just used (for the eviction order).
+
+    A copy this process checked stays checked: its change time moves with the
+    touch, and only with it.
+    """
+    entry = self.entry_path(path, found)
     with contextlib.suppress(OSError):
-      os.utime(self.entry_path(path, found))
+      before = _change_key(os.stat(entry))
+      os.utime(entry)
+      if self._verified.get(entry) == before:
+        self._verified[entry] = _change_key(os.stat(entry))
 
   def index_path(self, path: str, found: _storage.Identity) -> str:
     """Where the record index kept beside the copy of `path` is (evicted with the copy)."""
@@ -404,7 +438,7 @@ class ShardCache:
       buffer = io.BytesIO()
       np.save(buffer, array, allow_pickle=False)
       data = buffer.getvalue()
-      self.write_atomic(self.index_path(path, found), lambda f: f.write(data))
+      self.write_atomic(self.index_path(path, found), lambda f: f.write(data), counted=True)
       self.write_count(path, found, int(array.shape[-1]), index_crc=zlib.crc32(data), copy_crc=copy_crc)
     return array
 
@@ -469,11 +503,13 @@ class ShardCache:
     text = CompanionRecord(count, copy_crc, index_crc).format(os.path.basename(entry))
     self.write_atomic(entry + ".count", lambda f: f.write(text.encode()))
 
-  def write_atomic(self, target: str, produce: Callable[[Any], Any]) -> None:
+  def write_atomic(self, target: str, produce: Callable[[Any], Any], *, counted: bool = False) -> None:
     """Writes a cache file (a companion or a count) atomically: a temporary file, then a rename.
 
     The temporary is held under an exclusive flock while it is written, which
     is how another process (in any PID namespace) tells it is not abandoned.
+    `counted`: a companion, whose bytes the cache's total counts (renamed in
+    and counted in one hold of the ledger).
 
     Raises:
       StorageError: the cache directory cannot be written: its disk is full
@@ -485,7 +521,12 @@ class ShardCache:
         with self._cache_file(temporary, "wb") as f:
           produce(f)
           f.flush()
-          os.replace(temporary, target)  # still locked: never taken for abandoned before it is published
+          if counted:
+            with self._ledger_held() as ledger:
+              ledger.add(os.fstat(f.fileno()).st_size - _cache_usage.bytes_on_disk(target))
+              os.replace(temporary, target)
+          else:
+            os.replace(temporary, target)  # still locked: never taken for abandoned before it is published
         return
       except BaseException as e:
         with contextlib.suppress(OSError):
@@ -585,18 +626,68 @@ class ShardCache:
     return sum(size for _, size, _ in self.entries())
 
   def make_room(self, needed: int) -> None:
-    """Evicts least recently used copies not in use until `needed` more bytes fit under max_bytes."""
-    self._remove_abandoned()
-    entries = sorted(self.entries(), key=lambda e: e[2])
-    total = sum(size for _, size, _ in entries)
-    for entry, size, _ in entries:
-      if total + needed <= self.max_bytes:
+    """Evicts least recently used copies not in use until `needed` more bytes fit under max_bytes.
+
+    O(1) while they fit: one read of the total the cache's processes keep
+    (`_cache_usage.Ledger`); past it, the oldest copies of this process's
+    eviction order, the directory listed again only when that runs out.
+    """
+    total = self._ledger_total()
+    if total is None:  # the ledger removed or garbled: counted again
+      total = self._reconcile()
+    if total + needed <= self.max_bytes:
+      return
+    excess = total + needed - self.max_bytes
+    for relisted in (False, True):
+      if relisted or not self._order.listed:
+        self._reconcile()
+      in_use = []
+      for entry in self._order.oldest():
+        freed = _evict_counted(entry, self._remove_counted)
+        if freed is None:
+          in_use.append(entry)
+          continue
+        excess -= freed
+        if excess <= 0:
+          break
+      self._order.keep(in_use)
+      if excess <= 0:
         return
-      if _evict(entry):
-        total -= size
-    if total + needed > self.max_bytes:
-      _log.info("shard cache %s: %s bytes in use and %s needed, over its %s-byte limit",
-                self.directory, f"{total:,}", f"{needed:,}", f"{self.max_bytes:,}")
+    _log.info("shard cache %s: %s more bytes needed than fit under its %s-byte limit: the copies left are in use",
+              self.directory, f"{excess:,}", f"{self.max_bytes:,}")
+
+  @contextlib.contextmanager
+  def _ledger_held(self) -> Iterator[_cache_usage.Held]:
+    """The ledger under its lock (`_cache_usage.Ledger.held`); a directory that cannot hold it is this cache's
+    error (a full disk, no inode left, a read-only mount)."""
+    try:
+      with self._ledger.held() as held:
+        yield held
+    except OSError as e:
+      if isinstance(e, errors.CkptIterError) or e.filename != self._ledger.path:
+        raise
+      raise self.cache_error(self._ledger.path, 0, e) from e
+
+  def _ledger_total(self) -> int | None:
+    try:
+      return self._ledger.total()
+    except OSError as e:
+      raise self.cache_error(self._ledger.path, 0, e) from e
+
+  def evict(self, entry: str) -> bool:
+    """Removes the copy `entry` (an `entries` path) and its companions unless a reader holds it; whether it
+    is gone."""
+    return _evict_counted(entry, self._remove_counted) is not None
+
+  def _reconcile(self) -> int:
+    """Lists the cache (O(files)) under the ledger's lock, writes the total again, and orders the copies by
+    last use; the total."""
+    with self._ledger_held() as ledger:
+      copies = self.entries()
+      ledger.set(sum(size for _, size, _ in copies))
+      total = ledger.total
+    self._order.reset([(entry, last_use) for entry, _, last_use in copies])
+    return total
 
   def _remove_abandoned(self) -> None:
     """Removes the temporaries of writes that no one is making any more.
@@ -706,21 +797,19 @@ def _copy_size(path: str, found: _storage.Identity) -> int | None:
   return None if _compression.compression_of(path) else found.size
 
 
-def _evict(entry: str) -> bool:
-  """Removes a copy and its companions unless a reader holds it; whether it did."""
+def _evict_counted(entry: str, remove: Callable[[str], int]) -> int | None:
+  """Removes a copy and its companions with `remove` (which counts them off the total) unless a reader holds
+  it: the bytes freed, or None when it is in use."""
   try:
     fd = os.open(entry, os.O_RDONLY)
   except FileNotFoundError:
-    return True
+    return 0  # evicted meanwhile, by whoever counted it off
   try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      return False
-    for path in [entry + ".seal", entry] + [entry + suffix for suffix in _COMPANIONS]:
-      with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    return True
+      return None
+    return remove(entry)
   finally:
     os.close(fd)
 
@@ -786,6 +875,13 @@ def _held(lock_path: str) -> bool:
     return True
   finally:
     os.close(fd)
+
+
+def copy_identity(fd: int) -> tuple[int, ...]:
+  """Which copy `fd` is (its device, inode and size), for what a process keeps of a copy `open` checked: a
+  copy evicted and downloaded again is another inode, and one altered fails its check at the open."""
+  info = os.fstat(fd)
+  return (info.st_dev, info.st_ino, info.st_size)
 
 
 def _change_key(info: os.stat_result) -> tuple[int, ...]:

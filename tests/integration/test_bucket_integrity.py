@@ -259,3 +259,25 @@ def test_a_download_that_always_fails_costs_one_budget_for_the_whole_read(gcs_ro
   elapsed = time.monotonic() - started
   assert sum(action == "stall" for action, _, _ in proxy.hits) == 3, proxy.hits
   assert elapsed < 3 * 0.8 + 0.1 + 0.2 + 3.0, elapsed  # three attempts and two backoffs, not six and four
+
+
+def test_an_array_record_build_without_its_readers_emulator_variable_says_so_at_once(gcs_root, tmp_path, monkeypatch,
+                                                                                     caplog):
+  # issue 65 item 6: with STORAGE_EMULATOR_HOST set and array_record's own variable not, a build waited out
+  # the operation bound (311 s) on the real store, then counted the copies, saying so at INFO only.
+  import support  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import _cached_files  # pylint: disable=g-import-not-at-top
+
+  urls = []
+  for part in range(2):
+    support.write_array_record(tmp_path / f"a{part}.array_record", [{"id": part * 10 + i} for i in range(10)])
+    urls.append(f"{gcs_root}/ar/a{part}.array_record")
+    _storage.write_bytes(urls[-1], (tmp_path / f"a{part}.array_record").read_bytes())
+  monkeypatch.delenv(_cached_files.ARRAY_RECORD_EMULATOR_ENV, raising=False)
+  started = time.monotonic()
+  with caplog.at_level(logging.WARNING, logger="ckpt_iter"):
+    source = sources.ArrayRecordSource(urls, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+  assert time.monotonic() - started < 30
+  assert len(source) == 20 and source[13] == {"id": 13}
+  assert _cached_files.ARRAY_RECORD_EMULATOR_ENV in caplog.text and "downloading every file" in caplog.text

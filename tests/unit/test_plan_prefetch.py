@@ -19,7 +19,6 @@ import pytest
 import ckpt_iter
 import support
 from ckpt_iter import _plan_prefetch
-from ckpt_iter import _shard_cache
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import sources
@@ -71,7 +70,7 @@ def _evict_copies(source, *others):
       os.close(copy.fd)
     each._open.clear()  # pylint: disable=protected-access
   for entry, _, _ in source.cache.entries():
-    assert _shard_cache._evict(entry)  # pylint: disable=protected-access
+    assert source.cache.evict(entry)
 
 
 def _order(dataset):

@@ -136,8 +136,8 @@ def test_a_download_is_atomic_a_failed_one_leaves_no_copy(tmp_path, shards, monk
   monkeypatch.setattr(_storage, "download", half_then_fail)
   with pytest.raises(OSError, match="injected"):
     cache.fetch(shards[0])
-  assert os.listdir(cache.directory) == [os.path.basename(cache.entry_path(shards[0], _storage.identity(shards[0])))
-                                         + ".lock"]
+  assert sorted(os.listdir(cache.directory)) == sorted([
+      os.path.basename(cache.entry_path(shards[0], _storage.identity(shards[0]))) + ".lock", "ckpt_iter-usage.lock"])
 
 
 def test_a_full_disk_is_an_error_naming_the_cache_and_the_bytes_needed(tmp_path, shards, monkeypatch):
@@ -341,12 +341,12 @@ def test_a_live_download_is_never_taken_for_abandoned_whatever_pid_its_name_hold
   with cache._download_lock(entry):
     with cache._cache_file(live, "wb") as f:
       f.write(b"partial")
-      cache.make_room(1)
+      sources.ShardCache(tmp_path / "cache", 10**7)  # another process opens the cache: its sweep
       assert os.path.exists(live)
   abandoned = f"{entry}.index.npy.tmp-999999999-2"
   open(abandoned, "wb").write(b"left by a dead writer")
   open(live, "wb").write(b"its writer died too")
-  cache.make_room(1)
+  sources.ShardCache(tmp_path / "cache", 10**7)  # abandoned temporaries are swept when a cache is opened
   assert not os.path.exists(abandoned) and not os.path.exists(live)
 
 
@@ -427,7 +427,7 @@ def test_a_copy_evicted_between_being_found_and_opened_is_had_under_the_download
   def evicted_first(entry):
     if not evictions or len(evictions) < 20:
       evictions.append(entry)
-      sources._shard_cache._evict(entry)
+      cache.evict(entry)  # as another process does
     return real_open(entry)
 
   monkeypatch.setattr(sources.ShardCache, "_open_locked", staticmethod(evicted_first))
@@ -631,3 +631,80 @@ def test_a_failed_prefetch_is_the_reads_answer_not_a_second_budget(tmp_path, sha
     assert len(calls) == 2
   finally:
     ckpt_iter.set_object_store_bounds(operation_seconds=before.operation_seconds)
+
+
+# --- the cache's bookkeeping: O(1) per open, close and download (issue 65 item 1) ---
+
+
+def test_making_room_lists_nothing_while_the_copies_fit(tmp_path, monkeypatch):
+  # make_room listed and stat'ed the whole directory at every call (per record under a global shuffle past
+  # max_open_files, per download, per window released): 13.9 ms a call at 1,000 cached files.
+  store = tmp_path / "store"
+  store.mkdir()
+  paths = [_write(store / f"part-{i}.jsonl", 2, first=2 * i) for i in range(200)]
+  cache = sources.ShardCache(tmp_path / "cache", 10**8)
+  source = sources.JsonlSource(paths, cache=cache, max_open_files=4, prefetch_files=0)
+  listed = []
+  real_listdir, real_scandir = os.listdir, os.scandir
+  monkeypatch.setattr(os, "listdir", lambda *a: (listed.append(a), real_listdir(*a))[1])
+  monkeypatch.setattr(os, "scandir", lambda *a: (listed.append(a), real_scandir(*a))[1])
+  # Every record in another file than the last: a copy closed (past max_open_files) at every read.
+  assert [source[i]["id"] for i in range(0, 400, 2)] == list(range(0, 400, 2))
+  for _ in range(100):
+    cache.make_room(0)
+  assert listed == []
+
+
+def test_processes_sharing_a_cache_share_its_total(tmp_path, shards):
+  # Each cache object stands for a process: what one publishes, the other's total counts.
+  one = sources.ShardCache(tmp_path / "cache", 10**7)
+  two = sources.ShardCache(tmp_path / "cache", 10**7)
+  for path in shards[:2]:
+    os.close(one.open(path))
+  os.close(two.open(shards[2]))
+  assert one._ledger.total() == two._ledger.total() == one.usage()  # pylint: disable=protected-access
+  # A cache of three copies' worth: the other process's new download evicts the oldest, not its own.
+  small = sources.ShardCache(tmp_path / "cache", one.usage() + 10)
+  os.close(small.open(shards[3]))
+  cached = {os.path.basename(e).split("-", 2)[2] for e, _, _ in small.entries()}
+  assert "part-3.jsonl" in cached and "part-0.jsonl" not in cached, cached
+  assert small.usage() <= small.max_bytes and small._ledger.total() == small.usage()  # pylint: disable=protected-access
+
+
+def test_a_total_a_killed_process_left_wrong_is_made_good_when_a_cache_is_opened(tmp_path, shards):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  sources.JsonlSource(shards, cache=cache)
+  ledger = tmp_path / "cache" / "ckpt_iter-usage.lock"
+  for wrong in (b"5\n", b"not a total", b""):  # a publication or an eviction not counted; garbled; emptied
+    ledger.write_bytes(wrong)
+    again = sources.ShardCache(tmp_path / "cache", 10**7)
+    assert again._ledger.total() == again.usage() > 0  # pylint: disable=protected-access
+  ledger.unlink()
+  cache.make_room(0)  # a process that opened the cache before: counted again, from a listing
+  assert cache._ledger.total() == cache.usage()  # pylint: disable=protected-access
+
+
+def test_a_copy_opened_again_reuses_its_line_index_and_the_build_says_what_to_set(tmp_path, monkeypatch, caplog):
+  # issue 65 item 2: past max_open_files a global shuffle re-opens a copy at two reads in three, and every
+  # re-open read the copy's whole line index again (942 us a record against 37 from local disk).
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
+
+  store = tmp_path / "store"
+  store.mkdir()
+  paths = [_write(store / f"part-{i}.jsonl", 5, first=5 * i) for i in range(40)]
+  source = sources.JsonlSource(paths, cache=sources.ShardCache(tmp_path / "cache", 10**8), max_open_files=4)
+  loads, opens = [], []
+  real, real_open = _shard_cache.ShardCache.record_index, _shard_cache.ShardCache.open
+  monkeypatch.setattr(_shard_cache.ShardCache, "record_index",
+                      lambda self, path, *a, **k: (loads.append(path), real(self, path, *a, **k))[1])
+  monkeypatch.setattr(_shard_cache.ShardCache, "open",
+                      lambda self, path, *a, **k: (opens.append(path), real_open(self, path, *a, **k))[1])
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    dataset = ckpt_iter.make_dataset(source, batch_size=4, seed=3, num_epochs=3)
+  assert "keeps 4 of them open (max_open_files)" in caplog.text and "max_open_files=40" in caplog.text
+  ids = [i for batch in dataset for i in batch["id"].tolist()]
+  assert sorted(ids) == sorted(list(range(200)) * 3)
+  # Hundreds of re-opens; a copy's index read at its first open (a few twice: Grain's threads opening a
+  # file at once), then kept.
+  assert len(opens) > 200 and len(loads) <= 2 * 40, (len(opens), len(loads))
