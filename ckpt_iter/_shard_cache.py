@@ -6,10 +6,15 @@ read per file, pinned to the object's generation), then reads its records
 from the local copy. The directory's layout, per cached file:
 
   <key>-<version>-<name>            the complete copy (published by rename)
+  <key>-<version>-<name>.seal       its size and CRC-32, written before it is published
   <key>-<version>-<name>.index.npy  a companion (e.g. a JSONL line index), evicted with it
   <key>-<version>-<name>.count      its record count (a few bytes; kept after eviction)
   <key>-<version>-<name>.lock       the download lock (fcntl.flock)
   <key>-<version>-<name>.tmp-P-T    a download under way (process P, thread T)
+  ckpt_iter-usage.lock              the bytes of the copies and companions (`_cache_usage`)
+
+The companions are `_cache_companions`'; writing into the directory, and its
+errors, `_cache_disk`'s; the byte total and the eviction order, `_cache_usage`'s.
 
 `key` is a hash of the file's path or URL and `version` one of its identity
 (size and generation, or a local file's inode and times): a replaced object
@@ -21,28 +26,26 @@ no lock but a shared flock on the copy it has open, which is what "in use"
 means: eviction (least recently used first, by the copy's mtime, which each
 open refreshes) takes an exclusive non-blocking flock on a copy before
 removing it, and skips it when a reader holds one. When every copy is in use
-the cache may run over its limit (logged), rather than fail a read.
+the cache may run over its limit (logged), rather than fail a read. A copy
+is published or evicted, and counted, in one hold of the byte total's lock.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import hashlib
-import io
 import logging
 import os
-import shutil
 import threading
 import time
-import zlib
 from concurrent import futures
 from typing import Any, Callable, Iterable, Iterator
 
-import numpy as np
 
+from ckpt_iter import _cache_companions
+from ckpt_iter import _cache_disk
 from ckpt_iter import _cache_usage
 from ckpt_iter import _checksums
 from ckpt_iter import _compression
@@ -52,19 +55,17 @@ from ckpt_iter.store_bounds import object_store_bounds
 
 __all__ = ["ShardCache"]
 
-CACHE_ENV = "CKPT_ITER_SHARD_CACHE_DIR"
+CACHE_ENV = _cache_disk.CACHE_ENV  # where a cache comes from when none is given
 CACHE_BYTES_ENV = "CKPT_ITER_SHARD_CACHE_BYTES"
 DEFAULT_MAX_BYTES = 64 * 2**30  # a cache's limit when CKPT_ITER_SHARD_CACHE_BYTES does not say
-_INDEX_SUFFIX = ".index.npy"
-_COMPANIONS = (_INDEX_SUFFIX,)
+_COMPANIONS = (_cache_companions.INDEX_SUFFIX,)
 _SIDECARS = (".count", ".lock", ".seal")
 # A copy failing its seal is downloaded again at most this often in one open.
 _OPEN_TRIES = 3
-_COUNT_MAX_BYTES = 256  # a count file or a seal is a few dozen bytes: anything larger is not one
 _log = logging.getLogger(__name__)
 
 
-class ShardCache:
+class ShardCache(_cache_companions.CompanionFiles):
   """A bounded local cache of whole source files, for reading a bucket at local-disk speed.
 
   Pass one to a file source (`JsonlSource(paths, cache=ShardCache(...))`),
@@ -271,7 +272,7 @@ class ShardCache:
       compression = _compression.compression_of(path)
       with self._cache_file(temporary, "wb") as f:
         # A decompressed copy's size is known only once it is written: a full disk is measured to the end.
-        writer = _CacheWriter(f, measure_after_failure=compression is not None)
+        writer = _cache_disk.CacheWriter(f, measure_after_failure=compression is not None)
         # A compressed file is kept decompressed: its bytes are decompressed as they arrive (the
         # download's checksum is over what arrives, the compressed object's).
         inflating = _compression.DecompressingWriter(writer, compression) if compression else None
@@ -292,7 +293,7 @@ class ShardCache:
             f"{path}: downloaded {written:,} bytes into the shard cache, {found.size:,} expected.")
       # The seal first: a copy published is never without the checksum it is opened against.
       seal = _checksums.seal_of(held, written)
-      self.write_atomic(entry + ".seal", lambda f: f.write(_seal_text(written, seal).encode()))
+      self.write_atomic(entry + ".seal", lambda f: f.write(_cache_companions.seal_text(written, seal).encode()))
       with self._ledger_held() as ledger:  # published and counted in one hold: a listing sees both or neither
         replaced = _cache_usage.bytes_on_disk(entry)  # an incomplete copy left there is replaced
         os.replace(temporary, entry)
@@ -306,10 +307,10 @@ class ShardCache:
         os.close(held)
       with contextlib.suppress(OSError):
         os.unlink(temporary)
-      cache_side = isinstance(e, _CacheWriteFailed)
+      cache_side = isinstance(e, _cache_disk.CacheWriteFailed)
       decompressed = cache_side and e.decompressed
       needed = e.needed if decompressed else found.size
-      e = e.error if isinstance(e, _CacheWriteFailed) else e
+      e = e.error if isinstance(e, _cache_disk.CacheWriteFailed) else e
       if isinstance(e, OSError) and not isinstance(e, errors.CkptIterError) and (
           cache_side or e.errno in (errno.ENOSPC, errno.EDQUOT) or e.filename == temporary):
         # The cache's disk, not the store.
@@ -328,7 +329,7 @@ class ShardCache:
     info = os.fstat(fd)
     if self._verified.get(entry) == _change_key(info):
       return True
-    seal = _read_seal(entry + ".seal")
+    seal = _cache_companions.read_seal(entry + ".seal")
     size_expected = info.st_size if _compression.compression_of(entry) else found.size
     if seal is not None:
       size, crc = seal
@@ -343,7 +344,7 @@ class ShardCache:
           fd, found.size, expected.kind) == expected.value
       if good:
         crc = _checksums.seal_of(fd, found.size)
-        self.write_atomic(entry + ".seal", lambda f: f.write(_seal_text(found.size, crc).encode()))
+        self.write_atomic(entry + ".seal", lambda f: f.write(_cache_companions.seal_text(found.size, crc).encode()))
       else:
         _log.info("%s: a copy in the shard cache with no seal and no store checksum: downloading it again", entry)
         return False
@@ -403,106 +404,6 @@ class ShardCache:
       if self._verified.get(entry) == before:
         self._verified[entry] = _change_key(os.stat(entry))
 
-  def index_path(self, path: str, found: _storage.Identity) -> str:
-    """Where the record index kept beside the copy of `path` is (evicted with the copy)."""
-    return self.entry_path(path, found) + _INDEX_SUFFIX
-
-  def record_index(self, path: str, found: _storage.Identity, fd: int, *, build: Callable[[str], np.ndarray],
-                   max_bytes: int) -> np.ndarray:
-    """The record index of the copy of `path` (open as `fd`, checked): kept beside it, or built and kept.
-
-    An index is an int64 array whose last axis has one entry per record. The
-    one kept is used only when the count file binds it, by CRC-32, to this
-    copy (its seal) and to these index bytes, and it is read by its own size
-    (at most `max_bytes`, what an index of this copy can hold). One that is
-    not bound is looked at again under the entry's lock, which its writer
-    holds while it writes the index and then its count: a pair another
-    process is writing is never taken for an edited or torn one. Still not
-    bound (edited, torn, or of another copy), it is rebuilt from the copy
-    (`build(copy path)`) with a warning, and kept with its count.
-
-    Raises:
-      StorageError: the cache directory cannot be written (as `write_atomic`).
-    """
-    copy_crc = self.seal(path, found)
-    if copy_crc is None:
-      copy_crc = _checksums.seal_of(fd, os.fstat(fd).st_size)
-    kept = self._bound_index(path, found, copy_crc, max_bytes, warn=False)
-    if kept is not None:
-      return kept
-    with self._download_lock(self.entry_path(path, found)):
-      kept = self._bound_index(path, found, copy_crc, max_bytes, warn=True)
-      if kept is not None:
-        return kept
-      array = build(self.entry_path(path, found))
-      buffer = io.BytesIO()
-      np.save(buffer, array, allow_pickle=False)
-      data = buffer.getvalue()
-      self.write_atomic(self.index_path(path, found), lambda f: f.write(data), counted=True)
-      self.write_count(path, found, int(array.shape[-1]), index_crc=zlib.crc32(data), copy_crc=copy_crc)
-    return array
-
-  def _bound_index(self, path: str, found: _storage.Identity, copy_crc: int, max_bytes: int,
-                   warn: bool) -> np.ndarray | None:
-    """The index kept beside the copy when its count file binds it to the copy sealed `copy_crc`, else None."""
-    index_path = self.index_path(path, found)
-    try:
-      with open(index_path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data = f.read(size) if size <= max_bytes else None  # by its own size, never more than an index holds
-    except FileNotFoundError:
-      return None
-    except OSError as e:
-      if warn:
-        _log.warning("%s: unreadable (%s); rebuilding it", index_path, e)
-      return None
-    record = self.read_companion_record(path, found) if data is not None else None
-    try:
-      array = np.load(io.BytesIO(data), allow_pickle=False) if record is not None else None
-    except (OSError, ValueError, EOFError):
-      array = None
-    if (array is not None and record.copy_crc == copy_crc and record.index_crc == zlib.crc32(data)
-        and array.dtype == np.int64 and array.ndim >= 1 and array.shape[-1] == record.records):
-      return array
-    if warn:
-      _log.warning("%s: the index beside the copy of %s is not bound to it (edited, torn or stale); "
-                   "rebuilding it", index_path, path)
-    return None
-
-  def read_count(self, path: str, found: _storage.Identity) -> int | None:
-    """The record count stored for `path` (`write_count`), or None when absent or not intact."""
-    record = self.read_companion_record(path, found)
-    return None if record is None else record.records
-
-  def read_companion_record(self, path: str, found: _storage.Identity) -> "CompanionRecord | None":
-    """What `write_count` stored for `path`: None when absent, or when its own check fails (edited, torn)."""
-    target = self.entry_path(path, found) + ".count"
-    try:
-      with open(target, "rb") as f:
-        text = f.read(_COUNT_MAX_BYTES).decode("ascii")
-    except (OSError, UnicodeDecodeError):
-      return None
-    record = CompanionRecord.parse(text, os.path.basename(self.entry_path(path, found)))
-    if record is None:
-      _log.warning("%s: not intact (edited or torn); it is rebuilt from the copy", target)
-    return record
-
-  def seal(self, path: str, found: _storage.Identity) -> int | None:
-    """The CRC-32 the copy of `path` was sealed with when published, or None."""
-    seal = _read_seal(self.entry_path(path, found) + ".seal")
-    return None if seal is None else seal[1]
-
-  def write_count(self, path: str, found: _storage.Identity, count: int, *, index_crc: int,
-                  copy_crc: int) -> None:
-    """Stores the record count of `path`, bound to its copy's seal and its index's CRC-32.
-
-    Kept after the copy is evicted (a few bytes a file), so a later build
-    needs no download to count; checked by its own CRC-32 when read.
-    """
-    entry = self.entry_path(path, found)
-    text = CompanionRecord(count, copy_crc, index_crc).format(os.path.basename(entry))
-    self.write_atomic(entry + ".count", lambda f: f.write(text.encode()))
-
   def write_atomic(self, target: str, produce: Callable[[Any], Any], *, counted: bool = False) -> None:
     """Writes a cache file (a companion or a count) atomically: a temporary file, then a rename.
 
@@ -537,66 +438,15 @@ class ShardCache:
           raise self.cache_error(target, 0, e) from e
         raise
 
-  @contextlib.contextmanager
-  def _cache_file(self, target: str, mode: str) -> Iterator[Any]:
-    """A file of the cache opened for writing, held under an exclusive flock while open.
-
-    A sweep may take a temporary for abandoned between its creation and its
-    lock, and remove it (holding the lock): one found unlinked once locked is
-    created again.
-    """
-    while True:
-      f = open(target, mode)  # pylint: disable=consider-using-with
-      try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        if os.fstat(f.fileno()).st_nlink > 0:
-          break
-      except BaseException:
-        f.close()
-        raise
-      f.close()
-    with f:
-      yield f
+  def _cache_file(self, target: str, mode: str) -> Any:
+    """A file of the cache opened for writing, held under an exclusive flock while open (`_cache_disk`)."""
+    return _cache_disk.locked_file(target, mode)
 
   def cache_error(self, path: str, needed: int, error: OSError, *,
                   decompressed_from: int | None = None) -> errors.StorageError:
-    """The error of a cache directory that cannot be written: a full disk, permissions, a read-only mount.
-
-    `decompressed_from`: the compressed object's size, when `needed` is its decompressed text's.
-    """
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-      return self.no_space_error(path, needed, error, decompressed_from=decompressed_from)
-    shown = error.strerror or str(error) or type(error).__name__
-    return errors.StorageError(
-        f"shard cache {self.directory}: cannot write {os.path.basename(path)} there ({shown}). Make the "
-        "directory writable by this process (its owner, its mode, a read-only mount) and check its disk, "
-        "or point the cache at another directory (ShardCache(directory=...) or "
-        f"{CACHE_ENV}).", path=self.directory, operation="cache", cause="cache")
-
-  def no_space_error(self, path: str, needed: int, error: OSError, *,
-                     decompressed_from: int | None = None) -> errors.StorageError:
-    """The error of a full disk under the cache: names the directory, the bytes needed and free.
-
-    `decompressed_from`: the compressed object's size, when `needed` is its decompressed text's.
-    """
-    try:
-      free = f"{shutil.disk_usage(self.directory).free:,} bytes free"
-    except OSError:
-      free = "free space unknown"
-    if decompressed_from is not None:
-      # The cache made room for the object's size; its text is what must fit.
-      return errors.StorageError(
-          f"shard cache {self.directory}: no space left on its disk for the decompressed text of {path}: "
-          f"it is {needed:,} bytes ({decompressed_from:,} compressed; {free}; {error.strerror or error}). "
-          f"Free at least {needed:,} bytes there, or point the cache at a larger disk: a compressed "
-          "file is kept decompressed, and its text, not the object, must fit on the disk.",
-          path=self.directory, operation="cache", cause="no_space")
-    needed_text = f"{needed:,} bytes needed for {path}" if needed else f"writing {path}"
-    return errors.StorageError(
-        f"shard cache {self.directory}: no space left on its disk ({needed_text}; {free}; "
-        f"{error.strerror or error}). Free space there, point the cache at a larger disk, or lower "
-        f"its max_bytes ({self.max_bytes:,}) below the disk's free space.",
-        path=self.directory, operation="cache", cause="no_space")
+    """The error of this cache's directory that cannot be written (`_cache_disk.cache_error`)."""
+    return _cache_disk.cache_error(self.directory, self.max_bytes, path, needed, error,
+                                   decompressed_from=decompressed_from)
 
   # -- size and eviction -------------------------------------------------------
 
@@ -701,7 +551,7 @@ class ShardCache:
       if ".tmp-" not in name:
         continue
       temporary = os.path.join(self.directory, name)
-      if _held(temporary.rsplit(".tmp-", 1)[0] + ".lock"):
+      if _cache_disk.is_held(temporary.rsplit(".tmp-", 1)[0] + ".lock"):
         continue  # a download of that entry is under way
       try:
         fd = os.open(temporary, os.O_RDONLY)
@@ -709,7 +559,7 @@ class ShardCache:
         continue
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not _held(temporary.rsplit(".tmp-", 1)[0] + ".lock"):  # again: a download may have begun since
+        if not _cache_disk.is_held(temporary.rsplit(".tmp-", 1)[0] + ".lock"):  # again: a download may have begun since
           with contextlib.suppress(OSError):
             os.unlink(temporary)
       except BlockingIOError:
@@ -787,7 +637,7 @@ def _complete(entry: str, size: int | None) -> bool:
   except OSError:
     return False
   if size is None:
-    seal = _read_seal(entry + ".seal")
+    seal = _cache_companions.read_seal(entry + ".seal")
     return seal is not None and seal[0] == found
   return found == size
 
@@ -814,69 +664,6 @@ def _evict_counted(entry: str, remove: Callable[[str], int]) -> int | None:
     os.close(fd)
 
 
-class _CacheWriteFailed(Exception):
-  """A write into the cache failed (told apart from the store's errors a download raises).
-
-  `needed`: the bytes the copy takes (`decompressed`: measured to its end, past the failure).
-  """
-
-  def __init__(self, error: OSError, needed: int = 0, decompressed: bool = False):
-    super().__init__(str(error))
-    self.error, self.needed, self.decompressed = error, needed, decompressed
-
-
-class _CacheWriter:
-  """The temporary file a download writes into: its write errors are the cache's, not the store's.
-
-  With `measure_after_failure` (a decompressed copy, whose size nothing
-  says beforehand), a failed write is held back and the rest only counted,
-  so that `finish` raises it with the size the whole copy needs.
-  """
-
-  def __init__(self, f: Any, measure_after_failure: bool = False):
-    self._f, self._measure = f, measure_after_failure
-    self._written = 0
-    self._failed: OSError | None = None
-
-  def write(self, data: Any) -> int:
-    size = memoryview(data).nbytes
-    if self._failed is None:
-      try:
-        self._f.write(data)
-      except OSError as e:
-        if not self._measure:
-          raise _CacheWriteFailed(e, self._written + size) from e
-        self._failed = e
-    self._written += size
-    return size
-
-  def finish(self) -> None:
-    """Flushes and fsyncs what was written (raises a failure held back, with the size measured)."""
-    if self._failed is not None:
-      raise _CacheWriteFailed(self._failed, self._written, decompressed=True) from self._failed
-    try:
-      self._f.flush()
-      os.fsync(self._f.fileno())
-    except OSError as e:
-      raise _CacheWriteFailed(e, self._written, decompressed=self._measure) from e
-
-
-def _held(lock_path: str) -> bool:
-  """Whether someone holds an flock on `lock_path` (False when it does not exist)."""
-  try:
-    fd = os.open(lock_path, os.O_RDONLY)
-  except OSError:
-    return False
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
-  except BlockingIOError:
-    return True
-  finally:
-    os.close(fd)
-
-
 def copy_identity(fd: int) -> tuple[int, ...]:
   """Which copy `fd` is (its device, inode and size), for what a process keeps of a copy `open` checked: a
   copy evicted and downloaded again is another inode, and one altered fails its check at the open."""
@@ -887,49 +674,3 @@ def copy_identity(fd: int) -> tuple[int, ...]:
 def _change_key(info: os.stat_result) -> tuple[int, ...]:
   """What changes with any write to a file: its inode, size and change time (which cannot be set back)."""
   return (info.st_dev, info.st_ino, info.st_size, info.st_ctime_ns)
-
-
-def _seal_text(size: int, crc: int) -> str:
-  return f"crc32 {crc:08x} size {size}\n"
-
-
-def _read_seal(path: str) -> tuple[int, int] | None:
-  """(size, crc) a seal file holds, or None when absent or not one."""
-  try:
-    with open(path, "rb") as f:
-      words = f.read(_COUNT_MAX_BYTES).decode("ascii").split()
-    if len(words) == 4 and words[0] == "crc32" and words[2] == "size":
-      return int(words[3]), int(words[1], 16)
-  except (OSError, UnicodeDecodeError, ValueError):
-    pass
-  return None
-
-
-@dataclasses.dataclass(frozen=True)
-class CompanionRecord:
-  """A copy's record count, bound to the copy (its seal) and to its index (the index's CRC-32).
-
-  Written as one line that carries its own CRC-32 (over the fields and the
-  copy's name): an edited or torn count file is told from an intact one.
-  """
-
-  records: int
-  copy_crc: int
-  index_crc: int
-
-  def format(self, entry_name: str) -> str:
-    body = f"records {self.records} copy {self.copy_crc:08x} index {self.index_crc:08x}"
-    return f"{body} check {zlib.crc32(f'{body} {entry_name}'.encode()):08x}\n"
-
-  @classmethod
-  def parse(cls, text: str, entry_name: str) -> "CompanionRecord | None":
-    words = text.split()
-    if len(words) != 8 or words[0::2] != ["records", "copy", "index", "check"]:
-      return None
-    body = " ".join(words[:6])
-    try:
-      record = cls(int(words[1]), int(words[3], 16), int(words[5], 16))
-      intact = int(words[7], 16) == zlib.crc32(f"{body} {entry_name}".encode()) and record.records >= 0
-    except ValueError:
-      return None
-    return record if intact else None

@@ -186,7 +186,7 @@ def test_an_index_counting_zero_for_a_file_that_has_records_is_refused_at_build(
 def test_a_cached_count_of_zero_is_counted_again_from_the_copy(tmp_path, shuffle, caplog):
   # The cache's own .count rewritten to 0 with its check recomputed: the source counts the copy.
   import ckpt_iter  # pylint: disable=g-import-not-at-top
-  from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _cache_companions  # pylint: disable=g-import-not-at-top
 
   glob = _corpus(str(tmp_path / "data"), [100, 100, 100])
   directory = tmp_path / "cache"
@@ -195,7 +195,7 @@ def test_a_cached_count_of_zero_is_counted_again_from_the_copy(tmp_path, shuffle
   path = sorted(glob_lib.glob(glob))[1]
   entry = cache.entry_path(path, _storage.identity(path))
   record = cache.read_companion_record(path, _storage.identity(path))
-  zero = _shard_cache.CompanionRecord(0, record.copy_crc, record.index_crc).format(os.path.basename(entry))
+  zero = _cache_companions.CompanionRecord(0, record.copy_crc, record.index_crc).format(os.path.basename(entry))
   open(entry + ".count", "w").write(zero)
   assert cache.read_count(path, _storage.identity(path)) == 0  # a consistent edit: its own check passes
   with caplog.at_level("WARNING", logger="ckpt_iter"):
