@@ -285,7 +285,11 @@ def prefetch_cases(proxy, work: str, quick: bool, report: _common.Reporter) -> t
   records = 6_400 if quick else FILES * PER_FILE
   reads: dict[str, list[dict]] = {mode: [] for mode in modes}
   restored: dict[str, list[dict]] = {mode: [] for mode in modes}
+  local_case = Case(proxy, lambda: local)
+  local_case.make_dataset = dataset
+  local_reads: list[dict] = []
   for _ in range(1 if quick else REPEATS):  # interleaved: the machine is shared
+    local_reads.append(local_case.read(7, records))  # local disk in the same round as each mode
     for mode, (planned, prefetch_files) in modes.items():
       _plan_prefetch.ENABLED = planned
       try:
@@ -308,10 +312,13 @@ def prefetch_cases(proxy, work: str, quick: bool, report: _common.Reporter) -> t
     report.measurement(case=f"restore at record {DEEP_RECORD:,}: shards, cold, prefetch {mode}",
                        repeats=len(restored[mode]), all_s=[r["first_batch_s"] for r in restored[mode]],
                        **restores[mode])
-  case = Case(proxy, lambda: local)
-  case.make_dataset = dataset
-  figures["local disk"] = result = case.read(7, records)
-  report.measurement(case="shards, local disk", order="shuffle=shards", **result)
+  figures["local disk"] = result = median_of(local_reads, "records_per_s")
+  report.measurement(case="shards, local disk", order="shuffle=shards", repeats=len(local_reads), **result)
+  # Each mode over local disk in its own round: the median of the rounds' ratios, and their spread.
+  for mode in modes:
+    ratios = sorted(r["records_per_s"] / base["records_per_s"] for r, base in zip(reads[mode], local_reads))
+    figures[mode]["over_local_rounds"] = [_common.rounded(x, 3) for x in ratios]
+    figures[mode]["over_local"] = _common.rounded(ratios[(len(ratios) - 1) // 2], 3)
   return figures, restores
 
 
@@ -464,9 +471,9 @@ def main() -> None:
                                       "plain Grain array_record gs:// in place, shuffled")))
   by_plan = shards["by plan"]["records_per_s"]
   checks.append(_common.check(
-      f"shuffle=shards, cache of {SMALL_CACHE_FILES} files, cold, prefetch by plan / local disk records/s",
-      _common.rounded(by_plan / shards["local disk"]["records_per_s"], 3), ">= 0.5",
-      by_plan >= 0.5 * shards["local disk"]["records_per_s"],
+      f"shuffle=shards, cache of {SMALL_CACHE_FILES} files, cold, prefetch by plan / local disk records/s "
+      "(median of the rounds' ratios)", shards["by plan"]["over_local"], ">= 0.5",
+      shards["by plan"]["over_local"] >= 0.5, rounds=shards["by plan"]["over_local_rounds"],
       over_off=_common.rounded(by_plan / shards["off"]["records_per_s"], 3),
       over_by_file_index=_common.rounded(by_plan / shards["by file index (before)"]["records_per_s"], 3)))
   checks.append(_common.check(

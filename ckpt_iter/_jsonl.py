@@ -348,6 +348,9 @@ class JsonlSource(_source_files.FileReader):
         os.close(fd)
       else:
         copy = self._open[file_index] = _OpenCopy(fd, starts, ends, key)
+        kept = self._closed.pop(file_index, None)
+        if kept is not None:
+          self._closed_bytes -= kept.starts.nbytes + kept.ends.nbytes
         # Past the limit, close idle copies (least recently used first): they may be evicted. A plan
         # closes the copies it is done with itself (`release`), and keeps those it reads next.
         for other in [i for i, c in self._open.items() if c.readers == 0 and i != file_index]:
@@ -379,11 +382,8 @@ class JsonlSource(_source_files.FileReader):
     """The line index this process had of a copy it closed, when the copy open now is that one (the same
     inode, size and change time: a copy evicted and downloaded again, or altered, is indexed anew)."""
     with self._open_lock:
-      kept = self._closed.pop(file_index, None)
-      if kept is None:
-        return None
-      self._closed_bytes -= kept.starts.nbytes + kept.ends.nbytes
-    return (kept.starts, kept.ends) if kept.key == key else None
+      kept = self._closed.get(file_index)  # left there until the copy is open (threads opening it at once)
+    return (kept.starts, kept.ends) if kept is not None and kept.key == key else None
 
 
 _DEFAULT_OPEN_FILES = 16

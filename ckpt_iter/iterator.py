@@ -249,6 +249,18 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       The apply half: moves this iterator to the state's position and cannot
       fail.
     """
+    # A state's skip ranges decode into many small objects (`state_lib.collection_paused`).
+    with state_lib.collection_paused():
+      apply = self._checked_restore(state, allow_drift=allow_drift, origin=origin)
+
+    def apply_paused() -> None:
+      with state_lib.collection_paused():
+        apply()
+
+    return apply_paused
+
+  def _checked_restore(self, state: state_lib.IteratorState, *, allow_drift: Collection[str],
+                       origin: str) -> Callable[[], None]:
     state_lib.check_kind(state, "data", "DataIterator", origin)
     # The run's skips are no defining field: a restore keeps the saved ones and adds the declared (`skips_lib.Skips`).
     # The stream fields first, by the one check `ckpt-iter verify` also asks (`_records.check_stream_fields`).
