@@ -14,8 +14,8 @@ corpus, and the store's requests by kind (the emulator's log):
                       lines by downloading it.
   JSONL, index        the same after `ckpt-iter index glob` (its own time
                       reported): one GET of ckpt_iter_index.json.
-  JSONL, index, list  the 48 paths as a list, not a glob: one metadata
-                      request per file (a glob's listing describes them).
+  JSONL, index, list  the 48 paths as a list, not a glob: one listing of
+                      their directory describes them (issue 65 item 4).
   JSONL, warm         the host of "JSONL, index" building again (a restart).
   Parquet             `ParquetSource(glob, cache=...)`: the footers only.
   ArrayRecord         `ArrayRecordSource(glob, cache=...)`: the footers only, read by

@@ -1296,8 +1296,9 @@ existed).
 {notes}
 {_table(["case", "seconds", "requests", "by kind", "share of the corpus downloaded"], table)}
 
-{indexing} A list of paths still asks each object's metadata (gcsfs's stat also lists the name as a
-prefix: about 4 requests a file); a glob's listing describes them all.
+{indexing} A list of paths is described by one listing of each directory holding several of them (issue 65
+item 4; gcsfs's stat of a path lists the name as a prefix too: about 4 requests a file before), as a glob's
+listing describes its matches.
 
 {_checks(summary)}
 """

@@ -78,6 +78,8 @@ def path_strings(source: Any) -> list[str] | None:
 def expanded(candidates: list[str], owner: str) -> ExpandedPaths:
   """Globs expanded (sorted), every file checked to exist; errors name `owner`."""
   paths = ExpandedPaths()
+  # Objects named one by one: their directory's listing says they exist, with their identities.
+  paths.listed.update(_storage.directory_identities([c for c in candidates if not _storage.has_magic(c)]))
   for candidate in candidates:
     magic = _storage.has_magic(candidate)
     if magic and _storage.is_url(candidate):  # the listing describes each object: no metadata request per file
@@ -91,7 +93,7 @@ def expanded(candidates: list[str], owner: str) -> ExpandedPaths:
     for match in matches:
       # An object a listing found exists: no metadata request per match (the source's
       # identities, fetched in parallel, fail on one that went away).
-      if not (magic and _storage.is_url(match)) and not _storage.is_file(match):
+      if match not in paths.listed and not _storage.is_file(match):
         where = "" if _storage.is_url(match) else f" (working directory {os.getcwd()!r})"
         raise errors.InvalidArgumentError(f"{owner} file {match!r} does not exist{where}.")
     paths.extend(matches)

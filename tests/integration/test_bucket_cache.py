@@ -164,3 +164,21 @@ def test_a_new_host_builds_from_the_corpus_index_without_reading_a_file(corpus, 
   _storage.write_bytes(remote.replace("*", "2"), b'{"id": 1}\n')
   with pytest.raises(ckpt_iter.InvalidStateError, match=r"part-2.jsonl: .*counted it at size .*changed since"):
     sources.JsonlSource(remote, cache=sources.ShardCache(tmp_path / "third_host", 10**8))
+
+
+def test_a_list_of_paths_asks_one_listing_not_each_objects_metadata(corpus, gcs_emulator, tmp_path, monkeypatch):
+  # issue 65 item 4: a list of paths cost about 4 requests a file at every start (gcsfs's stat lists the name as
+  # a prefix too): 193 requests for 48 files. One listing of their directory says every one.
+  remote, local = corpus
+  paths = [remote.replace("part-*.jsonl", f"part-{part}.jsonl") for part in range(_FILES)]
+  expected = _ids(ckpt_iter.make_dataset(local, batch_size=_BATCH, seed=3))
+  monkeypatch.setenv("CKPT_ITER_SHARD_CACHE_DIR", str(tmp_path / "cache"))
+  assert _ids(ckpt_iter.make_dataset(paths, batch_size=_BATCH, seed=3)) == expected  # the copies cached
+  mark = gcs_emulator.mark()
+  source = sources.JsonlSource(paths, cache=sources.ShardCache(tmp_path / "cache", 10**8))
+  assert [found.size for found in source.identities()] == [os.path.getsize(p) for p in local]
+  requests = gcs_emulator.requests(mark)
+  assert gcs_emulator_lib.count_by_kind(requests)["metadata"] == 0 and len(requests) <= 2, requests
+  # A path the listing does not hold is still refused by name.
+  with pytest.raises(ckpt_iter.InvalidArgumentError, match="part-9.jsonl"):
+    sources.JsonlSource(paths + [paths[0].replace("part-0", "part-9")], cache=sources.ShardCache(tmp_path / "c", 10**8))
