@@ -305,7 +305,11 @@ def prefetch_cases(proxy, work: str, quick: bool, report: _common.Reporter) -> t
         _plan_prefetch.ENABLED = True
   figures, restores = {}, {}
   for mode in modes:
-    figures[mode] = median_of(reads[mode], "records_per_s")
+    figures[mode] = dict(median_of(reads[mode], "records_per_s"))
+    # Over local disk in its own round: the median of the rounds' ratios, and their spread.
+    ratios = sorted(r["records_per_s"] / base["records_per_s"] for r, base in zip(reads[mode], local_reads))
+    figures[mode]["over_local_rounds"] = [_common.rounded(x, 3) for x in ratios]
+    figures[mode]["over_local"] = _common.rounded(ratios[(len(ratios) - 1) // 2], 3)
     report.measurement(case=f"shards, cache of {SMALL_CACHE_FILES} files, cold: prefetch {mode}",
                        order="shuffle=shards", repeats=len(reads[mode]), **figures[mode])
     restores[mode] = median_of(restored[mode], "first_batch_s")
@@ -314,11 +318,6 @@ def prefetch_cases(proxy, work: str, quick: bool, report: _common.Reporter) -> t
                        **restores[mode])
   figures["local disk"] = result = median_of(local_reads, "records_per_s")
   report.measurement(case="shards, local disk", order="shuffle=shards", repeats=len(local_reads), **result)
-  # Each mode over local disk in its own round: the median of the rounds' ratios, and their spread.
-  for mode in modes:
-    ratios = sorted(r["records_per_s"] / base["records_per_s"] for r, base in zip(reads[mode], local_reads))
-    figures[mode]["over_local_rounds"] = [_common.rounded(x, 3) for x in ratios]
-    figures[mode]["over_local"] = _common.rounded(ratios[(len(ratios) - 1) // 2], 3)
   return figures, restores
 
 
