@@ -63,12 +63,15 @@ def _duplicates_and_skips(trained):
   return duplicates, skips
 
 
-@pytest.mark.parametrize("before, after", [
-    ({"a": 1, "b": 1}, {"a": 4, "b": 1}),  # reweighted
+_MIXTURE_CHANGES = [
+    ({"a": 1, "b": 1}, {"a": 4, "b": 1}),  # reweighted (50/50 -> 80/20)
     ({"a": 1, "b": 1}, {"a": 1}),  # a source removed
     ({"a": 1, "b": 1}, {"a": 1, "b": 1, "c": 2}),  # a source added
     ({"a": 1, "b": 1, "c": 1}, {"c": 1, "a": 2}),  # all three at once
-])
+]
+
+
+@pytest.mark.parametrize("before, after", _MIXTURE_CHANGES)
 def test_each_recommended_way_through_a_mixture_change_trains_every_record_once(before, after, tmp_path):
   item, read = _saved(tmp_path, _mixture(before))
   with pytest.raises(ckpt_iter.ConfigDriftError) as refusal:
@@ -80,12 +83,7 @@ def test_each_recommended_way_through_a_mixture_change_trains_every_record_once(
   assert _duplicates_and_skips(trained) == (0, 0)
 
 
-@pytest.mark.parametrize("before, after", [
-    ({"a": 1, "b": 1}, {"a": 4, "b": 1}),  # reweighted 50/50 -> 80/20
-    ({"a": 1, "b": 1}, {"a": 1}),  # a source removed
-    ({"a": 1, "b": 1}, {"a": 1, "b": 1, "c": 2}),  # a source added
-    ({"a": 1, "b": 1, "c": 1}, {"c": 1, "a": 2}),  # all three at once
-])
+@pytest.mark.parametrize("before, after", _MIXTURE_CHANGES)
 def test_the_names_a_refusal_gives_a_program_are_what_its_allow_drift_accepts(before, after, tmp_path):
   # issue 66 item 17: a 50/50 -> 80/20 reweight's `differences` was {'weight[a]': (1, 4)}, its message asked
   # for allow_drift={'weights'}, and allow_drift=set(error.differences) was refused again.
