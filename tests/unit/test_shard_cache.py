@@ -713,10 +713,13 @@ def test_a_copy_opened_again_reuses_its_line_index_and_the_build_says_what_to_se
 def test_a_source_keeps_every_copy_open_where_the_cache_holds_them_all(tmp_path, shards):
   # issue 65 item 2: max_open_files=None (the default) keeps every file open when the cache holds them all,
   # so a global shuffle never re-opens a copy; a cache smaller than the files keeps 16 (copies it may evict).
-  roomy = sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "roomy", 10**8))
-  assert roomy.max_open_files >= len(shards)
-  one_copy = os.path.getsize(shards[0]) + 16 * 50 + 128
-  tight = sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "tight", 2 * one_copy))
+  store = tmp_path / "many"
+  store.mkdir()
+  paths = [_write(store / f"part-{i}.jsonl", 3, first=3 * i) for i in range(24)]  # more than 16
+  roomy = sources.JsonlSource(paths, cache=sources.ShardCache(tmp_path / "roomy", 10**8))
+  assert roomy.max_open_files == 24
+  one_copy = os.path.getsize(paths[0]) + 16 * 3 + 128
+  tight = sources.JsonlSource(paths, cache=sources.ShardCache(tmp_path / "tight", 4 * one_copy))
   assert tight.max_open_files == 16
-  assert sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "roomy", 10**8),
+  assert sources.JsonlSource(paths, cache=sources.ShardCache(tmp_path / "roomy", 10**8),
                              max_open_files=2).max_open_files == 2  # as given
