@@ -205,9 +205,7 @@ class JsonlSource(_source_files.FileReader):
     if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
       self._init_open()
     with self._open_lock:
-      # Neither a file open here, nor one closed here whose index is kept: its copy was just in use.
-      wanted = [i for i in dict.fromkeys(i % count for i in file_indices)
-                if i not in self._open and i not in self._closed]
+      wanted = [i for i in dict.fromkeys(i % count for i in file_indices) if i not in self._open]
     if self._planned:
       # Held open from now until the plan releases them: in use, so no process of this host evicts a
       # file a reader here will read (each file is downloaded once per epoch and host).

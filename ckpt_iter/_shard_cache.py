@@ -43,7 +43,6 @@ import time
 from concurrent import futures
 from typing import Any, Callable, Iterable, Iterator
 
-
 from ckpt_iter import _cache_companions
 from ckpt_iter import _cache_disk
 from ckpt_iter import _cache_usage
@@ -310,7 +309,7 @@ class ShardCache(_cache_companions.CompanionFiles):
       cache_side = isinstance(e, _cache_disk.CacheWriteFailed)
       decompressed = cache_side and e.decompressed
       needed = e.needed if decompressed else found.size
-      e = e.error if isinstance(e, _cache_disk.CacheWriteFailed) else e
+      e = e.error if cache_side else e
       if isinstance(e, OSError) and not isinstance(e, errors.CkptIterError) and (
           cache_side or e.errno in (errno.ENOSPC, errno.EDQUOT) or e.filename == temporary):
         # The cache's disk, not the store.
