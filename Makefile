@@ -69,7 +69,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info site
+	rm -rf $(VENV) $(LOWEST_VENV) $(MAXTEXT_VENV) build *.egg-info site
 
 # The tests' persistent JAX compilation cache (tests/conftest.py), kept between runs.
 clean-cache:
@@ -89,6 +89,24 @@ $(LOWEST_VENV)/.installed: pyproject.toml
 test-lowest: $(LOWEST_VENV)/.installed
 	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs -n $(WORKERS) $(FAST_TIERS)
 	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs $(BY_FILE) tests/integration
+
+# MaxText's pretraining input through its own config and checkpoint code (tests/maxtext), in a
+# venv of its own: MaxText 0.2.5 needs Python >= 3.12 (pyenv's here). Its modules' imports are
+# pinned in requirements/maxtext.txt; maxtext itself is installed without its extras (CUDA or TPU
+# stacks), as make test-maxtext does on a fresh machine.
+MAXTEXT_VENV ?= .venv-maxtext
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+$(MAXTEXT_VENV)/.installed: pyproject.toml requirements/maxtext.txt
+	[ -x $(MAXTEXT_VENV)/bin/python ] || $(PYTHON312) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_VENV)/bin/pip install --quiet --upgrade pip
+	$(MAXTEXT_VENV)/bin/pip install --quiet -r requirements/maxtext.txt
+	$(MAXTEXT_VENV)/bin/pip install --quiet --no-deps maxtext==0.2.5
+	$(MAXTEXT_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $@
+
+.PHONY: test-maxtext
+test-maxtext: $(MAXTEXT_VENV)/.installed
+	$(MAXTEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/maxtext tests/unit/test_maxtext.py
 
 # The Tunix integration tests against upstream Tunix main (0.1.8), from the wheel
 # in ../shared/peer/wheels (the same venv ../shared/peer/run main builds).

@@ -140,9 +140,14 @@ def _digest_of_fields(kind, fingerprint, position, shuffle_key, schedule, counte
   return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized: bool = False) -> dict[str, Any]:
-  """The entry a restore of `restored` from checkpoint `step` adds."""
-  entry: dict[str, Any] = {"step": step, "state": resume_digest(restored)}
+def resume_entry(restored: state_lib.IteratorState, step: int | None, *, resized: bool = False,
+                 saved: state_lib.IteratorState | None = None) -> dict[str, Any]:
+  """The entry a restore of `restored` from checkpoint `step` adds.
+
+  Its `state` digests the state as saved (`saved`, process 0's for a resize:
+  what the audit finds at that step), else `restored`.
+  """
+  entry: dict[str, Any] = {"step": step, "state": resume_digest(restored if saved is None else saved)}
   entry.update(segment_fields(restored))
   if resized:
     entry["resized"] = True  # restored by another process count (elastic)
@@ -226,10 +231,11 @@ def fold(digest: str, entry: Mapping[str, Any]) -> str:
 
 
 def resumed(
-    restored: state_lib.IteratorState, step: int | None, *, resized: bool = False
+    restored: state_lib.IteratorState, step: int | None, *, resized: bool = False,
+    saved: state_lib.IteratorState | None = None,
 ) -> state_lib.IteratorState:
-  """`restored` with the resume from `step` added to its lineage."""
-  entry = resume_entry(restored, step, resized=resized)
+  """`restored` with the resume from `step` added to its lineage (`saved`: see `resume_entry`)."""
+  entry = resume_entry(restored, step, resized=resized, saved=saved)
   # The restored lineage was validated when it was read: only the new entry is checked.
   return state_lib.extended_lineage(restored, extended(restored.lineage, entry), entry)
 
@@ -417,10 +423,12 @@ class SavedState:
   resized: bool  # written by another process count (re-sliced by elastic)
   origin: str  # what error messages name
   step: int | None = None  # the checkpoint step it was read from, when the path says
+  # Process 0's state as saved, where a resize re-sliced a per-process position (lanes) from it.
+  saved_first: state_lib.IteratorState | None = None
 
   def resumed(self) -> state_lib.IteratorState:
     """The value with this resume recorded in its lineage (what the receiver carries on)."""
-    return resumed(self.value, self.step, resized=self.resized)
+    return resumed(self.value, self.step, resized=self.resized, saved=self.saved_first)
 
 
 def read_item(
@@ -461,13 +469,16 @@ def read_item(
       return _read_replicated(directory, e, step, join)
   count_files: dict[str, Any] = {}  # the count file, read once for the count and the pod part
   saved_count = _files.saved_process_count(directory, count_files=count_files)
+  saved_first: list[state_lib.IteratorState] = []
   value = elastic_lib.read_for_process(
-      directory, process_index, process_count, saved_count=saved_count, count_files=count_files
+      directory, process_index, process_count, saved_count=saved_count, count_files=count_files,
+      saved_first=saved_first,
   )
   # With the saved process count an elastic restore is an exact one: each
   # process gets its own file, so per-process fields are checked as usual
   # (and a per-process filter, refused only when the count changes, works).
-  return SavedState(value, resized=saved_count != process_count, origin=directory, step=step)
+  return SavedState(value, resized=saved_count != process_count, origin=directory, step=step,
+                    saved_first=saved_first[0] if saved_first else None)
 
 
 def _read_replicated(directory: str, error: errors.ProcessCountError, step: int | None,

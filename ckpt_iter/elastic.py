@@ -124,6 +124,7 @@ def read_for_process(
     *,
     saved_count: int | None = None,
     count_files: dict[str, Any] | None = None,
+    saved_first: list[state_lib.IteratorState] | None = None,
 ) -> state_lib.IteratorState:
   """The state process `process_index` of `process_count` resumes from.
 
@@ -141,6 +142,8 @@ def read_for_process(
   one small file; a directory listing only for items written without it).
   The files of this process's window (`checked_files`) must exist; with
   another count their headers are read and compared with process 0's.
+  `saved_first`, where given, receives process 0's state as saved (the state a
+  resume with another count restores: a lane position differs per process).
 
   Raises:
     InvalidStateError: a file of this process's window is missing (the
@@ -171,6 +174,8 @@ def read_for_process(
   # the refusal then gives the real reason, before any other file is read.
   states = {0: _read(directory, 0, saved_count, load_arrays=0 in rows_from, count_files=count_files)}
   _check_resizable(directory, states[0], saved_count, process_count)
+  if saved_first is not None:
+    saved_first.append(states[0])
   for index in checked:
     if index not in states:
       states[index] = _read(directory, index, saved_count, load_arrays=index in rows_from,

@@ -19,7 +19,7 @@ import importlib.util
 import pathlib
 import re
 
-REFERENCE_MODULES = ("ckpt_iter", "ckpt_iter.sources", "ckpt_iter.testing", "ckpt_iter.tunix")
+REFERENCE_MODULES = ("ckpt_iter", "ckpt_iter.sources", "ckpt_iter.testing", "ckpt_iter.tunix", "ckpt_iter.maxtext")
 REFERENCE_PAGE = "api.md"
 MARKER = "<!-- the reference: generated from __all__ by docs/hooks.py -->"
 

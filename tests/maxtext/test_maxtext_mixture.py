@@ -1,0 +1,108 @@
+"""MaxText without packing: its own rows, bit for bit, and a mixture changed between SIGKILLed restarts.
+
+With `packing: false` (what MaxText's own elastic iterator requires), each
+record is one row, made by MaxText's `pretrain_preprocessing_pipeline`: an
+epoch through ckpt_iter holds exactly the rows MaxText's own iterator yields
+(order aside: ckpt_iter's is one global order). A chain of real jobs then
+changes the host count 1 -> 2 -> 4 -> 3 -> 1, the global batch (24 at 4
+hosts), the mixture's weights (`a,1;b,1` -> `a,1;b,3`) and adds a source
+(`;c,2`), each job SIGKILLed after an unsaved step: every source's records are
+trained in its own order, each once, none passed over (each source continues
+at its own next record).
+
+Runs only in `make test-maxtext` (Python 3.12, MaxText installed).
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("maxtext", reason="make test-maxtext installs MaxText (Python 3.12)")
+
+import maxtext_jobs  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+SOURCES = {"a": [range(0, 100), range(100, 200)], "b": [range(1000, 1150)], "c": [range(2000, 2100)]}
+STEPS = 2
+
+
+def _source_of(record: int) -> str:
+  return next(name for name, files in SOURCES.items() if any(record in ids for ids in files))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+  directory = tmp_path_factory.mktemp("mixture_corpus")
+  for name, files in SOURCES.items():
+    for number, ids in enumerate(files):
+      maxtext_jobs.write_parquet(directory / f"{name}-{number}.parquet", ids)
+  return directory
+
+
+def _mixture(corpus: Path, **weights: int) -> str:
+  return ";".join(f"{corpus}/{name}-*.parquet,{weight}" for name, weight in weights.items())
+
+
+def test_an_epoch_holds_maxtexts_own_rows_bit_for_bit(tmp_path, corpus):
+  settings = dict(files=str(corpus / "b-*.parquet"), packing=False, global_batch=10, steps=14)
+  maxtext_jobs.run(tmp_path, "ours", 1, kill=False, side="ckpt_iter", ckpt_dir=str(tmp_path / "a"),
+                   dump_rows=True, **settings)
+  maxtext_jobs.run(tmp_path, "stock", 1, kill=False, side="stock", ckpt_dir=str(tmp_path / "b"),
+                   dump_rows=True, **settings)
+  ours, stock = (maxtext_jobs.row_bytes(tmp_path, name) for name in ("ours", "stock"))
+  assert len(ours) == len(stock) == 150
+  assert collections.Counter(ours) == collections.Counter(stock)
+
+
+# (processes, global batch, mixture weights) of each job; each saves STEPS steps, the last is not killed.
+CHAIN = ((1, 12, dict(a=1, b=1)), (2, 12, dict(a=1, b=1)), (4, 24, dict(a=1, b=3)), (3, 12, dict(a=1, b=3, c=2)),
+         (1, 12, dict(a=1, b=3, c=2)))
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, corpus):
+  directory = tmp_path_factory.mktemp("mixture_chain")
+  trained, resumed = [], []
+  for number, (processes, global_batch, weights) in enumerate(CHAIN):
+    killed = number < len(CHAIN) - 1
+    results = maxtext_jobs.run(
+        directory, f"job{number}", processes, kill=killed, side="ckpt_iter", packing=False, steps=STEPS,
+        files=_mixture(corpus, **weights), global_batch=global_batch, ckpt_dir=str(directory / "ckpt"))
+    resumed.append(results[0]["resumed_from"])
+    trained.extend(maxtext_jobs.trained(directory, f"job{number}", processes, killed=killed))
+  # Each source's own order: the uninterrupted runs of the first and the last mixture read far enough.
+  orders = {}
+  for name, weights, steps in (("first", CHAIN[0][2], 16), ("last", CHAIN[-1][2], 8)):
+    maxtext_jobs.run(directory, name, 1, kill=False, side="ckpt_iter", packing=False, steps=steps,
+                     files=_mixture(corpus, **weights), global_batch=12, ckpt_dir=str(directory / name))
+    orders[name] = _by_source(maxtext_jobs.trained(directory, name, 1, killed=False))
+  return {"trained": _by_source(trained), "resumed": resumed,
+          "orders": {"a": orders["first"]["a"], "b": orders["first"]["b"], "c": orders["last"]["c"]}}
+
+
+def _by_source(batches) -> dict[str, list[int]]:
+  by_source = collections.defaultdict(list)
+  for batch in batches:
+    for row in batch:
+      assert len(row) == 1  # one record per row without packing
+      by_source[_source_of(row[0])].append(row[0])
+  return by_source
+
+
+def test_every_job_resumes_from_the_step_its_predecessor_saved_last(chain):
+  assert chain["resumed"] == [None, 1, 3, 5, 7]
+
+
+def test_each_source_continues_at_its_own_next_record_through_every_change(chain):
+  for name in SOURCES:
+    trained, order = chain["trained"][name], chain["orders"][name]
+    assert len(trained) <= len(order), name
+    assert trained == order[:len(trained)], name  # in its order: no record twice, none passed over
+
+
+def test_the_changes_took_effect(chain):
+  counts = {name: len(records) for name, records in chain["trained"].items()}
+  # 48 rows at 1:1, 48 at 1:3, 60 at 1:3:2 (the last job trains its unsaved step too).
+  assert counts == {"a": 24 + 12 + 10, "b": 24 + 36 + 30, "c": 20}
