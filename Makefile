@@ -108,6 +108,11 @@ $(MAXTEXT_VENV)/.installed: pyproject.toml requirements/maxtext.txt
 test-maxtext: $(MAXTEXT_VENV)/.installed
 	$(MAXTEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/maxtext tests/unit/test_maxtext.py
 
+# MaxText's own input pipeline against ckpt_iter's for one config (benchmarks/hand_run.md).
+.PHONY: bench-maxtext
+bench-maxtext: $(MAXTEXT_VENV)/.installed
+	$(MAXTEXT_VENV)/bin/python benchmarks/maxtext_input.py | tee benchmarks/results_maxtext.jsonl
+
 # The Tunix integration tests against upstream Tunix main (0.1.8), from the wheel
 # in ../shared/peer/wheels (the same venv ../shared/peer/run main builds).
 TUNIX_MAIN_VENV ?= .venv-tunix-main

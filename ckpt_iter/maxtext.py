@@ -24,6 +24,8 @@ ckpt_iter's state rides. What differs:
 - A mixture keeps how far each source has been read: a reweighted mixture, or
   a source added, continues every source where it stopped (MaxText documents
   "minor skipping").
+- MaxText's emergency (multi-tier) checkpoints save no data item; with this
+  iterator they do (`keep_data_in_emergency_checkpoints`).
 - With packing, or with chunking (`use_truncation: false`), rows are made
   per chunk of records in lanes (`make_dataset(pack=..., num_lanes=...)`), so
   a row never depends on the host count: a restart may use any host count
@@ -47,6 +49,7 @@ from ckpt_iter import errors
 
 __all__ = [
     "make_grain_train_iterator", "train_dataset", "check_config", "sources", "source_name", "defer_restore",
+    "keep_data_in_emergency_checkpoints", "emergency_data_root",
     "makes_rows_from_chunks", "TrainData", "MaxTextRows", "MaxTextRow", "FILE_TYPES", "MIXTURE_CHANGES",
     "PACKING_BINS",
 ]
@@ -119,6 +122,7 @@ def make_grain_train_iterator(
       config, shard_index=list(process_indices).index(jax.process_index()), shard_count=len(process_indices),
       num_lanes=num_lanes, packing_bins=packing_bins, chunk_size=chunk_size)
   defer_restore()
+  keep_data_in_emergency_checkpoints()
   return multihost_dataloading.MultiHostDataLoadIterator(
       TrainData(dataset, allow_drift=allow_drift), global_mesh, config.generate_padding_batch_train)
 
@@ -257,28 +261,44 @@ class _ConfigView:
 
 
 class MaxTextRows:
-  """The rows of a chunk of records, made by MaxText's own `pretrain_preprocessing_pipeline`.
+  """The rows of a chunk of records, made by the stages of MaxText's own `pretrain_preprocessing_pipeline`.
 
-  Run as MaxText runs it for its elastic iterator: per row, before batching
-  (parse, tokenize, pack or pad, shift), with `packing_bins` bins, a number
-  fixed for the run where MaxText uses its local batch (which changes with
-  the host count).
+  Run as MaxText runs them for its elastic iterator: per row, before batching
+  (parse, tokenize, pack or pad, shift: `format_and_batch`), with
+  `packing_bins` bins, a number fixed for the run where MaxText packs into its
+  local batch (which changes with the host count). The tokenizer is built
+  once per process, not per chunk.
   """
 
   def __init__(self, config: Any, packing_bins: int):
     self._config = config
     self.packing_bins = packing_bins
+    self._tokenizer: tuple[Any, int] | None = None
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"_config": self._config, "packing_bins": self.packing_bins}  # a worker builds its own tokenizer
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__init__(state["_config"], state["packing_bins"])
 
   def __call__(self, records: Any) -> Any:
-    grain_data_processing = _maxtext("maxtext.input_pipeline.grain_data_processing")
-    import jax  # pylint: disable=g-import-not-at-top
-    config = _ConfigView(
-        self._config, grain_use_elastic_iterator=True, elastic_enabled=False, expansion_factor_real_data=-1,
-        # MaxText packs into its local batch: global_batch_size_to_load // jax.process_count().
-        global_batch_size_to_load=self.packing_bins * jax.process_count())
-    return grain_data_processing.pretrain_preprocessing_pipeline(
-        records, config, data_columns=list(self._config.train_data_columns),
-        tokenize=self._config.tokenize_train_data, grain_worker_count=0, grain_per_worker_buffer_size=1)
+    utils = _maxtext("maxtext.input_pipeline.data_processing_utils")
+    grain_tokenizer = _maxtext("maxtext.input_pipeline.grain_tokenizer")
+    input_pipeline_utils = _maxtext("maxtext.input_pipeline.input_pipeline_utils")
+    config = _ConfigView(self._config, grain_use_elastic_iterator=True, elastic_enabled=False,
+                         expansion_factor_real_data=-1)
+    if self._tokenizer is None:
+      self._tokenizer = utils.get_tokenizer_and_pad_id(config)
+    tokenizer_model, pad_id = self._tokenizer
+    (column,) = columns = list(self._config.train_data_columns)
+    tokenize, length = self._config.tokenize_train_data, self._config.max_target_length
+    rows = utils.parse_and_keep_features(records, config, columns, tokenize)
+    if tokenize and config.use_truncation:
+      rows = rows.map(grain_tokenizer.TokenizeAndTrim(column, length, tokenizer_model))
+    elif tokenize:
+      rows = rows.apply(grain_tokenizer.TokenizeAndChunk(column, length, tokenizer_model))
+    rows = rows.map(input_pipeline_utils.Rekey({"inputs": column, "targets": column}))
+    return utils.format_and_batch(rows, config, self.packing_bins, pad_id, ("inputs", "targets"), tokenizer_model)
 
 
 class _OneRecord:
@@ -368,6 +388,34 @@ class TrainData:
     from ckpt_iter import _item  # pylint: disable=g-import-not-at-top
     return await _item.v1_save(self.iterator, directory)
 
+  def save_to(self, root: str, step: int) -> None:
+    """Writes this process's state as step `step`'s data item under `root` (`<root>/<step>/iter`), now."""
+    from ckpt_iter import _item  # pylint: disable=g-import-not-at-top
+    from etils import epath  # pylint: disable=g-import-not-at-top
+    directory = epath.Path(root) / str(step) / "iter"
+    directory.mkdir(parents=True, exist_ok=True)
+    header, arrays = _item.snapshot(self.iterator, step)
+    _item.write(directory, header, arrays, *_item.process())
+
+  def load_from(self, root: str, step: int) -> None:
+    """Restores step `step`'s data item under `root`, at any saved host count.
+
+    A step without one (saved before ckpt_iter's iterator was installed)
+    leaves the data at its first record, as MaxText's own emergency restore
+    does, and logs a warning that says so.
+    """
+    from ckpt_iter import _item  # pylint: disable=g-import-not-at-top
+    directory = f"{root}/{step}/iter"
+    try:
+      saved = _item.read_item(directory, *_item.process(), elastic=True)
+    except (errors.ItemNotFoundError, FileNotFoundError):
+      _LOG.warning(
+          "ckpt_iter.maxtext: MaxText's emergency checkpoint of step %s has no data item (%s): the data starts "
+          "again at its first record, as MaxText's own emergency restore starts it, so the records trained "
+          "before step %s are trained again", step, directory, step)
+      return
+    _item.check_restore_saved(self.iterator, saved, allow_drift=self.allow_drift)()
+
   async def load(self, directory: Any) -> Any:
     """Orbax v1 calls this: reads this process's state at any saved host count; returns its apply."""
     from ckpt_iter import _item  # pylint: disable=g-import-not-at-top
@@ -397,6 +445,84 @@ def defer_restore() -> None:
 
   for_restore.ckpt_iter_defers = True  # type: ignore[attr-defined]
   grain_utility.for_restore = for_restore
+
+
+def emergency_data_root(checkpoint_manager: Any) -> str:
+  """Where the data items of an emergency manager's steps are: beside its (persistent) directory.
+
+  `<directory>-ckpt_iter-data/<step>/iter`: outside the directories Orbax's
+  emergency manager lists and deletes, on storage every host reads.
+  """
+  return str(checkpoint_manager.directory).rstrip("/") + "-ckpt_iter-data"
+
+
+def keep_data_in_emergency_checkpoints() -> None:
+  """Makes MaxText's emergency checkpoints carry the data item, and its emergency restore apply it.
+
+  MaxText's emergency and replicator managers (Orbax's multi-tier
+  checkpointing) save the train state alone: `save_checkpoint` hands them no
+  data iterator and `load_state_if_possible` restores none, so a run resumed
+  from one starts its data again at the first record. For a `TrainData`
+  iterator, `save_checkpoint` here writes its state first, for every step
+  the manager will save (`emergency_data_root`), and `load_state_if_possible`
+  restores the step the manager restores, at any host count (a step saved
+  without one: `TrainData.load_from`). Installed once,
+  idempotent; other iterators and managers go to MaxText's own functions.
+  """
+  import inspect  # pylint: disable=g-import-not-at-top
+  checkpointing = _maxtext("maxtext.common.checkpointing")
+  if getattr(checkpointing.save_checkpoint, "ckpt_iter_keeps_data", False):
+    return
+  stock_save, stock_load = checkpointing.save_checkpoint, checkpointing.load_state_if_possible
+  managers = (checkpointing.EmergencyCheckpointManager, checkpointing.EmergencyReplicatorCheckpointManager)
+  load_signature = inspect.signature(stock_load)
+
+  @functools.wraps(stock_save)
+  def save_checkpoint(checkpoint_manager, step, state, config=None, data_iterator=None, force=False):
+    data = getattr(data_iterator, "local_iterator", None)
+    if (isinstance(checkpoint_manager, managers) and isinstance(data, TrainData)
+        and (force or checkpoint_manager.should_save(step))):
+      # Before the state: a step Orbax commits has its data item complete.
+      data.save_to(emergency_data_root(checkpoint_manager), step)
+      saved = stock_save(checkpoint_manager, step, state, config, data_iterator, force)
+      _drop_data_items_before(emergency_data_root(checkpoint_manager), checkpoint_manager.all_steps())
+      return saved
+    return stock_save(checkpoint_manager, step, state, config, data_iterator, force)
+
+  @functools.wraps(stock_load)
+  def load_state_if_possible(*args: Any, **kwargs: Any) -> Any:
+    bound = load_signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    checkpoint_manager, data_iterator = bound.arguments["checkpoint_manager"], bound.arguments["data_iterator"]
+    data = getattr(data_iterator, "local_iterator", None)
+    if not (isinstance(checkpoint_manager, managers) and isinstance(data, TrainData)):
+      return stock_load(*args, **kwargs)
+    step = bound.arguments["step"]
+    step = checkpointing.latest_step(checkpoint_manager) if step < 0 else step
+    restored = stock_load(*args, **kwargs)
+    if step is not None and restored[0] is not None:
+      data.load_from(emergency_data_root(checkpoint_manager), step)
+    return restored
+
+  save_checkpoint.ckpt_iter_keeps_data = True  # type: ignore[attr-defined]
+  checkpointing.save_checkpoint = save_checkpoint
+  checkpointing.load_state_if_possible = load_state_if_possible
+
+
+def _drop_data_items_before(root: str, kept_steps: Collection[int]) -> None:
+  """Process 0 deletes the data items of the steps the manager deleted (older than every step it keeps).
+
+  Steps newer than its oldest are left, whether it lists them or not: an
+  asynchronous save it has not committed yet is not listed.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  if jax.process_index() != 0 or not kept_steps:
+    return
+  oldest = min(kept_steps)
+  for path in epath.Path(root).iterdir():
+    if path.name.isdigit() and int(path.name) < oldest:
+      path.rmtree()
 
 
 def _maxtext(module: str) -> Any:

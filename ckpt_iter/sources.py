@@ -16,6 +16,7 @@ which opens gs:// itself; the paths a file source takes are `_source_files`'.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -71,11 +72,62 @@ class SourceIdentity:
   digest: str
 
 
+# A shuffled read returns to a row group once for each of its rows, and decoding it is the cost: the groups a
+# process read last are kept, up to this many bytes (their Arrow size) by default.
+_DECODED_GROUP_BYTES = 256 * 2**20
+
+
+class _DecodedGroups:
+  """A process's decoded Parquet row groups, least recently read first, up to `max_bytes` (and at least one).
+
+  Shared by the process's threads; a forked or unpickled copy starts empty.
+  """
+
+  def __init__(self, max_bytes: int):
+    self.max_bytes = max(0, int(max_bytes))
+    self._init_local()
+
+  def _init_local(self) -> None:
+    self._tables: collections.OrderedDict[int, Any] = collections.OrderedDict()
+    self._bytes = 0
+    self._lock = threading.Lock()
+    self._pid = os.getpid()
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"max_bytes": self.max_bytes}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._init_local()
+
+  def get(self, group: int) -> Any:
+    if self._pid != os.getpid():
+      self._init_local()
+    with self._lock:
+      table = self._tables.get(group)
+      if table is not None:
+        self._tables.move_to_end(group)
+      return table
+
+  def put(self, group: int, table: Any) -> Any:
+    with self._lock:
+      if group not in self._tables:
+        self._tables[group] = table
+        self._bytes += table.nbytes
+      while self._bytes > self.max_bytes and len(self._tables) > 1:
+        _, dropped = self._tables.popitem(last=False)
+        self._bytes -= dropped.nbytes
+    return table
+
+
 class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
   """Records of one or more Parquet files, decoded one row group at a time.
 
-  Shuffled access decodes a whole row group per record it misses in the
-  cache; write files with small row groups (e.g. 1k rows) for shuffled reads.
+  A row group is decoded whole; the decoded groups a process read last are
+  kept up to `decoded_bytes` (shared by its threads), so a shuffle whose
+  reads stay within that many bytes of groups decodes each group once (a
+  global shuffle of a larger corpus decodes a group per record it misses:
+  write small row groups, e.g. 1k rows, or read it with shuffle="shards").
   On gs:// each file is read at the generation it had when the source was
   built: a file replaced later is refused, not read half old, half new.
 
@@ -89,10 +141,13 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
       None reads the files in place.
     prefetch_files: with `cache`, how many files after the one a reader
       enters to download ahead (0: none, neither by index nor by a plan).
+    decoded_bytes: the decoded row groups kept per process (their Arrow
+      size), least recently read dropped first; at least the last group read
+      is kept.
   """
 
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
-               prefetch_files: int = 2):
+               prefetch_files: int = 2, decoded_bytes: int = _DECODED_GROUP_BYTES):
     """Reads the footers of `paths` (pinned to their current generation on gs://); see the class docstring."""
     pq = _import_pyarrow_parquet()
     expanded = _source_files.expand_paths(paths, "ParquetSource")
@@ -115,19 +170,17 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
     counts = [n for rows in group_rows for n in rows]
     self._group_offsets = np.cumsum([0] + counts).tolist()
     self._local = threading.local()
+    self._decoded = _DecodedGroups(decoded_bytes)
 
   def __len__(self) -> int:
     return self._group_offsets[-1]
 
   def __getitem__(self, index: int) -> Any:
     group, row = _source_files.locate(self._group_offsets, index, len(self))
-    cached = getattr(self._local, "cache", None)
-    if cached is None or cached[0] != group or getattr(self._local, "pid", None) != os.getpid():
-      file_index, group_index = self._groups[group]
-      table = self._read_group(file_index, group_index)
-      cached = self._local.cache = (group, table)
-      self._local.pid = os.getpid()
-    return cached[1].slice(row, 1).to_pylist()[0]
+    table = self._decoded.get(group)
+    if table is None:
+      table = self._decoded.put(group, self._read_group(*self._groups[group]))
+    return table.slice(row, 1).to_pylist()[0]
 
   def _read_group(self, file_index: int, group_index: int) -> Any:
     pq = _import_pyarrow_parquet()

@@ -61,3 +61,19 @@ def test_a_mixture_source_is_named_by_its_pattern_as_an_identifier(name, expecte
 def test_a_mixture_part_without_its_weight_is_refused_naming_the_part():
   with pytest.raises(errors.InvalidArgumentError, match=r"'/data/b-\*.parquet' is not 'pattern,weight'"):
     maxtext.sources(_config(grain_train_files="/data/a-*.parquet,0.7;/data/b-*.parquet"))
+
+
+def test_the_data_items_of_the_steps_an_emergency_manager_deleted_are_deleted(tmp_path):
+  for step in (1, 2, 5, 7):
+    (tmp_path / str(step) / "iter").mkdir(parents=True)
+  (tmp_path / "notes").mkdir()
+  # The manager keeps 5 and 9; 7 is newer than its oldest (an asynchronous save it has not listed yet).
+  maxtext._drop_data_items_before(str(tmp_path), [5, 9])  # pylint: disable=protected-access
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["5", "7", "notes"]
+  maxtext._drop_data_items_before(str(tmp_path), [])  # pylint: disable=protected-access
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["5", "7", "notes"]
+
+
+def test_an_emergency_managers_data_items_are_beside_its_directory():
+  manager = types.SimpleNamespace(directory="gs://bucket/run/checkpoints/")
+  assert maxtext.emergency_data_root(manager) == "gs://bucket/run/checkpoints-ckpt_iter-data"

@@ -53,3 +53,31 @@ def test_hf_source_is_picklable_for_grain_workers(tmp_path):
   clone = pickle.loads(pickle.dumps(source))
   assert [clone[i] for i in range(9)] == [source[i] for i in range(9)]
   assert [clone[i]["id"] for i in range(9)] == list(range(9))
+
+
+def _decodes(tmp_path, decoded_bytes):
+  """(records read in a shuffled order, row groups decoded) of a Parquet file of 4 groups of 25 rows."""
+  import random  # pylint: disable=g-import-not-at-top
+
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / f"groups-{decoded_bytes}.parquet"
+  pq.write_table(pa.Table.from_pylist([{"id": i, "text": "x" * 50} for i in range(100)]), path, row_group_size=25)
+  source = sources_lib.ParquetSource(str(path), decoded_bytes=decoded_bytes)
+  decoded = []
+  read_group = source._read_group  # pylint: disable=protected-access
+  source._read_group = lambda f, g: decoded.append(g) or read_group(f, g)  # pylint: disable=protected-access
+  order = list(range(100))
+  random.Random(0).shuffle(order)
+  return [source[i]["id"] for i in order], order, decoded
+
+
+def test_a_shuffled_read_decodes_each_row_group_once_within_the_budget(tmp_path):
+  read, order, decoded = _decodes(tmp_path, 2**20)
+  assert read == order
+  assert sorted(decoded) == [0, 1, 2, 3]
+  # With no budget only the last group is kept: a group per record that changes group.
+  read, order, decoded = _decodes(tmp_path, 0)
+  assert read == order
+  assert len(decoded) == 1 + sum(a // 25 != b // 25 for a, b in zip(order, order[1:]))

@@ -93,9 +93,20 @@ def main(config_path: str) -> None:
   mesh = maxtext_utils.get_mesh_from_config(mt_config)
   tokenizer, _ = data_processing_utils.get_tokenizer_and_pad_id(mt_config)
   data_iterator, _ = input_pipeline_interface.create_data_iterator(mt_config, mesh)
-  manager = checkpointing.create_orbax_checkpoint_manager(
-      config["ckpt_dir"], True, use_async=False, save_interval_steps=1)
-  abstract = {"step": np.zeros((), np.int64)}
+  emergency = config.get("manager") == "emergency"
+  if emergency:  # Orbax's multi-tier manager, as MaxText builds it (one slice here: its persistent tier)
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+    replicated = NamedSharding(mesh, PartitionSpec())
+    as_state = lambda step: {"step": jax.device_put(jnp.asarray(step, jnp.int32), replicated)}
+    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
+    manager = checkpointing.create_orbax_emergency_checkpoint_manager(
+        config["local_dir"], config["ckpt_dir"], mesh, abstract, 1, 1)
+  else:
+    as_state = lambda step: {"step": np.asarray(step, np.int64)}
+    abstract = {"step": np.zeros((), np.int64)}
+    manager = checkpointing.create_orbax_checkpoint_manager(
+        config["ckpt_dir"], True, use_async=False, save_interval_steps=1)
   outcome = {"process": jax.process_index(), "resumed_from": None}
   try:
     restored, _ = checkpointing.load_state_if_possible(
@@ -107,7 +118,7 @@ def main(config_path: str) -> None:
     return
   start = 0
   if restored is not None:
-    outcome["resumed_from"] = int(restored["items"]["step"])
+    outcome["resumed_from"] = int((restored if emergency else restored["items"])["step"])
     start = outcome["resumed_from"] + 1
   log = open(config["log"], "a", encoding="utf-8")  # pylint: disable=consider-using-with
   for step in range(start, start + config["steps"] + 1):
@@ -123,8 +134,7 @@ def main(config_path: str) -> None:
         Path(config["out"]).write_text(json.dumps(dict(outcome, waiting_for_kill=True)))
         time.sleep(600)
       break
-    checkpointing.save_checkpoint(manager, step, {"step": np.asarray(step, np.int64)}, mt_config, data_iterator,
-                                  force=True)
+    checkpointing.save_checkpoint(manager, step, as_state(step), mt_config, data_iterator, force=True)
     checkpointing.wait_until_finished(manager)
   Path(config["out"]).write_text(json.dumps(outcome))
 
