@@ -106,7 +106,7 @@ $(MAXTEXT_VENV)/.installed: pyproject.toml requirements/maxtext.txt
 
 .PHONY: test-maxtext
 test-maxtext: $(MAXTEXT_VENV)/.installed
-	$(MAXTEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/maxtext tests/unit/test_maxtext.py
+	$(MAXTEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs $(BY_FILE) tests/maxtext tests/unit/test_maxtext.py
 
 # MaxText's own input pipeline against ckpt_iter's for one config (benchmarks/hand_run.md).
 .PHONY: bench-maxtext

@@ -193,6 +193,8 @@ def make_train_dataset(config: RunConfig) -> Any:
     return dataset
   if config.input_kind in ("map", "iter_batched"):
     return _hand_built_dataset(config)
+  if config.input_kind == "maxtext_rl":
+    return _maxtext_rl_dataset(config)
   if config.input_kind == "iter":
     return dataset.to_iter_dataset()
   if config.input_kind == "dataloader":
@@ -221,7 +223,7 @@ def make_train_dataset(config: RunConfig) -> Any:
       raise ValueError("input_kind='list' needs num_epochs (a finite list of batches).")
     return [dataset[index] for index in range(len(dataset))]
   raise ValueError(
-      f"input_kind={config.input_kind!r}: expected 'grain', 'map', 'iter', 'iter_batched', "
+      f"input_kind={config.input_kind!r}: expected 'grain', 'map', 'iter', 'iter_batched', 'maxtext_rl', "
       "'dataloader', 'list', 'iterable' or 'hf_stream'."
   )
 
@@ -239,6 +241,20 @@ def _hand_built_dataset(config: RunConfig) -> Any:
     # Tunix's CLI form: batched after to_iter_dataset (Grain's next_index counts rows).
     return dataset.to_iter_dataset().batch(config.batch_size, drop_remainder=True)
   return dataset.batch(config.batch_size, drop_remainder=True)
+
+
+def _maxtext_rl_dataset(config: RunConfig) -> Any:
+  """The prompts as MaxText 0.2.5's RL trainer builds them (`train_rl.prepare_datasets`): a shuffled source,
+  each row processed, long prompts filtered out, the first rows kept, repeated, batched after
+  `to_iter_dataset`."""
+  import grain  # pylint: disable=g-import-not-at-top
+
+  rows = toyrun.load_prompts(config.num_prompts)
+  dataset = (grain.MapDataset.source(rows).shuffle(seed=config.dataset_seed or 0)
+             .map(dict)  # MaxText's process_data: a new dict per row
+             .filter(lambda x: len(str(x)) < 10_000))  # its long-prompt filter (none is long here)
+  dataset = dataset[:config.num_prompts].repeat(config.num_epochs)
+  return dataset.to_iter_dataset().batch(config.batch_size, drop_remainder=True)
 
 
 def _uneven_batches(config: RunConfig) -> list[dict[str, Any]]:
