@@ -35,6 +35,7 @@ import glob as glob_lib
 import hashlib
 import os
 import re
+import shutil
 import stat
 import threading
 from typing import Any, BinaryIO, Callable, NoReturn, Protocol
@@ -177,6 +178,15 @@ def list_entries(directory: str) -> list[tuple[str, bool]]:
 def list_names(directory: str) -> list[str]:
   """The names in `directory`, from one listing (see `list_entries`)."""
   return _backend(directory).list_names(directory)
+
+
+def remove_tree(path: str) -> None:
+  """Deletes `path` and everything under it (on an object store: every object under that prefix)."""
+  if is_url(path):
+    fs, key = store.filesystem(path)
+    store.bounded(fs, path, "delete", fs.rm, key, recursive=True)
+  else:
+    shutil.rmtree(path)
 
 
 def is_dir(path: str) -> bool:

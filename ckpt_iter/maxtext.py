@@ -21,9 +21,10 @@ ckpt_iter's state rides. What differs:
   item's files to choose how to read them, so it defers to ckpt_iter for
   ckpt_iter's iterator (`defer_restore`, installed by the constructor; other
   iterators go to MaxText's own).
-- A mixture keeps how far each source has been read: a reweighted mixture, or
-  a source added, continues every source where it stopped (MaxText documents
-  "minor skipping").
+- Without packing, a mixture keeps how far each source has been read: a
+  reweighted mixture, or a source added, continues every source where it
+  stopped. A packed mixture cannot change at a restart (its lanes read chunks
+  at different stream records): ckpt_iter refuses it naming the weights.
 - MaxText's emergency (multi-tier) checkpoints save no data item; with this
   iterator they do (`keep_data_in_emergency_checkpoints`).
 - With packing, or with chunking (`use_truncation: false`), rows are made
@@ -41,6 +42,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import threading
 from typing import Any, Collection, Mapping, Sequence
@@ -77,6 +79,10 @@ _REFUSED = (
     ("colocated_python_data_input", True,
      "the input runs on each host here; set colocated_python_data_input=false"),
 )
+
+
+# A mixture config larger than this is refused unread (MaxText's is a few lines of JSON).
+MIXTURE_CONFIG_BYTES = 1 << 20
 
 
 def make_grain_train_iterator(
@@ -199,8 +205,8 @@ def makes_rows_from_chunks(config: Any) -> bool:
 def sources(config: Any) -> tuple[Any, dict[str, float] | None]:
   """The files of `grain_train_files` (or the mixture of `grain_train_mixture_config_path`), by name."""
   if config.grain_train_mixture_config_path:
-    with open(config.grain_train_mixture_config_path, encoding="utf-8") as f:
-      mixture = json.load(f)
+    from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top
+    mixture = json.loads(_storage.read_bytes(config.grain_train_mixture_config_path, max_bytes=MIXTURE_CONFIG_BYTES))
     parts = [(name, entry["path"], float(entry["weight"])) for name, entry in mixture.items()]
   elif ";" in config.grain_train_files:
     parts = []
@@ -391,9 +397,10 @@ class TrainData:
   def save_to(self, root: str, step: int) -> None:
     """Writes this process's state as step `step`'s data item under `root` (`<root>/<step>/iter`), now."""
     from ckpt_iter import _item  # pylint: disable=g-import-not-at-top
-    from etils import epath  # pylint: disable=g-import-not-at-top
-    directory = epath.Path(root) / str(step) / "iter"
-    directory.mkdir(parents=True, exist_ok=True)
+    from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top
+    directory = f"{root}/{step}/iter"
+    if not _storage.is_url(directory):  # an object store has no directories to make
+      os.makedirs(directory, exist_ok=True)
     header, arrays = _item.snapshot(self.iterator, step)
     _item.write(directory, header, arrays, *_item.process())
 
@@ -516,13 +523,13 @@ def _drop_data_items_before(root: str, kept_steps: Collection[int]) -> None:
   asynchronous save it has not committed yet is not listed.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from etils import epath  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top
   if jax.process_index() != 0 or not kept_steps:
     return
   oldest = min(kept_steps)
-  for path in epath.Path(root).iterdir():
-    if path.name.isdigit() and int(path.name) < oldest:
-      path.rmtree()
+  for name in _storage.list_names(root):
+    if name.isdigit() and int(name) < oldest:
+      _storage.remove_tree(f"{root}/{name}")
 
 
 def _maxtext(module: str) -> Any:

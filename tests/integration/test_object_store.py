@@ -451,3 +451,10 @@ def test_two_processes_save_to_gs_and_one_resumes_elastically(tmp_path, gcs_root
     ]
     got = [{key: value for key, value in item.items() if key != "tag"} for item in restored[0][field]]
     assert got == merged and got, field
+
+
+def test_remove_tree_deletes_every_object_under_a_prefix_and_no_other(gcs_root):
+  for name in ("7/iter/process_0-of-2.json", "7/iter/process_1-of-2.json", "8/iter/process_0-of-1.json"):
+    _storage.write_bytes(f"{gcs_root}/{name}", b"{}")
+  _storage.remove_tree(f"{gcs_root}/7")
+  assert _storage.list_names(gcs_root) == ["8"]

@@ -118,3 +118,11 @@ def test_a_whole_file_is_one_open_write_fsync_and_close_of_its_descriptor(tmp_pa
   assert calls == ["open", "fstat", "write", "fsync", "close"]
   with open(path, "rb") as f:
     assert f.read() == b'{"format_version":4}'
+
+
+def test_remove_tree_deletes_a_directory_and_everything_under_it(tmp_path):
+  (tmp_path / "keep").mkdir()
+  (tmp_path / "7" / "iter").mkdir(parents=True)
+  (tmp_path / "7" / "iter" / "process_0-of-1.json").write_text("{}")
+  _storage.remove_tree(str(tmp_path / "7"))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]
