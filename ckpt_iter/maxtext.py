@@ -236,14 +236,21 @@ def source_name(name: str) -> str:
 
 
 def _source(config: Any, pattern: str) -> Any:
-  """The files MaxText itself finds for `pattern` (its `find_data_files`), read as ckpt_iter reads them."""
-  grain_data_processing = _maxtext("maxtext.input_pipeline.grain_data_processing")
-  files = grain_data_processing.find_data_files(pattern, hf_access_token=getattr(config, "hf_access_token", None))
+  """The files of `pattern` as ckpt_iter reads them: sorted (MaxText's local glob is in directory order,
+  which another host may list otherwise), and on gs:// each object pinned at its generation."""
+  if pattern.startswith("hf://"):
+    raise errors.UnsupportedConfigError(
+        f"MaxText config grain_train_files={pattern!r}: hf:// files are not read here; download them, or "
+        "read the dataset with ckpt_iter.sources.HuggingFaceSource")
   if config.grain_file_type == "arrayrecord":
     import grain  # pylint: disable=g-import-not-at-top
+    from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top
+    files = _storage.glob(pattern) if _storage.has_magic(pattern) else [pattern]
+    if not files:
+      raise errors.InvalidArgumentError(f"MaxText config grain_train_files: no file matches {pattern!r}")
     # MaxText's records are serialized tf.Example protos, parsed by its own pipeline.
-    return grain.sources.ArrayRecordDataSource(list(files))
-  return list(files)
+    return grain.sources.ArrayRecordDataSource(files)
+  return pattern
 
 
 class _ConfigView:

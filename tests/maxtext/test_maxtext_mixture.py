@@ -16,6 +16,7 @@ Runs only in `make test-maxtext` (Python 3.12, MaxText installed).
 from __future__ import annotations
 
 import collections
+import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ import pytest
 pytest.importorskip("maxtext", reason="make test-maxtext installs MaxText (Python 3.12)")
 
 import maxtext_jobs  # pylint: disable=g-import-not-at-top,wrong-import-position
+import support  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter.maxtext import source_name  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 SOURCES = {"a": [range(0, 100), range(100, 200)], "b": [range(1000, 1150)], "c": [range(2000, 2100)]}
 STEPS = 2
@@ -78,7 +81,7 @@ def chain(tmp_path_factory, corpus):
     maxtext_jobs.run(directory, name, 1, kill=False, side="ckpt_iter", packing=False, steps=steps,
                      files=_mixture(corpus, **weights), global_batch=12, ckpt_dir=str(directory / name))
     orders[name] = _by_source(maxtext_jobs.trained(directory, name, 1, killed=False))
-  return {"trained": _by_source(trained), "resumed": resumed,
+  return {"trained": _by_source(trained), "resumed": resumed, "batches": trained, "ckpt_dir": directory / "ckpt",
           "orders": {"a": orders["first"]["a"], "b": orders["first"]["b"], "c": orders["last"]["c"]}}
 
 
@@ -106,3 +109,20 @@ def test_the_changes_took_effect(chain):
   counts = {name: len(records) for name, records in chain["trained"].items()}
   # 48 rows at 1:1, 48 at 1:3, 60 at 1:3:2 (the last job trains its unsaved step too).
   assert counts == {"a": 24 + 12 + 10, "b": 24 + 36 + 30, "c": 20}
+
+
+def test_ckpt_iter_order_on_the_maxtext_checkpoint_directory_names_the_records_trained(chain, corpus, tmp_path):
+  """`ckpt-iter order` answers from the saved states alone, with the restore's own rules: every saved step's
+  batch, each record as (source, index in it), is the batch the jobs trained (decoded from their rows)."""
+  out = tmp_path / "order.jsonl"
+  code, text = support.cli_output("order", str(chain["ckpt_dir"]), "--out", str(out))
+  assert code == 0, text
+  first_id = {"a": 0, "b": 1000, "c": 2000}  # each source's files hold consecutive ids from these
+  answered = []
+  for line in out.read_text().splitlines():
+    entry = json.loads(line)
+    names = [next(n for n in first_id if source_name(f"{corpus}/{n}-*.parquet") == source) for source in entry["sources"]]
+    answered.append([first_id[n] + r for n, r in zip(names, entry["records"])])
+  trained = [[row[0] for row in batch] for batch in chain["batches"]]
+  assert len(answered) == 10  # the saved steps 0-9 (the last job's last step was trained, not saved)
+  assert answered == trained[:len(answered)]

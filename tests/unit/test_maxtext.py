@@ -77,3 +77,9 @@ def test_the_data_items_of_the_steps_an_emergency_manager_deleted_are_deleted(tm
 def test_an_emergency_managers_data_items_are_beside_its_directory():
   manager = types.SimpleNamespace(directory="gs://bucket/run/checkpoints/")
   assert maxtext.emergency_data_root(manager) == "gs://bucket/run/checkpoints-ckpt_iter-data"
+
+
+def test_hugging_face_files_are_refused_naming_the_pattern_and_the_way():
+  with pytest.raises(errors.UnsupportedConfigError, match=r"grain_train_files='hf://datasets/c4/\*\.parquet'.*"
+                                                          r"HuggingFaceSource"):
+    maxtext.sources(_config(grain_train_files="hf://datasets/c4/*.parquet"))
