@@ -1,0 +1,127 @@
+"""Drawn chains over MaxText's own packed rows: any host counts and global batches, every lane's rows once.
+
+In one process, `ckpt_iter.maxtext.train_dataset` builds the pipeline each of
+P simulated hosts reads (MaxText's config from its `pyconfig`, its tokenizer,
+first-fit packing in lanes); each segment of a drawn chain reads some global
+batches, saves every host's state as a pod writes it (`_item.write`, a file a
+host and the count file), reads a few more that are lost (a preemption), and
+the next segment's Q hosts restore it elastically (`_item.read_item`, the
+restore MaxText's `load_state_if_possible` reaches through `TrainData.load`).
+Every lane's rows, compared as bytes with an uninterrupted run's: the same
+rows in the same order (no row twice, none passed over).
+
+Runs only in `make test-maxtext` (Python 3.12, MaxText installed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import hypothesis
+from hypothesis import strategies as st
+import pytest
+
+pytest.importorskip("maxtext", reason="make test-maxtext installs MaxText (Python 3.12)")
+
+import maxtext_jobs  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _item  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import iterator as iterator_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import maxtext  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+NUM_LANES = 12
+GLOBAL_BATCHES = (12, 24)
+HOSTS = (1, 2, 3, 4, 6)
+
+_CORPUS = Path(tempfile.mkdtemp(prefix="maxtext_property_"))
+atexit.register(shutil.rmtree, _CORPUS, True)
+for _f in range(2):
+  maxtext_jobs.write_parquet(_CORPUS / f"train-{_f}.parquet", range(_f * 100, _f * 100 + 60))
+_CONFIGS: dict[int, object] = {}
+
+
+def _config(global_batch: int):
+  """MaxText's config (its pyconfig) for a global batch on this one-device process."""
+  if global_batch not in _CONFIGS:
+    import maxtext as maxtext_package  # pylint: disable=g-import-not-at-top
+    from maxtext.configs import pyconfig  # pylint: disable=g-import-not-at-top
+
+    package = Path(maxtext_package.__file__).parent
+    _CONFIGS[global_batch] = pyconfig.initialize([
+        None, str(package / "configs" / "base.yml"), "run_name=p", f"base_output_directory={_CORPUS}/out",
+        "dataset_type=grain", f"grain_train_files={_CORPUS}/*.parquet", "grain_file_type=parquet",
+        f"per_device_batch_size={global_batch}", "max_target_length=32", "packing=true", "grain_worker_count=0",
+        f"tokenizer_path={package / 'assets' / 'tokenizers' / 'tokenizer.default'}", "data_shuffle_seed=5",
+        "skip_jax_distributed_system=true"])
+  return _CONFIGS[global_batch]
+
+
+def _hosts(global_batch: int, count: int) -> list:
+  return [iterator_lib.DataIterator(maxtext.train_dataset(
+      _config(global_batch), shard_index=i, shard_count=count, num_lanes=NUM_LANES, chunk_size=8))
+          for i in range(count)]
+
+
+def _global_batch(hosts) -> list[bytes]:
+  """The global batch's rows in order (host i holds lanes [i*V/P, (i+1)*V/P)), each row's fields as bytes."""
+  rows = []
+  for batch in (next(h) for h in hosts):
+    for j in range(len(batch["inputs"])):
+      rows.append(b"".join(batch[k][j].tobytes() for k in sorted(batch)))
+  return rows
+
+
+def _lanes(batches: list[list[bytes]]) -> list[list[bytes]]:
+  lanes: list[list[bytes]] = [[] for _ in range(NUM_LANES)]
+  for batch in batches:
+    per_lane = len(batch) // NUM_LANES
+    for lane in range(NUM_LANES):
+      lanes[lane].extend(batch[lane * per_lane:(lane + 1) * per_lane])
+  return lanes
+
+
+_REFERENCE: list[list[bytes]] = []
+
+
+def _reference(batches: int) -> list[list[bytes]]:
+  """An uninterrupted one-host run's global batches of NUM_LANES rows (one row a lane)."""
+  if len(_REFERENCE) < batches:
+    hosts = _hosts(NUM_LANES, 1)
+    _REFERENCE[:] = [_global_batch(hosts) for _ in range(batches)]
+  return _REFERENCE[:batches]
+
+
+@st.composite
+def _chains(draw):
+  return [(draw(st.sampled_from(HOSTS)), draw(st.sampled_from(GLOBAL_BATCHES)), draw(st.integers(1, 3)),
+           draw(st.integers(0, 2))) for _ in range(draw(st.integers(2, 4)))]
+
+
+@hypothesis.settings(max_examples=int(os.environ.get("CKPT_ITER_MAXTEXT_EXAMPLES", "20")), deadline=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(_chains())
+def test_any_chain_of_host_counts_and_global_batches_trains_every_lanes_rows_once(chain):
+  with tempfile.TemporaryDirectory() as root:
+    trained, step = [], 0
+    for number, (count, global_batch, saved, lost) in enumerate(chain):
+      hosts = _hosts(global_batch, count)
+      if number:
+        for index, host in enumerate(hosts):
+          restored = _item.read_item(f"{root}/{step}/data", index, count, elastic=True)
+          _item.check_restore_saved(host, restored, allow_drift=maxtext.MIXTURE_CHANGES)()
+      for _ in range(saved):
+        trained.append(_global_batch(hosts))
+        step += 1
+        os.makedirs(f"{root}/{step}/data")
+        for index, host in enumerate(hosts):
+          header, arrays = _item.snapshot(host, step)
+          _item.write(f"{root}/{step}/data", header, arrays, index, count)
+      for _ in range(lost):
+        _global_batch(hosts)  # read, never saved: the next segment reads these rows again
+    lanes = _lanes(trained)
+    reference = _lanes(_reference(len(lanes[0])))
+    assert [len(lane) for lane in lanes] == [len(lane) for lane in reference]
+    assert lanes == reference
