@@ -95,7 +95,7 @@ test-lowest: $(LOWEST_VENV)/.installed
 # pinned in requirements/maxtext.txt; maxtext itself is installed without its extras (CUDA or TPU
 # stacks), as make test-maxtext does on a fresh machine.
 MAXTEXT_VENV ?= .venv-maxtext
-PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+PYTHON312 ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 $(MAXTEXT_VENV)/.installed: pyproject.toml requirements/maxtext.txt
 	[ -x $(MAXTEXT_VENV)/bin/python ] || $(PYTHON312) -m venv $(MAXTEXT_VENV)
 	$(MAXTEXT_VENV)/bin/pip install --quiet --upgrade pip
