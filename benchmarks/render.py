@@ -1494,7 +1494,7 @@ def _reproduce() -> str:
   return """## How to reproduce
 
 ```sh
-make bench                                  # all twenty-five, then this page (about 20 minutes on 2 cores)
+make bench                                  # all twenty-six, then this page (about 20 minutes on 2 cores)
 .venv/bin/python benchmarks/run_all.py --quick   # smoke pass (results and page in a temp dir)
 .venv/bin/python benchmarks/restore_latency.py   # one question; each script takes --quick
 .venv/bin/python benchmarks/run_all.py --docs-only   # re-render this page from results.jsonl
