@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grain
 
@@ -153,8 +154,12 @@ def batch_ids(batch: Any) -> list[int]:
   return [int(v) for v in np.asarray(batch["id"]).reshape(-1)]
 
 
-def run_chain(root: str, segments: Sequence[tuple[int, int, int, int, Any]], **pipeline: Any) -> list[list[int]]:
+def run_chain(root: str, segments: Sequence[tuple[int, int, int, int, Any]], *,
+              make: Callable[..., Any] | None = None, **pipeline: Any) -> list[list[int]]:
   """Trains `segments` [(processes, global batch, batches saved, batches lost, skip)] into `root`.
+
+  `make(count, index, global_batch, skip=...)` builds a process's pipeline (default: `chain_pipeline` with
+  `pipeline`'s arguments).
 
   A step (`<root>/<step>/data`, written by the Orbax handler for every
   process) is saved after each batch; "lost" batches are read after the last
@@ -169,8 +174,8 @@ def run_chain(root: str, segments: Sequence[tuple[int, int, int, int, Any]], **p
 
   kept, step = [], 0
   for number, (count, global_batch, saved, lost, skip) in enumerate(segments):
-    iterators = [ckpt_iter.DataIterator(chain_pipeline(count, i, global_batch, skip=skip, **pipeline))
-                 for i in range(count)]
+    build = make or functools.partial(chain_pipeline, **pipeline)
+    iterators = [ckpt_iter.DataIterator(build(count, i, global_batch, skip=skip)) for i in range(count)]
     if number and step:  # the latest step, if any was saved
       for index, iterator in enumerate(iterators):
         checkpoint_lib.IteratorCheckpointHandler(index, count).restore(
