@@ -108,6 +108,13 @@ $(MAXTEXT_VENV)/.installed: pyproject.toml requirements/maxtext.txt
 test-maxtext: $(MAXTEXT_VENV)/.installed
 	$(MAXTEXT_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs $(BY_FILE) tests/maxtext tests/unit/test_maxtext.py
 
+# The runnable MaxText example (demo/maxtext_pretrain.py): a run killed before saving a step, then resumed.
+.PHONY: demo-maxtext
+demo-maxtext: $(MAXTEXT_VENV)/.installed
+	rm -rf /tmp/ckpt_iter_maxtext_demo
+	-$(MAXTEXT_VENV)/bin/python -m demo.maxtext_pretrain --workdir /tmp/ckpt_iter_maxtext_demo --steps 4 --kill
+	$(MAXTEXT_VENV)/bin/python -m demo.maxtext_pretrain --workdir /tmp/ckpt_iter_maxtext_demo --steps 4
+
 # MaxText's own input pipeline against ckpt_iter's for one config (benchmarks/hand_run.md).
 .PHONY: bench-maxtext
 bench-maxtext: $(MAXTEXT_VENV)/.installed
