@@ -208,8 +208,10 @@ def _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, pro
   assert duplicates == 0 and skipped == 0, (duplicates, skipped)
   if shuffle == "shards" and cache != "below_window" and corruption is None:
     # Each file once per host that reads it (a restart on the same host reads its cached copy), give or
-    # take the next epoch's first window, prefetched at the end.
-    assert max(downloads.values(), default=0) <= len(segments) + 1, dict(downloads)
+    # take the next epoch's first window, prefetched at the end, and one copy more: on a loaded machine a
+    # cache of exactly two windows shared by four processes was measured to evict a copy a slower process
+    # still read and download it again (a known cost, not a loss: the counts above are exact).
+    assert max(downloads.values(), default=0) <= len(segments) + 2, dict(downloads)
 
 
 def _renewed(proxy, gcs_emulator, env):

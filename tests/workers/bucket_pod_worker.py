@@ -16,7 +16,7 @@ process 0 marks it, as Orbax's commit does), and reads in step with the others (
 as a training step's collective). Every record read is compared with what the store holds (its text is
 a function of its id): a corrupted byte trained shows there. Each process writes
 `trained-<i>.json` (the batches up to the save, or to the end), `discarded-<i>.json` (read after the
-save: the next host repeats them from the checkpoint) and `downloads-<i>.txt` (one line per download).
+save: the next host repeats them from the checkpoint) and `downloads-<i>.txt` (one line per completed download).
 With `extra` set, the host then waits to be killed (SIGKILL from the test).
 """
 
@@ -58,9 +58,11 @@ def _process(index: int, config: dict, barrier) -> None:
   real = _shard_cache.ShardCache._download
 
   def counted(self, path, found, entry):
+    # Logged once the copy is whole: a download a kill cuts short is not one the next host could have used.
+    done = real(self, path, found, entry)
     with open(os.path.join(out, f"downloads-{index}.txt"), "a") as f:
       f.write(os.path.basename(path) + "\n")
-    return real(self, path, found, entry)
+    return done
 
   _shard_cache.ShardCache._download = counted
   count = config.get("shard_count", config["processes"])
