@@ -138,6 +138,10 @@ def check_config(config: Any) -> None:
   for key, refused, instead in _REFUSED:
     if getattr(config, key, None) == refused:
       raise errors.UnsupportedConfigError(f"MaxText config {key}={refused!r}: {instead}")
+  if len(config.train_data_columns) != 1:
+    raise errors.UnsupportedConfigError(
+        f"MaxText config train_data_columns={list(config.train_data_columns)!r}: pretraining reads one text "
+        "column; name one")
   if config.grain_file_type not in FILE_TYPES:
     raise errors.UnsupportedConfigError(
         f"MaxText config grain_file_type={config.grain_file_type!r}: ckpt_iter reads {', '.join(FILE_TYPES)}")
@@ -184,6 +188,8 @@ def train_dataset(
   if workers == 0:
     return dataset
   import grain  # pylint: disable=g-import-not-at-top
+  if isinstance(dataset, grain.MapDataset):  # one row per record: worker processes read an IterDataset
+    dataset = dataset.to_iter_dataset()
   if workers < 0:
     options = grain.experimental.pick_performance_config(
         ds=dataset, ram_budget_mb=config.grain_ram_budget_mb, max_workers=None, max_buffer_size=None,

@@ -17,7 +17,8 @@ from ckpt_iter import maxtext
 def _config(**changes):
   values = dict(use_sft=False, use_dpo=False, use_multimodal=False, is_offline_distillation=False,
                 colocated_python_data_input=False, grain_file_type="parquet", expansion_factor_real_data=-1.0,
-                num_epoch=1, grain_train_files="/data/train-*.parquet", grain_train_mixture_config_path="")
+                num_epoch=1, grain_train_files="/data/train-*.parquet", grain_train_mixture_config_path="",
+                train_data_columns=["text"])
   values.update(changes)
   return types.SimpleNamespace(**values)
 
@@ -38,6 +39,7 @@ def test_maxtexts_defaults_for_pretraining_are_accepted():
     ("expansion_factor_real_data", 2.0, "unset it (-1)"),
     ("expansion_factor_real_data", 0.5, "unset it (-1)"),
     ("num_epoch", 0, "1 or more"),
+    ("train_data_columns", ["text", "title"], "one text column"),
 ])
 def test_a_setting_it_cannot_honour_is_refused_naming_the_key_value_and_fix(key, value, says):
   with pytest.raises(errors.UnsupportedConfigError) as refused:

@@ -39,7 +39,7 @@ def maxtext_config(config: dict):
       f"grain_file_type={config.get('file_type', 'parquet')}",
       f"per_device_batch_size={config['global_batch'] // config['num_processes']}",
       f"max_target_length={config.get('max_target_length', 32)}", f"packing={config.get('packing', True)}",
-      "grain_worker_count=0",
+      f"grain_worker_count={config.get('workers', 0)}",
       f"tokenizer_path={package / 'assets' / 'tokenizers' / 'tokenizer.default'}",
       "data_shuffle_seed=7", "skip_jax_distributed_system=true", "enable_checkpointing=true",
       "async_checkpointing=false", "steps=1000",
@@ -76,6 +76,8 @@ def row_digests(batch) -> list[str]:
 
 def main(config_path: str) -> None:
   config = json.loads(Path(config_path).read_text())
+  import absl.flags  # pylint: disable=g-import-not-at-top
+  absl.flags.FLAGS.mark_as_parsed()  # as MaxText's train.py, run by absl's app.run (Grain's workers read flags)
   process_group.initialize_distributed(config)
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
