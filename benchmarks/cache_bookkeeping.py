@@ -6,7 +6,10 @@ closed past max_open_files calls), against one listing and stat of the directory
 call before: `ShardCache.entries`); and the CPU per record of a global shuffle read through the cache once
 every file is cached, against the same records read from local disk without a cache, at 10 and 1,000 files
 (the default, which keeps every file open when the cache holds them all, and 16 open, 0.3.0's default),
-the three read in turn in rounds.
+the three read in turn in rounds. And per file format (JSONL, Parquet, ArrayRecord; 100 files of 100
+records, Parquet in row groups of 10), the CPU per record of a global shuffle from local disk and through a
+warm cache, paired in rounds (issue 65 item 5): Parquet both with its decoded row groups kept (the default)
+and with none kept, so that every record reads its row group again (the read path itself).
 """
 
 from __future__ import annotations
@@ -96,6 +99,65 @@ def shuffle_cost(workdir: str, files: int, rounds: int, reads: int) -> dict:
           "local_over_cached_16_open": _common.rounded(1 / ratios["cached_16_open"], 3)}
 
 
+FORMAT_FILES, FORMAT_RECORDS, FORMAT_GROUP_ROWS = 100, 100, 10
+
+
+def _format_corpus(directory: str, kind: str) -> list[str]:
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(directory, exist_ok=True)
+  paths = []
+  for number in range(FORMAT_FILES):
+    records = [{"id": number * FORMAT_RECORDS + i, "text": "t" * 80} for i in range(FORMAT_RECORDS)]
+    path = os.path.join(directory, f"part-{number:05d}.{kind}")
+    if kind == "jsonl":
+      with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    elif kind == "parquet":
+      pq.write_table(pa.Table.from_pylist(records), path, row_group_size=FORMAT_GROUP_ROWS)
+    else:
+      writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+      for record in records:
+        writer.write(json.dumps(record).encode())
+      writer.close()
+    paths.append(path)
+  return paths
+
+
+def formats_cost(workdir: str, rounds: int, reads: int) -> list[dict]:
+  """CPU per record of a global shuffle, local disk against a warm cache, per format, paired in rounds."""
+  cases = {
+      "JSONL": ("jsonl", lambda p, c: sources.JsonlSource(p, cache=c, index_cache_dir="")),
+      "Parquet": ("parquet", lambda p, c: sources.ParquetSource(p, cache=c, max_open_files=FORMAT_FILES)),
+      "Parquet, no decoded group kept": ("parquet", lambda p, c: sources.ParquetSource(
+          p, cache=c, decoded_bytes=0, max_open_files=FORMAT_FILES)),
+      "ArrayRecord": ("array_record", lambda p, c: sources.ArrayRecordSource(p, cache=c, max_open_files=FORMAT_FILES)),
+  }
+  rows = []
+  for name, (kind, make) in cases.items():
+    paths = _format_corpus(os.path.join(workdir, f"formats-{kind}"), kind)
+    cache_dir = os.path.join(workdir, f"formats-cache-{name}")
+    datasets = {"local": ckpt_iter.make_dataset(make(paths, None), batch_size=1, seed=0),
+                "cached": ckpt_iter.make_dataset(make(paths, sources.ShardCache(cache_dir, 10**12)), batch_size=1,
+                                                 seed=0)}
+    length = len(datasets["local"])
+    for dataset in datasets.values():  # every copy downloaded and opened once: the steady state
+      for index in range(length):
+        dataset[index]
+    times: dict[str, list[float]] = {kind: [] for kind in datasets}
+    for number in range(rounds):
+      for which, dataset in (datasets.items() if number % 2 else reversed(datasets.items())):
+        times[which].append(_read_us(dataset, (number * reads) % length, reads, length))
+    ratios = [cached / local for cached, local in zip(times["cached"], times["local"])]
+    rows.append({"format": name, "local_us": _common.rounded(statistics.median(times["local"])),
+                 "cached_us": _common.rounded(statistics.median(times["cached"])),
+                 "cached_over_local": _common.rounded(statistics.median(ratios), 3),
+                 "spread": _common.rounded(max(ratios) - min(ratios), 3)})
+  return rows
+
+
 def _read_us(dataset, start: int, reads: int, length: int) -> float:
   started = time.process_time()
   for index in range(start, start + reads):
@@ -132,6 +194,11 @@ def main() -> None:
         "CPU per record through the cache, 1,000 files / 10 files (default settings)", _common.rounded(
             shuffles[-1]["cached_us"] / shuffles[0]["cached_us"], 3), "<= 1.5",
         shuffles[-1]["cached_us"] <= 1.5 * shuffles[0]["cached_us"]))
+    for row in formats_cost(workdir, rounds, 1_000 if args.quick else FORMAT_FILES * FORMAT_RECORDS):
+      reporter.measurement(part="formats", **row)
+      checks.append(_common.check(
+          f"a warm cache under a global shuffle, {row['format']}: CPU per record through the cache / from local "
+          "disk", row["cached_over_local"], "<= 1.1", row["cached_over_local"] <= 1.1, spread=row["spread"]))
   reporter.summary(checks, load_average_end=_common.load_average())
 
 

@@ -8,7 +8,9 @@ the same records in 48 Parquet files (row groups of 250) and 48 ArrayRecord file
 Each case builds a source through a `ShardCache` on a host of its own (an
 empty cache directory) and reports what the build cost: wall seconds, the
 bytes it downloaded (the copies in the cache afterwards) as a share of the
-corpus, and the store's requests by kind (the emulator's log):
+corpus, the bytes the store served (every response body, footers and
+listings included: the proxy's count) and the store's requests by kind (the
+emulator's log):
 
   JSONL, no index     `JsonlSource(glob, cache=...)`: counts every file's
                       lines by downloading it.
@@ -18,9 +20,14 @@ corpus, and the store's requests by kind (the emulator's log):
                       their directory describes them (issue 65 item 4).
   JSONL, warm         the host of "JSONL, index" building again (a restart).
   Parquet             `ParquetSource(glob, cache=...)`: the footers only.
+  Parquet, index      the same after `ckpt-iter index` of the Parquet files: the
+                      index holds each file's row groups (issue 65 item 3).
+  Parquet, warm       the host of "Parquet, index" building again: the cache kept
+                      what each footer said.
   ArrayRecord         `ArrayRecordSource(glob, cache=...)`: the footers only, read by
                       array_record's own reader (its requests bypass the emulator's
-                      log of gcsfs's: counted by the proxy).
+                      log of gcsfs's: counted by the proxy). ", index" and ", warm"
+                      as for Parquet.
   Mosaic Streaming    the same records as 48 MDS shards: `StreamingDataset(remote,
                       local)` built on an empty local directory (its index.json),
                       and again on the same directory (a restart), where
@@ -98,15 +105,17 @@ def build(emulator, proxy, make, cache_dir: str, corpus_bytes: int) -> dict:
   held = lambda cache: sum(size for _, size, _ in cache.entries())  # pylint: disable=unnecessary-lambda-assignment
   cache = sources.ShardCache(cache_dir, 2**34)
   before = held(cache)
-  mark, count = emulator.mark(), proxy.count
+  mark, count, served = emulator.mark(), proxy.count, proxy.served_bytes
   started = time.perf_counter()
   source = make(cache)
   seconds = time.perf_counter() - started
   cache.wait()
+  served = proxy.served_bytes - served
   downloaded = held(cache) - before  # the copies this build added (with a JSONL copy's line index)
   kinds = gcs_emulator.count_by_kind(emulator.requests(mark))
   return {"records": len(source), "seconds": _common.rounded(seconds), "bytes": downloaded,
           "share_of_corpus": _common.rounded(downloaded / corpus_bytes), "requests": proxy.count - count,
+          "served_bytes": served,
           **{f"{kind}_requests": n for kind, n in kinds.items() if n}}
 
 
@@ -189,10 +198,17 @@ def main() -> None:
       else:
         cases["JSONL, warm"] = build(emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c),
                                      host("no_index"), jsonl_bytes)
-      cases["Parquet"] = build(emulator, proxy, lambda c: sources.ParquetSource(parquet, cache=c),
-                               host("parquet"), parquet_bytes)
-      cases["ArrayRecord"] = build(emulator, proxy, lambda c: sources.ArrayRecordSource(array_record, cache=c),
-                                   host("array_record"), array_record_bytes)
+      for kind, glob, size, make in (("Parquet", parquet, parquet_bytes, sources.ParquetSource),
+                                     ("ArrayRecord", array_record, array_record_bytes, sources.ArrayRecordSource)):
+        cases[kind] = build(emulator, proxy, lambda c, m=make, g=glob: m(g, cache=c), host(kind), size)
+        if has_index:
+          with contextlib.redirect_stdout(io.StringIO()):
+            code = cli.main(["index", glob, "--cache", host(f"indexing {kind}")])
+          if code != 0:
+            raise RuntimeError(f"ckpt-iter index {glob} failed")
+          for case in ("index", "warm"):  # a new host over the index; the same host again
+            cases[f"{kind}, {case}"] = build(emulator, proxy, lambda c, m=make, g=glob: m(g, cache=c),
+                                             host(f"{kind} index"), size)
       cases.update(mosaic_cases(proxy, parts_lines(parts), prefix, work, jsonl_bytes, files, report))
       for name, figures in cases.items():
         report.measurement(name=name, value=figures["seconds"], unit="s", **figures)
@@ -209,8 +225,18 @@ def main() -> None:
   checks.append(_common.check("new host, ArrayRecord: share of the corpus downloaded",
                               cases["ArrayRecord"]["share_of_corpus"], "<= 0.05",
                               cases["ArrayRecord"]["share_of_corpus"] <= 0.05))
-  checks.append(_common.check("warm restart (glob): requests", cases["JSONL, warm"]["requests"], "<= 3 (O(1))",
-                              cases["JSONL, warm"]["requests"] <= 3))
+  for kind in ("JSONL", "Parquet", "ArrayRecord"):
+    warm = cases.get(f"{kind}, warm")
+    if warm is not None:
+      checks.append(_common.check(f"warm restart, {kind}: requests", warm["requests"], "<= 4",
+                                  warm["requests"] <= 4, served_bytes=warm["served_bytes"]))
+  for kind in ("Parquet", "ArrayRecord"):
+    if f"{kind}, index" in cases:
+      cold, indexed = cases[kind], cases[f"{kind}, index"]
+      checks.append(_common.check(f"new host, {kind}: bytes served with the index / with the footers",
+                                  _common.rounded(indexed["served_bytes"] / cold["served_bytes"]), "<= 0.5",
+                                  indexed["served_bytes"] <= 0.5 * cold["served_bytes"],
+                                  requests=f"{indexed['requests']} against {cold['requests']}"))
   report.summary(checks)
 
 

@@ -5,13 +5,17 @@ A copy is sealed when published (`<entry>.seal`: its size and a CRC-32,
 (`<entry>.index.npy`, evicted with it) and bound to it by the count file
 (`<entry>.count`, a `CompanionRecord`: the record count, the copy's seal and
 the index's CRC-32, under a CRC-32 of its own; kept after the copy's
-eviction, so a restart counts without a download). `CompanionFiles` is what
-`ShardCache` does with them: one place for their names, their bounds and
-their checks.
+eviction, so a restart counts without a download). A Parquet or ArrayRecord file's footer, as far as a
+build needs it (its row groups' sizes, or its record count), is kept as
+`<entry>.footer` (`FooterRecord`, under a CRC-32 of its own; kept after the
+copy's eviction): a warm restart reads no footer from the store.
+`CompanionFiles` is what `ShardCache` does with them: one place for their
+names, their bounds and their checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -26,6 +30,10 @@ from ckpt_iter import _storage
 
 INDEX_SUFFIX = ".index.npy"
 COUNT_MAX_BYTES = 256  # a count file or a seal is a few dozen bytes: anything larger is not one
+FOOTER_SUFFIX = ".footer"
+# A footer record is ~8 bytes a row group: 1 MiB holds some 100,000 groups (a Parquet file of 100 M rows
+# in groups of 1,000); a larger file is not one a footer record was written for.
+FOOTER_MAX_BYTES = 2**20
 _log = logging.getLogger("ckpt_iter._shard_cache")
 
 
@@ -121,6 +129,38 @@ class CompanionFiles:
       _log.warning("%s: not intact (edited or torn); it is rebuilt from the copy", target)
     return record
 
+  def read_footer(self, path: str, found: _storage.Identity) -> list[int] | None:
+    """The footer kept for `path` at this identity (`write_footer`): its row groups' sizes (one entry for
+    a file that has no groups, as ArrayRecord's count); None when absent or not intact."""
+    target = self.entry_path(path, found) + FOOTER_SUFFIX
+    try:
+      with open(target, "rb") as f:
+        text = f.read(FOOTER_MAX_BYTES + 1).decode("ascii")
+    except FileNotFoundError:
+      return None
+    except (OSError, UnicodeDecodeError):
+      text = ""
+    groups = FooterRecord.parse(text, os.path.basename(self.entry_path(path, found)))
+    if groups is None:
+      _log.warning("%s: not intact (edited or torn); the file's footer is read again", target)
+    return groups
+
+  def write_footer(self, path: str, found: _storage.Identity, groups: list[int]) -> None:
+    """Keeps what the footer of `path` says (`read_footer`); a few bytes a group, kept after eviction.
+
+    What is kept is checked again against the copy at its first read, as the
+    footer read from the store is; a copy that disagrees replaces it.
+    """
+    entry = self.entry_path(path, found)
+    text = FooterRecord.format(groups, os.path.basename(entry))
+    if len(text) <= FOOTER_MAX_BYTES:
+      self.write_atomic(entry + FOOTER_SUFFIX, lambda f: f.write(text.encode()))
+
+  def forget_footer(self, path: str, found: _storage.Identity) -> None:
+    """Drops the footer kept for `path` (its copy said otherwise): the next build reads it again."""
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(self.entry_path(path, found) + FOOTER_SUFFIX)
+
   def seal(self, path: str, found: _storage.Identity) -> int | None:
     """The CRC-32 the copy of `path` was sealed with when published, or None."""
     seal = read_seal(self.entry_path(path, found) + ".seal")
@@ -182,3 +222,26 @@ class CompanionRecord:
     except ValueError:
       return None
     return record if intact else None
+
+
+class FooterRecord:
+  """A file's footer as a build needs it, as one line carrying its own CRC-32 (over it and the copy's name)."""
+
+  @staticmethod
+  def format(groups: list[int], entry_name: str) -> str:
+    body = f"footer {len(groups)} groups {','.join(str(int(n)) for n in groups) or '-'}"
+    return f"{body} check {zlib.crc32(f'{body} {entry_name}'.encode()):08x}\n"
+
+  @staticmethod
+  def parse(text: str, entry_name: str) -> list[int] | None:
+    words = text.split()
+    if len(words) != 6 or words[0::2] != ["footer", "groups", "check"]:
+      return None
+    body = " ".join(words[:4])
+    try:
+      groups = [int(n) for n in words[3].split(",")] if words[3] != "-" else []
+      intact = (int(words[5], 16) == zlib.crc32(f"{body} {entry_name}".encode()) and len(groups) == int(words[1])
+                and all(n >= 0 for n in groups))
+    except ValueError:
+      return None
+    return groups if intact else None

@@ -1,9 +1,12 @@
 """Files read a whole file at a time through a ShardCache: what Parquet and ArrayRecord sources share.
 
-Counted where they are, without a download: a Parquet file's row groups from
-its footer (ranged reads of its tail, pinned to the version the source
-identifies it by), an ArrayRecord file's records from its footer (array_record's
-own reader, its wait bounded by the store's). Read from their copies: an
+Counted without a download: from the footer kept in the cache by an earlier
+build (`ShardCache.read_footer`), else from the corpus index beside the files
+(`_corpus_index`), else from the file's footer where it is: a Parquet file's
+row groups by ranged reads of its tail, pinned to the version the source
+identifies it by, an ArrayRecord file's records by array_record's own reader,
+its wait bounded by the store's (`known_footers`). What a build read is kept
+in the cache; a copy whose footer disagrees replaces it and stops the read. Read from their copies: an
 ArrayRecord file through a reader of its copy, at most `max_open` of them open;
 a Parquet file through its copy while a row group is read. Prefetched by file
 index, or by make_dataset's plan once it says so (`FilesThroughCache`). The
@@ -18,8 +21,9 @@ import io
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+from ckpt_iter import _corpus_index
 from ckpt_iter import _shard_cache
 from ckpt_iter import _storage
 from ckpt_iter import errors
@@ -90,6 +94,54 @@ class FilesThroughCache:
     self._local.file = file_index
     if self.prefetch_files and not self._planned and not self._is_open(file_index):
       self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
+
+
+def known_footers(cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity], *,
+                  read: Callable[[list[int]], list[list[int]]], use_index: bool,
+                  row_groups: bool) -> tuple[list[list[int]], set[str]]:
+  """Each file's footer as a build needs it (`row_groups`: a Parquet file's groups' sizes; else a one-entry
+  list, an ArrayRecord file's record count), and the paths whose came from a corpus index.
+
+  Kept in the cache first, then the corpus index (one read per directory,
+  `use_index`), then `read(file indices)` from the files; what the last two
+  gave is kept in the cache (a few bytes a file), so a warm restart reads no
+  footer and no index.
+
+  Raises:
+    InvalidStateError: as `_corpus_index.entries` (a stale or garbled index).
+  """
+  found: list[list[int] | None] = [cache.read_footer(p, f) for p, f in zip(paths, identities)]
+  missing = [i for i, groups in enumerate(found) if groups is None]
+  indexed: set[str] = set()
+  if missing and use_index:
+    for i, entry in zip(missing, _corpus_index.entries([paths[i] for i in missing],
+                                                      [identities[i] for i in missing])):
+      if entry is not None and (not row_groups or "row_groups" in entry):
+        found[i] = list(entry["row_groups"]) if row_groups else [entry["records"]]
+        indexed.add(paths[i])
+    missing = [i for i, groups in enumerate(found) if groups is None]
+  if missing:
+    for i, groups in zip(missing, read(missing)):
+      found[i] = groups
+  for i, groups in enumerate(found):
+    if i in missing or paths[i] in indexed:
+      with contextlib.suppress(errors.StorageError):  # a cache that cannot be written only forgets it
+        cache.write_footer(paths[i], identities[i], groups)
+  return found, indexed  # type: ignore[return-value]
+
+
+def miscounted(cache: _shard_cache.ShardCache, path: str, found: _storage.Identity, holds: list[int],
+               built: list[int], indexed: bool, what: Callable[[list[int]], str]) -> errors.InvalidStateError:
+  """A copy whose footer says `holds` where the source was built with `built`: the footer kept in the cache is
+  the copy's from now on (a build again reads it); the error names where the wrong one came from."""
+  with contextlib.suppress(errors.StorageError):
+    cache.write_footer(path, found, holds)
+  directory = path.rsplit("/", 1)[0]
+  return errors.InvalidStateError(
+      f"{path}: its copy in the shard cache {cache.directory} holds {what(holds)}, this source was built with "
+      f"{what(built)}" + (f" (from {_corpus_index.location(directory)}, which is wrong for it: index the corpus "
+                          f"again with {_corpus_index.command(directory)})" if indexed else "")
+      + ". Build the source again (make_dataset).")
 
 
 def footers(pq: Any, paths: list[str], generations: list[str | None],
@@ -202,17 +254,69 @@ def _emulator_mismatch(paths: list[str]) -> str | None:
           f"{ARRAY_RECORD_EMULATOR_ENV} to the same address")
 
 
+class _ArrayRecordCopies:
+  """How an ArrayRecord copy is opened, closed and footed (its record count)."""
+
+  @staticmethod
+  def open(copy: str) -> Any:
+    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+    return array_record_module.ArrayRecordReader(copy, RANDOM_ACCESS)
+
+  @staticmethod
+  def footer(reader: Any) -> list[int]:
+    return [int(reader.num_records())]
+
+  @staticmethod
+  def close(reader: Any) -> None:
+    reader.close()
+
+  @staticmethod
+  def says(footer: list[int]) -> str:
+    return f"{footer[0]:,} records"
+
+
+class _ParquetCopies:
+  """How a Parquet copy is opened (pyarrow's own file, its footer parsed once), closed and footed."""
+
+  @staticmethod
+  def open(copy: str) -> Any:
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+    return pq.ParquetFile(copy)
+
+  @staticmethod
+  def footer(reader: Any) -> list[int]:
+    metadata = reader.metadata
+    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+
+  @staticmethod
+  def close(reader: Any) -> None:
+    reader.close()
+
+  @staticmethod
+  def says(footer: list[int]) -> str:
+    return f"row groups of {footer[:8]} rows"
+
+
+COPY_KINDS = {"array_record": _ArrayRecordCopies, "parquet": _ParquetCopies}
+
+
 class OpenReaders:
-  """This process's open ArrayRecord readers of a source's copies in a ShardCache, least recently used first.
+  """This process's open readers of a source's copies in a ShardCache (ArrayRecord or Parquet, `kind`), least
+  recently used first.
 
   A copy is held (its descriptor open: a shared flock, in use) while its
   reader is open; past `max_open` the idle ones are closed, so the cache may
-  evict them. Picklable: a Grain worker opens its own.
+  evict them. A reader is opened once for many reads: its footer parsed and
+  checked against the one the source was built with at its opening only.
+  Picklable: a Grain worker opens its own.
   """
 
   def __init__(self, cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity],
-               max_open: int):
+               max_open: int, kind: str = "array_record"):
     self.cache, self.paths, self.identities, self.max_open = cache, paths, identities, max_open
+    self.kind = kind
     self._init_local()
 
   def _init_local(self) -> None:
@@ -221,25 +325,28 @@ class OpenReaders:
     self._pid = os.getpid()
 
   def __getstate__(self) -> dict[str, Any]:
-    return {"cache": self.cache, "paths": self.paths, "identities": self.identities, "max_open": self.max_open}
+    return {"cache": self.cache, "paths": self.paths, "identities": self.identities, "max_open": self.max_open,
+            "kind": self.kind}
 
   def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state)
+    self.__dict__.update({"kind": "array_record", **state})
     self._init_local()
 
-  def counts(self) -> list[int]:
-    """Each file's record count: from its footer where it is (array_record's own reader, in parallel), else,
-    where that reader cannot open the store's files, from the file's copy, downloaded for it."""
-    mismatch = _emulator_mismatch(self.paths)
+  def counts(self, indices: Sequence[int]) -> list[int]:
+    """The record counts of ArrayRecord files `indices`: from their footers where they are (array_record's own
+    reader, in parallel), else, where that reader cannot open the store's files, from the files' copies,
+    downloaded."""
+    paths = [self.paths[i] for i in indices]
+    mismatch = _emulator_mismatch(paths)
     try:
       if mismatch is not None:
         raise RuntimeError(mismatch)  # it would wait out the operation bound on the real store
-      return record_counts(self.paths)
+      return record_counts(paths)
     except Exception as e:  # pylint: disable=broad-except  (its reader raises bare RuntimeErrors; or timed out)
       _log.warning("ArrayRecord: counting %d files' records where they are failed (%s): downloading every file "
-                   "to count its copy instead", len(self.paths), e)
+                   "to count its copy instead", len(paths), e)
     found = []
-    for path, identity in zip(self.paths, self.identities):
+    for path, identity in zip(paths, [self.identities[i] for i in indices]):
       fd = self.cache.open(path, identity)
       try:
         found.append(record_counts([self.cache.entry_path(path, identity)])[0])
@@ -247,18 +354,17 @@ class OpenReaders:
         os.close(fd)
     return found
 
-  def read(self, file_index: int, position: int, expected: int) -> bytes:
-    """Record `position` of file `file_index`, whose copy must hold `expected` records."""
-    entry = self._acquire(file_index, expected)
+  def read(self, file_index: int, use: Callable[[Any], Any], footer: list[int], indexed: bool = False) -> Any:
+    """`use(reader)` of file `file_index`'s copy, whose footer must be `footer` (`indexed`: the footer the
+    source was built with came from a corpus index)."""
+    entry = self._acquire(file_index, footer, indexed)
     try:
-      return entry[1].read([position])[0]
+      return use(entry[1])
     finally:
       with self._lock:
         entry[2] -= 1
 
-  def _acquire(self, file_index: int, expected: int) -> list[Any]:
-    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
-
+  def _acquire(self, file_index: int, footer: list[int], indexed: bool) -> list[Any]:
     if self._pid != os.getpid():  # a forked worker: its own descriptors
       self._init_local()
     with self._lock:
@@ -267,14 +373,15 @@ class OpenReaders:
         self._open.move_to_end(file_index)
         entry[2] += 1
         return entry
+    kind = COPY_KINDS[self.kind]
     path, found = self.paths[file_index], self.identities[file_index]
     fd = self.cache.open(path, found)
     try:
-      reader = array_record_module.ArrayRecordReader(self.cache.entry_path(path, found), RANDOM_ACCESS)
-      if reader.num_records() != expected:
-        raise errors.InvalidStateError(
-            f"{path}: its copy in the shard cache {self.cache.directory} holds {reader.num_records():,} records, "
-            f"its footer when this source was built {expected:,}. Build the source again (make_dataset).")
+      reader = kind.open(self.cache.entry_path(path, found))
+      holds = kind.footer(reader)
+      if holds != footer:
+        kind.close(reader)
+        raise miscounted(self.cache, path, found, holds, footer, indexed, kind.says)
     except BaseException:
       os.close(fd)
       raise
@@ -282,7 +389,7 @@ class OpenReaders:
     with self._lock:
       entry = self._open.get(file_index)
       if entry is not None:  # another thread opened it meanwhile
-        reader.close()
+        kind.close(reader)
         os.close(fd)
       else:
         entry = self._open[file_index] = [fd, reader, 0]
@@ -312,7 +419,6 @@ class OpenReaders:
     if closing:
       self.cache.make_room(0)
 
-  @staticmethod
-  def _close(entry: list[Any]) -> None:
-    entry[1].close()
+  def _close(self, entry: list[Any]) -> None:
+    COPY_KINDS[self.kind].close(entry[1])
     os.close(entry[0])

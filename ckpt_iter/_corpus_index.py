@@ -1,19 +1,22 @@
-"""A JSONL corpus's index object: every file's record count in one small object beside the files.
+"""A corpus's index object: every file's record count in one small object beside the files.
 
-A cached JSONL source must know each file's record count before it reads
+A cached file source must know each file's record count before it reads
 (the plan places records by it). Without an index a new host downloads every
-file to count its lines. `ckpt-iter index PATHS` counts them once, with
-JsonlSource's own count (the same code that indexes a copy), and writes
-`INDEX_NAME` into each directory holding the files: per file its size, its
-version (generation and crc32c on GCS, as `_storage.Identity` gives it) and
-its records. A host then reads one object per directory instead of the files.
+JSONL file to count its lines, and reads every Parquet and ArrayRecord
+file's footer (about 64 KiB and 1 MiB a file). `ckpt-iter index PATHS`
+counts them once, with each source's own count (the same code that builds
+it), and writes `INDEX_NAME` into each directory holding the files: per file
+its size, its version (generation and crc32c on GCS, as `_storage.Identity`
+gives it), its records and, for Parquet, its row groups' sizes. A host then
+reads one object per directory instead of the files or their footers.
 
 What is trusted, and why it is safe: a count is taken from the index only for
 a file whose size and version now are the ones indexed; a file indexed with
 another version is refused by name (the corpus changed since). The count is
 checked again when the file's copy is indexed at its first read (a copy
 holding another number of records is refused), so an index edited to lie
-about a count stops the read before a record of that file is trained.
+about a count stops the read before a record of that file is trained (a
+Parquet copy whose row groups are not the index's is refused the same way).
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ from ckpt_iter import _storage
 from ckpt_iter import errors
 
 INDEX_NAME = "ckpt_iter_index.json"
-KIND = "ckpt_iter.jsonl_index"
-FORMAT = 1
+KIND = "ckpt_iter.jsonl_index"  # the kind since format 1, when only JSONL was indexed
+FORMAT = 1  # what an index of JSONL and ArrayRecord files is written as: 0.4's readers read it
+FORMAT_GROUPS = 2  # an index with a Parquet file's row groups: older readers refuse it by its format
+# A Parquet file of more row groups than this is indexed by its count only (its footer read at a build).
+_MAX_GROUPS = 100_000
 # An entry is ~150 bytes: 64 MiB indexes ~400,000 files, past which the object is refused unread.
 MAX_BYTES = 64 * 2**20
 _MAX_RECORDS = 2**48
@@ -39,21 +45,29 @@ def location(directory: str) -> str:
   return directory.rstrip("/") + "/" + INDEX_NAME
 
 
-def write(paths: Sequence[str], identities: Sequence[_storage.Identity], counts: Sequence[int]) -> list[str]:
-  """Writes one index object per directory of `paths`; returns their paths (sorted)."""
+def write(paths: Sequence[str], identities: Sequence[_storage.Identity], counts: Sequence[int],
+          row_groups: Sequence[Sequence[int] | None] | None = None) -> list[str]:
+  """Writes one index object per directory of `paths`; returns their paths (sorted).
+
+  `row_groups`: each Parquet file's row groups' sizes (None for another file).
+  """
   by_directory: dict[str, dict[str, Any]] = {}
-  for path, found, count in zip(paths, identities, counts):
+  row_groups = row_groups or [None] * len(paths)
+  for path, found, count, groups in zip(paths, identities, counts, row_groups):
     if found.version is None:
       raise errors.InvalidArgumentError(
           f"{path}: the store gives no version for it (no generation, ETag or checksum), so an index "
           "cannot tell a changed file from the one it counted. Index a store or disk that versions its files.")
     directory, name = _split(path)
-    by_directory.setdefault(directory, {})[name] = {"size": found.size, "version": found.version,
-                                                    "records": int(count)}
+    entry = {"size": found.size, "version": found.version, "records": int(count)}
+    if groups is not None and len(groups) <= _MAX_GROUPS:
+      entry["row_groups"] = [int(n) for n in groups]
+    by_directory.setdefault(directory, {})[name] = entry
   written = []
   for directory, files in sorted(by_directory.items()):
     body = json.dumps(files, sort_keys=True, separators=(",", ":"))
-    text = json.dumps({"kind": KIND, "format": FORMAT, "crc32": zlib.crc32(body.encode()), "files": files},
+    form = FORMAT_GROUPS if any("row_groups" in e for e in files.values()) else FORMAT
+    text = json.dumps({"kind": KIND, "format": form, "crc32": zlib.crc32(body.encode()), "files": files},
                       sort_keys=True, separators=(",", ":"))
     _storage.replace_bytes(location(directory), text.encode())  # a build reading it meanwhile sees one whole
     written.append(location(directory))
@@ -69,7 +83,13 @@ def counts(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> lis
     InvalidStateError: an index is garbled, or indexes a file with another size or version than it
       has now (the message names the file, both versions and the two ways through).
   """
-  found: list[int | None] = []
+  return [None if entry is None else entry["records"] for entry in entries(paths, identities)]
+
+
+def entries(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> list[dict[str, Any] | None]:
+  """Each file's entry in its directory's index object ({size, version, records} and a Parquet file's
+  `row_groups`), None where there is none for it; raises as `counts`."""
+  found: list[dict[str, Any] | None] = []
   indexes: dict[str, dict[str, Any] | None] = {}
   for path, identity in zip(paths, identities):
     directory, name = _split(path)
@@ -85,7 +105,7 @@ def counts(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> lis
           f"it is now size {identity.size:,}, version {identity.version}: the file changed since it was "
           f"indexed. Index the corpus again ({command(directory)}), or delete {INDEX_NAME} to count "
           "each file by downloading it.")
-    found.append(entry["records"])
+    found.append(entry)
   return found
 
 
@@ -104,13 +124,16 @@ def read(directory: str) -> dict[str, dict[str, Any]] | None:
     value = json.loads(data)
     files = value["files"]
     body = json.dumps(files, sort_keys=True, separators=(",", ":"))
-    if (value.get("kind"), value.get("format")) != (KIND, FORMAT) or value.get("crc32") != zlib.crc32(body.encode()):
+    if (value.get("kind") != KIND or value.get("format") not in (FORMAT, FORMAT_GROUPS)
+        or value.get("crc32") != zlib.crc32(body.encode())):
       raise ValueError("its kind, format or CRC-32 is not an index's")
     for name, entry in files.items():
-      if (not isinstance(entry, dict) or set(entry) != {"size", "version", "records"}
+      if (not isinstance(entry, dict) or set(entry) - {"row_groups"} != {"size", "version", "records"}
           or not all(type(entry[k]) is int and 0 <= entry[k] < _MAX_RECORDS for k in ("size", "records"))
-          or not isinstance(entry["version"], str) or not name or "/" in name):
-        raise ValueError(f"entry {name!r} is not {{size, version, records}}")
+          or not isinstance(entry["version"], str) or not name or "/" in name
+          or ("row_groups" in entry and not _groups_sum_to(entry["row_groups"], entry["records"]))):
+        raise ValueError(f"entry {name!r} is not {{size, version, records}} (with row groups that sum to its "
+                         "records, for Parquet)")
   except RecursionError:
     raise errors.InvalidStateError(
         f"{path}: not a ckpt_iter corpus index (nested deeper than Python's parser goes): garbled or edited. "
@@ -123,19 +146,24 @@ def read(directory: str) -> dict[str, dict[str, Any]] | None:
   return files
 
 
-_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+def _groups_sum_to(groups: Any, records: int) -> bool:
+  return (isinstance(groups, list) and len(groups) <= _MAX_GROUPS
+          and all(type(n) is int and 0 <= n < _MAX_RECORDS for n in groups) and sum(groups) == records)
+
+
+INDEXED_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".array_record")
 
 
 def files_in(path: str) -> list[str] | None:
-  """The JSONL files of directory `path`, sorted (one listing); None when `path` is not a directory."""
+  """The files of directory `path` an index covers, sorted (one listing); None when `path` is not a directory."""
   if _storage.has_magic(path) or not _storage.is_dir(path):
     return None
   return sorted(f"{path.rstrip('/')}/{name}" for name, is_directory in _storage.list_entries(path)
-                if not is_directory and name.endswith(_JSONL_SUFFIXES))
+                if not is_directory and name.endswith(INDEXED_SUFFIXES))
 
 
 def command(directory: str) -> str:
-  """The command that indexes the JSONL files of `directory` again (all of them: an index is per directory)."""
+  """The command that indexes the files of `directory` again (all of them: an index is per directory)."""
   return f"ckpt-iter index {directory.rstrip('/')}"
 
 

@@ -9,6 +9,7 @@ from the local copy. The directory's layout, per cached file:
   <key>-<version>-<name>.seal       its size and CRC-32, written before it is published
   <key>-<version>-<name>.index.npy  a companion (e.g. a JSONL line index), evicted with it
   <key>-<version>-<name>.count      its record count (a few bytes; kept after eviction)
+  <key>-<version>-<name>.footer     a Parquet or ArrayRecord file's footer, as a build needs it (kept too)
   <key>-<version>-<name>.lock       the download lock (fcntl.flock)
   <key>-<version>-<name>.tmp-P-T    a download under way (process P, thread T)
   ckpt_iter-usage.lock              the bytes of the copies and companions (`_cache_usage`)
@@ -58,7 +59,7 @@ CACHE_ENV = _cache_disk.CACHE_ENV  # where a cache comes from when none is given
 CACHE_BYTES_ENV = "CKPT_ITER_SHARD_CACHE_BYTES"
 DEFAULT_MAX_BYTES = 64 * 2**30  # a cache's limit when CKPT_ITER_SHARD_CACHE_BYTES does not say
 _COMPANIONS = (_cache_companions.INDEX_SUFFIX,)
-_SIDECARS = (".count", ".lock", ".seal")
+_SIDECARS = (".count", ".lock", ".seal", _cache_companions.FOOTER_SUFFIX)
 # A copy failing its seal is downloaded again at most this often in one open.
 _OPEN_TRIES = 3
 _log = logging.getLogger(__name__)

@@ -137,17 +137,26 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
     cache: a `ShardCache`: each file is downloaded whole into it on its first
       read and read there; the build reads only the files' footers (their
       row groups), so a corpus larger than the cache reads through it a
-      window at a time with make_dataset(shuffle="shards"), as JSONL does.
+      window at a time with make_dataset(shuffle="shards"), as JSONL does;
+      what a footer says is kept in the cache, so a restart reads none.
       None reads the files in place.
     prefetch_files: with `cache`, how many files after the one a reader
       enters to download ahead (0: none, neither by index nor by a plan).
     decoded_bytes: the decoded row groups kept per process (their Arrow
       size), least recently read dropped first; at least the last group read
       is kept.
+    max_open_files: with `cache`, how many copies a process keeps open (in
+      use, so never evicted; each read by pyarrow's own file, its footer
+      parsed once) at most.
+    corpus_index: with `cache`, take each file's row groups from the index
+      object `ckpt-iter index` wrote beside the files, when it indexes the
+      file as it is now: a new host reads one small object per directory,
+      not every footer (as for JSONL).
   """
 
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
-               prefetch_files: int = 2, decoded_bytes: int = _DECODED_GROUP_BYTES):
+               prefetch_files: int = 2, decoded_bytes: int = _DECODED_GROUP_BYTES, max_open_files: int = 16,
+               corpus_index: bool = True):
     """Reads the footers of `paths` (pinned to their current generation on gs://); see the class docstring."""
     pq = _import_pyarrow_parquet()
     expanded = _source_files.expand_paths(paths, "ParquetSource")
@@ -155,15 +164,22 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
     self._cache = cache
     self._prefetch_files = max(0, int(prefetch_files))
     self._planned = False
+    self._indexed: set[str] = set()  # the files whose row groups came from a corpus index object
     if cache is not None:
       self._identities = _storage.identities(self._paths, listed=getattr(expanded, "listed", None))
       # Each footer read where the file is, at the generation the identity pins: a few small reads a file.
       self._generations: list[str | None] = [found.generation for found in self._identities]
+      self._copies = _cached_files.OpenReaders(cache, self._paths, self._identities, max(1, int(max_open_files)),
+                                               kind="parquet")
+      group_rows, self._indexed = _cached_files.known_footers(
+          cache, self._paths, self._identities, use_index=corpus_index, row_groups=True,
+          read=lambda indices: _cached_files.footers(pq, [self._paths[i] for i in indices],
+                                                     [self._generations[i] for i in indices],
+                                                     [self._identities[i] for i in indices]))
     else:
       # On an object store each file's generation now: every later read is of it.
       self._generations = [_storage.pinned_generation(p) for p in self._paths]
-    group_rows = _cached_files.footers(pq, self._paths, self._generations,
-                          list(self._identities) if cache is not None else [None] * len(self._paths))
+      group_rows = _cached_files.footers(pq, self._paths, self._generations, [None] * len(self._paths))
     # (file, group) pairs in order, with the global index of each group's first row.
     self._groups = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
     self._group_rows = group_rows
@@ -188,23 +204,21 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
       with _cached_files.parquet_file(pq, self._paths[file_index], self._generations[file_index]) as parquet:
         return parquet.read_row_group(group_index)
     self._entering(file_index)
-    path, found = self._paths[file_index], self._identities[file_index]
-    # Held (a shared flock: in use) while it is read, then left to the cache: evictable between reads.
-    fd = self._cache.open(path, found)
-    with os.fdopen(fd, "rb") as f:
-      parquet = pq.ParquetFile(f)
-      metadata = parquet.metadata
-      rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-      if rows != self._group_rows[file_index]:
-        raise errors.InvalidStateError(
-            f"{path}: its copy in the shard cache {self._cache.directory} has row groups of {rows[:8]} rows, "
-            f"its footer when this source was built {self._group_rows[file_index][:8]}. Build the source "
-            "again (make_dataset).")
-      return parquet.read_row_group(group_index)
+    # Read by pyarrow's own file of the copy, kept open (in use: never evicted under a read) for the next group.
+    return self._copies.read(file_index, lambda parquet: parquet.read_row_group(group_index),
+                             self._group_rows[file_index], self._paths[file_index] in self._indexed)
 
   def release(self, keep: Sequence[int]) -> None:
-    """A plan is done with the files not in `keep`: nothing is held between reads, so nothing to close."""
-    del keep
+    """Closes this process's idle copies of the files not in `keep`: a plan is done with them."""
+    if self._cache is not None:
+      self._copies.close_idle(keep)
+
+  def _is_open(self, file_index: int) -> bool:
+    return self._cache is not None and self._copies.is_open(file_index)
+
+  def row_groups(self) -> list[list[int]]:
+    """Each file's row groups' sizes, as its footer says (what `ckpt-iter index` keeps for a new host)."""
+    return [list(rows) for rows in self._group_rows]
 
   def file_offsets(self) -> list[int]:
     """The index of each file's first record, and the total (a file without rows starts where the next does)."""
@@ -228,21 +242,27 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
     cache: a `ShardCache`: each file is downloaded whole into it on its first
       read and read there; the build reads only each file's footer (its
       record count), so a corpus larger than the cache reads through it a
-      window at a time with make_dataset(shuffle="shards"), as JSONL does.
+      window at a time with make_dataset(shuffle="shards"), as JSONL does;
+      what a footer says is kept in the cache, so a restart reads none.
       None reads the files in place.
     prefetch_files: with `cache`, how many files after the one a reader
       enters to download ahead (0: none, neither by index nor by a plan).
     max_open_files: with `cache`, how many copies a process keeps open (in
       use, so never evicted) at most.
+    corpus_index: with `cache`, take each file's record count from the
+      index object `ckpt-iter index` wrote beside the files, when it indexes
+      the file as it is now: a new host reads one small object per
+      directory, not every footer (about 1 MiB a file).
   """
 
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
-               prefetch_files: int = 2, max_open_files: int = 16):
+               prefetch_files: int = 2, max_open_files: int = 16, corpus_index: bool = True):
     """Opens `paths` with array_record's reader (their footers only, through a cache); see the class docstring."""
     import grain  # pylint: disable=g-import-not-at-top
 
     paths = _source_files.expand_paths(paths, "ArrayRecordSource")
     self._cache = cache
+    self._indexed: set[str] = set()  # the files whose record count came from a corpus index object
     self._paths = [_storage.absolute(p) for p in paths]
     self._prefetch_files = max(0, int(prefetch_files))
     self._planned = False
@@ -250,8 +270,10 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
       if cache is not None:
         self._identities = _storage.identities(self._paths, listed=getattr(paths, "listed", None))
         self._copies = _cached_files.OpenReaders(cache, self._paths, self._identities, max(1, int(max_open_files)))
-        counts = self._copies.counts()
-        self._offsets = np.cumsum([0] + counts).tolist()
+        footers, self._indexed = _cached_files.known_footers(
+            cache, self._paths, self._identities, use_index=corpus_index, row_groups=False,
+            read=lambda indices: [[n] for n in self._copies.counts(indices)])
+        self._offsets = np.cumsum([0] + [footer[0] for footer in footers]).tolist()
         self._source = None
       else:
         self._source = grain.sources.ArrayRecordDataSource(list(paths))
@@ -282,7 +304,8 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
     file_index, position = _source_files.locate(self._offsets, index, len(self))
     self._entering(file_index)
     expected = self._offsets[file_index + 1] - self._offsets[file_index]
-    return json.loads(self._copies.read(file_index, position, expected))
+    return json.loads(self._copies.read(file_index, lambda reader: reader.read([position])[0], [expected],
+                                        self._paths[file_index] in self._indexed))
 
   @property
   def paths(self) -> list[str]:

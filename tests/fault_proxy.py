@@ -17,7 +17,8 @@ always). Every wait is bounded, and `stop()` (or `release()`) releases
 stalled handlers, so no test can hang on the proxy.
 
 `delay_seconds` adds a fixed latency to every request (a bucket's round
-trip, for benchmarks/bucket.py); `count` is the number of requests served.
+trip, for benchmarks/bucket.py); `count` is the number of requests served,
+`served_bytes` the bytes of the responses it forwarded.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class FaultProxy:
     parsed = urllib.parse.urlsplit(upstream)
     self.delay_seconds = delay_seconds
     self.count = 0
+    self.served_bytes = 0  # response bodies forwarded (what the clients downloaded through it)
     self._upstream = (parsed.hostname, parsed.port)
     self._rules: list[Rule] = []
     self._lock = threading.Lock()
@@ -117,6 +119,8 @@ class FaultProxy:
           self.end_headers()
           if self.command != "HEAD":
             self.wfile.write(data[: len(data) // 2] if truncate else data)
+            with proxy._lock:  # pylint: disable=protected-access
+              proxy.served_bytes += len(data)
           self.close_connection = True
         finally:
           upstream.close()

@@ -227,15 +227,16 @@ def _add_order(verbs: Any) -> None:
 
 
 def _add_index(verbs: Any) -> None:
-  summary = "count a JSONL corpus's records once and write its index object beside the files"
+  summary = "count a corpus's records once and write its index object beside the files"
   parser = verbs.add_parser(
       "index", help=summary, description=summary + " (ckpt_iter_index.json in each directory: every file's "
-      "size, version and records). A cached JsonlSource then takes the counts from it instead of downloading "
-      "every file to count it; a file changed since is refused by name.",
+      "size, version and records, and a Parquet file's row groups). A cached JsonlSource then takes the counts "
+      "from it instead of downloading every file to count it, a cached ParquetSource or ArrayRecordSource "
+      "instead of reading every footer; a file changed since is refused by name.",
       epilog="exit codes: 0 written, 1 a file cannot be read or indexed, 2 usage error")
   parser.add_argument("paths", nargs="+", metavar="PATH",
-                      help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), globs or gs:// URLs, as JsonlSource takes; "
-                      "a directory: every JSONL file in it")
+                      help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst), Parquet or ArrayRecord files, globs or gs:// "
+                      "URLs, as the sources take them; a directory: every such file in it")
   parser.add_argument("--cache", metavar="DIR",
                       help="the shard cache to count through (default: a temporary directory, removed after)")
   parser.add_argument("--max-bytes", type=_step_number, default=None, metavar="N",
@@ -275,6 +276,7 @@ def _fail(message: str, code: int) -> int:
 def run_index(args: argparse.Namespace) -> int:
   import tempfile  # pylint: disable=g-import-not-at-top
 
+  from ckpt_iter import _compression  # pylint: disable=g-import-not-at-top
   from ckpt_iter import _corpus_index  # pylint: disable=g-import-not-at-top
   from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
   from ckpt_iter import sources  # pylint: disable=g-import-not-at-top  (Grain only when indexing)
@@ -283,16 +285,31 @@ def run_index(args: argparse.Namespace) -> int:
   for path in args.paths:
     files = _corpus_index.files_in(path)
     if files == []:
-      return _fail(f"{path}: a directory holding no JSONL file (.jsonl, .jsonl.gz, .jsonl.zst)", EXIT_PROBLEMS)
+      return _fail(f"{path}: a directory holding no file an index covers ({', '.join(_corpus_index.INDEXED_SUFFIXES)})",
+                   EXIT_PROBLEMS)
     paths.extend(files or [path])
+  by_kind: dict[str, list[str]] = {}
+  for path in paths:
+    by_kind.setdefault(_compression.plain_suffix(path), []).append(path)
+  readers = {".jsonl": sources.JsonlSource, ".parquet": sources.ParquetSource,
+             ".array_record": sources.ArrayRecordSource}
+  unknown = sorted(set(by_kind) - set(readers))
+  if unknown:
+    return _fail(f"{by_kind[unknown[0]][0]}: not a file an index covers ({', '.join(_corpus_index.INDEXED_SUFFIXES)})",
+                 EXIT_USAGE)
+  indexed_paths, identities, counts, row_groups = [], [], [], []
   with tempfile.TemporaryDirectory(prefix="ckpt-iter-index-") as scratch:
     cache = sources.ShardCache(args.cache or scratch, args.max_bytes or _shard_cache.DEFAULT_MAX_BYTES)
-    # Counted from the files themselves (never from an index already there), by JsonlSource's own count.
-    source = sources.JsonlSource(paths if len(paths) > 1 else paths[0], cache=cache, corpus_index=False)
-    offsets = source.file_offsets()
-    counts = [b - a for a, b in zip(offsets, offsets[1:])]
-    written = _corpus_index.write(source.paths, source.identities(), counts)
-  print(f"indexed {len(counts):,} files, {offsets[-1]:,} records: wrote {', '.join(written)}")
+    for suffix, kind_paths in sorted(by_kind.items()):
+      # Counted from the files themselves (never from an index already there), by each source's own count.
+      source = readers[suffix](kind_paths if len(kind_paths) > 1 else kind_paths[0], cache=cache, corpus_index=False)
+      offsets = source.file_offsets()
+      indexed_paths += source.paths
+      identities += source.identities()
+      counts += [b - a for a, b in zip(offsets, offsets[1:])]
+      row_groups += source.row_groups() if suffix == ".parquet" else [None] * len(source.paths)
+    written = _corpus_index.write(indexed_paths, identities, counts, row_groups)
+  print(f"indexed {len(counts):,} files, {sum(counts):,} records: wrote {', '.join(written)}")
   return EXIT_OK
 
 

@@ -20,6 +20,7 @@ import pytest
 
 import ckpt_iter
 import gcs_emulator as gcs_emulator_lib
+from ckpt_iter import _corpus_index
 from ckpt_iter import _storage
 from ckpt_iter import sources
 
@@ -182,3 +183,37 @@ def test_a_list_of_paths_asks_one_listing_not_each_objects_metadata(corpus, gcs_
   # A path the listing does not hold is still refused by name.
   with pytest.raises(ckpt_iter.InvalidArgumentError, match="part-9.jsonl"):
     sources.JsonlSource(paths + [paths[0].replace("part-0", "part-9")], cache=sources.ShardCache(tmp_path / "c", 10**8))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "array_record"])
+def test_a_new_host_over_indexed_footers_reads_the_index_and_a_warm_restart_reads_nothing(gcs_root, gcs_emulator,
+                                                                                           tmp_path, kind):
+  # issue 65 item 3: every start read every Parquet and ArrayRecord footer again, warm restarts included (about
+  # 64 KiB and 1 MiB a file). Now a new host over an indexed corpus reads the index, and a warm restart reads no
+  # object at all: its listing says the files are unchanged, the cache what their footers said.
+  import support  # pylint: disable=g-import-not-at-top
+
+  source_of = {"parquet": sources.ParquetSource, "array_record": sources.ArrayRecordSource}[kind]
+  records = []
+  for part in range(3):
+    local = tmp_path / "local" / f"part-{part}.{kind}"
+    local.parent.mkdir(exist_ok=True)
+    part_records = [{"id": part * 100 + i} for i in range(10)]
+    support.FILE_WRITERS[kind](local, part_records)
+    _storage.write_bytes(f"{gcs_root}/data/part-{part}.{kind}", local.read_bytes())
+    records += part_records
+  remote = f"{gcs_root}/data/part-*.{kind}"
+  code, out = support.cli_output("index", remote, "--cache", str(tmp_path / "indexing"))
+  assert code == 0 and "indexed 3 files, 30 records" in out, out
+  index_name = gcs_emulator_lib.object_name(f"{gcs_root}/data/{_corpus_index.INDEX_NAME}")
+  mark = gcs_emulator.mark()
+  new_host = source_of(remote, cache=sources.ShardCache(tmp_path / "host", 10**8), prefetch_files=0)
+  requests = gcs_emulator.requests(mark)
+  assert [r.name for r in requests if r.kind == "read"] == [index_name], requests
+  assert len(requests) == 2 and len(new_host) == 30  # the glob's listing and the index
+  mark = gcs_emulator.mark()
+  warm = source_of(remote, cache=sources.ShardCache(tmp_path / "host", 10**8), prefetch_files=0)
+  requests = gcs_emulator.requests(mark)
+  assert gcs_emulator_lib.count_by_kind(requests) == {**dict.fromkeys(("read", "metadata", "write", "delete",
+                                                                       "other"), 0), "list": 1}, requests
+  assert [warm[i] for i in range(len(warm))] == records

@@ -24,7 +24,7 @@ def test_an_array_record_copy_with_another_record_count_is_refused(tmp_path):
   support.write_array_record(path, [{"id": i} for i in range(5)])
   source = sources.ArrayRecordSource([path], cache=sources.ShardCache(tmp_path / "cache", 10**8))
   source._offsets = [0, 6]  # pylint: disable=protected-access  (as a footer read wrong would count it)
-  with pytest.raises(errors.InvalidStateError, match=r"holds 5 records, its footer when this source was built 6"):
+  with pytest.raises(errors.InvalidStateError, match=r"holds 5 records, this source was built with 6 records"):
     source[0]
 
 

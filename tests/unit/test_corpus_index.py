@@ -267,4 +267,4 @@ def test_the_index_verb_takes_a_directory_as_its_refusals_say(tmp_path):
   assert len(sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))) == 11
   (tmp_path / "empty").mkdir()
   code, out = support.cli_output("index", str(tmp_path / "empty"))
-  assert code == 1 and "a directory holding no JSONL file" in out
+  assert code == 1 and "a directory holding no file an index covers" in out
