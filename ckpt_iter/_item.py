@@ -32,6 +32,7 @@ from typing import Any, Callable, Collection
 
 import numpy as np
 
+from ckpt_iter import _changed_files
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import _npz
@@ -529,7 +530,11 @@ def check_restore_saved(
         "iterator itself) to have it checked.", saved.origin)
   # A ckpt_iter iterator carries the lineage on, with this resume in it.
   value = saved.resumed() if hasattr(item, "check_restore") else saved.value
-  apply = check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
+  try:
+    apply = check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
+  except errors.ConfigDriftError as error:
+    _changed_files.note(error, getattr(item, "spec", None), saved.origin)  # which files changed, where known
+    raise
 
   def apply_and_log() -> None:
     apply()

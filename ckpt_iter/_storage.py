@@ -259,6 +259,39 @@ def identities(paths: list[str], *, threads: int = 16, listed: dict[str, Identit
   return [listed[p] if p in listed else found[p] for p in paths]
 
 
+# 2001 to 2286: a generation outside is not a time (an emulator or a store counting otherwise).
+_PLAUSIBLE_SECONDS = (1e9, 1e10)
+
+
+def written_at(found: Identity) -> float | None:
+  """When the file `found` describes was last written, in seconds since the epoch, where its identity says:
+  a GCS object's generation (microseconds), a local file's change time; None on another store."""
+  if found.generation is not None and found.generation.isdigit():
+    seconds = int(found.generation) / 1e6  # GCS's generations are the write's time in microseconds
+    return seconds if _PLAUSIBLE_SECONDS[0] < seconds < _PLAUSIBLE_SECONDS[1] else None
+  times = dict(part.split("=", 1) for part in (found.version or "").split(",") if "=" in part)
+  if times.get("ctime", "").isdigit() and times.get("mtime", "").isdigit():
+    return max(int(times["mtime"]), int(times["ctime"])) / 1e9
+  return None
+
+
+def newest_write(directory: str) -> float | None:
+  """When the newest file directly in `directory` was written (`written_at`), from one listing; None when
+  it holds none or its store does not say. For error messages: never on a restore's common path."""
+  if is_url(directory):
+    scheme, rest = directory.rstrip("/").split("://", 1)
+    times = [written_at(found) for found in glob_identities(f"{scheme}://{glob_lib.escape(rest)}/*").values()]
+  else:
+    times = []
+    with os.scandir(directory) as entries:
+      for entry in entries:
+        if entry.is_file(follow_symlinks=False):
+          info = entry.stat(follow_symlinks=False)
+          times.append(max(info.st_mtime_ns, info.st_ctime_ns) / 1e9)
+  known = [t for t in times if t is not None]
+  return max(known) if known else None
+
+
 # From this many objects of one directory on, their identities come from one listing of it.
 _LIST_A_DIRECTORY_AT = 4
 

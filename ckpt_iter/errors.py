@@ -82,12 +82,16 @@ class ConfigDriftError(CkptIterError):
   Attributes:
     differences: field name -> (value in the checkpoint, value in this run),
       every differing field.
+    changed_files: where the source's files differ, those written after the
+      checkpoint was (paths), as far as their store says when a file was
+      written (GCS, local disk); also named in the message.
   """
 
   def __init__(self, differences: Mapping[str, tuple[Any, Any]], origin: str = "the state", *,
                way: str | None = None):
     """`way`: the way through, where rebuilding or `allow_drift` is not one (it replaces that advice)."""
     self.differences = dict(differences)
+    self.changed_files: list[str] = []
     self.way = way
     shown = heapq.nsmallest(SHOWN_DIFFERENCES, self.differences.items(), key=lambda item: item[0])
     parts = [
@@ -130,17 +134,36 @@ def is_digest_field(name: Any) -> bool:
 def _way_back(shown: list[tuple[str, tuple[Any, Any]]]) -> str:
   """How to build the checkpoint's pipeline again: the settings to pass back, and for a digest what to
   restore (no one can pass a digest to a constructor)."""
-  settings = [(name, saved) for name, (saved, _) in shown if not is_digest_field(name)]
-  digests = [name for name, _ in shown if is_digest_field(name)]
+  # A source's files or length: no argument sets them back; what the run read must be put back. Their digest
+  # says the same thing then.
+  data = [name for name, (saved, _) in shown if _is_files(name, saved) or _SOURCE_LENGTH.match(str(name))]
+  if data:
+    data += [name for name, _ in shown if str(name).startswith("source_digest") and name not in data]
+  settings = [(name, saved) for name, (saved, _) in shown if not is_digest_field(name) and name not in data]
+  digests = [name for name, _ in shown if is_digest_field(name) and name not in data]
   ways = []
   if settings:
     ways.append("Rebuild the pipeline with " + ", ".join(
         f"{shown_name(name)}={shown_value(saved, SHOWN_DRIFT_VALUE_CHARS)}" for name, saved in settings))
+  if data:
+    ways.append(f"{'restore' if ways else 'Restore'} the data the run read as it was "
+                f"({', '.join(map(shown_name, sorted(data)))}: its files or records, which changed)")
   if digests:
-    ways.append(f"{'Restore' if not settings else 'restore'} the records or code the run was saved with "
+    ways.append(f"{'restore' if ways else 'Restore'} the records or code the run was saved with "
                 f"({', '.join(map(shown_name, digests))}: a digest of what the pipeline reads or runs, "
                 "which changed)")
   return "; ".join(ways)
+
+
+# A file source's description (`sources._describe_files`): kind[name:size,...] or kind[N files a..b sha256:d].
+_SOURCE_LENGTH = re.compile(r"^source_length(?:\[[^\]]*\])?$")
+_FILES_DESCRIPTION = re.compile(r"^(?:jsonl|parquet|array_record)\[.*\]$")
+
+
+def _is_files(name: str, saved: Any) -> bool:
+  """Whether field `name` describes a file source's files: passing the description back builds nothing."""
+  return (isinstance(name, str) and re.match(r"^source(?:\[[^\]]*\])?$", name) is not None
+          and isinstance(saved, str) and _FILES_DESCRIPTION.match(saved) is not None)
 
 
 class ContentDriftError(ConfigDriftError):

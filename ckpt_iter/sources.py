@@ -70,6 +70,9 @@ class SourceIdentity:
   description: str
   length: int
   digest: str
+  # The files and their identities when built (a file source): what a refused restore names as changed. Not
+  # compared, not saved.
+  files: tuple[tuple[str, _storage.Identity], ...] = dataclasses.field(default=(), compare=False, repr=False)
 
 
 # A shuffled read returns to a row group once for each of its rows, and decoding it is the cost: the groups a
@@ -469,6 +472,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     InvalidArgumentError: naming the value and what is accepted.
   """
   paths = _as_paths(source)
+  files: tuple[tuple[str, _storage.Identity], ...] = ()
   if paths is not None:
     kinds = {_compression.plain_suffix(p) for p in paths}  # a .jsonl.gz is JSONL
     if len(kinds) != 1:
@@ -481,13 +485,17 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     cache = _shard_cache.ShardCache.from_env() if any(_storage.is_url(p) for p in paths) else None
     reader = {".jsonl": JsonlSource, ".parquet": ParquetSource, ".array_record": ArrayRecordSource}[suffix]
     resolved = reader(paths, cache=cache)
-    description = _describe_files(suffix[1:], paths, _identities_of(resolved))
+    identities = _identities_of(resolved) or _storage.identities(paths)
+    description = _describe_files(suffix[1:], paths, identities)
+    files = tuple(zip(paths, identities))
   elif isinstance(source, (JsonlSource, ParquetSource, ArrayRecordSource)) and source.cache is not None:
     # Described by its files, as the same paths given to make_dataset are: a run may turn
     # its cache on or off.
     resolved = source
     kind = _compression.plain_suffix(source.paths[0])[1:]
-    description = _describe_files(kind, source.paths, source.identities())
+    identities = source.identities()
+    description = _describe_files(kind, source.paths, identities)
+    files = tuple(zip(source.paths, identities))
   elif isinstance(source, HuggingFaceSource) or _is_hf_dataset(source):
     resolved = source if isinstance(source, HuggingFaceSource) else HuggingFaceSource(dataset=source)
     description = resolved.description
@@ -515,7 +523,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
   release = getattr(resolved, "release", None)
   if callable(release):
     release(())  # the copies the digest's reads opened: idle now, so the cache may evict them
-  return resolved, SourceIdentity(description, length, digest)
+  return resolved, SourceIdentity(description, length, digest, files)
 
 
 def _describe_files(kind: str, paths: list[str], identities: list[_storage.Identity] | None = None) -> str:
