@@ -19,7 +19,9 @@ import contextlib
 import dataclasses
 import io
 import logging
+import math
 import os
+import re
 import zlib
 from typing import Callable
 
@@ -100,7 +102,7 @@ class CompanionFiles:
       return None
     record = self.read_companion_record(path, found) if data is not None else None
     try:
-      array = np.load(io.BytesIO(data), allow_pickle=False) if record is not None else None
+      array = load_index_bytes(data) if record is not None else None
     except (OSError, ValueError, EOFError):
       array = None
     if (array is not None and record.copy_crc == copy_crc and record.index_crc == zlib.crc32(data)
@@ -176,6 +178,23 @@ class CompanionFiles:
     entry = self.entry_path(path, found)
     text = CompanionRecord(count, copy_crc, index_crc).format(os.path.basename(entry))
     self.write_atomic(entry + ".count", lambda f: f.write(text.encode()))
+
+
+# The header np.save writes for what `record_index` keeps (a C-order int64 array of 1 or 2 axes), read without
+# numpy's own parse (a Python literal evaluation: 0.1 ms, most of a first open of a copy under a global shuffle).
+_NPY_INT64_HEADER = re.compile(rb"\{'descr': '<i8', 'fortran_order': False, 'shape': \((\d+),(?: (\d+))?\), \} *\n")
+
+
+def load_index_bytes(data: bytes) -> np.ndarray:
+  """The array of a `.npy` file's bytes; an int64 array of 1 or 2 axes without numpy's header parse."""
+  if data[:8] == b"\x93NUMPY\x01\x00":
+    end = 10 + int.from_bytes(data[8:10], "little")
+    match = _NPY_INT64_HEADER.fullmatch(data[10:end])
+    if match is not None:
+      shape = tuple(int(n) for n in match.groups() if n is not None)
+      if len(data) - end == 8 * math.prod(shape):
+        return np.frombuffer(data, dtype="<i8", offset=end).reshape(shape)
+  return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 def seal_text(size: int, crc: int) -> str:

@@ -393,9 +393,8 @@ class OpenReaders:
         os.close(fd)
       else:
         entry = self._open[file_index] = [fd, reader, 0]
-        for other in [i for i, e in self._open.items() if e[2] == 0 and i != file_index]:
-          if len(self._open) <= self.max_open:
-            break
+        for other in _storage.least_recent_idle(self._open, len(self._open) - self.max_open, file_index,
+                                                lambda e: e[2] == 0):
           self.cache.touch(self.paths[other], self.identities[other])  # its last use, for eviction
           self._close(self._open.pop(other))
           closed = True

@@ -13,6 +13,7 @@ beside the copy; a process keeps a bounded number of copies open.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -252,16 +253,27 @@ class JsonlSource(_source_files.FileReader):
       self._cache.make_room(0)
 
   def _cached_counts(self) -> list[int]:
-    """Each file's line count: stored in the cache, else in the corpus's index object beside the files
-    (`_corpus_index`, one read per directory), else counted from a download (in parallel)."""
+    """Each file's line count: stored in the cache (from its copy, else as the corpus index gave it), else in
+    the corpus's index object beside the files (`_corpus_index`, one read per directory, its counts then kept
+    in the cache: a warm restart reads no index), else counted from a download (in parallel)."""
     cache = self._cache
     counts = [cache.read_count(p, f) for p, f in zip(self._paths, self._identities)]
     missing = [i for i, c in enumerate(counts) if c is None]
     if missing and self._use_corpus_index:
+      for i in missing:
+        kept = cache.read_footer(self._paths[i], self._identities[i])  # an index's count, kept by a build
+        if kept is not None and len(kept) == 1:
+          counts[i] = kept[0]
+          self._indexed.add(self._paths[i])
+      missing = [i for i, c in enumerate(counts) if c is None]
+    if missing and self._use_corpus_index:
       indexed = _corpus_index.counts([self._paths[i] for i in missing], [self._identities[i] for i in missing])
       for i, count in zip(missing, indexed):
         counts[i] = count
-      self._indexed = {self._paths[i] for i, count in zip(missing, indexed) if count is not None}
+        if count is not None:
+          self._indexed.add(self._paths[i])
+          with contextlib.suppress(errors.StorageError):  # a cache that cannot be written only forgets it
+            cache.write_footer(self._paths[i], self._identities[i], [count])
     # A file counted 0 is never opened, so no read would check its count again: one with bytes is
     # counted from its copy here (a file of blank lines only is rare; its copy is then read at builds).
     zeros = {i for i, c in enumerate(counts) if c == 0 and self._identities[i].size > 0}
@@ -280,7 +292,11 @@ class JsonlSource(_source_files.FileReader):
     return counts
 
   def _miscounted(self, path: str, holds: int, counted: int) -> errors.InvalidStateError:
-    """The error of a copy holding another number of records than the source was built counting."""
+    """The error of a copy holding another number of records than the source was built counting; the count
+    kept from an index is the copy's from now on (the build the error asks for counts it right)."""
+    if path in self._indexed:
+      with contextlib.suppress(errors.StorageError):
+        self._cache.write_footer(path, self._identities[self._file_index[path]], [holds])
     directory = path.rsplit("/", 1)[0]
     return errors.InvalidStateError(
         f"{path}: its copy in the shard cache {self._cache.directory} holds {holds:,} records, "
@@ -351,12 +367,14 @@ class JsonlSource(_source_files.FileReader):
           self._closed_bytes -= kept.starts.nbytes + kept.ends.nbytes
         # Past the limit, close idle copies (least recently used first): they may be evicted. A plan
         # closes the copies it is done with itself (`release`), and keeps those it reads next.
-        for other in [i for i, c in self._open.items() if c.readers == 0 and i != file_index]:
-          if len(self._open) <= self._max_open_files or self._planned:
-            break
-          self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
-          self._close(other)
-          closed = True
+        # Only past the limit, and only as far as the idle copies to close are found (a list of every open
+        # copy at each open was O(open): most of a global shuffle's CPU with thousands open).
+        if len(self._open) > self._max_open_files and not self._planned:
+          for other in _storage.least_recent_idle(self._open, len(self._open) - self._max_open_files, file_index,
+                                                  lambda c: c.readers == 0):
+            self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
+            self._close(other)
+            closed = True
       copy.readers += 1
     if closed:
       self._cache.make_room(0)  # what it closed may make the cache over its limit

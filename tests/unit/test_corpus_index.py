@@ -268,3 +268,29 @@ def test_the_index_verb_takes_a_directory_as_its_refusals_say(tmp_path):
   (tmp_path / "empty").mkdir()
   code, out = support.cli_output("index", str(tmp_path / "empty"))
   assert code == 1 and "a directory holding no file an index covers" in out
+
+
+def test_a_warm_restart_keeps_the_index_counts_and_reads_no_index(tmp_path, monkeypatch):
+  # issue 65 item 7: a restart's build read the index object again (1 of the 4 requests of restore + build);
+  # the counts it gave are kept in the host's cache, bound to each file's version, as a footer is.
+  glob = _corpus(str(tmp_path / "data"), [5, 6, 0])
+  _index(glob)
+  first = sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8), prefetch_files=0)
+  with monkeypatch.context() as patched:
+    patched.setattr(_corpus_index, "read", lambda directory: 1 / 0)
+    again = sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8), prefetch_files=0)
+    assert again.file_offsets() == first.file_offsets() == [0, 5, 11, 11]
+    assert [again[i] for i in range(11)] == [first[i] for i in range(11)]
+
+
+def test_a_kept_index_count_that_lies_is_replaced_by_the_copys_after_the_refusal(tmp_path):
+  glob = _corpus(str(tmp_path / "data"), [5, 6])
+  _index(glob)
+  _rewrite(tmp_path, lambda value: value["files"]["part-1.jsonl"].update(records=4))
+  source = sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8), prefetch_files=0)
+  with pytest.raises(errors.InvalidStateError, match=r"holds 6 records, this source was built counting 4 \(the count "
+                     r"of .*ckpt_iter_index.json, which is wrong for it"):
+    source[5]
+  _rewrite(tmp_path, lambda value: value["files"]["part-1.jsonl"].update(records=4))  # the index still lies
+  rebuilt = sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8), prefetch_files=0)
+  assert len(rebuilt) == 11 and rebuilt[10] == {"id": 1005}  # the copy's count, kept after the refusal

@@ -1,0 +1,260 @@
+"""docs/bucket.md's worked case at its shape: 20,480 objects read by one host of 256, against 48 files.
+
+The worked case is a corpus of 20,480 JSONL files read by 256 hosts with
+`shuffle="shards", shuffle_window=16, shard_lanes=256`. Here the same shape
+with small objects, on the tests' GCS emulator (tests/gcs_emulator.py) behind
+their proxy (tests/fault_proxy.py) adding 20 ms to every request after the
+upload and the index (those without it): 204,800
+records of ~100 bytes as 20,480 files of 10 records, and the same number of
+records as 48 files (--quick: 2,048 files, 20,480 records). Both corpora are
+indexed once (`ckpt-iter index`, timed). For each corpus:
+
+  lane host        host 0 of 256 on an empty cache, `make_dataset(glob,
+                   batch_size=4, shuffle="shards", shuffle_window=16,
+                   shard_lanes=256, shard_index=0, shard_count=256)`: its
+                   build (wall seconds, CPU seconds, requests), its first
+                   batch (wall), then the rest of its share of one epoch: CPU
+                   per record, requests, bytes downloaded against corpus / 256.
+  warm restart     the same host building again on its cache: requests by
+                   kind; then its share read again from the cache (CPU per
+                   record once the files are there).
+  list of paths    the same build given the files as a list, not a glob.
+  global shuffle   one process, default settings (`make_dataset(glob,
+                   batch_size=32)`), on a cache the index's pass filled (every
+                   file cached): build, first batch, the CPU per record of
+                   its first epoch (every copy opened once) and then
+                   against the same files on local disk read in place, the
+                   two read in turn in paired rounds (the median of the
+                   rounds' ratios, and their spread).
+
+The store requests of one process restoring its data state at 1 .. 16,384
+processes are `benchmarks/restart_requests.py`'s. Mosaic Streaming is not
+run here (it cannot share this venv: benchmarks/pod_share.py --mosaic-python).
+Hand-run: its lines go to benchmarks/results_worked_case.jsonl.
+    python benchmarks/worked_case.py [--quick] | tee benchmarks/results_worked_case.jsonl
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import _common
+
+sys.path.insert(0, os.path.join(_common.REPO_DIR, "tests"))
+import fault_proxy  # pylint: disable=g-import-not-at-top,wrong-import-position
+import gcs_emulator  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+logging.disable(logging.WARNING)
+
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import ckpt_iter  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import sources  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+DELAY_SECONDS = 0.020
+HOSTS, WINDOW, HOST_BATCH, SHUFFLE_BATCH, SEED = 256, 16, 4, 32, 7
+SMALL_FILES = 48
+
+
+def files_of(records: int, files: int) -> list[bytes]:
+  """`records` records of ~100 bytes as `files` JSONL files, ids in order."""
+  per_file = -(-records // files)
+  return ["".join(json.dumps({"id": i, "text": f"{i:08d}" * 10}) + "\n"
+                  for i in range(part * per_file, min(records, (part + 1) * per_file))).encode()
+          for part in range(files)]
+
+
+def upload_local(local: str, files: list[bytes]) -> tuple[str, list[str]]:
+  """The files on local disk; (glob, paths)."""
+  os.makedirs(local, exist_ok=True)
+  paths = []
+  for part, data in enumerate(files):
+    path = os.path.join(local, f"part-{part:05d}.jsonl")
+    with open(path, "wb") as f:
+      f.write(data)
+    paths.append(path)
+  return os.path.join(local, "part-*.jsonl"), paths
+
+
+def upload(prefix: str, local: str, files: list[bytes]) -> tuple[str, list[str]]:
+  """The files on the bucket (16 uploads at once) and on local disk; (gs glob, local paths)."""
+  _, paths = upload_local(local, files)
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    list(pool.map(lambda part: _storage.write_bytes(f"{prefix}/part-{part:05d}.jsonl", files[part]),
+                  range(len(files))))
+  return f"{prefix}/part-*.jsonl", paths
+
+
+class _Downloads:
+  """The bytes the shard caches of this process download (each object's size)."""
+
+  def __enter__(self):
+    self.bytes = 0
+    real = self._real = _shard_cache.ShardCache._download  # pylint: disable=protected-access
+
+    def counted(cache, path, found, entry):
+      self.bytes += found.size
+      return real(cache, path, found, entry)
+
+    _shard_cache.ShardCache._download = counted  # pylint: disable=protected-access
+    return self
+
+  def __exit__(self, *exc):
+    _shard_cache.ShardCache._download = self._real  # pylint: disable=protected-access
+
+
+def _lane_dataset(source):
+  return ckpt_iter.make_dataset(source, batch_size=HOST_BATCH, seed=SEED, num_epochs=1, shard_index=0,
+                                shard_count=HOSTS, shuffle="shards", shuffle_window=WINDOW, shard_lanes=HOSTS)
+
+
+def lane_host(glob: str, paths_on_bucket: list[str], cache_dir: str, emulator, proxy, corpus_bytes: int) -> dict:
+  """Host 0 of 256 on an empty cache: build, first batch, its share of one epoch; a warm restart; a list."""
+  found: dict = {}
+  mark, count, cpu, started = emulator.mark(), proxy.count, time.process_time(), time.perf_counter()
+  with _Downloads() as downloads:
+    source = sources.JsonlSource(glob, cache=sources.ShardCache(cache_dir, 2**34))
+    iterator = ckpt_iter.DataIterator(_lane_dataset(source))
+    found["build_s"], found["build_cpu_s"] = time.perf_counter() - started, time.process_time() - cpu
+    found["build_requests"] = proxy.count - count
+    started = time.perf_counter()
+    rows = len(next(iterator)["id"])
+    found["first_batch_s"] = time.perf_counter() - started
+    cpu = time.process_time()
+    ids = []
+    for batch in iterator:
+      ids.extend(np.asarray(batch["id"]).tolist())
+    found["cpu_us_per_record"] = (time.process_time() - cpu) / max(1, len(ids)) * 1e6
+    source.cache.wait()
+    found["rows"] = rows + len(ids)
+    found["epoch_requests"] = proxy.count - count
+    found["downloaded_vs_share"] = downloads.bytes / (corpus_bytes / HOSTS)
+  found["requests_by_kind"] = gcs_emulator.count_by_kind(emulator.requests(mark))
+  for name, given in (("warm, list of paths", paths_on_bucket), ("warm", glob)):
+    mark, count, started = emulator.mark(), proxy.count, time.perf_counter()
+    again = sources.JsonlSource(given, cache=sources.ShardCache(cache_dir, 2**34))
+    warm = ckpt_iter.DataIterator(_lane_dataset(again))
+    found[name] = {"seconds": time.perf_counter() - started, "requests": proxy.count - count,
+                   **{k: n for k, n in gcs_emulator.count_by_kind(emulator.requests(mark)).items() if n}}
+  # The same share again from the warm cache: what a record costs once its file is there.
+  cpu, rows = time.process_time(), 0
+  for batch in warm:
+    rows += len(batch["id"])
+  found["warm_cpu_us_per_record"] = (time.process_time() - cpu) / rows * 1e6
+  found["warm_epoch_cpu_s"] = found["warm_cpu_us_per_record"] * rows / 1e6
+  return found
+
+
+def _read_us(dataset, start: int, batches: int) -> float:
+  cpu = time.process_time()
+  for number in range(start, start + batches):
+    dataset[number % len(dataset)]
+  return (time.process_time() - cpu) / (batches * SHUFFLE_BATCH) * 1e6
+
+
+def global_shuffle(glob: str, local_paths: list[str], cache_dir: str, proxy, rounds: int, batches: int) -> dict:
+  """Default settings over a warm cache, against the same files on local disk; paired rounds."""
+  count, started = proxy.count, time.perf_counter()
+  cached = ckpt_iter.make_dataset(sources.JsonlSource(glob, cache=sources.ShardCache(cache_dir, 2**34)),
+                                  batch_size=SHUFFLE_BATCH, seed=SEED)
+  found = {"build_s": time.perf_counter() - started, "build_requests": proxy.count - count}
+  started = time.perf_counter()
+  cached[0]
+  found["first_batch_s"] = time.perf_counter() - started
+  local = ckpt_iter.make_dataset(sources.JsonlSource(local_paths, index_cache_dir=""), batch_size=SHUFFLE_BATCH,
+                                 seed=SEED)
+  # The first pass opens every copy once (its seal checked, its line index read): then the steady state.
+  for name, dataset in (("cached", cached), ("local", local)):
+    found[f"first_pass_{name}_us"] = _read_us(dataset, 1, len(dataset) - 1)
+  times: dict[str, list[float]] = {"cached": [], "local": []}
+  for number in range(rounds):
+    pair = (("cached", cached), ("local", local)) if number % 2 else (("local", local), ("cached", cached))
+    for name, dataset in pair:
+      times[name].append(_read_us(dataset, 1 + number * batches, batches))
+  ratios = [local_us / cached_us for local_us, cached_us in zip(times["local"], times["cached"])]
+  found.update(cached_us=statistics.median(times["cached"]), local_us=statistics.median(times["local"]),
+               local_over_cached=statistics.median(ratios), spread=max(ratios) - min(ratios))
+  return found
+
+
+def main() -> None:
+  args = _common.parse_args(__doc__.splitlines()[0])
+  report = _common.Reporter("worked_case", args.quick)
+  big_files, records = (2_048, 20_480) if args.quick else (20_480, 204_800)
+  rounds, batches = (3, 10) if args.quick else (7, 40)
+  work = tempfile.mkdtemp(prefix="ckpt_iter_worked_case_")
+  # Every import and first call paid before anything is measured (they would count against the first corpus).
+  warm_up = os.path.join(work, "warm-up")
+  _, paths = upload_local(warm_up, files_of(4_096, 4))
+  for batch in ckpt_iter.DataIterator(_lane_dataset(sources.JsonlSource(paths, cache=sources.ShardCache(
+      os.path.join(warm_up, "cache"), 2**30)))):
+    del batch
+  results: dict[str, dict] = {}
+  try:
+    with gcs_emulator.GcsEmulator() as emulator:
+      proxy = fault_proxy.FaultProxy(emulator.url).start()
+      os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+      for name, count in ((f"{big_files:,} files", big_files), (f"{SMALL_FILES} files", SMALL_FILES)):
+        files = files_of(records, count)
+        corpus_bytes = sum(len(f) for f in files)
+        prefix = f"gs://{gcs_emulator.BUCKET}/worked-{count}-{os.getpid()}"
+        proxy.delay_seconds = 0.0  # the upload is not measured
+        started = time.perf_counter()
+        glob, local_paths = upload(prefix, os.path.join(work, f"local-{count}"), files)
+        uploaded = time.perf_counter() - started
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+          # Through the cache the global shuffle then reads: the index's pass leaves every file in it.
+          if cli.main(["index", glob, "--cache", os.path.join(work, f"shuffle-{count}")]) != 0:
+            raise RuntimeError(f"ckpt-iter index failed: {said.getvalue()}")
+        indexed = time.perf_counter() - started
+        proxy.delay_seconds = DELAY_SECONDS
+        print(f"[worked_case] {name}: uploaded in {uploaded:.0f} s, indexed in {indexed:.0f} s", file=sys.stderr)
+        on_bucket = [f"{prefix}/part-{part:05d}.jsonl" for part in range(count)]
+        lane = lane_host(glob, on_bucket, os.path.join(work, f"lane-{count}"), emulator, proxy, corpus_bytes)
+        shuffle = global_shuffle(glob, local_paths, os.path.join(work, f"shuffle-{count}"), proxy, rounds, batches)
+        results[name] = {"files": count, "records": records, "corpus_bytes": corpus_bytes,
+                         "upload_s": uploaded, "index_s": indexed, "lane": lane, "global_shuffle": shuffle}
+        report.measurement(name=name, **json.loads(json.dumps(results[name], default=float)))
+        shutil.rmtree(os.path.join(work, f"local-{count}"), ignore_errors=True)
+      proxy.stop()
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  big, small = results[f"{big_files:,} files"], results[f"{SMALL_FILES} files"]
+  lane_ratio = big["lane"]["warm_cpu_us_per_record"] / small["lane"]["warm_cpu_us_per_record"]
+  shuffle_ratio = big["global_shuffle"]["cached_us"] / small["global_shuffle"]["cached_us"]
+  warm = big["lane"]["warm"]
+  report.summary([
+      _common.check(f"lane host, its share from a warm cache, CPU per record: {big_files:,} files / {SMALL_FILES}",
+                    _common.rounded(lane_ratio, 3), "<= 1.5", lane_ratio <= 1.5,
+                    cold_ratio=_common.rounded(big["lane"]["cpu_us_per_record"] / small["lane"]["cpu_us_per_record"],
+                                               3)),
+      _common.check(f"global shuffle (default settings, warm cache), CPU per record: {big_files:,} files / "
+                    f"{SMALL_FILES}", _common.rounded(shuffle_ratio, 3), "<= 1.5", shuffle_ratio <= 1.5),
+      _common.check(f"global shuffle, {big_files:,} files: local disk's CPU per record / the warm cache's",
+                    _common.rounded(big["global_shuffle"]["local_over_cached"], 3), ">= 0.9",
+                    big["global_shuffle"]["local_over_cached"] >= 0.9,
+                    spread=_common.rounded(big["global_shuffle"]["spread"], 3)),
+      _common.check(f"lane host's warm restart, {big_files:,} files: requests", warm["requests"], "<= 4",
+                    warm["requests"] <= 4, **{k: v for k, v in warm.items() if k not in ("requests", "seconds")}),
+      _common.check(f"lane host, {big_files:,} files: bytes downloaded / (corpus / {HOSTS})",
+                    _common.rounded(big["lane"]["downloaded_vs_share"], 3), "<= 1.25",
+                    big["lane"]["downloaded_vs_share"] <= 1.25),
+  ], load_average_end=_common.load_average())
+
+
+if __name__ == "__main__":
+  main()
