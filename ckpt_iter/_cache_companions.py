@@ -5,10 +5,14 @@ A copy is sealed when published (`<entry>.seal`: its size and a CRC-32,
 (`<entry>.index.npy`, evicted with it) and bound to it by the count file
 (`<entry>.count`, a `CompanionRecord`: the record count, the copy's seal and
 the index's CRC-32, under a CRC-32 of its own; kept after the copy's
-eviction, so a restart counts without a download). A Parquet or ArrayRecord file's footer, as far as a
-build needs it (its row groups' sizes, or its record count), is kept as
-`<entry>.footer` (`FooterRecord`, under a CRC-32 of its own; kept after the
-copy's eviction): a warm restart reads no footer from the store.
+eviction, so a restart counts without a download). What a build learned of
+a source's files without their copies (a Parquet or ArrayRecord file's
+footer: its row groups' sizes, or its record count; a JSONL file's count from
+the corpus index) is kept as one object for those files at their versions
+(`read_footers` / `write_footers`, under a CRC-32; kept after the copies'
+eviction): a warm restart reads no footer and no index from the store. A
+file whose copy said otherwise keeps the copy's as `<entry>.footer`
+(`FooterRecord`), and the object is dropped.
 `CompanionFiles` is what `ShardCache` does with them: one place for their
 names, their bounds and their checks.
 """
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -33,6 +39,9 @@ from ckpt_iter import _storage
 INDEX_SUFFIX = ".index.npy"
 COUNT_MAX_BYTES = 256  # a count file or a seal is a few dozen bytes: anything larger is not one
 FOOTER_SUFFIX = ".footer"
+# A source's footers kept as one object (`read_footers`): its name starts so, the rest a digest of the files.
+FOOTERS_PREFIX = "ckpt_iter-footers-"
+FOOTERS_MAX_BYTES = 64 * 2**20
 # A footer record is ~8 bytes a row group: 1 MiB holds some 100,000 groups (a Parquet file of 100 M rows
 # in groups of 1,000); a larger file is not one a footer record was written for.
 FOOTER_MAX_BYTES = 2**20
@@ -157,6 +166,48 @@ class CompanionFiles:
     text = FooterRecord.format(groups, os.path.basename(entry))
     if len(text) <= FOOTER_MAX_BYTES:
       self.write_atomic(entry + FOOTER_SUFFIX, lambda f: f.write(text.encode()))
+
+  def read_footers(self, paths: list[str], identities: list[_storage.Identity]) -> list[list[int]] | None:
+    """What a build of exactly these files (these versions) kept of their footers (`write_footers`), or None.
+
+    One small object for a source's files, where a record a file would be a
+    write a file at a host's first build (20,480 of them: seconds).
+    """
+    target = self._footers_path(paths, identities)
+    try:
+      with open(target, "rb") as f:
+        data = f.read(FOOTERS_MAX_BYTES + 1)
+    except OSError:
+      return None
+    try:
+      value = json.loads(data)
+      body = json.dumps(value["files"], separators=(",", ":"))
+      files = value["files"]
+      if (value.get("crc32") != zlib.crc32(body.encode()) or len(files) != len(paths)
+          or not all(isinstance(g, list) and all(type(n) is int and n >= 0 for n in g) for g in files)):
+        raise ValueError("not intact")
+    except (ValueError, KeyError, TypeError, RecursionError):
+      _log.warning("%s: not intact (edited or torn); the files' footers are read again", target)
+      return None
+    return files
+
+  def write_footers(self, paths: list[str], identities: list[_storage.Identity], footers: list[list[int]]) -> None:
+    """Keeps what the footers of these files say, as one object (`read_footers`); a few bytes a file."""
+    body = json.dumps([[int(n) for n in groups] for groups in footers], separators=(",", ":"))
+    text = json.dumps({"crc32": zlib.crc32(body.encode()), "files": json.loads(body)}, separators=(",", ":"))
+    if len(text) <= FOOTERS_MAX_BYTES:
+      self.write_atomic(self._footers_path(paths, identities), lambda f: f.write(text.encode()))
+
+  def forget_footers(self, paths: list[str], identities: list[_storage.Identity]) -> None:
+    """Drops what `write_footers` kept for these files (a copy said otherwise): the next build asks again."""
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(self._footers_path(paths, identities))
+
+  def _footers_path(self, paths: list[str], identities: list[_storage.Identity]) -> str:
+    digest = hashlib.sha256()
+    for path, found in zip(paths, identities):
+      digest.update(f"{_storage.absolute(path)}\n{found.size}\n{found.version}\n".encode())
+    return os.path.join(self.directory, f"{FOOTERS_PREFIX}{digest.hexdigest()[:32]}.json")
 
   def forget_footer(self, path: str, found: _storage.Identity) -> None:
     """Drops the footer kept for `path` (its copy said otherwise): the next build reads it again."""

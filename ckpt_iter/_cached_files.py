@@ -89,10 +89,14 @@ class FilesThroughCache:
   def _entering(self, file_index: int) -> None:
     """A read of file `file_index` by this thread: entering a file not open here, the next files are
     downloaded ahead (a shuffled read hops between open files at every record: no prefetch then)."""
-    if getattr(self._local, "file", None) == file_index:
+    previous = getattr(self._local, "file", None)
+    if previous == file_index:
       return
     self._local.file = file_index
-    if self.prefetch_files and not self._planned and not self._is_open(file_index):
+    # Only for a thread reading the files in order: a global shuffle hops between files (the next by index is
+    # no guess, and asking the cache about it costs what a read does).
+    if (self.prefetch_files and not self._planned and previous in (None, file_index - 1)
+        and not self._is_open(file_index)):
       self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
 
 
@@ -102,14 +106,18 @@ def known_footers(cache: _shard_cache.ShardCache, paths: list[str], identities: 
   """Each file's footer as a build needs it (`row_groups`: a Parquet file's groups' sizes; else a one-entry
   list, an ArrayRecord file's record count), and the paths whose came from a corpus index.
 
-  Kept in the cache first, then the corpus index (one read per directory,
-  `use_index`), then `read(file indices)` from the files; what the last two
-  gave is kept in the cache (a few bytes a file), so a warm restart reads no
-  footer and no index.
+  Kept in the cache first (a file's own record, written where its copy
+  disagreed; else one object for these files at these versions), then the
+  corpus index (one read per directory, `use_index`), then `read(file
+  indices)` from the files; what the last two gave is kept in the cache as
+  one object, so a warm restart reads no footer and no index.
 
   Raises:
     InvalidStateError: as `_corpus_index.entries` (a stale or garbled index).
   """
+  kept = cache.read_footers(paths, identities)  # one object: a warm restart opens nothing a file
+  if kept is not None and (row_groups or all(len(groups) == 1 for groups in kept)):
+    return kept, set()
   found: list[list[int] | None] = [cache.read_footer(p, f) for p, f in zip(paths, identities)]
   missing = [i for i, groups in enumerate(found) if groups is None]
   indexed: set[str] = set()
@@ -120,22 +128,25 @@ def known_footers(cache: _shard_cache.ShardCache, paths: list[str], identities: 
         found[i] = list(entry["row_groups"]) if row_groups else [entry["records"]]
         indexed.add(paths[i])
     missing = [i for i, groups in enumerate(found) if groups is None]
+  learned = bool(missing or indexed)
   if missing:
     for i, groups in zip(missing, read(missing)):
       found[i] = groups
-  for i, groups in enumerate(found):
-    if i in missing or paths[i] in indexed:
-      with contextlib.suppress(errors.StorageError):  # a cache that cannot be written only forgets it
-        cache.write_footer(paths[i], identities[i], groups)
+  if learned:
+    with contextlib.suppress(errors.StorageError):  # a cache that cannot be written only forgets it
+      cache.write_footers(paths, identities, found)  # type: ignore[arg-type]
   return found, indexed  # type: ignore[return-value]
 
 
 def miscounted(cache: _shard_cache.ShardCache, path: str, found: _storage.Identity, holds: list[int],
-               built: list[int], indexed: bool, what: Callable[[list[int]], str]) -> errors.InvalidStateError:
+               built: list[int], indexed: bool, what: Callable[[list[int]], str],
+               source_files: tuple[list[str], list[_storage.Identity]]) -> errors.InvalidStateError:
   """A copy whose footer says `holds` where the source was built with `built`: the footer kept in the cache is
-  the copy's from now on (a build again reads it); the error names where the wrong one came from."""
+  the copy's from now on, and what was kept for the source's files (`source_files`) is dropped (a build again
+  reads it); the error names where the wrong one came from."""
   with contextlib.suppress(errors.StorageError):
     cache.write_footer(path, found, holds)
+  cache.forget_footers(*source_files)
   directory = path.rsplit("/", 1)[0]
   return errors.InvalidStateError(
       f"{path}: its copy in the shard cache {cache.directory} holds {what(holds)}, this source was built with "
@@ -381,7 +392,7 @@ class OpenReaders:
       holds = kind.footer(reader)
       if holds != footer:
         kind.close(reader)
-        raise miscounted(self.cache, path, found, holds, footer, indexed, kind.says)
+        raise miscounted(self.cache, path, found, holds, footer, indexed, kind.says, (self.paths, self.identities))
     except BaseException:
       os.close(fd)
       raise

@@ -257,23 +257,24 @@ class JsonlSource(_source_files.FileReader):
     the corpus's index object beside the files (`_corpus_index`, one read per directory, its counts then kept
     in the cache: a warm restart reads no index), else counted from a download (in parallel)."""
     cache = self._cache
-    counts = [cache.read_count(p, f) for p, f in zip(self._paths, self._identities)]
+    # The index's counts as a build kept them, one object for these files at these versions: a warm restart
+    # opens nothing a file (dropped when a copy says otherwise: `_miscounted`).
+    kept = cache.read_footers(self._paths, self._identities) if self._use_corpus_index else None
+    if kept is not None and all(len(count) == 1 for count in kept):
+      self._indexed = set(self._paths)
+      counts: list[int | None] = [count[0] for count in kept]
+    else:
+      counts = [cache.read_count(p, f) for p, f in zip(self._paths, self._identities)]
     missing = [i for i, c in enumerate(counts) if c is None]
-    if missing and self._use_corpus_index:
-      for i in missing:
-        kept = cache.read_footer(self._paths[i], self._identities[i])  # an index's count, kept by a build
-        if kept is not None and len(kept) == 1:
-          counts[i] = kept[0]
-          self._indexed.add(self._paths[i])
-      missing = [i for i, c in enumerate(counts) if c is None]
     if missing and self._use_corpus_index:
       indexed = _corpus_index.counts([self._paths[i] for i in missing], [self._identities[i] for i in missing])
       for i, count in zip(missing, indexed):
         counts[i] = count
         if count is not None:
           self._indexed.add(self._paths[i])
-          with contextlib.suppress(errors.StorageError):  # a cache that cannot be written only forgets it
-            cache.write_footer(self._paths[i], self._identities[i], [count])
+      if any(count is not None for count in indexed) and all(count is not None for count in counts):
+        with contextlib.suppress(errors.StorageError):  # a cache that cannot be written only forgets it
+          cache.write_footers(self._paths, self._identities, [[count] for count in counts])
     # A file counted 0 is never opened, so no read would check its count again: one with bytes is
     # counted from its copy here (a file of blank lines only is rare; its copy is then read at builds).
     zeros = {i for i, c in enumerate(counts) if c == 0 and self._identities[i].size > 0}
@@ -295,8 +296,7 @@ class JsonlSource(_source_files.FileReader):
     """The error of a copy holding another number of records than the source was built counting; the count
     kept from an index is the copy's from now on (the build the error asks for counts it right)."""
     if path in self._indexed:
-      with contextlib.suppress(errors.StorageError):
-        self._cache.write_footer(path, self._identities[self._file_index[path]], [holds])
+      self._cache.forget_footers(self._paths, self._identities)
     directory = path.rsplit("/", 1)[0]
     return errors.InvalidStateError(
         f"{path}: its copy in the shard cache {self._cache.directory} holds {holds:,} records, "
@@ -341,8 +341,10 @@ class JsonlSource(_source_files.FileReader):
         self._open.move_to_end(file_index)
         copy.readers += 1
         return copy
-    # Entering a file this process has not open: the next ones are downloaded ahead (unless a plan says).
-    if self._prefetch_files and not self._planned:
+    # Entering a file this process has not open: the next ones are downloaded ahead (unless a plan says), when
+    # this thread reads the files in order (a global shuffle hops between files: the next by index is no guess).
+    previous, self._local.entered = getattr(self._local, "entered", None), file_index
+    if self._prefetch_files and not self._planned and previous in (None, file_index - 1):
       self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
     path, found = self._paths[file_index], self._identities[file_index]
     fd = self._cache.open(path, found)

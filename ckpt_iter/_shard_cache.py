@@ -9,7 +9,8 @@ from the local copy. The directory's layout, per cached file:
   <key>-<version>-<name>.seal       its size and CRC-32, written before it is published
   <key>-<version>-<name>.index.npy  a companion (e.g. a JSONL line index), evicted with it
   <key>-<version>-<name>.count      its record count (a few bytes; kept after eviction)
-  <key>-<version>-<name>.footer     a Parquet or ArrayRecord file's footer, as a build needs it (kept too)
+  <key>-<version>-<name>.footer     a file's footer (or index count) where its copy said otherwise (kept too)
+  ckpt_iter-footers-<digest>.json   a source's footers or index counts, one object for its files (kept)
   <key>-<version>-<name>.lock       the download lock (fcntl.flock)
   <key>-<version>-<name>.tmp-P-T    a download under way (process P, thread T)
   ckpt_iter-usage.lock              the bytes of the copies and companions (`_cache_usage`)
@@ -462,7 +463,8 @@ class ShardCache(_cache_companions.CompanionFiles):
             sizes[name[: -len(suffix)]] = sizes.get(name[: -len(suffix)], 0) + os.stat(
                 os.path.join(self.directory, name)).st_size
     for name in names:
-      if ".tmp-" in name or name.endswith(_SIDECARS + _COMPANIONS):
+      if ".tmp-" in name or name.endswith(_SIDECARS + _COMPANIONS) or name.startswith(
+          _cache_companions.FOOTERS_PREFIX):
         continue
       try:
         info = os.stat(os.path.join(self.directory, name))

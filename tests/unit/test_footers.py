@@ -60,10 +60,11 @@ def test_a_warm_restart_reads_no_footer(tmp_path, kind, monkeypatch):
     _no_footer_reads(patched)
     again = _SOURCES[kind](glob, cache=sources.ShardCache(tmp_path / "cache", 10**8), prefetch_files=0)
     assert again.file_offsets() == first.file_offsets() and _records(again) == expected
-  # Kept as one small sidecar a file, outside the cache's byte total, and kept after its copy is evicted.
-  footers = [n for n in os.listdir(tmp_path / "cache") if n.endswith(_cache_companions.FOOTER_SUFFIX)]
-  assert len(footers) == 3 and all(os.path.getsize(tmp_path / "cache" / n) < 100 for n in footers)
-  assert [path for path, _, _ in cache.entries() if path.endswith(".footer")] == []
+  # Kept as one small object for the source's files (a write a file was seconds at 20,480 files), outside the
+  # cache's byte total and its copies, and kept after they are evicted.
+  kept = [n for n in os.listdir(tmp_path / "cache") if n.startswith(_cache_companions.FOOTERS_PREFIX)]
+  assert len(kept) == 1 and os.path.getsize(tmp_path / "cache" / kept[0]) < 200
+  assert [path for path, _, _ in cache.entries() if _cache_companions.FOOTERS_PREFIX in path] == []
 
 
 @pytest.mark.parametrize("kind", sorted(_SOURCES))
@@ -111,12 +112,15 @@ def test_an_index_that_lies_stops_the_read_of_that_file_and_a_build_again_reads_
 def test_a_torn_footer_in_the_cache_is_read_again_from_the_file(tmp_path, kind, caplog):
   glob = _corpus(str(tmp_path / "data"), kind, [5, 6])
   _SOURCES[kind](glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
-  kept = sorted(n for n in os.listdir(tmp_path / "cache") if n.endswith(".footer"))
-  for name, text in zip(kept, ["footer 1 groups 9 check 00000000\n", "footer 2 gro"]):
-    (tmp_path / "cache" / name).write_text(text)
+  (kept,) = [n for n in os.listdir(tmp_path / "cache") if n.startswith(_cache_companions.FOOTERS_PREFIX)]
+  text = (tmp_path / "cache" / kept).read_text()
+  (tmp_path / "cache" / kept).write_text(text.replace('"files":[[', '"files":[[1', 1))  # an edit its CRC-32 catches
   with caplog.at_level(logging.WARNING):
     source = _SOURCES[kind](glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
-  assert len(source) == 11 and sum("not intact (edited or torn)" in r.getMessage() for r in caplog.records) == 2
+  assert len(source) == 11 and sum("not intact (edited or torn)" in r.getMessage() for r in caplog.records) == 1
+  (tmp_path / "cache" / kept).write_text(text[:len(text) // 2])  # torn
+  with caplog.at_level(logging.WARNING):
+    assert len(_SOURCES[kind](glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))) == 11
 
 
 def test_a_parquet_file_changed_since_it_was_indexed_is_refused_naming_it(tmp_path):
