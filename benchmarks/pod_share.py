@@ -73,7 +73,7 @@ def corpus(files: int) -> list[bytes]:
                   for i in range(PER_FILE)).encode() for part in range(files)]
 
 
-class _Downloads:
+class Downloads:
   """Counts the bytes the shard caches of this process download (the object's size, as the store sends it)."""
 
   def __init__(self):
@@ -98,7 +98,7 @@ def read_host(glob: str, cache_dir: str, max_bytes: int, hosts: int, host: int, 
   """One simulated host: builds its source and dataset on an empty cache, reads its rows of one epoch."""
   requests = proxy.count
   started = time.perf_counter()
-  with _Downloads() as downloads:
+  with Downloads() as downloads:
     source = sources.JsonlSource(glob, cache=sources.ShardCache(cache_dir, max_bytes))
     dataset = ckpt_iter.make_dataset(source, batch_size=GLOBAL_BATCH // hosts, seed=SEED, num_epochs=1,
                                      shard_index=host, shard_count=hosts, shuffle="shards", shuffle_window=WINDOW,

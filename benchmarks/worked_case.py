@@ -49,6 +49,7 @@ import tempfile
 import time
 
 import _common
+import pod_share
 
 sys.path.insert(0, os.path.join(_common.REPO_DIR, "tests"))
 import fault_proxy  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -59,7 +60,6 @@ logging.disable(logging.WARNING)
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import ckpt_iter  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import sources  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -98,24 +98,6 @@ def upload(prefix: str, local: str, files: list[bytes]) -> tuple[str, list[str]]
   return f"{prefix}/part-*.jsonl", paths
 
 
-class _Downloads:
-  """The bytes the shard caches of this process download (each object's size)."""
-
-  def __enter__(self):
-    self.bytes = 0
-    real = self._real = _shard_cache.ShardCache._download  # pylint: disable=protected-access
-
-    def counted(cache, path, found, entry):
-      self.bytes += found.size
-      return real(cache, path, found, entry)
-
-    _shard_cache.ShardCache._download = counted  # pylint: disable=protected-access
-    return self
-
-  def __exit__(self, *exc):
-    _shard_cache.ShardCache._download = self._real  # pylint: disable=protected-access
-
-
 def _lane_dataset(source):
   return ckpt_iter.make_dataset(source, batch_size=HOST_BATCH, seed=SEED, num_epochs=1, shard_index=0,
                                 shard_count=HOSTS, shuffle="shards", shuffle_window=WINDOW, shard_lanes=HOSTS)
@@ -125,7 +107,7 @@ def lane_host(glob: str, paths_on_bucket: list[str], cache_dir: str, emulator, p
   """Host 0 of 256 on an empty cache: build, first batch, its share of one epoch; a warm restart; a list."""
   found: dict = {}
   mark, count, cpu, started = emulator.mark(), proxy.count, time.process_time(), time.perf_counter()
-  with _Downloads() as downloads:
+  with pod_share.Downloads() as downloads:
     source = sources.JsonlSource(glob, cache=sources.ShardCache(cache_dir, 2**34))
     iterator = ckpt_iter.DataIterator(_lane_dataset(source))
     found["build_s"], found["build_cpu_s"] = time.perf_counter() - started, time.process_time() - cpu
