@@ -157,11 +157,8 @@ class CompanionFiles:
     return groups
 
   def write_footer(self, path: str, found: _storage.Identity, groups: list[int]) -> None:
-    """Keeps what the footer of `path` says (`read_footer`); a few bytes a group, kept after eviction.
-
-    What is kept is checked again against the copy at its first read, as the
-    footer read from the store is; a copy that disagrees replaces it.
-    """
+    """Keeps what the copy of `path` says its footer is (`read_footer`), where it disagreed with the footer
+    the source was built with; a few bytes a group, kept after eviction."""
     entry = self.entry_path(path, found)
     text = FooterRecord.format(groups, os.path.basename(entry))
     if len(text) <= FOOTER_MAX_BYTES:
@@ -208,11 +205,6 @@ class CompanionFiles:
     for path, found in zip(paths, identities):
       digest.update(f"{_storage.absolute(path)}\n{found.size}\n{found.version}\n".encode())
     return os.path.join(self.directory, f"{FOOTERS_PREFIX}{digest.hexdigest()[:32]}.json")
-
-  def forget_footer(self, path: str, found: _storage.Identity) -> None:
-    """Drops the footer kept for `path` (its copy said otherwise): the next build reads it again."""
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(self.entry_path(path, found) + FOOTER_SUFFIX)
 
   def seal(self, path: str, found: _storage.Identity) -> int | None:
     """The CRC-32 the copy of `path` was sealed with when published, or None."""
