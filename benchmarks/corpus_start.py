@@ -19,15 +19,20 @@ emulator's log):
   JSONL, index, list  the 48 paths as a list, not a glob: one listing of
                       their directory describes them (issue 65 item 4).
   JSONL, warm         the host of "JSONL, index" building again (a restart).
+  JSONL, files from index  `JsonlSource(glob, cache=..., files_from_index=True)`
+                      on a new host: the files and their versions named by the
+                      index, no listing; ", again" the same host restarting.
   Parquet             `ParquetSource(glob, cache=...)`: the footers only.
   Parquet, index      the same after `ckpt-iter index` of the Parquet files: the
                       index holds each file's row groups (issue 65 item 3).
   Parquet, warm       the host of "Parquet, index" building again: the cache kept
                       what each footer said.
+  Parquet, files from index  a new host naming the files from the index, and
+                      ", again" that host restarting (issue 65 item 7).
   ArrayRecord         `ArrayRecordSource(glob, cache=...)`: the footers only, read by
                       array_record's own reader (its requests bypass the emulator's
-                      log of gcsfs's: counted by the proxy). ", index" and ", warm"
-                      as for Parquet.
+                      log of gcsfs's: counted by the proxy). ", index", ", warm"
+                      and ", files from index" (", again") as for Parquet.
   Mosaic Streaming    the same records as 48 MDS shards: `StreamingDataset(remote,
                       local)` built on an empty local directory (its index.json),
                       and again on the same directory (a restart), where
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import json
 import logging
@@ -162,6 +168,7 @@ def main() -> None:
   files = 12 if args.quick else 48
   work = tempfile.mkdtemp(prefix="ckpt_iter_corpus_start_")
   has_index = os.path.exists(os.path.join(os.path.dirname(sources.__file__), "_corpus_index.py"))
+  from_index = "files_from_index" in inspect.signature(sources.JsonlSource).parameters
   try:
     with gcs_emulator.GcsEmulator() as emulator:
       proxy = fault_proxy.FaultProxy(emulator.url, delay_seconds=DELAY_SECONDS).start()
@@ -195,6 +202,10 @@ def main() -> None:
                                             host("index_list"), jsonl_bytes)
         cases["JSONL, warm"] = build(emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c),
                                      host("index"), jsonl_bytes)
+        for case in ("", ", again") if from_index else ():
+          cases[f"JSONL, files from index{case}"] = build(
+              emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c, files_from_index=True),
+              host("from_index"), jsonl_bytes)
       else:
         cases["JSONL, warm"] = build(emulator, proxy, lambda c: sources.JsonlSource(jsonl, cache=c),
                                      host("no_index"), jsonl_bytes)
@@ -209,6 +220,10 @@ def main() -> None:
           for case in ("index", "warm"):  # a new host over the index; the same host again
             cases[f"{kind}, {case}"] = build(emulator, proxy, lambda c, m=make, g=glob: m(g, cache=c),
                                              host(f"{kind} index"), size)
+          for case in ("", ", again") if from_index else ():
+            cases[f"{kind}, files from index{case}"] = build(
+                emulator, proxy, lambda c, m=make, g=glob: m(g, cache=c, files_from_index=True),
+                host(f"{kind} from index"), size)
       cases.update(mosaic_cases(proxy, parts_lines(parts), prefix, work, jsonl_bytes, files, report))
       for name, figures in cases.items():
         report.measurement(name=name, value=figures["seconds"], unit="s", **figures)
@@ -230,6 +245,15 @@ def main() -> None:
     if warm is not None:
       checks.append(_common.check(f"warm restart, {kind}: requests", warm["requests"], "<= 4",
                                   warm["requests"] <= 4, served_bytes=warm["served_bytes"]))
+  for kind in ("JSONL", "Parquet", "ArrayRecord"):
+    for case in (", files from index", ", files from index, again"):
+      named = cases.get(kind + case)
+      if named is not None:
+        what = "new host" if case.endswith("index") else "warm restart"
+        checks.append(_common.check(f"{what}, {kind}, files named by the index: requests (0 listings)",
+                                    named["requests"], "<= 1",
+                                    named["requests"] <= 1 and not named.get("list_requests"),
+                                    reads=named.get("read_requests", 0), served_bytes=named["served_bytes"]))
   for kind in ("Parquet", "ArrayRecord"):
     if f"{kind}, index" in cases:
       cold, indexed = cases[kind], cases[f"{kind}, index"]

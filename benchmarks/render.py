@@ -1288,7 +1288,9 @@ files (counted by array_record's own reader, which makes one read of each footer
 builds a source through a `ShardCache` on a host of its own (an empty cache) and reports the build: wall
 seconds, the store's requests (by kind, from the emulator's log) and the bytes it downloaded as a share of the
 corpus. *JSONL, index*: after `ckpt-iter index`; *list*: the 48 paths as a list, not a glob; *warm*: the
-host of *JSONL, index* building again (a restart). *Mosaic Streaming*: the same records as 48 MDS shards,
+host of *JSONL, index* building again (a restart); *files from index*: a new host with
+`files_from_index=True` (the files and their versions named by the index, the bucket not listed), and
+*again* that host restarting. *Mosaic Streaming*: the same records as 48 MDS shards,
 `StreamingDataset(remote, local)` built on an empty directory and again on it, in the same run (where
 `streaming` imports; its bytes are its local directory's). In brackets: the same script at commit 3828a5f,
 before the index, the glob's listing as identities and the Parquet and ArrayRecord footers (where the case

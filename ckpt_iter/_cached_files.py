@@ -101,14 +101,15 @@ class FilesThroughCache:
 
 
 def known_footers(cache: _shard_cache.ShardCache, paths: list[str], identities: list[_storage.Identity], *,
-                  read: Callable[[list[int]], list[list[int]]], use_index: bool,
-                  row_groups: bool) -> tuple[list[list[int]], set[str]]:
+                  read: Callable[[list[int]], list[list[int]]], use_index: bool, row_groups: bool,
+                  indexes: dict[str, Any] | None = None) -> tuple[list[list[int]], set[str]]:
   """Each file's footer as a build needs it (`row_groups`: a Parquet file's groups' sizes; else a one-entry
   list, an ArrayRecord file's record count), and the paths whose came from a corpus index.
 
   Kept in the cache first (a file's own record, written where its copy
   disagreed; else one object for these files at these versions), then the
-  corpus index (one read per directory, `use_index`), then `read(file
+  corpus index (one read per directory, `use_index`, unless `indexes` holds
+  it: those the source's files were named from), then `read(file
   indices)` from the files; what the last two gave is kept in the cache as
   one object, so a warm restart reads no footer and no index.
 
@@ -123,7 +124,7 @@ def known_footers(cache: _shard_cache.ShardCache, paths: list[str], identities: 
   indexed: set[str] = set()
   if missing and use_index:
     for i, entry in zip(missing, _corpus_index.entries([paths[i] for i in missing],
-                                                      [identities[i] for i in missing])):
+                                                      [identities[i] for i in missing], indexes)):
       if entry is not None and (not row_groups or "row_groups" in entry):
         found[i] = list(entry["row_groups"]) if row_groups else [entry["records"]]
         indexed.add(paths[i])
@@ -151,7 +152,7 @@ def miscounted(cache: _shard_cache.ShardCache, path: str, found: _storage.Identi
   return errors.InvalidStateError(
       f"{path}: its copy in the shard cache {cache.directory} holds {what(holds)}, this source was built with "
       f"{what(built)}" + (f" (from {_corpus_index.location(directory)}, which is wrong for it: index the corpus "
-                          f"again with {_corpus_index.command(directory)})" if indexed else "")
+                          f"again with {errors.index_command(directory)})" if indexed else "")
       + ". Build the source again (make_dataset).")
 
 

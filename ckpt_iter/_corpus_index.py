@@ -21,6 +21,7 @@ Parquet copy whose row groups are not the index's is refused the same way).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import zlib
@@ -74,7 +75,8 @@ def write(paths: Sequence[str], identities: Sequence[_storage.Identity], counts:
   return written
 
 
-def counts(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> list[int | None]:
+def counts(paths: Sequence[str], identities: Sequence[_storage.Identity],
+           indexes: dict[str, dict[str, Any] | None] | None = None) -> list[int | None]:
   """Each file's record count from its directory's index object, None where there is none for it.
 
   One read per directory (none holds an index: one failed GET each).
@@ -83,14 +85,16 @@ def counts(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> lis
     InvalidStateError: an index is garbled, or indexes a file with another size or version than it
       has now (the message names the file, both versions and the two ways through).
   """
-  return [None if entry is None else entry["records"] for entry in entries(paths, identities)]
+  return [None if entry is None else entry["records"] for entry in entries(paths, identities, indexes)]
 
 
-def entries(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> list[dict[str, Any] | None]:
+def entries(paths: Sequence[str], identities: Sequence[_storage.Identity],
+            indexes: dict[str, dict[str, Any] | None] | None = None) -> list[dict[str, Any] | None]:
   """Each file's entry in its directory's index object ({size, version, records} and a Parquet file's
-  `row_groups`), None where there is none for it; raises as `counts`."""
+  `row_groups`), None where there is none for it; raises as `counts`. `indexes`: those already read, by
+  directory (as `listing` gives them), which are not read again."""
   found: list[dict[str, Any] | None] = []
-  indexes: dict[str, dict[str, Any] | None] = {}
+  indexes = dict(indexes or {})
   for path, identity in zip(paths, identities):
     directory, name = _split(path)
     if directory not in indexes:
@@ -103,7 +107,7 @@ def entries(paths: Sequence[str], identities: Sequence[_storage.Identity]) -> li
       raise errors.InvalidStateError(
           f"{path}: {location(directory)} counted it at size {entry['size']:,}, version {entry['version']}; "
           f"it is now size {identity.size:,}, version {identity.version}: the file changed since it was "
-          f"indexed. Index the corpus again ({command(directory)}), or delete {INDEX_NAME} to count "
+          f"indexed. Index the corpus again ({errors.index_command(directory)}), or delete {INDEX_NAME} to count "
           "each file by downloading it.")
     found.append(entry)
   return found
@@ -137,13 +141,60 @@ def read(directory: str) -> dict[str, dict[str, Any]] | None:
   except RecursionError:
     raise errors.InvalidStateError(
         f"{path}: not a ckpt_iter corpus index (nested deeper than Python's parser goes): garbled or edited. "
-        f"Index the corpus again ({command(directory)}), or delete it to count each file by downloading "
+        f"Index the corpus again ({errors.index_command(directory)}), or delete it to count each file by downloading "
         "it.") from None
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise errors.InvalidStateError(
         f"{path}: not a ckpt_iter corpus index ({e}): garbled or edited. Index the corpus again "
-        f"({command(directory)}), or delete it to count each file by downloading it.") from None
+        f"({errors.index_command(directory)}), or delete it to count each file by downloading it.") from None
   return files
+
+
+def listing(candidates: Sequence[str], owner: str) -> tuple[list[str], dict[str, _storage.Identity],
+                                                             dict[str, dict[str, Any] | None]]:
+  """The files `candidates` (paths and globs) name, as their directories' index objects list them, instead
+  of a listing of the store (a source's `files_from_index`): one read per directory however many files it
+  holds, where a listing takes a request per thousand objects, at every start of every process.
+
+  Returns each candidate's files in order (a glob's sorted), the identities of those on an object store as
+  the index recorded them (their reads pin the generation and check the checksum it names: an object
+  rewritten since is refused when read), and the indexes read, by directory. A local file's identity is
+  its stat, as without the index (compared with the index's at the build).
+
+  Raises:
+    InvalidArgumentError: a glob with a wildcard in its directory, a directory with no index, or a
+      file or glob the index does not hold; the message names `owner`, the index and the command.
+  """
+  paths: list[str] = []
+  indexes: dict[str, dict[str, Any] | None] = {}
+  for candidate in candidates:
+    directory, pattern = _split(candidate)
+    if _storage.has_magic(directory):
+      raise errors.InvalidArgumentError(
+          f"{owner}(files_from_index=True): {candidate!r} has a wildcard in its directory; the files come from "
+          f"one directory's {INDEX_NAME}. Name each directory's glob, or pass files_from_index=False to list them.")
+    if directory not in indexes:
+      indexes[directory] = read(directory)
+    files = indexes[directory]
+    if files is None:
+      raise errors.InvalidArgumentError(
+          f"{owner}(files_from_index=True): {directory} holds no {INDEX_NAME}. Index its files "
+          f"({errors.index_command(directory)}), or pass files_from_index=False to list them.")
+    matches = (sorted(name for name in files if fnmatch.fnmatchcase(name, pattern))
+               if _storage.has_magic(pattern) else [pattern] if pattern in files else [])
+    if not matches:
+      raise errors.InvalidArgumentError(
+          f"{owner}(files_from_index=True): {location(directory)} holds no file matching {candidate!r}. Index "
+          f"the directory again if its files changed ({errors.index_command(directory)}), or pass "
+          "files_from_index=False.")
+    paths.extend(f"{directory}/{name}" for name in matches)
+  urls = [path for path in paths if _storage.is_url(path)]
+  recorded = []
+  for url in urls:
+    directory, name = _split(url)
+    entry = indexes[directory][name]  # type: ignore[index]
+    recorded.append((entry["size"], entry["version"]))
+  return paths, dict(zip(urls, _storage.identities_as_recorded(urls, recorded))), indexes
 
 
 def _groups_sum_to(groups: Any, records: int) -> bool:
@@ -160,11 +211,6 @@ def files_in(path: str) -> list[str] | None:
     return None
   return sorted(f"{path.rstrip('/')}/{name}" for name, is_directory in _storage.list_entries(path)
                 if not is_directory and name.endswith(INDEXED_SUFFIXES))
-
-
-def command(directory: str) -> str:
-  """The command that indexes the files of `directory` again (all of them: an index is per directory)."""
-  return f"ckpt-iter index {directory.rstrip('/')}"
 
 
 def _split(path: str) -> tuple[str, str]:

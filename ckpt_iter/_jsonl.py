@@ -71,6 +71,12 @@ class JsonlSource(_source_files.FileReader):
       new host then reads one small object per directory instead of
       downloading every file to count it (
       https://github.com/ckpt-iter/ckpt_iter/blob/main/docs/bucket.md).
+    files_from_index: name the files, and on an object store take their
+      versions, from the index objects of their directories instead of
+      listing the store: a start reads one object per directory (a
+      listing costs a request per thousand objects, in every process). The
+      index is then the corpus: a file written after `ckpt-iter index` is
+      not read, and an object rewritten since is refused when read.
   """
 
   # Its public home: a hand-built Grain graph's fingerprint names its source by module and class
@@ -79,9 +85,10 @@ class JsonlSource(_source_files.FileReader):
 
   def __init__(self, paths: _source_files.PathsArg, *, index_cache_dir: str | None = None,
                cache: _shard_cache.ShardCache | None = None, prefetch_files: int = 2,
-               max_open_files: int | None = None, corpus_index: bool = True):
+               max_open_files: int | None = None, corpus_index: bool = True, files_from_index: bool = False):
     """Indexes `paths` (or reads their cached indexes); see the class docstring for the arguments."""
-    expanded = _source_files.expand_paths(paths, "JsonlSource")
+    _source_files.check_index_options("JsonlSource", corpus_index, files_from_index)
+    expanded = _source_files.expand_paths(paths, "JsonlSource", files_from_index=files_from_index)
     self._paths = [_storage.absolute(p) for p in expanded]
     self._file_index = {path: index for index, path in enumerate(self._paths)}  # a prefetch's file, by path
     # From a glob's listing, else one metadata request per file, in parallel on an object store.
@@ -99,7 +106,7 @@ class JsonlSource(_source_files.FileReader):
     self._indexed: set[str] = set()  # the files whose count came from a corpus index object
     self._use_corpus_index = bool(corpus_index)
     if cache is not None:
-      counts = self._cached_counts()
+      counts = self._cached_counts(getattr(expanded, "indexes", None))
       self._starts: list[np.ndarray] = []
       self._ends: list[np.ndarray] = []
       self._readers: list[_storage.RangeReader] = []
@@ -252,10 +259,11 @@ class JsonlSource(_source_files.FileReader):
     if closing:
       self._cache.make_room(0)
 
-  def _cached_counts(self) -> list[int]:
+  def _cached_counts(self, indexes: dict[str, Any] | None) -> list[int]:
     """Each file's line count: stored in the cache (from its copy, else as the corpus index gave it), else in
-    the corpus's index object beside the files (`_corpus_index`, one read per directory, its counts then kept
-    in the cache: a warm restart reads no index), else counted from a download (in parallel)."""
+    the corpus's index object beside the files (`_corpus_index`, one read per directory unless `indexes`
+    holds it, its counts then kept in the cache: a warm restart reads no index), else counted from a
+    download (in parallel)."""
     cache = self._cache
     # The index's counts as a build kept them, one object for these files at these versions: a warm restart
     # opens nothing a file (dropped when a copy says otherwise: `_miscounted`).
@@ -267,7 +275,8 @@ class JsonlSource(_source_files.FileReader):
       counts = [cache.read_count(p, f) for p, f in zip(self._paths, self._identities)]
     missing = [i for i, c in enumerate(counts) if c is None]
     if missing and self._use_corpus_index:
-      indexed = _corpus_index.counts([self._paths[i] for i in missing], [self._identities[i] for i in missing])
+      indexed = _corpus_index.counts([self._paths[i] for i in missing], [self._identities[i] for i in missing],
+                                     indexes)
       for i, count in zip(missing, indexed):
         counts[i] = count
         if count is not None:
@@ -302,7 +311,7 @@ class JsonlSource(_source_files.FileReader):
         f"{path}: its copy in the shard cache {self._cache.directory} holds {holds:,} records, "
         f"this source was built counting {counted:,}"
         + (f" (the count of {_corpus_index.location(directory)}, which is wrong for it: index the corpus "
-           f"again with {_corpus_index.command(directory)})" if path in self._indexed else "")
+           f"again with {errors.index_command(directory)})" if path in self._indexed else "")
         + ". Build the source again (make_dataset).")
 
   def _prepare_index(self, path: str, found: _storage.Identity) -> None:

@@ -28,13 +28,17 @@ _GCS_SCHEMES = ("gs", "gcs")
 def replaced_error(path: str, evidence: str, kind: str, *, deleted: bool = False) -> errors.InvalidStateError:
   """The refusal of a file (`kind` "file" or "object") replaced, or `deleted`, since a reader pinned it (both
   backends')."""
+  # A source naming its files from a corpus index (files_from_index) is built from the index again, which
+  # still holds the old version until the directory is indexed again.
+  reindex = (" (a source with files_from_index=True: index the directory first, "
+             f"{errors.index_command(path.rsplit('/', 1)[0])})")
   if deleted:
     return errors.InvalidStateError(
         f"{path}: deleted since this source indexed it ({evidence}). Put the {kind} back, or build the source "
-        f"again (make_dataset) without it.")
+        f"again (make_dataset) without it{reindex}.")
   return errors.InvalidStateError(
       f"{path}: replaced or rewritten since this source indexed it ({evidence}); its records would "
-      f"mix two versions. Build the source again (make_dataset) to read the new {kind}.")
+      f"mix two versions. Build the source again (make_dataset) to read the new {kind}{reindex}.")
 
 
 # A streamed object of at most this many bytes is sent as one simple upload

@@ -25,6 +25,10 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
+from ckpt_iter import _index_shuffle as index_shuffle_lib
+
 _MODULE = "index_shuffle_module"
 _PACKAGE = "grain._src.python.experimental.index_shuffle.python"
 _RELATIVE = os.path.join(*_PACKAGE.split(".")[1:])
@@ -178,9 +182,28 @@ def _index_shuffle(index: int, size: int, seed: int) -> int:
   return compiled(index, size - 1, seed, _ROUNDS)
 
 
+# From this many indices on, one numpy pass (`_index_shuffle`) costs less than a call into Grain's extension each.
+_VECTORIZED_FROM = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _vectorized() -> bool:
+  """Whether `_index_shuffle.index_shuffle` may stand in for Grain's extension: only where the extension is
+  here to compare it with, and agrees (checked once a process, about a millisecond)."""
+  compiled = _compiled()
+  return compiled is not None and index_shuffle_lib.agrees(compiled, _ROUNDS)
+
+
+def _index_shuffle_range(size: int, domain: int, seed: int) -> list[int]:
+  """[_index_shuffle(i, domain, seed) for i in range(size)], at once where it can be."""
+  if size >= _VECTORIZED_FROM and _vectorized():
+    return index_shuffle_lib.index_shuffle(np.arange(size, dtype=np.uint64), domain - 1, seed, _ROUNDS).tolist()
+  return [_index_shuffle(i, domain, seed) for i in range(size)]
+
+
 def _ranked(size: int, seed: int) -> list[int]:
   """range(size) permuted by `seed`, for size <= RANKED_MAX: the indices sorted by their index_shuffle key."""
-  keys = [_index_shuffle(i, _KEY_DOMAIN, seed) for i in range(size)]
+  keys = _index_shuffle_range(size, _KEY_DOMAIN, seed)
   return sorted(range(size), key=keys.__getitem__)
 
 
@@ -321,7 +344,7 @@ class _EpochPlan:
     if count <= RANKED_MAX:
       self.order = _ranked(count, order_seed)
     else:
-      self.order = [_index_shuffle(k, count, order_seed) for k in range(count)]
+      self.order = _index_shuffle_range(count, count, order_seed)
     self.reading_starts = [0]  # where each shard of `order` starts in the epoch's reading order
     for s in self.order:
       self.reading_starts.append(self.reading_starts[-1] + offsets[s + 1] - offsets[s])

@@ -17,6 +17,7 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
+from ckpt_iter import _corpus_index
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -33,14 +34,16 @@ class ExpandedPaths(list):
   def __init__(self, *paths: Any):
     super().__init__(*paths)
     self.listed: dict[str, Any] = {}
+    self.indexes: dict[str, Any] = {}  # the corpus index objects read to name them, by directory
 
 
-def expand_paths(paths: PathsArg, owner: str) -> list[str]:
+def expand_paths(paths: PathsArg, owner: str, *, files_from_index: bool = False) -> list[str]:
   """The files a file source reads, in order: each glob's matches sorted.
 
   One path (str or os.PathLike, local or gs://), a glob, or a list of them,
   as make_dataset takes them. A single string is one path, never a sequence
-  of characters.
+  of characters. `files_from_index`: named by their directories' corpus
+  index objects, not by a listing (`_corpus_index.listing`).
 
   Raises:
     InvalidArgumentError: `paths` is not paths, names no file, or a file
@@ -48,7 +51,7 @@ def expand_paths(paths: PathsArg, owner: str) -> list[str]:
   """
   if isinstance(paths, ExpandedPaths):
     again = ExpandedPaths(paths)
-    again.listed = dict(paths.listed)
+    again.listed, again.indexes = dict(paths.listed), dict(paths.indexes)
     return again
   candidates = path_strings(paths)
   if candidates is None:
@@ -58,7 +61,20 @@ def expand_paths(paths: PathsArg, owner: str) -> list[str]:
         "(str or os.PathLike, local or gs://), a glob such as 'data/part-*.jsonl', "
         "or a non-empty list of them."
     )
+  if files_from_index:
+    from_index = ExpandedPaths()
+    found, from_index.listed, from_index.indexes = _corpus_index.listing(candidates, owner)
+    from_index.extend(found)
+    return from_index
   return expanded(candidates, owner)
+
+
+def check_index_options(owner: str, corpus_index: bool, files_from_index: bool) -> None:
+  """Refuses a source's `files_from_index` without `corpus_index` (it reads the index the other ignores)."""
+  if files_from_index and not corpus_index:
+    raise errors.InvalidArgumentError(
+        f"{owner}: files_from_index=True names the files from the corpus index, which corpus_index=False "
+        "ignores. Pass corpus_index=True (the default), or files_from_index=False to list the files.")
 
 
 def path_strings(source: Any) -> list[str] | None:

@@ -39,7 +39,7 @@ import re
 import shutil
 import stat
 import threading
-from typing import Any, BinaryIO, Callable, NoReturn, Protocol
+from typing import Any, BinaryIO, Callable, NoReturn, Protocol, Sequence
 
 from ckpt_iter import _checksums
 from ckpt_iter import _object_store as store
@@ -233,6 +233,22 @@ def identity(path: str) -> Identity:
     FileNotFoundError: no such file.
   """
   return _backend(path).identity(path)
+
+
+def identities_as_recorded(urls: Sequence[str], recorded: Sequence[tuple[int, str]]) -> list[Identity]:
+  """The identities of objects as a record of them says (a corpus index's size and version for each),
+  without a request: the generation reads pin and the checksum a download is checked against, read back
+  from the version `identity` wrote ("generation=...,crc32c=...")."""
+  found, filesystems = [], {}
+  for url, (size, version) in zip(urls, recorded):
+    if not is_url(url):
+      raise ValueError(f"{url}: a local file's identity is its stat, not a record")
+    scheme = url.split("://", 1)[0]
+    if scheme not in filesystems:  # resolving a URL's filesystem costs more than the rest together
+      filesystems[scheme] = store.filesystem(url)[0]
+    info: dict[str, Any] = dict(part.split("=", 1) for part in version.split(",") if "=" in part)
+    found.append(_identity_of(filesystems[scheme], {**info, "size": size}))
+  return found
 
 
 def identities(paths: list[str], *, threads: int = 16, listed: dict[str, Identity] | None = None) -> list[Identity]:

@@ -38,6 +38,12 @@ def shown_name(name: str) -> str:
   return name if isinstance(name, str) and len(name) <= SHOWN_VALUE_CHARS else shown_value(name)
 
 
+def index_command(directory: str) -> str:
+  """The command that indexes the files of `directory` again (all of them: an index is per directory), as
+  the refusals of a stale or missing corpus index name it."""
+  return f"ckpt-iter index {directory.rstrip('/')}"
+
+
 class CkptIterError(Exception):
   """Base class of every error ckpt_iter raises on purpose."""
 

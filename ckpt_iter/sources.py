@@ -155,14 +155,19 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
       object `ckpt-iter index` wrote beside the files, when it indexes the
       file as it is now: a new host reads one small object per directory,
       not every footer (as for JSONL).
+    files_from_index: name the files, and on an object store take their
+      versions, from the index objects of their directories instead of
+      listing the store (as for JSONL: one read per directory at a start;
+      the index is then the corpus).
   """
 
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
                prefetch_files: int = 2, decoded_bytes: int = _DECODED_GROUP_BYTES, max_open_files: int = 16,
-               corpus_index: bool = True):
+               corpus_index: bool = True, files_from_index: bool = False):
     """Reads the footers of `paths` (pinned to their current generation on gs://); see the class docstring."""
+    _source_files.check_index_options("ParquetSource", corpus_index, files_from_index)
     pq = _import_pyarrow_parquet()
-    expanded = _source_files.expand_paths(paths, "ParquetSource")
+    expanded = _source_files.expand_paths(paths, "ParquetSource", files_from_index=files_from_index)
     self._paths = [_storage.absolute(p) for p in expanded]
     self._cache = cache
     self._prefetch_files = max(0, int(prefetch_files))
@@ -176,6 +181,7 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
                                                kind="parquet")
       group_rows, self._indexed = _cached_files.known_footers(
           cache, self._paths, self._identities, use_index=corpus_index, row_groups=True,
+          indexes=getattr(expanded, "indexes", None),
           read=lambda indices: _cached_files.footers(pq, [self._paths[i] for i in indices],
                                                      [self._generations[i] for i in indices],
                                                      [self._identities[i] for i in indices]))
@@ -256,14 +262,20 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
       index object `ckpt-iter index` wrote beside the files, when it indexes
       the file as it is now: a new host reads one small object per
       directory, not every footer (about 1 MiB a file).
+    files_from_index: name the files, and on an object store take their
+      versions, from the index objects of their directories instead of
+      listing the store (as for JSONL: one read per directory at a start;
+      the index is then the corpus).
   """
 
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
-               prefetch_files: int = 2, max_open_files: int = 16, corpus_index: bool = True):
+               prefetch_files: int = 2, max_open_files: int = 16, corpus_index: bool = True,
+               files_from_index: bool = False):
     """Opens `paths` with array_record's reader (their footers only, through a cache); see the class docstring."""
     import grain  # pylint: disable=g-import-not-at-top
 
-    paths = _source_files.expand_paths(paths, "ArrayRecordSource")
+    _source_files.check_index_options("ArrayRecordSource", corpus_index, files_from_index)
+    paths = _source_files.expand_paths(paths, "ArrayRecordSource", files_from_index=files_from_index)
     self._cache = cache
     self._indexed: set[str] = set()  # the files whose record count came from a corpus index object
     self._paths = [_storage.absolute(p) for p in paths]
@@ -275,6 +287,7 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
         self._copies = _cached_files.OpenReaders(cache, self._paths, self._identities, max(1, int(max_open_files)))
         footers, self._indexed = _cached_files.known_footers(
             cache, self._paths, self._identities, use_index=corpus_index, row_groups=False,
+            indexes=getattr(paths, "indexes", None),
             read=lambda indices: [[n] for n in self._copies.counts(indices)])
         self._offsets = np.cumsum([0] + [footer[0] for footer in footers]).tolist()
         self._source = None
@@ -465,6 +478,13 @@ def _is_iterable_only(source: Any) -> bool:
   return hasattr(source, "__iter__") or type(source).__name__ == "IterableDatasetDict"
 
 
+# The file source of each kind of file, by its suffix (a `.jsonl.gz` or `.jsonl.zst` is JSONL: its
+# plain suffix): the one list make_dataset's paths and `ckpt-iter index` pick a source from.
+SOURCE_BY_SUFFIX: dict[str, type] = {".jsonl": JsonlSource, ".parquet": ParquetSource,
+                                     ".array_record": ArrayRecordSource}
+_FILE_SOURCES = tuple(SOURCE_BY_SUFFIX.values())
+
+
 def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
   """Turns the `source` argument of make_dataset into a random-access source.
 
@@ -483,12 +503,12 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     suffix = kinds.pop()
     # On an object store, the shard cache the environment names (ShardCache.from_env), if any.
     cache = _shard_cache.ShardCache.from_env() if any(_storage.is_url(p) for p in paths) else None
-    reader = {".jsonl": JsonlSource, ".parquet": ParquetSource, ".array_record": ArrayRecordSource}[suffix]
+    reader = SOURCE_BY_SUFFIX[suffix]
     resolved = reader(paths, cache=cache)
     identities = _identities_of(resolved) or _storage.identities(paths)
     description = _describe_files(suffix[1:], paths, identities)
     files = tuple(zip(paths, identities))
-  elif isinstance(source, (JsonlSource, ParquetSource, ArrayRecordSource)) and source.cache is not None:
+  elif isinstance(source, _FILE_SOURCES) and source.cache is not None:
     # Described by its files, as the same paths given to make_dataset are: a run may turn
     # its cache on or off.
     resolved = source
@@ -563,14 +583,14 @@ def _is_random_access(source: Any) -> bool:
 
 def _identities_of(source: Any) -> list[_storage.Identity] | None:
   """The identities a file source fetched when built, if it keeps them."""
-  if isinstance(source, (JsonlSource, ParquetSource, ArrayRecordSource)):
+  if isinstance(source, _FILE_SOURCES):
     return source.identities()
   return None
 
 
 def _remote_files(source: Any) -> list[str] | None:
   """The files of a file source when any is on an object store; None otherwise."""
-  if isinstance(source, (_source_files.FileReader, ArrayRecordSource)):
+  if isinstance(source, _FILE_SOURCES):
     paths = source.paths
     if any(_storage.is_url(p) for p in paths):
       return paths
@@ -631,4 +651,3 @@ def file_offsets(source: Any) -> list[int] | None:
   return source.file_offsets() if isinstance(source, _FILE_SOURCES) else None
 
 
-_FILE_SOURCES = (JsonlSource, ParquetSource, ArrayRecordSource)

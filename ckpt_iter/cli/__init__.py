@@ -291,8 +291,7 @@ def run_index(args: argparse.Namespace) -> int:
   by_kind: dict[str, list[str]] = {}
   for path in paths:
     by_kind.setdefault(_compression.plain_suffix(path), []).append(path)
-  readers = {".jsonl": sources.JsonlSource, ".parquet": sources.ParquetSource,
-             ".array_record": sources.ArrayRecordSource}
+  readers = sources.SOURCE_BY_SUFFIX
   unknown = sorted(set(by_kind) - set(readers))
   if unknown:
     return _fail(f"{by_kind[unknown[0]][0]}: not a file an index covers ({', '.join(_corpus_index.INDEXED_SUFFIXES)})",

@@ -53,9 +53,10 @@ def _index(glob):
 
 
 @settings(max_examples=25, deadline=None)
-@given(lines=st.lists(st.integers(0, 40), min_size=1, max_size=5), gzipped=st.booleans())
+@given(lines=st.lists(st.integers(0, 40), min_size=1, max_size=5), gzipped=st.booleans(),
+       files_from_index=st.booleans())
 def test_a_new_host_counts_from_the_index_and_reads_what_counting_by_download_reads(tmp_path_factory, lines,
-                                                                                       gzipped):
+                                                                                       gzipped, files_from_index):
   directory = str(tmp_path_factory.mktemp("corpus"))
   glob = _corpus(os.path.join(directory, "data"), lines, gzipped=gzipped)
   unindexed = sources.JsonlSource(glob, cache=sources.ShardCache(os.path.join(directory, "a"), 10**8))
@@ -65,7 +66,8 @@ def test_a_new_host_counts_from_the_index_and_reads_what_counting_by_download_re
   with pytest.MonkeyPatch.context() as monkeypatch:
     calls = _downloads(monkeypatch)
     source = sources.JsonlSource(glob, cache=sources.ShardCache(os.path.join(directory, "b"), 10**8),
-                                 prefetch_files=0)
+                                 prefetch_files=0, files_from_index=files_from_index)
+    assert source.paths == unindexed.paths and source.identities() == unindexed.identities()
     # Only a file counted 0 that has bytes (blank lines) is looked at when built: none is skipped unread.
     empty_with_bytes = sorted(p for p, count in zip(source.paths, lines) if not count and os.path.getsize(p))
     assert sorted(calls) == empty_with_bytes and source.file_offsets() == unindexed.file_offsets()
@@ -86,6 +88,25 @@ def test_a_file_changed_since_it_was_indexed_is_refused_naming_it_and_the_ways_t
     sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8))
   # Counted from the files, the source builds (and the index verb writes the new count).
   assert len(sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "c2", 10**8), corpus_index=False)) == 12
+
+
+def test_files_named_by_the_index_are_still_checked_against_it(tmp_path):
+  glob = _corpus(str(tmp_path / "data"), [5, 6, 7])
+  _index(glob)
+  support.write_jsonl(str(tmp_path / "data" / "part-9.jsonl"), [{"id": 9}])  # after the index: not the corpus
+  named = sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "cache", 10**8), files_from_index=True)
+  assert len(named) == 18 and [os.path.basename(p) for p in named.paths] == [f"part-{n}.jsonl" for n in range(3)]
+  paths = [glob.replace("*", "2"), glob.replace("*", "0")]  # a list keeps its order
+  assert sources.JsonlSource(paths, files_from_index=True).paths == [os.path.abspath(p) for p in paths]
+  # A local file's identity is its stat: one changed since the index is refused at the build, as when listed.
+  with open(tmp_path / "data" / "part-1.jsonl", "a") as f:
+    f.write(json.dumps({"id": 7}) + "\n")
+  with pytest.raises(errors.InvalidStateError, match=r"part-1.jsonl: .*counted it at size .*changed since"):
+    sources.JsonlSource(glob, cache=sources.ShardCache(tmp_path / "c2", 10**8), files_from_index=True)
+  with pytest.raises(errors.InvalidArgumentError, match=r"holds no ckpt_iter_index.json\. Index its files"):
+    sources.JsonlSource(str(tmp_path / "*.jsonl"), files_from_index=True)
+  with pytest.raises(ValueError, match="a local file's identity is its stat"):
+    _storage.identities_as_recorded([glob.replace("*", "0")], [(1, "ino=1")])
 
 
 def _rewrite(tmp_path, change):

@@ -159,9 +159,9 @@ def test_an_index_of_jsonl_only_keeps_the_format_older_readers_read(tmp_path):
 
 @settings(max_examples=20, deadline=None)
 @given(kind=st.sampled_from(sorted(_SOURCES)), rows=st.lists(st.integers(0, 11), min_size=1, max_size=4),
-       indexed=st.booleans(), restarts=st.integers(1, 3))
+       indexed=st.booleans(), files_from_index=st.booleans(), restarts=st.integers(1, 3))
 def test_whatever_the_footers_came_from_a_source_reads_what_it_reads_in_place(tmp_path_factory, kind, rows, indexed,
-                                                                               restarts):
+                                                                               files_from_index, restarts):
   # In place (no cache) every footer is read from the file: the reference. Through a cache, from the files, the
   # index or the cache's kept footers, over restarts: the same offsets and the same records, each once.
   directory = str(tmp_path_factory.mktemp("corpus"))
@@ -171,6 +171,7 @@ def test_whatever_the_footers_came_from_a_source_reads_what_it_reads_in_place(tm
   if indexed:
     assert support.cli_output("index", os.path.join(directory, "data"))[0] == 0
   for restart in range(restarts):
-    source = _SOURCES[kind](glob, cache=sources.ShardCache(os.path.join(directory, "cache"), 10**8), prefetch_files=0)
+    source = _SOURCES[kind](glob, cache=sources.ShardCache(os.path.join(directory, "cache"), 10**8), prefetch_files=0,
+                            files_from_index=indexed and files_from_index)  # files named by the index, or listed
     assert source.file_offsets() == reference.file_offsets(), restart
     assert _records(source) == expected and len({r["id"] for r in expected}) == len(expected) == sum(rows)
