@@ -94,9 +94,14 @@ def _run(config: dict, tmp_path, name: str) -> subprocess.CompletedProcess:
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-def test_a_process_killed_mid_file_resumes_exactly_from_the_cache(corpus, gcs_emulator, tmp_path):
+@pytest.mark.parametrize("named", [False, True], ids=["listed", "restored_named_by_the_index"])
+def test_a_process_killed_mid_file_resumes_exactly_from_the_cache(corpus, gcs_emulator, tmp_path, named):
+  import support  # pylint: disable=g-import-not-at-top
+
   remote, local = corpus
   expected = _ids(ckpt_iter.make_dataset(local, batch_size=_BATCH, seed=None))
+  if named:  # the killed run listed its files; the restored one names them from the index (issue 65 item 7)
+    assert support.cli_output("index", remote, "--cache", str(tmp_path / "indexing"))[0] == 0
   config = {"source": remote, "cache_dir": str(tmp_path / "cache"), "root": str(tmp_path / "ckpt"),
             "seed": None, "save_step": 70, "kill_after": 5}  # record 560-600: inside file 1
   saved = _run(dict(config, mode="save", out=str(tmp_path / "save.jsonl")), tmp_path, "save")
@@ -104,13 +109,16 @@ def test_a_process_killed_mid_file_resumes_exactly_from_the_cache(corpus, gcs_em
   lines = [json.loads(line) for line in open(tmp_path / "save.jsonl")]
   assert lines == expected[70:75]
   mark = gcs_emulator.mark()
-  restored = _run(dict(config, mode="restore", out=str(tmp_path / "restore.jsonl")), tmp_path, "restore")
+  restored = _run(dict(config, mode="restore", files_from_index=named, out=str(tmp_path / "restore.jsonl")),
+                  tmp_path, "restore")
   assert restored.returncode == 0, restored.stderr[-3000:]
   lines = [json.loads(line) for line in open(tmp_path / "restore.jsonl")]
   assert lines[0] == {"restored": 70} and lines[1:] == expected[70:]
   # The files the killed process had read come from the cache.
-  reads = [r.name for r in gcs_emulator.requests(mark) if r.kind == "read"]
+  requests = gcs_emulator.requests(mark)
+  reads = [r.name for r in requests if r.kind == "read"]
   assert not any(name.endswith(("part-0.jsonl", "part-1.jsonl")) for name in reads), reads
+  assert gcs_emulator_lib.count_by_kind(requests)["list"] == (0 if named else 1), requests
 
 
 _FETCH = """

@@ -4,7 +4,8 @@ Hypothesis draws the shuffle (a shard shuffle or a global one), the cache's size
 windows, the whole corpus), how many processes share it, a chain of restarts (each host trains some
 batches, saves, reads on and is killed with SIGKILL; or is killed in the middle of a download), and a
 corruption (one bit flipped in transit by a proxy, or one byte of a cached copy altered on disk between two
-hosts). Each host is a real process group (tests/workers/bucket_pod_worker.py) over gs:// JSONL on the GCS
+hosts), and whether the hosts name the files from the corpus index (`files_from_index`: their versions and
+checksums then come from the index, not a listing). Each host is a real process group (tests/workers/bucket_pod_worker.py) over gs:// JSONL on the GCS
 emulator. It counts, over what was trained (every host's batches up to its save, and the last host's to
 the end): duplicates and skips (none), records whose bytes are not the store's (none: each worker compares
 every record it reads), downloads per file, and the bytes of copies no reader holds against `max_bytes`.
@@ -42,23 +43,30 @@ _HOST_SECONDS = 240
 @pytest.fixture(scope="module")
 def corpus(gcs_emulator):
   """12 JSONL files of 24 records on gs://, as `.jsonl`, `.jsonl.gz` and `.jsonl.zst` (shared by the examples:
-  a host never writes them): {suffix: urls}, and the text's sizes."""
+  a host never writes them): {suffix: urls}, the text's sizes, and {suffix: urls} of the same files in a
+  directory `ckpt-iter index` indexed."""
   import gzip  # pylint: disable=g-import-not-at-top
 
   import gcs_emulator as emulator_lib  # pylint: disable=g-import-not-at-top
   import zstandard  # pylint: disable=g-import-not-at-top
 
   del gcs_emulator
+  import support  # pylint: disable=g-import-not-at-top
+
   urls, sizes = {suffix: [] for suffix in _SUFFIXES}, []
+  indexed = {suffix: [] for suffix in _SUFFIXES}
   for part in range(_FILES):
     data = "".join(json.dumps({"id": part * _PER_FILE + i, "text": bucket_pod_worker.expected_text(part * _PER_FILE + i)})
                    + "\n" for i in range(_PER_FILE)).encode()
     sizes.append(len(data))
     for suffix, pack in ((".jsonl", bytes), (".jsonl.gz", gzip.compress),
                          (".jsonl.zst", zstandard.ZstdCompressor(write_checksum=True).compress)):
-      urls[suffix].append(f"gs://{emulator_lib.BUCKET}/bucket-property/part-{part:02d}{suffix}")
-      _storage.write_bytes(urls[suffix][-1], pack(data))
-  return urls, sizes
+      for found, directory in ((urls, "bucket-property"), (indexed, "bucket-property-indexed")):
+        found[suffix].append(f"gs://{emulator_lib.BUCKET}/{directory}/part-{part:02d}{suffix}")
+        _storage.write_bytes(found[suffix][-1], pack(data))
+  code, out = support.cli_output("index", f"gs://{emulator_lib.BUCKET}/bucket-property-indexed")
+  assert code == 0, out
+  return urls, sizes, indexed
 
 
 class _Sampler:
@@ -143,14 +151,15 @@ _CASES = dict(
     segments=st.lists(_SEGMENT, min_size=0, max_size=2),
     corruption=st.sampled_from([None, "transit", "disk"]),
     suffix=st.sampled_from(_SUFFIXES),
+    named=st.booleans(),
 )
 
 
 def _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption,
-                     suffix=".jsonl"):
+                     suffix=".jsonl", named=False):
   import fault_proxy  # pylint: disable=g-import-not-at-top
 
-  urls, sizes = corpus[0][suffix], corpus[1]
+  urls, sizes = corpus[2 if named else 0][suffix], corpus[1]
   workdir = str(tmp_path_factory.mktemp("pod"))
   cache_dir, root = os.path.join(workdir, "cache"), os.path.join(workdir, "ckpt")
   os.makedirs(root)
@@ -176,7 +185,7 @@ def _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, pro
         proxy.add("stall", "alt=media", method="GET", times=1)
       config = {"source": urls, "cache_dir": cache_dir, "max_bytes": max_bytes, "root": root,
                 "processes": processes, "shuffle": shuffle, "window": window, "steps": steps,
-                "extra": None if end == "to_the_end" else 2, "out": out}
+                "extra": None if end == "to_the_end" else 2, "out": out, "files_from_index": named}
       with _Sampler(cache_dir, out, processes) as sampler:
         code = _run_host(config, workdir, f"host-{number}", env, proxy, kill=end != "to_the_end")
       proxy.release()  # a stalled handler closes its connection: nothing waits on the proxy
@@ -235,25 +244,31 @@ def _lines(path: str) -> list[str]:
                      derandomize=True)
 @hypothesis.given(**_CASES)
 @hypothesis.example(shuffle="shards", cache="two_windows", processes=4,
-                    segments=[(3, "save_then_kill"), (2, "kill_mid_download")], corruption=None, suffix=".jsonl")
+                    segments=[(3, "save_then_kill"), (2, "kill_mid_download")], corruption=None, suffix=".jsonl", named=False)
 @hypothesis.example(shuffle="shards", cache="corpus", processes=2, segments=[(3, "save_then_kill")],
-                    corruption="transit", suffix=".jsonl")
+                    corruption="transit", suffix=".jsonl", named=False)
 @hypothesis.example(shuffle="shards", cache="corpus", processes=2, segments=[(4, "save_then_kill")],
-                    corruption="disk", suffix=".jsonl")
+                    corruption="disk", suffix=".jsonl", named=False)
 @hypothesis.example(shuffle="global", cache="below_window", processes=2, segments=[(4, "save_then_kill")],
-                    corruption=None, suffix=".jsonl")
+                    corruption=None, suffix=".jsonl", named=False)
 # Compressed shards (issue 64; `.jsonl.gz` among the drawn cases): decompressed into the cache as they arrive, checked against the compressed
 # object's checksum (a bit flipped in transit: downloaded again), their copies sealed over the text.
 @hypothesis.example(shuffle="shards", cache="two_windows", processes=2, segments=[(3, "kill_mid_download")],
-                    corruption="transit", suffix=".jsonl.zst")
+                    corruption="transit", suffix=".jsonl.zst", named=False)
+# Files named by the corpus index (issue 65): each download checked against the checksum the index recorded, so a
+# bit flipped in transit is still downloaded again, never trained.
+@hypothesis.example(shuffle="shards", cache="corpus", processes=2, segments=[(3, "save_then_kill")],
+                    corruption="transit", suffix=".jsonl.gz", named=True)
 def test_the_bucket_path_trains_every_record_once_and_only_the_store_s_bytes(
-    corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix):
-  _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix)
+    corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix, named):
+  _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix,
+                   named)
 
 
 @pytest.mark.slow
 @hypothesis.settings(max_examples=12, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(**_CASES)
 def test_the_bucket_path_property_long(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes,
-                                       segments, corruption, suffix):
-  _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix)
+                                       segments, corruption, suffix, named):
+  _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix,
+                   named)

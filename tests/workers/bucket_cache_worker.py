@@ -4,7 +4,8 @@
 
 CONFIG: {"source": a gs:// glob, "cache_dir": the shard cache, "root": a local
 checkpoint root, "mode": "save" or "restore", "save_step": K, "kill_after": k,
-"seed": the shuffle seed or null, "out": a local JSON-lines file}.
+"seed": the shuffle seed or null, "out": a local JSON-lines file, optionally
+"files_from_index": the source's files named by the corpus index}.
 
 A save run takes K batches, checkpoints the data iterator at K, takes k more
 (each written to "out" as it comes) and kills itself with SIGKILL, in the
@@ -36,7 +37,8 @@ BATCH_SIZE = 8
 def main(config_path: str) -> int:
   with open(config_path) as f:
     config = json.load(f)
-  source = sources.JsonlSource(config["source"], cache=sources.ShardCache(config["cache_dir"], 2**30))
+  source = sources.JsonlSource(config["source"], cache=sources.ShardCache(config["cache_dir"], 2**30),
+                               files_from_index=config.get("files_from_index", False))
   iterator = ckpt_iter.DataIterator(ckpt_iter.make_dataset(
       source, batch_size=BATCH_SIZE, seed=config["seed"], num_epochs=1))
   manager = ocp.CheckpointManager(config["root"])

@@ -7,8 +7,8 @@ CONFIG: {"source": gs:// JSONL URLs, "cache_dir", "max_bytes", "root" (local che
 "extra": batches read after the save before the host is killed (null: read to the end, no save; 0: exit
 after the save), "out": a directory for what each process read}; for a host of a pod (one cache per host),
 optionally "shard_offset" (its first process's index in the pod), "shard_count" (the pod's processes),
-"lanes" (make_dataset's shard_lanes) and "global_batch"; a pod's step is marked committed by the test,
-once every host saved.
+"lanes" (make_dataset's shard_lanes) and "global_batch"; and "files_from_index" (the source names its
+files from the corpus index). A pod's step is marked committed by the test, once every host saved.
 
 Each process builds make_dataset(JsonlSource(source, cache=ShardCache(cache_dir, max_bytes)),
 shard_index=i, shard_count=P), restores the latest committed step (a step whose every process saved:
@@ -67,7 +67,8 @@ def _process(index: int, config: dict, barrier) -> None:
   _shard_cache.ShardCache._download = counted
   count = config.get("shard_count", config["processes"])
   shard = config.get("shard_offset", 0) + index
-  source = sources.JsonlSource(config["source"], cache=sources.ShardCache(config["cache_dir"], config["max_bytes"]))
+  source = sources.JsonlSource(config["source"], cache=sources.ShardCache(config["cache_dir"], config["max_bytes"]),
+                               files_from_index=config.get("files_from_index", False))
   options = {"shuffle": "shards", "shuffle_window": config["window"]} if config["shuffle"] == "shards" else {}
   if config.get("lanes"):
     options["shard_lanes"] = config["lanes"]
