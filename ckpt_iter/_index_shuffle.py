@@ -89,7 +89,7 @@ def index_shuffle(indices: np.ndarray | Sequence[int], max_index: int, seed: int
   return out
 
 
-# One index per block size from 16 to 64 bits, each with a few seeds: what `agrees` checks.
+# A max_index for each block size from 16 to 64 bits (each checked under a seed of its own): what `agrees` checks.
 _CHECKED_MAX = [2**bits - 1 - bits for bits in range(15, 63, 2)] + [2**62 + 12345, 2**63 - 1]
 
 

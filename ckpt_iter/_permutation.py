@@ -10,7 +10,9 @@ imports JAX: 1.5 s for a command that reads a few headers); a later `import
 grain` finds it loaded. Where the file is not found (another Grain
 layout), Grain's public `MapDataset.range(L).shuffle(seed)` answers instead
 (same values, slower). tests/unit/test_permutation.py holds both equal to Grain's
-shuffle.
+shuffle. Where many indices are asked at once (an epoch's order of every file,
+a window's records ranked), `_index_shuffle` computes them in one numpy pass,
+once it agreed with the extension in this process.
 """
 
 from __future__ import annotations
