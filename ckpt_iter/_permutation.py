@@ -205,7 +205,10 @@ def _index_shuffle_range(size: int, domain: int, seed: int) -> list[int]:
 
 def _ranked(size: int, seed: int) -> list[int]:
   """range(size) permuted by `seed`, for size <= RANKED_MAX: the indices sorted by their index_shuffle key."""
-  keys = _index_shuffle_range(size, _KEY_DOMAIN, seed)
+  if size >= _VECTORIZED_FROM and _vectorized():
+    keys = index_shuffle_lib.index_shuffle(np.arange(size, dtype=np.uint64), _KEY_DOMAIN - 1, seed, _ROUNDS)
+    return np.argsort(keys, kind="stable").tolist()  # the keys are distinct (a permutation's): no tie to break
+  keys = [_index_shuffle(i, _KEY_DOMAIN, seed) for i in range(size)]
   return sorted(range(size), key=keys.__getitem__)
 
 
