@@ -157,8 +157,9 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
       not every footer (as for JSONL).
     files_from_index: name the files, and on an object store take their
       versions, from the index objects of their directories instead of
-      listing the store (as for JSONL: one read per directory at a start;
-      the index is then the corpus).
+      listing the store (as for JSONL; with `cache`, one read per directory
+      at a start, in place one footer read a file besides; the index is
+      then the corpus).
   """
 
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
@@ -186,9 +187,13 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
                                                      [self._generations[i] for i in indices],
                                                      [self._identities[i] for i in indices]))
     else:
-      # On an object store each file's generation now: every later read is of it.
-      self._generations = [_storage.pinned_generation(p) for p in self._paths]
-      group_rows = _cached_files.footers(pq, self._paths, self._generations, [None] * len(self._paths))
+      # On an object store each file's generation now (as its glob's listing or the corpus index described it,
+      # else asked): every later read is of it.
+      listed = getattr(expanded, "listed", {})
+      self._generations = [listed[p].generation if p in listed else _storage.pinned_generation(p)
+                           for p in self._paths]
+      # A described file's footer is read by ranged GETs of its tail, with no metadata request to open it.
+      group_rows = _cached_files.footers(pq, self._paths, self._generations, [listed.get(p) for p in self._paths])
     # (file, group) pairs in order, with the global index of each group's first row.
     self._groups = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
     self._group_rows = group_rows
@@ -264,8 +269,9 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
       directory, not every footer (about 1 MiB a file).
     files_from_index: name the files, and on an object store take their
       versions, from the index objects of their directories instead of
-      listing the store (as for JSONL: one read per directory at a start;
-      the index is then the corpus).
+      listing the store (as for JSONL; with `cache`, one read per directory
+      at a start: in place, array_record's reader opens every file; the
+      index is then the corpus).
   """
 
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,

@@ -144,3 +144,15 @@ def test_what_the_index_cannot_name_is_refused_by_name(gcs_root, gcs_emulator, t
     sources.JsonlSource(glob.replace("*", "7"), cache=cache, files_from_index=True)
   with pytest.raises(ckpt_iter.InvalidArgumentError, match=r"corpus_index=False ignores"):
     sources.ParquetSource(glob, cache=cache, corpus_index=False, files_from_index=True)
+
+
+def test_parquet_read_in_place_takes_its_pins_from_the_listing_or_the_index(gcs_root, gcs_emulator, tmp_path):
+  # In place (no cache) a Parquet source asked each file's generation again (a stat a file, about 4 requests on
+  # gcsfs) though the glob's listing or the index had just described it: now only the footers are read.
+  glob, records = _corpus(gcs_root, tmp_path, "parquet")
+  for files_from_index in (False, True):
+    mark = gcs_emulator.mark()
+    source = sources.ParquetSource(glob, files_from_index=files_from_index)
+    kinds = gcs_emulator_lib.count_by_kind(gcs_emulator.requests(mark))
+    assert kinds["metadata"] == 0 and kinds["list"] == (0 if files_from_index else 1), kinds
+    assert _records(source) == records
