@@ -57,6 +57,7 @@ from typing import Any, Callable, Collection, Iterable
 
 import numpy as np
 
+from ckpt_iter import _lane_mixture
 from ckpt_iter import _records
 from ckpt_iter import _urls
 from ckpt_iter import errors
@@ -336,15 +337,17 @@ def _reconcile_lanes(
   """The same-stream rule of a filtered or packed make_dataset (`_lanes`): lanes keep their rows.
 
   Another global batch only changes how many rows a batch takes from each
-  lane; every lane continues at its own next row. A mixture's weights
-  cannot change here: the lanes read chunks at different stream records,
-  so there is no one record from which new weights could take effect.
+  lane; every lane continues at its own next row. A mixture's new weights or
+  added sources take effect after the furthest chunk any lane reached
+  (`_lane_mixture`), each source from its own count there.
   """
-  _refuse_lanes_mixture_change(saved, current, origin)
+  position = dict(position)
+  mixed, lines = _lanes_mixture_change(saved, current, position, allow_drift, origin)
+  position.pop(_lane_mixture.EXTENT, None)
   differing = state_lib.differing_fields(saved, current, allow_drift=allow_drift)
-  accepted = {n for n in differing if n in _SPEC_BATCH}
-  changes = []
-  if accepted:
+  accepted = {n for n in differing if n in _SPEC_BATCH} | mixed
+  changes = lines
+  if accepted - mixed:
     changes.append(
         f"batch_size {saved.get('batch_size')} -> {current.get('batch_size')} (global "
         f"{saved.get('global_batch_size')} -> {current.get('global_batch_size')}): "
@@ -353,27 +356,52 @@ def _reconcile_lanes(
     accepted.add("num_epochs")
     changes.append(f"num_epochs {saved.get('num_epochs')} -> {current.get('num_epochs')}")
   lines = tuple(f"{origin}: accepted stream change: {c}; every lane continues at its own next row." for c in changes)
-  return Reconciled(position=dict(position), accepted=frozenset(accepted), changes=lines)
+  return Reconciled(position=position, accepted=frozenset(accepted), changes=lines)
 
 
-def _refuse_lanes_mixture_change(saved: Mapping[str, Any], current: Mapping[str, Any], origin: str) -> None:
-  """Refuses new weights or sources of a filtered or packed mixture, whatever allow_drift says: its lanes
-  read chunks at different stream records, so there is no one record from which they could take effect,
-  and the saved ledger under other shares would repeat and skip records."""
+def _lanes_mixture_change(saved: Mapping[str, Any], current: Mapping[str, Any], position: dict[str, Any],
+                          allow_drift: Collection[str], origin: str) -> tuple[set[str], list[str]]:
+  """(accepted fields, log lines) of a filtered or packed mixture's new weights or sources; sets the
+  position's schedule (`_lane_mixture.MIXTURE`) to take them from the end of the furthest chunk any lane
+  reached (`reached`: `_lane_mixture.EXTENT`, from every saved process's lanes).
+
+  Raises:
+    ConfigDriftError: a source removed (lanes behind still read chunks mixed with it), the change not
+      declared (`_mixture_change`), or the furthest chunk unknown here (`lanes_reached_needed`: a restore
+      from the checkpoint directory reads it from every saved process's lanes).
+  """
   saved_shares, current_shares = _records.shares_of(saved), _records.shares_of(current)
-  if saved_shares is None or current_shares is None or dict(saved_shares) == dict(current_shares):
-    return
-  names = set(saved_shares) | set(current_shares)
-  fields = {f"weight[{n}]" for n in names} | {"source"} | {
-      name for name in set(saved) | set(current) if (m := _SOURCE_FIELD.match(name)) and m.group(1) in names}
-  differences = {f: (saved.get(f, _ABSENT), current.get(f, _ABSENT)) for f in sorted(fields)
-                 if not state_lib.same_field_value(saved.get(f, _ABSENT), current.get(f, _ABSENT))}
-  raise errors.ConfigDriftError(differences, origin=origin, way=(
-      f"(The mixture's {_fractions_line(saved_shares, current_shares)}, there -> here.) "
-      "The weights and sources of a filtered or packed mixture (make_dataset with filter= or pack=) cannot "
-      "change at a restart, and no allow_drift continues it without repeating and skipping records: its "
-      "lanes read chunks at different stream records. Rebuild the pipeline with the saved weights and sources "
-      "(or reweight an unfiltered mixture, which continues each source from its own next record)."))
+  if saved_shares is None or current_shares is None:
+    return set(), []
+  removed = [n for n in saved_shares if n not in current_shares]
+  if removed:
+    raise errors.ConfigDriftError({SOURCES: (list(saved_shares), list(current_shares))}, origin=origin, way=(
+        f"(The mixture's {_fractions_line(saved_shares, current_shares)}, there -> here.) A source of a filtered "
+        f"or packed mixture (make_dataset with filter= or pack=) cannot be removed at a restart: its lanes "
+        f"behind still read chunks mixed with {', '.join(removed)}. Keep it in the mixture (new weights and "
+        "added sources are continued exactly), or rebuild the pipeline with the saved sources."))
+  changed, fields, lines = _mixture_change(saved, current, saved_shares, current_shares, allow_drift, origin,
+                                          takes_effect="after the furthest chunk any lane reached")
+  if not changed:
+    return set(), []
+  chunk_size, num_lanes = saved.get("chunk_size"), saved.get("num_lanes")
+  reached = position.pop(_lane_mixture.EXTENT, None)
+  if reached is None and _lane_mixture.holds_every_lane(position, num_lanes):
+    reached = _lane_mixture.extent([position], num_lanes=num_lanes, chunk_size=chunk_size)
+  if not (state_lib.is_int(reached) and state_lib.is_int(chunk_size) and state_lib.is_int(num_lanes)):
+    error = errors.ConfigDriftError({f: (saved.get(f, _ABSENT), current.get(f, _ABSENT)) for f in sorted(fields)},
+                                    origin=origin, way=(
+        f"(The mixture's {'; '.join(lines)}.) New weights or sources of a filtered or packed mixture take effect "
+        "after the furthest chunk any lane reached, which this process's lanes alone do not tell: restore it "
+        "from its checkpoint directory (Orbax with ckpt_iter's item, IteratorRestore, or MaxText's "
+        "load_state_if_possible), which reads every saved process's lanes."))
+    error.lanes_reached_needed = True
+    raise error
+  schedule = _lane_mixture.of(saved_shares, position, origin=origin).changed(reached, current_shares, origin=origin)
+  position[_lane_mixture.MIXTURE] = schedule.to_json()
+  at = schedule.last.since_record
+  return set(fields), [f"{line}, from stream record {at} on (after the furthest chunk any lane reached; the "
+                       "chunks before it keep the shares they were mixed with)" for line in lines]
 
 
 def _fraction(shares: Mapping[str, Any], name: str) -> str:
@@ -395,6 +423,7 @@ def _fractions_line(saved_shares: Mapping[str, Any], current_shares: Mapping[str
 def _mixture_change(
     saved: Mapping[str, Any], current: Mapping[str, Any], saved_shares: Mapping[str, Any],
     current_shares: Mapping[str, Any], allow_drift: Collection[str], origin: str,
+    takes_effect: str = "from this restart",
 ) -> tuple[bool, set[str], list[str]]:
   """(changed, the fields it accepts, its log lines) of a mixture's weights and sources.
 
@@ -441,9 +470,9 @@ def _mixture_change(
     error = errors.ConfigDriftError(differences, origin=origin)
     error.args = (
         f"{origin}: the mixture changed ({'; '.join(lines)}). Declare it with allow_drift={set(needed)!r} "
-        "to continue each source from its own next record, the new weights taking effect from this "
-        "restart: no record of any source is repeated or skipped. Or rebuild the pipeline with the "
-        "saved weights and sources.",)
+        f"to continue each source from its own next record, the new weights taking effect {takes_effect}: "
+        "no record of any source is repeated or skipped. Or rebuild the pipeline with the saved weights and "
+        "sources.",)
     raise error
   return True, fields, lines
 

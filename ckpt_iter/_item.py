@@ -426,6 +426,8 @@ class SavedState:
   step: int | None = None  # the checkpoint step it was read from, when the path says
   # Process 0's state as saved, where a resize re-sliced a per-process position (lanes) from it.
   saved_first: state_lib.IteratorState | None = None
+  # The end of the furthest chunk any saved lane reached (`elastic.lanes_reached`), read when asked.
+  lanes_reached: Callable[[], int] | None = None
 
   def resumed(self) -> state_lib.IteratorState:
     """The value with this resume recorded in its lineage (what the receiver carries on)."""
@@ -463,6 +465,7 @@ def read_item(
           resized=False,
           origin=_files.header_path(directory, process_index, process_count),
           step=step,
+          lanes_reached=lambda: elastic_lib.lanes_reached(directory, process_count),
       )
     except errors.ProcessCountError as e:
       if not replicated:
@@ -479,7 +482,8 @@ def read_item(
   # process gets its own file, so per-process fields are checked as usual
   # (and a per-process filter, refused only when the count changes, works).
   return SavedState(value, resized=saved_count != process_count, origin=directory, step=step,
-                    saved_first=saved_first[0] if saved_first else None)
+                    saved_first=saved_first[0] if saved_first else None,
+                    lanes_reached=lambda: elastic_lib.lanes_reached(directory, saved_count, count_files=count_files))
 
 
 def _read_replicated(directory: str, error: errors.ProcessCountError, step: int | None,
@@ -531,7 +535,15 @@ def check_restore_saved(
   # A ckpt_iter iterator carries the lineage on, with this resume in it.
   value = saved.resumed() if hasattr(item, "check_restore") else saved.value
   try:
-    apply = check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
+    try:
+      apply = check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
+    except errors.ConfigDriftError as error:
+      # A filtered or packed mixture changed: its new shares start after the furthest chunk any saved lane
+      # reached, which every saved process's header tells (`_lane_mixture`); read them, check again.
+      if not (getattr(error, "lanes_reached_needed", False) and saved.lanes_reached is not None):
+        raise
+      value = elastic_lib.with_lanes_reached(value, saved.lanes_reached())
+      apply = check_restore_into(item, value, allow_drift=allowed, origin=saved.origin)
   except errors.ConfigDriftError as error:
     _changed_files.note(error, getattr(item, "spec", None), saved.origin)  # which files changed, where known
     raise

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import grain
 
 from ckpt_iter import _graph
+from ckpt_iter import _lane_mixture
 from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
@@ -103,7 +104,8 @@ class LaneDataset(grain.IterDataset):
     self.lanes = lanes
     self.stack = stack  # rows -> one batch (`_stacking.stack_records`)
     self._names = [name for name, _ in spec.sources]
-    self._mixture = spec.initial_mixture() if spec.is_mixture else None
+    # The shares over the stream of a run that never changed them (a restore may give its iterator others).
+    self.initial_mixture = _lane_mixture.Schedule.initial(spec.shares) if spec.is_mixture else None
     self.declared = skips_lib.Skip()  # what `declare` was given
     self.skips = skips_lib.NO_SKIPS  # stream records no chunk yields (filtered before `filter`)
 
@@ -130,27 +132,29 @@ class LaneDataset(grain.IterDataset):
   def rows_per_lane(self) -> int:
     return self.spec.global_batch_size // self.lanes.num_lanes
 
-  def record(self, stream_record: int) -> Any:
-    if self._mixture is None:
+  def record(self, stream_record: int, mixture: _lane_mixture.Schedule | None = None) -> Any:
+    """Stream record `stream_record` under the shares of `mixture` (the initial ones by default)."""
+    mixture = mixture or self.initial_mixture
+    if mixture is None:
       return self.parents[0][stream_record]
-    name, index = self._mixture.source_of(stream_record)
+    name, index = mixture.source_of(stream_record)
     return self.parents[self._names.index(name)][index]
 
   def chunk_records(self, chunk: int) -> range:
     """The stream records of chunk `chunk` (the stream has no end: num_epochs is None); skipped ones not yielded."""
     return range(chunk * self.lanes.chunk_size, (chunk + 1) * self.lanes.chunk_size)
 
-  def chunk_rows(self, chunk: int) -> list[Any]:
+  def chunk_rows(self, chunk: int, mixture: _lane_mixture.Schedule | None = None) -> list[Any]:
     """Chunk `chunk` filtered and packed, whole: the same rows whoever computes them, whenever."""
-    return list(self.chunk_row_iter(chunk))
+    return list(self.chunk_row_iter(chunk, mixture))
 
-  def chunk_row_iter(self, chunk: int) -> Iterator[Any]:
+  def chunk_row_iter(self, chunk: int, mixture: _lane_mixture.Schedule | None = None) -> Iterator[Any]:
     """Chunk `chunk`'s rows, computed as they are asked for: a record is read, filtered and packed only
     when a row needs it (a lane restored inside a chunk, or the first batch after 256 lanes land on one
     host, computes the rows it takes, not every chunk whole)."""
     length = None if self.spec.is_mixture else self.spec.source.length
     kept = [g for g in self.chunk_records(chunk) if not (self.skips and self.skips.skipped(g, length))]
-    records = grain.MapDataset.source(_ChunkRecords(self, kept))
+    records = grain.MapDataset.source(_ChunkRecords(self, kept, mixture))
     if self.lanes.filter is not None:
       records = records.filter(self.lanes.filter)
     rows = records.to_iter_dataset(_NO_THREADS)
@@ -163,21 +167,22 @@ class LaneDataset(grain.IterDataset):
 class _ChunkRecords:
   """A chunk's kept stream records as a sequence read on demand (Grain's source protocol)."""
 
-  def __init__(self, dataset: LaneDataset, stream_records: list[int]):
-    self._dataset, self._stream_records = dataset, stream_records
+  def __init__(self, dataset: LaneDataset, stream_records: list[int], mixture: _lane_mixture.Schedule | None):
+    self._dataset, self._stream_records, self._mixture = dataset, stream_records, mixture
 
   def __len__(self) -> int:
     return len(self._stream_records)
 
   def __getitem__(self, index: int) -> Any:
-    return self._dataset.record(self._stream_records[index])
+    return self._dataset.record(self._stream_records[index], self._mixture)
 
 
 class _Lane:
   """One lane's place: the chunk (numbered within the lane) it takes rows from, and how many it took."""
 
-  def __init__(self, dataset: LaneDataset, lane: int, chunk_in_lane: int = 0, rows_taken: int = 0):
-    self._dataset, self.lane = dataset, lane
+  def __init__(self, dataset: LaneDataset, lane: int, chunk_in_lane: int = 0, rows_taken: int = 0,
+               mixture: _lane_mixture.Schedule | None = None):
+    self._dataset, self.lane, self._mixture = dataset, lane, mixture
     self.chunk_in_lane, self.rows_taken = chunk_in_lane, rows_taken
     # The current chunk's rows computed so far, from its row iterator (None: the chunk is not started here).
     self._rows: list[Any] = []
@@ -190,7 +195,7 @@ class _Lane:
   def _computed(self, count: int) -> bool:
     """Computes the current chunk's rows up to `count`; whether it has that many."""
     if self._source is None:
-      self._source, self._rows = self._dataset.chunk_row_iter(self.chunk), []
+      self._source, self._rows = self._dataset.chunk_row_iter(self.chunk, self._mixture), []
     while len(self._rows) < count:
       row = next(self._source, _END)
       if row is _END:
@@ -226,11 +231,13 @@ class _Lane:
 
 
 class LaneIterator(grain.DatasetIterator):
-  """Batches of this process's lanes; its state is each lane's (chunk in lane, rows taken)."""
+  """Batches of this process's lanes; its state is each lane's (chunk in lane, rows taken), and a mixture's
+  shares over the stream once a restart changed them."""
 
   def __init__(self, dataset: LaneDataset):
     super().__init__()
     self._dataset = dataset
+    self._mixture = dataset.initial_mixture
     self._lanes = [_Lane(dataset, lane) for lane in dataset.own_lanes]
 
   def __next__(self) -> Any:
@@ -238,11 +245,18 @@ class LaneIterator(grain.DatasetIterator):
     return self._dataset.stack([row for lane in self._lanes for row in lane.take(count)])
 
   def get_state(self) -> dict[str, Any]:
-    return {FIRST_LANE: self._lanes[0].lane, LANES: [lane.position() for lane in self._lanes]}
+    state: dict[str, Any] = {FIRST_LANE: self._lanes[0].lane, LANES: [lane.position() for lane in self._lanes]}
+    if self._mixture is not None and not self._mixture.is_initial:
+      state[_lane_mixture.MIXTURE] = self._mixture.to_json()
+    return state
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     own = self._dataset.own_lanes
     lanes = state.get(LANES) if isinstance(state, Mapping) else None
+    mixture = self._dataset.initial_mixture
+    if isinstance(state, Mapping) and _lane_mixture.MIXTURE in state and mixture is not None:
+      mixture = _lane_mixture.of(dict(self._dataset.spec.shares), state, origin="the lane position")
+      state = {k: v for k, v in state.items() if k != _lane_mixture.MIXTURE}
     if (
         not isinstance(state, Mapping) or set(state) != {FIRST_LANE, LANES}
         or state[FIRST_LANE] != own.start or not isinstance(lanes, list) or len(lanes) != len(own)
@@ -251,7 +265,8 @@ class LaneIterator(grain.DatasetIterator):
       raise errors.InvalidStateError(
           f"position {state_lib.short_repr(state)} does not fit this process's lanes {own.start}..{own.stop - 1}: "
           f"expected {{'{FIRST_LANE}': {own.start}, '{LANES}': [[chunk in lane, rows taken] x {len(own)}]}}.")
-    self._lanes = [_Lane(self._dataset, lane, int(m), int(o)) for lane, (m, o) in zip(own, lanes)]
+    self._mixture = mixture
+    self._lanes = [_Lane(self._dataset, lane, int(m), int(o), mixture) for lane, (m, o) in zip(own, lanes)]
 
 
 def _is_count(value: Any) -> bool:

@@ -664,7 +664,10 @@ def gathered(positions: Mapping[int, Mapping[str, Any]], saved_count: int, proce
   missing = [lane for lane in wanted if lane not in by_lane]
   if missing:
     raise errors.InvalidStateError(f"{origin}: no saved position holds lanes {missing}.")
-  return {FIRST_LANE: wanted.start, LANES: [list(by_lane[lane]) for lane in wanted]}
+  gathered_position = {FIRST_LANE: wanted.start, LANES: [list(by_lane[lane]) for lane in wanted]}
+  if MIXTURE in first:  # a mixture's schedule (`_lane_mixture`): every process holds the same
+    gathered_position[MIXTURE] = first[MIXTURE]
+  return gathered_position
 
 
 def lanes_of(position: Any) -> Iterator[tuple[int, int, int]]:

@@ -40,6 +40,7 @@ import numpy as np
 
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
+from ckpt_iter import _lane_mixture
 from ckpt_iter import _records
 from ckpt_iter import _urls
 from ckpt_iter import errors
@@ -392,6 +393,27 @@ def _check_agree(
         raise disagree("pending.schedule", state.pending.schedule, first.pending.schedule)
       if len(state.pending.items) != len(first.pending.items):
         raise disagree("len(pending.items)", len(state.pending.items), len(first.pending.items))
+
+
+def lanes_reached(directory: str, saved_count: int, *, count_files: dict[str, Any] | None = None) -> int:
+  """The end of the furthest chunk any lane of a filtered or packed run reached at this step
+  (`_lane_mixture.EXTENT`), from every saved process's header: read only by a restore that changes such a
+  mixture's weights or sources (N small reads, once)."""
+  positions, fingerprint = [], {}
+  for index in range(saved_count):
+    state = data_part(_read(directory, index, saved_count, load_arrays=False, count_files=count_files))
+    positions.append(state.position)
+    fingerprint = state.fingerprint
+  num_lanes, chunk_size = fingerprint.get("num_lanes"), fingerprint.get("chunk_size")
+  if not (state_lib.is_int(num_lanes) and state_lib.is_int(chunk_size)
+          and all(_records.LANES in p for p in positions)):
+    raise errors.InvalidStateError(f"{directory}: its states are no filtered or packed make_dataset's lanes.")
+  return _lane_mixture.extent(positions, num_lanes=num_lanes, chunk_size=chunk_size)
+
+
+def with_lanes_reached(state: state_lib.IteratorState, reached: int) -> state_lib.IteratorState:
+  """`state` whose lanes position carries `reached` to the restore's same-stream rule (`_drift`)."""
+  return _with_data_position(state, {**data_part(state).position, _lane_mixture.EXTENT: reached})
 
 
 def _with_data_position(state: state_lib.IteratorState, position: Mapping[str, Any]) -> state_lib.IteratorState:

@@ -25,6 +25,7 @@ from typing import Any
 import grain
 
 from ckpt_iter import _graph
+from ckpt_iter import _lane_mixture
 from ckpt_iter import _lanes
 from ckpt_iter import _permutation
 from ckpt_iter import _records
@@ -190,27 +191,32 @@ def _lanes_batch(node: _lanes.LaneDataset, fingerprint: Mapping[str, Any], posit
   if not isinstance(lanes, list) or not lanes:
     raise errors.InvalidStateError(f"which(): lane position {state_lib.short_repr(dict(position), 60)} holds no lanes.")
   per_lane = node.rows_per_lane
+  shares = _records.shares_of(fingerprint)
+  mixture = None if shares is None else _lane_mixture.of(shares, position, origin="which(): the state")
   records, parts = [], []
   for offset, (chunk_in_lane, rows_taken) in enumerate(lanes):
     lane = first + offset
-    for chunk, rows in _last_rows(node, lane, int(chunk_in_lane), int(rows_taken), per_lane):
-      kept = _kept_records(node, chunk)
+    for chunk, rows in _last_rows(node, lane, int(chunk_in_lane), int(rows_taken), per_lane, mixture):
+      kept = _kept_records(node, chunk, mixture)
       records.extend(kept)
       shown = f"row {rows[0]}" if rows[1] - rows[0] == 1 else f"rows {rows[0]}-{rows[1] - 1}"
       parts.append(f"lane {lane}: {shown} of chunk {chunk} ({len(kept)} records kept)")
   how = ("filtered/packed make_dataset: " + "; ".join(parts) + ". The records are those of the chunks the "
          "filter kept; which row holds which is the packer's")
-  return _stream_of(node, fingerprint).batch(records, how=how, process_index=node.spec.shard_index)
+  stream = _stream_of(node, fingerprint)
+  if mixture is not None:
+    stream.mixture = mixture  # the shares each record was mixed under (`_lane_mixture.Schedule.source_of`)
+  return stream.batch(records, how=how, process_index=node.spec.shard_index)
 
 
 def _last_rows(node: _lanes.LaneDataset, lane: int, chunk_in_lane: int, rows_taken: int,
-               count: int) -> list[tuple[int, tuple[int, int]]]:
+               count: int, mixture: Any) -> list[tuple[int, tuple[int, int]]]:
   """(chunk, (first row, stop row)) of a lane's last `count` rows before its position, oldest first."""
   parts = []
   while count > 0 and (chunk_in_lane > 0 or rows_taken > 0):
     if rows_taken == 0:
       chunk_in_lane -= 1
-      rows_taken = len(node.chunk_rows(chunk_in_lane * node.lanes.num_lanes + lane))
+      rows_taken = len(node.chunk_rows(chunk_in_lane * node.lanes.num_lanes + lane, mixture))
       continue
     take = min(count, rows_taken)
     parts.append((chunk_in_lane * node.lanes.num_lanes + lane, (rows_taken - take, rows_taken)))
@@ -218,9 +224,9 @@ def _last_rows(node: _lanes.LaneDataset, lane: int, chunk_in_lane: int, rows_tak
   return parts[::-1]
 
 
-def _kept_records(node: _lanes.LaneDataset, chunk: int) -> list[int]:
+def _kept_records(node: _lanes.LaneDataset, chunk: int, mixture: Any) -> list[int]:
   length = None if node.spec.is_mixture else node.spec.source.length
   kept = [g for g in node.chunk_records(chunk) if not (node.skips and node.skips.skipped(g, length))]
   if node.lanes.filter is not None:
-    kept = [g for g in kept if node.lanes.filter(node.record(g))]
+    kept = [g for g in kept if node.lanes.filter(node.record(g, mixture))]
   return kept

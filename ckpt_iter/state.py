@@ -52,6 +52,7 @@ import typing
 from collections.abc import Mapping  # not typing's: its isinstance is ~3x slower
 from typing import Any, Callable, Collection, Iterator, NoReturn, Sequence
 
+from ckpt_iter import _lane_mixture
 from ckpt_iter import _records
 from ckpt_iter import errors
 from ckpt_iter import skips as skips_lib
@@ -1313,6 +1314,7 @@ def input_stream_skips(value: "IteratorState", *, origin: str, step: int | None 
   inner = value.innermost
   if is_stream(inner.fingerprint):
     check_stream_position(inner.fingerprint, inner.position, origin)
+  _lane_mixture.check_position(inner.fingerprint, inner.position, origin=origin)
   return _records.check_stream_fields(inner.fingerprint, inner.position, origin=origin)
 
 

@@ -106,17 +106,32 @@ def test_the_order_of_a_mixtures_keys_is_not_a_change_of_the_data(tmp_path):
   assert _duplicates_and_skips(trained) == (0, 0)
 
 
-@pytest.mark.parametrize("allow_drift", [(), ("weight[b]",), ("weights",), ("weight[a]", "weight[b]", "source")])
-def test_a_filtered_mixture_reweighted_has_no_way_through_and_recommends_none(allow_drift, tmp_path):
-  # Lanes read chunks at different stream records: new weights cannot take effect at one record.
-  # The refusal offered allow_drift={'weight[b]'}; following it trained 6 records of each source
-  # twice and skipped 6.
-  lanes = dict(filter=lambda record: True, chunk_size=4, num_lanes=2)
-  item, _ = _saved(tmp_path, _mixture({"a": 0.5, "b": 0.5}, **lanes))
+_LANES = dict(filter=lambda record: True, chunk_size=4, num_lanes=2)
+
+
+@pytest.mark.parametrize("before, after", [({"a": 1, "b": 1}, {"a": 4, "b": 1}), ({"a": 1, "b": 1}, {"a": 1, "b": 1, "c": 2})])
+def test_a_filtered_mixture_reweighted_or_grown_follows_its_way_through_exactly(before, after, tmp_path):
+  # Lanes read chunks at different stream records: the new weights take effect after the furthest chunk any
+  # lane reached. Refused at first, it once had no way through; stock MaxText continued with "minor skipping".
+  item, read = _saved(tmp_path, _mixture(before, **_LANES))
   with pytest.raises(ckpt_iter.ConfigDriftError) as refusal:
-    _restore(item, _mixture({"a": 0.8, "b": 0.2}, **lanes), allow_drift=allow_drift)
+    _restore(item, _mixture(after, **_LANES))
+  way = _recommended(refusal.value)
+  assert way and "after the furthest chunk any lane reached" in str(refusal.value)
+  resumed = _restore(item, _mixture(after, **_LANES), allow_drift=way)
+  # 12 batches: both lanes end at a chunk's end, so what was read is each source's prefix.
+  trained = read + [x for _ in range(12) for x in support.batch_ids(next(resumed))]
+  assert _duplicates_and_skips(trained) == (0, 0)
+
+
+@pytest.mark.parametrize("allow_drift", [(), ("sources",), ("weights", "sources", "source")])
+def test_a_source_removed_from_a_filtered_mixture_has_no_way_through_and_recommends_none(allow_drift, tmp_path):
+  # Lanes behind still read chunks mixed with the removed source: no allow_drift continues it.
+  item, _ = _saved(tmp_path, _mixture({"a": 1, "b": 1}, **_LANES))
+  with pytest.raises(ckpt_iter.ConfigDriftError) as refusal:
+    _restore(item, _mixture({"a": 1}, **_LANES), allow_drift=allow_drift)
   assert _recommended(refusal.value) is None
-  assert "filtered or packed mixture" in str(refusal.value) and "weights (fractions of the mix) a 0.5 -> 0.8, b 0.5 -> 0.2, there -> here" in str(refusal.value)
+  assert "cannot be removed at a restart" in str(refusal.value) and "chunks mixed with b" in str(refusal.value)
 
 
 def test_a_position_past_the_end_recommends_no_allow_drift(tmp_path):
