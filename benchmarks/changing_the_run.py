@@ -205,7 +205,7 @@ SHRUNK_LANES = 256
 def whole_chunks():
   """Each chunk computed whole when a lane starts it, as 0.2.x did (the same rows, all at once)."""
   as_needed = _lanes.LaneDataset.chunk_row_iter
-  _lanes.LaneDataset.chunk_row_iter = lambda self, chunk: iter(list(as_needed(self, chunk)))
+  _lanes.LaneDataset.chunk_row_iter = lambda self, chunk, mixture=None: iter(list(as_needed(self, chunk, mixture)))
   try:
     yield
   finally:

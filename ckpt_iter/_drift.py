@@ -375,7 +375,11 @@ def _lanes_mixture_change(saved: Mapping[str, Any], current: Mapping[str, Any], 
     return set(), []
   removed = [n for n in saved_shares if n not in current_shares]
   if removed:
-    raise errors.ConfigDriftError({SOURCES: (list(saved_shares), list(current_shares))}, origin=origin, way=(
+    fields = {f"weight[{n}]" for n in set(saved_shares) | set(current_shares)} | {"source"} | {
+        name for name in set(saved) | set(current) if (m := _SOURCE_FIELD.match(name)) and m.group(1) in removed}
+    differences = {f: (saved.get(f, _ABSENT), current.get(f, _ABSENT)) for f in sorted(fields)
+                   if not state_lib.same_field_value(saved.get(f, _ABSENT), current.get(f, _ABSENT))}
+    raise errors.ConfigDriftError(differences, origin=origin, way=(
         f"(The mixture's {_fractions_line(saved_shares, current_shares)}, there -> here.) A source of a filtered "
         f"or packed mixture (make_dataset with filter= or pack=) cannot be removed at a restart: its lanes "
         f"behind still read chunks mixed with {', '.join(removed)}. Keep it in the mixture (new weights and "

@@ -51,10 +51,15 @@ class Schedule:
   def is_initial(self) -> bool:
     return len(self.segments) == 1 and self.last.since_record == 0
 
+  def __post_init__(self):
+    # Asked once a record: the segments' starts kept, and a run never changed goes straight to its mixture.
+    object.__setattr__(self, "_starts", [segment.since_record for segment in self.segments])
+
   def source_of(self, record: int) -> tuple[str, int]:
     """(source name, index in that source's own stream) of stream record `record`."""
-    starts = [segment.since_record for segment in self.segments]
-    return self.segments[bisect.bisect_right(starts, record) - 1].source_of(record)
+    if len(self.segments) == 1:
+      return self.segments[0].source_of(record)
+    return self.segments[bisect.bisect_right(self._starts, record) - 1].source_of(record)
 
   def changed(self, end_record: int, shares: Mapping[str, int], *, origin: str) -> "Schedule":
     """The schedule with `shares` from `end_record` on (or from the last segment's start, if no lane reached

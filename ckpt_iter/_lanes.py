@@ -154,7 +154,7 @@ class LaneDataset(grain.IterDataset):
     host, computes the rows it takes, not every chunk whole)."""
     length = None if self.spec.is_mixture else self.spec.source.length
     kept = [g for g in self.chunk_records(chunk) if not (self.skips and self.skips.skipped(g, length))]
-    records = grain.MapDataset.source(_ChunkRecords(self, kept, mixture))
+    records: grain.MapDataset = _ChunkRecords(self, kept, mixture)
     if self.lanes.filter is not None:
       records = records.filter(self.lanes.filter)
     rows = records.to_iter_dataset(_NO_THREADS)
@@ -164,17 +164,25 @@ class LaneDataset(grain.IterDataset):
     return LaneIterator(self)
 
 
-class _ChunkRecords:
-  """A chunk's kept stream records as a sequence read on demand (Grain's source protocol)."""
+class _ChunkRecords(grain.MapDataset):
+  """A chunk's kept stream records, read on demand. A MapDataset of its own, not a `MapDataset.source`: a
+  record is already read through the make_dataset source's node, and a second source node measured every
+  record again (Grain's per-read metrics: 15% of a packed lane's CPU)."""
 
   def __init__(self, dataset: LaneDataset, stream_records: list[int], mixture: _lane_mixture.Schedule | None):
+    super().__init__()
     self._dataset, self._stream_records, self._mixture = dataset, stream_records, mixture
 
   def __len__(self) -> int:
     return len(self._stream_records)
 
-  def __getitem__(self, index: int) -> Any:
+  def __getitem__(self, index: Any) -> Any:
+    if isinstance(index, slice):
+      return self.slice(index)
     return self._dataset.record(self._stream_records[index], self._mixture)
+
+  def __str__(self) -> str:
+    return f"_ChunkRecords({len(self._stream_records)} records)"
 
 
 class _Lane:
