@@ -96,10 +96,11 @@ test-lowest: $(LOWEST_VENV)/.installed
 # stacks), as make test-maxtext does on a fresh machine.
 MAXTEXT_VENV ?= .venv-maxtext
 PYTHON312 ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
-$(MAXTEXT_VENV)/.installed: pyproject.toml requirements/maxtext.txt
+$(MAXTEXT_VENV)/.installed: pyproject.toml requirements/maxtext.txt requirements/maxtext-sft.txt
 	[ -x $(MAXTEXT_VENV)/bin/python ] || $(PYTHON312) -m venv $(MAXTEXT_VENV)
 	$(MAXTEXT_VENV)/bin/pip install --quiet --upgrade pip
 	$(MAXTEXT_VENV)/bin/pip install --quiet -r requirements/maxtext.txt
+	$(MAXTEXT_VENV)/bin/pip install --quiet --no-deps -r requirements/maxtext-sft.txt
 	$(MAXTEXT_VENV)/bin/pip install --quiet --no-deps maxtext==0.2.5
 	$(MAXTEXT_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@

@@ -109,11 +109,21 @@ def _recording(base: type) -> type:
   return Recording
 
 
+def _maxtext(trainer: str) -> type:
+  """MaxText 0.2.5's SFT trainer (`train_sft.MaxTextPeftTrainer`, a Tunix PeftTrainer with its own train
+  step), as stock, or with its base made ckpt_iter's (docs/maxtext.md's one-line change, here by the MRO)."""
+  from maxtext.trainers.post_train.sft import train_sft  # pylint: disable=g-import-not-at-top
+
+  if trainer == "maxtext_stock":
+    return train_sft.MaxTextPeftTrainer
+  return type("ResumableMaxTextPeftTrainer", (train_sft.MaxTextPeftTrainer, ResumablePeftTrainer), {})
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--root", required=True)
   parser.add_argument("--out", required=True)
-  parser.add_argument("--trainer", choices=("resumable", "stock"), required=True)
+  parser.add_argument("--trainer", choices=("resumable", "stock", "maxtext", "maxtext_stock"), required=True)
   parser.add_argument("--grad-acc", type=int, default=2)
   parser.add_argument("--max-steps", type=int, default=8)
   parser.add_argument("--seed", type=int, default=3)
@@ -124,7 +134,7 @@ def main() -> None:
   args = parser.parse_args()
   _vocabulary_file[0] = args.vocabulary_file
 
-  base = ResumablePeftTrainer if args.trainer == "resumable" else peft_trainer.PeftTrainer
+  base = {"resumable": ResumablePeftTrainer, "stock": peft_trainer.PeftTrainer}.get(args.trainer) or _maxtext(args.trainer)
   trainer_cls = _recording(base)
   config = peft_trainer.TrainingConfig(
       eval_every_n_steps=1000,
