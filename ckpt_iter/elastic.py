@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent import futures
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -46,6 +47,8 @@ from ckpt_iter import _urls
 from ckpt_iter import errors
 from ckpt_iter import state as state_lib
 
+# Headers read at once for `lanes_reached` (each a small read; on a bucket mostly waiting).
+LANES_READ_THREADS = 16
 # Fingerprint fields that differ from one process of a checkpoint to another.
 PER_PROCESS_FIELDS = frozenset({"shard_index"})
 # Fingerprint fields a resume with another process count changes.
@@ -398,17 +401,23 @@ def _check_agree(
 def lanes_reached(directory: str, saved_count: int, *, count_files: dict[str, Any] | None = None) -> int:
   """The end of the furthest chunk any lane of a filtered or packed run reached at this step
   (`_lane_mixture.EXTENT`), from every saved process's header: read only by a restore that changes such a
-  mixture's weights or sources (N small reads, once)."""
-  positions, fingerprint = [], {}
-  for index in range(saved_count):
-    state = data_part(_read(directory, index, saved_count, load_arrays=False, count_files=count_files))
-    positions.append(state.position)
-    fingerprint = state.fingerprint
-  num_lanes, chunk_size = fingerprint.get("num_lanes"), fingerprint.get("chunk_size")
-  if not (state_lib.is_int(num_lanes) and state_lib.is_int(chunk_size)
-          and all(_records.LANES in p for p in positions)):
+  mixture's weights or sources (N small reads, once; process 0's first, for the count file the others
+  refer to, then up to LANES_READ_THREADS at a time)."""
+  count_files = {} if count_files is None else count_files
+  first = data_part(_read(directory, 0, saved_count, load_arrays=False, count_files=count_files))
+  num_lanes, chunk_size = first.fingerprint.get("num_lanes"), first.fingerprint.get("chunk_size")
+  if not (state_lib.is_int(num_lanes) and state_lib.is_int(chunk_size)):
     raise errors.InvalidStateError(f"{directory}: its states are no filtered or packed make_dataset's lanes.")
-  return _lane_mixture.extent(positions, num_lanes=num_lanes, chunk_size=chunk_size)
+
+  def reached(index: int) -> int:
+    state = first if index == 0 else data_part(
+        _read(directory, index, saved_count, load_arrays=False, count_files=count_files))
+    if _records.LANES not in state.position:
+      raise errors.InvalidStateError(f"{directory}: process {index}'s state holds no lanes.")
+    return _lane_mixture.extent([state.position], num_lanes=num_lanes, chunk_size=chunk_size)
+
+  with futures.ThreadPoolExecutor(max_workers=max(1, min(LANES_READ_THREADS, saved_count))) as pool:
+    return max(pool.map(reached, range(saved_count)))
 
 
 def with_lanes_reached(state: state_lib.IteratorState, reached: int) -> state_lib.IteratorState:
