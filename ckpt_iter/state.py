@@ -48,6 +48,7 @@ import gc
 import json
 import math
 import numbers
+import threading
 import typing
 from collections.abc import Mapping  # not typing's: its isinstance is ~3x slower
 from typing import Any, Callable, Collection, Iterator, NoReturn, Sequence
@@ -1033,21 +1034,32 @@ class RestorableIterator:
       self.check_restore(state, allow_drift=allow_drift, origin=origin)()
 
 
+_PAUSE_LOCK = threading.Lock()
+_pauses = [0, False]  # pauses in progress in any thread, and whether the collector was on before the first
+
+
 @contextlib.contextmanager
 def collection_paused() -> Iterator[None]:
-  """The garbage collector off for the duration (back on after, if it was on).
+  """The garbage collector off for the duration (back on after the last pause ends, if it was on).
 
   A restore decodes a state into many small objects that hold no cycle (10^4
   skip ranges: tens of thousands): collections during it only walk them again
-  and again (such a restore ran 4x slower with the collector on).
+  and again (such a restore ran 4x slower with the collector on). Counted
+  across threads: a restore ending in one thread does not turn the collector
+  back on under another's.
   """
-  enabled = gc.isenabled()
-  gc.disable()
+  with _PAUSE_LOCK:
+    if _pauses[0] == 0:
+      _pauses[1] = gc.isenabled()
+      gc.disable()
+    _pauses[0] += 1
   try:
     yield
   finally:
-    if enabled:
-      gc.enable()
+    with _PAUSE_LOCK:
+      _pauses[0] -= 1
+      if _pauses[0] == 0 and _pauses[1]:
+        gc.enable()
 
 
 # ---------------------------------------------------------------------------

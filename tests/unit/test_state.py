@@ -682,3 +682,27 @@ def test_the_plain_entry_fast_path_accepts_only_what_the_walk_accepts(entry):
   finally:
     state_lib._is_plain_entry = original  # pylint: disable=protected-access
   assert fast == walked
+
+
+def test_the_collector_stays_paused_until_the_last_restore_of_any_thread_ends():
+  # A restore ending in another thread turned the collector back on under one still decoding (a collection
+  # was seen inside a restore of 5,000 skip ranges when another test's thread restored at the same time).
+  import gc  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+
+  entered, leave = threading.Event(), threading.Event()
+
+  def other_restore():
+    with state_lib.collection_paused():
+      entered.set()
+      leave.wait(10)
+
+  assert gc.isenabled()
+  other = threading.Thread(target=other_restore)
+  other.start()
+  assert entered.wait(10)
+  with state_lib.collection_paused():
+    leave.set()
+    other.join(10)
+    assert not gc.isenabled()  # the other thread's pause ended; this one has not
+  assert gc.isenabled()
