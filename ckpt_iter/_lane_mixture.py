@@ -7,8 +7,8 @@ effect at the end of the furthest chunk any lane has reached (`extent`, from
 every saved process's lanes): every chunk before it keeps the shares it was
 mixed under, the lanes behind still read them, and from there on each
 source continues from its own count (`_records.Mixture.restarted`). No record
-of any source is read twice or passed over; the new shares apply a little
-later than the restart, by at most one chunk per lane.
+of any source is read twice or passed over; a lane behind reads the chunks
+before that point under the saved shares first.
 
 The position carries the schedule (`MIXTURE`: every segment's start, shares
 and each source's count there) once the shares ever changed; the fingerprint
