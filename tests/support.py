@@ -148,6 +148,22 @@ def chain_pipeline(count: int, index: int, global_batch: int, *, seed: int | Non
   return ckpt_iter.make_dataset(CHAIN_RECORDS if records is None else records, num_epochs=4, **common)
 
 
+def pack_ids_by_size(rows: Any) -> list[dict[str, Any]]:
+  """Greedy packing of records ({"id", "size"}) into rows of at most 4 units; ids padded with -1."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  packed, current, used = [], [], 0
+  for record in rows:
+    if used + int(record["size"]) > 4:
+      packed.append(current)
+      current, used = [], 0
+    current.append(int(record["id"]))
+    used += int(record["size"])
+  if current:
+    packed.append(current)
+  return [{"ids": np.array(ids + [-1] * (4 - len(ids)), dtype=np.int32)} for ids in packed]
+
+
 def batch_ids(batch: Any) -> list[int]:
   import numpy as np  # pylint: disable=g-import-not-at-top
 

@@ -150,15 +150,6 @@ def packed_chain(tmp_path_factory, corpus):
   return {"trained": trained, "resumed": resumed, "ckpt_dir": directory / "ckpt", "directory": directory}
 
 
-def _lanes(batches) -> list[list[list[int]]]:
-  lanes: list[list[list[int]]] = [[] for _ in range(NUM_LANES)]
-  for batch in batches:
-    per_lane = len(batch) // NUM_LANES
-    for lane in range(NUM_LANES):
-      lanes[lane].extend(batch[lane * per_lane:(lane + 1) * per_lane])
-  return lanes
-
-
 def _uninterrupted_lanes(corpus: Path, directory: Path, state, rows_per_lane: int) -> list[list[list[int]]]:
   """Each lane's rows, decoded to records, in a one-process run from the start under the shares `state`
   records: built here from MaxText's config as the workers build it, its rows decoded as theirs."""
@@ -201,7 +192,7 @@ def test_a_packed_mixture_reweighted_and_grown_across_host_counts_trains_each_la
   assert all(times <= -(-per_source[_source_of(r)] // sizes[_source_of(r)]) for r, times in counts.items())
   last_step = 9  # the saved steps 0-9; the last job's last step was trained, not saved
   state = _item.read_item(str(packed_chain["ckpt_dir"] / str(last_step) / "iter"), 0, CHAIN[-1][0]).value
-  lanes = _lanes(trained[:last_step + 1])
+  lanes = maxtext_jobs.lanes(trained[:last_step + 1], NUM_LANES)
   assert lanes == _uninterrupted_lanes(corpus, packed_chain["directory"], state, len(lanes[0]))
   # The changes took effect: c joined, and b's part grew.
   by_source = collections.Counter(_source_of(r) for r in counts)

@@ -74,15 +74,6 @@ def _global_batch(hosts) -> list[bytes]:
   return rows
 
 
-def _lanes(batches: list[list[bytes]]) -> list[list[bytes]]:
-  lanes: list[list[bytes]] = [[] for _ in range(NUM_LANES)]
-  for batch in batches:
-    per_lane = len(batch) // NUM_LANES
-    for lane in range(NUM_LANES):
-      lanes[lane].extend(batch[lane * per_lane:(lane + 1) * per_lane])
-  return lanes
-
-
 _REFERENCE: list[list[bytes]] = []
 
 
@@ -92,6 +83,28 @@ def _reference(batches: int) -> list[list[bytes]]:
     hosts = _hosts(NUM_LANES, 1)
     _REFERENCE[:] = [_global_batch(hosts) for _ in range(batches)]
   return _REFERENCE[:batches]
+
+
+def _trained(root: str, segments) -> tuple[list[list[bytes]], object]:
+  """The global batches a chain of segments (hosts, batches saved, batches lost) trained, each segment's hosts
+  restoring the last step saved as MaxText's `load_state_if_possible` reaches it, and that step's process 0 state."""
+  trained, step = [], 0
+  for number, (hosts, saved, lost) in enumerate(segments):
+    count = len(hosts)
+    if number:
+      for index, host in enumerate(hosts):
+        restored = _item.read_item(f"{root}/{step}/data", index, count, elastic=True)
+        _item.check_restore_saved(host, restored, allow_drift=maxtext.MIXTURE_CHANGES)()
+    for _ in range(saved):
+      trained.append(_global_batch(hosts))
+      step += 1
+      os.makedirs(f"{root}/{step}/data")
+      for index, host in enumerate(hosts):
+        header, arrays = _item.snapshot(host, step)
+        _item.write(f"{root}/{step}/data", header, arrays, index, count)
+    for _ in range(lost):
+      _global_batch(hosts)  # read, never saved: the next segment reads these rows again
+  return trained, _item.read_item(f"{root}/{step}/data", 0, len(segments[-1][0])).value
 
 
 @st.composite
@@ -105,24 +118,10 @@ def _chains(draw):
 @hypothesis.given(_chains())
 def test_any_chain_of_host_counts_and_global_batches_trains_every_lanes_rows_once(chain):
   with tempfile.TemporaryDirectory() as root:
-    trained, step = [], 0
-    for number, (count, global_batch, saved, lost) in enumerate(chain):
-      hosts = _hosts(global_batch, count)
-      if number:
-        for index, host in enumerate(hosts):
-          restored = _item.read_item(f"{root}/{step}/data", index, count, elastic=True)
-          _item.check_restore_saved(host, restored, allow_drift=maxtext.MIXTURE_CHANGES)()
-      for _ in range(saved):
-        trained.append(_global_batch(hosts))
-        step += 1
-        os.makedirs(f"{root}/{step}/data")
-        for index, host in enumerate(hosts):
-          header, arrays = _item.snapshot(host, step)
-          _item.write(f"{root}/{step}/data", header, arrays, index, count)
-      for _ in range(lost):
-        _global_batch(hosts)  # read, never saved: the next segment reads these rows again
-    lanes = _lanes(trained)
-    reference = _lanes(_reference(len(lanes[0])))
+    trained, _ = _trained(root, [(_hosts(global_batch, count), saved, lost)
+                                 for count, global_batch, saved, lost in chain])
+    lanes = maxtext_jobs.lanes(trained, NUM_LANES)
+    reference = maxtext_jobs.lanes(_reference(len(lanes[0])), NUM_LANES)
     assert [len(lane) for lane in lanes] == [len(lane) for lane in reference]
     assert lanes == reference
 
@@ -183,29 +182,15 @@ def test_a_packed_mixture_reweighted_or_grown_between_host_counts_trains_every_l
   from ckpt_iter import _lane_mixture, _records  # pylint: disable=g-import-not-at-top
 
   with tempfile.TemporaryDirectory() as root:
-    trained, step = [], 0
-    for number, (count, global_batch, saved, lost, weights) in enumerate(chain):
-      hosts = [iterator_lib.DataIterator(_mix_dataset(global_batch, weights, i, count)) for i in range(count)]
-      if number:
-        for index, host in enumerate(hosts):
-          restored = _item.read_item(f"{root}/{step}/data", index, count, elastic=True)
-          _item.check_restore_saved(host, restored, allow_drift=maxtext.MIXTURE_CHANGES)()
-      for _ in range(saved):
-        trained.append(_global_batch(hosts))
-        step += 1
-        os.makedirs(f"{root}/{step}/data")
-        for index, host in enumerate(hosts):
-          header, arrays = _item.snapshot(host, step)
-          _item.write(f"{root}/{step}/data", header, arrays, index, count)
-      for _ in range(lost):
-        _global_batch(hosts)
-    last = _item.read_item(f"{root}/{step}/data", 0, chain[-1][0]).value
-  lanes = _lanes(trained)
+    trained, last = _trained(root, [
+        ([iterator_lib.DataIterator(_mix_dataset(global_batch, weights, i, count)) for i in range(count)], saved, lost)
+        for count, global_batch, saved, lost, weights in chain])
+  lanes = maxtext_jobs.lanes(trained, NUM_LANES)
   # The uninterrupted run: one host, every lane from its start, under the last state's shares.
   schedule = _lane_mixture.of(_records.shares_of(last.fingerprint), last.position, origin="the last state")
   uninterrupted = iter(_mix_dataset(NUM_LANES, chain[-1][4]))
   start = {_records.FIRST_LANE: 0, _records.LANES: [[0, 0]] * NUM_LANES}
   uninterrupted.set_state({**start, _lane_mixture.MIXTURE: schedule.to_json()} if not schedule.is_initial else start)
-  reference = _lanes([_global_batch([uninterrupted]) for _ in range(len(lanes[0]))])
+  reference = maxtext_jobs.lanes([_global_batch([uninterrupted]) for _ in range(len(lanes[0]))], NUM_LANES)
   assert lanes == reference
   assert len(schedule.segments) <= len(chain)

@@ -46,16 +46,6 @@ def _settings(corpus: Path, **changes) -> dict:
   return dict(dict(files=str(corpus / "*.parquet"), num_lanes=NUM_LANES, chunk_size=8, steps=STEPS), **changes)
 
 
-def _lanes(batches: list[list[list[int]]]) -> list[list[list[int]]]:
-  """Each lane's rows in order: a global batch of G rows takes G / NUM_LANES from every lane, in lane order."""
-  lanes: list[list[list[int]]] = [[] for _ in range(NUM_LANES)]
-  for batch in batches:
-    per_lane = len(batch) // NUM_LANES
-    for lane in range(NUM_LANES):
-      lanes[lane].extend(batch[lane * per_lane:(lane + 1) * per_lane])
-  return lanes
-
-
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, corpus):
   """The chained jobs' trained batches (killed steps left out) and an uninterrupted run's."""
@@ -81,7 +71,7 @@ def test_every_job_resumes_from_the_step_its_predecessor_saved_last(chain):
 
 
 def test_each_lane_trains_the_uninterrupted_runs_rows_in_order(chain):
-  trained, reference = _lanes(chain["trained"]), _lanes(chain["reference"])
+  trained, reference = maxtext_jobs.lanes(chain["trained"], NUM_LANES), maxtext_jobs.lanes(chain["reference"], NUM_LANES)
   assert [len(lane) for lane in trained] == [len(lane) for lane in reference]
   assert trained == reference
 

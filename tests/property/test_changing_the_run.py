@@ -36,6 +36,8 @@ import ckpt_iter
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import dataset as dataset_lib
 
+import support
+
 BASE_BATCH = 16  # G; a segment uses G/2, G or 2G
 LANES = 8
 SEED = 3
@@ -49,18 +51,7 @@ def keep(record):
   return record["id"] % 3 != 0
 
 
-def pack_by_size(rows):
-  """Greedy packing of records into rows of at most 4 units, one row per 4 units; ids padded with -1."""
-  packed, current, used = [], [], 0
-  for record in rows:
-    if used + int(record["size"]) > 4:
-      packed.append(current)
-      current, used = [], 0
-    current.append(int(record["id"]))
-    used += int(record["size"])
-  if current:
-    packed.append(current)
-  return [{"ids": np.array(ids + [-1] * (4 - len(ids)), dtype=np.int32)} for ids in packed]
+pack_by_size = support.pack_ids_by_size
 
 
 def grain_pack(dataset):

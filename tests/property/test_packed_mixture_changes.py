@@ -31,23 +31,14 @@ from ckpt_iter import _lane_mixture
 from ckpt_iter import _records
 from ckpt_iter import checkpoint as checkpoint_lib
 
+import support
+
 LANES, CHUNK, SEED = 8, 6, 3
 _SOURCES = {name: [{"id": base + i, "size": 1 + (i * 7) % 3} for i in range(1500)]
             for name, base in (("a", 10_000), ("b", 20_000), ("c", 30_000))}
 
 
-def pack_by_size(rows):
-  """Greedy packing of records into rows of at most 4 units; ids padded with -1."""
-  packed, current, used = [], [], 0
-  for record in rows:
-    if used + int(record["size"]) > 4:
-      packed.append(current)
-      current, used = [], 0
-    current.append(int(record["id"]))
-    used += int(record["size"])
-  if current:
-    packed.append(current)
-  return [{"ids": np.array(ids + [-1] * (4 - len(ids)), dtype=np.int32)} for ids in packed]
+pack_by_size = support.pack_ids_by_size
 
 
 def _pipeline(weights, index, count, global_batch):

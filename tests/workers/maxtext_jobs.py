@@ -96,6 +96,16 @@ def trained(directory: Path, name: str, processes: int, *, killed: bool) -> list
   return [by_step[s] for s in kept]
 
 
+def lanes(batches: list[list], num_lanes: int) -> list[list]:
+  """Each lane's rows in order: a global batch of G rows takes G / num_lanes from every lane, in lane order."""
+  by_lane: list[list] = [[] for _ in range(num_lanes)]
+  for batch in batches:
+    per_lane = len(batch) // num_lanes
+    for lane in range(num_lanes):
+      by_lane[lane].extend(batch[lane * per_lane:(lane + 1) * per_lane])
+  return by_lane
+
+
 def row_bytes(directory: Path, name: str) -> list[str]:
   """A one-process job's rows (with `dump_rows`), each as the SHA-256 of all its fields' bytes."""
   path = directory / f"{name}_rows_0.jsonl"
