@@ -398,7 +398,8 @@ def _lanes_mixture_change(saved: Mapping[str, Any], current: Mapping[str, Any], 
         f"(The mixture's {'; '.join(lines)}.) New weights or sources of a filtered or packed mixture take effect "
         "after the furthest chunk any lane reached, which this process's lanes alone do not tell: restore it "
         "from its checkpoint directory (Orbax with ckpt_iter's item, IteratorRestore, or MaxText's "
-        "load_state_if_possible), which reads every saved process's lanes."))
+        "load_state_if_possible), which reads every saved process's lanes; where that is not how it is "
+        "restored (a Tunix learner's input), rebuild the pipeline with the saved weights and sources."))
     error.lanes_reached_needed = True
     raise error
   schedule = _lane_mixture.of(saved_shares, position, origin=origin).changed(reached, current_shares, origin=origin)

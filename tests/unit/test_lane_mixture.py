@@ -124,9 +124,10 @@ def test_one_process_of_several_restored_without_its_checkpoint_is_told_where_th
       next(iterator)
   _save(os.path.join(tmp_path, "1"), iterators)
   state = _item.read_item(os.path.join(tmp_path, "1"), 0, 2).value
-  with pytest.raises(ckpt_iter.ConfigDriftError, match="restore it from its checkpoint directory"):
+  with pytest.raises(ckpt_iter.ConfigDriftError, match="restore it from its checkpoint directory") as refusal:
     _item.check_restore_into(ckpt_iter.DataIterator(_pipeline({"a": 2, "b": 1}, 0, 2)), state,
                              allow_drift={"weights"}, origin="the state")
+  assert "rebuild the pipeline with the saved weights and sources" in str(refusal.value)  # a way a learner can take
   # Through the checkpoint (every process's lanes read): each process resumes.
   resumed = [_restored(os.path.join(tmp_path, "1"), {"a": 2, "b": 1}, i, 2) for i in range(2)]
   assert all(_records.LANES in r.get_state()["position"] for r in resumed)
