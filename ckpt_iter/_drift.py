@@ -29,8 +29,9 @@ A fingerprint names how a pipeline is built, not what it yields: a changed
 vocabulary file or record, or a library upgrade that changes a map function's
 output, keeps it. So a state also records a digest of the element produced
 last (the content record: `content_digest`, per leaf, taken from the element
-already in memory), and a restore of a random-access pipeline produces that
-element again (one element, O(1)) and compares (`iterator.DataIterator.check_restore`);
+already in memory; of a batch of `make_dataset` itself, its last row: `row_record`),
+and a restore of a random-access pipeline produces that element (or row) again
+(one element, O(1)) and compares (`iterator.DataIterator.check_restore`);
 a mismatch names the first field that differs (`first_difference`). The
 content record is the one answer to "is this the same element or batch"
 (`content_difference`): for that content check, for a replayed plain iterable's
@@ -876,6 +877,81 @@ def _object_array_crc(array: np.ndarray, header: bytes) -> int:
       raise Undigestible(f"an object array holding a {type(item).__qualname__}")
     crc = zlib.crc32(struct.pack("<I", _leaf_crc(item)), crc)
   return crc
+
+
+# A make_dataset batch's record may hold its last row only: a restore then produces that one record again, where
+# the whole batch would cost a batch of reads (and, shuffled, one Grain `index_shuffle` each: 13-50 us apiece for
+# a source under 2**16 records). Each field's value is "<crc>:<dtype>": a batch widens its strings to the longest
+# row and promotes mixed numbers (an int row beside a float one is float), which the record alone does not, so a
+# string is digested by its characters and a number cast to the batch's dtype before its CRC.
+BY_ROW = "row"
+_ROW_NUMBER_DTYPE = re.compile(r"[<>|=][biufc](1|2|4|8|16)")
+
+
+def row_record(batch: Any) -> dict[str, Any] | None:
+  """The content record of `batch`'s last row (`BY_ROW`), or None where a row cannot stand for it.
+
+  None (the caller records the whole batch) unless every leaf is a numpy
+  array with a batch dimension, of numbers, bools or strings, at most 64 of them.
+  """
+  return _row_record(batch, None)
+
+
+def row_difference(saved: Mapping[str, Any], row: Any) -> tuple[tuple[str, str, str] | None, str | None]:
+  """`content_difference` for a `BY_ROW` record: `row` is the saved batch's last row produced again from its
+  record alone, as a batch of one (`GlobalBatchDataset.last_row`)."""
+  fields = saved.get("fields", {})
+  dtypes = {name: value.partition(":")[2] for name, value in fields.items()}
+  current = _row_record(row, dtypes)
+  if current is None:
+    return None, "not applicable (the row produced again is no batch of arrays)"
+  return first_difference(saved, current), None
+
+
+def _row_record(batch: Any, dtypes: Mapping[str, str] | None) -> dict[str, Any] | None:
+  """`row_record`; with `dtypes` (the saved record's), each number leaf cast to its saved dtype where numpy
+  casts it safely, so a row stacked alone compares with the same row stacked in its batch."""
+  named: list[tuple[str, Any]] = []
+  if not _row_leaves(batch, "", 0, named) or not named or len(named) > state_lib.MAX_CONTENT_FIELDS:
+    return None
+  fields = {}
+  for name, leaf in named:
+    if not leaf.ndim or not len(leaf) or leaf.dtype.kind not in "biufcUS":
+      return None
+    row = leaf[-1:]
+    if row.dtype.kind in "US":
+      # Its characters, whatever width the batch gave it.
+      items = row.ravel().tolist()
+      header = struct.pack(f"<c{row.ndim}q", row.dtype.kind.encode(), *row.shape)
+      crc = zlib.crc32(b"".join(struct.pack("<I", len(item)) + (item if type(item) is bytes else
+                                                                 item.encode("utf-8", "surrogatepass"))
+                                for item in items), zlib.crc32(header))
+      fields[name] = f"{crc:08x}:{row.dtype.kind}"
+      continue
+    wanted = None if dtypes is None else dtypes.get(name)
+    if wanted and wanted != row.dtype.str and _ROW_NUMBER_DTYPE.fullmatch(wanted) and np.can_cast(
+        row.dtype, np.dtype(wanted), "safe"):
+      row = row.astype(wanted)
+    fields[name] = f"{_leaf_crc(row):08x}:{row.dtype.str}"
+  joined = "\0".join(f"{name}\0{value}" for name, value in fields.items()).encode("utf-8", "surrogatepass")
+  return {"check": BY_ROW, "digest": f"{zlib.crc32(joined):08x}{zlib.adler32(joined):08x}", "fields": fields}
+
+
+def _row_leaves(node: Any, path: str, depth: int, named: list[tuple[str, Any]]) -> bool:
+  """Appends (name, array) for each leaf of a stacked batch (dicts in key order, lists and tuples), named as
+  `content_digest` names them; False at anything else (a batch a row cannot stand for) or past 64 leaves."""
+  kind = type(node)
+  if kind is np.ndarray:
+    named.append((path or WHOLE_ELEMENT, node))
+    return len(named) <= state_lib.MAX_CONTENT_FIELDS
+  if depth >= _CONTENT_MAX_DEPTH:
+    return False
+  if kind is dict:
+    return all(_row_leaves(node[key], f"{path}.{key}" if path else str(key), depth + 1, named)
+               for key in _sorted_keys(node))
+  if kind is list or kind is tuple:
+    return all(_row_leaves(child, f"{path}[{index}]", depth + 1, named) for index, child in enumerate(node))
+  return False
 
 
 def first_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[str, str, str] | None:

@@ -273,6 +273,12 @@ class GlobalBatchDataset(grain.MapDataset):
       return _stacking.stack_records([parent[g] for g in rows], batch_index=index)
     return _stacking.stack_records([self.record(g) for g in rows], batch_index=index)
 
+  def last_row(self, index: int) -> Any:
+    """Batch `index`'s last row, produced from its record alone, as a batch of one: what a content record of
+    that batch's last row (`_drift.row_record`) is checked against, one record read where the batch is many."""
+    rows = self.cursor.plan.rows(index, self.spec.shard_index * self.spec.batch_size, self.spec.batch_size)
+    return _stacking.stack_records([self.record(rows[-1])], batch_index=index)
+
   @property
   def _epoch_length(self) -> int | None:
     return None if self.spec.is_mixture else self.spec.source.length

@@ -109,6 +109,8 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self._spec = nodes.spec
     # make_dataset's node when the position can count its stream records.
     self._records = nodes.record_node
+    # The same node when it is the pipeline itself: a state then records its last batch by the batch's last row.
+    self._rows = self._records if self._records is dataset else None
     # make_dataset's node anywhere on the chain: it owns the run's skips (`skips_lib.Skips`).
     self._spec_node = nodes.spec_node
     self._fingerprint = nodes.fingerprint
@@ -234,6 +236,10 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
       return {"check": _drift.ITER_DATASET}
     if not self._check_content:
       return {"check": _CONTENT_OFF}
+    if self._rows is not None and element is not None:
+      record = _drift.row_record(element)
+      if record is not None:
+        return record
     return _drift.content_digest(element)
 
   def check_restore(
@@ -382,11 +388,16 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     def apply() -> None:
       self._apply_skips(restore.skips)
       node.restart_at(restore)
-      # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
-      self._length = len(self._dataset)
-      fresh = self._new_inner()
-      fresh.set_state({"next_index": restore.next_index})
-      self._replace_inner(fresh)
+      # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's
+      # (the same length: the one there is moved, as Grain's set_state moves any).
+      length = len(self._dataset)
+      if length == self._length:
+        self._inner.set_state({"next_index": restore.next_index})
+      else:
+        self._length = length
+        fresh = self._new_inner()
+        fresh.set_state({"next_index": restore.next_index})
+        self._replace_inner(fresh)
       self._adopt(state, content_carried=not changed)
       self.restored_content_check = content_check
       resume.log()
@@ -440,28 +451,42 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
 
     Only for a pipeline defined exactly as the saved one, at the saved
     position: then that element must be the one the checkpoint saw. Costs
-    one element's production. Elements a filter dropped (None) are skipped,
-    at most `_CONTENT_LOOKBACK` of them.
+    one element's production, or one record's where the state recorded the
+    batch's last row (`_drift.BY_ROW`). Elements a filter dropped (None) are
+    skipped, at most `_CONTENT_LOOKBACK` of them.
 
     Returns:
       What was checked, for the restore's log line.
     """
-    if saved.get("check") != _drift.BY_INDEX:
-      # The saving pipeline could not record it, or had the check off.
-      return f"not recorded ({saved.get('check')})"
+    compared = self._compared(saved)
+    if isinstance(compared, str):
+      return compared
+    produce, difference_of = compared
     for index in range(next_index - 1, max(-1, next_index - 1 - _CONTENT_LOOKBACK), -1):
-      element = self._dataset[index]
+      element = produce(index)
       if element is not None:
         break
     else:
       return "not applicable (no element before the position)"
-    difference, unchecked = _drift.content_difference(saved, element)
+    difference, unchecked = difference_of(saved, element)
     if unchecked is not None:
       return unchecked
     if difference is not None:
       raise errors.ContentDriftError(*difference, index=index, origin=origin,
                                      recorded_at=self._element_recorded_near(saved, index))
-    return f"same element at index {index}"
+    return f"same element at index {index}" + (" (its last row)" if saved.get("check") == _drift.BY_ROW else "")
+
+  def _compared(self, saved: Any) -> tuple[Callable[[int], Any], Callable[..., Any]] | str:
+    """How the saved content record is checked: (what produces element i again, what compares it), or why not."""
+    check = saved.get("check")
+    if check == _drift.BY_ROW:
+      if self._rows is None:
+        return "not applicable (a batch's last row was recorded; this pipeline is more than make_dataset's)"
+      return self._rows.last_row, _drift.row_difference
+    if check != _drift.BY_INDEX:
+      # The saving pipeline could not record it, or had the check off.
+      return f"not recorded ({check})"
+    return self._dataset.__getitem__, _drift.content_difference
 
   def _element_recorded_near(self, saved: Any, index: int) -> int | None:
     """The element within `_POSITION_SEARCH` of `index` that the content record `saved` describes, or None.
@@ -469,12 +494,13 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     Only when the content check failed: an element near the position that
     is the recorded one says the position moved, not the data.
     """
+    produce, difference_of = self._compared(saved)
     length = len(self._dataset)
     for distance in range(1, _POSITION_SEARCH + 1):
       for candidate in (index - distance, index + distance):
         if 0 <= candidate < length:
-          element = self._dataset[candidate]
-          if element is not None and _drift.content_difference(saved, element) == (None, None):
+          element = produce(candidate)
+          if element is not None and difference_of(saved, element) == (None, None):
             return candidate
     return None
 

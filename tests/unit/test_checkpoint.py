@@ -168,7 +168,7 @@ def test_every_restore_logs_one_info_line_saying_what_it_restored(tmp_path, capl
   with ocp.CheckpointManager(str(tmp_path)) as manager:
     manager.save(7, args=ocp.args.Composite(data=ckpt_iter.IteratorSave(saving)))
     manager.wait_until_finished()
-    for check_content, result in ((True, "same element at index 2"), (False, "off (check_content=False)")):
+    for check_content, result in ((True, "same element at index 2 (its last row)"), (False, "off (check_content=False)")):
       caplog.clear()
       with caplog.at_level("INFO", logger="ckpt_iter"):
         manager.restore(7, args=ocp.args.Composite(data=ckpt_iter.IteratorRestore(pipeline(check_content))))

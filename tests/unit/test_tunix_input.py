@@ -243,14 +243,14 @@ def test_a_learner_records_the_full_batch_before_a_position_it_saves_after_readi
     micro.next_micro_batch()
   position = _input.settled(trained)
   assert position[_input.INPUT].position == {"next_record": 2} and position["micro_batches_taken"] == 1
-  assert position[_input.INPUT].content["check"] == "index"
+  assert position[_input.INPUT].content["check"] == "row"  # make_dataset's batch: its last row
   saved_input, working = _saved_learner_state(micro, position)
   assert saved_input.content == position[_input.INPUT].content
   assert _input.INPUT not in working and working["micro_batches_taken"] == 1
 
   resumed = _vocabulary_input(str(vocabulary))
   _restore(resumed, {_input.INPUT: saved_input, **working}, origin="t")
-  assert resumed.source._iterator.restored_content_check == "same element at index 0"  # pylint: disable=protected-access
+  assert resumed.source._iterator.restored_content_check == "same element at index 0 (its last row)"  # pylint: disable=protected-access
   expected = _vocabulary_input(str(vocabulary))
   for _ in range(3):
     expected.next_micro_batch()
@@ -325,7 +325,7 @@ def test_an_sft_trainers_input_records_the_example_it_trained_last(tmp_path):
     next(source)
   saved = _input.settled_state(source.state())
   assert saved == source._iterator.state_part()  # pylint: disable=protected-access  (nothing read ahead)
-  assert saved.position == {"next_record": 6} and saved.content["check"] == "index"
+  assert saved.position == {"next_record": 6} and saved.content["check"] == "row"
   value = state_lib.IteratorState(kind="tunix", fingerprint={"trainer": "PeftTrainer"}, position={"input": saved})
   saved_input, own = _input.input_part(value, "t", learner_fields=False)
   assert own == {} and saved_input is saved

@@ -34,7 +34,7 @@ def test_the_position_is_the_next_example_the_train_step_has_not_taken():
   assert set(position) == {_input.INPUT}
   assert position[_input.INPUT] == feed.source._iterator.state_part()  # pylint: disable=protected-access
   assert position[_input.INPUT].position == {"next_record": 2}
-  assert position[_input.INPUT].content["check"] == "index"
+  assert position[_input.INPUT].content["check"] == "row"  # make_dataset's batch: its last row
 
 
 def test_an_input_read_elsewhere_is_refused_rather_than_saved_at_the_wrong_place():
