@@ -746,8 +746,8 @@ the check on and with `check_content=False` (the difference is producing the las
 element before the position again, one record, and digesting it; until 2026-12-07 the whole batch
 of 32 was produced again, 1.12-1.27 batches' production), alone and with the first batch after
 it: a fresh pipeline's first batch is cold (e.g. the shuffle's first use), which the check pays
-inside the restore and a restore without it pays at the first `next()`. Medians; ratios within the run. The save ratio moves
-with the machine: over five runs of the final code on 2026-12-01 `jsonl_tok128` gave 1.6–2.1%
+inside the restore and a restore without it pays at the first `next()`. Medians; ratios within
+the run. The save ratio moves with the machine: over five runs of the final code on 2026-12-01 `jsonl_tok128` gave 1.6–2.1%
 (the 2% target met in some runs and missed in others), `jsonl_tok2048` 1.25–1.31% and
 `memory_ids` 1.8–3.7%. With blake2b per leaf it was 2.5–3.5% on the tokenizing pipelines,
 hence the CRC. The row's record costs what the whole batch's did at a save (on 2026-12-07, paired
