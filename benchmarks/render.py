@@ -736,23 +736,23 @@ def _content_check(rows: list[dict]) -> str:
         f"{r['resume_on_ms']} / {r['resume_off_ms']}", r["resume_ratio"]] for r in measurements])
   return f"""## {TITLES['content_check']}
 
-`benchmarks/content_check.py`. make_dataset pipelines of 32-row batches: two over a JSONL file
-with a transform that maps words through a vocabulary and pads (128 and 2048 tokens a row), and
-an in-memory one whose transform only builds an id array (the cheapest batch, so the largest
-ratio). {measurements[0]['repetitions']} interleaved repetitions of: one `next()`, the digest a
-save computes of that batch (`DataIterator.content()`: a CRC-32 per leaf of the batch's last row,
+`benchmarks/content_check.py`. make_dataset pipelines of 32-row batches: two over a JSONL file with
+a transform that maps words through a vocabulary and pads (128 and 2048 tokens a row), and an
+in-memory one whose transform only builds an id array (the cheapest batch, so the largest ratio).
+{measurements[0]['repetitions']} interleaved repetitions of: one `next()`, the digest a save
+computes of that batch (`DataIterator.content()`: a CRC-32 per leaf of the batch's last row,
 measured cold, right after the batch, as a save sees it), and a restore at the same position with
-the check on and with `check_content=False` (the difference is producing the last row of the
-element before the position again, one record, and digesting it; until 2026-12-07 the whole batch
-of 32 was produced again, 1.12-1.27 batches' production), alone and with the first batch after
-it: a fresh pipeline's first batch is cold (e.g. the shuffle's first use), which the check pays
-inside the restore and a restore without it pays at the first `next()`. Medians; ratios within
-the run. The save ratio moves with the machine: over five runs of the final code on 2026-12-01 `jsonl_tok128` gave 1.6–2.1%
-(the 2% target met in some runs and missed in others), `jsonl_tok2048` 1.25–1.31% and
-`memory_ids` 1.8–3.7%. With blake2b per leaf it was 2.5–3.5% on the tokenizing pipelines,
-hence the CRC. The row's record costs what the whole batch's did at a save (on 2026-12-07, paired
-in one process on the same loaded machine: 0.088-0.089 ms against 0.072-0.093 ms for `jsonl_tok128`,
-both above 2% of a batch there).
+the check on and with `check_content=False` (the difference is producing the last row of the element
+before the position again, one record, and digesting it; until 2026-12-07 the whole batch of 32 was
+produced again, 1.12-1.27 batches' production), alone and with the first batch after it: a fresh
+pipeline's first batch is cold (e.g. the shuffle's first use), which the check pays inside the
+restore and a restore without it pays at the first `next()`. Medians; ratios within the run. The
+save ratio moves with the machine: over five runs of the final code on 2026-12-01 `jsonl_tok128`
+gave 1.6–2.1% (the 2% target met in some runs and missed in others), `jsonl_tok2048` 1.25–1.31% and
+`memory_ids` 1.8–3.7%. With blake2b per leaf it was 2.5–3.5% on the tokenizing pipelines, hence the
+CRC. The row's record costs what the whole batch's did at a save (on 2026-12-07, paired in one
+process on the same loaded machine: 0.088-0.089 ms against 0.072-0.093 ms for `jsonl_tok128`, both
+above 2% of a batch there).
 
 {table}
 {_checks(summary)}
