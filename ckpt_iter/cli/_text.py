@@ -110,8 +110,8 @@ def _state_rows(summary: Mapping[str, Any], shared: Mapping[str, Any]) -> list[t
       rows.append(("pending types", ", ".join(summary["pending"]["item_types"])))
   rows.extend((f"counter {k}", str(v)) for k, v in summary["counters"].items())
   if summary["content"] is not None:
-    rows.append(("content check", "by index (checked on restore)" if summary["content"] == "index"
-                 else summary["content"]))
+    shown = {"index": "by index (checked on restore)", "row": "the batch's last row (checked on restore)"}
+    rows.append(("content check", shown.get(summary["content"], summary["content"])))
   resumes = summary["resumes"]
   run = summary["run_first_saved_at"]
   rows.append(("resumes", ("none" if not resumes else
