@@ -388,16 +388,11 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     def apply() -> None:
       self._apply_skips(restore.skips)
       node.restart_at(restore)
-      # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's
-      # (the same length: the one there is moved, as Grain's set_state moves any).
-      length = len(self._dataset)
-      if length == self._length:
-        self._inner.set_state({"next_index": restore.next_index})
-      else:
-        self._length = length
-        fresh = self._new_inner()
-        fresh.set_state({"next_index": restore.next_index})
-        self._replace_inner(fresh)
+      # Grain's MapDataset iterator keeps the length it started with: a new one sees the plan's.
+      self._length = len(self._dataset)
+      fresh = self._new_inner()
+      fresh.set_state({"next_index": restore.next_index})
+      self._replace_inner(fresh)
       self._adopt(state, content_carried=not changed)
       self.restored_content_check = content_check
       resume.log()
