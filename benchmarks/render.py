@@ -534,9 +534,10 @@ none to save), same process count, process N/2 of N: Grain's handler is synchron
 save blocks for the whole write; ckpt_iter's blocks for the snapshot and hands the write to
 a thread (with an fsync there). The restore columns compare like for like, without
 ckpt_iter's content check (`check_content=False`: Grain's handler checks none); the
-*with the content check* column is the default restore, which also produces the batch before
-the saved position (section 11). On this tiny shuffled dataset (16 records at N = 1) Grain's
-`index_shuffle` takes about 2.5 ms per index, so that one batch costs about 20 ms there, as
+*with the content check* column is the default restore, which, when this table was measured (before
+2026-12-07), also produced the whole batch before the saved position (section 11; it now produces that
+batch's last row, one record). On this tiny shuffled dataset (16 records at N = 1) Grain's
+`index_shuffle` takes about 2.5 ms per index, so that one batch cost about 20 ms there, as
 every batch of the training loop does; it falls to 0.6 ms at N = 64.
 
 {grain}
