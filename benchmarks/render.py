@@ -751,9 +751,10 @@ restore and a restore without it pays at the first `next()`. Medians; ratios wit
 save ratio moves with the machine: over five runs of the final code on 2026-12-01 `jsonl_tok128`
 gave 1.6–2.1% (the 2% target met in some runs and missed in others), `jsonl_tok2048` 1.25–1.31% and
 `memory_ids` 1.8–3.7%. With blake2b per leaf it was 2.5–3.5% on the tokenizing pipelines, hence the
-CRC. The row's record costs what the whole batch's did at a save (on 2026-12-07, paired in one
-process on the same loaded machine: 0.088-0.089 ms against 0.072-0.093 ms for `jsonl_tok128`, both
-above 2% of a batch there).
+CRC. The row's record costs what the whole batch's did at a save (paired on 2026-12-07, each form
+twice in one process: loaded, 0.088-0.089 ms against 0.072-0.093 ms for `jsonl_tok128`; quiet,
+0.044-0.065 ms, 2.2-2.9% of a batch, against 0.041-0.054 ms, 2.1-2.7%): the 2% target is missed by
+both forms on this machine now.
 
 {table}
 {_checks(summary)}
