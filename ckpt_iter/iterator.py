@@ -217,7 +217,7 @@ class DataIterator(item_lib.V1Checkpointable, state_lib.RestorableIterator, grai
     self.set_state(state)
 
   def content(self) -> dict[str, Any] | None:
-    """The content record a state taken now holds (`_drift.content_digest` of the last element)."""
+    """The content record a state taken now holds (`content_of` the last element)."""
     if not self._records_last:
       return self.content_of(None)
     if self._last is _NOTHING:

@@ -140,8 +140,9 @@ class IteratorState:
     counters: named integer counters (e.g. learner steps), for inspection and
       for integrations that must restore them.
     format_version: the format this value follows.
-    content: a digest of the element produced last (`_drift.content_digest`), which
-      a restore produces again and compares; or why it cannot; or None.
+    content: a digest of the element produced last (`_drift.content_digest`; of a
+      make_dataset batch, its last row: `_drift.row_record`), which a restore
+      produces again and compares; or why it cannot; or None.
     lineage: the resumes of the run that wrote it (`_item.extended`), or None.
 
   `content` and `lineage` describe how the state came about, not where the
