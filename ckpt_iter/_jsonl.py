@@ -33,6 +33,13 @@ from ckpt_iter import errors
 
 INDEX_CACHE_ENV = "CKPT_ITER_INDEX_CACHE_DIR"
 _INDEX_CHUNK_BYTES = 16 * 2**20
+# A copy this small is read whole when opened (checked), indexed from those bytes and kept in memory, its
+# descriptor closed: one read, where the index kept beside it costs three (its seal, its index, its count) and
+# each record a read of its own, and no descriptor held, so a global shuffle over many small files does not
+# open them again and again past `max_open_files`. A source keeps at most _HELD_BYTES of them, least recently
+# used dropped first.
+_SMALL_COPY_BYTES = 64 * 2**10
+_HELD_BYTES = 64 * 2**20
 _INDEX_HEADER_BYTES = 4096  # an .npy header is 128 bytes; anything read past the lines' 16 bytes is not an index
 
 
@@ -164,7 +171,7 @@ class JsonlSource(_source_files.FileReader):
 
   def __getstate__(self):
     state = super().__getstate__()
-    for name in ("_open", "_closed", "_closed_bytes", "_open_lock", "_open_pid"):
+    for name in ("_open", "_closed", "_closed_bytes", "_held", "_held_bytes", "_open_lock", "_open_pid"):
       state.pop(name, None)
     return state
 
@@ -178,6 +185,9 @@ class JsonlSource(_source_files.FileReader):
     # The line indexes of copies it closed, by file index, while the copy is the same (`_kept_index`).
     self._closed: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
     self._closed_bytes = 0
+    # The small copies read whole (`_SMALL_COPY_BYTES`), no descriptor open, least recently used first.
+    self._held: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
+    self._held_bytes = 0
     self._open_lock = threading.Lock()
     self._open_pid = os.getpid()
 
@@ -185,6 +195,14 @@ class JsonlSource(_source_files.FileReader):
   def max_open_files(self) -> int:
     """How many local copies a process keeps open (with `cache`)."""
     return self._max_open_files
+
+  def files_kept_open(self) -> int:
+    """How many of its files a process must keep open to read them all without opening one again: those
+    not held in memory once read (larger than `_SMALL_COPY_BYTES`, compressed, or all when the small
+    ones take more than `_HELD_BYTES`)."""
+    small = [found.size for path, found in zip(self._paths, self._identities)
+             if found.size <= _SMALL_COPY_BYTES and not _compression.compression_of(path)]
+    return len(self._paths) if sum(small) > _HELD_BYTES else len(self._paths) - len(small)
 
   @property
   def prefetch_files(self) -> int:
@@ -213,11 +231,22 @@ class JsonlSource(_source_files.FileReader):
     if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
       self._init_open()
     with self._open_lock:
-      wanted = [i for i in dict.fromkeys(i % count for i in file_indices) if i not in self._open]
+      wanted = [i for i in dict.fromkeys(i % count for i in file_indices) if i not in self._open and i not in self._held]
     if self._planned:
       # Held open from now until the plan releases them: in use, so no process of this host evicts a
-      # file a reader here will read (each file is downloaded once per epoch and host).
-      self._cache.prefetch([(self._paths[i], self._identities[i]) for i in wanted], then=self._hold)
+      # file a reader here will read (each file is downloaded once per epoch and host). A small file already
+      # cached is opened here, read whole: handing it to a prefetch thread costs more than that open.
+      later = []
+      for i in wanted:
+        path, found = self._paths[i], self._identities[i]
+        if found.size <= _SMALL_COPY_BYTES and self._cache.has(path, found):
+          try:
+            self._adopt(i, self._cache.open(path, found), readers=0)
+            continue
+          except (errors.StorageError, errors.InvalidStateError, OSError):
+            pass  # a copy that fails here is the background's to fetch again, or to log
+        later.append(i)
+      self._cache.prefetch([(self._paths[i], self._identities[i]) for i in later], then=self._hold)
       return
     missing = []
     for i in wanted:
@@ -229,12 +258,15 @@ class JsonlSource(_source_files.FileReader):
     if missing:
       self._cache.prefetch(missing, then=self._prepare_index)
 
-  def _hold(self, path: str, found: _storage.Identity) -> None:
-    """Opens this process's copy of `path` (a prefetch by plan), idle until read or released."""
+  def _hold(self, path: str, found: _storage.Identity, fd: int) -> None:
+    """Keeps the prefetch's copy of `path` open in this process (a prefetch by plan), idle until read or
+    released: its descriptor duplicated (the same shared lock), not the copy opened and checked again."""
     del found
-    copy = self._open_copy(self._file_index[path])
+    file_index = self._file_index[path]
     with self._open_lock:
-      copy.readers -= 1
+      if file_index in self._open or file_index in self._held:
+        return
+    self._adopt(file_index, os.dup(fd), readers=0)
 
   def cached_bytes(self) -> list[int]:
     """What each file takes in the cache: its copy and its line index (16 bytes a line and a header)."""
@@ -256,6 +288,8 @@ class JsonlSource(_source_files.FileReader):
       closing = [i for i, copy in self._open.items() if copy.readers == 0 and i not in kept]
       for i in closing:
         self._close(i)
+      for i in [i for i in self._held if i not in kept]:  # no descriptor: only the memory to give back
+        self._held_bytes -= len(self._held.pop(i).data)
     if closing:
       self._cache.make_room(0)
 
@@ -314,7 +348,11 @@ class JsonlSource(_source_files.FileReader):
            f"again with {errors.index_command(directory)})" if path in self._indexed else "")
         + ". Build the source again (make_dataset).")
 
-  def _prepare_index(self, path: str, found: _storage.Identity) -> None:
+  def _prepare_index(self, path: str, found: _storage.Identity, fd: int | None = None) -> None:
+    """Builds the line index of the copy of `path` (open as `fd`, from a prefetch; else opened here)."""
+    if fd is not None:
+      self._load_index(path, found, fd)
+      return
     fd = self._cache.open(path, found)
     try:
       self._load_index(path, found, fd)
@@ -335,6 +373,8 @@ class JsonlSource(_source_files.FileReader):
     copy = self._open_copy(file_index)
     try:
       start, end = int(copy.starts[line]), int(copy.ends[line])
+      if copy.data is not None:
+        return copy.data[start:end]
       return os.pread(copy.fd, end - start, start)
     finally:
       with self._open_lock:
@@ -345,9 +385,8 @@ class JsonlSource(_source_files.FileReader):
     if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
       self._init_open()
     with self._open_lock:
-      copy = self._open.get(file_index)
+      copy = self._in_memory(file_index)
       if copy is not None:
-        self._open.move_to_end(file_index)
         copy.readers += 1
         return copy
     # Entering a file this process has not open: the next ones are downloaded ahead (unless a plan says), when
@@ -356,16 +395,37 @@ class JsonlSource(_source_files.FileReader):
     if self._prefetch_files and not self._planned and previous in (None, file_index - 1):
       self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
     path, found = self._paths[file_index], self._identities[file_index]
-    fd = self._cache.open(path, found)
+    if self._planned and self._cache.wait_for(path, found):
+      with self._open_lock:  # the plan's prefetch of this file, under way, holds it open now (`_hold`)
+        copy = self._in_memory(file_index)
+        if copy is not None:
+          copy.readers += 1
+          return copy
+    return self._adopt(file_index, self._cache.open(path, found), readers=1)
+
+  def _adopt(self, file_index: int, fd: int, *, readers: int) -> "_OpenCopy":
+    """This process's open copy of a file, from `fd` (a checked descriptor holding the copy's shared lock,
+    now owned here) and its line index, with `readers` readers; the copy already open if another thread
+    opened it meanwhile (then `fd` is closed)."""
+    path, found = self._paths[file_index], self._identities[file_index]
     try:
-      key = _shard_cache.copy_identity(fd)
-      starts, ends = self._kept_index(file_index, key) or self._load_index(path, found, fd)
+      data = _small_copy_bytes(fd)
+      if data is not None:
+        key, (starts, ends) = (), _index_lines_of(data)
+      else:
+        key = _shard_cache.copy_identity(fd)
+        starts, ends = self._kept_index(file_index, key) or self._load_index(path, found, fd)
       expected = self._offsets[file_index + 1] - self._offsets[file_index]
       if len(starts) != expected:
+        if data is not None:
+          self._load_index(path, found, fd)  # its count kept beside it: the build the error asks for reads it
         raise self._miscounted(path, len(starts), expected)
     except BaseException:
       os.close(fd)
       raise
+    if data is not None:
+      os.close(fd)  # the bytes, checked when opened, are all a read needs
+      return self._keep_in_memory(file_index, _OpenCopy(None, starts, ends, data=data), readers)
     closed = False
     with self._open_lock:
       copy = self._open.get(file_index)
@@ -386,11 +446,33 @@ class JsonlSource(_source_files.FileReader):
             self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
             self._close(other)
             closed = True
-      copy.readers += 1
+      copy.readers += readers
     if closed:
       self._cache.make_room(0)  # what it closed may make the cache over its limit
     return copy
 
+
+  def _in_memory(self, file_index: int) -> "_OpenCopy | None":
+    """This process's copy of a file, open or held (the open lock held), marked as just used."""
+    for copies in (self._open, self._held):
+      copy = copies.get(file_index)
+      if copy is not None:
+        copies.move_to_end(file_index)
+        return copy
+    return None
+
+  def _keep_in_memory(self, file_index: int, copy: "_OpenCopy", readers: int) -> "_OpenCopy":
+    """Holds a small copy read whole, dropping the least recently used past `_HELD_BYTES`; the copy held (one
+    another thread kept meanwhile, if so), with `readers` readers more."""
+    with self._open_lock:
+      kept = self._in_memory(file_index)
+      if kept is None:
+        kept = self._held[file_index] = copy
+        self._held_bytes += len(copy.data)
+        while self._held_bytes > _HELD_BYTES and len(self._held) > 1:
+          self._held_bytes -= len(self._held.popitem(last=False)[1].data)  # a read under way keeps its own
+      kept.readers += readers
+      return kept
 
   def _close(self, file_index: int) -> None:
     """Closes this process's copy of a file (the open lock held), keeping its line index while memory allows."""
@@ -432,14 +514,25 @@ _CLOSED_INDEX_BYTES = 64 * 2**20
 
 @dataclasses.dataclass
 class _OpenCopy:
-  """A local copy a process holds open (a shared flock: in use), with its line index and its key."""
+  """A local copy a process holds open (a shared flock: in use), with its line index and its key; or a small
+  copy held in memory, read whole (`data`), no descriptor open."""
 
-  fd: int
+  fd: int | None
   starts: np.ndarray
   ends: np.ndarray
   key: tuple[int, ...] = ()
   readers: int = 0
+  data: bytes | None = None  # the whole copy, when small (`_SMALL_COPY_BYTES`): records are sliced from it
 
+
+
+def _small_copy_bytes(fd: int) -> bytes | None:
+  """The whole copy open as `fd` (checked when opened) when it is small (`_SMALL_COPY_BYTES`), else None."""
+  size = os.fstat(fd).st_size
+  if size > _SMALL_COPY_BYTES:
+    return None
+  data = os.pread(fd, size, 0)
+  return data if len(data) == size else None
 
 
 def _line_index_array(path: str) -> np.ndarray:
@@ -453,24 +546,37 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
 
   Reads the file in 16 MiB chunks: memory is 16 bytes per line, not the file.
   """
-  starts, ends = [], []
-  position = 0
-  line_start = 0
   with _storage.open_read(path) as f:
     size = f.seek(0, os.SEEK_END)
     f.seek(0)
-    while True:
-      # Never more than is left: a read of N bytes first sets aside N, however small the file.
-      chunk = f.read(min(_INDEX_CHUNK_BYTES, max(size - position, 2**16)))
-      if not chunk:
-        break
-      newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + position
-      if len(newlines):
-        chunk_starts = np.concatenate([[line_start], newlines[:-1] + 1])
-        starts.append(chunk_starts)
-        ends.append(newlines)
-        line_start = int(newlines[-1]) + 1
-      position += len(chunk)
+    # Never more than is left: a read of N bytes first sets aside N, however small the file.
+    chunks = iter(lambda: f.read(min(_INDEX_CHUNK_BYTES, max(size - f.tell(), 2**16))), b"")
+
+    def byte_at(offset: int) -> bytes:
+      f.seek(offset)
+      return f.read(1)
+
+    return _lines_of(chunks, byte_at)
+
+
+def _index_lines_of(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+  """`_index_lines` of a file's bytes in memory (a small copy read whole)."""
+  return _lines_of([data], lambda offset: data[offset:offset + 1])
+
+
+def _lines_of(chunks: Any, byte_at: Any) -> tuple[np.ndarray, np.ndarray]:
+  """The start and end offsets of the non-blank lines of a file given as its `chunks` in order (`byte_at(i)`:
+  its byte at offset i, to tell a blank line of one byte from a record)."""
+  starts, ends = [], []
+  position = 0
+  line_start = 0
+  for chunk in chunks:
+    newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + position
+    if len(newlines):
+      starts.append(np.concatenate([[line_start], newlines[:-1] + 1]))
+      ends.append(newlines)
+      line_start = int(newlines[-1]) + 1
+    position += len(chunk)
   if line_start < position:
     starts.append(np.array([line_start]))
     ends.append(np.array([position]))
@@ -480,12 +586,8 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
   end = np.concatenate(ends).astype(np.int64)
   # Drop blank lines ("" or "\r"); a record line is never that short.
   keep = end - start > 1
-  short = np.flatnonzero(end - start == 1)
-  if len(short):
-    with _storage.open_read(path) as f:
-      for i in short:
-        f.seek(int(start[i]))
-        keep[i] = f.read(1) not in (b"\r", b" ", b"\t")
+  for i in np.flatnonzero(end - start == 1):
+    keep[i] = byte_at(int(start[i])) not in (b"\r", b" ", b"\t")
   return start[keep], end[keep]
 
 

@@ -194,12 +194,12 @@ class ShardCache(_cache_companions.CompanionFiles):
     entry = self.entry_path(path, found)
     self._wait_for_prefetch(entry)
     for _ in range(_OPEN_TRIES):
-      fd = self._open_locked(entry) if _complete(entry, _copy_size(path, found)) else None
+      fd = self._open_complete(entry, _copy_size(path, found))
       if fd is None:
         fd = self._download_held(path, found, entry)
       if self._checked(entry, fd, found):
         with contextlib.suppress(OSError):
-          os.utime(entry)
+          os.utime(fd)  # by its descriptor: no second lookup of the name
           self._verified[entry] = _change_key(os.fstat(fd))
         return fd
       os.close(fd)
@@ -209,14 +209,19 @@ class ShardCache(_cache_companions.CompanionFiles):
         f"downloaded, {_OPEN_TRIES} times: the disk under the cache alters what is written. Point the "
         "cache at another disk.", path=self.directory, operation="cache", cause="corrupt")
 
-  def _wait_for_prefetch(self, entry: str) -> None:
+  def wait_for(self, path: str, found: _storage.Identity) -> bool:
+    """Waits for this process's prefetch of `path` under way, if any (then its `then` has run): whether one was."""
+    return self._wait_for_prefetch(self.entry_path(path, found))
+
+  def _wait_for_prefetch(self, entry: str) -> bool:
     """Waits for this process's prefetch of `entry` under way (a prefetch thread's own opens do not)."""
     if self._pid != os.getpid() or getattr(self._thread, "prefetching", False):
-      return
+      return False
     with self._lock:
       pending = self._pending.get(entry)
     if pending is not None:
       futures.wait([pending])
+    return pending is not None
 
   def _recent_failure(self, entry: str) -> BaseException | None:
     """Why a download of `entry` here failed after all its attempts, if that was within one operation bound.
@@ -370,6 +375,17 @@ class ShardCache(_cache_companions.CompanionFiles):
           os.unlink(name)
       ledger.add(-freed)
     return freed
+
+  @classmethod
+  def _open_complete(cls, entry: str, size: int | None) -> int | None:
+    """`_open_locked` of a complete copy (`_complete`), its size told by the descriptor's own stat."""
+    if size is None:  # a decompressed copy: its seal tells the size
+      return cls._open_locked(entry) if _complete(entry, None) else None
+    fd = cls._open_locked(entry)
+    if fd is not None and os.fstat(fd).st_size != size:  # still being written, or another size
+      os.close(fd)
+      return None
+    return fd
 
   @staticmethod
   def _open_locked(entry: str) -> int | None:
@@ -589,7 +605,10 @@ class ShardCache(_cache_companions.CompanionFiles):
     """Downloads `files` ((path, identity) pairs) in the background, at most `prefetch_threads` at once.
 
     Returns at once. A file already cached or already queued is skipped;
-    `then(path, identity)` runs after a download (e.g. to build an index).
+    `then(path, identity, fd)` runs after a download (e.g. to build an index),
+    given the checked copy's descriptor the prefetch holds (its shared lock):
+    valid for the call only, `os.dup` it to keep the copy open beyond (the
+    duplicate shares the lock), so the copy is not opened and checked twice.
     A failed prefetch is logged; it spent the download's retries, so an
     open of the file soon after raises its error (`_recent_failure`).
     """
@@ -619,7 +638,7 @@ class ShardCache(_cache_companions.CompanionFiles):
       return
     try:
       if then is not None:
-        then(path, found)  # the copy held meanwhile: not evicted between its download and `then`
+        then(path, found, fd)  # the copy held meanwhile: not evicted between its download and `then`
     except Exception as e:  # pylint: disable=broad-except
       _log.info("after prefetching %s into %s: %s; the read that needs it will retry", path, self.directory, e)
     finally:

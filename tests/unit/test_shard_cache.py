@@ -290,9 +290,11 @@ def test_a_copy_without_a_seal_is_never_trusted(tmp_path, shards):
 
 
 @pytest.mark.parametrize("edit", ["count_number", "count_garbage", "index_value", "index_shape", "index_garbage"])
-def test_a_companion_that_disagrees_with_its_copy_is_rebuilt(tmp_path, shards, edit, caplog):
+def test_a_companion_that_disagrees_with_its_copy_is_rebuilt(tmp_path, shards, edit, caplog, monkeypatch):
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _jsonl  # pylint: disable=g-import-not-at-top
 
+  monkeypatch.setattr(_jsonl, "_SMALL_COPY_BYTES", 0)  # the index kept beside a copy: read for a large one
   directory = tmp_path / "cache"
   assert len(sources.JsonlSource(shards, cache=sources.ShardCache(directory, 10**7))) == 200
   cache = sources.ShardCache(directory, 10**7)
@@ -316,6 +318,36 @@ def test_a_companion_that_disagrees_with_its_copy_is_rebuilt(tmp_path, shards, e
     assert [source[i]["id"] for i in range(200)] == list(range(200))
   assert "rebuilt" in caplog.text or "rebuilding" in caplog.text
   assert cache.read_count(shards[2], _storage.identity(shards[2])) == 50
+
+
+def test_a_small_copy_is_read_whole_and_indexed_from_its_bytes_not_from_its_edited_index(tmp_path, shards):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  directory = tmp_path / "cache"
+  assert len(sources.JsonlSource(shards, cache=sources.ShardCache(directory, 10**7))) == 200
+  cache = sources.ShardCache(directory, 10**7)
+  entry = _entry(cache, shards[2])
+  array = np.load(entry + ".index.npy")
+  array[0, 3] += 7  # an index a large copy would be refused by (and rebuilt): a small one never reads it
+  np.save(entry + ".index.npy", array)
+  source = sources.JsonlSource(shards, cache=cache)
+  assert [source[i]["id"] for i in range(200)] == list(range(200))
+  assert all(copy.fd is None and copy.data for copy in source._held.values())  # pylint: disable=protected-access
+  assert not source._open  # pylint: disable=protected-access  # no descriptor kept
+
+
+def test_small_copies_held_in_memory_drop_the_least_recently_used_past_their_bound(tmp_path, shards, monkeypatch):
+  from ckpt_iter import _jsonl  # pylint: disable=g-import-not-at-top
+
+  sizes = [os.path.getsize(path) for path in shards]
+  monkeypatch.setattr(_jsonl, "_HELD_BYTES", sizes[2] + sizes[3])
+  source = sources.JsonlSource(shards, cache=sources.ShardCache(tmp_path / "cache", 10**7), prefetch_files=0)
+  assert source.files_kept_open() == 4  # small, but more than the bound holds: all of them are opened again
+  assert [source[i]["id"] for i in range(0, 200, 10)] == list(range(0, 200, 10))
+  assert list(source._held) == [2, 3]  # pylint: disable=protected-access  # the two read last
+  assert source._held_bytes == sizes[2] + sizes[3]  # pylint: disable=protected-access
+  source.release([3])
+  assert list(source._held) == [3] and source._held_bytes == sizes[3]  # pylint: disable=protected-access
 
 
 def test_a_count_that_disagrees_with_the_copy_read_is_refused_by_name(tmp_path, shards, monkeypatch):
@@ -690,6 +722,9 @@ def test_a_copy_opened_again_reuses_its_line_index_and_the_build_says_what_to_se
   import ckpt_iter  # pylint: disable=g-import-not-at-top
   from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
 
+  from ckpt_iter import _jsonl  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(_jsonl, "_SMALL_COPY_BYTES", 0)  # copies kept open, not held in memory
   store = tmp_path / "store"
   store.mkdir()
   paths = [_write(store / f"part-{i}.jsonl", 5, first=5 * i) for i in range(40)]
@@ -708,6 +743,30 @@ def test_a_copy_opened_again_reuses_its_line_index_and_the_build_says_what_to_se
   # Hundreds of re-opens; a copy's index read at its first open (a few twice: Grain's threads opening a
   # file at once), then kept.
   assert len(opens) > 200 and len(loads) <= 2 * 40, (len(opens), len(loads))
+
+
+def test_a_global_shuffle_over_small_files_opens_each_copy_once_and_asks_for_no_open_files(tmp_path, monkeypatch,
+                                                                                           caplog):
+  # issue 65 item 2: a small copy is held in memory once read, whatever max_open_files says: a global shuffle
+  # over thousands of small objects does not close one copy and open another at most reads.
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top
+
+  store = tmp_path / "store"
+  store.mkdir()
+  paths = [_write(store / f"part-{i}.jsonl", 5, first=5 * i) for i in range(40)]
+  source = sources.JsonlSource(paths, cache=sources.ShardCache(tmp_path / "cache", 10**8), max_open_files=4)
+  assert source.files_kept_open() == 0
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    dataset = ckpt_iter.make_dataset(source, batch_size=4, seed=3, num_epochs=3)
+  assert "max_open_files" not in caplog.text
+  opens = []  # while reading three epochs
+  real_open = _shard_cache.ShardCache.open
+  monkeypatch.setattr(_shard_cache.ShardCache, "open",
+                      lambda self, path, *a, **k: (opens.append(path), real_open(self, path, *a, **k))[1])
+  ids = [i for batch in dataset for i in batch["id"].tolist()]
+  assert sorted(ids) == sorted(list(range(200)) * 3)
+  assert len(opens) <= 2 * 40 and set(opens) == set(paths), len(opens)  # once each (twice: threads at once)
 
 
 def test_a_source_keeps_every_copy_open_where_the_cache_holds_them_all(tmp_path, shards):
