@@ -73,7 +73,7 @@ logging.disable(logging.WARNING)
 import grain  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import ckpt_iter  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ckpt_iter import _jsonl  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _line_index  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import _plan_prefetch  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import _shard_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ckpt_iter import _storage  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -374,7 +374,7 @@ def main() -> None:
   cached_records = 6_400 if args.quick else FILES * PER_FILE
   work = tempfile.mkdtemp(prefix="ckpt_iter_bucket_")
   # The JSONL line index cache: its own, so a run starts cold.
-  os.environ[_jsonl.INDEX_CACHE_ENV] = os.path.join(work, "index")
+  os.environ[_line_index.INDEX_CACHE_ENV] = os.path.join(work, "index")
   try:
     with gcs_emulator.GcsEmulator() as emulator:
       proxy = fault_proxy.FaultProxy(emulator.url, delay_seconds=DELAY_SECONDS).start()

@@ -21,7 +21,7 @@ import tempfile
 
 import _common
 
-from ckpt_iter import _jsonl as jsonl_lib
+from ckpt_iter import _line_index
 from ckpt_iter import sources as sources_lib
 
 TARGET_RATIO = 20.0
@@ -52,7 +52,7 @@ def main() -> None:
     lines = write_jsonl(path, megabytes)
     size = os.path.getsize(path)
     cache_dir = os.path.join(work, "cache")
-    cache_file = jsonl_lib.index_cache_path(path, cache_dir)
+    cache_file = _line_index.index_cache_path(path, cache_dir)
     times = {"first_start": [], "second_start": [], "no_cache": []}
     for _ in range(repetitions):
       if os.path.exists(cache_file):

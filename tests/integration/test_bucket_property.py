@@ -4,8 +4,9 @@ Hypothesis draws the shuffle (a shard shuffle or a global one), the cache's size
 windows, the whole corpus), how many processes share it, a chain of restarts (each host trains some
 batches, saves, reads on and is killed with SIGKILL; or is killed in the middle of a download), and a
 corruption (one bit flipped in transit by a proxy, or one byte of a cached copy altered on disk between two
-hosts), and whether the hosts name the files from the corpus index (`files_from_index`: their versions and
-checksums then come from the index, not a listing). Each host is a real process group (tests/workers/bucket_pod_worker.py) over gs:// JSONL on the GCS
+hosts), whether the hosts name the files from the corpus index (`files_from_index`: their versions and
+checksums then come from the index, not a listing), and whether small copies are read whole into memory (the
+default) or every copy is read by ranges through a descriptor held open. Each host is a real process group (tests/workers/bucket_pod_worker.py) over gs:// JSONL on the GCS
 emulator. It counts, over what was trained (every host's batches up to its save, and the last host's to
 the end): duplicates and skips (none), records whose bytes are not the store's (none: each worker compares
 every record it reads), downloads per file, and the bytes of copies no reader holds against `max_bytes`.
@@ -152,11 +153,12 @@ _CASES = dict(
     corruption=st.sampled_from([None, "transit", "disk"]),
     suffix=st.sampled_from(_SUFFIXES),
     named=st.booleans(),
+    in_memory=st.booleans(),
 )
 
 
 def _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption,
-                     suffix=".jsonl", named=False):
+                     suffix=".jsonl", named=False, in_memory=True):
   import fault_proxy  # pylint: disable=g-import-not-at-top
 
   urls, sizes = corpus[2 if named else 0][suffix], corpus[1]
@@ -185,7 +187,8 @@ def _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, pro
         proxy.add("stall", "alt=media", method="GET", times=1)
       config = {"source": urls, "cache_dir": cache_dir, "max_bytes": max_bytes, "root": root,
                 "processes": processes, "shuffle": shuffle, "window": window, "steps": steps,
-                "extra": None if end == "to_the_end" else 2, "out": out, "files_from_index": named}
+                "extra": None if end == "to_the_end" else 2, "out": out, "files_from_index": named,
+                "small_copies_in_memory": in_memory}
       with _Sampler(cache_dir, out, processes) as sampler:
         code = _run_host(config, workdir, f"host-{number}", env, proxy, kill=end != "to_the_end")
       proxy.release()  # a stalled handler closes its connection: nothing waits on the proxy
@@ -244,31 +247,35 @@ def _lines(path: str) -> list[str]:
                      derandomize=True)
 @hypothesis.given(**_CASES)
 @hypothesis.example(shuffle="shards", cache="two_windows", processes=4,
-                    segments=[(3, "save_then_kill"), (2, "kill_mid_download")], corruption=None, suffix=".jsonl", named=False)
+                    segments=[(3, "save_then_kill"), (2, "kill_mid_download")], corruption=None, suffix=".jsonl", named=False,
+                    in_memory=True)
 @hypothesis.example(shuffle="shards", cache="corpus", processes=2, segments=[(3, "save_then_kill")],
-                    corruption="transit", suffix=".jsonl", named=False)
+                    corruption="transit", suffix=".jsonl", named=False, in_memory=True)
 @hypothesis.example(shuffle="shards", cache="corpus", processes=2, segments=[(4, "save_then_kill")],
-                    corruption="disk", suffix=".jsonl", named=False)
+                    corruption="disk", suffix=".jsonl", named=False, in_memory=False)
 @hypothesis.example(shuffle="global", cache="below_window", processes=2, segments=[(4, "save_then_kill")],
-                    corruption=None, suffix=".jsonl", named=False)
+                    corruption=None, suffix=".jsonl", named=False, in_memory=False)
+@hypothesis.example(shuffle="global", cache="corpus", processes=2, segments=[(4, "save_then_kill")],
+                    corruption="disk", suffix=".jsonl", named=False, in_memory=True)
 # Compressed shards (issue 64; `.jsonl.gz` among the drawn cases): decompressed into the cache as they arrive, checked against the compressed
 # object's checksum (a bit flipped in transit: downloaded again), their copies sealed over the text.
 @hypothesis.example(shuffle="shards", cache="two_windows", processes=2, segments=[(3, "kill_mid_download")],
-                    corruption="transit", suffix=".jsonl.zst", named=False)
+                    corruption="transit", suffix=".jsonl.zst", named=False, in_memory=True)
 # Files named by the corpus index (issue 65): each download checked against the checksum the index recorded, so a
 # bit flipped in transit is still downloaded again, never trained.
 @hypothesis.example(shuffle="shards", cache="corpus", processes=2, segments=[(3, "save_then_kill")],
-                    corruption="transit", suffix=".jsonl.gz", named=True)
+                    corruption="transit", suffix=".jsonl.gz", named=True, in_memory=True)
 def test_the_bucket_path_trains_every_record_once_and_only_the_store_s_bytes(
-    corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix, named):
+    corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix, named,
+    in_memory):
   _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix,
-                   named)
+                   named, in_memory)
 
 
 @pytest.mark.slow
 @hypothesis.settings(max_examples=12, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(**_CASES)
 def test_the_bucket_path_property_long(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes,
-                                       segments, corruption, suffix, named):
+                                       segments, corruption, suffix, named, in_memory):
   _check_one_chain(corpus, gcs_emulator, tmp_path_factory, shuffle, cache, processes, segments, corruption, suffix,
-                   named)
+                   named, in_memory)

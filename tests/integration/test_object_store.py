@@ -31,7 +31,7 @@ _WORKER = os.path.join(os.path.dirname(_HERE), "workers", "object_store_worker.p
 _MULTIHOST_WORKER = os.path.join(os.path.dirname(_HERE), "workers", "multihost_worker.py")
 _REPO = os.path.dirname(os.path.dirname(_HERE))
 _TIMEOUT_SECONDS = 300
-# Over _jsonl.INDEX_CACHE_MIN_BYTES (1 MiB) each, so their line indexes are cached.
+# Over _line_index.INDEX_CACHE_MIN_BYTES (1 MiB) each, so their line indexes are cached.
 _RECORDS_PER_FILE = 20_000
 
 
@@ -103,13 +103,13 @@ def test_a_range_reader_sent_to_a_grain_worker_reads_the_generation_it_pinned(gc
 
 def test_an_overwritten_object_gets_a_new_identity_and_a_new_jsonl_index(gcs_root, tmp_path, monkeypatch):
   """The index cache of a remote file is keyed by the object's generation, not by its size or time."""
-  from ckpt_iter import _jsonl as jsonl_lib  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _line_index  # pylint: disable=g-import-not-at-top
   from ckpt_iter import sources as sources_lib  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(jsonl_lib, "INDEX_CACHE_MIN_BYTES", 0)
+  monkeypatch.setattr(_line_index, "INDEX_CACHE_MIN_BYTES", 0)
   built = []
-  original = jsonl_lib._index_lines  # pylint: disable=protected-access
-  monkeypatch.setattr(jsonl_lib, "_index_lines", lambda path: built.append(path) or original(path))
+  original = _line_index.index_lines
+  monkeypatch.setattr(_line_index, "index_lines", lambda path: built.append(path) or original(path))
   path = f"{gcs_root}/data.jsonl"
   _storage.write_bytes(path, b'{"id": 1}\n{"id": 2}\n')
   first = _storage.identity(path)

@@ -18,13 +18,14 @@ import pytest
 
 import ckpt_iter
 from ckpt_iter import _jsonl as jsonl_lib
+from ckpt_iter import _line_index
 from ckpt_iter import _storage as storage_lib
 from ckpt_iter import sources as sources_lib
 import support
 
 
 class _ByteCounter:
-  """Wraps `open` in ckpt_iter._jsonl and _storage: counts the bytes read from data files."""
+  """Wraps `open` in ckpt_iter._jsonl, _line_index and _storage: counts the bytes read from data files."""
 
   def __init__(self):
     self.bytes_read = 0
@@ -46,13 +47,14 @@ class _ByteCounter:
 @pytest.fixture(autouse=True)
 def cache_small_files(monkeypatch):
   """These tests' files are small; the cache skips files under 1 MiB otherwise."""
-  monkeypatch.setattr(jsonl_lib, "INDEX_CACHE_MIN_BYTES", 0)
+  monkeypatch.setattr(_line_index, "INDEX_CACHE_MIN_BYTES", 0)
 
 
 @pytest.fixture
 def counter(monkeypatch):
   counter = _ByteCounter()
   monkeypatch.setattr(jsonl_lib, "open", counter.open, raising=False)
+  monkeypatch.setattr(_line_index, "open", counter.open, raising=False)
   monkeypatch.setattr(storage_lib, "open", counter.open, raising=False)
   return counter
 
@@ -81,7 +83,7 @@ def _source(path, cache_dir):
 
 
 def _cache_file(path, cache_dir):
-  return jsonl_lib.index_cache_path(path, cache_dir)
+  return _line_index.index_cache_path(path, cache_dir)
 
 
 def test_jsonl_blank_lines_and_crlf_are_ignored(tmp_path):
@@ -250,7 +252,7 @@ def test_a_corrupt_cache_is_ignored_and_rebuilt(jsonl, cache_dir, counter, corru
 
 
 def test_small_files_are_not_cached(jsonl, cache_dir, monkeypatch):
-  monkeypatch.setattr(jsonl_lib, "INDEX_CACHE_MIN_BYTES", os.path.getsize(jsonl) + 1)
+  monkeypatch.setattr(_line_index, "INDEX_CACHE_MIN_BYTES", os.path.getsize(jsonl) + 1)
   _source(jsonl, cache_dir)
   assert not os.path.exists(cache_dir)
 
@@ -265,7 +267,7 @@ def test_an_unwritable_cache_location_falls_back_to_no_cache(jsonl, tmp_path):
 def test_an_empty_cache_dir_disables_the_cache_and_the_env_var_chooses_it(jsonl, tmp_path, monkeypatch):
   _source(jsonl, "")
   assert not list(tmp_path.glob("**/*.ckpt_iter-index.npy"))
-  monkeypatch.setenv(jsonl_lib.INDEX_CACHE_ENV, str(tmp_path / "from_env"))
+  monkeypatch.setenv(_line_index.INDEX_CACHE_ENV, str(tmp_path / "from_env"))
   ckpt_iter.make_dataset(jsonl, batch_size=4)
   assert os.path.exists(_cache_file(jsonl, str(tmp_path / "from_env")))
 

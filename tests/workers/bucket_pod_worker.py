@@ -65,6 +65,10 @@ def _process(index: int, config: dict, barrier) -> None:
     return done
 
   _shard_cache.ShardCache._download = counted
+  if not config.get("small_copies_in_memory", True):  # every copy read by its own ranges, descriptor held
+    from ckpt_iter import _jsonl  # pylint: disable=g-import-not-at-top
+
+    _jsonl._SMALL_COPY_BYTES = -1  # pylint: disable=protected-access
   count = config.get("shard_count", config["processes"])
   shard = config.get("shard_offset", 0) + index
   source = sources.JsonlSource(config["source"], cache=sources.ShardCache(config["cache_dir"], config["max_bytes"]),

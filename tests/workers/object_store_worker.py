@@ -33,20 +33,20 @@ import grain  # pylint: disable=g-import-not-at-top,wrong-import-position
 import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import ckpt_iter  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ckpt_iter import _jsonl as jsonl_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ckpt_iter import _line_index  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH_SIZE = 4
 
 
 def _counting_index_builds() -> list[str]:
   built: list[str] = []
-  original = jsonl_lib._index_lines  # pylint: disable=protected-access
+  original = _line_index.index_lines
 
   def index_lines(path):
     built.append(path)
     return original(path)
 
-  jsonl_lib._index_lines = index_lines  # pylint: disable=protected-access
+  _line_index.index_lines = index_lines
   return built
 
 
@@ -125,7 +125,7 @@ def main(config_path: str) -> int:
   with open(config_path) as f:
     config = json.load(f)
   if config.get("index_cache_dir"):
-    os.environ[jsonl_lib.INDEX_CACHE_ENV] = config["index_cache_dir"]
+    os.environ[_line_index.INDEX_CACHE_ENV] = config["index_cache_dir"]
   built = _counting_index_builds()
   iterator = build(config)
   store = (_V0 if config["api"] == "v0" else _V1)(config["root"])
