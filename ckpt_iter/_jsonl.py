@@ -237,12 +237,13 @@ class JsonlSource(_source_files.FileReader):
       later = []
       for i in wanted:
         path, found = self._paths[i], self._identities[i]
-        if found.size <= _SMALL_COPY_BYTES and self._cache.has(path, found):
-          try:
-            self._adopt(i, self._cache.open(path, found), readers=0)
+        try:
+          fd = self._cache.open_cached(path, found) if found.size <= _SMALL_COPY_BYTES else None
+          if fd is not None:
+            self._adopt(i, fd, readers=0)
             continue
-          except (errors.StorageError, errors.InvalidStateError, OSError):
-            pass  # a copy that fails here is the background's to fetch again, or to log
+        except (errors.StorageError, errors.InvalidStateError, OSError):
+          pass  # a copy that fails here is the background's to fetch again, or to log
         later.append(i)
       self._cache.prefetch([(self._paths[i], self._identities[i]) for i in later], then=self._hold)
       return

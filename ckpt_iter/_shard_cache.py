@@ -198,9 +198,7 @@ class ShardCache(_cache_companions.CompanionFiles):
       if fd is None:
         fd = self._download_held(path, found, entry)
       if self._checked(entry, fd, found):
-        with contextlib.suppress(OSError):
-          os.utime(fd)  # by its descriptor: no second lookup of the name
-          self._verified[entry] = _change_key(os.fstat(fd))
+        self._mark_used(entry, fd)
         return fd
       os.close(fd)
       self._discard(entry)
@@ -208,6 +206,26 @@ class ShardCache(_cache_companions.CompanionFiles):
         f"{path}: its copy in the shard cache {self.directory} fails its checksum right after being "
         f"downloaded, {_OPEN_TRIES} times: the disk under the cache alters what is written. Point the "
         "cache at another disk.", path=self.directory, operation="cache", cause="corrupt")
+
+  def open_cached(self, path: str, found: _storage.Identity) -> int | None:
+    """`open` of a copy already complete in the cache, or None (nothing downloaded; a copy that fails its
+    check is removed, as `open` removes it, for a download to replace)."""
+    entry = self.entry_path(path, found)
+    fd = self._open_complete(entry, _copy_size(path, found))
+    if fd is None:
+      return None
+    if not self._checked(entry, fd, found):
+      os.close(fd)
+      self._discard(entry)
+      return None
+    self._mark_used(entry, fd)
+    return fd
+
+  def _mark_used(self, entry: str, fd: int) -> None:
+    """The checked copy open as `fd` just used (its mtime, for eviction), still known as checked."""
+    with contextlib.suppress(OSError):
+      os.utime(fd)  # by its descriptor: no second lookup of the name
+      self._verified[entry] = _change_key(os.fstat(fd))
 
   def wait_for(self, path: str, found: _storage.Identity) -> bool:
     """Waits for this process's prefetch of `path` under way, if any (then its `then` has run): whether one was."""

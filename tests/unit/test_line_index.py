@@ -31,15 +31,22 @@ def _expected(data: bytes) -> list[tuple[int, int]]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(lines=st.lists(_LINE, max_size=30), final_newline=st.booleans(), crlf=st.booleans())
-def test_the_index_of_bytes_in_memory_is_the_index_of_the_file(tmp_path_factory, lines, final_newline, crlf):
+@given(lines=st.lists(_LINE, max_size=30), final_newline=st.booleans(), crlf=st.booleans(),
+       few_lines=st.sampled_from([0, 64]))
+def test_the_index_of_bytes_in_memory_is_the_index_of_the_file(tmp_path_factory, lines, final_newline, crlf,
+                                                              few_lines):
   text = ("\r\n" if crlf else "\n").join(lines) + ("\n" if final_newline and lines else "")
   data = text.encode("utf-8")
   path = os.path.join(tmp_path_factory.mktemp("lines"), "part.jsonl")
   with open(path, "wb") as f:
     f.write(data)
   starts, ends = _line_index.index_lines(path)
-  in_memory = _line_index.index_lines_of(data)
+  default = _line_index._FEW_LINES  # pylint: disable=protected-access
+  _line_index._FEW_LINES = few_lines  # pylint: disable=protected-access  # line by line (64), or numpy's scan (0)
+  try:
+    in_memory = _line_index.index_lines_of(data)
+  finally:
+    _line_index._FEW_LINES = default  # pylint: disable=protected-access
   assert np.array_equal(in_memory[0], starts) and np.array_equal(in_memory[1], ends)
   assert starts.dtype == ends.dtype == np.int64
   assert list(zip(starts.tolist(), ends.tolist())) == _expected(data)

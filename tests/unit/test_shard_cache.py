@@ -262,6 +262,24 @@ def test_a_copy_altered_on_disk_is_caught_before_it_is_read_and_downloaded_again
   assert open(entry, "rb").read() == open(shards[0], "rb").read()
 
 
+def test_open_cached_opens_only_a_complete_checked_copy_and_never_downloads(tmp_path, shards, caplog):
+  cache = sources.ShardCache(tmp_path / "cache", 10**7)
+  found = _storage.identity(shards[0])
+  assert cache.open_cached(shards[0], found) is None and not cache.has(shards[0], found)  # nothing fetched
+  os.close(cache.open(shards[0], found))
+  fd = cache.open_cached(shards[0], found)
+  try:
+    assert os.pread(fd, 9, 0) == b'{"id": 0,'
+  finally:
+    os.close(fd)
+  entry = _entry(cache, shards[0])
+  _flip_one_byte(entry, offset=len('{"id": '))
+  fresh = sources.ShardCache(tmp_path / "cache", 10**7)  # another process: it checks the copy first
+  with caplog.at_level("WARNING", logger="ckpt_iter"):
+    assert fresh.open_cached(shards[0], found) is None
+  assert "altered on disk after its download" in caplog.text and not os.path.exists(entry)  # for a download
+
+
 def test_a_copy_altered_while_this_process_had_checked_it_is_checked_again_at_its_next_open(tmp_path, shards):
   cache = sources.ShardCache(tmp_path / "cache", 10**7)
   os.close(cache.open(shards[1]))
