@@ -216,11 +216,13 @@ class JsonlSource(_source_files.FileReader):
   def prefetch(self, file_indices: Sequence[int]) -> None:
     """Downloads these files (indices into `paths`, modulo their count) and their indexes in the background.
 
-    With no `cache` it does nothing. Files this process has open are
-    skipped; files already cached are marked as just used (so eviction
+    With no `cache` it does nothing. Files this process has open or holds
+    are skipped; files already cached are marked as just used (so eviction
     spares them), the others queued in the given order. The reader calls it
     with the next `prefetch_files` files when it enters a file; a plan that
-    knows its next files (a shard-aware shuffle) calls it with them.
+    knows its next files (a shard-aware shuffle) calls it with them, and each
+    is then held open until the plan releases it: a small one already cached
+    opened here, the others by the prefetch threads.
     """
     if self._cache is None or not file_indices:
       return
