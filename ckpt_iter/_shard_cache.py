@@ -400,7 +400,7 @@ class ShardCache(_cache_companions.CompanionFiles):
     if size is None:  # a decompressed copy: its seal tells the size
       return cls._open_locked(entry) if _complete(entry, None) else None
     fd = cls._open_locked(entry)
-    if fd is not None and os.fstat(fd).st_size != size:  # still being written, or another size
+    if fd is not None and os.fstat(fd).st_size != size:  # not a whole copy of this version: downloaded again
       os.close(fd)
       return None
     return fd
