@@ -141,9 +141,21 @@ class GcsEmulator:
     self.stop()
 
   def mark(self) -> int:
-    """A position in the request log; `requests(since=mark)` reads what came after."""
+    """A position in the request log; `requests(since=mark)` reads what came after.
+
+    The server logs a request after replying to it: the log is taken once it has not grown for 50 ms (at
+    most 2 s), so that a request the caller made just before is not counted as one made after the mark (a
+    loaded machine flushed one late: a restore's count read 3 where it makes 2).
+    """
     self._log.flush()
-    return os.path.getsize(self.log_path)
+    size, deadline = os.path.getsize(self.log_path), time.monotonic() + 2
+    while time.monotonic() < deadline:
+      time.sleep(0.05)
+      now = os.path.getsize(self.log_path)
+      if now == size:
+        break
+      size = now
+    return size
 
   def requests(self, since: int = 0, *, under: str | None = None) -> list[Request]:
     """The requests logged after `since`; with `under`, those on objects below that prefix.
