@@ -452,7 +452,6 @@ class JsonlSource(_source_files.FileReader):
       self._cache.make_room(0)  # what it closed may make the cache over its limit
     return copy
 
-
   def _in_memory(self, file_index: int) -> "_OpenCopy | None":
     """This process's copy of a file, open or held (the open lock held), marked as just used."""
     for copies in (self._open, self._held):
