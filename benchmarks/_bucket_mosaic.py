@@ -125,40 +125,87 @@ def cases(proxy: Any, work: str, lines: list[bytes], remote: str, upload: Callab
 
 
 # ---------------------------------------------------------------------------
-# benchmarks/pod_share.py's simulated nodes, each run as a process of a Python that imports streaming
-# (the caller uploads the shards):
-#   _bucket_mosaic.py write MDS_DIR LINES.jsonl       writes the shards; prints their names
-#   _bucket_mosaic.py node REMOTE LOCAL NODES BATCH   one node (RANK / WORLD_SIZE set by the caller) reads
-#                                                     its part of an epoch; prints {"bytes", "rows"}
+# The other benchmarks' Mosaic Streaming processes, each run by a Python that imports streaming (the caller
+# uploads the shards and sets RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE):
+#   _bucket_mosaic.py write MDS_DIR LINES.jsonl [PER_SHARD]   writes the shards (POD_SHARDS of them, or
+#                                                             PER_SHARD records each); prints their names
+#   _bucket_mosaic.py node REMOTE LOCAL NODES BATCH           pod_share.py: one node of a pod that runs
+#                                                             whole (its nodes join one torch.distributed
+#                                                             group) reads its part of an epoch; prints
+#                                                             {"bytes", "rows"}
+#   _bucket_mosaic.py share REMOTE LOCAL NODES BATCH LIMIT    worked_case.py: node RANK of NODES alone (no
+#                                                             torch.distributed group: with one rank a node,
+#                                                             streaming needs none but its barriers) reads
+#                                                             its part of an epoch, at most LIMIT records (0:
+#                                                             all); prints its build and its CPU per record,
+#                                                             from the epoch's start and after its first batch
 
 POD_SHARDS = 48
 
 
-def _write_pod(directory: str, lines_path: str) -> None:
+def _write_pod(directory: str, lines_path: str, per_shard: int | None) -> None:
   with open(lines_path, "rb") as f:
     lines = f.read().splitlines()
-  print(json.dumps(write_shards(lines, directory, max(1, sum(len(line) for line in lines) // POD_SHARDS))))
+  if per_shard is None:
+    print(json.dumps(write_shards(lines, directory, max(1, sum(len(line) for line in lines) // POD_SHARDS))))
+    return
+  from streaming import MDSWriter  # pylint: disable=g-import-not-at-top
+
+  with MDSWriter(out=directory, columns={"id": "int64", "text": "str"}, size_limit=None) as writer:
+    for number, line in enumerate(lines):
+      record = json.loads(line)
+      writer.write({"id": record["id"], "text": record["text"]})
+      if (number + 1) % per_shard == 0 and number + 1 < len(lines):
+        writer.flush_shard()  # what its own write() does at its size limit
+        writer._reset_cache()  # pylint: disable=protected-access
+  print(json.dumps(sorted(os.listdir(directory))))
 
 
-def _read_node(remote: str, local: str, nodes: int, batch: int) -> None:
+def _dataset(remote: str, local: str, nodes: int, batch: int):
   import streaming  # pylint: disable=g-import-not-at-top
   from streaming.base import util  # pylint: disable=g-import-not-at-top
   from streaming.base.storage import download  # pylint: disable=g-import-not-at-top
 
   download.GCSDownloader._create_gcs_client = _anonymous_client  # pylint: disable=protected-access
   util.clean_stale_shared_memory()
-  dataset = streaming.StreamingDataset(remote=remote, local=local, shuffle=True, shuffle_seed=7, batch_size=batch,
-                                       num_canonical_nodes=nodes)
+  return streaming, streaming.StreamingDataset(remote=remote, local=local, shuffle=True, shuffle_seed=7,
+                                               batch_size=batch, num_canonical_nodes=nodes or None)
+
+
+def _read_node(remote: str, local: str, nodes: int, batch: int) -> None:
+  streaming, dataset = _dataset(remote, local, nodes, batch)
   rows = sum(len(b["id"]) for b in streaming.StreamingDataLoader(dataset, batch_size=batch, num_workers=0))
   taken = sum(os.path.getsize(os.path.join(local, n)) for n in os.listdir(local)
               if n.endswith(".mds"))
   print(json.dumps({"bytes": taken, "rows": rows}))
 
 
+def _read_share(remote: str, local: str, nodes: int, batch: int, limit: int) -> None:
+  from streaming.base import dataset as dataset_module  # pylint: disable=g-import-not-at-top
+  from streaming.base import util  # pylint: disable=g-import-not-at-top
+
+  dataset_module.maybe_init_dist = util.maybe_init_dist = lambda: False
+  cpu, started = time.process_time(), time.perf_counter()
+  streaming, dataset = _dataset(remote, local, nodes, batch)
+  built = {"build_s": time.perf_counter() - started, "build_cpu_s": time.process_time() - cpu}
+  cpu, rows, steady = time.process_time(), 0, None
+  for b in streaming.StreamingDataLoader(dataset, batch_size=batch, num_workers=0):
+    rows += len(b["id"])
+    if steady is None:  # past the epoch's start (its partition made, its threads started)
+      steady = (time.process_time(), rows)
+    if limit and rows >= limit:
+      break
+  ended = time.process_time()
+  print(json.dumps({**built, "rows": rows, "cpu_us_per_record": (ended - cpu) / rows * 1e6,
+                    "steady_cpu_us_per_record": (ended - steady[0]) / max(1, rows - steady[1]) * 1e6}))
+
+
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
 
   if sys.argv[1] == "write":
-    _write_pod(sys.argv[2], sys.argv[3])
+    _write_pod(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else None)
+  elif sys.argv[1] == "share":
+    _read_share(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
   else:
     _read_node(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -35,11 +35,31 @@ indexed once (`ckpt-iter index`, timed). For each corpus:
                    two read in turn in paired rounds (the median of the
                    rounds' ratios, and their spread).
 
+With --mosaic-python PATH (a Python that imports mosaicml-streaming 0.13.0,
+which cannot share this venv: docs/bucket.md), Mosaic Streaming on the same
+records as MDS shards of the same count (10 records each; for the 48-file
+corpus, 48 shards), uploaded beside them, each measurement a process of that
+Python (benchmarks/_bucket_mosaic.py `share`), paired in turn with ckpt_iter's
+own in the same rounds:
+
+  mosaic node      node 0 of 256 (`num_canonical_nodes=256`, its default
+                   shuffle, batch 4) reading its part of one epoch from its
+                   warm cache (its first run, cold, fills it), against the
+                   lane host's warm share;
+  mosaic process   one process, default settings (batch 32), its first
+                   MOSAIC_RECORDS records of an epoch from a cache holding
+                   every shard, against the global shuffle's cached reads.
+
+CPU per record both sides, the dataset built first (not timed): the node and
+the lane host from their epoch's start (its partition or plan included), the
+process and the global shuffle past it (Mosaic's after its first batch). Mosaic's node is
+run alone, without the torch.distributed group its other 255 nodes would
+join (it needs one only for barriers across the ranks of a pod).
+
 The store requests of one process restoring its data state at 1 .. 16,384
-processes are `benchmarks/restart_requests.py`'s. Mosaic Streaming is not
-run here (it cannot share this venv: benchmarks/pod_share.py --mosaic-python).
+processes are `benchmarks/restart_requests.py`'s.
 Hand-run: its lines go to benchmarks/results_worked_case.jsonl.
-    python benchmarks/worked_case.py [--quick] | tee benchmarks/results_worked_case.jsonl
+    python benchmarks/worked_case.py [--quick] [--mosaic-python PATH] | tee benchmarks/results_worked_case.jsonl
 """
 
 from __future__ import annotations
@@ -53,6 +73,7 @@ import logging
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +98,8 @@ from ckpt_iter import sources  # pylint: disable=g-import-not-at-top,wrong-impor
 DELAY_SECONDS = 0.020
 HOSTS, WINDOW, HOST_BATCH, SHUFFLE_BATCH, SEED = 256, 16, 4, 32, 7
 SMALL_FILES = 48
+MOSAIC_RECORDS = 4_096
+_MOSAIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bucket_mosaic.py")
 
 
 def files_of(records: int, files: int) -> list[bytes]:
@@ -204,6 +227,44 @@ def global_shuffle(glob: str, local_paths: list[str], cache_dir: str, proxy, rou
   return found, cached
 
 
+class Mosaic:
+  """Mosaic Streaming on one corpus as MDS shards on the bucket, run by a Python that imports streaming."""
+
+  def __init__(self, python: str, work: str, files: list[bytes], prefix: str, emulator_url: str):
+    self.python, self.work, self.emulator_url = python, work, emulator_url
+    lines = os.path.join(work, "lines.jsonl")
+    with open(lines, "wb") as f:
+      f.write(b"".join(files))
+    per_shard = -(-sum(data.count(b"\n") for data in files) // len(files))
+    local = os.path.join(work, "mds")
+    out = subprocess.run([python, _MOSAIC, "write", local, lines, str(per_shard)], capture_output=True, text=True,
+                         check=True)
+    names = json.loads(out.stdout.strip().splitlines()[-1])
+    self.shards, self.remote = len(names) - 1, f"{prefix}/mds"  # less index.json
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+      list(pool.map(lambda name: _storage.write_bytes(f"{self.remote}/{name}",
+                                                       open(os.path.join(local, name), "rb").read()), names))
+    # One process's cache holding every shard, as the global shuffle's holds every file.
+    shutil.copytree(local, os.path.join(work, "cache-all"))
+    os.remove(lines)
+
+  def node_us(self) -> float:
+    return self.share("cache-node", nodes=HOSTS, batch=HOST_BATCH, limit=0)["cpu_us_per_record"]
+
+  def process_us(self) -> float:
+    return self.share("cache-all", nodes=0, batch=SHUFFLE_BATCH, limit=MOSAIC_RECORDS)["steady_cpu_us_per_record"]
+
+  def share(self, cache: str, *, nodes: int, batch: int, limit: int) -> dict:
+    """Rank 0 of `nodes` (0: one process, its default canonical nodes) reads its part of an epoch."""
+    env = _common.child_env(STORAGE_EMULATOR_HOST=self.emulator_url, RANK="0", WORLD_SIZE=str(max(1, nodes)),
+                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="0")
+    out = subprocess.run([self.python, _MOSAIC, "share", self.remote, os.path.join(self.work, cache), str(nodes),
+                          str(batch), str(limit)], capture_output=True, text=True, env=env, check=False, timeout=900)
+    if out.returncode != 0:
+      raise RuntimeError(f"Mosaic Streaming failed: {out.stderr.strip()[-1500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _paired(rounds: int, measure: Callable[[str], float], names: tuple[str, str]) -> dict:
   """`measure(name)` of the two corpora in turn (the order alternating), `rounds` times: each corpus's
   median, and the median of the rounds' ratios first / second with their spread."""
@@ -217,7 +278,9 @@ def _paired(rounds: int, measure: Callable[[str], float], names: tuple[str, str]
 
 
 def main() -> None:
-  args = _common.parse_args(__doc__.splitlines()[0])
+  args = _common.parse_args(__doc__.splitlines()[0], lambda parser: parser.add_argument(
+      "--mosaic-python", default=os.environ.get("CKPT_ITER_MOSAIC_PYTHON"),
+      help="a Python that imports mosaicml-streaming 0.13.0: Mosaic Streaming measured beside (module docstring)"))
   report = _common.Reporter("worked_case", args.quick)
   big_files, records = (2_048, 20_480) if args.quick else (20_480, 204_800)
   rounds, batches = (3, 10) if args.quick else (7, 40)
@@ -231,6 +294,7 @@ def main() -> None:
   results: dict[str, dict] = {}
   warm_sources: dict[str, sources.JsonlSource] = {}
   cached_sets: dict[str, Any] = {}
+  mosaics: dict[str, Mosaic] = {}
   try:
     with gcs_emulator.GcsEmulator() as emulator:
       proxy = fault_proxy.FaultProxy(emulator.url).start()
@@ -249,8 +313,17 @@ def main() -> None:
           if cli.main(["index", glob, "--cache", os.path.join(work, f"shuffle-{count}")]) != 0:
             raise RuntimeError(f"ckpt-iter index failed: {said.getvalue()}")
         indexed = time.perf_counter() - started
+        mosaic = None
+        if args.mosaic_python:  # its shards uploaded as the files were, then its node's first run (cold)
+          os.makedirs(os.path.join(work, f"mosaic-{count}"))
+          mosaic = mosaics[name] = Mosaic(args.mosaic_python, os.path.join(work, f"mosaic-{count}"), files, prefix,
+                                          proxy.url)
         proxy.delay_seconds = DELAY_SECONDS
         print(f"[worked_case] {name}: uploaded in {uploaded:.0f} s, indexed in {indexed:.0f} s", file=sys.stderr)
+        if mosaic is not None:
+          before = proxy.count
+          cold = mosaic.share("cache-node", nodes=HOSTS, batch=HOST_BATCH, limit=0)
+          mosaic_cold = {"shards": mosaic.shards, **cold, "requests": proxy.count - before}
         on_bucket = [f"{prefix}/part-{part:05d}.jsonl" for part in range(count)]
         lane, warm_sources[name] = lane_host(glob, on_bucket, os.path.join(work, f"lane-{count}"), emulator, proxy,
                                              corpus_bytes)
@@ -258,6 +331,8 @@ def main() -> None:
                                                     rounds, batches)
         results[name] = {"files": count, "records": records, "corpus_bytes": corpus_bytes,
                          "upload_s": uploaded, "index_s": indexed, "lane": lane, "global_shuffle": shuffle}
+        if mosaic is not None:
+          results[name]["mosaic_node_cold"] = mosaic_cold
         report.measurement(name=name, **json.loads(json.dumps(results[name], default=float)))
         shutil.rmtree(os.path.join(work, f"local-{count}"), ignore_errors=True)
       # The two corpora against each other in paired rounds (one figure each is at the mercy of the machine).
@@ -267,6 +342,13 @@ def main() -> None:
                 "global_shuffle": _paired(rounds, lambda name: _read_us(cached_sets[name],
                                                                         1 + next(turns[name]) * batches, batches),
                                           names)}
+      for name, mosaic in mosaics.items():  # Mosaic's CPU per record over ckpt_iter's, in the same rounds
+        node = {"mosaic": mosaic.node_us, "ckpt_iter": lambda name=name: _lane_share_us(warm_sources[name])}
+        process = {"mosaic": mosaic.process_us, "ckpt_iter": lambda name=name: _read_us(
+            cached_sets[name], 1 + next(turns[name]) * batches, batches)}
+        for label, sides in ((f"mosaic node / lane host, {name}", node),
+                             (f"mosaic process / global shuffle, {name}", process)):
+          paired[label] = _paired(rounds, lambda side, sides=sides: sides[side](), ("mosaic", "ckpt_iter"))
       report.measurement(name="paired", **paired)
       proxy.stop()
   finally:
@@ -274,6 +356,12 @@ def main() -> None:
   big, small = results[f"{big_files:,} files"], results[f"{SMALL_FILES} files"]
   lane_ratio, shuffle_ratio = paired["lane"]["ratio"], paired["global_shuffle"]["ratio"]
   warm, named = big["lane"]["warm"], big["lane"]["warm, files from index"]
+  # Mosaic's CPU per record over ckpt_iter's (>= 1: ckpt_iter costs no more), where it was measured.
+  against_mosaic = [_common.check(f"{label}: Mosaic Streaming's CPU per record / ckpt_iter's",
+                                  _common.rounded(found["ratio"], 3), ">= 1", found["ratio"] >= 1,
+                                  spread=_common.rounded(found["spread"], 3),
+                                  **{f"{side}_us": _common.rounded(us, 3) for side, us in found["us"].items()})
+                    for label, found in paired.items() if label.startswith("mosaic")]
   report.summary([
       _common.check(f"lane host, its share from a warm cache, CPU per record: {big_files:,} files / {SMALL_FILES}",
                     _common.rounded(lane_ratio, 3), "<= 1.5", lane_ratio <= 1.5,
@@ -296,6 +384,7 @@ def main() -> None:
       _common.check(f"lane host, {big_files:,} files: bytes downloaded / (corpus / {HOSTS})",
                     _common.rounded(big["lane"]["downloaded_vs_share"], 3), "<= 1.25",
                     big["lane"]["downloaded_vs_share"] <= 1.25),
+      *against_mosaic,
   ], load_average_end=_common.load_average())
 
 

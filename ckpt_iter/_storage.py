@@ -317,7 +317,9 @@ def directory_identities(paths: list[str]) -> dict[str, Identity]:
   """The identities of those of the URLs `paths` that a listing of their directory describes, one listing per
   directory holding several of them (a listing page describes a thousand objects; gcsfs's stat of one path
   asks about 4 requests: a list of 20,480 paths cost ~82,000 at every start). Paths it does not hold (local
-  ones, missing objects, directories of one asked path) are left out."""
+  ones, missing objects, directories of one asked path) are left out. The listing asks for the names that
+  begin as every asked one does: a store lists a directory's subdirectories whole, so a directory's other
+  objects (another format's shards beside these, say) would cost pages of their own."""
   by_directory: dict[str, set[str]] = {}
   for path in paths:
     if is_url(path):
@@ -326,7 +328,8 @@ def directory_identities(paths: list[str]) -> dict[str, Identity]:
   for directory, asked in by_directory.items():
     if len(asked) >= _LIST_A_DIRECTORY_AT:
       scheme, rest = directory.split("://", 1)
-      listing = glob_identities(f"{scheme}://{glob_lib.escape(rest)}/*")
+      common = os.path.commonprefix([path[len(directory) + 1:] for path in asked])
+      listing = glob_identities(f"{scheme}://{glob_lib.escape(rest)}/{glob_lib.escape(common)}*")
       found.update({path: listing[path] for path in asked if path in listing})
   return found
 
