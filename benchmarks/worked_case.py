@@ -241,9 +241,13 @@ class Mosaic:
                          check=True)
     names = json.loads(out.stdout.strip().splitlines()[-1])
     self.shards, self.remote = len(names) - 1, f"{prefix}/mds"  # less index.json
+
+    def put(name: str) -> None:
+      with open(os.path.join(local, name), "rb") as f:
+        _storage.write_bytes(f"{self.remote}/{name}", f.read())
+
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-      list(pool.map(lambda name: _storage.write_bytes(f"{self.remote}/{name}",
-                                                       open(os.path.join(local, name), "rb").read()), names))
+      list(pool.map(put, names))
     # One process's cache holding every shard, as the global shuffle's holds every file.
     shutil.copytree(local, os.path.join(work, "cache-all"))
     os.remove(lines)
