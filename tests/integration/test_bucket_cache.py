@@ -188,9 +188,9 @@ def test_a_list_of_paths_asks_one_listing_not_each_objects_metadata(corpus, gcs_
   assert [found.size for found in source.identities()] == [os.path.getsize(p) for p in local]
   requests = gcs_emulator.requests(mark)
   assert gcs_emulator_lib.count_by_kind(requests)["metadata"] == 0 and len(requests) <= 2, requests
-  # The listing asks for the names the paths share, not the whole directory: its other objects (below, another
-  # format's shards in a subdirectory) are listed whole, a page a thousand (41 pages where a glob made 21 in
-  # benchmarks/worked_case.py, 20,480 MDS shards beside 20,480 files).
+  # The listing asks for the names the paths share, not the whole directory: a store lists a directory's
+  # subdirectories whole, a page a thousand objects (41 pages where the glob asked 21 in
+  # benchmarks/worked_case.py, with 20,481 MDS objects in a subdirectory beside 20,480 files).
   prefix = remote.split("/", 3)[3].replace("part-*.jsonl", "part-")
   assert {r.name for r in requests if r.kind == "list"} == {prefix}, requests
   # A path the listing does not hold is still refused by name.
