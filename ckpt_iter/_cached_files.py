@@ -15,7 +15,6 @@ sources themselves, and JSONL's own cache path, are in `sources` and `_jsonl`.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import logging
@@ -24,6 +23,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from ckpt_iter import _corpus_index
+from ckpt_iter import _open_files
 from ckpt_iter import _shard_cache
 from ckpt_iter import _storage
 from ckpt_iter import errors
@@ -329,20 +329,7 @@ class OpenReaders:
                max_open: int, kind: str = "array_record"):
     self.cache, self.paths, self.identities, self.max_open = cache, paths, identities, max_open
     self.kind = kind
-    self._init_local()
-
-  def _init_local(self) -> None:
-    self._open: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()  # index -> [fd, reader, readers]
-    self._lock = threading.Lock()
-    self._pid = os.getpid()
-
-  def __getstate__(self) -> dict[str, Any]:
-    return {"cache": self.cache, "paths": self.paths, "identities": self.identities, "max_open": self.max_open,
-            "kind": self.kind}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update({"kind": "array_record", **state})
-    self._init_local()
+    self._open = _open_files.OpenFiles()  # file index -> OpenFile (its descriptor and reader)
 
   def counts(self, indices: Sequence[int]) -> list[int]:
     """The record counts of ArrayRecord files `indices`: from their footers where they are (array_record's own
@@ -369,22 +356,13 @@ class OpenReaders:
   def read(self, file_index: int, use: Callable[[Any], Any], footer: list[int], indexed: bool = False) -> Any:
     """`use(reader)` of file `file_index`'s copy, whose footer must be `footer` (`indexed`: the footer the
     source was built with came from a corpus index)."""
-    entry = self._acquire(file_index, footer, indexed)
+    entry = self._open.use(file_index) or self._opened(file_index, footer, indexed)
     try:
-      return use(entry[1])
+      return use(entry.reader)
     finally:
-      with self._lock:
-        entry[2] -= 1
+      self._open.done(entry)
 
-  def _acquire(self, file_index: int, footer: list[int], indexed: bool) -> list[Any]:
-    if self._pid != os.getpid():  # a forked worker: its own descriptors
-      self._init_local()
-    with self._lock:
-      entry = self._open.get(file_index)
-      if entry is not None:
-        self._open.move_to_end(file_index)
-        entry[2] += 1
-        return entry
+  def _opened(self, file_index: int, footer: list[int], indexed: bool) -> _open_files.OpenFile:
     kind = COPY_KINDS[self.kind]
     path, found = self.paths[file_index], self.identities[file_index]
     fd = self.cache.open(path, found)
@@ -397,39 +375,29 @@ class OpenReaders:
     except BaseException:
       os.close(fd)
       raise
-    closed = False
-    with self._lock:
-      entry = self._open.get(file_index)
-      if entry is not None:  # another thread opened it meanwhile
-        kind.close(reader)
-        os.close(fd)
-      else:
-        entry = self._open[file_index] = [fd, reader, 0]
-        for other in _storage.least_recent_idle(self._open, len(self._open) - self.max_open, file_index,
-                                                lambda e: e[2] == 0):
-          self.cache.touch(self.paths[other], self.identities[other])  # its last use, for eviction
-          self._close(self._open.pop(other))
-          closed = True
-      entry[2] += 1
-    if closed:
+    opened = _open_files.OpenFile(fd, reader)
+    entry, evicted = self._open.add(file_index, opened, limit=self.max_open, evict=self._evict)
+    if entry is not opened:  # another thread opened it meanwhile
+      self._close(opened)
+    if evicted:
       self.cache.make_room(0)
     return entry
 
+  def _evict(self, file_index: int, entry: _open_files.OpenFile) -> None:
+    self.cache.touch(self.paths[file_index], self.identities[file_index])  # its last use, for eviction
+    self._close(entry)
+
   def is_open(self, file_index: int) -> bool:
     """Whether this process has file `file_index`'s reader open."""
-    return self._pid == os.getpid() and file_index in self._open
+    return file_index in self._open
 
   def close_idle(self, keep: Sequence[int]) -> None:
-    if self._pid != os.getpid():
-      return
-    kept = set(keep)
-    with self._lock:
-      closing = [i for i, e in self._open.items() if e[2] == 0 and i not in kept]
-      for i in closing:
-        self._close(self._open.pop(i))
+    closing = self._open.take_idle(set(keep))
+    for _, entry in closing:
+      self._close(entry)
     if closing:
       self.cache.make_room(0)
 
-  def _close(self, entry: list[Any]) -> None:
-    COPY_KINDS[self.kind].close(entry[1])
-    os.close(entry[0])
+  def _close(self, entry: _open_files.OpenFile) -> None:
+    COPY_KINDS[self.kind].close(entry.reader)
+    os.close(entry.fd)

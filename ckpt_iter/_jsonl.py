@@ -25,6 +25,7 @@ import numpy as np
 from ckpt_iter import _compression
 from ckpt_iter import _corpus_index
 from ckpt_iter import _line_index
+from ckpt_iter import _open_files
 from ckpt_iter import _shard_cache
 from ckpt_iter import _source_files
 from ckpt_iter import _storage
@@ -178,11 +179,12 @@ class JsonlSource(_source_files.FileReader):
 
   def _init_open(self) -> None:
     # This process's open local copies: file index -> _OpenCopy, least recently used first.
-    self._open: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
+    self._open = _open_files.OpenFiles()
     # The line indexes of copies it closed, by file index, while the copy is the same (`_kept_index`).
     self._closed: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
     self._closed_bytes = 0
-    # The small copies read whole (`_SMALL_COPY_BYTES`), no descriptor open, least recently used first.
+    # The small copies read whole (`_SMALL_COPY_BYTES`), no descriptor open, least recently used first; they
+    # and the closed copies' indexes under `_open_lock` (the open copies under their own).
     self._held: collections.OrderedDict[int, _OpenCopy] = collections.OrderedDict()
     self._held_bytes = 0
     self._open_lock = threading.Lock()
@@ -285,10 +287,10 @@ class JsonlSource(_source_files.FileReader):
     if self._cache is None or self._open_pid != os.getpid():
       return
     kept = set(keep)
+    closing = self._open.take_idle(kept)
     with self._open_lock:
-      closing = [i for i, copy in self._open.items() if copy.readers == 0 and i not in kept]
-      for i in closing:
-        self._close(i)
+      for i, copy in closing:
+        self._close(i, copy)
       for i in [i for i in self._held if i not in kept]:  # no descriptor: only the memory to give back
         self._held_bytes -= len(self._held.pop(i).data)
     if closing:
@@ -372,24 +374,21 @@ class JsonlSource(_source_files.FileReader):
 
   def _cached_read(self, file_index: int, line: int) -> bytes:
     copy = self._open_copy(file_index)
+    if copy.data is not None:  # held whole: no count of readers to give back
+      return copy.data[int(copy.starts[line]):int(copy.ends[line])]
     try:
-      start, end = int(copy.starts[line]), int(copy.ends[line])
-      if copy.data is not None:
-        return copy.data[start:end]
-      return os.pread(copy.fd, end - start, start)
+      start = int(copy.starts[line])
+      return os.pread(copy.fd, int(copy.ends[line]) - start, start)
     finally:
-      with self._open_lock:
-        copy.readers -= 1
+      self._open.done(copy)
 
   def _open_copy(self, file_index: int) -> "_OpenCopy":
-    """This process's open copy of a file, one reader more (the caller releases it)."""
+    """This process's copy of a file: held whole, or open with one reader more (the caller releases it)."""
     if self._open_pid != os.getpid():  # a forked worker: its own descriptors, and its own lock
       self._init_open()
-    with self._open_lock:
-      copy = self._in_memory(file_index)
-      if copy is not None:
-        copy.readers += 1
-        return copy
+    copy = self._in_memory(file_index)
+    if copy is not None:
+      return copy
     # Entering a file this process has not open: the next ones are downloaded ahead (unless a plan says), when
     # this thread reads the files in order (a global shuffle hops between files: the next by index is no guess).
     previous, self._local.entered = getattr(self._local, "entered", None), file_index
@@ -397,11 +396,9 @@ class JsonlSource(_source_files.FileReader):
       self.prefetch(range(file_index + 1, file_index + 1 + self._prefetch_files))
     path, found = self._paths[file_index], self._identities[file_index]
     if self._planned and self._cache.wait_for(path, found):
-      with self._open_lock:  # the plan's prefetch of this file, under way, holds it open now (`_hold`)
-        copy = self._in_memory(file_index)
-        if copy is not None:
-          copy.readers += 1
-          return copy
+      copy = self._in_memory(file_index)  # the plan's prefetch of this file, under way, holds it open now (`_hold`)
+      if copy is not None:
+        return copy
     return self._adopt(file_index, self._cache.open(path, found), readers=1)
 
   def _adopt(self, file_index: int, fd: int, *, readers: int) -> "_OpenCopy":
@@ -426,57 +423,56 @@ class JsonlSource(_source_files.FileReader):
       raise
     if data is not None:
       os.close(fd)  # the bytes, checked when opened, are all a read needs
-      return self._keep_in_memory(file_index, _OpenCopy(None, starts, ends, data=data), readers)
-    closed = False
-    with self._open_lock:
-      copy = self._open.get(file_index)
-      if copy is not None:  # another thread opened it meanwhile
-        os.close(fd)
-      else:
-        copy = self._open[file_index] = _OpenCopy(fd, starts, ends, key)
+      return self._keep_in_memory(file_index, _OpenCopy(None, starts, ends, data=data))
+    # Past the limit, idle copies are closed (least recently used first): they may be evicted. A plan closes
+    # the copies it is done with itself (`release`), and keeps those it reads next.
+    opened = _OpenCopy(fd, starts, ends, key)
+    copy, evicted = self._open.add(file_index, opened, readers, limit=None if self._planned else self._max_open_files,
+                                   evict=self._evict)
+    if copy is not opened:  # another thread opened it meanwhile
+      os.close(fd)
+    else:
+      with self._open_lock:
         kept = self._closed.pop(file_index, None)
         if kept is not None:
           self._closed_bytes -= kept.starts.nbytes + kept.ends.nbytes
-        # Past the limit, close idle copies (least recently used first): they may be evicted. A plan
-        # closes the copies it is done with itself (`release`), and keeps those it reads next.
-        # Only past the limit, and only as far as the idle copies to close are found (a list of every open
-        # copy at each open was O(open): most of a global shuffle's CPU with thousands open).
-        if len(self._open) > self._max_open_files and not self._planned:
-          for other in _storage.least_recent_idle(self._open, len(self._open) - self._max_open_files, file_index,
-                                                  lambda c: c.readers == 0):
-            self._cache.touch(self._paths[other], self._identities[other])  # its last use, for eviction
-            self._close(other)
-            closed = True
-      copy.readers += readers
-    if closed:
+    if evicted:
       self._cache.make_room(0)  # what it closed may make the cache over its limit
     return copy
 
-  def _in_memory(self, file_index: int) -> "_OpenCopy | None":
-    """This process's copy of a file, open or held (the open lock held), marked as just used."""
-    for copies in (self._open, self._held):
-      copy = copies.get(file_index)
-      if copy is not None:
-        copies.move_to_end(file_index)
-        return copy
-    return None
-
-  def _keep_in_memory(self, file_index: int, copy: "_OpenCopy", readers: int) -> "_OpenCopy":
-    """Holds a small copy read whole, dropping the least recently used past `_HELD_BYTES`; the copy held (one
-    another thread kept meanwhile, if so), with `readers` readers more."""
+  def _evict(self, file_index: int, copy: "_OpenCopy") -> None:
+    self._cache.touch(self._paths[file_index], self._identities[file_index])  # its last use, for eviction
     with self._open_lock:
-      kept = self._in_memory(file_index)
+      self._close(file_index, copy)
+
+  def _in_memory(self, file_index: int) -> "_OpenCopy | None":
+    """This process's copy of a file, open (one reader more) or held, marked as just used."""
+    copy = self._open.use(file_index)
+    if copy is not None:
+      return copy
+    with self._open_lock:
+      copy = self._held.get(file_index)
+      if copy is not None:
+        self._held.move_to_end(file_index)
+      return copy
+
+  def _keep_in_memory(self, file_index: int, copy: "_OpenCopy") -> "_OpenCopy":
+    """Holds a small copy read whole, dropping the least recently used past `_HELD_BYTES`; the copy held (one
+    another thread kept meanwhile, if so). A read holds no count of it: a read under way keeps its own."""
+    with self._open_lock:
+      kept = self._held.get(file_index)
       if kept is None:
         kept = self._held[file_index] = copy
         self._held_bytes += len(copy.data)
         while self._held_bytes > _HELD_BYTES and len(self._held) > 1:
-          self._held_bytes -= len(self._held.popitem(last=False)[1].data)  # a read under way keeps its own
-      kept.readers += readers
+          self._held_bytes -= len(self._held.popitem(last=False)[1].data)
+      else:
+        self._held.move_to_end(file_index)
       return kept
 
-  def _close(self, file_index: int) -> None:
-    """Closes this process's copy of a file (the open lock held), keeping its line index while memory allows."""
-    copy = self._open.pop(file_index)
+  def _close(self, file_index: int, copy: "_OpenCopy") -> None:
+    """Closes this process's copy of a file, taken out of the open ones (the open lock held), keeping its line
+    index while memory allows."""
     os.close(copy.fd)
     size = copy.starts.nbytes + copy.ends.nbytes
     if size > _CLOSED_INDEX_BYTES:

@@ -28,7 +28,6 @@ docs/failure_modes.md).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import errno
@@ -43,6 +42,7 @@ from typing import Any, BinaryIO, Callable, NoReturn, Protocol, Sequence
 
 from ckpt_iter import _checksums
 from ckpt_iter import _object_store as store
+from ckpt_iter import _open_files
 from ckpt_iter import errors
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -562,61 +562,29 @@ class _RangeFiles:
   """
 
   def __init__(self):
-    self._open: collections.OrderedDict[tuple[str, Any], list[Any]] = collections.OrderedDict()  # [fd, readers]
-    self._lock = threading.Lock()
-    self._pid = os.getpid()
+    self._open = _open_files.OpenFiles()  # (path, pin) -> OpenFile
 
   def pread(self, path: str, pin: Any, start: int, end: int) -> bytes:
-    entry = self._acquire(path, pin)
-    try:
-      return os.pread(entry[0], end - start, start)
-    finally:
-      with self._lock:
-        entry[1] -= 1
-
-  def _acquire(self, path: str, pin: Any) -> list[Any]:
-    if self._pid != os.getpid():  # a forked worker: its own descriptors
-      self._open, self._lock, self._pid = collections.OrderedDict(), threading.Lock(), os.getpid()
     key = (path, pin)
-    with self._lock:
-      entry = self._open.get(key)
-      if entry is not None:
-        self._open.move_to_end(key)
-        entry[1] += 1
-        return entry
+    entry = self._open.use(key) or self._opened(path, pin, key)
+    try:
+      return os.pread(entry.fd, end - start, start)
+    finally:
+      self._open.done(entry)
+
+  def _opened(self, path: str, pin: Any, key: tuple[str, Any]) -> _open_files.OpenFile:
     fd = os.open(path, os.O_RDONLY)
     found = _file_key(os.fstat(fd))
     if found != pin:
       os.close(fd)
       raise store.replaced_error(path, f"size, inode or mtime changed: {pin} then, {found} now", "file")
-    with self._lock:
-      entry = self._open.get(key)
-      if entry is not None:  # another thread opened it meanwhile
-        os.close(fd)
-      else:
-        entry = self._open[key] = [fd, 0]
-        limit = max(16, _open_file_limit() // 4)  # asked at each open: a program may change it; the cache takes half
-        for other in least_recent_idle(self._open, len(self._open) - limit, key, lambda e: e[1] == 0):
-          os.close(self._open.pop(other)[0])
-      entry[1] += 1
+    opened = _open_files.OpenFile(fd)
+    # The limit asked at each open: a program may change it; the cache takes half.
+    entry, _ = self._open.add(key, opened, limit=max(16, _open_file_limit() // 4),
+                              evict=lambda _, idle: os.close(idle.fd))
+    if entry is not opened:  # another thread opened it meanwhile
+      os.close(fd)
     return entry
-
-
-def least_recent_idle(opened: collections.OrderedDict, count: int, keep: Any, idle: Callable[[Any], bool]) -> list[Any]:
-  """The first `count` keys of `opened` (least recently used first) whose entry is `idle`, but `keep`.
-
-  Walked only as far as they are found: a list of every open entry at each
-  open is O(open) per open (1 ms a read with 10,000 copies open).
-  """
-  found: list[Any] = []
-  if count <= 0:
-    return found
-  for key, entry in opened.items():
-    if key != keep and idle(entry):
-      found.append(key)
-      if len(found) == count:
-        break
-  return found
 
 
 def _open_file_limit() -> int:

@@ -66,9 +66,8 @@ def _evict_copies(source, *others):
   """Closes the sources' copies and removes every copy (their line counts stay): a cache holding other files."""
   for each in (source, *others):
     each.cache.wait()  # a prefetch holds its copy open while it indexes it
-    for copy in each._open.values():  # pylint: disable=protected-access
+    for _, copy in each._open.take_idle(()):  # pylint: disable=protected-access
       os.close(copy.fd)
-    each._open.clear()  # pylint: disable=protected-access
   for entry, _, _ in source.cache.entries():
     assert source.cache.evict(entry)
 
