@@ -3,7 +3,8 @@ that cannot take them.
 
 A file of the cache is written under an exclusive flock (`locked_file`): that
 lock, never a process id, is how a sweep tells a live temporary from an
-abandoned one (`is_held`). A download writes through a `CacheWriter`, whose
+abandoned one (`is_held`, `remove_abandoned`: a cache's build sweeps its
+directory). A download writes through a `CacheWriter`, whose
 write errors are the cache's disk's (`CacheWriteFailed`), never the store's;
 `cache_error` words them: a full disk with the bytes needed and free (a
 decompressed copy measured to its end), anything else naming the directory.
@@ -147,3 +148,33 @@ def is_held(lock_path: str) -> bool:
     return True
   finally:
     os.close(fd)
+
+
+def remove_abandoned(directory: str) -> None:
+  """Removes the temporaries in a cache's `directory` of writes that no one is making any more.
+
+  A temporary is live while its writer holds its exclusive flock, or, for
+  a download, the entry's download lock: liveness rests on locks the
+  kernel drops when the writer dies, never on process ids (which mean
+  nothing to a process in another PID namespace sharing the disk).
+  """
+  for name in os.listdir(directory):
+    if ".tmp-" not in name:
+      continue
+    temporary = os.path.join(directory, name)
+    download_lock = temporary.rsplit(".tmp-", 1)[0] + ".lock"
+    if is_held(download_lock):
+      continue  # a download of that entry is under way
+    try:
+      fd = os.open(temporary, os.O_RDONLY)
+    except OSError:
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      if not is_held(download_lock):  # again: a download may have begun since
+        with contextlib.suppress(OSError):
+          os.unlink(temporary)
+    except BlockingIOError:
+      pass  # being written
+    finally:
+      os.close(fd)

@@ -105,7 +105,7 @@ class ShardCache(_cache_companions.CompanionFiles):
     self._init_local()
     # Once per opening: temporaries a killed process abandoned swept, the total written again from a listing
     # (whatever a killed process left undone), and back under the limit (copies it held are idle now).
-    self._remove_abandoned()
+    _cache_disk.remove_abandoned(self.directory)
     self._reconcile()
     self.make_room(0)
 
@@ -574,34 +574,6 @@ class ShardCache(_cache_companions.CompanionFiles):
       total = ledger.total
     self._order.reset([(entry, last_use) for entry, _, last_use in copies])
     return total
-
-  def _remove_abandoned(self) -> None:
-    """Removes the temporaries of writes that no one is making any more.
-
-    A temporary is live while its writer holds its exclusive flock, or, for
-    a download, the entry's download lock: liveness rests on locks the
-    kernel drops when the writer dies, never on process ids (which mean
-    nothing to a process in another PID namespace sharing the disk).
-    """
-    for name in os.listdir(self.directory):
-      if ".tmp-" not in name:
-        continue
-      temporary = os.path.join(self.directory, name)
-      if _cache_disk.is_held(temporary.rsplit(".tmp-", 1)[0] + ".lock"):
-        continue  # a download of that entry is under way
-      try:
-        fd = os.open(temporary, os.O_RDONLY)
-      except OSError:
-        continue
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not _cache_disk.is_held(temporary.rsplit(".tmp-", 1)[0] + ".lock"):  # again: a download may have begun since
-          with contextlib.suppress(OSError):
-            os.unlink(temporary)
-      except BlockingIOError:
-        pass  # being written
-      finally:
-        os.close(fd)
 
   @contextlib.contextmanager
   def _download_lock(self, entry: str) -> Iterator[None]:
