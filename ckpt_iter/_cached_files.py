@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 from ckpt_iter import _corpus_index
 from ckpt_iter import _open_files
 from ckpt_iter import _shard_cache
+from ckpt_iter import _source_files
 from ckpt_iter import _storage
 from ckpt_iter import errors
 from ckpt_iter import store_bounds
@@ -32,12 +33,13 @@ from ckpt_iter import store_bounds
 _log = logging.getLogger(__name__)
 
 
-class FilesThroughCache:
+class FilesThroughCache(_source_files.FileSource):
   """What a source read a file at a time through a ShardCache (Parquet, ArrayRecord) gives make_dataset's
-  plan: prefetch by file index on entering a file, or by the plan once it says so (`_plan_prefetch`).
+  plan: prefetch by file index on entering a file, or by the plan once it says so (`_plan_prefetch`), and
+  the readers of its copies it keeps open (`OpenReaders`).
 
-  The subclass sets `_paths`, `_identities` (with a cache), `_cache`, `_prefetch_files`, `_planned`
-  and a thread-local `_local`. (JsonlSource has its own: its copies carry their line indexes.)
+  The subclass sets `_paths`, `_identities` and `_copies` (with a cache), `_cache`, `_prefetch_files`,
+  `_planned` and a thread-local `_local`. (JsonlSource has its own: its copies carry their line indexes.)
   """
 
   _paths: list[str]
@@ -46,6 +48,7 @@ class FilesThroughCache:
   _prefetch_files: int
   _planned: bool
   _local: threading.local
+  _copies: "OpenReaders"
 
   @property
   def cache(self) -> _shard_cache.ShardCache | None:
@@ -81,10 +84,14 @@ class FilesThroughCache:
     """Each file's size and version as read when built through a cache; None without one."""
     return list(self._identities) if self._cache is not None else None
 
+  def release(self, keep: Sequence[int]) -> None:
+    """Closes this process's idle copies of the files not in `keep`: a plan is done with them."""
+    if self._cache is not None:
+      self._copies.close_idle(keep)
+
   def _is_open(self, file_index: int) -> bool:
-    """Whether this process holds file `file_index`'s copy open (a source that keeps copies open says)."""
-    del file_index
-    return False
+    """Whether this process holds file `file_index`'s copy open."""
+    return self._cache is not None and self._copies.is_open(file_index)
 
   def _entering(self, file_index: int) -> None:
     """A read of file `file_index` by this thread: entering a file not open here, the next files are

@@ -41,7 +41,7 @@ _HELD_BYTES = 64 * 2**20
 _INDEX_HEADER_BYTES = 4096  # an .npy header is 128 bytes; anything read past the lines' 16 bytes is not an index
 
 
-class JsonlSource(_source_files.FileReader):
+class JsonlSource(_source_files.FileSource):
   """Records of one or more JSONL files, indexed by line offset.
 
   The line index of each file is cached (see `index_cache_location`), so a restart
@@ -87,6 +87,7 @@ class JsonlSource(_source_files.FileReader):
   # Its public home: a hand-built Grain graph's fingerprint names its source by module and class
   # (`_graph._source_params`), and pickles name the class by it, as they did before this module existed.
   __module__ = "ckpt_iter.sources"
+  suffixes = (".jsonl",) + tuple(".jsonl" + suffix for suffix in _compression.COMPRESSED_SUFFIXES)
 
   def __init__(self, paths: _source_files.PathsArg, *, index_cache_dir: str | None = None,
                cache: _shard_cache.ShardCache | None = None, prefetch_files: int = 2,

@@ -32,6 +32,7 @@ import threading
 from typing import Any, Sequence
 
 from ckpt_iter import _permutation
+from ckpt_iter import _source_files
 
 _log = logging.getLogger(__name__)
 
@@ -77,19 +78,12 @@ class PlanPrefetch:
                  epochs: int | None = None) -> "PlanPrefetch | None":
     """The prefetcher of `records` read in `order` for `epochs` epochs (None: no end), or None (no cache,
     prefetch off, or nothing to fetch)."""
-    from ckpt_iter import sources  # pylint: disable=g-import-not-at-top
-
-    follow = getattr(records, "follow_plan", None)
-    cache = getattr(records, "cache", None)
-    if not ENABLED or not callable(follow) or cache is None or not getattr(records, "prefetch_files", 0):
+    if not ENABLED or not isinstance(records, _source_files.FileSource) or records.cache is None:
       return None
-    offsets = sources.file_offsets(records)
-    if offsets is None:
+    if not records.prefetch_files:
       return None
-    follow()  # the plan, not the file index, says what comes next
-    sizes = records.cached_bytes() if callable(getattr(records, "cached_bytes", None)) else [
-        found.size for found in records.identities()]
-    return cls(order, records, offsets, sizes, cache.max_bytes, epochs)
+    records.follow_plan()  # the plan, not the file index, says what comes next
+    return cls(order, records, records.file_offsets(), records.cached_bytes(), records.cache.max_bytes, epochs)
 
   def at(self, index: int) -> None:
     """A read of stream index `index`: on entering a window not seen yet, prefetch what comes next."""

@@ -5,15 +5,19 @@ of them, local or on an object store: `expand_paths` expands each glob (its
 matches sorted) and checks every file exists, in the words errors name the
 source by. Its records are numbered across its files in order (`locate`), and
 its per-thread reading state stays out of a pickle (`FileReader`), so Grain's
-worker processes open their own.
+worker processes open their own. What every file source answers is declared
+once (`FileSource`): a new format is one subclass naming its suffixes, which
+registers it for make_dataset's paths and `ckpt-iter index`
+(`SOURCE_BY_SUFFIX`).
 """
 
 from __future__ import annotations
 
+import abc
 import bisect
 import os
 import threading
-from typing import Any, Sequence, Union
+from typing import Any, ClassVar, Sequence, Union
 
 import numpy as np
 
@@ -153,6 +157,80 @@ class FileReader:
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({len(self._paths)} files, {len(self)} records)"
+
+
+# The file source of each kind of file, by its plain suffix (a `.jsonl.gz` or `.jsonl.zst` is JSONL's `.jsonl`):
+# what make_dataset's paths and `ckpt-iter index` pick a source from. Each FileSource subclass adds itself.
+SOURCE_BY_SUFFIX: dict[str, type["FileSource"]] = {}
+
+
+def file_suffixes() -> tuple[str, ...]:
+  """Every file ending a registered file source reads (a compressed JSONL's included)."""
+  return tuple(suffix for reader in SOURCE_BY_SUFFIX.values() for suffix in reader.suffixes)
+
+
+class FileSource(FileReader, abc.ABC):
+  """A source of records read from files (JSONL, Parquet, ArrayRecord): what make_dataset's build and plan,
+  `ckpt-iter index` and `which --source` ask of one, declared once.
+
+  A subclass naming `suffixes` (the plain one first) is registered under its
+  first (`SOURCE_BY_SUFFIX`): a new format is one class.
+  """
+
+  suffixes: ClassVar[tuple[str, ...]] = ()  # the endings of its files, the plain suffix first
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)
+    if cls.__dict__.get("suffixes"):
+      SOURCE_BY_SUFFIX[cls.suffixes[0]] = cls
+
+  @property
+  @abc.abstractmethod
+  def cache(self) -> Any:
+    """The `ShardCache` the files are read through, or None (read where they are)."""
+
+  @abc.abstractmethod
+  def identities(self) -> list[Any] | None:
+    """Each file's size and version as read when built (None where the source keeps none)."""
+
+  @abc.abstractmethod
+  def file_offsets(self) -> list[int]:
+    """The global index of each file's first record, and the total."""
+
+  @abc.abstractmethod
+  def file_position(self, index: int) -> tuple[str, str]:
+    """(file, where in it) of record `index`, as `which --source` names it."""
+
+  @property
+  @abc.abstractmethod
+  def prefetch_files(self) -> int:
+    """How many files ahead a cached source downloads (0: no prefetch)."""
+
+  @abc.abstractmethod
+  def prefetch(self, file_indices: Sequence[int]) -> None:
+    """Downloads these files into the cache in the background (with no cache, nothing)."""
+
+  @abc.abstractmethod
+  def follow_plan(self) -> None:
+    """From now on a plan names the files to prefetch (make_dataset(shuffle="shards")), not the file index."""
+
+  @abc.abstractmethod
+  def cached_bytes(self) -> list[int]:
+    """What each file takes in the cache."""
+
+  @abc.abstractmethod
+  def release(self, keep: Sequence[int]) -> None:
+    """Closes this process's idle copies of the files not in `keep`: a plan is done with them."""
+
+  @property
+  def max_open_files(self) -> int | None:
+    """How many copies a process keeps open, where a global shuffle's build should warn past it; None: it
+    does not say."""
+    return None
+
+  def files_kept_open(self) -> int:
+    """How many of its files a process must keep open to read them all without opening one again."""
+    return len(self.file_offsets()) - 1
 
 
 def short_repr(value: Any) -> str:

@@ -43,6 +43,7 @@ from ckpt_iter import _lanes
 from ckpt_iter import _permutation
 from ckpt_iter import _plan_prefetch
 from ckpt_iter import _records
+from ckpt_iter import _source_files
 from ckpt_iter import _stacking
 from ckpt_iter import _urls
 from ckpt_iter import errors
@@ -255,8 +256,8 @@ def _warn_if_the_cache_is_too_small(named: Mapping[str, tuple[Any, Any]], shuffl
   window = _permutation.DEFAULT_WINDOW if shuffle_window is None else int(shuffle_window)
   needed: dict[int, list[Any]] = {}
   for records, _ in named.values():
-    cache = getattr(records, "cache", None)
-    if cache is None or not callable(getattr(records, "prefetch", None)):
+    cache = records.cache if isinstance(records, _source_files.FileSource) else None
+    if cache is None:
       continue  # read in place, or a source of its own that cannot say what it holds
     sizes = sorted(records.cached_bytes(), reverse=True)
     entry = needed.setdefault(id(cache), [cache, 0])
@@ -291,11 +292,11 @@ def _warn_if_copies_reopen(named: Mapping[str, tuple[Any, Any]]) -> None:
   disk's CPU per record, where a copy kept open reads at about local disk's).
   """
   for name, (records, _) in named.items():
-    limit = getattr(records, "max_open_files", None)
-    if getattr(records, "cache", None) is None or not isinstance(limit, int):
+    cached = isinstance(records, _source_files.FileSource) and records.cache is not None
+    limit = records.max_open_files if cached else None
+    if limit is None:
       continue
-    kept_open = getattr(records, "files_kept_open", None)  # a JSONL source holds small copies in memory
-    files = kept_open() if callable(kept_open) else len(records.file_offsets()) - 1
+    files = records.files_kept_open()  # (a JSONL source holds small copies whole)
     if files > limit:
       _log.warning(
           "make_dataset: a global shuffle reads %s%d files in turn through the shard cache, and the source "

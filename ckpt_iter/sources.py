@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".array_record")
 _DIGEST_SAMPLES = 64
 _LISTED_FILES = 4
 
@@ -123,7 +122,7 @@ class _DecodedGroups:
     return table
 
 
-class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
+class ParquetSource(_cached_files.FilesThroughCache):
   """Records of one or more Parquet files, decoded one row group at a time.
 
   A row group is decoded whole; the decoded groups a process read last are
@@ -161,6 +160,8 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
       at a start, in place one footer read a file besides; the index is
       then the corpus).
   """
+
+  suffixes = (".parquet",)
 
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
                prefetch_files: int = 2, decoded_bytes: int = _DECODED_GROUP_BYTES, max_open_files: int = 16,
@@ -222,14 +223,6 @@ class ParquetSource(_cached_files.FilesThroughCache, _source_files.FileReader):
     return self._copies.read(file_index, lambda parquet: parquet.read_row_group(group_index),
                              self._group_rows[file_index], self._paths[file_index] in self._indexed)
 
-  def release(self, keep: Sequence[int]) -> None:
-    """Closes this process's idle copies of the files not in `keep`: a plan is done with them."""
-    if self._cache is not None:
-      self._copies.close_idle(keep)
-
-  def _is_open(self, file_index: int) -> bool:
-    return self._cache is not None and self._copies.is_open(file_index)
-
   def row_groups(self) -> list[list[int]]:
     """Each file's row groups' sizes, as its footer says (what `ckpt-iter index` keeps for a new host)."""
     return [list(rows) for rows in self._group_rows]
@@ -274,6 +267,8 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
       index is then the corpus).
   """
 
+  suffixes = (".array_record",)
+
   def __init__(self, paths: _source_files.PathsArg, *, cache: _shard_cache.ShardCache | None = None,
                prefetch_files: int = 2, max_open_files: int = 16, corpus_index: bool = True,
                files_from_index: bool = False):
@@ -308,15 +303,6 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
     self._read_paths = list(paths)
     self._local = threading.local()
 
-  def __getstate__(self) -> dict[str, Any]:
-    state = self.__dict__.copy()
-    state.pop("_local", None)
-    return state
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state)
-    self._local = threading.local()
-
   def __len__(self) -> int:
     return self._offsets[-1] if self._source is None else len(self._source)
 
@@ -329,19 +315,6 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
     return json.loads(self._copies.read(file_index, lambda reader: reader.read([position])[0], [expected],
                                         self._paths[file_index] in self._indexed))
 
-  @property
-  def paths(self) -> list[str]:
-    """The files, in the order their records are numbered."""
-    return list(self._paths)
-
-  def release(self, keep: Sequence[int]) -> None:
-    """Closes this process's idle copies of the files not in `keep`: a plan is done with them."""
-    if self._cache is not None:
-      self._copies.close_idle(keep)
-
-  def _is_open(self, file_index: int) -> bool:
-    return self._cache is not None and self._copies.is_open(file_index)
-
   def file_position(self, index: int) -> tuple[str, str]:
     """(file, "record N") of record `index` (records of the file, from 0)."""
     file_index, record = _source_files.locate(self.file_offsets(), index, len(self))
@@ -352,9 +325,6 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
     if self._offsets is None:
       self._offsets = np.cumsum([0] + _cached_files.record_counts(self._read_paths)).tolist()
     return list(self._offsets)
-
-  def __repr__(self) -> str:
-    return f"ArrayRecordSource({len(self._paths)} files, {len(self)} records)"
 
 
 class HuggingFaceSource:
@@ -484,11 +454,8 @@ def _is_iterable_only(source: Any) -> bool:
   return hasattr(source, "__iter__") or type(source).__name__ == "IterableDatasetDict"
 
 
-# The file source of each kind of file, by its suffix (a `.jsonl.gz` or `.jsonl.zst` is JSONL: its
-# plain suffix): the one list make_dataset's paths and `ckpt-iter index` pick a source from.
-SOURCE_BY_SUFFIX: dict[str, type] = {".jsonl": JsonlSource, ".parquet": ParquetSource,
-                                     ".array_record": ArrayRecordSource}
-_FILE_SOURCES = tuple(SOURCE_BY_SUFFIX.values())
+# The file source of each kind of file by its plain suffix, each class registered by its own `suffixes`.
+SOURCE_BY_SUFFIX = _source_files.SOURCE_BY_SUFFIX
 
 
 def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
@@ -504,7 +471,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     if len(kinds) != 1:
       raise errors.InvalidArgumentError(
           f"source mixes file types {sorted(kinds)}; pass files of one type "
-          f"({', '.join(FILE_SUFFIXES)})."
+          f"({', '.join(_source_files.file_suffixes())})."
       )
     suffix = kinds.pop()
     # On an object store, the shard cache the environment names (ShardCache.from_env), if any.
@@ -514,7 +481,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     identities = _identities_of(resolved) or _storage.identities(paths)
     description = _describe_files(suffix[1:], paths, identities)
     files = tuple(zip(paths, identities))
-  elif isinstance(source, _FILE_SOURCES) and source.cache is not None:
+  elif isinstance(source, _source_files.FileSource) and source.cache is not None:
     # Described by its files, as the same paths given to make_dataset are: a run may turn
     # its cache on or off.
     resolved = source
@@ -536,7 +503,7 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
   else:
     raise errors.InvalidArgumentError(
         f"source={_source_files.short_repr(source)} is not supported. Pass a list of records "
-        f"(dicts), a path, glob or list of paths to {', '.join(FILE_SUFFIXES)} "
+        f"(dicts), a path, glob or list of paths to {', '.join(_source_files.file_suffixes())} "
         "files, a Hugging Face datasets.Dataset (or HuggingFaceSource), or a "
         "random-access data source (with __len__ and __getitem__)."
     )
@@ -546,9 +513,8 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
         f"source {description} holds no records; a dataset needs at least one."
     )
   digest = sample_digest(resolved, length)
-  release = getattr(resolved, "release", None)
-  if callable(release):
-    release(())  # the copies the digest's reads opened: idle now, so the cache may evict them
+  if isinstance(resolved, _source_files.FileSource):
+    resolved.release(())  # the copies the digest's reads opened: idle now, so the cache may evict them
   return resolved, SourceIdentity(description, length, digest, files)
 
 
@@ -573,9 +539,9 @@ def _as_paths(source: Any) -> list[str] | None:
   if candidates is None:
     return None
   for candidate in candidates:
-    if not candidate.endswith(FILE_SUFFIXES):
+    if not candidate.endswith(_source_files.file_suffixes()):
       raise errors.InvalidArgumentError(
-          f"source path {candidate!r} does not end in one of {', '.join(FILE_SUFFIXES)}. "
+          f"source path {candidate!r} does not end in one of {', '.join(_source_files.file_suffixes())}. "
           "Pass JSONL, Parquet or ArrayRecord files, or a list of record dicts."
       )
   return _source_files.expanded(candidates, "source")
@@ -589,14 +555,14 @@ def _is_random_access(source: Any) -> bool:
 
 def _identities_of(source: Any) -> list[_storage.Identity] | None:
   """The identities a file source fetched when built, if it keeps them."""
-  if isinstance(source, _FILE_SOURCES):
+  if isinstance(source, _source_files.FileSource):
     return source.identities()
   return None
 
 
 def _remote_files(source: Any) -> list[str] | None:
   """The files of a file source when any is on an object store; None otherwise."""
-  if isinstance(source, _FILE_SOURCES):
+  if isinstance(source, _source_files.FileSource):
     paths = source.paths
     if any(_storage.is_url(p) for p in paths):
       return paths
@@ -646,7 +612,7 @@ def file_position(source: Any, index: int) -> tuple[str, str] | None:
 
   For `ckpt-iter which --source`: where a record the data map names is, in the files the run read.
   """
-  return source.file_position(index) if isinstance(source, _FILE_SOURCES) else None
+  return source.file_position(index) if isinstance(source, _source_files.FileSource) else None
 
 
 def file_offsets(source: Any) -> list[int] | None:
@@ -654,6 +620,6 @@ def file_offsets(source: Any) -> list[int] | None:
 
   The shards of make_dataset(shuffle="shards") when no shard_size is given.
   """
-  return source.file_offsets() if isinstance(source, _FILE_SOURCES) else None
+  return source.file_offsets() if isinstance(source, _source_files.FileSource) else None
 
 

@@ -8,6 +8,8 @@ nothing, an empty list or a non-path is refused naming the class and the paths.
 import pytest
 
 import ckpt_iter
+from ckpt_iter import _source_files
+from ckpt_iter import _storage
 from ckpt_iter import sources as sources_lib
 import support
 
@@ -48,3 +50,97 @@ def test_file_source_classes_refuse_what_names_no_file(tmp_path, kind):
       source_class(paths)
     for fragment in fragments:
       assert fragment in str(info.value), (paths, fragment, str(info.value))
+
+
+def _define_tsv_source():
+  """Defines a format ckpt_iter does not ship, as one class (defining it registers it)."""
+
+  class _TsvSource(_source_files.FileSource):
+    """A format ckpt_iter does not ship, declared as one class: lines of `id<TAB>text`, read in place."""
+
+    suffixes = (".tsv",)
+
+    def __init__(self, paths, cache=None):
+      assert cache is None, "read in place only"
+      self._paths = [_storage.absolute(p) for p in _source_files.expand_paths(paths, "_TsvSource")]
+      self._rows = []
+      self._offsets = [0]
+      for path in self._paths:
+        with open(path, encoding="utf-8") as f:
+          rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+        self._rows.extend({"id": int(i), "text": text} for i, text in rows)
+        self._offsets.append(len(self._rows))
+
+    def __len__(self):
+      return len(self._rows)
+
+    def __getitem__(self, index):
+      return self._rows[index]
+
+    cache = None
+
+    def identities(self):
+      return None
+
+    def file_offsets(self):
+      return list(self._offsets)
+
+    def file_position(self, index):
+      file_index, line = _source_files.locate(self._offsets, index, len(self))
+      return self._paths[file_index], f"line {line + 1}"
+
+    prefetch_files = 0
+
+    def prefetch(self, file_indices):
+      del file_indices
+
+    def follow_plan(self):
+      pass
+
+    def cached_bytes(self):
+      return [0 for _ in self._paths]
+
+    def release(self, keep):
+      del keep
+
+  return _TsvSource
+
+
+@pytest.fixture
+def tsv_format():
+  """_TsvSource, registered for the test only."""
+  defined = _define_tsv_source()
+  try:
+    yield defined
+  finally:
+    del sources_lib.SOURCE_BY_SUFFIX[".tsv"]
+
+
+def test_the_shipped_file_sources_are_registered_by_their_suffixes():
+  assert sources_lib.SOURCE_BY_SUFFIX == {".jsonl": sources_lib.JsonlSource, ".parquet": sources_lib.ParquetSource,
+                                          ".array_record": sources_lib.ArrayRecordSource}
+  assert _source_files.file_suffixes() == (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".array_record")
+  assert all(issubclass(cls, _source_files.FileSource) for cls in sources_lib.SOURCE_BY_SUFFIX.values())
+
+
+def test_a_new_format_is_one_class_make_dataset_reads_and_names_its_files(tmp_path, tsv_format):
+  for part in range(2):
+    (tmp_path / f"part-{part}.tsv").write_text("".join(f"{10 * part + i}\trow {i}\n" for i in range(5)))
+  dataset = ckpt_iter.make_dataset(str(tmp_path / "*.tsv"), batch_size=2, seed=None, num_epochs=1)
+  assert [int(i) for batch in dataset for i in batch["id"]] == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+  assert sources_lib.file_position(tsv_format([str(tmp_path / "part-1.tsv")]), 2)[1] == "line 3"
+  assert sources_lib.SOURCE_BY_SUFFIX[".tsv"] is tsv_format and ".tsv" in _source_files.file_suffixes()
+  source, identity = sources_lib.resolve_source(str(tmp_path / "*.tsv"))
+  assert type(source) is tsv_format and identity.description.startswith("tsv[part-0.tsv:")
+
+
+def test_a_file_source_that_leaves_out_what_every_one_answers_is_refused_when_built():
+  class Partial(_source_files.FileSource):  # no suffixes: registers nothing
+    def __len__(self):
+      return 0
+
+  with pytest.raises(TypeError, match="abstract") as refused:
+    Partial()
+  for name in ("cache", "identities", "file_offsets", "file_position", "prefetch", "release"):
+    assert name in str(refused.value)
+  assert Partial not in sources_lib.SOURCE_BY_SUFFIX.values()
