@@ -6,11 +6,15 @@ bounded), the operation bound (`bounded`, by the bounds `store_bounds` holds),
 `guarded`, through which every store call, store file (`StoreFile`) and
 streamed upload (`Spool`) reaches `translate`: the one place
 a store's error becomes ckpt_iter's (and `replaced_error`, its refusal of a
-pinned object gone, which `_storage` gives a local file replaced too).
+pinned object gone, which `_storage` gives a local file replaced too). What
+each store takes and guarantees (its package, the bound of its requests, an
+object read back at the version a reader pinned) is its `StoreProfile`, by
+scheme: the one place GCS's differ from another store's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -20,9 +24,62 @@ from ckpt_iter.store_bounds import object_store_bounds
 
 _log = logging.getLogger(__name__)
 
-# What to install for a scheme whose fsspec implementation is missing.
-_PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}
-_GCS_SCHEMES = ("gs", "gcs")
+@dataclasses.dataclass(frozen=True)
+class StoreProfile:
+  """What one store's fsspec filesystem takes and guarantees: a second store is one profile.
+
+  Attributes:
+    package: what to install for the scheme, and its extra's name where ckpt_iter has one.
+    bounds_requests: the filesystem bounds each HTTP request (`requests_timeout`), and each request of a
+      file it opens (`timeout`); a store without it is bounded by `bounded`'s operation bound only.
+    pins: an object's metadata `generation` names that version for good, and the filesystem reads it back
+      (`key#generation` opened version-aware, `cat_file(generation=...)`): a reader pinned to it reads one
+      version or fails when it is gone, never a mix. Without it an object has no pin (its identity still
+      tells a rewrite at a restart).
+  """
+
+  package: str
+  extra: str | None = None
+  bounds_requests: bool = False
+  pins: bool = False
+
+  def filesystem_options(self, versioned: bool) -> dict[str, Any]:
+    """The options a filesystem of this store is made with (`versioned`: it reads pinned versions)."""
+    options: dict[str, Any] = {}
+    if self.bounds_requests:
+      options["requests_timeout"] = object_store_bounds().request_seconds
+    if versioned and self.pins:
+      options["version_aware"] = True
+    return options
+
+  def file_options(self) -> dict[str, Any]:
+    """What bounds each request of a file this store's filesystem opens."""
+    return {"timeout": object_store_bounds().operation_seconds} if self.bounds_requests else {}
+
+  def pin_of(self, info: dict[str, Any]) -> str | None:
+    """The version an object's metadata names for good, which later reads are pinned to; None without."""
+    generation = info.get("generation")
+    return str(generation) if self.pins and generation not in (None, "") else None
+
+  def pinned_target(self, key: str, pin: str | None) -> str:
+    """What a version-aware filesystem opens to read `key` at `pin`."""
+    return f"{key}#{pin}" if pin and self.pins else key
+
+  def pinned_range(self, pin: str | None) -> dict[str, Any]:
+    """What a ranged read of `key` at `pin` passes its filesystem's `cat_file`."""
+    return {"generation": pin} if pin and self.pins else {}
+
+
+_GCS = StoreProfile("gcsfs", extra="gcs", bounds_requests=True, pins=True)
+PROFILES = {"gs": _GCS, "gcs": _GCS, "s3": StoreProfile("s3fs"), "az": StoreProfile("adlfs"),
+            "abfs": StoreProfile("adlfs"), "hf": StoreProfile("huggingface_hub")}
+
+
+def profile(url: str) -> StoreProfile:
+  """The profile of a URL's store (by its scheme); a store without one is taken at its word: no pins, no
+  request bounds beyond the operation bound."""
+  scheme = url.split("://", 1)[0]
+  return PROFILES.get(scheme) or StoreProfile(f"the fsspec implementation of {scheme}://")
 
 
 def replaced_error(path: str, evidence: str, kind: str, *, deleted: bool = False) -> errors.InvalidStateError:
@@ -57,25 +114,17 @@ def filesystem(url: str, *, versioned: bool = False) -> tuple[Any, str]:
   On gs:// every HTTP request is bounded (`StoreBounds.request_seconds`);
   `versioned`: one that reads `key#generation` as that generation.
   """
-  scheme = url.split("://", 1)[0]
+  store = profile(url)
   try:
     import fsspec  # pylint: disable=g-import-not-at-top
 
-    options = {"requests_timeout": object_store_bounds().request_seconds} if scheme in _GCS_SCHEMES else {}
-    if versioned and scheme in _GCS_SCHEMES:
-      options["version_aware"] = True
-    return fsspec.core.url_to_fs(url, **options)
+    return fsspec.core.url_to_fs(url, **store.filesystem_options(versioned))
   except ImportError as e:
-    package = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
+    scheme = url.split("://", 1)[0]
     raise errors.MissingPackageError(
-        f"{url}: reading or writing {scheme}:// needs {package} ({e}). Install it with: "
-        + ("pip install 'ckpt_iter[gcs]'" if package == "gcsfs" else f"pip install {package}")
+        f"{url}: reading or writing {scheme}:// needs {store.package} ({e}). Install it with: "
+        + (f"pip install 'ckpt_iter[{store.extra}]'" if store.extra else f"pip install {store.package}")
     ) from None
-
-
-def file_bound(fs: Any) -> dict[str, Any]:
-  """What bounds each request of a gcsfs file (its `timeout`); other stores take none."""
-  return {"timeout": object_store_bounds().operation_seconds} if type(fs).__module__.startswith("gcsfs") else {}
 
 
 def bounded(fs: Any, path: str, operation: str, call: Any, *args: Any, reads_generation: str | None = None,

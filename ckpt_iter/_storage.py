@@ -239,15 +239,12 @@ def identities_as_recorded(urls: Sequence[str], recorded: Sequence[tuple[int, st
   """The identities of objects as a record of them says (a corpus index's size and version for each),
   without a request: the generation reads pin and the checksum a download is checked against, read back
   from the version `identity` wrote ("generation=...,crc32c=...")."""
-  found, filesystems = [], {}
+  found = []
   for url, (size, version) in zip(urls, recorded):
     if not is_url(url):
       raise ValueError(f"{url}: a local file's identity is its stat, not a record")
-    scheme = url.split("://", 1)[0]
-    if scheme not in filesystems:  # resolving a URL's filesystem costs more than the rest together
-      filesystems[scheme] = store.filesystem(url)[0]
     info: dict[str, Any] = dict(part.split("=", 1) for part in version.split(",") if "=" in part)
-    found.append(_identity_of(filesystems[scheme], {**info, "size": size}))
+    found.append(_identity_of(store.profile(url), {**info, "size": size}))
   return found
 
 
@@ -656,7 +653,8 @@ class _ObjectStoreBackend:
   def write_stream(self, path: str, produce: Callable[[BinaryIO], None]) -> None:
     fs, key = store.filesystem(path)
     spool = store.Spool(lambda: store.StoreFile(
-        store.guarded((path, "write", None), fs.open, key, "wb", **store.file_bound(fs)), path, "write"))
+        store.guarded((path, "write", None), fs.open, key, "wb", **store.profile(path).file_options()), path,
+        "write"))
     try:
       produce(spool)  # type: ignore[arg-type]
       if spool.stream is None:  # small: one simple upload, as write_bytes makes
@@ -695,26 +693,26 @@ class _ObjectStoreBackend:
 
   def open_read(self, path: str, generation: str | None) -> BinaryIO:
     fs, key = store.filesystem(path, versioned=bool(generation))
-    target = f"{key}#{generation}" if generation else key
-    f = store.guarded((path, "read", generation), fs.open, target, "rb", **store.file_bound(fs))
+    profile = store.profile(path)
+    f = store.guarded((path, "read", generation), fs.open, profile.pinned_target(key, generation), "rb",
+                      **profile.file_options())
     return store.StoreFile(f, path, "read", generation)  # type: ignore[return-value]
 
   def generation(self, path: str) -> str | None:
     fs, key = store.filesystem(path)
     fs.invalidate_cache(key)
-    generation = store.bounded(fs, path, "stat", fs.info, key).get("generation")
-    return str(generation) if generation not in (None, "") and type(fs).__module__.startswith("gcsfs") else None
+    return store.profile(path).pin_of(store.bounded(fs, path, "stat", fs.info, key))
 
   def identity(self, path: str) -> Identity:
     fs, key = store.filesystem(path)
     fs.invalidate_cache(key)
-    return _identity_of(fs, store.bounded(fs, path, "stat", fs.info, key))
+    return _identity_of(store.profile(path), store.bounded(fs, path, "stat", fs.info, key))
 
   def glob_identities(self, pattern: str) -> dict[str, Identity]:
     fs, key = store.filesystem(pattern)
     fs.invalidate_cache(key.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0].rsplit("/", 1)[0])  # the listing afresh
     found = store.bounded(fs, pattern, "list", fs.glob, key, detail=True)
-    return {fs.unstrip_protocol(name): _identity_of(fs, info) for name, info in found.items()
+    return {fs.unstrip_protocol(name): _identity_of(store.profile(pattern), info) for name, info in found.items()
             if info.get("type", "file") == "file"}
 
   def pin(self, path: str) -> str | None:
@@ -723,19 +721,17 @@ class _ObjectStoreBackend:
   def read_range(self, path: str, pin: Any, start: int, end: int, local: threading.local) -> bytes:
     del local  # one request per read: no state kept
     fs, key = store.filesystem(path)
-    pinned = {"generation": pin} if pin else {}
-    return store.bounded(fs, path, "read", fs.cat_file, key, start=start, end=end, reads_generation=pin, **pinned)
+    return store.bounded(fs, path, "read", fs.cat_file, key, start=start, end=end, reads_generation=pin,
+                         **store.profile(path).pinned_range(pin))
 
 
 _VERSION_KEYS = ("generation", "version_id", "VersionId", "ETag", "etag", "crc32c", "md5Hash")
 
 
-def _identity_of(fs: Any, info: dict[str, Any]) -> Identity:
+def _identity_of(profile: store.StoreProfile, info: dict[str, Any]) -> Identity:
   """An object's identity from its metadata, as a stat or a listing gives it (the same fields)."""
   parts = [f"{k}={info[k]}" for k in _VERSION_KEYS if info.get(k) not in (None, "")]
-  generation = info.get("generation")
-  pinnable = generation not in (None, "") and type(fs).__module__.startswith("gcsfs")
-  return Identity(int(info["size"]), ",".join(parts) or None, str(generation) if pinnable else None,
+  return Identity(int(info["size"]), ",".join(parts) or None, profile.pin_of(info),
                   _checksums.StoreChecksum.of_metadata(info))
 _LOCAL = _LocalBackend()
 _OBJECT_STORE = _ObjectStoreBackend()

@@ -306,15 +306,16 @@ def test_the_package_never_imports_the_demo():
 # Module (path under ckpt_iter/, without .py) -> why it has no tests/unit/test_<name>.py.
 _NO_UNIT_TEST_FILE = {
     "__main__": "the entry point's dispatch, run by test_cli.py's entry point test",
-    "_object_store": "needs a store: tests/integration/test_object_store.py and test_store_faults.py (GCS emulator)",
     "_urls": "addresses only; test_doc_links.py checks each against the repository's files and headings",
     "cli/_inspect": "read through the verbs: test_cli.py (inspect, diff), test_cli_which.py, test_cli_audit.py",
     "cli/_text": "what the verbs print: test_cli.py, and tests/robustness/test_hostile.py (terminal escaping)",
     "tunix/agentic": "drives a Tunix agentic learner, which a unit test may not train: "
                       "tests/integration/test_tunix_agentic.py",
 }
-# tests/integration holds test_tunix_sft.py and test_tunix_cli.py; pytest's rootdir imports need unique names.
-_SUFFIXED_UNIT_TEST_FILE = {"tunix/sft": "test_tunix_sft_feed.py", "tunix/cli": "test_tunix_cli_options.py"}
+# tests/integration holds test_tunix_sft.py, test_tunix_cli.py and test_object_store.py; pytest's rootdir imports
+# need unique names.
+_SUFFIXED_UNIT_TEST_FILE = {"tunix/sft": "test_tunix_sft_feed.py", "tunix/cli": "test_tunix_cli_options.py",
+                            "_object_store": "test_object_store_profiles.py"}
 
 
 def unit_test_file(module_path):
