@@ -80,9 +80,9 @@ class FilesThroughCache(_source_files.FileSource):
     """What each file takes in the cache: its copy."""
     return [found.size for found in self._identities]
 
-  def identities(self) -> list[_storage.Identity] | None:
-    """Each file's size and version as read when built through a cache; None without one."""
-    return list(self._identities) if self._cache is not None else None
+  def identities(self) -> list[_storage.Identity]:
+    """Each file's size and version (generation and checksum on an object store), as read when built."""
+    return list(self._identities)
 
   def release(self, keep: Sequence[int]) -> None:
     """Closes this process's idle copies of the files not in `keep`: a plan is done with them."""

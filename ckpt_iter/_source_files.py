@@ -190,8 +190,9 @@ class FileSource(FileReader, abc.ABC):
     """The `ShardCache` the files are read through, or None (read where they are)."""
 
   @abc.abstractmethod
-  def identities(self) -> list[Any] | None:
-    """Each file's size and version as read when built (None where the source keeps none)."""
+  def identities(self) -> list[Any]:
+    """Each file's size and version as read when built: what describes the files in a fingerprint, names
+    them when a restore is refused, and pins every later read on an object store."""
 
   @abc.abstractmethod
   def file_offsets(self) -> list[int]:

@@ -84,8 +84,8 @@ class Identity:
       ctime (ctime cannot be set back: `touch -r`, `cp -p`, `rsync -t` keep
       the mtime of an edited file, not its ctime). Object store: the
       object's generation (GCS), version id or ETag, with its checksum.
-    generation: the object's GCS generation, which reads can pin (as
-      `pinned_generation` gives it); None locally or without one.
+    generation: the object's generation where its store's reads can pin
+      one (GCS: `_object_store.StoreProfile.pins`); None locally or without.
     checksum: the store's checksum of the object (crc32c, else md5), which
       `download` compares the bytes it receives with; None locally or
       where the store gives none.
@@ -213,17 +213,12 @@ def has_magic(pattern: str) -> bool:
 def open_read(path: str, generation: str | None = None) -> BinaryIO:
   """A seekable binary file for streaming reads (line indexing, Parquet).
 
-  `generation` (an object store's, from `pinned_generation`): every read is
+  `generation` (an object store's, from the file's `Identity`): every read is
   of that generation of the object; a replaced object is refused
   (`InvalidStateError`) instead of read as another version. Each request is
   bounded and the store's errors typed.
   """
   return _backend(path).open_read(path, generation)
-
-
-def pinned_generation(path: str) -> str | None:
-  """The generation of an object now (GCS), which later reads can pin; None locally or without one."""
-  return _backend(path).generation(path)
 
 
 def identity(path: str) -> Identity:

@@ -188,13 +188,12 @@ class ParquetSource(_cached_files.FilesThroughCache):
                                                      [self._generations[i] for i in indices],
                                                      [self._identities[i] for i in indices]))
     else:
-      # On an object store each file's generation now (as its glob's listing or the corpus index described it,
-      # else asked): every later read is of it.
-      listed = getattr(expanded, "listed", {})
-      self._generations = [listed[p].generation if p in listed else _storage.pinned_generation(p)
-                           for p in self._paths]
-      # A described file's footer is read by ranged GETs of its tail, with no metadata request to open it.
-      group_rows = _cached_files.footers(pq, self._paths, self._generations, [listed.get(p) for p in self._paths])
+      # Each file's identity as its glob's listing or the corpus index described it, else asked (a listing per
+      # directory; a local file's stat): on an object store its generation is what every later read pins, and
+      # its footer is read by ranged GETs of its tail, with no metadata request to open it.
+      self._identities = _storage.identities(self._paths, listed=getattr(expanded, "listed", None))
+      self._generations = [found.generation for found in self._identities]
+      group_rows = _cached_files.footers(pq, self._paths, self._generations, self._identities)
     # (file, group) pairs in order, with the global index of each group's first row.
     self._groups = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
     self._group_rows = group_rows
@@ -293,6 +292,7 @@ class ArrayRecordSource(_cached_files.FilesThroughCache):
         self._offsets = np.cumsum([0] + [footer[0] for footer in footers]).tolist()
         self._source = None
       else:
+        self._identities = _storage.identities(self._paths, listed=getattr(paths, "listed", None))
         self._source = grain.sources.ArrayRecordDataSource(list(paths))
         self._offsets = None
     except ImportError as e:
@@ -465,31 +465,13 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
     InvalidArgumentError: naming the value and what is accepted.
   """
   paths = _as_paths(source)
-  files: tuple[tuple[str, _storage.Identity], ...] = ()
   if paths is not None:
-    kinds = {_compression.plain_suffix(p) for p in paths}  # a .jsonl.gz is JSONL
-    if len(kinds) != 1:
-      raise errors.InvalidArgumentError(
-          f"source mixes file types {sorted(kinds)}; pass files of one type "
-          f"({', '.join(_source_files.file_suffixes())})."
-      )
-    suffix = kinds.pop()
-    # On an object store, the shard cache the environment names (ShardCache.from_env), if any.
-    cache = _shard_cache.ShardCache.from_env() if any(_storage.is_url(p) for p in paths) else None
-    reader = SOURCE_BY_SUFFIX[suffix]
-    resolved = reader(paths, cache=cache)
-    identities = _identities_of(resolved) or _storage.identities(paths)
-    description = _describe_files(suffix[1:], paths, identities)
-    files = tuple(zip(paths, identities))
-  elif isinstance(source, _source_files.FileSource) and source.cache is not None:
+    return _described_by_files(_file_source(paths), paths)
+  if isinstance(source, _source_files.FileSource) and source.cache is not None:
     # Described by its files, as the same paths given to make_dataset are: a run may turn
     # its cache on or off.
-    resolved = source
-    kind = _compression.plain_suffix(source.paths[0])[1:]
-    identities = source.identities()
-    description = _describe_files(kind, source.paths, identities)
-    files = tuple(zip(source.paths, identities))
-  elif isinstance(source, HuggingFaceSource) or _is_hf_dataset(source):
+    return _described_by_files(source, source.paths)
+  if isinstance(source, HuggingFaceSource) or _is_hf_dataset(source):
     resolved = source if isinstance(source, HuggingFaceSource) else HuggingFaceSource(dataset=source)
     description = resolved.description
   elif _is_random_access(source):
@@ -507,25 +489,51 @@ def resolve_source(source: Any) -> tuple[Any, SourceIdentity]:
         "files, a Hugging Face datasets.Dataset (or HuggingFaceSource), or a "
         "random-access data source (with __len__ and __getitem__)."
     )
-  length = len(resolved)
+  length = _length(resolved, description)
+  return resolved, SourceIdentity(description, length, sample_digest(resolved, length))
+
+
+def _file_source(paths: list[str]) -> _source_files.FileSource:
+  """The file source of make_dataset's paths, by their suffix (one kind of file), through the shard cache the
+  environment names when they are on an object store (ShardCache.from_env), if any."""
+  kinds = {_compression.plain_suffix(p) for p in paths}  # a .jsonl.gz is JSONL
+  if len(kinds) != 1:
+    raise errors.InvalidArgumentError(
+        f"source mixes file types {sorted(kinds)}; pass files of one type "
+        f"({', '.join(_source_files.file_suffixes())})."
+    )
+  cache = _shard_cache.ShardCache.from_env() if any(_storage.is_url(p) for p in paths) else None
+  return SOURCE_BY_SUFFIX[kinds.pop()](paths, cache=cache)
+
+
+def _described_by_files(source: _source_files.FileSource, paths: list[str]) -> tuple[Any, SourceIdentity]:
+  """A file source and its identity from its files (`paths`, as given) and the identities the source took of
+  them when built (each file's asked once); the digest of files on an object store is their metadata's
+  (`sample_digest`), from the same identities."""
+  identities = source.identities()
+  description = _describe_files(source.suffixes[0][1:], paths, identities)  # its kind: "jsonl", "parquet", ...
+  length = _length(source, description)
+  remote = any(_storage.is_url(p) for p in paths)
+  digest = metadata_digest(paths, identities) if remote else sample_digest(source, length)
+  source.release(())  # the copies its build and the digest's reads opened: idle now, so the cache may evict them
+  return source, SourceIdentity(description, length, digest, tuple(zip(paths, identities)))
+
+
+def _length(source: Any, description: str) -> int:
+  length = len(source)
   if length == 0:
     raise errors.InvalidArgumentError(
         f"source {description} holds no records; a dataset needs at least one."
     )
-  digest = sample_digest(resolved, length)
-  if isinstance(resolved, _source_files.FileSource):
-    resolved.release(())  # the copies the digest's reads opened: idle now, so the cache may evict them
-  return resolved, SourceIdentity(description, length, digest, files)
+  return length
 
 
-def _describe_files(kind: str, paths: list[str], identities: list[_storage.Identity] | None = None) -> str:
+def _describe_files(kind: str, paths: list[str], identities: list[_storage.Identity]) -> str:
   """Names and byte sizes of the files, not their directory; short for many files.
 
   Beyond a few files the list is summarized by count, first and last name
   and a digest of all names and sizes, so a state stays well under 1 KB.
-  `identities`: the files' (`_storage.identities`), when already fetched.
   """
-  identities = identities or _storage.identities(paths)
   entries = [f"{os.path.basename(p)}:{found.size}" for p, found in zip(paths, identities)]
   if len(entries) <= _LISTED_FILES:
     return f"{kind}[{','.join(entries)}]"
@@ -553,13 +561,6 @@ def _is_random_access(source: Any) -> bool:
   )
 
 
-def _identities_of(source: Any) -> list[_storage.Identity] | None:
-  """The identities a file source fetched when built, if it keeps them."""
-  if isinstance(source, _source_files.FileSource):
-    return source.identities()
-  return None
-
-
 def _remote_files(source: Any) -> list[str] | None:
   """The files of a file source when any is on an object store; None otherwise."""
   if isinstance(source, _source_files.FileSource):
@@ -582,13 +583,13 @@ def sample_digest(source: Any, length: int) -> str:
 
   The one source digest: make_dataset's `source_digest` and the graph
   fingerprint's `SourceMapDataset.digest` are both this. For a file source
-  with files on an object store, `metadata_digest` of its files instead
-  (one metadata request per file, in parallel, or none when the source kept
-  them): a read of 65 records there is 65 sequential round trips.
+  with files on an object store, `metadata_digest` of its files instead, from
+  the identities it took when built (no request): a read of 65 records there
+  is 65 sequential round trips.
   """
   remote = _remote_files(source)
   if remote is not None:
-    return metadata_digest(remote, _identities_of(source) or _storage.identities(remote))
+    return metadata_digest(remote, source.identities())
   count = min(length, _DIGEST_SAMPLES)
   indices = sorted({(i * length) // count for i in range(count)} | {length - 1})
   digest = hashlib.sha256()

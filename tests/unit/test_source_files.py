@@ -80,7 +80,7 @@ def _define_tsv_source():
     cache = None
 
     def identities(self):
-      return None
+      return _storage.identities(self._paths)
 
     def file_offsets(self):
       return list(self._offsets)

@@ -5,6 +5,8 @@ pickled after a first read, reads the same records in a clone; a Hugging Face
 source is picked by split (its errors naming the choices) and pickles too.
 """
 
+import io
+import json
 import pickle
 
 import pytest
@@ -81,3 +83,37 @@ def test_a_shuffled_read_decodes_each_row_group_once_within_the_budget(tmp_path)
   read, order, decoded = _decodes(tmp_path, 0)
   assert read == order
   assert len(decoded) == 1 + sum(a // 25 != b // 25 for a, b in zip(order, order[1:]))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_a_build_over_a_store_asks_each_files_metadata_once(monkeypatch, kind):
+  """make_dataset's source resolved once: the identities that describe the files, name them and make the
+  digest are one set (a Parquet source read in place keeps none, and they were asked twice more)."""
+  fsspec = pytest.importorskip("fsspec")
+  from fsspec.implementations.memory import MemoryFileSystem  # pylint: disable=g-import-not-at-top
+
+  store = fsspec.filesystem("memory")
+  records = support.sample_records(30)
+  for part in range(3):
+    if kind == "parquet":
+      import pyarrow as pa  # pylint: disable=g-import-not-at-top
+      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+      buffer = io.BytesIO()
+      pq.write_table(pa.Table.from_pylist(records[10 * part:10 * part + 10]), buffer)
+      store.pipe(f"/resolve-once/part-{part}.{kind}", buffer.getvalue())
+    else:
+      lines = "".join(json.dumps(r) + "\n" for r in records[10 * part:10 * part + 10])
+      store.pipe(f"/resolve-once/part-{part}.{kind}", lines.encode())
+  asked = []
+  real_info = MemoryFileSystem.info
+  monkeypatch.setattr(MemoryFileSystem, "info",
+                      lambda self, path, **kw: (asked.append(path), real_info(self, path, **kw))[1])
+  try:
+    source, identity = sources_lib.resolve_source(f"memory://resolve-once/*.{kind}")
+    assert [source[i] for i in range(len(source))] == records
+    assert identity.description.startswith(f"{kind}[part-0.{kind}:") and len(identity.files) == 3
+    per_file = [path for path in asked if path.endswith(f".{kind}")]
+    assert len(per_file) == len(set(per_file)) <= 3, per_file  # at most once each (a pin where no listing gave it)
+  finally:
+    store.rm("/resolve-once", recursive=True)
