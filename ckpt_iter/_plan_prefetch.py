@@ -78,9 +78,8 @@ class PlanPrefetch:
                  epochs: int | None = None) -> "PlanPrefetch | None":
     """The prefetcher of `records` read in `order` for `epochs` epochs (None: no end), or None (no cache,
     prefetch off, or nothing to fetch)."""
-    if not ENABLED or not isinstance(records, _source_files.FileSource) or records.cache is None:
-      return None
-    if not records.prefetch_files:
+    if (not ENABLED or not isinstance(records, _source_files.FileSource) or records.cache is None
+        or not records.prefetch_files):
       return None
     records.follow_plan()  # the plan, not the file index, says what comes next
     return cls(order, records, records.file_offsets(), records.cached_bytes(), records.cache.max_bytes, epochs)

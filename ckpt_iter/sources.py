@@ -546,10 +546,11 @@ def _as_paths(source: Any) -> list[str] | None:
   candidates = _source_files.path_strings(source)
   if candidates is None:
     return None
+  suffixes = _source_files.file_suffixes()
   for candidate in candidates:
-    if not candidate.endswith(_source_files.file_suffixes()):
+    if not candidate.endswith(suffixes):
       raise errors.InvalidArgumentError(
-          f"source path {candidate!r} does not end in one of {', '.join(_source_files.file_suffixes())}. "
+          f"source path {candidate!r} does not end in one of {', '.join(suffixes)}. "
           "Pass JSONL, Parquet or ArrayRecord files, or a list of record dicts."
       )
   return _source_files.expanded(candidates, "source")
