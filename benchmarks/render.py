@@ -831,7 +831,7 @@ x 8 generations = 4,096 rows of 512 prompt and 2,048 completion tokens (5·P + 1
 `two_same_rows`: every process holds the same rows (Tunix's default); `two_own_rows`: each its
 own. Before this change every process wrote its own npz (N identical copies), built in memory by
 `np.savez` first; now a process whose arrays' SHA-256 equals process 0's writes only its header
-(`_item.share_arrays`, in the background write), and the npz is streamed from the arrays' own
+(`_pod_exchange.share_arrays`, in the background write), and the npz is streamed from the arrays' own
 buffers. The item's part of `save()` is its handler's `async_save` (one host copy of the arrays,
 then the write is handed to Orbax); a copy into freshly mapped pages costs about 15x one into
 mapped pages here and which call gets them varies, so that ratio compares the fastest of 9 saves

@@ -50,6 +50,9 @@ ARRAYS_FROM = "arrays_from"
 # names one), which `ckpt-iter audit` compares with the step holding it.
 # Not part of the state: readers that predate it ignore it.
 SAVED_STEP = "saved_step"
+# Process 0's header field, where every process of its save reported a state that is process 0's but for its
+# own rows (`elastic.agreement_sha256`, `_pod_exchange.share_arrays`): that digest. Readers that predate it ignore it.
+AGREED_SHA256 = "agreed_sha256"
 # Header field of a process whose pod part is in `COUNT_FILE` (format 5): the pod part's SHA-256,
 # where the header's `lineage` was. The count file holds the same digest and the part itself.
 POD_SHA256 = "pod_sha256"
@@ -82,15 +85,18 @@ def write_files(
     process_count: int,
     count_file: bool = False,
     pod_text: bytes | None = None,
+    agreed: Callable[[], str | None] | None = None,
 ) -> None:
   """Writes one process's files: one object each (header, npz, count file).
 
   The npz is streamed from the arrays themselves (no second copy of them in
   memory). A header that shares another process's arrays (`ARRAYS_FROM`,
-  see `_item.share_arrays`) comes with no arrays, and no npz is written.
+  see `_pod_exchange.share_arrays`) comes with no arrays, and no npz is written.
   With `count_file` (the checkpoint handler), process 0 also writes
   `COUNT_FILE`, the saved process count an elastic restore reads, and
   `pod_text` in it (`split_header`), which headers refer to by its digest.
+  `agreed()`, process 0's, is asked once its npz is written, before its
+  header: the digest all saved processes agreed on (`AGREED_SHA256`), or None.
 
   Raises:
     OSError: naming the file that could not be written (nothing partial of
@@ -107,6 +113,9 @@ def write_files(
 
     _storage.write_stream(os.path.join(directory, stem + ".npz"), produce)
     header = {**header, _npz.ARRAYS_DIGEST: tail.directory_digest()}
+  agreed_sha256 = agreed() if agreed is not None and process_index == 0 else None
+  if agreed_sha256 is not None:
+    header = {**header, AGREED_SHA256: agreed_sha256}
   # Compact: a state is read by programs (`ckpt-iter inspect` shows it to people).
   text = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
   _storage.write_bytes(os.path.join(directory, stem + ".json"), text)
@@ -444,6 +453,7 @@ def read_state(
     load_arrays: bool = True,
     count_is_saved: bool = False,
     count_files: dict[str, CountFile | None] | None = None,
+    agreed: list[str | None] | None = None,
 ) -> state_lib.IteratorState:
   """Reads and validates one process's state (header and arrays).
 
@@ -455,6 +465,7 @@ def read_state(
   `count_is_saved`: `process_count` is the one the item records
   (`saved_process_count`), so a missing file means an incomplete step, not
   a restore with another process count. `count_files`: see `read_header`.
+  `agreed`, where given, receives the header's `AGREED_SHA256` (or None).
 
   Raises:
     ItemNotFoundError: the directory holds no state file at all.
@@ -464,6 +475,9 @@ def read_state(
   stem = process_file_stem(process_index, process_count)
   json_path = os.path.join(directory, stem + ".json")
   header = _read_process_header(directory, process_index, process_count, count_is_saved, count_files)
+  agreed_sha256 = agreed_in(header, json_path)  # (a garbled one is refused by every reader)
+  if agreed is not None:
+    agreed.append(agreed_sha256)
   if not load_arrays or (isinstance(header, dict) and not header.get("arrays")):
     # No manifest, no array to load (a pending node naming one is refused by
     # decode_state first), so the npz is not looked for.
@@ -487,7 +501,7 @@ def read_saved_header(
   """A saved process's header, validated, without what binds it to its files; and its arrays' SHA-256.
 
   The digest is the one a multi-process save records (`_npz.ARRAYS_SHA256`, see
-  `_item.share_arrays`): "" when the state has no arrays, None when it was
+  `_pod_exchange.share_arrays`): "" when the state has no arrays, None when it was
   saved without the digest (one process, or an older ckpt_iter). Two
   processes hold the same state exactly when both are equal.
   `process_count` is the saved count. A header that refers to its pod part
@@ -498,8 +512,19 @@ def read_saved_header(
   header = _read_process_header(directory, process_index, process_count, True, count_files)
   codec.decode_state(header, _stand_in, origin=header_path(directory, process_index, process_count))
   digest = header.get(_npz.ARRAYS_SHA256) if header.get("arrays") else ""
-  fields = {k: v for k, v in header.items() if k not in (_npz.ARRAYS_DIGEST, ARRAYS_FROM, _npz.ARRAYS_SHA256)}
+  fields = {k: v for k, v in header.items()
+            if k not in (_npz.ARRAYS_DIGEST, ARRAYS_FROM, _npz.ARRAYS_SHA256, AGREED_SHA256)}
   return fields, digest if isinstance(digest, str) else None
+
+
+def agreed_in(header: Any, origin: str) -> str | None:
+  """A header's `AGREED_SHA256` (process 0's, where its save recorded one), or None; a garbled one refused."""
+  digest = header.get(AGREED_SHA256) if isinstance(header, Mapping) else None
+  if digest is not None and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+    raise errors.InvalidStateError(
+        f"{origin}: field {AGREED_SHA256!r} is {state_lib.short_repr(digest)}, not a SHA-256; the file is "
+        "garbled: restore an earlier step.")
+  return digest
 
 
 def _read_process_header(

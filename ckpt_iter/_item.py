@@ -36,6 +36,7 @@ from ckpt_iter import _changed_files
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import _npz
+from ckpt_iter import _pod_exchange
 from ckpt_iter import _records
 from ckpt_iter import elastic as elastic_lib
 from ckpt_iter import errors
@@ -292,90 +293,27 @@ def write(directory: Any, header: dict[str, Any], arrays: dict[str, np.ndarray],
   """Writes a snapshot as this process's files of the item (and the count file on process 0).
 
   In the background (Orbax's write thread): arrays another process writes
-  identically are not written again (`share_arrays`).
+  identically are not written again (`_pod_exchange.share_arrays`).
   """
   step = step_of(directory)
   if step is not None:
     # Where the state belongs: `ckpt-iter audit` refuses it in another step's directory.
     header = {**header, _files.SAVED_STEP: step}
   referring, pod_text, pod_digest = _files.split_header(header, elastic_lib.PER_PROCESS_FIELDS)
-  header, arrays, leader_pod = share_arrays(os.fspath(directory), header, arrays, index, count, pod_digest=pod_digest)
-  if leader_pod == pod_digest:
+  shared = _pod_exchange.share_arrays(os.fspath(directory), header, arrays, index, count, pod_digest=pod_digest,
+                        agreement=lambda: elastic_lib.agreement_sha256(codec.header_state(header, origin=directory)))
+  header, arrays = shared.header, shared.arrays
+  if shared.pod_digest == pod_digest:
     # Process 0's count file holds the same pod part: only the reference is written here.
     referring = {**referring, **{k: header[k] for k in _SHARING_FIELDS if k in header}}
     header = referring
   _files.write_files(directory, header, arrays, process_index=index, process_count=count, count_file=True,
-                     pod_text=pod_text if index == 0 and leader_pod == pod_digest else None)
+                     pod_text=pod_text if index == 0 and shared.pod_digest == pod_digest else None,
+                     agreed=shared.agreed)
 
 
-# What `share_arrays` adds to a header: kept beside a reference to the pod part.
+# What `_pod_exchange.share_arrays` adds to a header: kept beside a reference to the pod part.
 _SHARING_FIELDS = (_npz.ARRAYS_SHA256, _files.ARRAYS_FROM)
-
-
-# How long a process waits for process 0's digest before writing its own copy.
-SHARE_WAIT_SECONDS = 120
-
-
-def share_arrays(
-    directory: str, header: dict[str, Any], arrays: dict[str, np.ndarray], index: int, count: int,
-    *, pod_digest: str | None = None,
-) -> tuple[dict[str, Any], dict[str, np.ndarray], str | None]:
-  """A snapshot as this process writes it: arrays identical to process 0's are not written again.
-
-  In a JAX job of several processes that all feed the same data (Tunix's
-  default) every process holds the same pending arrays. Each hashes its own
-  (SHA-256, once per save, in the background write); process 0 publishes
-  its digest in the job's key-value store (the one Orbax's barriers use) and
-  writes its npz; a process holding the same arrays writes only its header,
-  which names process 0's npz and the digest the reader checks the loaded
-  arrays against. Arrays that differ (each process fed its own rows) are
-  written by their process, as before. So the pod writes each distinct array
-  set once, and `save()` does not wait for any of it.
-
-  The same exchange carries the digest of the header's pod part
-  (`pod_digest`, `_files.split_header`): the third value returned is process
-  0's, which process 0 writes in the count file; a process whose own is the
-  same refers to it instead of writing its fingerprint and lineage (`write`).
-  With one process it is `pod_digest` itself.
-
-  Without a JAX job of `count` processes (a process index given by hand) it
-  changes nothing and returns no pod digest: every process writes its header
-  whole. If process 0's digests do not come within SHARE_WAIT_SECONDS, this
-  process writes its own copy of both (exact, only larger).
-  """
-  if count < 2:
-    return header, arrays, pod_digest
-  client = _distributed_client(count)
-  if client is None:
-    return header, arrays, None
-  key = f"ckpt_iter/digests/{directory}"
-  digest = _npz.arrays_sha256(arrays) if arrays else ""
-  if index == 0:
-    client.key_value_set(key, f"{digest or 'none'} {pod_digest or 'none'}", allow_overwrite=True)
-  if digest:
-    header = {**header, _npz.ARRAYS_SHA256: digest}
-  if index == 0:
-    return header, arrays, pod_digest
-  try:
-    leader_arrays, _, leader_pod = client.blocking_key_value_get(key, SHARE_WAIT_SECONDS * 1000).partition(" ")
-  except Exception as e:  # pylint: disable=broad-except
-    # The store's errors are not typed; a missing digest only costs bytes.
-    _log.warning("%s: process 0's digests did not come (%s); this process writes its own copy of "
-                 "its header's pod part and of its pending arrays.", directory, e)
-    return header, arrays, None
-  if digest and leader_arrays == digest:
-    header, arrays = {**header, _files.ARRAYS_FROM: 0}, {}
-  return header, arrays, leader_pod
-
-
-def _distributed_client(count: int) -> Any:
-  """The JAX job's key-value client, when this is a JAX job of `count` processes."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
-
-  if jax.process_count() != count or not multihost.is_jax_distributed_client_initialized():
-    return None
-  return multihost.get_jax_distributed_client()
 
 
 def snapshot(item: Any, step: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -22,17 +22,30 @@ Cost: process j of M reads only what it needs. Saved file i holds the
 fraction [i/N, (i+1)/N) of every pending leaf's rows and process j needs
 [j/M, (j+1)/M), so its rows come from the at most ceil(N/M)+1 files that
 overlap (`overlapping_files`); their arrays are read, no other file's. The
-headers it checks against process 0's are those of a window of
-ceil(N/M)+1 files around its slice (`checked_files`), plus process 0's.
-The saved count N comes from the item's count file, not from listing the 2N
-names. Files and bytes read per process are O(1 + N/M) and O(pending / M);
-the windows of all M processes cover every saved file (see docs/multihost.md,
-"At scale", for what that means for completeness and consistency checks).
+saved count N comes from the item's count file, not from listing the 2N
+names. What else it reads depends on what the pod's save recorded there:
+
+  - all N agreed (`agreement_sha256`, compared through JAX's job store when
+    saved, `_pod_exchange.share_arrays`, and recorded in process 0's header):
+    process 0's header, checked to hash to that digest, stands for every
+    file; the files of its rows are read only for rows of their own
+    (pending items, lane positions), each checked the same way. A plain
+    make_dataset state: 2 reads (the count file, process 0's header).
+  - otherwise (one process saved by hand, an older item, a process that
+    disagreed or did not report): process 0's header and a window of
+    ceil(N/M)+1 headers around its slice (`checked_files`), each compared
+    with process 0's; the windows of all M processes cover every saved file.
+
+Files and bytes read per process are O(1 + N/M) and O(pending / M) (see
+docs/multihost.md, "At scale", for what that means for completeness and
+consistency checks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from concurrent import futures
 from typing import Any, Mapping, Sequence
@@ -121,6 +134,49 @@ def state_refusal(state: state_lib.IteratorState) -> str | None:
   return resize_refusal("data", data_part(state).fingerprint)
 
 
+def agreement_sha256(state: state_lib.IteratorState) -> str | None:
+  """The SHA-256 of what a re-sliced restore may take from any one saved process for all of them.
+
+  That is the state without its per-process parts: the fingerprints'
+  `PER_PROCESS_FIELDS`, a lane position (`_records.LANES`, `FIRST_LANE`), the pending
+  arrays' rows (only their count and schedule are in it), the content record
+  (a process's own last row, which a resized restore does not check) and the
+  lineage (the pod part, which headers share by reference). Every field
+  `_check_agree` compares is in it, so two states with the same digest pass
+  it. A pod's save compares each process's with process 0's and records in
+  process 0's header that all N agreed (`_pod_exchange.share_arrays`); a restore
+  with another count then reads that header for all (`read_for_process`).
+  None for a state that cannot be re-sliced (`state_refusal`).
+  """
+  if state_refusal(state) is not None:
+    return None
+  position = data_part(state).position
+  if _records.LANES in position:  # which lanes a process holds, and where each is: its own
+    state = _with_data_position(
+        state, {k: v for k, v in position.items() if k not in (_records.LANES, _records.FIRST_LANE)})
+  fingerprint, position_json = _files.pod_common(
+      state.kind, state.fingerprint, codec.position_to_json(state.position_dict()), PER_PROCESS_FIELDS)
+  position_json = _without_records(state.kind, position_json)
+  pending = None if state.pending is None else [list(state.pending.schedule), len(state.pending.items)]
+  text = json.dumps(
+      [state.format_version, state.kind, fingerprint, position_json,
+       None if state.shuffle_key is None else list(state.shuffle_key), pending, dict(state.counters)],
+      sort_keys=True, separators=(",", ":"), default=repr)
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _without_records(kind: Any, position: Any) -> Any:
+  """A position whose nested states (`state.NESTED`) leave out their content record and lineage."""
+  key = state_lib.NESTED.get(kind) if isinstance(kind, str) else None
+  part = position.get(key) if key is not None and isinstance(position, Mapping) else None
+  if not isinstance(part, Mapping):
+    return position
+  kept = {k: v for k, v in part.items() if k not in ("content", "lineage")}
+  if "position" in kept:
+    kept["position"] = _without_records(kept.get("kind"), kept["position"])
+  return {**position, key: kept}
+
+
 def read_for_process(
     directory: str | os.PathLike[str],
     process_index: int,
@@ -144,15 +200,19 @@ def read_for_process(
 
   The saved count comes from the item's count file (`_files.saved_process_count`:
   one small file; a directory listing only for items written without it).
-  The files of this process's window (`checked_files`) must exist; with
-  another count their headers are read and compared with process 0's.
+  With the saved count it reads its own files only (a missing one is
+  refused by the process it belongs to). With another count, where process
+  0's header records that all saved processes agreed (`agreement_sha256`),
+  it stands for the others; otherwise the headers of this process's window
+  (`checked_files`) are read and compared with process 0's.
   `saved_first`, where given, receives process 0's state as saved (the state a
   resume with another count restores: a lane position differs per process).
 
   Raises:
     InvalidStateError: a file of this process's window is missing (the
       message lists what is wrong with the whole set), or one it reads
-      disagrees with process 0's (see `checked_files`).
+      disagrees with process 0's (see `checked_files`) or with the
+      agreement its step recorded (`check_agreed`).
     UnsupportedConfigError: the state cannot be resumed with another process
       count (not a make_dataset pipeline, a per-process step after it, a
       Tunix learner state, or pending items that are not batch-major).
@@ -166,29 +226,50 @@ def read_for_process(
   count_files = {} if count_files is None else count_files
   if saved_count is None:  # a caller that already read it passes it (and its count_files)
     saved_count = _files.saved_process_count(directory, count_files=count_files)
-  checked = checked_files(saved_count, process_index, process_count)
   if saved_count == process_count:
-    # Its own file only, as a plain restore; the rest of its window must
-    # exist (a stat each), so an incomplete set is refused by some process.
-    _files.require_headers(directory, saved_count, [i for i in checked if i != process_index])
+    # Its own files, as a plain restore: a missing one is refused by the process it belongs to.
     return _files.read_state(directory, process_index, process_count, count_is_saved=True,
                              count_files=count_files)
   rows_from = overlapping_files(saved_count, process_index, process_count)
   # Process 0's header first, alone: if the kind of state cannot be resized
   # the refusal then gives the real reason, before any other file is read.
-  states = {0: _read(directory, 0, saved_count, load_arrays=0 in rows_from, count_files=count_files)}
+  agreed: list[str | None] = []
+  states = {0: _read(directory, 0, saved_count, load_arrays=0 in rows_from, count_files=count_files,
+                     agreed=agreed)}
   _check_resizable(directory, states[0], saved_count, process_count)
   if saved_first is not None:
     saved_first.append(states[0])
-  for index in checked:
-    if index not in states:
-      states[index] = _read(directory, index, saved_count, load_arrays=index in rows_from,
-                            count_files=count_files)
-  _check_agree(directory, states, saved_count)
+  if agreed[0] is not None:
+    # Every saved process reported process 0's state but for its own rows: no other header is read unless
+    # the state holds rows of its own, and then only the files of this process's rows, each checked.
+    check_agreed(directory, 0, saved_count, states[0], agreed[0])
+    if states[0].pending is not None or _records.LANES in data_part(states[0]).position:
+      for index in rows_from:
+        if index not in states:
+          states[index] = _read(directory, index, saved_count, load_arrays=True, count_files=count_files)
+          check_agreed(directory, index, saved_count, states[index], agreed[0])
+  else:
+    for index in checked_files(saved_count, process_index, process_count):
+      if index not in states:
+        states[index] = _read(directory, index, saved_count, load_arrays=index in rows_from,
+                              count_files=count_files)
+  _check_agree(directory, states, saved_count)  # (and that each file is the process its name says)
   return _resliced(
       states, rows_from, saved_count, process_index, process_count,
       origin=f"{directory} (written by {saved_count} processes, restored by {process_count})",
   )
+
+
+def check_agreed(directory: str, index: int, saved_count: int, state: state_lib.IteratorState, agreed: str) -> None:
+  """Raises InvalidStateError unless saved process `index`'s state hashes to what process 0's header
+  records all the step's processes agreed on (`agreement_sha256`): a restore with another count and `verify`."""
+  own = agreement_sha256(state)
+  if own != agreed:
+    raise errors.InvalidStateError(
+        f"{_files.header_path(directory, index, saved_count)}: its data state is not the one all "
+        f"{saved_count} processes agreed on when the step was saved ({_files.process_file_stem(0, saved_count)}"
+        f".json records {agreed[:16]}..., this file {str(own)[:16]}...): the file was edited or comes from "
+        "another save. Restore an earlier step.")
 
 
 def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> state_lib.IteratorState:
@@ -199,7 +280,7 @@ def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> stat
   default every process feeds the same batches and so saves the same state.
   Then that state is exactly what every process of another count would hold
   too. Every saved header is read and compared, with the SHA-256 of its
-  arrays each records (`_item.share_arrays`); then process 0's arrays, the
+  arrays each records (`_pod_exchange.share_arrays`); then process 0's arrays, the
   one copy the pod wrote. (Items saved before that digest was recorded have
   every process's arrays read and digested.)
 
@@ -237,10 +318,11 @@ def read_replicated(directory: str | os.PathLike[str], saved_count: int) -> stat
 
 
 def _read(
-    directory: str, index: int, saved_count: int, *, load_arrays: bool, count_files: dict[str, Any] | None = None
+    directory: str, index: int, saved_count: int, *, load_arrays: bool, count_files: dict[str, Any] | None = None,
+    agreed: list[str | None] | None = None,
 ) -> state_lib.IteratorState:
   return _files.read_state(directory, index, saved_count, load_arrays=load_arrays, count_is_saved=True,
-                           count_files=count_files)
+                           count_files=count_files, agreed=agreed)
 
 
 def overlapping_files(saved_count: int, process_index: int, process_count: int) -> range:

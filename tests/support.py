@@ -232,7 +232,7 @@ def pending_state(arrays: dict[str, Any], **fingerprint: Any) -> state_lib.Itera
 
 def write_process_files(directory: Any, value: state_lib.IteratorState, index: int, count: int, *,
                         shared_from: int | None = None) -> None:
-  """Writes process `index`'s files as `_item.share_arrays` leaves them (no npz when `shared_from`)."""
+  """Writes process `index`'s files as `_pod_exchange.share_arrays` leaves them (no npz when `shared_from`)."""
   from ckpt_iter import _codec as codec  # pylint: disable=g-import-not-at-top
   from ckpt_iter import _npz  # pylint: disable=g-import-not-at-top
 
@@ -329,3 +329,65 @@ def lose_header_on_read(monkeypatch: Any, header: str) -> None:
     return real(path, **kwargs)
 
   monkeypatch.setattr(_files, "read_header", delete_the_header)
+
+
+class KeyValueStore:
+  """The JAX job's key-value store as `_pod_exchange.share_arrays` uses it: set, blocking get, increment, try get,
+  delete a directory; safe for the processes of one pod saving from threads of this process at once."""
+
+  def __init__(self) -> None:
+    import threading  # pylint: disable=g-import-not-at-top
+    self.values: dict[str, str] = {}
+    self._changed = threading.Condition()
+
+  def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+    with self._changed:
+      if key in self.values and not allow_overwrite:
+        raise RuntimeError(f"ALREADY_EXISTS: {key}")
+      self.values[key] = value
+      self._changed.notify_all()
+
+  def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+    with self._changed:
+      if not self._changed.wait_for(lambda: key in self.values, timeout=timeout_ms / 1000):
+        raise TimeoutError(f"DEADLINE_EXCEEDED: {key}")
+      return self.values[key]
+
+  def key_value_try_get(self, key: str) -> str:
+    with self._changed:
+      if key not in self.values:
+        raise KeyError(f"NOT_FOUND: {key}")
+      return self.values[key]
+
+  def key_value_increment(self, key: str, increment: int) -> int:
+    with self._changed:
+      value = int(self.values.get(key, "0")) + increment
+      self.values[key] = str(value)
+      self._changed.notify_all()
+      return value
+
+  def key_value_delete(self, key: str) -> None:
+    with self._changed:
+      for name in [k for k in self.values if k == key or k.startswith(key + "/")]:
+        del self.values[name]
+
+
+def save_as_pod(directory: Any, iterators: Sequence[Any], store: "KeyValueStore | None" = None) -> KeyValueStore:
+  """Saves process i's iterator as process i of a JAX job of len(iterators) processes, all at once (threads),
+  through the checkpoint handler and one `KeyValueStore`: what a pod's save exchanges and writes."""
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  import ckpt_iter  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import _pod_exchange  # pylint: disable=g-import-not-at-top
+  from ckpt_iter import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+
+  store = KeyValueStore() if store is None else store
+  count = len(iterators)
+  original = _pod_exchange._distributed_client  # pylint: disable=protected-access
+  _pod_exchange._distributed_client = lambda n: store if n == count else None  # pylint: disable=protected-access
+  try:
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+      list(pool.map(lambda i: checkpoint_lib.IteratorCheckpointHandler(i, count).save(
+          directory, ckpt_iter.IteratorSave(iterators[i])), range(count)))
+  finally:
+    _pod_exchange._distributed_client = original  # pylint: disable=protected-access
+  return store

@@ -94,22 +94,39 @@ def _check_files(step: int, item_dir: str, files: list[tuple[int, int]]) -> Step
   fingerprint_problems = _fingerprint_problems(step, item_dir, states)
   problems.extend(fingerprint_problems)
   if not problems:
-    problems.extend(_agreement_problems(step, item_dir, states))
+    problems.extend(_agreement_problems(step, item_dir, states, _agreed(item_dir, files, count_files)))
   return StepCheck(step, len(states), arrays_read, tuple(problems))
 
 
+def _agreed(item_dir: str, files: list[tuple[int, int]], count_files: dict[str, Any]) -> str | None:
+  """What process 0's header records all the step's processes agreed on when saved, or None."""
+  first = [count for index, count in files if index == 0]
+  if len(files) < 2 or len(first) != 1:
+    return None
+  path = _files.header_path(item_dir, 0, first[0])
+  return _files.agreed_in(_files.read_header(path, count_files=count_files), path)
+
+
 def _agreement_problems(
-    step: int, item_dir: str, states: Mapping[tuple[int, int], state_lib.IteratorState]
+    step: int, item_dir: str, states: Mapping[tuple[int, int], state_lib.IteratorState], agreed: str | None
 ) -> list[Problem]:
-  """Processes of one step must agree on a global position, key and schedule."""
+  """Processes of one step must agree on a global position, key and schedule; where process 0's header
+  records that they did when saved (`agreed`), each must hash to it, as a restore with another count checks."""
+  problems = []
+  if agreed is not None:
+    for (index, count), value in sorted(states.items()):
+      try:
+        elastic.check_agreed(item_dir, index, count, value, agreed)
+      except errors.CkptIterError as e:
+        problems.append(_problem_from_error(step, _files.header_path(item_dir, index, count), str(e)))
   ordered = [value for _, value in sorted(states.items())]
   if len(ordered) < 2:
-    return []
+    return problems
   try:
     elastic.check_agree(item_dir, ordered)
   except errors.CkptIterError as e:
-    return [_problem_from_error(step, item_dir, str(e))]
-  return []
+    problems.append(_problem_from_error(step, item_dir, str(e)))
+  return problems
 
 
 def _read_full_state(

@@ -156,6 +156,23 @@ def test_same_process_count_resumes_exactly_on_every_process(runs, n):
     assert tags == [worker.SAVE_TAG] * pending + [worker.RESTORE_TAG] * (len(tags) - pending)
 
 
+@pytest.mark.parametrize("n", EXACT)
+def test_a_pods_save_records_that_its_processes_agreed_through_the_jobs_store(runs, n):
+  """The job's own key-value store carried each process's verdict to process 0 (`_pod_exchange.share_arrays`): the
+  items of make_dataset states record agreement in process 0's header; the per-process filter's, which cannot
+  be resized, do not."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from ckpt_iter import _files  # pylint: disable=g-import-not-at-top
+
+  runs.save(n)
+  recorded = {path.parent.name: _files.agreed_in(json.loads(path.read_text()), str(path))
+              for path in runs.ckpt_dir(n).rglob(f"process_0-of-{n}.json")}
+  assert {"data", "repeat", "lanes", "filtered"} <= set(recorded)
+  assert all(recorded[name] is not None for name in ("data", "repeat", "lanes")), recorded
+  assert recorded["filtered"] is None
+
+
 # ---------------------------------------------------------------------------
 # Another process count: the global batches and pending repeats stay the same.
 

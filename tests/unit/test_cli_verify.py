@@ -87,3 +87,32 @@ def test_verify_refuses_each_field_a_restore_refuses_with_the_restores_message(t
   assert code == 1 and "Traceback" not in out + err
   assert field in err, err
   assert "not a stream record" not in err and "rolls back" not in err
+
+
+def test_verify_checks_each_header_against_the_agreement_a_pods_save_recorded(tmp_path, capsys):
+  """A pod of 4 saved at once records in its count file what all agreed on; a restore with another count
+  then reads process 0's header alone and checks it hashes to that, and verify checks every header so."""
+  item = tmp_path / "run" / "3" / "data"
+  iterators = [ckpt_iter.DataIterator(support.chain_pipeline(4, index, 8)) for index in range(4)]
+  for iterator in iterators:
+    next(iterator)
+  item.mkdir(parents=True)
+  support.save_as_pod(str(item), iterators)
+  assert cli.main(["verify", str(tmp_path / "run")]) == 0
+  capsys.readouterr()
+  path = str(item / "process_0-of-4.json")
+  with open(path) as f:
+    header = json.load(f)
+  header["position"]["next_record"] += 8  # one global batch further: a sound state, not the one agreed on
+  with open(path, "w") as f:
+    json.dump(header, f)
+
+  with pytest.raises(ckpt_iter.InvalidStateError) as refused:
+    ckpt_iter.elastic.read_for_process(str(item), 1, 2)
+  restore_message = str(refused.value)
+  assert restore_message.startswith(f"{path}: its data state is not the one all 4 processes agreed on")
+
+  code = cli.main(["verify", str(tmp_path / "run")])
+  out, err = capsys.readouterr()
+  assert code == 1 and "Traceback" not in out + err
+  assert f"step 3: {path}: {restore_message[len(path) + 2:]}" in out.splitlines()

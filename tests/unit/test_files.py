@@ -16,6 +16,7 @@ import pytest
 from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import _item as item_lib
+from ckpt_iter import _pod_exchange
 from ckpt_iter import _storage
 from ckpt_iter import elastic
 from ckpt_iter import errors
@@ -88,21 +89,6 @@ def test_a_link_inside_the_root_and_a_linked_root_are_followed(tmp_path):
 # --- The pod part: fingerprint and lineage written once per pod (format 5) -------------------
 
 
-class _KeyValueStore:
-  """The JAX job's key-value store as `item_lib.share_arrays` uses it, for processes run one after the other."""
-
-  def __init__(self):
-    self.values = {}
-
-  def key_value_set(self, key, value, allow_overwrite=False):
-    del allow_overwrite
-    self.values[key] = value
-
-  def blocking_key_value_get(self, key, timeout_ms):
-    del timeout_ms
-    return self.values[key]  # a KeyError: the digest never came
-
-
 def _lineage(resumes: int) -> dict:
   lineage = item_lib.empty()
   for step in range(1, resumes + 1):
@@ -145,8 +131,8 @@ def _whole(directory, index, count) -> dict:
 
 @pytest.fixture
 def key_value_store(monkeypatch):
-  store = _KeyValueStore()
-  monkeypatch.setattr(item_lib, "_distributed_client", lambda count: store)
+  store = support.KeyValueStore()
+  monkeypatch.setattr(_pod_exchange, "_distributed_client", lambda count: store)
   return store
 
 
@@ -199,7 +185,8 @@ def test_without_the_job_s_key_value_store_every_process_of_several_writes_whole
     assert _files.read_state(str(tmp_path), index, 2) == _pod_state(index, 2)
 
 
-def test_process_0_s_digest_not_coming_means_a_whole_header(tmp_path, key_value_store):
+def test_process_0_s_digest_not_coming_means_a_whole_header(tmp_path, key_value_store, monkeypatch):
+  monkeypatch.setattr(_pod_exchange, "SHARE_WAIT_SECONDS", 0.2)
   _save(tmp_path, _pod_state(1, 2), 1, 2)  # process 0 published nothing
   assert "lineage" in json.loads((tmp_path / "process_1-of-2.json").read_text())
 
@@ -274,15 +261,15 @@ def test_a_referring_header_reads_as_the_whole_one(tmp_path_factory, resumes, so
   drawn = {"resumes": resumes, "sources": sources, "skips": skips, "repeat": repeat}
   value = _pod_state(index, count, **drawn)
   referring, whole = tmp_path_factory.mktemp("referring"), tmp_path_factory.mktemp("whole")
-  store = _KeyValueStore()
-  original = item_lib._distributed_client  # pylint: disable=protected-access
-  item_lib._distributed_client = lambda count: store  # pylint: disable=protected-access
+  store = support.KeyValueStore()
+  original = _pod_exchange._distributed_client  # pylint: disable=protected-access
+  _pod_exchange._distributed_client = lambda count: store  # pylint: disable=protected-access
   try:
     if index:  # process 0 of the same pod first (its count file holds the pod part)
       _save(referring, _pod_state(0, count, **drawn), 0, count)
     _save(referring, value, index, count)
   finally:
-    item_lib._distributed_client = original  # pylint: disable=protected-access
+    _pod_exchange._distributed_client = original  # pylint: disable=protected-access
   header, _ = codec.encode_state(value)
   _files.write_files(str(whole), header, {}, process_index=index, process_count=count)
   written = json.loads((referring / f"process_{index}-of-{count}.json").read_text())

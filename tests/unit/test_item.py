@@ -1,4 +1,4 @@
-"""Arrays one process writes for the pod (`_item.share_arrays`), and how the others read them.
+"""Arrays one process writes for the pod (`_pod_exchange.share_arrays`), and how the others read them.
 
 Real files in a temporary directory, read back by the one reader
 (`_files.read_state`, `elastic.read_replicated`). The 2-process Tunix runs of
@@ -16,7 +16,6 @@ import pytest
 
 from ckpt_iter import _files
 from ckpt_iter import _npz
-from ckpt_iter import _item as item_lib
 from ckpt_iter import _storage
 from ckpt_iter import elastic
 from ckpt_iter import errors
@@ -75,11 +74,3 @@ def test_another_count_is_refused_when_a_process_saved_other_arrays(tmp_path):
   support.write_process_files(tmp_path, support.pending_state({"ids": np.arange(4, dtype=np.int32) + 1}), 1, 2)
   with pytest.raises(errors.UnsupportedConfigError, match=r"process 1 of 2 saved another data state .*differ in arrays"):
     elastic.read_replicated(str(tmp_path), 2)
-
-
-def test_sharing_changes_nothing_outside_a_jax_job_of_that_count():
-  header, arrays = {"kind": "tunix"}, {"a0": np.arange(3)}
-  # One process, and a process index given by hand (this process is not in a 4-process job).
-  # One process refers to its own count file's pod part; a process index given by hand writes its header whole.
-  assert item_lib.share_arrays("/d", header, arrays, 0, 1, pod_digest="p") == (header, arrays, "p")
-  assert item_lib.share_arrays("/d", header, arrays, 2, 4, pod_digest="p") == (header, arrays, None)

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 import ckpt_iter
+from ckpt_iter import _codec as codec
 from ckpt_iter import _files
 from ckpt_iter import checkpoint as checkpoint_lib
 from ckpt_iter import _item as item_lib
 from ckpt_iter import elastic
+import support
 
 ROWS_PER_PROCESS = 24  # every N -> M below splits it evenly
 _STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.(json|npz)$")
@@ -145,13 +147,11 @@ def test_same_count_restore_opens_one_header_and_at_most_one_npz(tmp_path, pendi
       value = item_lib.read_item(tmp_path, index, 8).value
     assert (calls.opened, calls.stat, calls.listings) == (own(index), [], 0)
     assert elastic.data_part(value).fingerprint["shard_index"] == index
-    # elastic=True with the saved count: the count file, then the same files;
-    # the rest of its window is only stat'ed (an incomplete set is refused).
+    # elastic=True with the saved count: the count file, then the same files, and nothing else (a missing
+    # file is refused by the process it belongs to).
     with counted_io() as calls:
       value = elastic.read_for_process(tmp_path, index, 8)
-    assert calls.opened == [(None, "count")] + own(index)
-    assert sorted(calls.stat) == [(i, "json") for i in elastic.checked_files(8, index, 8) if i != index]
-    assert calls.listings == 0
+    assert (calls.opened, calls.stat, calls.listings) == ([(None, "count")] + own(index), [], 0)
     assert elastic.data_part(value).fingerprint["shard_index"] == index
 
 
@@ -256,3 +256,99 @@ def test_an_elastic_handler_restore_lists_nothing(tmp_path, saved, restored):
     results[count_file] = fresh.state()
   assert results[True].position == results[False].position
   assert_items_equal(results[True].pending.items, results[False].pending.items)
+
+
+# --- A pod whose processes agreed when saved (`_pod_exchange.share_arrays`): one header for all -----------------
+
+
+def _agreed(directory, count):
+  """What process 0's header records the pod agreed on, or None."""
+  path = _files.header_path(str(directory), 0, count)
+  return _files.agreed_in(json.loads(open(path).read()), path)
+
+
+def save_pod(directory, count, *, pending=True, ahead=()):
+  """Saves N processes at once, as a JAX job does; the processes in `ahead` read one global batch more."""
+  iterators = [iterator(i, count, ROWS_PER_PROCESS * count, pending=pending) for i in range(count)]
+  for index in ahead:
+    next(iterators[index])
+  return support.save_as_pod(directory, iterators)
+
+
+@pytest.mark.parametrize("pending", [True, False], ids=["pending", "no_pending"])
+@pytest.mark.parametrize("saved,restored", [(16, 4), (4, 16), (6, 4), (3, 2), (2, 3), (8, 1), (6, 9)])
+def test_a_pod_that_agreed_restores_with_another_count_from_the_files_of_its_rows(tmp_path, saved, restored, pending):
+  save_pod(tmp_path, saved, pending=pending)
+  assert _agreed(tmp_path, saved) is not None
+  states = [_files.read_state(str(tmp_path), i, saved) for i in range(saved)]
+  for index in range(restored):
+    rows_from = elastic.overlapping_files(saved, index, restored)
+    with counted_io() as calls:
+      value = elastic.read_for_process(tmp_path, index, restored)
+    # Process 0's header (and its npz where it holds rows of this process), then the files of its rows.
+    own = [(0, "json")] + [(0, "npz")] * (pending and 0 in rows_from)
+    if pending:
+      own += [(i, ext) for i in rows_from if i != 0 for ext in ("json", "npz")]
+    assert (calls.opened, calls.stat, calls.listings) == ([(None, "count")] + own, [], 0)
+    assert codec.state_parts(value) == codec.state_parts(elastic.redistribute(states, index, restored))
+    if pending:
+      assert_items_equal(value.pending.items, expected_state(tmp_path, saved, index, restored)[1])
+  # The resume a restore records names the state process 0 saved, as when every header is read.
+  agreed = item_lib.read_item(str(tmp_path), restored - 1, restored, elastic=True).resumed()
+  first = tmp_path / f"process_0-of-{saved}.json"
+  first.write_bytes(re.sub(rb',"agreed_sha256":"[0-9a-f]{64}"', b"", first.read_bytes()))
+  assert _agreed(tmp_path, saved) is None
+  checked = item_lib.read_item(str(tmp_path), restored - 1, restored, elastic=True).resumed()
+  assert agreed.lineage == checked.lineage and codec.state_parts(agreed) == codec.state_parts(checked)
+
+
+def test_a_process_ahead_of_process_0_leaves_the_step_unagreed_and_is_refused_by_its_readers(tmp_path):
+  save_pod(tmp_path, 8, ahead=[5])
+  assert _agreed(tmp_path, 8) is None
+  for index in range(2):  # the whole window is checked again: the process whose rows file 5 holds refuses
+    if 5 in elastic.checked_files(8, index, 2):
+      with pytest.raises(ckpt_iter.InvalidStateError, match=r"process_5-of-8\.json has counters="):
+        elastic.read_for_process(tmp_path, index, 2)
+
+
+@pytest.mark.parametrize("edited, pending", [(6, True), (0, False)])
+def test_a_header_edited_after_the_pod_agreed_is_refused_naming_it(tmp_path, edited, pending):
+  save_pod(tmp_path, 8, pending=pending)
+  path = tmp_path / f"process_{edited}-of-8.json"
+  header = json.loads(path.read_text())
+  header["shuffle_key"] = [1, 2]
+  path.write_text(json.dumps(header))
+  with pytest.raises(ckpt_iter.InvalidStateError,
+                     match=rf"process_{edited}-of-8\.json: its data state is not the one all 8 processes agreed on"):
+    elastic.read_for_process(tmp_path, 3, 4)  # rows of files 6 and 7, and process 0's header
+  if edited:
+    elastic.read_for_process(tmp_path, 0, 4)  # a process that takes no row of it does not read it
+
+
+def test_a_lane_position_is_read_from_process_0s_file_and_each_file_of_its_rows(tmp_path):
+  def lanes(index, count):
+    it = ckpt_iter.DataIterator(support.make_dataset(
+        support.sample_records(400), batch_size=8 // count, num_epochs=None, filter=lambda r: r["id"] % 2 == 0,
+        chunk_size=16, num_lanes=8, shard_index=index, shard_count=count))
+    for _ in range(9):
+      next(it)
+    return it
+
+  support.save_as_pod(tmp_path, [lanes(i, 4) for i in range(4)])
+  assert _agreed(tmp_path, 4) is not None
+  states = [_files.read_state(str(tmp_path), i, 4) for i in range(4)]
+  with counted_io() as calls:
+    saved_first = []
+    value = elastic.read_for_process(tmp_path, 1, 2, saved_first=saved_first)
+  assert calls.opened == [(None, "count"), (0, "json"), (2, "json"), (3, "json")]
+  assert codec.state_parts(value) == codec.state_parts(elastic.redistribute(states, 1, 2))
+  assert saved_first == [states[0]]
+
+
+def test_two_files_of_a_pod_that_agreed_swapped_are_refused_by_the_process_taking_their_rows(tmp_path):
+  save_pod(tmp_path, 8)
+  for ext in ("json", "npz"):  # process 6's files under process 7's name, and back
+    six, seven = tmp_path / f"process_6-of-8.{ext}", tmp_path / f"process_7-of-8.{ext}"
+    os.rename(six, tmp_path / "swap"), os.rename(seven, six), os.rename(tmp_path / "swap", seven)
+  with pytest.raises(ckpt_iter.InvalidStateError, match=r"process_6-of-8\.json was written by shard 7 of 8"):
+    elastic.read_for_process(tmp_path, 3, 4)
