@@ -709,17 +709,6 @@ def incomplete_set_error(directory: str, process_index: int, process_count: int)
   )
 
 
-def require_headers(directory: str, process_count: int, indices: Sequence[int]) -> None:
-  """Raises `incomplete_set_error` unless these processes' headers exist (one stat each)."""
-  for index in indices:
-    try:
-      exists = _storage.is_file(header_path(directory, index, process_count))
-    except OSError:
-      continue  # exists but unreadable: refused by whichever process reads it
-    if not exists:
-      raise incomplete_set_error(directory, index, process_count)
-
-
 def saved_process_count(
     directory: str | os.PathLike[str], *, count_files: dict[str, CountFile | None] | None = None
 ) -> int:
