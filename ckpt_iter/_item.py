@@ -300,8 +300,9 @@ def write(directory: Any, header: dict[str, Any], arrays: dict[str, np.ndarray],
     # Where the state belongs: `ckpt-iter audit` refuses it in another step's directory.
     header = {**header, _files.SAVED_STEP: step}
   referring, pod_text, pod_digest = _files.split_header(header, elastic_lib.PER_PROCESS_FIELDS)
-  shared = _pod_exchange.share_arrays(os.fspath(directory), header, arrays, index, count, pod_digest=pod_digest,
-                        agreement=lambda: elastic_lib.agreement_sha256(codec.header_state(header, origin=directory)))
+  shared = _pod_exchange.share_arrays(
+      os.fspath(directory), header, arrays, index, count, pod_digest=pod_digest,
+      agreement=lambda: elastic_lib.agreement_sha256(codec.header_state(header, origin=directory)))
   header, arrays = shared.header, shared.arrays
   if shared.pod_digest == pod_digest:
     # Process 0's count file holds the same pod part: only the reference is written here.

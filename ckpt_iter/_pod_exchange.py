@@ -8,7 +8,8 @@ verdict, and process 0 records the digest in its header only when all N-1
 agreed, so a restore with another count reads that one header for all).
 Without a JAX job of the saving count nothing is exchanged; every wait is
 bounded by SHARE_WAIT_SECONDS, past which a process writes its own copy and
-the step records no agreement. No Orbax import here: `_item` imports this.
+the step records no agreement. JAX and Orbax are imported only to find a job of
+several processes, so the read-only CLI, which imports `_item`, loads neither.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def _agreed_by_all(client: Any, base: str, agreement: str, count: int, directory
       if time.monotonic() > deadline:
         _log.warning("%s: %d of %d processes reported their data state within %g s; the step records no "
                      "agreement.", directory, reported, count - 1, SHARE_WAIT_SECONDS)
+        client.key_value_delete(base)  # (a report still to come leaves one counter behind)
         return None
       time.sleep(pause)
       pause = min(2 * pause, 0.05)

@@ -23,7 +23,7 @@ fraction [i/N, (i+1)/N) of every pending leaf's rows and process j needs
 [j/M, (j+1)/M), so its rows come from the at most ceil(N/M)+1 files that
 overlap (`overlapping_files`); their arrays are read, no other file's. The
 saved count N comes from the item's count file, not from listing the 2N
-names. What else it reads depends on what the pod's save recorded there:
+names. What else it reads depends on what process 0's header records:
 
   - all N agreed (`agreement_sha256`, compared through JAX's job store when
     saved, `_pod_exchange.share_arrays`, and recorded in process 0's header):

@@ -71,6 +71,7 @@ def test_a_process_that_never_reports_costs_process_0_a_bounded_wait_and_the_agr
   saved = _pod([AGREED] * 3, saving=[0, 1])  # process 2 never saves
   assert saved[0][1] is None
   assert "1 of 2 processes reported their data state within 0.5 s; the step records no agreement" in caplog.text
+  assert not [key for key in store.values if key.startswith("ckpt_iter/agreement/")]  # its counter deleted
 
 
 def test_a_state_process_0_cannot_resize_asks_no_verdict(store):
