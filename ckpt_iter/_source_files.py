@@ -3,7 +3,9 @@
 A file source (JSONL, Parquet, ArrayRecord) takes one path, a glob or a list
 of them, local or on an object store: `expand_paths` expands each glob (its
 matches sorted) and checks every file exists, in the words errors name the
-source by. Its records are numbered across its files in order (`locate`), and
+source by; a glob on a bucket whose listing takes more pages than a restart
+should ask is told, once a process, how to list nothing (an index naming its
+files). Its records are numbered across its files in order (`locate`), and
 its per-thread reading state stays out of a pickle (`FileReader`), so Grain's
 worker processes open their own. What every file source answers is declared
 once (`FileSource`): a new format is one subclass naming its suffixes, which
@@ -142,13 +144,12 @@ def _tell_of_a_long_listing(owner: str, pattern: str, objects: int) -> None:
     return
   _told_listings.add(pattern)
   directory = pattern.rsplit("/", 1)[0]
-  indexed = ("with each directory indexed once and named by a glob of its own" if _storage.has_magic(directory)
-             else f"indexed once ({errors.index_command(directory)})")
+  way = ("With each directory indexed once and named by a glob of its own" if _storage.has_magic(directory)
+         else f"Indexed once ({errors.index_command(directory)})")
   _log.warning(
       "%s: the glob %r lists %s objects: at least %d requests (a page per %s objects) in every process at "
-      "every start. %s, %s(..., files_from_index=True) names them in one read of the index and lists "
-      "nothing.", owner, pattern, f"{objects:,}", pages, f"{LISTING_PAGE_OBJECTS:,}", indexed[0].upper() + indexed[1:],
-      owner)
+      "every start. %s, %s(..., files_from_index=True) names them from the index, one read a directory, and "
+      "lists nothing.", owner, pattern, f"{objects:,}", pages, f"{LISTING_PAGE_OBJECTS:,}", way, owner)
 
 
 def locate(offsets: list[int], index: int, length: int) -> tuple[int, int]:

@@ -166,6 +166,6 @@ def test_a_glob_listing_more_pages_than_a_restart_reads_tells_once_how_to_list_n
   told = [record.getMessage() for record in caplog.records]
   assert len(told) == 2, told
   assert "'gs://bucket/corpus/*.jsonl' lists 4,001 objects: at least 5 requests" in told[0]
-  assert "Indexed once (ckpt-iter index gs://bucket/corpus), JsonlSource(..., files_from_index=True)" in told[0]
+  assert "Indexed once (ckpt-iter index gs://bucket/corpus), JsonlSource(..., files_from_index=True) names them from the index, one read a directory" in told[0]
   assert "9,000 objects: at least 9 requests" in told[1]
   assert "With each directory indexed once and named by a glob of its own, ParquetSource(" in told[1]
