@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Sequence, Union
 
 import numpy as np
 
+from ckpt_iter import _compression
 from ckpt_iter import _corpus_index
 from ckpt_iter import _storage
 from ckpt_iter import errors
@@ -146,10 +147,16 @@ def _tell_of_a_long_listing(owner: str, pattern: str, objects: int) -> None:
   directory = pattern.rsplit("/", 1)[0]
   way = ("With each directory indexed once and named by a glob of its own" if _storage.has_magic(directory)
          else f"Indexed once ({errors.index_command(directory)})")
+  # make_dataset's path names no class (owner "source"): the one its suffix picks, with the cache it picks.
+  reader = SOURCE_BY_SUFFIX.get(_compression.plain_suffix(pattern))
+  call = f"{owner}(..., files_from_index=True)"
+  if reader is not None and owner not in {source.__name__ for source in SOURCE_BY_SUFFIX.values()}:
+    call = (f"make_dataset(ckpt_iter.sources.{reader.__name__}({pattern!r}, files_from_index=True, "
+            "cache=ckpt_iter.sources.ShardCache.from_env()), ...)")
   _log.warning(
       "%s: the glob %r lists %s objects: at least %d requests (a page per %s objects) in every process at "
-      "every start. %s, %s(..., files_from_index=True) names them from the index, one read a directory, and "
-      "lists nothing.", owner, pattern, f"{objects:,}", pages, f"{LISTING_PAGE_OBJECTS:,}", way, owner)
+      "every start. %s, %s names them from the index, one read a directory, and lists nothing.",
+      owner, pattern, f"{objects:,}", pages, f"{LISTING_PAGE_OBJECTS:,}", way, call)
 
 
 def locate(offsets: list[int], index: int, length: int) -> tuple[int, int]:

@@ -149,11 +149,12 @@ def test_a_file_source_that_leaves_out_what_every_one_answers_is_refused_when_bu
 def test_a_glob_listing_more_pages_than_a_restart_reads_tells_once_how_to_list_nothing(monkeypatch, caplog):
   # The store's side is the listing's size alone (a page per 1,000 objects); the GCS emulator's listing of
   # 20,480 objects is benchmarks/worked_case.py's.
-  sizes = {"gs://bucket/corpus/*.jsonl": 4001, "gs://bucket/small/*.jsonl": 4000, "gs://bucket/*/part-*.jsonl": 9000}
+  sizes = {"gs://bucket/corpus/*.jsonl": 4001, "gs://bucket/small/*.jsonl": 4000, "gs://bucket/*/part-*.parquet": 9000,
+           "gs://bucket/shards/*.jsonl.zst": 5000}
 
   def listing(pattern):
     directory = pattern.rsplit("/", 1)[0].replace("*", "d")
-    return {f"{directory}/part-{i:05d}.jsonl": _storage.Identity(10, f"generation={i}") for i in range(sizes[pattern])}
+    return {f"{directory}/part-{i:05d}{pattern.rsplit('*', 1)[1]}": _storage.Identity(10, f"generation={i}") for i in range(sizes[pattern])}
 
   monkeypatch.setattr(_storage, "glob_identities", listing)
   monkeypatch.setattr(_source_files, "_told_listings", set())
@@ -161,11 +162,19 @@ def test_a_glob_listing_more_pages_than_a_restart_reads_tells_once_how_to_list_n
     for _ in range(2):  # a second build in the process is not told again
       paths = _source_files.expand_paths("gs://bucket/corpus/*.jsonl", "JsonlSource")
     _source_files.expand_paths("gs://bucket/small/*.jsonl", "JsonlSource")  # 4 pages: within a restart's 4
-    _source_files.expand_paths("gs://bucket/*/part-*.jsonl", "ParquetSource")
+    _source_files.expand_paths("gs://bucket/*/part-*.parquet", "ParquetSource")
+    _source_files.expanded(["gs://bucket/shards/*.jsonl.zst"], "source")  # as make_dataset expands its path
   assert len(paths) == 4001 and paths == sorted(paths)
   told = [record.getMessage() for record in caplog.records]
-  assert len(told) == 2, told
+  assert len(told) == 3, told
   assert "'gs://bucket/corpus/*.jsonl' lists 4,001 objects: at least 5 requests" in told[0]
   assert "Indexed once (ckpt-iter index gs://bucket/corpus), JsonlSource(..., files_from_index=True) names them from the index, one read a directory" in told[0]
   assert "9,000 objects: at least 9 requests" in told[1]
   assert "With each directory indexed once and named by a glob of its own, ParquetSource(" in told[1]
+  assert told[2].startswith("source: the glob 'gs://bucket/shards/*.jsonl.zst' lists 5,000 objects")
+  assert ("(ckpt-iter index gs://bucket/shards), make_dataset(ckpt_iter.sources.JsonlSource("
+          "'gs://bucket/shards/*.jsonl.zst', files_from_index=True, cache=ckpt_iter.sources.ShardCache.from_env()), "
+          "...) names them") in told[2]
+  # ... names what exists: the class make_dataset picks for the suffix, the cache it picks.
+  assert sources_lib.SOURCE_BY_SUFFIX[".jsonl"] is sources_lib.JsonlSource
+  assert callable(sources_lib.ShardCache.from_env)
