@@ -532,10 +532,13 @@ def test_a_restore_of_many_skip_ranges_runs_no_collection():
   collections = []
   callback = lambda phase, info: collections.append(info["generation"]) if phase == "start" else None
   fresh = ckpt_iter.DataIterator(make())
+  # Counted from an empty youngest generation, so none starts before the pause; the allocations made while
+  # paused start at most one when the collector comes back on, at the pause's end (not one per 700).
+  gc.collect()
   gc.callbacks.append(callback)
   try:
     fresh.set_state(state)
   finally:
     gc.callbacks.remove(callback)
-  assert collections == [] and gc.isenabled()
+  assert collections in ([], [0]) and gc.isenabled()
   assert [int(x) for x in next(fresh)["id"]] == [4, 5, 6, 7]
