@@ -33,7 +33,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(FAST_TIERS)
 	$(PY) -m pytest -q -p no:cacheprovider $(BY_FILE) tests/integration
 
-# The real Tunix runs beyond make test's representative ones (CI runs these too),
+# The real Tunix runs (and bucket-path examples) beyond make test's representative ones (CI runs these too),
 # two at a time: a toy Tunix process is mostly one thread of Python and XLA
 # compilation (14 minutes here, about 20 one at a time).
 test-heavy: $(STAMP)

@@ -68,7 +68,7 @@ def pytest_addoption(parser):
   )
   parser.addoption(
       "--run-heavy", action="store_true", default=False,
-      help="also run the real Tunix runs marked @pytest.mark.heavy",
+      help="also run the long runs marked @pytest.mark.heavy (real Tunix trainings, further bucket-path examples)",
   )
 
 
