@@ -518,7 +518,7 @@ def test_an_edited_position_is_named_not_blamed_on_the_data(moved):
   restored.restore_state(saved)  # the state as saved resumes
 
 
-def test_a_restore_of_many_skip_ranges_runs_no_collection():
+def test_a_restore_of_many_skip_ranges_runs_at_most_one_collection():
   # issue 65 item 8: a restore's cost grew faster than its skip ranges (10^3 -> 10^4: 13.6-21.7x), the excess
   # in collections walking the many small objects the decode makes; the collector is off while it restores.
   import gc  # pylint: disable=g-import-not-at-top
